@@ -1,0 +1,34 @@
+# Two entry points for a fresh clone (see README):
+#   make demo   install, tune the built-in `quick` suite into ./tuner.db, print the best configs
+#   make test   install, run the test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch 2.13.0 is the CPU build that the development and CI machines keep on local disk;
+# a GPU host keeps its own torch (set TORCH_SPEC= to skip).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint gpu-check clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/tuner sweep quick --db sqlite:///tuner.db
+	$(VENV)/bin/tuner best --db sqlite:///tuner.db
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) tuner.db tuner.db-wal tuner.db-shm

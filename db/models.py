@@ -1,0 +1,163 @@
+"""Typed SQLAlchemy 2.0 models of the project database.
+
+    Device ─┐
+    Template ┼─< Trial >── Sweep
+             └─< BestConfig ── Trial (the one it came from)
+
+Optuna's own tables (studies, trials, ...) live in the same database, created by Optuna's
+RDB storage, so ``optuna-dashboard <database url>`` shows every sweep.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class TrialStatus(enum.StrEnum):
+    OK = "ok"
+    INVALID = "invalid"  # rejected by a static constraint, never compiled
+    COMPILE_ERROR = "compile_error"
+    RUNTIME_ERROR = "runtime_error"  # includes crashes of the worker process
+    WRONG_RESULT = "wrong_result"  # ran, but the output missed the reference tolerance
+    TIMEOUT = "timeout"
+
+
+class SweepStatus(enum.StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class Device(Base):
+    """A tuning target: the chip and the software versions that change which config wins."""
+
+    __tablename__ = "devices"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(String(400), unique=True)
+    name: Mapped[str] = mapped_column(String(200), index=True)
+    compute_capability: Mapped[str] = mapped_column(String(16))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    total_memory: Mapped[int] = mapped_column(BigInteger)
+    driver_version: Mapped[str] = mapped_column(String(64))
+    triton_version: Mapped[str] = mapped_column(String(64))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    cuda_version: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Template(Base):
+    """A kernel template at one version (hash of its kernel source)."""
+
+    __tablename__ = "templates"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), index=True)
+    version: Mapped[str] = mapped_column(String(64))
+    space: Mapped[dict[str, Any]] = mapped_column(default=dict)  # JSON schema of its config
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Sweep(Base):
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    host: Mapped[str] = mapped_column(String(200))
+    status: Mapped[SweepStatus] = mapped_column(
+        Enum(SweepStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]),
+        default=SweepStatus.RUNNING)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    trials: Mapped[list[Trial]] = relationship(back_populates="sweep")
+
+
+class Trial(Base):
+    """One measured (or rejected) config of one problem on one device.
+
+    Unique per device x template version x problem x config: a config measured once is never
+    measured again (resume after a kill, several workers on one sweep).
+    """
+
+    __tablename__ = "trials"
+    __table_args__ = (UniqueConstraint("device_id", "template_id", "problem_key", "config_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), index=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id"), index=True)
+    template_id: Mapped[int] = mapped_column(ForeignKey("templates.id"), index=True)
+    problem_key: Mapped[str] = mapped_column(String(300), index=True)
+    problem: Mapped[dict[str, Any]] = mapped_column()
+    config_key: Mapped[str] = mapped_column(String(500))
+    config: Mapped[dict[str, Any]] = mapped_column()
+    status: Mapped[TrialStatus] = mapped_column(
+        Enum(TrialStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    median_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    tflops: Mapped[float | None] = mapped_column(Float, default=None)
+    compile_s: Mapped[float | None] = mapped_column(Float, default=None)
+    error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
+    is_default: Mapped[bool] = mapped_column(default=False)
+    optuna_study: Mapped[str | None] = mapped_column(String(500), default=None)
+    optuna_trial: Mapped[int | None] = mapped_column(Integer, default=None)
+    worker: Mapped[str] = mapped_column(String(200), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    sweep: Mapped[Sweep | None] = relationship(back_populates="trials")
+    device: Mapped[Device] = relationship()
+    template: Mapped[Template] = relationship()
+
+
+class BestConfig(Base):
+    """The best measured config per device x template version x problem key (shape bucket)."""
+
+    __tablename__ = "best_configs"
+    __table_args__ = (UniqueConstraint("device_id", "template_id", "problem_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id"), index=True)
+    template_id: Mapped[int] = mapped_column(ForeignKey("templates.id"), index=True)
+    problem_key: Mapped[str] = mapped_column(String(300), index=True)
+    problem: Mapped[dict[str, Any]] = mapped_column()
+    dtype: Mapped[str] = mapped_column(String(20), index=True)
+    variant: Mapped[str] = mapped_column(String(100), index=True)
+    config: Mapped[dict[str, Any]] = mapped_column()
+    median_ms: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float] = mapped_column(Float)
+    default_tflops: Mapped[float | None] = mapped_column(Float, default=None)
+    speedup: Mapped[float | None] = mapped_column(Float, default=None)  # over the default config
+    trial_id: Mapped[int | None] = mapped_column(ForeignKey("trials.id"), default=None)
+    sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), default=None)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    device: Mapped[Device] = relationship()
+    template: Mapped[Template] = relationship()
+    trial: Mapped[Trial | None] = relationship()

@@ -1,0 +1,37 @@
+"""Parameterized Triton attention kernels, each with its search space and a torch reference.
+
+Without a CUDA device the kernels run under Triton's interpreter: the environment variable
+must be set before any ``@triton.jit`` function is defined, hence here, before the imports.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _use_interpreter_without_cuda() -> None:
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_use_interpreter_without_cuda()
+
+from templates.base import KernelConfig, Problem, Template  # noqa: E402
+from templates.device import CPU_INTERPRETER, DeviceInfo, current_device  # noqa: E402
+from templates.registry import all_templates, get_template, register  # noqa: E402
+
+__all__ = [
+    "CPU_INTERPRETER",
+    "DeviceInfo",
+    "KernelConfig",
+    "Problem",
+    "Template",
+    "all_templates",
+    "current_device",
+    "get_template",
+    "register",
+]

@@ -1,0 +1,89 @@
+"""What the templates need to know about the GPU a config is for.
+
+Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) and the
+device is ``cpu-interpreter``: correct results, timings that mean nothing for a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+CPU_INTERPRETER = "cpu-interpreter"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    compute_capability: str  # "9.0"; "" for the interpreter
+    sm_count: int
+    total_memory: int  # bytes
+    smem_per_block: int  # bytes of shared memory one program may use (opt-in limit)
+    driver_version: str
+    triton_version: str
+    torch_version: str
+    cuda_version: str
+
+    @property
+    def is_interpreter(self) -> bool:
+        return self.name == CPU_INTERPRETER
+
+    @property
+    def family(self) -> str:
+        """Coarse architecture name used by default-config heuristics."""
+        if self.is_interpreter:
+            return CPU_INTERPRETER
+        major = int(self.compute_capability.split(".")[0])
+        return {7: "volta-turing", 8: "ampere-ada", 9: "hopper", 10: "blackwell"}.get(
+            major, "other")
+
+    @property
+    def key(self) -> str:
+        """Identity of a tuning target: the chip and the software that changes which config wins."""
+        return (f"{self.name}|cc{self.compute_capability}|triton{self.triton_version}"
+                f"|torch{self.torch_version}|cuda{self.cuda_version}")
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@lru_cache(maxsize=8)
+def current_device(index: int | None = None) -> DeviceInfo:
+    """Describe the CUDA device ``index`` (default: current), or the CPU interpreter."""
+    import torch
+    import triton
+
+    if interpreter_active() or not torch.cuda.is_available():
+        return DeviceInfo(
+            name=CPU_INTERPRETER, compute_capability="", sm_count=os.cpu_count() or 1,
+            total_memory=0, smem_per_block=228 * 1024, driver_version=platform.machine(),
+            triton_version=triton.__version__, torch_version=torch.__version__.split("+")[0],
+            cuda_version="")
+    idx = torch.cuda.current_device() if index is None else index
+    props = torch.cuda.get_device_properties(idx)
+    smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    if not smem:
+        smem = 227 * 1024 if props.major >= 9 else 99 * 1024
+    return DeviceInfo(
+        name=props.name, compute_capability=f"{props.major}.{props.minor}",
+        sm_count=props.multi_processor_count, total_memory=int(props.total_memory),
+        smem_per_block=smem, driver_version=_driver_version(),
+        triton_version=triton.__version__, torch_version=torch.__version__.split("+")[0],
+        cuda_version=str(torch.version.cuda or ""))
+
+
+def _driver_version() -> str:
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=False)
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
