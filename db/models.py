@@ -107,7 +107,8 @@ class Trial(Base):
     measured again (resume after a kill, several workers on one sweep).
     """
 
-    __tablename__ = "trials"
+    # Not "trials": Optuna's table of that name lives in the same database.
+    __tablename__ = "tuning_trials"
     __table_args__ = (UniqueConstraint("device_id", "template_id", "problem_key", "config_key"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -154,7 +155,7 @@ class BestConfig(Base):
     tflops: Mapped[float] = mapped_column(Float)
     default_tflops: Mapped[float | None] = mapped_column(Float, default=None)
     speedup: Mapped[float | None] = mapped_column(Float, default=None)  # over the default config
-    trial_id: Mapped[int | None] = mapped_column(ForeignKey("trials.id"), default=None)
+    trial_id: Mapped[int | None] = mapped_column(ForeignKey("tuning_trials.id"), default=None)
     sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), default=None)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -1,0 +1,334 @@
+"""Reads and writes of the project database: keyword-only functions taking a Session first.
+
+Every "create" here is safe when several processes do the same one at once: rows with a
+natural key are inserted with ``INSERT ... ON CONFLICT DO NOTHING`` (or ``DO UPDATE`` for the
+best configs) and then read back, so the loser of a race gets the winner's row instead of an
+IntegrityError. The functions flush but never commit: the caller owns the transaction (see
+``db.session.session_scope`` and ``run_in_transaction``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import ColumnElement, Select, func, or_, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, contains_eager
+
+from db.models import (
+    BestConfig,
+    Device,
+    Sweep,
+    SweepStatus,
+    Template,
+    Trial,
+    TrialStatus,
+    utcnow,
+)
+
+__all__ = [
+    "best_candidates",
+    "best_for",
+    "count_best",
+    "create_sweep",
+    "find_trial",
+    "finish_sweep",
+    "get_or_create_device",
+    "get_or_create_template",
+    "list_best",
+    "list_devices",
+    "list_sweeps",
+    "list_templates",
+    "problem_variant",
+    "record_trial",
+    "refresh_best",
+    "trial_counts",
+    "trials_for",
+]
+
+# Columns of a device row that come from DeviceInfo (plus its key); other info keys, such as
+# smem_per_block, describe the chip but are not stored.
+_DEVICE_FIELDS = ("key", "name", "compute_capability", "sm_count", "total_memory",
+                  "driver_version", "triton_version", "torch_version", "cuda_version")
+_DEFAULT_DTYPE = "bfloat16"  # templates.base.Problem's default
+
+
+# ----------------------------------------------------------------------------- upserts
+def _insert(s: Session, model: type[Any]) -> Any:
+    """The dialect's INSERT, the one that knows ON CONFLICT."""
+    dialect = s.get_bind().dialect.name
+    if dialect == "postgresql":
+        return postgresql.insert(model)
+    if dialect == "sqlite":
+        return sqlite.insert(model)
+    raise ValueError(f"database backend must be sqlite or postgresql, but got {dialect!r}")
+
+
+def _insert_if_absent(s: Session, model: type[Any], values: Mapping[str, object],
+                      key: tuple[str, ...]) -> None:
+    stmt = _insert(s, model).values(**values).on_conflict_do_nothing(index_elements=list(key))
+    s.execute(stmt)
+
+
+# ----------------------------------------------------------------------------- devices, templates
+def get_or_create_device(s: Session, *, info: Mapping[str, object]) -> Device:
+    """The device row of ``info`` (``DeviceInfo.to_dict()`` plus ``"key"``), created if new."""
+    missing = [f for f in _DEVICE_FIELDS if f not in info]
+    if missing:
+        raise ValueError(f"device info must have the fields {list(_DEVICE_FIELDS)}, "
+                         f"but {missing} are missing (got {sorted(info)})")
+    values = {f: info[f] for f in _DEVICE_FIELDS}
+    if not isinstance(values["key"], str) or not values["key"]:
+        raise ValueError(f"device info 'key' must be a non-empty string, got {values['key']!r}")
+    device = s.scalars(select(Device).where(Device.key == values["key"])).one_or_none()
+    if device is None:
+        _insert_if_absent(s, Device, values, ("key",))
+        device = s.scalars(select(Device).where(Device.key == values["key"])).one()
+    return device
+
+
+def get_or_create_template(s: Session, *, name: str, version: str, space: dict) -> Template:
+    """The template row of ``name`` at ``version``; ``space`` is stored only when it is new."""
+    if not name or not version:
+        raise ValueError(f"template name and version must be non-empty, "
+                         f"but got name={name!r}, version={version!r}")
+    query = select(Template).where(Template.name == name, Template.version == version)
+    template = s.scalars(query).one_or_none()
+    if template is None:
+        _insert_if_absent(s, Template,
+                          {"name": name, "version": version, "space": space},
+                          ("name", "version"))
+        template = s.scalars(query).one()
+    return template
+
+
+def list_devices(s: Session) -> list[Device]:
+    return list(s.scalars(select(Device).order_by(Device.name, Device.id)))
+
+
+def list_templates(s: Session) -> list[Template]:
+    return list(s.scalars(select(Template).order_by(Template.name, Template.created_at,
+                                                    Template.id)))
+
+
+# ----------------------------------------------------------------------------- sweeps
+def create_sweep(s: Session, *, name: str, spec: dict, host: str) -> Sweep:
+    sweep = Sweep(name=name, spec=spec, host=host, status=SweepStatus.RUNNING,
+                  started_at=utcnow())
+    s.add(sweep)
+    s.flush()
+    return sweep
+
+
+def finish_sweep(s: Session, *, sweep_id: int, status: SweepStatus) -> None:
+    """Mark a sweep done, failed or interrupted, and stamp its end time."""
+    status = SweepStatus(status)
+    sweep = s.get(Sweep, sweep_id)
+    if sweep is None:
+        raise LookupError(f"no sweep with id {sweep_id}")
+    sweep.status = status
+    sweep.finished_at = utcnow()
+    s.flush()
+
+
+def list_sweeps(s: Session, *, limit: int = 50) -> list[Sweep]:
+    """The newest ``limit`` sweeps, newest first."""
+    _check_page(0, limit)
+    return list(s.scalars(select(Sweep).order_by(Sweep.id.desc()).limit(limit)))
+
+
+# ----------------------------------------------------------------------------- trials
+def _trial_identity(device_id: int, template_id: int, problem_key: str,
+                    config_key: str) -> tuple[ColumnElement[bool], ...]:
+    return (Trial.device_id == device_id, Trial.template_id == template_id,
+            Trial.problem_key == problem_key, Trial.config_key == config_key)
+
+
+def find_trial(s: Session, *, device_id: int, template_id: int, problem_key: str,
+               config_key: str) -> Trial | None:
+    identity = _trial_identity(device_id, template_id, problem_key, config_key)
+    return s.scalars(select(Trial).where(*identity)).one_or_none()
+
+
+def record_trial(s: Session, *, device_id: int, template_id: int, problem_key: str,
+                 problem: dict, config_key: str, config: dict, status: TrialStatus,
+                 reason: str = "", median_ms: float | None = None,
+                 tflops: float | None = None, compile_s: float | None = None,
+                 error: float | None = None, is_default: bool = False,
+                 sweep_id: int | None = None, optuna_study: str | None = None,
+                 optuna_trial: int | None = None, worker: str = "") -> Trial:
+    """Store one trial, or return the row already stored for the same identity.
+
+    The identity is (device, template version, problem_key, config_key). A config is measured
+    once: a second record of it, from a resumed sweep or from another worker at the same
+    moment, changes nothing and gets the first row back (an OK measurement is never replaced
+    by a later failure, nor the other way round).
+    """
+    status = TrialStatus(status)
+    existing = find_trial(s, device_id=device_id, template_id=template_id,
+                          problem_key=problem_key, config_key=config_key)
+    if existing is not None:
+        return existing
+    values = {
+        "device_id": device_id, "template_id": template_id, "problem_key": problem_key,
+        "problem": problem, "config_key": config_key, "config": config, "status": status,
+        "reason": reason, "median_ms": median_ms, "tflops": tflops, "compile_s": compile_s,
+        "error": error, "is_default": is_default, "sweep_id": sweep_id,
+        "optuna_study": optuna_study, "optuna_trial": optuna_trial, "worker": worker,
+        "created_at": utcnow(),
+    }
+    _insert_if_absent(s, Trial, values,
+                      ("device_id", "template_id", "problem_key", "config_key"))
+    identity = _trial_identity(device_id, template_id, problem_key, config_key)
+    return s.scalars(select(Trial).where(*identity)).one()
+
+
+def trials_for(s: Session, *, device_id: int, template_id: int,
+               problem_key: str) -> list[Trial]:
+    return list(s.scalars(select(Trial).where(
+        Trial.device_id == device_id, Trial.template_id == template_id,
+        Trial.problem_key == problem_key).order_by(Trial.id)))
+
+
+def trial_counts(s: Session, *, sweep_id: int | None = None) -> dict[str, int]:
+    """Number of trials per status value (every status present, zero if none)."""
+    query = select(Trial.status, func.count()).group_by(Trial.status)
+    if sweep_id is not None:
+        query = query.where(Trial.sweep_id == sweep_id)
+    counts = {status.value: 0 for status in TrialStatus}
+    for status, n in s.execute(query):
+        counts[TrialStatus(status).value] = int(n)
+    return counts
+
+
+# ----------------------------------------------------------------------------- best configs
+def problem_variant(problem: Mapping[str, object]) -> str:
+    """The variant name of a problem dict, by the rule of ``templates.base.Problem.variant``.
+
+    ``db`` imports nothing of the project's, so the rule is repeated here (and tested
+    against ``Problem`` in tests/db).
+    """
+    causal = str(problem.get("causal", "none"))
+    mask = str(problem.get("mask", "none"))
+    parts = [] if causal == "none" else [f"causal-{causal}"]
+    if mask != "none":
+        parts.append(f"sparse-{mask}")
+    return "+".join(parts) or "dense"
+
+
+def _lock_best_row(s: Session, device_id: int, template_id: int, problem_key: str) -> None:
+    """Serialize refreshes of one best row on PostgreSQL until the transaction ends.
+
+    Without it, a refresher whose snapshot predates another worker's better trial could
+    overwrite that worker's newer best. SQLite needs nothing: it has one writer at a time,
+    and a deferred transaction with a stale snapshot cannot write at all.
+    """
+    if s.get_bind().dialect.name != "postgresql":
+        return
+    digest = hashlib.blake2b(f"best|{device_id}|{template_id}|{problem_key}".encode(),
+                             digest_size=8).digest()
+    s.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+              {"key": int.from_bytes(digest, "big", signed=True)})
+
+
+def refresh_best(s: Session, *, device_id: int, template_id: int,
+                 problem_key: str) -> BestConfig | None:
+    """Recompute the best config of one device x template x problem key from its trials.
+
+    The OK trial with the highest TFLOP/s wins (ties: the faster median, then the earlier
+    trial); ``default_tflops`` is the OK default-config trial's and ``speedup`` the ratio.
+    Returns None, and writes nothing, while the key has no OK trial.
+    """
+    _lock_best_row(s, device_id, template_id, problem_key)
+    of_key = (Trial.device_id == device_id, Trial.template_id == template_id,
+              Trial.problem_key == problem_key, Trial.status == TrialStatus.OK,
+              Trial.tflops.is_not(None), Trial.median_ms.is_not(None))
+    best = s.scalars(select(Trial).where(*of_key)
+                     .order_by(Trial.tflops.desc(), Trial.median_ms, Trial.id).limit(1)).first()
+    if best is None:
+        return None
+    default_tflops = s.scalars(select(Trial.tflops).where(*of_key, Trial.is_default.is_(True))
+                               .order_by(Trial.id).limit(1)).first()
+    assert best.tflops is not None and best.median_ms is not None  # filtered above
+    values = {
+        "problem": best.problem,
+        "dtype": str(best.problem.get("dtype", _DEFAULT_DTYPE)),
+        "variant": problem_variant(best.problem),
+        "config": best.config,
+        "median_ms": best.median_ms,
+        "tflops": best.tflops,
+        "default_tflops": default_tflops,
+        "speedup": best.tflops / default_tflops if default_tflops else None,
+        "trial_id": best.id,
+        "sweep_id": best.sweep_id,
+        "updated_at": utcnow(),
+    }
+    key = {"device_id": device_id, "template_id": template_id, "problem_key": problem_key}
+    stmt = _insert(s, BestConfig).values(**key, **values)
+    s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=values))
+    return s.scalars(select(BestConfig).filter_by(**key)
+                     .execution_options(populate_existing=True)).one()
+
+
+def _best_joined() -> Select[Any]:
+    return (select(BestConfig).join(BestConfig.device).join(BestConfig.template)
+            .options(contains_eager(BestConfig.device), contains_eager(BestConfig.template)))
+
+
+def best_for(s: Session, *, device_key: str, template_name: str, template_version: str,
+             problem_key: str) -> BestConfig | None:
+    return s.scalars(_best_joined().where(
+        Device.key == device_key, Template.name == template_name,
+        Template.version == template_version,
+        BestConfig.problem_key == problem_key)).one_or_none()
+
+
+def best_candidates(s: Session, *, device_key: str, template_name: str,
+                    template_version: str) -> list[BestConfig]:
+    """Every best config of one device and template version (for nearest-shape lookups)."""
+    return list(s.scalars(_best_joined().where(
+        Device.key == device_key, Template.name == template_name,
+        Template.version == template_version).order_by(BestConfig.problem_key)))
+
+
+def _filter_best(query: Select[Any], device: str | None, template: str | None,
+                 dtype: str | None, variant: str | None) -> Select[Any]:
+    if device is not None:
+        query = query.where(or_(Device.name == device, Device.key == device))
+    if template is not None:
+        query = query.where(Template.name == template)
+    if dtype is not None:
+        query = query.where(BestConfig.dtype == dtype)
+    if variant is not None:
+        query = query.where(BestConfig.variant == variant)
+    return query
+
+
+def _check_page(offset: int, limit: int) -> None:
+    if offset < 0 or limit < 0:
+        raise ValueError(f"offset and limit must be >= 0, but got offset={offset}, limit={limit}")
+
+
+def list_best(s: Session, *, device: str | None = None, template: str | None = None,
+              dtype: str | None = None, variant: str | None = None, offset: int = 0,
+              limit: int = 100) -> list[BestConfig]:
+    """Best configs, filtered, in a stable order (device, template, version, problem key).
+
+    ``device`` matches a device's name or its key; ``template`` a template's name (any version).
+    """
+    _check_page(offset, limit)
+    query = _filter_best(_best_joined(), device, template, dtype, variant)
+    query = query.order_by(Device.name, Device.key, Template.name, Template.version,
+                           BestConfig.problem_key, BestConfig.id)
+    return list(s.scalars(query.offset(offset).limit(limit)))
+
+
+def count_best(s: Session, *, device: str | None = None, template: str | None = None,
+               dtype: str | None = None, variant: str | None = None) -> int:
+    """How many best configs ``list_best`` would page through with the same filters."""
+    query = (select(func.count(BestConfig.id)).select_from(BestConfig)
+             .join(BestConfig.device).join(BestConfig.template))
+    return int(s.scalar(_filter_best(query, device, template, dtype, variant)) or 0)
+

@@ -1,0 +1,247 @@
+"""Engines, sessions and transactions of the project database, one per URL and process.
+
+SQLite is the default store and is written by several processes at once (sweep workers, the
+service), so each connection gets WAL (readers never wait for the writer), a busy timeout and
+foreign keys, and SQLAlchemy emits ``BEGIN`` itself instead of the sqlite3 driver: the driver's
+legacy mode starts no transaction for SELECT or SAVEPOINT, which breaks savepoints and
+read-then-write isolation.
+
+Write sessions open with ``BEGIN IMMEDIATE`` on SQLite: the write lock is taken first, so a
+second writer queues on the busy timeout. A deferred transaction that reads and then writes
+fails at once with "database is locked" when another writer committed in between (a stale
+WAL snapshot can never be upgraded), and no timeout helps. Read-only work passes
+``write=False`` so it never waits for writers.
+
+The same code runs on PostgreSQL (``postgresql+psycopg://...``), where the lock modes do not
+apply and row-level locking plus :func:`run_in_transaction` retries on serialization failures
+and deadlocks do the same job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
+
+__all__ = [
+    "SQLITE_BEGIN_OPTION",
+    "SQLITE_BUSY_TIMEOUT_S",
+    "dispose_engine",
+    "get_sessionmaker",
+    "init_db",
+    "is_retryable_error",
+    "make_engine",
+    "run_in_transaction",
+    "session_scope",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a SQLite writer waits for the write lock before "database is locked". A sweep
+# worker's transaction holds it for milliseconds; 30 s covers a burst of many workers.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+# Execution option read by the SQLite "begin" hook: "DEFERRED" (default) or "IMMEDIATE".
+SQLITE_BEGIN_OPTION = "tuner_sqlite_begin"
+# PostgreSQL SQLSTATEs after which re-running the whole transaction can succeed.
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
+_RETRYABLE_SQLITE_MESSAGES = ("database is locked", "database table is locked", "database is busy")
+
+_lock = threading.Lock()
+_migrate_lock = threading.Lock()
+_engines: dict[str, Engine] = {}
+_sessionmakers: dict[tuple[str, bool], sessionmaker[Session]] = {}
+_migrated: set[str] = set()
+
+
+# ----------------------------------------------------------------------------- engines
+def make_engine(url: str) -> Engine:
+    """The engine of ``url``, created once per process (SQLite or PostgreSQL).
+
+    A plain ``postgresql://`` URL gets the psycopg (3) driver, the one the project installs.
+    The parent folder of a SQLite file is created if missing.
+    """
+    with _lock:
+        engine = _engines.get(url)
+        if engine is None:
+            engine = _engines[url] = _create_engine(url)
+        return engine
+
+
+def _create_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        _ensure_sqlite_folder(parsed)
+        engine = create_engine(parsed, pool_pre_ping=True,
+                               connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+        event.listen(engine, "connect", _on_sqlite_connect)
+        event.listen(engine, "begin", _on_sqlite_begin)
+        return engine
+    if backend == "postgresql":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        return create_engine(parsed, pool_pre_ping=True)
+    raise ValueError(f"database backend must be sqlite or postgresql, but got {backend!r} "
+                     f"in {parsed.render_as_string(hide_password=True)}")
+
+
+def _ensure_sqlite_folder(url: URL) -> None:
+    database = url.database or ""
+    if database and database != ":memory:" and not database.startswith("file:"):
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Hand transaction control to SQLAlchemy (see _on_sqlite_begin); sqlite3 still COMMITs.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        # busy_timeout first: switching a new file to WAL itself needs the lock.
+        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        # In WAL mode NORMAL loses at most the last commits on power loss, never integrity.
+        cursor.execute("PRAGMA synchronous = NORMAL")
+    finally:
+        cursor.close()
+
+
+def _on_sqlite_begin(connection: Connection) -> None:
+    mode = connection.get_execution_options().get(SQLITE_BEGIN_OPTION, "DEFERRED")
+    if mode not in ("DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
+        raise ValueError(f"{SQLITE_BEGIN_OPTION} must be DEFERRED, IMMEDIATE or EXCLUSIVE, "
+                         f"but got {mode!r}")
+    connection.exec_driver_sql(f"BEGIN {mode}")
+
+
+def dispose_engine(url: str) -> None:
+    """Close the pooled connections of ``url`` and forget its engine, sessions and migration."""
+    with _lock:
+        engine = _engines.pop(url, None)
+        for write in (False, True):
+            _sessionmakers.pop((url, write), None)
+        _migrated.discard(url)
+    if engine is not None:
+        engine.dispose()
+
+
+def _forget_after_fork() -> None:
+    # A forked child must not use (or close) the parent's pooled connections.
+    for engine in _engines.values():
+        engine.dispose(close=False)
+    _engines.clear()
+    _sessionmakers.clear()
+    _migrated.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+# ----------------------------------------------------------------------------- migrations
+def init_db(url: str) -> Engine:
+    """Migrate the database of ``url`` to the newest schema (once per process) and return its engine.
+
+    Safe when several processes call it at once on one database: the migration runs under the
+    database's own lock (see ``db.migrate``). Later calls in the same process cost nothing.
+    """
+    engine = make_engine(url)
+    if url in _migrated:
+        return engine
+    with _migrate_lock:
+        if url not in _migrated:
+            from db.migrate import upgrade_to_head  # alembic is imported only when needed
+
+            upgrade_to_head(engine)
+            _migrated.add(url)
+    return engine
+
+
+# ----------------------------------------------------------------------------- sessions
+def get_sessionmaker(url: str, *, write: bool = True) -> sessionmaker[Session]:
+    """Session factory of ``url`` (migrated to the newest schema on first use).
+
+    ``write=True`` sessions take SQLite's write lock when their transaction begins, so
+    concurrent writers queue instead of failing; ``write=False`` suits read-only work.
+    Objects stay usable after commit (``expire_on_commit=False``): callers return them.
+    """
+    key = (url, write)
+    factory = _sessionmakers.get(key)
+    if factory is not None and url in _migrated:
+        return factory
+    engine = init_db(url)
+    bind = engine.execution_options(**{SQLITE_BEGIN_OPTION: "IMMEDIATE" if write else "DEFERRED"})
+    with _lock:
+        factory = _sessionmakers.get(key)
+        if factory is None:
+            factory = _sessionmakers[key] = sessionmaker(bind=bind, expire_on_commit=False)
+        return factory
+
+
+@contextmanager
+def session_scope(url: str, *, write: bool = True) -> Iterator[Session]:
+    """A session whose transaction commits when the block ends and rolls back on an error."""
+    session = get_sessionmaker(url, write=write)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def is_retryable_error(exc: BaseException) -> bool:
+    """True for errors after which re-running the same transaction can succeed.
+
+    SQLite: the lock was not free within the busy timeout, or a deferred transaction's
+    snapshot went stale. PostgreSQL: serialization failure or deadlock (the server aborted
+    one of the transactions).
+    """
+    if not isinstance(exc, DBAPIError):
+        return False
+    sqlstate = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    if sqlstate in _RETRYABLE_SQLSTATES:
+        return True
+    message = str(exc.orig).lower()
+    return any(m in message for m in _RETRYABLE_SQLITE_MESSAGES)
+
+
+def run_in_transaction(url: str, fn: Callable[[Session], T], *, retries: int = 8,
+                       backoff_s: float = 0.05) -> T:
+    """Run ``fn(session)`` in one write transaction and commit; re-run it on lock conflicts.
+
+    ``fn`` must touch nothing but the session (it may run more than once). Between attempts
+    it waits ``backoff_s * 2**attempt`` seconds (capped at 2 s, jittered so that the workers
+    that collided do not collide again). Errors that a retry cannot fix are raised at once.
+    """
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, but got {retries}")
+    factory = get_sessionmaker(url, write=True)
+    for attempt in range(retries + 1):
+        try:
+            with factory() as session, session.begin():
+                return fn(session)
+        except DBAPIError as exc:
+            if attempt == retries or not is_retryable_error(exc):
+                raise
+            delay = min(2.0, backoff_s * 2**attempt) * random.uniform(0.5, 1.5)
+            log.debug("transaction on %s failed (%s); retry %d in %.3f s",
+                      make_url(url).render_as_string(hide_password=True), exc.orig,
+                      attempt + 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable: the loop returns or raises")

@@ -1,0 +1,284 @@
+"""The storage contract of db.crud, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy.orm import Session
+
+from db import crud
+from db.models import SweepStatus, TrialStatus
+from db.session import session_scope
+from templates.base import Problem
+from tests.db import _data
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    device_id: int
+    device_key: str
+    template_id: int
+
+
+@pytest.fixture
+def target(db_url: str) -> Target:
+    info = _data.device_info(random.Random(10), key="NVIDIA H100|cc9.0|triton3.6")
+    with session_scope(db_url) as s:
+        device = crud.get_or_create_device(s, info=info)
+        template = crud.get_or_create_template(s, name="flash_fwd", version="abc123",
+                                               space={"type": "object"})
+        return Target(db_url, device.id, device.key, template.id)
+
+
+def _record(s: Session, t: Target, rng: random.Random, *, problem: dict[str, object],
+            config_key: str, tflops: float | None, status: TrialStatus = TrialStatus.OK,
+            **extra: object) -> int:
+    trial = crud.record_trial(
+        s, device_id=t.device_id, template_id=t.template_id,
+        problem_key=_data.problem_key(problem), problem=problem, config_key=config_key,
+        config=_data.config(rng), status=status, tflops=tflops,
+        median_ms=None if tflops is None else 1000.0 / tflops, **extra)  # type: ignore[arg-type]
+    return trial.id
+
+
+# ----------------------------------------------------------------------------- devices, templates
+def test_get_or_create_device_is_idempotent(db_url: str) -> None:
+    rng = random.Random(11)
+    info = _data.device_info(rng)
+    with session_scope(db_url) as s:
+        first = crud.get_or_create_device(s, info=info)
+        assert first.name == info["name"] and first.total_memory == info["total_memory"]
+    with session_scope(db_url) as s:
+        again = crud.get_or_create_device(s, info={**info, "driver_version": "999.1"})
+        other = crud.get_or_create_device(s, info=_data.device_info(rng))
+        assert again.id == first.id and again.driver_version == info["driver_version"]
+        assert other.id != first.id
+        by_name = sorted([first, other], key=lambda d: (d.name, d.id))
+        assert [d.id for d in crud.list_devices(s)] == [d.id for d in by_name]
+
+
+def test_get_or_create_device_names_missing_fields(db_url: str) -> None:
+    info = _data.device_info(random.Random(12))
+    del info["sm_count"]
+    with session_scope(db_url) as s, pytest.raises(ValueError, match=r"\['sm_count'\] are missing"):
+        crud.get_or_create_device(s, info=info)
+
+
+def test_get_or_create_template_per_version(db_url: str) -> None:
+    with session_scope(db_url) as s:
+        v1 = crud.get_or_create_template(s, name="flash_fwd", version="v1", space={"a": [1, 2]})
+        v1_again = crud.get_or_create_template(s, name="flash_fwd", version="v1", space={})
+        v2 = crud.get_or_create_template(s, name="flash_fwd", version="v2", space={})
+        bwd = crud.get_or_create_template(s, name="flash_bwd", version="v1", space={})
+        assert v1_again.id == v1.id and v1_again.space == {"a": [1, 2]}
+        assert len({v1.id, v2.id, bwd.id}) == 3
+        assert [(t.name, t.version) for t in crud.list_templates(s)] == [
+            ("flash_bwd", "v1"), ("flash_fwd", "v1"), ("flash_fwd", "v2")]
+
+
+# ----------------------------------------------------------------------------- sweeps
+def test_sweeps_start_running_and_finish(db_url: str) -> None:
+    with session_scope(db_url) as s:
+        ids = [crud.create_sweep(s, name=f"sweep-{i}", spec={"n": i}, host="gpu-7").id
+               for i in range(3)]
+    with session_scope(db_url) as s:
+        crud.finish_sweep(s, sweep_id=ids[1], status=SweepStatus.INTERRUPTED)
+        with pytest.raises(LookupError, match="no sweep with id 424242"):
+            crud.finish_sweep(s, sweep_id=424242, status=SweepStatus.DONE)
+    with session_scope(db_url, write=False) as s:
+        newest_first = crud.list_sweeps(s, limit=2)
+        assert [w.id for w in newest_first] == [ids[2], ids[1]]
+        assert newest_first[0].status is SweepStatus.RUNNING
+        assert newest_first[0].finished_at is None
+        assert newest_first[1].status is SweepStatus.INTERRUPTED
+        assert newest_first[1].finished_at is not None and newest_first[1].spec == {"n": 1}
+
+
+# ----------------------------------------------------------------------------- trials
+def test_record_trial_is_idempotent_and_keeps_the_first_result(target: Target) -> None:
+    rng = random.Random(13)
+    problem = _data.problem(rng)
+    with session_scope(target.url) as s:
+        sweep = crud.create_sweep(s, name="s", spec={}, host="h")
+        ok_id = _record(s, target, rng, problem=problem, config_key="c1", tflops=321.5,
+                        sweep_id=sweep.id, worker="w1", optuna_study="st", optuna_trial=4)
+        failed_id = _record(s, target, rng, problem=problem, config_key="c2", tflops=None,
+                            status=TrialStatus.COMPILE_ERROR, reason="out of shared memory")
+    with session_scope(target.url) as s:
+        # A second record of the same config, whatever it says, returns the stored row.
+        again = crud.record_trial(
+            s, device_id=target.device_id, template_id=target.template_id,
+            problem_key=_data.problem_key(problem), problem=problem, config_key="c1",
+            config={}, status=TrialStatus.RUNTIME_ERROR, reason="crash")
+        assert again.id == ok_id and again.status is TrialStatus.OK and again.tflops == 321.5
+        assert (again.sweep_id, again.worker, again.optuna_study, again.optuna_trial) == (
+            sweep.id, "w1", "st", 4)
+        found = crud.find_trial(s, device_id=target.device_id, template_id=target.template_id,
+                                problem_key=_data.problem_key(problem), config_key="c2")
+        assert found is not None and found.id == failed_id
+        assert found.reason == "out of shared memory" and found.tflops is None
+        assert crud.find_trial(s, device_id=target.device_id, template_id=target.template_id,
+                               problem_key=_data.problem_key(problem), config_key="c3") is None
+        assert [t.id for t in crud.trials_for(s, device_id=target.device_id,
+                                              template_id=target.template_id,
+                                              problem_key=_data.problem_key(problem))] == [
+            ok_id, failed_id]
+
+
+def test_record_trial_refuses_an_unknown_status(target: Target) -> None:
+    rng = random.Random(14)
+    with session_scope(target.url) as s, pytest.raises(ValueError, match="exploded"):
+        _record(s, target, rng, problem=_data.problem(rng), config_key="c", tflops=1.0,
+                status="exploded")  # type: ignore[arg-type]
+
+
+def test_trial_counts_by_status_and_sweep(target: Target) -> None:
+    rng = random.Random(15)
+    problem = _data.problem(rng)
+    statuses = [rng.choice(list(TrialStatus)) for _ in range(30)]
+    with session_scope(target.url) as s:
+        sweeps = [crud.create_sweep(s, name=f"s{i}", spec={}, host="h").id for i in range(2)]
+        for n, status in enumerate(statuses):
+            _record(s, target, rng, problem=problem, config_key=f"c{n}", status=status,
+                    tflops=rng.uniform(1, 100) if status is TrialStatus.OK else None,
+                    sweep_id=sweeps[n % 2])
+    with session_scope(target.url, write=False) as s:
+        everything = crud.trial_counts(s)
+        first = crud.trial_counts(s, sweep_id=sweeps[0])
+    assert everything == {st.value: statuses.count(st) for st in TrialStatus}
+    assert first == {st.value: statuses[0::2].count(st) for st in TrialStatus}
+
+
+# ----------------------------------------------------------------------------- best configs
+def test_problem_variant_follows_problem_variant() -> None:
+    rng = random.Random(16)
+    for causal in ("none", "top_left", "bottom_right"):
+        for mask in ("none", "random:0.10", "sliding:1024"):
+            p = _data.problem(rng, causal=causal, mask=mask)
+            assert crud.problem_variant(p) == Problem.from_dict(p).variant
+
+
+def test_refresh_best_takes_the_fastest_ok_trial(target: Target) -> None:
+    rng = random.Random(17)
+    problem = _data.problem(rng, causal="bottom_right", mask="random:0.10", dtype="float16")
+    key = _data.problem_key(problem)
+    speeds = [rng.uniform(10, 400) for _ in range(12)]
+    with session_scope(target.url) as s:
+        sweep_id = crud.create_sweep(s, name="s", spec={}, host="h").id
+        assert crud.refresh_best(s, device_id=target.device_id, template_id=target.template_id,
+                                 problem_key=key) is None  # nothing measured yet
+        for n, tflops in enumerate(speeds):
+            _record(s, target, rng, problem=problem, config_key=f"c{n}", tflops=tflops,
+                    is_default=n == 3, sweep_id=sweep_id)
+        # Failures never win, whatever number they carry.
+        _record(s, target, rng, problem=problem, config_key="wrong", tflops=10 * max(speeds),
+                status=TrialStatus.WRONG_RESULT)
+        best = crud.refresh_best(s, device_id=target.device_id, template_id=target.template_id,
+                                 problem_key=key)
+    assert best is not None
+    winner = speeds.index(max(speeds))
+    assert best.tflops == pytest.approx(max(speeds))
+    assert best.median_ms == pytest.approx(1000.0 / max(speeds))
+    assert best.default_tflops == pytest.approx(speeds[3])
+    assert best.speedup == pytest.approx(max(speeds) / speeds[3])
+    assert (best.dtype, best.variant) == ("float16", "causal-bottom_right+sparse-random:0.10")
+    assert best.problem == problem and best.sweep_id == sweep_id
+    with session_scope(target.url, write=False) as s:
+        trial = crud.find_trial(s, device_id=target.device_id, template_id=target.template_id,
+                                problem_key=key, config_key=f"c{winner}")
+        assert trial is not None and best.trial_id == trial.id and best.config == trial.config
+
+
+def test_refresh_best_updates_the_row_when_a_faster_trial_arrives(target: Target) -> None:
+    rng = random.Random(18)
+    problem = _data.problem(rng)
+    key = _data.problem_key(problem)
+    with session_scope(target.url) as s:
+        _record(s, target, rng, problem=problem, config_key="a", tflops=50.0)
+        first = crud.refresh_best(s, device_id=target.device_id, template_id=target.template_id,
+                                  problem_key=key)
+        assert first is not None and first.default_tflops is None and first.speedup is None
+        first_id = first.id
+    with session_scope(target.url) as s:
+        _record(s, target, rng, problem=problem, config_key="default", tflops=40.0,
+                is_default=True)
+        _record(s, target, rng, problem=problem, config_key="b", tflops=80.0)
+        second = crud.refresh_best(s, device_id=target.device_id,
+                                   template_id=target.template_id, problem_key=key)
+    assert second is not None and second.id == first_id  # the same row, updated
+    assert (second.tflops, second.default_tflops, second.speedup) == (80.0, 40.0, 2.0)
+    with session_scope(target.url, write=False) as s:
+        assert crud.count_best(s) == 1
+
+
+def _seed_bests(url: str, rng: random.Random) -> list[tuple[str, str, str, str]]:
+    """Bests on two devices x two templates with mixed dtypes and variants."""
+    rows = []
+    with session_scope(url) as s:
+        for d in range(2):
+            device = crud.get_or_create_device(
+                s, info={**_data.device_info(rng, key=f"gpu{d}|cc9.0"), "name": f"GPU-{d}"})
+            for name in ("flash_fwd", "flash_decode"):
+                template = crud.get_or_create_template(s, name=name, version="v1", space={})
+                for causal in ("none", "top_left"):
+                    for dtype in ("float16", "float32"):
+                        p = _data.problem(rng, causal=causal, dtype=dtype)
+                        key = _data.problem_key(p) + f"-{causal}"
+                        crud.record_trial(
+                            s, device_id=device.id, template_id=template.id, problem_key=key,
+                            problem=p, config_key="c", config=_data.config(rng),
+                            status=TrialStatus.OK, median_ms=1.0, tflops=rng.uniform(1, 99))
+                        crud.refresh_best(s, device_id=device.id, template_id=template.id,
+                                          problem_key=key)
+                        variant = "dense" if causal == "none" else "causal-top_left"
+                        rows.append((device.key, name, dtype, variant))
+    return rows
+
+
+def test_list_and_count_best_filter_and_page(db_url: str) -> None:
+    rows = _seed_bests(db_url, random.Random(19))
+    assert len(rows) == 16
+    with session_scope(db_url, write=False) as s:
+        everything = crud.list_best(s)
+        assert len(everything) == crud.count_best(s) == 16
+        order = [(b.device.name, b.template.name, b.problem_key) for b in everything]
+        assert order == sorted(order)
+        # Pages tile the ordered list exactly.
+        pages = [crud.list_best(s, offset=o, limit=5) for o in range(0, 20, 5)]
+        assert [b.id for page in pages for b in page] == [b.id for b in everything]
+        for device in ("GPU-1", "gpu1|cc9.0"):  # by name or by key
+            chosen = crud.list_best(s, device=device)
+            assert len(chosen) == crud.count_best(s, device=device) == 8
+            assert {b.device.key for b in chosen} == {"gpu1|cc9.0"}
+        chosen = crud.list_best(s, template="flash_decode", dtype="float32",
+                                variant="causal-top_left")
+        expected = [r for r in rows
+                    if r[1:] == ("flash_decode", "float32", "causal-top_left")]
+        assert len(chosen) == len(expected) == 2
+        assert crud.count_best(s, template="flash_decode", dtype="float32",
+                               variant="causal-top_left") == 2
+        assert crud.list_best(s, device="no-such-gpu") == []
+        assert crud.count_best(s, variant="sparse-sliding:64") == 0
+        with pytest.raises(ValueError, match="offset and limit must be >= 0"):
+            crud.list_best(s, offset=-1)
+
+
+def test_best_for_and_candidates(db_url: str) -> None:
+    _seed_bests(db_url, random.Random(20))
+    with session_scope(db_url, write=False) as s:
+        candidates = crud.best_candidates(s, device_key="gpu0|cc9.0", template_name="flash_fwd",
+                                          template_version="v1")
+        assert len(candidates) == 4
+        assert {(b.device.key, b.template.name) for b in candidates} == {("gpu0|cc9.0",
+                                                                          "flash_fwd")}
+        assert crud.best_candidates(s, device_key="gpu0|cc9.0", template_name="flash_fwd",
+                                    template_version="v0") == []
+        for b in candidates:
+            hit = crud.best_for(s, device_key="gpu0|cc9.0", template_name="flash_fwd",
+                                template_version="v1", problem_key=b.problem_key)
+            assert hit is not None and hit.id == b.id
+        assert crud.best_for(s, device_key="gpu1|cc9.0", template_name="flash_fwd",
+                             template_version="v1", problem_key="no-such-problem") is None

@@ -1,0 +1,135 @@
+"""Engines, sessions and the retry of transactions that lost a lock."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session
+
+from db import crud
+from db.models import Device, Template
+from db.session import (
+    SQLITE_BUSY_TIMEOUT_S,
+    dispose_engine,
+    get_sessionmaker,
+    is_retryable_error,
+    make_engine,
+    run_in_transaction,
+    session_scope,
+)
+from tests.db import _data
+
+
+def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'nested' / 'folder' / 'tuner.db'}"  # folder made on demand
+    try:
+        engine = make_engine(url)
+        assert make_engine(url) is engine  # one engine per URL
+        with engine.connect() as connection:
+            pragma = connection.exec_driver_sql
+            assert pragma("PRAGMA journal_mode").scalar() == "wal"
+            assert pragma("PRAGMA foreign_keys").scalar() == 1
+            assert pragma("PRAGMA busy_timeout").scalar() == int(SQLITE_BUSY_TIMEOUT_S * 1000)
+        assert (tmp_path / "nested" / "folder" / "tuner.db").exists()
+    finally:
+        dispose_engine(url)
+
+
+def test_urls_pick_the_installed_drivers() -> None:
+    url = "postgresql://nobody@127.0.0.1:1/none"  # no connection is made
+    try:
+        assert make_engine(url).dialect.driver == "psycopg"
+    finally:
+        dispose_engine(url)
+    with pytest.raises(ValueError, match="must be sqlite or postgresql, but got 'mysql'"):
+        make_engine("mysql://u@h/db")
+
+
+def test_session_scope_commits_or_rolls_back(db_url: str) -> None:
+    with session_scope(db_url) as s:
+        s.add(Template(name="kept", version="v1"))
+    with pytest.raises(RuntimeError, match="boom"), session_scope(db_url) as s:
+        s.add(Template(name="lost", version="v1"))
+        s.flush()
+        raise RuntimeError("boom")
+    with session_scope(db_url, write=False) as s:
+        assert s.scalars(sa.select(Template.name)).all() == ["kept"]
+
+
+def _stale_snapshot_error(url: str) -> OperationalError:
+    """A real "database is locked": a deferred transaction read, another wrote, it writes.
+
+    SQLite can never upgrade a stale read snapshot to a write, and fails at once whatever
+    the busy timeout: the case that write sessions (BEGIN IMMEDIATE) exist to avoid.
+    """
+    rng = random.Random(40)
+    with get_sessionmaker(url, write=False)() as reader:
+        reader.scalars(sa.select(Device)).all()
+        with session_scope(url) as writer:
+            crud.get_or_create_device(writer, info=_data.device_info(rng))
+        reader.add(Template(name="late", version="v1"))
+        with pytest.raises(OperationalError) as caught:
+            reader.flush()
+        reader.rollback()
+    return caught.value
+
+
+def test_lock_errors_are_retryable_and_others_not(sqlite_url: str) -> None:
+    locked = _stale_snapshot_error(sqlite_url)
+    assert "database is locked" in str(locked)
+    assert is_retryable_error(locked)
+    with session_scope(sqlite_url) as s:
+        s.add(Template(name="t", version="v1"))
+    with pytest.raises(IntegrityError) as duplicate, session_scope(sqlite_url) as s:
+        s.add(Template(name="t", version="v1"))
+        s.flush()
+    assert not is_retryable_error(duplicate.value)
+    assert not is_retryable_error(RuntimeError("database is locked"))  # not from the database
+
+
+def test_run_in_transaction_reruns_after_a_lock_error(sqlite_url: str) -> None:
+    locked = _stale_snapshot_error(sqlite_url)
+    attempts: list[int] = []
+
+    def add_template(s: Session) -> int:
+        attempts.append(len(attempts))
+        template = crud.get_or_create_template(s, name="retry", version=f"a{len(attempts)}",
+                                               space={})
+        if len(attempts) < 3:
+            raise locked  # after writing: the retry must not keep the first attempts' rows
+        return template.id
+
+    template_id = run_in_transaction(sqlite_url, add_template, backoff_s=0.001)
+    assert attempts == [0, 1, 2]
+    with session_scope(sqlite_url, write=False) as s:
+        assert [(t.id, t.version) for t in crud.list_templates(s)
+                if t.name == "retry"] == [(template_id, "a3")]
+
+
+def test_run_in_transaction_gives_up(sqlite_url: str) -> None:
+    locked = _stale_snapshot_error(sqlite_url)
+    calls: list[int] = []
+
+    def always_locked(s: Session) -> None:
+        calls.append(1)
+        raise locked
+
+    with pytest.raises(OperationalError, match="database is locked"):
+        run_in_transaction(sqlite_url, always_locked, retries=2, backoff_s=0.001)
+    assert len(calls) == 3
+
+    def duplicate(s: Session) -> None:
+        calls.append(1)
+        s.add_all([Template(name="d", version="v"), Template(name="d", version="v")])
+        s.flush()
+
+    calls.clear()
+    with pytest.raises(IntegrityError):
+        run_in_transaction(sqlite_url, duplicate, backoff_s=0.001)
+    assert len(calls) == 1  # a retry cannot fix a duplicate
+    with pytest.raises(ValueError, match="retries must be >= 0, but got -1"):
+        run_in_transaction(sqlite_url, duplicate, retries=-1)
