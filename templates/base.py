@@ -25,7 +25,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 from templates.device import DeviceInfo
 
@@ -72,8 +72,9 @@ class KernelConfig:
 
     @classmethod
     def knobs(cls) -> tuple[Knob, ...]:
-        return tuple(Knob(f.name, f.metadata["choices"], f.default, f.metadata["doc"])
-                     for f in fields(cls))
+        # Every field is a knob() field, so its default is set (never dataclasses.MISSING).
+        return tuple(Knob(f.name, f.metadata["choices"], cast(Scalar, f.default),
+                          f.metadata["doc"]) for f in fields(cls))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Self:
@@ -284,6 +285,11 @@ class Template(ABC):
     @abstractmethod
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         """Launch the kernel; returns a tensor or a tuple of tensors."""
+
+    def precompile(self, problem: Problem, config: KernelConfig) -> bool:
+        """Compile the kernel for ``problem`` without launching it (compile-ahead workers warm
+        Triton's on-disk cache while the GPU times another config). False if not supported."""
+        return False
 
     @abstractmethod
     def reference(self, inputs: Mapping[str, Any]) -> Any:

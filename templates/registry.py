@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from templates.base import Template
+
+T = TypeVar("T", bound=Template)
 
 _TEMPLATES: dict[str, Template] = {}
 
 
-def register(template: Template) -> Template:
+def register(template: T) -> T:
     if template.name in _TEMPLATES:
         raise ValueError(f"a template named {template.name!r} is already registered")
     _TEMPLATES[template.name] = template

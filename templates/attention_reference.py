@@ -1,0 +1,92 @@
+"""Plain-torch attention that the kernels are checked against, and its error measure.
+
+Explicit matmul + softmax (no fused SDPA) so the reference shares no code path with anything
+under test. GQA repeats K/V here only; the kernels never do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Above this many score elements a float64 reference on a GPU gets slow (float64 matmul runs
+# at a small fraction of the float32 rate); float32 is then plenty to check 16-bit kernels.
+FLOAT64_SCORE_LIMIT = 1 << 24
+
+
+def causal_offset(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
+    """Row i may see keys j <= i + offset: 0 top-left (SDPA), N_kv - N_q bottom-right (FA2)."""
+    return seqlen_kv - seqlen_q if mode == "bottom_right" else 0
+
+
+def visible_mask(mode: str, seqlen_q: int, seqlen_kv: int, device: torch.device | str
+                 ) -> torch.Tensor | None:
+    """(N_q, N_kv) bool mask of the visible keys, None when every key is visible."""
+    if mode == "none":
+        return None
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_kv, device=device)[None, :]
+    return cols <= rows + causal_offset(mode, seqlen_q, seqlen_kv)
+
+
+def visible_pairs(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
+    """Number of (query, key) pairs a causal mode lets through, in closed form."""
+    if mode == "none":
+        return seqlen_q * seqlen_kv
+    offset = causal_offset(mode, seqlen_q, seqlen_kv)
+    # Row i sees clamp(i + offset + 1, 0, N_kv) keys: zero up to row `first`, a ramp up to
+    # row `full`, then every key.
+    first = min(seqlen_q, max(0, -offset))
+    full = min(seqlen_q, max(first, seqlen_kv - offset - 1))
+    ramp = sum_range(first + offset + 1, full + offset + 1)
+    return ramp + (seqlen_q - full) * seqlen_kv
+
+
+def sum_range(lo: int, hi: int) -> int:
+    """lo + (lo + 1) + ... + (hi - 1); 0 when hi <= lo."""
+    return (hi - lo) * (lo + hi - 1) // 2 if hi > lo else 0
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str,
+                        scale: float, compute_dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of softmax(scale * q k^T, masked) v in ``compute_dtype``.
+
+    ``compute_dtype`` None picks float64, or float32 on a GPU for large problems. Rows that see
+    no key give o = 0 and lse = -inf.
+    """
+    if compute_dtype is None:
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        big_on_gpu = q.is_cuda and scores > FLOAT64_SCORE_LIMIT
+        compute_dtype = torch.float32 if big_on_gpu else torch.float64
+    group = q.shape[1] // k.shape[1]
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=1)
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=1)
+    s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
+    mask = visible_mask(causal, q.shape[2], k.shape[2], q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    seen = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])
+    p = torch.where(seen[..., None], p, 0.0)
+    return torch.matmul(p, vc), lse
+
+
+def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error of the finite entries; inf if NaN appears or the -inf rows differ."""
+    out = lse.detach().to(torch.float64)
+    want = ref.detach().to(out.device, torch.float64)
+    if out.shape != want.shape:
+        raise ValueError(f"lse shape {tuple(out.shape)} differs from reference {tuple(want.shape)}")
+    if torch.isnan(out).any():
+        return math.inf
+    finite = torch.isfinite(want)
+    if not torch.equal(torch.isfinite(out), finite) or not torch.equal(
+            out[~finite], want[~finite]):
+        return math.inf
+    denom = torch.linalg.vector_norm(want[finite]).item()
+    diff = torch.linalg.vector_norm(out[finite] - want[finite]).item()
+    return diff / denom if denom > 0 else diff

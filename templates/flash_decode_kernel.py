@@ -1,0 +1,365 @@
+"""Flash-decoding kernels and their launcher: split-KV partials, then a logsumexp combine.
+
+This module needs only the standard library, torch and triton: ``standalone_source`` of the
+``flash_decode`` template copies it whole into an exported module with a config baked in.
+The layouts and semantics are documented in ``templates/flash_decode.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_QUERY_TOKENS = 16  # beyond a few tokens a prefill kernel tiles the queries better
+MAX_HEAD_DIM = 256
+MAX_ROWS_PER_TILE = 64  # GQA heads x tokens per program before the group is split
+LOG2E = 1.4426950408889634
+# Partial-output elements the combine kernel loads per step: 32 per thread of 4 warps.
+COMBINE_TILE_ELEMS = 4096
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _attend_kv_tile(acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen, row_limit,
+                    qk_scale, stride_k0, stride_kn, stride_kd, stride_v0, stride_vn, stride_vd,
+                    stride_btp, offs_n, offs_d, d_ok,
+                    MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    TILE_IN_PAGE: tl.constexpr, EVEN_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l_i, m_i) (log2 domain).
+
+    MASKED tiles may reach past the sequence or into the causal tail of the new tokens;
+    unmasked tiles are wholly visible to every row and skip all masking.
+    """
+    keys = start_n + offs_n
+    n_ok = keys < seqlen
+    if PAGED:
+        if TILE_IN_PAGE:
+            # start_n < seqlen here, so the page is one the sequence uses.
+            page = tl.load(BT_row + (start_n // PAGE_SIZE) * stride_btp).to(tl.int64)
+            slot = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
+        else:
+            # The block table is only valid for the pages in use: never read past them.
+            if MASKED:
+                page = tl.load(BT_row + (keys // PAGE_SIZE) * stride_btp, mask=n_ok, other=0)
+            else:
+                page = tl.load(BT_row + (keys // PAGE_SIZE) * stride_btp)
+            page = page.to(tl.int64)
+            slot = (keys % PAGE_SIZE).to(tl.int64)
+    else:
+        page = b.to(tl.int64)
+        slot = keys.to(tl.int64)
+    kT_ptrs = K_head + (page * stride_k0 + slot * stride_kn)[None, :] + offs_d[:, None] * stride_kd
+    v_ptrs = V_head + (page * stride_v0 + slot * stride_vn)[:, None] + offs_d[None, :] * stride_vd
+    if MASKED:
+        kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        kT = tl.load(kT_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+
+    qk = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # row_limit <= seqlen, so this also drops the keys past the sequence.
+        qk = tl.where(keys[None, :] < row_limit[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; exp2(-inf - -inf) would be NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PART,
+                         qk_scale, heads_kv, group, row_tiles, num_splits,
+                         stride_qb, stride_qh, stride_qn, stride_qd,
+                         stride_k0, stride_kh, stride_kn, stride_kd,
+                         stride_v0, stride_vh, stride_vn, stride_vd,
+                         stride_btb, stride_btp, stride_len,
+                         N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         TILE_IN_PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One (sequence, KV head, row tile, split): a partial (o, lse) over the split's chunk."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    row_tile = pid % row_tiles
+    b = (pid // row_tiles) // heads_kv
+    kvh = (pid // row_tiles) % heads_kv
+
+    seqlen = tl.load(SEQLENS + b * stride_len)
+    # Whole tiles are dealt out evenly: split s takes tiles [s*T/S, (s+1)*T/S), so no split
+    # is empty while the sequence has at least num_splits tiles. num_splits is a run-time
+    # value so that tuning it compiles nothing new.
+    kv_tiles = tl.cdiv(seqlen, BLOCK_N)
+    start = (split * kv_tiles // num_splits) * BLOCK_N
+    end = tl.minimum(((split + 1) * kv_tiles // num_splits) * BLOCK_N, seqlen)
+    # Keys below seqlen - N_Q + 1 are visible to every query token: no mask needed there.
+    seen_by_all = seqlen - N_Q + 1
+    unmasked_end = start + (tl.maximum(tl.minimum(end, seen_by_all) - start, 0) // BLOCK_N) * BLOCK_N
+
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows % N_Q
+    head = kvh * group + rows // N_Q
+    row_ok = rows < group * N_Q
+    row_limit = seen_by_all + tok
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + head[:, None].to(tl.int64) * stride_qh
+              + tok[:, None] * stride_qn + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    K_head = K + kvh.to(tl.int64) * stride_kh
+    V_head = V + kvh.to(tl.int64) * stride_vh
+    BT_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(start, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen, row_limit, qk_scale,
+            stride_k0, stride_kn, stride_kd, stride_v0, stride_vn, stride_vd, stride_btp,
+            offs_n, offs_d, d_ok, False, PAGED, PAGE_SIZE, TILE_IN_PAGE, HEAD_DIM == BLOCK_D,
+            DOT_PRECISION)
+    for start_n in range(unmasked_end, end, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen, row_limit, qk_scale,
+            stride_k0, stride_kn, stride_kd, stride_v0, stride_vn, stride_vd, stride_btp,
+            offs_n, offs_d, d_ok, True, PAGED, PAGE_SIZE, TILE_IN_PAGE, HEAD_DIM == BLOCK_D,
+            DOT_PRECISION)
+
+    # Rows that saw no key: o = 0, lse = -inf (their acc is 0 and l is 0).
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    out_row = (b.to(tl.int64) * heads_kv * group + head) * N_Q + tok
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SINGLE_SPLIT:
+        tl.store(Out + out_row[:, None] * HEAD_DIM + offs_d[None, :],
+                 o.to(Out.dtype.element_ty), mask=out_mask)
+        tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        part_row = out_row * num_splits + split
+        tl.store(O_PART + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+        tl.store(LSE_PART + part_row, lse2, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(O_PART, LSE_PART, Out, LSE, num_splits,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr):
+    """One query row: merge its num_splits partials, weighting each by exp(lse_s - lse)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(LSE_PART + row * num_splits + offs_s, mask=offs_s < num_splits,
+                    other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)  # every split empty: keep weights at 0
+    total = tl.sum(tl.exp2(lse_s - m_ref), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_t = tl.arange(0, SPLIT_TILE)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    # SPLIT_TILE partials per step, loaded together: one load per split in turn would wait
+    # out the memory latency num_splits times.
+    for first in range(0, num_splits, SPLIT_TILE):
+        s = first + offs_t
+        s_ok = s < num_splits
+        weight = tl.exp2(tl.load(LSE_PART + row * num_splits + s, mask=s_ok,
+                                 other=float("-inf")) - m_ref)
+        o_s = tl.load(O_PART + (row * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(weight[:, None] * o_s, 0)
+    seen = total > 0
+    total_safe = tl.where(seen, total, 1.0)
+    tl.store(Out + row * HEAD_DIM + offs_d, (acc / total_safe).to(Out.dtype.element_ty), mask=d_ok)
+    lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + row, lse)
+
+
+def pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def rows_per_tile(group: int, n_q: int) -> int:
+    """BLOCK_M: the GQA group x new tokens, padded to tl.dot's 16 and capped at 64."""
+    return min(MAX_ROWS_PER_TILE, pow2_at_least(group * n_q, 16))
+
+
+class DecodeShape(NamedTuple):
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    head_dim: int
+    capacity: int  # longest length a sequence may have
+    page_size: int  # 0 for a contiguous cache
+    num_pages: int  # 0 for a contiguous cache
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                        *, check_contents: bool = True) -> DecodeShape:
+    """Validate shapes, dtypes and devices (and, with ``check_contents``, the lengths and the
+    pages in use, which costs one device-to-host copy). Raises ValueError saying what was
+    expected and what was got."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("cache_seqlens", cache_seqlens)):
+        _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, but got "
+                 f"{type(t).__name__}")
+    _require(q.dim() == 4, f"q must be (B, H_q, N_q, D), but got shape {tuple(q.shape)}")
+    batch, heads_q, n_q, head_dim = q.shape
+    _require(min(q.shape) > 0, f"q must have no empty dimension, but got shape {tuple(q.shape)}")
+    _require(q.dtype in _DTYPES, f"q must be float16, bfloat16 or float32, but got {q.dtype}")
+    _require(n_q <= MAX_QUERY_TOKENS,
+             f"flash_decode takes at most {MAX_QUERY_TOKENS} query tokens per sequence, but got "
+             f"N_q={n_q}; use flash_attention_fwd for prefill-sized queries")
+    _require(head_dim <= MAX_HEAD_DIM, f"head dim must be at most {MAX_HEAD_DIM}, but got {head_dim}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _require(t.device == q.device, f"{name} must be on q's device {q.device}, but is on {t.device}")
+        _require(t.dtype == q.dtype, f"{name} must have q's dtype {q.dtype}, but has {t.dtype}")
+        _require(t.dim() == 4, f"{name} must be 4-D, but got shape {tuple(t.shape)}")
+    _require(k_cache.shape == v_cache.shape, f"k_cache and v_cache must have one shape, but got "
+             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if block_table is not None:
+        _require(isinstance(block_table, torch.Tensor), "block_table must be a torch.Tensor or "
+                 f"None, but got {type(block_table).__name__}")
+        num_pages, page_size, heads_kv, kv_dim = k_cache.shape
+        layout = "paged (num_pages, page_size, H_kv, D)"
+        _require(block_table.device == q.device, f"block_table must be on q's device {q.device}, "
+                 f"but is on {block_table.device}")
+        _require(block_table.dtype == torch.int32, f"block_table must be int32, but got "
+                 f"{block_table.dtype}")
+        _require(block_table.dim() == 2 and block_table.shape[0] == batch,
+                 f"block_table must be (B={batch}, max_pages), but got {tuple(block_table.shape)}")
+        _require(num_pages > 0 and page_size > 0, f"the page pool must be non-empty, but "
+                 f"k_cache has shape {tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        cache_batch, heads_kv, capacity, kv_dim = k_cache.shape
+        num_pages, page_size = 0, 0
+        layout = "contiguous (B, H_kv, N_max, D)"
+        _require(cache_batch == batch, f"a {layout} cache must have B={batch} like q, but got "
+                 f"shape {tuple(k_cache.shape)} (pass block_table for a paged cache)")
+    _require(kv_dim == head_dim, f"the {layout} cache must have head dim {head_dim} like q, but "
+             f"got shape {tuple(k_cache.shape)}")
+    _require(heads_kv > 0 and heads_q % heads_kv == 0, f"H_q ({heads_q}) must be a multiple of "
+             f"H_kv ({heads_kv}) of the {layout} cache of shape {tuple(k_cache.shape)}")
+    _require(cache_seqlens.device == q.device, f"cache_seqlens must be on q's device {q.device}, "
+             f"but is on {cache_seqlens.device}")
+    _require(cache_seqlens.dtype == torch.int32, f"cache_seqlens must be int32, but got "
+             f"{cache_seqlens.dtype}")
+    _require(tuple(cache_seqlens.shape) == (batch,), f"cache_seqlens must have shape ({batch},), "
+             f"but got {tuple(cache_seqlens.shape)}")
+    shape = DecodeShape(batch, heads_q, heads_kv, n_q, head_dim, capacity, page_size, num_pages)
+    if check_contents:
+        _check_cache_contents(shape, cache_seqlens, block_table)
+    return shape
+
+
+def _check_cache_contents(shape: DecodeShape, cache_seqlens: torch.Tensor,
+                          block_table: torch.Tensor | None) -> None:
+    lens = cache_seqlens.to(torch.int64)
+    summary = [lens.min(), lens.max()]
+    if block_table is not None:
+        pages_used = (lens + shape.page_size - 1) // shape.page_size
+        in_use = (torch.arange(block_table.shape[1], device=lens.device)[None, :]
+                  < pages_used[:, None])
+        pages = block_table.to(torch.int64)
+        summary += [torch.where(in_use, pages, shape.num_pages).min(),
+                    torch.where(in_use, pages, -1).max()]
+    values = torch.stack(summary).tolist()  # the one device-to-host copy
+    _require(values[0] >= 0, f"cache_seqlens must be >= 0, but sequence "
+             f"{int(torch.argmin(lens))} has length {values[0]}")
+    _require(values[1] <= shape.capacity, f"cache_seqlens must be <= the cache capacity "
+             f"{shape.capacity}, but sequence {int(torch.argmax(lens))} has length {values[1]}")
+    if block_table is not None and values[3] >= 0:  # some page in use
+        low, high = values[2], values[3]
+        if low < 0 or high >= shape.num_pages:
+            bad = (in_use & ((block_table < 0) | (block_table >= shape.num_pages))).nonzero()
+            b, p = (int(x) for x in bad[0])
+            raise ValueError(f"block_table must map the pages in use into [0, {shape.num_pages}) "
+                             f"(the page pool), but block_table[{b}, {p}] = "
+                             f"{int(block_table[b, p])} (sequence {b} has length "
+                             f"{int(cache_seqlens[b])})")
+
+
+def smem_bytes(block_n: int, head_dim: int, num_stages: int, elem_bytes: int, rows: int) -> int:
+    """Shared memory one split program needs: K and V tiles per pipeline stage plus q."""
+    block_d = pow2_at_least(head_dim, 16)
+    return (max(1, num_stages) * 2 * block_n + rows) * block_d * elem_bytes
+
+
+def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                   scale: float | None, shape: DecodeShape, *, num_splits: int, block_n: int,
+                   num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the split kernel (and the combine kernel when num_splits > 1) on checked inputs."""
+    batch, heads_q, heads_kv, n_q, head_dim = shape[:5]
+    group = heads_q // heads_kv
+    block_m = rows_per_tile(group, n_q)
+    row_tiles = triton.cdiv(group * n_q, block_m)
+    block_d = pow2_at_least(head_dim, 16)
+    sm_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    o = torch.empty((batch, heads_q, n_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, n_q), dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        o_part = torch.empty((batch, heads_q, n_q, num_splits, head_dim), dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty((batch, heads_q, n_q, num_splits), dtype=torch.float32,
+                               device=q.device)
+    else:
+        o_part, lse_part = o, lse  # unused: the split kernel writes the final outputs
+    if block_table is None:
+        # (B, H_kv, N, D): the sequence index plays the page's part, one page per sequence.
+        k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
+        v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3))
+        table, table_strides, page_size, tile_in_page = cache_seqlens, (0, 0), 1, False
+    else:
+        # (num_pages, page_size, H_kv, D) -> (page, head, slot, dim) strides.
+        k_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), k_cache.stride(3))
+        v_strides = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), v_cache.stride(3))
+        table, table_strides = block_table, (block_table.stride(0), block_table.stride(1))
+        page_size = shape.page_size
+        tile_in_page = page_size % block_n == 0
+    grid = (batch * heads_kv * row_tiles, num_splits)
+    # Triton launches on the current CUDA device: make it q's.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _decode_split_kernel[grid](
+            q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part, lse_part,
+            sm_scale * LOG2E, heads_kv, group, row_tiles, num_splits,
+            *q.stride(), *k_strides, *v_strides, *table_strides, cache_seqlens.stride(0),
+            N_Q=n_q, HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_D=block_d, PAGED=block_table is not None,
+            PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages)
+        if num_splits > 1:
+            block_s = pow2_at_least(num_splits)
+            _decode_combine_kernel[(batch * heads_q * n_q,)](
+                o_part, lse_part, o, lse, num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                BLOCK_S=block_s, SPLIT_TILE=min(block_s, COMBINE_TILE_ELEMS // block_d),
+                num_warps=4)
+    return o, lse

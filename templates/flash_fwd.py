@@ -1,0 +1,454 @@
+"""The forward FlashAttention template: its search space, constraints, defaults and entry point.
+
+The kernel and its launcher live in ``templates.flash_fwd_kernel`` (torch + triton only, so it
+can be emitted as standalone source); this module adds what the tuner and users need around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from templates import flash_fwd_kernel as kernel
+from templates.attention_reference import attention_reference, lse_error, visible_pairs
+from templates.base import KernelConfig, Problem, Template, knob, next_pow2, relative_error
+from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.registry import register
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+# Bound on the fp32 values one thread holds live in the main loop: the output accumulator
+# (BLOCK_M x BLOCK_D) plus the score tile (BLOCK_M x BLOCK_N), over 32 * num_warps threads.
+# Calibrated on H100 + triton 3.6 (fwd_quick.py --compile-sweep, 499 configs, bf16,
+# d 64/128/256; benchmarks/results/fwd_compile_sweep_h100.json): every config above 192
+# spilled (54 to 1810 registers); at 192 most spill a little, yet 128x64 with 4 warps at d=128 (192, 26 spilled registers) is the fastest config
+# measured at d=128; at 160 and below spills are rare and small.
+MAX_LIVE_FP32_PER_THREAD = 192
+# Barriers of the TMA pipeline: up to 1 KiB more than the tiles (same sweep).
+TMA_BARRIER_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class FwdConfig(KernelConfig):
+    """One point of the forward kernel's search space."""
+
+    BLOCK_M: int = knob(
+        64, (16, 32, 64, 128, 256),
+        "Query rows per program. Larger tiles reuse each K/V block for more rows (fewer loads "
+        "per FLOP) but hold a larger accumulator per thread and launch fewer programs.")
+    BLOCK_N: int = knob(
+        64, (16, 32, 64, 128, 256),
+        "Keys per inner-loop step. Larger steps amortize the softmax rescale and loop overhead "
+        "but need more shared memory per pipeline stage and more score registers.")
+    num_warps: int = knob(
+        4, (4, 8),
+        "Warps per program. 8 splits the accumulator over more threads (fewer registers each) "
+        "at the cost of more synchronization per tile.")
+    num_stages: int = knob(
+        2, (1, 2, 3, 4, 5),
+        "Software-pipeline depth of the KV loop: K/V blocks in flight at once. Deeper hides "
+        "memory latency but multiplies the K/V shared-memory buffers.")
+    use_tma: bool = knob(
+        False, (False, True),
+        "Load Q/K/V and store O through Hopper TMA tensor descriptors instead of pointer "
+        "loads: fewer address registers and instructions; needs compute capability >= 9.0 and "
+        "16-byte aligned strides.")
+    pipeline_masked_loop: bool = knob(
+        True, (False, True),
+        "Also software-pipeline the masked loop (causal diagonal and N_kv tail, 1-3 blocks per "
+        "tile). Pipelining it hides the first loads; not pipelining it saves prologue code and "
+        "registers.")
+    loop_unroll: int = knob(
+        1, (1, 2),
+        "Unroll factor of the unmasked KV loop: 2 gives the scheduler two iterations to "
+        "interleave, but multiplies the pipelined K/V buffers (shared memory) and code size; "
+        "on H100 it was 13-19% slower in every measured case.")
+    grid_order: str = knob(
+        "tiles_inner", kernel.GRID_ORDERS,
+        "Program launch order. tiles_inner runs the query tiles of one head together (that "
+        "head's K/V stay in L2); heads_inner runs one tile of many heads together (with GQA, "
+        "the query heads of a kv group share K/V). heads_inner lost 1-28% on H100 dense MHA.")
+    longest_first: bool = knob(
+        False, (False, True),
+        "Causal only: launch the query tiles that see the most keys first, so the longest "
+        "programs do not end up alone in the last wave.")
+    warp_specialize: bool = knob(
+        False, (False, True),
+        "Let the compiler split the unmasked KV loop into producer and consumer warps. Only "
+        "allowed on Blackwell (see the constraint).")
+
+
+def block_d(problem: Problem) -> int:
+    return kernel.block_d_for(problem.head_dim)
+
+
+def shared_memory_estimate(problem: Problem, config: FwdConfig) -> int:
+    """Bytes of shared memory Triton allocates: the Q tile plus the K/V buffers.
+
+    Matches Triton 3.6 on H100 to within 1 KiB for all 499 configs of the compile sweep: a
+    pipelined loop (num_stages >= 2) holds num_stages K tiles and as many V tiles, and
+    unrolling multiplies them (128x128 at d=128, 3 stages, unroll 2 asked for 416 KiB); an
+    unpipelined loop reuses one tile's worth for K and then V.
+    """
+    esize = DTYPE_BYTES[problem.dtype]
+    d = block_d(problem)
+    q_tile = config.BLOCK_M * d * esize
+    kv_tile = config.BLOCK_N * d * esize
+    if config.num_stages > 1:
+        kv_bytes = 2 * kv_tile * config.num_stages * config.loop_unroll
+    else:
+        kv_bytes = kv_tile * config.loop_unroll
+    return q_tile + kv_bytes + (TMA_BARRIER_BYTES if config.use_tma else 0)
+
+
+def live_fp32_per_thread(problem: Problem, config: FwdConfig) -> int:
+    """fp32 values each thread holds across the loop: accumulator plus score tile."""
+    per_program = config.BLOCK_M * (block_d(problem) + config.BLOCK_N)
+    return per_program // (32 * config.num_warps)
+
+
+class FlashFwdTemplate(Template):
+    name = "flash_fwd"
+    description = ("FlashAttention-2 forward (online softmax, exp2), dense, causal top-left or "
+                   "bottom-right, GQA/MQA, head dim <= 256, pointer or TMA loads; returns "
+                   "(o, lse).")
+    config_cls = FwdConfig
+
+    def source_modules(self) -> Sequence[str]:
+        return [kernel.__name__, __name__]
+
+    # -- the problem --------------------------------------------------------------------------
+    def unsupported(self, problem: Problem) -> str | None:
+        if problem.mask != "none":
+            return (f"flash_fwd computes dense attention, but the problem has block-sparse mask "
+                    f"{problem.mask!r}")
+        if problem.head_dim > kernel.MAX_HEAD_DIM:
+            return (f"flash_fwd supports head_dim <= {kernel.MAX_HEAD_DIM}, but got "
+                    f"{problem.head_dim}")
+        return None
+
+    def flops(self, problem: Problem) -> float:
+        # Equal lengths follow the FlashAttention papers' convention (causal = half of dense);
+        # otherwise count the visible (query, key) pairs exactly.
+        if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
+            pairs = problem.seqlen_q * problem.seqlen_kv / 2
+        else:
+            pairs = visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv)
+        return 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
+
+    def bytes_moved(self, problem: Problem) -> float:
+        esize = DTYPE_BYTES[problem.dtype]
+        q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim
+        k_or_v = problem.batch * problem.heads_kv * problem.seqlen_kv * problem.head_dim
+        lse = problem.batch * problem.heads_q * problem.seqlen_q
+        return float(esize * (2 * q_or_o + 2 * k_or_v) + 4 * lse)
+
+    # -- the space ----------------------------------------------------------------------------
+    def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
+        config = self.config(config)
+        assert isinstance(config, FwdConfig)
+        reason = self.unsupported(problem)
+        if reason:
+            return reason
+        if config.warp_specialize and device.family != "blackwell":
+            return ("warp_specialize is only tried on Blackwell: on H100 with triton 3.6 it "
+                    "failed to compile for about half the configs and never won")
+        if config.longest_first and problem.causal == "none":
+            return ("longest_first only reorders causal launches (every non-causal tile has "
+                    "the same work); use longest_first=False")
+        if config.use_tma:
+            reason = _tma_reason(problem, config, device)
+            if reason:
+                return reason
+        smem = shared_memory_estimate(problem, config)
+        if smem > device.smem_per_block:
+            return (f"needs about {smem // 1024} KiB of shared memory (Q tile {config.BLOCK_M}x"
+                    f"{block_d(problem)} + {max(1, config.num_stages)} stage(s) of K and V "
+                    f"{config.BLOCK_N}x{block_d(problem)} in {problem.dtype}), more than the "
+                    f"{device.smem_per_block // 1024} KiB a program may use on {device.name}")
+        live = live_fp32_per_thread(problem, config)
+        if live > MAX_LIVE_FP32_PER_THREAD:
+            return (f"each thread would hold about {live} fp32 values (accumulator "
+                    f"{config.BLOCK_M}x{block_d(problem)} + scores {config.BLOCK_M}x"
+                    f"{config.BLOCK_N} over {config.num_warps} warps), more than "
+                    f"{MAX_LIVE_FP32_PER_THREAD}: registers would spill; use more warps or "
+                    f"smaller tiles")
+        return None
+
+    def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
+        """Runners-up on H100 (benchmarks/fwd_quick.py) that fit this problem, after the
+        default: the search starts from them."""
+        if device.family not in ("hopper", "blackwell"):
+            return []
+        causal = problem.causal != "none"
+        measured = [
+            FwdConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
+            FwdConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True),
+            FwdConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            FwdConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
+            FwdConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, use_tma=True),
+        ]
+        default = self.default_config(problem, device)
+        out: list[KernelConfig] = []
+        for cfg in measured:
+            cfg = dataclasses.replace(cfg, longest_first=causal)
+            if cfg != default and self.constraint(problem, cfg, device) is None:
+                out.append(cfg)
+        return out
+
+    def default_config(self, problem: Problem, device: DeviceInfo) -> FwdConfig:
+        start = _heuristic(problem, device)
+        for candidate in _shrinking(start):
+            if self.constraint(problem, candidate, device) is None:
+                return candidate
+        raise RuntimeError(f"no forward config fits {problem.key()} on {device.name}")
+
+    # -- running and checking -----------------------------------------------------------------
+    def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dtype = TORCH_DTYPES[problem.dtype]
+
+        def randn(heads: int, seqlen: int) -> torch.Tensor:
+            shape = (problem.batch, heads, seqlen, problem.head_dim)
+            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+        return {"q": randn(problem.heads_q, problem.seqlen_q),
+                "k": randn(problem.heads_kv, problem.seqlen_kv),
+                "v": randn(problem.heads_kv, problem.seqlen_kv),
+                "causal": problem.causal, "scale": 1.0 / math.sqrt(problem.head_dim)}
+
+    def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
+        cfg = self.config(config)
+        assert isinstance(cfg, FwdConfig)
+        return flash_attention_fwd(inputs["q"], inputs["k"], inputs["v"],
+                                   causal=inputs["causal"], scale=inputs["scale"], config=cfg)
+
+    def precompile(self, problem: Problem, config: KernelConfig) -> bool:
+        """Compile what ``run`` would launch for ``problem``'s inputs, allocating nothing."""
+        if interpreter_active() or not torch.cuda.is_available():
+            return False
+        compile_for(problem, self.config(config))
+        return True
+
+    def reference(self, inputs: Mapping[str, Any]) -> Any:
+        return attention_reference(inputs["q"], inputs["k"], inputs["v"],
+                                   causal=kernel.normalize_causal(inputs["causal"]),
+                                   scale=inputs["scale"])
+
+    def error(self, out: Any, ref: Any) -> float:
+        """Largest of the relative errors of o and of lse (its -inf rows must match exactly)."""
+        (o, lse), (o_ref, lse_ref) = out, ref
+        return max(relative_error(o, o_ref), lse_error(lse, lse_ref))
+
+    # -- code generation ----------------------------------------------------------------------
+    def standalone_source(self, config: KernelConfig) -> str:
+        config = self.config(config)
+        header = (f"# Generated by templates.flash_fwd (template {self.name}, version "
+                  f"{self.version()}).\n# Config: {config.key()}\n"
+                  f"# Needs only torch and triton.\n")
+        entry = _STANDALONE_ENTRY.replace("CONFIG_LITERAL", repr(config.to_dict()))
+        return header + inspect.getsource(kernel) + entry
+
+
+_STANDALONE_ENTRY = '''
+
+# ----------------------------------------------------------------------------- baked-in config
+CONFIG: dict[str, object] = CONFIG_LITERAL
+
+
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool | str = False, scale: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of softmax(scale * q k^T) v with the config above baked in.
+
+    q: (B, H_q, N_q, D); k, v: (B, H_kv, N_kv, D), any strides; causal: False, True
+    (= "top_left"), "none", "top_left" or "bottom_right"; scale defaults to 1/sqrt(D).
+    """
+    causal_mode, softmax_scale = validate_inputs(q, k, v, causal, scale)
+    config = dict(CONFIG)
+    if config["use_tma"] and tma_inputs_problem(q, k, v):
+        config["use_tma"] = False  # this memory layout cannot use TMA: use pointer loads
+    return launch(q, k, v, causal_mode=causal_mode, scale=softmax_scale, config=config)
+'''
+
+
+def _tma_reason(problem: Problem, config: FwdConfig, device: DeviceInfo) -> str | None:
+    if not device.is_interpreter and device.family in ("volta-turing", "ampere-ada", "other"):
+        return (f"use_tma needs a GPU with TMA (compute capability >= 9.0), but "
+                f"{device.name} has {device.compute_capability}")
+    row_bytes = problem.head_dim * DTYPE_BYTES[problem.dtype]
+    if row_bytes % 16:
+        return (f"use_tma needs rows of 16-byte multiples, but head_dim {problem.head_dim} in "
+                f"{problem.dtype} is {row_bytes} bytes")
+    if config.loop_unroll > 1 and config.num_stages > 1:
+        # Precaution, not measured here: other projects report that unrolling a pipelined TMA
+        # loop can fault at run time ("misaligned address"), which would take the tuner's
+        # CUDA context down with it; unrolling never won with pointer loads either.
+        return ("use_tma with loop_unroll > 1 and num_stages > 1 is not compiled (reported to "
+                "fault at run time)")
+    return None
+
+
+def _heuristic(problem: Problem, device: DeviceInfo) -> FwdConfig:
+    """Starting point per GPU family and head dim, before fitting it to the constraints."""
+    d = problem.head_dim
+    if device.is_interpreter:
+        # Measured under the interpreter (2-core CPU, N=100..1000, d=64): per-op overhead
+        # dominates, so big tiles run fastest (64x64 is 5-12x faster than 16x16, 128x64
+        # faster still at N=1000).
+        cfg = FwdConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    elif device.family in ("hopper", "blackwell"):
+        # Measured on H100 (triton 3.6, bf16, 16k tokens, N 4k / 16k, benchmarks/fwd_quick.py:
+        # a grid of ~30 configs plus variants of the best, two runs). Each choice was the best
+        # or within 5% of it (the same config timed twice in one run differed by up to 4.5%;
+        # benchmarks/results/fwd_quick_h100.json). TFLOP/s of the final run,
+        # non-causal 4k/16k then causal 4k/16k: d=64 456/460, 406/457; d=128 502/500,
+        # 447/502; d=256 538/546, 449/541 (cuDNN: 478/463, 416/437; 606/630, 540/590;
+        # 666/682, 564/592). Not pipelining the masked loop won 4-9% at d=64 non-causal only.
+        # Blackwell: unmeasured, Hopper's choice is a guess there.
+        causal = problem.causal != "none"
+        if d <= 64:
+            cfg = FwdConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, use_tma=True,
+                            pipeline_masked_loop=causal, longest_first=causal)
+        elif d <= 128:
+            cfg = FwdConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, use_tma=True,
+                            longest_first=causal)
+        else:
+            cfg = FwdConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, use_tma=True,
+                            longest_first=causal)
+    elif device.family == "ampere-ada":
+        # GUESSES: the Triton tutorial's ranges for mma.sync GPUs.
+        if d <= 64:
+            cfg = FwdConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+        elif d <= 128:
+            cfg = FwdConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        else:
+            cfg = FwdConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    else:
+        cfg = FwdConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if problem.dtype == "float32":
+        cfg = dataclasses.replace(cfg, use_tma=False)
+    # Short sequences: no tile larger than the sequence (rounded up to a power of two).
+    block_m = min(cfg.BLOCK_M, max(16, next_pow2(problem.seqlen_q)))
+    block_n = min(cfg.BLOCK_N, max(16, next_pow2(problem.seqlen_kv)))
+    warps = cfg.num_warps if block_m >= 64 else 4
+    return dataclasses.replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                               longest_first=problem.causal != "none" and cfg.longest_first)
+
+
+def _shrinking(cfg: FwdConfig) -> list[FwdConfig]:
+    """``cfg``, then ever cheaper variants: more warps, fewer stages, smaller tiles."""
+    out = [cfg, dataclasses.replace(cfg, num_warps=8)]
+    for stages in range(cfg.num_stages - 1, 0, -1):
+        out.append(dataclasses.replace(out[-1], num_stages=stages))
+    while out[-1].BLOCK_N > 16 or out[-1].BLOCK_M > 16:
+        last = out[-1]
+        if last.BLOCK_N >= last.BLOCK_M and last.BLOCK_N > 16:
+            out.append(dataclasses.replace(last, BLOCK_N=last.BLOCK_N // 2))
+        else:
+            out.append(dataclasses.replace(last, BLOCK_M=last.BLOCK_M // 2))
+    out.append(dataclasses.replace(out[-1], use_tma=False))
+    return out
+
+
+def compile_for(problem: Problem, config: KernelConfig) -> Any:
+    """Triton's compiled kernel for ``problem``'s inputs (as ``make_inputs`` lays them out)
+    under ``config``, without allocating or launching anything (needs a CUDA device)."""
+    cfg = TEMPLATE.config(config)
+    dtype = TORCH_DTYPES[problem.dtype]
+    q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
+    kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
+    standin = _contiguous_standin_type()
+    grid, args, options = kernel.kernel_call(
+        standin(dtype, q_shape), standin(dtype, kv_shape), standin(dtype, kv_shape),
+        standin(dtype, q_shape), standin(torch.float32, q_shape[:3]),
+        causal_mode=problem.causal, scale=1.0 / math.sqrt(problem.head_dim),
+        config=cfg.to_dict())
+    return kernel._flash_fwd_kernel.warmup(*args, grid=grid, **options)
+
+
+def _contiguous_standin_type() -> type:
+    """Triton's ``MockTensor`` (a dtype and a shape at address 0, so 16-byte aligned like any
+    torch allocation) with the strides of a contiguous tensor: its own ``stride()`` multiplies
+    the sizes in the wrong order for rank > 2 (seen on triton 3.6, where precompiled kernels
+    then never matched a launch)."""
+    from triton.runtime.jit import MockTensor
+
+    class ContiguousStandin(MockTensor):  # type: ignore[misc]
+        def stride(self) -> tuple[int, ...]:
+            strides = [1]
+            for size in reversed(self.shape[1:]):
+                strides.append(strides[-1] * size)
+            return tuple(reversed(strides))
+
+    return ContiguousStandin
+
+
+# ----------------------------------------------------------------------------- entry point
+def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
+    return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
+                   seqlen_q=q.shape[2], seqlen_kv=k.shape[2], head_dim=q.shape[3],
+                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode)
+
+
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool | str = False, scale: float | None = None,
+                        config: FwdConfig | Mapping[str, object] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: (o, lse) of softmax(scale * q k^T [masked]) v.
+
+    Args:
+        q: (B, H_q, N_q, D) float16, bfloat16 or float32, any strides.
+        k, v: (B, H_kv, N_kv, D), same dtype and device; H_q a multiple of H_kv (GQA/MQA).
+        causal: False / "none"; True / "top_left" (query i sees keys j <= i, as torch SDPA);
+            "bottom_right" (j <= i + N_kv - N_q, as FlashAttention-2 with a KV cache).
+        scale: softmax scale, default 1/sqrt(D).
+        config: an ``FwdConfig`` or a mapping of its fields; None takes the template's default
+            for this problem and device.
+
+    Returns:
+        o (B, H_q, N_q, D) in q's dtype, contiguous; lse (B, H_q, N_q) float32, the natural
+        logsumexp of the scaled, masked scores (-inf, with o = 0, for rows that see no key).
+
+    Raises:
+        TypeError / ValueError naming the offending argument, the config field, or the
+        constraint the config violates for this problem and device.
+    """
+    causal_mode, softmax_scale = kernel.validate_inputs(q, k, v, causal, scale)
+    if config is not None and not isinstance(config, FwdConfig | Mapping):
+        raise TypeError(f"config must be an FwdConfig, a mapping of its fields or None, but "
+                        f"got {type(config).__name__}")
+    chosen = None if config is None else TEMPLATE.config(config)
+    if q.device.type != "cuda" and not interpreter_active():
+        raise ValueError(f"the kernel runs on CUDA tensors (or under TRITON_INTERPRET=1), but q "
+                         f"is on {q.device}")
+    problem = problem_of(q, k, causal_mode)
+    device = current_device(q.device.index) if q.is_cuda else current_device()
+    if chosen is None:
+        cfg = TEMPLATE.default_config(problem, device)
+        if cfg.use_tma and kernel.tma_inputs_problem(q, k, v):
+            cfg = dataclasses.replace(cfg, use_tma=False)  # this layout cannot use TMA
+    else:
+        assert isinstance(chosen, FwdConfig)
+        cfg = chosen
+        reason = TEMPLATE.constraint(problem, cfg, device)
+        if reason:
+            raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on "
+                             f"{device.name}: {reason}")
+        reason = kernel.tma_inputs_problem(q, k, v) if cfg.use_tma else None
+        if reason:
+            raise ValueError(f"config {cfg.key()}: {reason}; use use_tma=False for this layout")
+    return kernel.launch(q, k, v, causal_mode=causal_mode, scale=softmax_scale,
+                         config=cfg.to_dict())
+
+
+TEMPLATE = FlashFwdTemplate()
+register(TEMPLATE)

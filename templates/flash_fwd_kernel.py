@@ -1,0 +1,358 @@
+"""FlashAttention forward: the Triton kernel family and its launcher.
+
+This module imports only torch and triton: ``FlashFwdTemplate.standalone_source`` emits it
+verbatim, with a tuned config appended, as a module a user can drop into a project.
+
+One kernel, specialized by ``tl.constexpr``:
+  * online softmax (running max ``m_i``, running sum ``l_i``, rescaled fp32 accumulator),
+    exp2 with ``scale * log2(e)`` folded into one multiply;
+  * KV blocks split per query tile into *full* blocks (every key visible to every row of the
+    tile and inside ``N_kv``: no elementwise mask) and *partial* blocks (the causal diagonal and
+    the ``N_kv`` tail: masked); blocks above the causal diagonal never run. A block-sparse
+    variant can replace the two ranges by per-tile lists of full and partial block indices;
+  * loads through pointers (any strides, masked only where needed) or through host-side TMA
+    tensor descriptors (rank-4 over (B, H, N, D), so strided views need no copy and rows past
+    ``N`` read as zeros and are never written);
+  * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
+  * head dims up to 256, padded inside the kernel to ``BLOCK_D`` (a power of two >= 16).
+
+Outputs: ``o`` (B, H_q, N_q, D) in the input dtype, contiguous, and ``lse`` (B, H_q, N_q)
+float32, the natural-log logsumexp of the scaled scores; a row that sees no key gets o = 0 and
+lse = -inf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (triton >= 3.3 with a Hopper-or-newer GPU, or the interpreter)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+CAUSAL_MODES = ("none", "top_left", "bottom_right")
+GRID_ORDERS = ("tiles_inner", "heads_inner")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+# Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
+# so an element the kernel forgets to write shows up as NaN instead of stale memory.
+DEBUG_POISON = False
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _attend_kv_blocks(
+    acc, l_i, m_i, q,
+    K, V, kv_b, kv_h,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, kv_lo, kv_hi, N_KV, causal_offset, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold KV blocks [kv_lo, kv_hi) into the running (acc, l_i, m_i) of one query tile.
+
+    ``MASKED`` blocks apply the elementwise mask (key < N_kv, and the causal diagonal) and may
+    hold rows with no visible key yet; unmasked blocks are fully visible to every row.
+    With pointer loads ``K``/``V`` point at the (batch, kv head) base; with TMA they are
+    rank-4 descriptors indexed by (kv_b, kv_h, row, 0).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for start_n in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=LOOP_STAGES,
+                            loop_unroll_factor=LOOP_UNROLL, warp_specialize=WARP_SPECIALIZE):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        keys = start_n + offs_n
+        if USE_TMA:
+            k = K.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k_ptrs = K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd
+            if MASKED:
+                k = tl.load(k_ptrs, mask=(keys[:, None] < N_KV) & d_ok[None, :], other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            visible = keys[None, :] < N_KV
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no visible key so far keeps m = -inf: shift by 0 instead, so that
+            # exp2(-inf - -inf) never makes a NaN; its p and alpha are then exactly 0.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_shift[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_shift = m_new
+            p = tl.math.exp2(s * qk_scale - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if USE_TMA:
+            v = V.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            v_ptrs = V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            if MASKED:
+                v = tl.load(v_ptrs, mask=(keys[:, None] < N_KV) & d_ok[None, :], other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "GROUP", "BH",
+                               "n_q_tiles"])
+def _flash_fwd_kernel(
+    Q, K, V, Out, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    N_Q, N_KV, causal_offset, H_Q, GROUP, BH, n_q_tiles, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    GRID_ORDER: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # -- which (batch, head, query tile) this program owns: a 1-D grid decoded here, so the
+    # launch order is a knob and no grid axis can exceed its hardware limit.
+    pid = tl.program_id(0)
+    if GRID_ORDER == 0:  # tiles_inner: the tiles of one head run together (its K/V stay in L2)
+        tile = pid % n_q_tiles
+        bh = pid // n_q_tiles
+    else:  # heads_inner: the heads of one tile run together
+        bh = pid % BH
+        tile = pid // BH
+    if LONGEST_FIRST:  # causal: later tiles see more keys; start them first
+        tile = n_q_tiles - 1 - tile
+    b = bh // H_Q
+    h = bh % H_Q
+    kv_h = h // GROUP
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < N_Q
+    d_ok = offs_d < HEAD_DIM
+
+    if USE_TMA:
+        q = Q.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
+        K_base = K
+        V_base = V
+    else:
+        q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+                  + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        K_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+        V_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
+
+    # -- the KV range of this tile: [0, full_end) needs no mask, [full_end, kv_end) does.
+    if CAUSAL:
+        # Row i sees keys j <= i + causal_offset (0 for top-left, N_kv - N_q for bottom-right).
+        kv_end = tl.maximum(tl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
+        first_row_sees = tl.maximum(m0 + causal_offset + 1, 0)
+        full_end = tl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N) * BLOCK_N
+    else:
+        kv_end = N_KV
+        full_end = (N_KV // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _attend_kv_blocks(
+        acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, 0, full_end, N_KV, causal_offset, qk_scale,
+        False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
+        USE_TMA, NUM_STAGES, LOOP_UNROLL, WARP_SPECIALIZE, DOT_PRECISION)
+    acc, l_i, m_i = _attend_kv_blocks(
+        acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, full_end, kv_end, N_KV, causal_offset, qk_scale,
+        True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
+        USE_TMA, MASKED_LOOP_STAGES, 1, False, DOT_PRECISION)
+
+    # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
+    if USE_TMA:
+        Out.store([b, h, m0, 0], o.to(q.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                  + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, o.to(q.dtype), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# ----------------------------------------------------------------------------- host side
+def block_d_for(head_dim: int) -> int:
+    """The kernel's padded head dim: the next power of two, at least 16 (tl.dot's minimum K)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def causal_offset(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
+    """Row i may see keys j <= i + offset: 0 top-left (SDPA), N_kv - N_q bottom-right (FA2)."""
+    return seqlen_kv - seqlen_q if mode == "bottom_right" else 0
+
+
+def normalize_causal(causal: bool | str) -> str:
+    """True means SDPA's top-left alignment; strings name the mode."""
+    if isinstance(causal, bool):
+        return "top_left" if causal else "none"
+    if isinstance(causal, str) and causal in CAUSAL_MODES:
+        return causal
+    raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got {causal!r}")
+
+
+def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    causal: bool | str, scale: float | None) -> tuple[str, float]:
+    """Check shapes, dtypes and devices; return (causal mode, softmax scale)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seqlen, head_dim), "
+                             f"but got shape {tuple(t.shape)}")
+        if not t.is_floating_point() or t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, but got {t.dtype}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} must not be empty, but got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, but got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, but got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (batch, heads_kv, seqlen_kv, "
+                         f"head_dim), but got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, but got {q.shape[0]} and "
+                         f"{k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, but got {q.shape[3]} and "
+                         f"{k.shape[3]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of heads of k/v "
+                         f"({k.shape[1]})")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, but got {q.shape[3]}")
+    mode = normalize_causal(causal)
+    if scale is None:
+        return mode, 1.0 / math.sqrt(q.shape[3])
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None, but got {scale!r}")
+    return mode, float(scale)
+
+
+def tma_layout_problem(shape: tuple[int, ...], strides: tuple[int, ...], data_ptr: int,
+                       element_size: int, name: str) -> str | None:
+    """Why a rank-4 TMA descriptor cannot cover a tensor laid out so (None if it can)."""
+    if strides[-1] != 1:
+        return f"TMA needs {name}'s last dimension contiguous, but its strides are {strides}"
+    for dim, (size, stride) in enumerate(zip(shape[:-1], strides[:-1], strict=True)):
+        if size > 1 and (stride <= 0 or (stride * element_size) % 16):
+            return (f"TMA needs every stride of {name} to be a positive multiple of 16 bytes, "
+                    f"but dim {dim} has stride {stride} ({stride * element_size} bytes)")
+    if data_ptr % 16:
+        return f"TMA needs {name} to start at a 16-byte aligned address"
+    return None
+
+
+def tma_inputs_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why q, k, v (and the contiguous output) cannot be read through TMA (None if they can)."""
+    batch, heads, seqlen, head_dim = q.shape
+    o_strides = (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)  # o is contiguous
+    for name, shape, strides, ptr in (("q", q.shape, q.stride(), q.data_ptr()),
+                                      ("k", k.shape, k.stride(), k.data_ptr()),
+                                      ("v", v.shape, v.stride(), v.data_ptr()),
+                                      ("o", q.shape, o_strides, 0)):
+        reason = tma_layout_problem(tuple(shape), tuple(strides), ptr, q.element_size(), name)
+        if reason:
+            return reason
+    return None
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: str,
+           scale: float, config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on validated inputs with a config given as a plain mapping."""
+    batch, heads_q, seqlen_q, _ = q.shape
+    if DEBUG_POISON:
+        o = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+        lse = torch.full((batch, heads_q, seqlen_q), float("nan"), device=q.device,
+                         dtype=torch.float32)
+    else:
+        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
+    if config["use_tma"]:
+        reason = tma_inputs_problem(q, k, v)
+        if reason:
+            raise ValueError(f"{reason}; use a config with use_tma=False")
+    grid, args, options = kernel_call(q, k, v, o, lse, causal_mode=causal_mode, scale=scale,
+                                      config=config)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _flash_fwd_kernel[grid](*args, **options)
+    return o, lse
+
+
+def kernel_call(q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str, scale: float,
+                config: Mapping[str, Any]) -> tuple[tuple[int], list[Any], dict[str, Any]]:
+    """Grid, positional arguments and options of one launch.
+
+    The tensors may be triton's ``MockTensor`` stand-ins (dtype and shape, contiguous), so that
+    ``_flash_fwd_kernel.warmup`` can compile exactly what a launch would without any memory.
+    """
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_kv = k.shape[1], k.shape[2]
+    block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
+    block_d = block_d_for(head_dim)
+    use_tma = bool(config["use_tma"])
+    num_stages = int(config["num_stages"])
+    if use_tma:
+        if TensorDescriptor is None:
+            raise RuntimeError("use_tma=True needs triton.tools.tensor_descriptor (triton >= 3.3)")
+        tensors = [TensorDescriptor.from_tensor(q, [1, 1, block_m, block_d]),
+                   TensorDescriptor.from_tensor(k, [1, 1, block_n, block_d]),
+                   TensorDescriptor.from_tensor(v, [1, 1, block_n, block_d]),
+                   TensorDescriptor.from_tensor(o, [1, 1, block_m, block_d])]
+    else:
+        tensors = [q, k, v, o]
+    n_q_tiles = triton.cdiv(seqlen_q, block_m)
+    causal = causal_mode != "none"
+    args = [*tensors, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            seqlen_q, seqlen_kv, causal_offset(causal_mode, seqlen_q, seqlen_kv),
+            heads_q, heads_q // heads_kv, batch * heads_q, n_q_tiles, scale * LOG2_E]
+    options = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, USE_TMA=use_tma,
+        GRID_ORDER=GRID_ORDERS.index(str(config["grid_order"])),
+        LONGEST_FIRST=bool(config["longest_first"]) and causal,
+        NUM_STAGES=num_stages,
+        MASKED_LOOP_STAGES=num_stages if config["pipeline_masked_loop"] else 1,
+        LOOP_UNROLL=int(config["loop_unroll"]),
+        WARP_SPECIALIZE=bool(config["warp_specialize"]),
+        # fp32 inputs (tests) get exact fp32 dots; 16-bit inputs ignore the option.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=int(config["num_warps"]), num_stages=num_stages,
+    )
+    return (n_q_tiles * batch * heads_q,), args, options
