@@ -1,0 +1,54 @@
+"""Shared set-up of the tuner tests: the toy templates, registered in this process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import tests.tuner.toy_templates  # noqa: F401  (registers toy_add, toy_faulty, toy_tiles)
+from db.models import TrialStatus
+from templates import Problem, current_device, get_template
+from tuner.replay import RecordedProblem
+from tuner.runner.outcome import TrialOutcome
+
+TOY_PROBLEM = Problem(1, 1, 1, 16, 16, 16, "float16")
+
+
+def tiles_landscape() -> RecordedProblem:
+    """A recorded toy_tiles problem: a smooth landscape with one best config (BLOCK_M=128,
+    BLOCK_N=64, 4 warps, 3 stages: 100 TFLOP/s), 8 warps x 4 stages failing to compile,
+    and BLOCK_N=16 x 1 stage never recorded."""
+    template = get_template("toy_tiles")
+    device = current_device()
+    trials: dict[str, TrialOutcome] = {}
+    configs: dict[str, dict] = {}
+    for c in template.config_cls.grid():
+        if template.constraint(TOY_PROBLEM, c, device):
+            continue
+        if c.BLOCK_N == 16 and c.num_stages == 1:
+            continue
+        configs[c.key()] = c.to_dict()
+        if c.num_warps == 8 and c.num_stages == 4:
+            trials[c.key()] = TrialOutcome(TrialStatus.COMPILE_ERROR, "out of registers")
+            continue
+        lg = math.log2
+        tflops = (100 - 3 * (lg(c.BLOCK_M) - 7) ** 2 - 2 * (lg(c.BLOCK_N) - 6) ** 2
+                  - 4 * (lg(c.num_warps) - 2) ** 2 - 1.5 * (c.num_stages - 3) ** 2)
+        trials[c.key()] = TrialOutcome(TrialStatus.OK, tflops=tflops,
+                                       median_ms=template.flops(TOY_PROBLEM) / tflops / 1e9)
+    return RecordedProblem(template="toy_tiles", template_version=template.version(),
+                           device=device.to_dict() | {"key": device.key},
+                           problem=TOY_PROBLEM.to_dict(),
+                           problem_key=template.problem_key(TOY_PROBLEM), trials=trials,
+                           configs=configs)
+
+
+@pytest.fixture(scope="session")
+def landscape() -> RecordedProblem:
+    return tiles_landscape()
+
+
+# The storage fixtures of tests/db: a fresh SQLite file, and a fresh PostgreSQL schema
+# (skipped with the reason when no server answers).
+from tests.db.conftest import db_url, postgres_server  # noqa: E402, F401

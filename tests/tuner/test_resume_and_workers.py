@@ -1,0 +1,124 @@
+"""Real processes: a sweep killed with SIGKILL resumes without re-running anything, and
+three sweep processes on one SQLite file measure every config exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+from sqlalchemy import select
+
+from db.models import Sweep, Trial, TrialStatus
+from db.session import dispose_engine, session_scope
+from tests.tuner.toy_templates import MEASURE_LOG_ENV, measurements
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spec(tmp_path: Path, shapes: str) -> Path:
+    spec = tmp_path / "spec.toml"
+    spec.write_text('templates = ["toy_add"]\ntemplate_modules = ["tests.tuner.toy_templates"]\n'
+                    f'dtypes = ["float16"]\nshapes = [{shapes}]\n')
+    return spec
+
+
+def _command(spec: Path, db: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tuner.cli.app", "sweep", str(spec), "--db", db,
+            "--trials", "7", "--timeout", "20", "--json", *extra]
+
+
+def _env(log: Path) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, MEASURE_LOG_ENV: str(log)}
+
+
+def _rows(db: str) -> list[Trial]:
+    with session_scope(db, write=False) as s:
+        return list(s.scalars(select(Trial).order_by(Trial.id)))
+
+
+def test_a_sweep_killed_with_sigkill_resumes_without_rerunning(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "{B = 1, H = 1, N = 64, D = 32}")
+    db = f"sqlite:///{tmp_path / 'tuner.db'}"
+    log = tmp_path / "measured.log"
+    # Heartbeat 1 s: the killed worker's trial goes stale 3 s later and is retried.
+    cmd = _command(spec, db, "--heartbeat", "1", "--seed", "5")
+    first = subprocess.Popen(cmd, env=_env(log), cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert first.poll() is None, "the sweep ended before it could be killed"
+            assert time.monotonic() < deadline, "the sweep stored nothing in 120 s"
+            if (tmp_path / "tuner.db").exists():
+                try:
+                    if sum(r.status == TrialStatus.OK for r in _rows(db)) >= 2:
+                        break
+                except Exception:  # tables not created yet
+                    pass
+            time.sleep(0.05)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the sweep and its trial worker, mid-sweep
+        first.wait()
+    dispose_engine(db)
+    before = {r.config_key: (r.id, r.status, r.tflops) for r in _rows(db)}
+    measured_before = measurements(log)
+    assert 2 <= sum(s == TrialStatus.OK for _, s, _ in before.values()) < 7
+
+    second = subprocess.run(cmd, env=_env(log), cwd=tmp_path, capture_output=True, text=True,
+                            timeout=180)
+    assert second.returncode == 0, second.stderr
+    report: dict[str, Any] = json.loads(second.stdout)
+    after = {r.config_key: (r.id, r.status, r.tflops) for r in _rows(db)}
+    for key, row in before.items():
+        assert after[key] == row  # nothing measured was lost or replaced
+    assert sum(s == TrialStatus.OK for _, s, _ in after.values()) == 7
+    (problem,) = report["problems"]
+    done_before = sum(s != TrialStatus.INVALID for _, s, _ in before.values())
+    assert problem["measured"] == 7 - done_before  # the rest, and only the rest
+    new_runs = {k: runs - measured_before.get(k, set()) for k, runs in measurements(log).items()}
+    for (_, _, key), runs in new_runs.items():
+        assert not (key in before and runs), f"{key} was measured again after the restart"
+    with session_scope(db, write=False) as s:
+        assert [w.status.value for w in s.scalars(select(Sweep).order_by(Sweep.id))] == [
+            "running", "done"]  # the killed one never finished
+    (summary,) = optuna.get_all_study_summaries(storage=db)
+    study = optuna.load_study(study_name=summary.study_name, storage=db)
+    assert not [t for t in study.trials if t.state.name == "RUNNING"]  # failed as stale
+
+
+def test_three_processes_on_one_sqlite_file_measure_each_config_once(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "{B = 1, H = 2, N = 32, D = 16}, {B = 1, H = 2, N = 64, D = 16}")
+    db = f"sqlite:///{tmp_path / 'shared.db'}"
+    log = tmp_path / "measured.log"
+    procs = [subprocess.Popen(_command(spec, db, *extra), env=_env(log), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for extra in ([], ["--seed", "1"], ["--workers", "2", "--seed", "2"])]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, (_, err)
+    reports = [json.loads(out) for out, _ in outputs]
+    rows = _rows(db)
+    per_problem: dict[str, list[Trial]] = {}
+    for row in rows:
+        per_problem.setdefault(row.problem_key, []).append(row)
+    assert len(per_problem) == 2
+    for problem_rows in per_problem.values():
+        assert sum(r.status == TrialStatus.OK for r in problem_rows) == 7
+        assert {r.status for r in problem_rows} <= {TrialStatus.OK, TrialStatus.INVALID}
+    runs = measurements(log)
+    for row in rows:
+        n = f"n={row.problem['batch'] * row.problem['heads_q'] * row.problem['seqlen_q'] * 16}"
+        count = len(runs.get(("toy_add", n, row.config_key), set()))
+        assert count == (0 if row.status == TrialStatus.INVALID else 1), (row.problem_key,
+                                                                        row.config_key, count)
+    measured = [p["measured"] for r in reports for p in r["problems"]]
+    assert sum(measured) == 14  # every config once, over all processes
+    assert len({r["sweep_id"] for r in reports}) == 3

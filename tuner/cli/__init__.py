@@ -1,0 +1,1 @@
+"""The ``tuner`` command line: ``app.py`` assembles it, one module per command."""

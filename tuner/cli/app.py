@@ -1,0 +1,52 @@
+"""The ``tuner`` command: assembles the commands and owns the one error path.
+
+Every command raises ``TunerError`` (what is wrong, and the fix) for problems the user can
+fix; ``main`` prints it (as JSON with ``--json``) and exits 2. Other exceptions are bugs and
+keep their traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from tuner.cli import best, export, importing, listing, replay, serve, sweep
+from tuner.cli.common import err_console
+from tuner.errors import TunerError
+from tuner.settings import SettingsError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(name="tuner", no_args_is_help=True, add_completion=False,
+                  help="Autotune Triton attention kernels and serve the best configs.")
+app.command("sweep")(sweep.sweep)
+app.command("best")(best.best)
+app.command("list")(listing.list_things)
+app.command("export")(export.export)
+app.command("import")(importing.import_bundle)
+app.command("replay")(replay.replay)
+app.command("serve")(serve.serve)
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        app(args=args, prog_name="tuner")
+    except (TunerError, SettingsError) as exc:
+        message = exc.message if isinstance(exc, TunerError) else str(exc)
+        fix = exc.fix if isinstance(exc, TunerError) else "fix the TUNER_* setting named"
+        if "--json" in args:
+            sys.stdout.write(json.dumps({"error": message, "fix": fix}) + "\n")
+        else:
+            err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+            if fix:
+                err_console.print(f"[bold]fix:[/] {fix}", highlight=False)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""``tuner best``: the stored best configs (of this device unless told otherwise)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from tuner.cli.common import (
+    DbOption,
+    JsonOption,
+    config_text,
+    console,
+    database_url,
+    fmt_tflops,
+    print_json,
+    problem_label,
+)
+from tuner.errors import TunerError
+
+__all__ = ["best"]
+
+
+def best(
+    device: Annotated[str | None, typer.Option(
+        "--device", help="device name or key (default: this machine's device)",
+        show_default=False)] = None,
+    all_devices: Annotated[bool, typer.Option("--all", help="every device")] = False,
+    template: Annotated[str | None, typer.Option("--template", help="template name")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float16, bfloat16, float32")] = None,
+    variant: Annotated[str | None, typer.Option(
+        "--variant", help="dense, causal-top_left, ... (as stored)")] = None,
+    shape: Annotated[str | None, typer.Option(
+        "--shape", help="only the best for this shape's bucket, e.g. B=8,H=16,N=2048,D=128 "
+                        "(with --template, default flash_fwd; --dtype, default bfloat16; "
+                        "--causal)", show_default=False)] = None,
+    causal: Annotated[str, typer.Option("--causal", help="with --shape")] = "none",
+    limit: Annotated[int, typer.Option("--limit", help="most rows to show")] = 1000,
+    db: DbOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Print the stored best configs: with no filter, every one of this device."""
+    from db import crud
+    from db.session import session_scope
+    from templates import all_templates, current_device
+
+    if limit < 1:
+        raise TunerError(f"--limit must be >= 1, but got {limit}", "e.g. --limit 100")
+    url = database_url(db)
+    device_filter = None if all_devices else (device or current_device().key)
+    problem_key = None
+    if shape is not None:
+        template = template or "flash_fwd"
+        dtype = dtype or "bfloat16"
+        problem_key = _bucket_of(template, shape, dtype, causal)
+    current = {t.name: t.version() for t in all_templates()}
+    with session_scope(url, write=False) as s:
+        rows = crud.list_best(s, device=device_filter, template=template, dtype=dtype,
+                              variant=variant, limit=limit if problem_key is None else 100_000)
+        if problem_key is not None:
+            rows = [r for r in rows if r.problem_key == problem_key][:limit]
+        items = [_item(r, current) for r in rows]
+        others = 0
+        if not items and device is None and not all_devices:
+            others = crud.count_best(s, template=template, dtype=dtype, variant=variant)
+    if json_out:
+        print_json(items)
+        return
+    if not items:
+        where = f"device {device_filter!r}" if device_filter else "any device"
+        console.print(f"no best configs stored for {where} in {url}" +
+                      (f" ({others} for other devices: add --all)" if others else
+                       " (run `tuner sweep` first)"))
+        return
+    devices = {it["device_name"] for it in items}
+    names = {it["template"] for it in items}
+    columns = [c for c in ("device", "template") if len(devices if c == "device" else names) > 1]
+    title = f"best configs ({len(items)})"
+    if len(devices) == 1:
+        title += f" on {next(iter(devices))}"
+    if len(names) == 1:
+        title += f", template {next(iter(names))}"
+    table = Table(title=title)
+    for column in (*columns, "problem", "TFLOP/s", "default", "speedup", "config"):
+        table.add_column(column, justify="right" if column in ("TFLOP/s", "default", "speedup")
+                         else "left", overflow="fold")
+    for it in items:
+        name = it["template"] + ("" if it["current_version"] else " (old kernel)")
+        lead = [{"device": it["device_name"], "template": name}[c] for c in columns]
+        table.add_row(*lead, problem_label(it["problem"]), fmt_tflops(it["tflops"]),
+                      fmt_tflops(it["default_tflops"]),
+                      f"{it['speedup']:.2f}x" if it["speedup"] else "-",
+                      config_text(it["config"]))
+    console.print(table)
+    if any(it["device_name"] == "cpu-interpreter" for it in items):
+        console.print("[yellow]cpu-interpreter rows: Triton interpreter timings, NOT GPU "
+                      "timings[/]")
+
+
+def _bucket_of(template_name: str, shape: str, dtype: str, causal: str) -> str:
+    from templates.base import Problem
+    from templates.registry import get_template
+    from tuner.suites import parse_shape, spec_from_mapping
+
+    try:
+        tpl = get_template(template_name)
+    except ValueError as exc:
+        raise TunerError(str(exc), "see `tuner list templates`") from None
+    spec = spec_from_mapping({"templates": [template_name], "shapes": [parse_shape(shape)],
+                              "dtypes": [dtype], "causal": [causal]}, source="--shape")
+    problem: Problem = spec.problems[0]
+    return tpl.problem_key(problem)
+
+
+def _item(row: Any, current: dict[str, str]) -> dict[str, Any]:
+    return {"device": row.device.key, "device_name": row.device.name,
+            "template": row.template.name, "template_version": row.template.version,
+            "current_version": current.get(row.template.name) == row.template.version,
+            "problem_key": row.problem_key, "problem": dict(row.problem),
+            "dtype": row.dtype, "variant": row.variant, "config": dict(row.config),
+            "tflops": row.tflops, "median_ms": row.median_ms,
+            "default_tflops": row.default_tflops, "speedup": row.speedup,
+            "sweep_id": row.sweep_id, "updated_at": row.updated_at}

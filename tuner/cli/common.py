@@ -1,0 +1,77 @@
+"""What the commands share: option aliases, the database URL, output for people and machines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from tuner.errors import TunerError
+
+__all__ = [
+    "DbOption",
+    "JsonOption",
+    "console",
+    "database_url",
+    "err_console",
+    "fmt_tflops",
+    "print_json",
+    "problem_label",
+]
+
+console = Console()
+err_console = Console(stderr=True)
+
+DbOption = Annotated[str | None, typer.Option(
+    "--db", help="SQLAlchemy database URL (default: TUNER_DATABASE_URL, else sqlite:///tuner.db)",
+    show_default=False)]
+JsonOption = Annotated[bool, typer.Option("--json", help="print JSON for machines")]
+
+INTERPRETER_WARNING = ("device cpu-interpreter: kernels ran under the Triton interpreter on the "
+                       "CPU; these timings are NOT GPU timings (they only show that the "
+                       "pipeline and the kernels compute the right thing)")
+
+
+def database_url(db: str | None) -> str:
+    """``--db`` if given, else the settings' URL (TUNER_DATABASE_URL)."""
+    from tuner.settings import SettingsError, get_settings, load_settings
+
+    try:
+        settings = load_settings(database_url=db) if db else get_settings()
+    except SettingsError as exc:
+        raise TunerError(str(exc), "pass --db sqlite:///tuner.db or "
+                         "--db postgresql+psycopg://user@host/db") from None
+    return settings.database_url
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def fmt_tflops(value: float | None) -> str:
+    if value is None:
+        return "-"
+    # Interpreter "TFLOP/s" are tiny numbers; GPU ones hundreds: 3 significant digits fit both.
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
+def problem_label(problem: dict[str, Any]) -> str:
+    if not problem:
+        return "-"
+    hq, hkv = problem.get("heads_q"), problem.get("heads_kv")
+    nq, nkv = problem.get("seqlen_q"), problem.get("seqlen_kv")
+    heads = f"H{hq}" + (f"/{hkv}" if hkv != hq else "")
+    seq = f"N{nq}" + (f"/{nkv}" if nkv != nq else "")
+    variant = problem.get("causal", "none")
+    variant = "dense" if variant == "none" else f"causal-{variant}"
+    if problem.get("mask", "none") != "none":
+        variant += f"+sparse-{problem['mask']}"
+    return (f"B{problem.get('batch')} {heads} {seq} D{problem.get('head_dim')} "
+            f"{problem.get('dtype')} {variant}")
+
+
+def config_text(config: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in config.items())

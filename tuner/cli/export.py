@@ -1,0 +1,63 @@
+"""``tuner export FILE``: best configs as a JSON bundle (or every trial, for replays)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json
+from tuner.errors import TunerError
+
+__all__ = ["export"]
+
+
+def export(
+    file: Annotated[str, typer.Argument(help="JSON file to write ('-' for stdout)")],
+    device: Annotated[str | None, typer.Option("--device", help="device name or key")] = None,
+    template: Annotated[str | None, typer.Option("--template", help="template name")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    variant: Annotated[str | None, typer.Option("--variant")] = None,
+    trials: Annotated[bool, typer.Option(
+        "--trials", help="write every recorded trial (for `tuner replay`) instead of the "
+                         "best-config bundle")] = False,
+    db: DbOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Write the stored best configs as a JSON bundle for `tuner import`.
+
+    Each item: device, template name and version, problem, config, TFLOP/s, default TFLOP/s.
+    """
+    from db.session import session_scope
+    from tuner.bundle import make_bundle
+    from tuner.replay import dump_recorded, load_recorded_from_db
+
+    url = database_url(db)
+    if trials:
+        data = dump_recorded(load_recorded_from_db(url, template=template, device=device))
+        count = len(data["problems"])
+        what = "problem(s) of recorded trials"
+    else:
+        with session_scope(url, write=False) as s:
+            data = make_bundle(s, device=device, template=template, dtype=dtype,
+                               variant=variant, host=socket.gethostname(),
+                               exported_at=datetime.now(UTC))
+        count = len(data["items"])
+        what = "best config(s)"
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if file == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        Path(file).write_text(text)
+    except OSError as exc:
+        raise TunerError(f"cannot write {file!r}: {exc}", "choose a writable path") from None
+    if json_out:
+        print_json({"file": file, "count": count, "kind": "trials" if trials else "bundle"})
+    else:
+        console.print(f"wrote {count} {what} to {file}")

@@ -1,0 +1,34 @@
+"""``tuner serve``: the config service (FastAPI, api.main.create_app) under uvicorn."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tuner.cli.common import DbOption
+from tuner.errors import TunerError
+
+__all__ = ["serve"]
+
+
+def serve(
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8000,
+    db: DbOption = None,
+) -> None:
+    """Serve the stored best configs over HTTP (the API the client asks)."""
+    import uvicorn
+
+    from tuner.settings import SettingsError, get_settings, load_settings
+
+    if not 0 < port < 65536:
+        raise TunerError(f"--port must be 1..65535, but got {port}", "e.g. --port 8000")
+    try:
+        settings = load_settings(database_url=db) if db else get_settings()
+    except SettingsError as exc:
+        raise TunerError(str(exc), "fix the TUNER_* variable or pass --db") from None
+    from api.main import create_app
+
+    app = create_app(settings)
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower())

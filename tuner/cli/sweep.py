@@ -1,0 +1,271 @@
+"""``tuner sweep``: tune a suite or a spec into the database, with progress and a summary."""
+
+from __future__ import annotations
+
+import threading
+from typing import Annotated, Any
+
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from tuner.cli.common import (
+    INTERPRETER_WARNING,
+    DbOption,
+    JsonOption,
+    console,
+    database_url,
+    err_console,
+    fmt_tflops,
+    print_json,
+)
+from tuner.errors import TunerError
+
+__all__ = ["sweep"]
+
+DEFAULT_TRIALS = 20
+# --sampler grid without --trials: the whole space (the budget is capped by the number of
+# configs the constraints let through).
+WHOLE_SPACE = 10**9
+
+
+def sweep(
+    spec: Annotated[str | None, typer.Argument(
+        help="a built-in suite (quick, standard, cpu) or a .toml/.yaml spec file; "
+             "or leave out and give --shape", show_default=False)] = None,
+    trials: Annotated[int | None, typer.Option(
+        "--trials", "-n", help="configs to measure per problem (default: the spec's, else 20; "
+                               "grid: the whole space)", show_default=False)] = None,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", help="seconds per trial, compile included (default 300)",
+        show_default=False)] = None,
+    sampler: Annotated[str | None, typer.Option(
+        "--sampler", help="tpe (default), gp, random, or grid (exhaustive)",
+        show_default=False)] = None,
+    workers: Annotated[int, typer.Option(
+        "--workers", "-w", help="trial workers on this host (GPUs round robin)")] = 1,
+    seed: Annotated[int | None, typer.Option("--seed", help="sampler and input seed")] = None,
+    compile_ahead: Annotated[int | None, typer.Option(
+        "--compile-ahead", help="processes compiling upcoming configs (default: a few on a "
+                                "GPU, none under the interpreter)", show_default=False)] = None,
+    heartbeat: Annotated[int, typer.Option(
+        "--heartbeat", help="seconds between trial heartbeats; a trial silent 3x as long is "
+                            "a dead worker's and is retried")] = 10,
+    template: Annotated[list[str] | None, typer.Option(
+        "--template", help="with --shape: template(s) to tune (default flash_fwd)")] = None,
+    shape: Annotated[list[str] | None, typer.Option(
+        "--shape", help="a problem shape, e.g. B=8,H=16,N=2048,D=128 (repeatable)")] = None,
+    dtype: Annotated[list[str] | None, typer.Option(
+        "--dtype", help="with --shape: float16, bfloat16, float32 (repeatable)")] = None,
+    causal: Annotated[list[str] | None, typer.Option(
+        "--causal", help="with --shape: none, top_left, bottom_right (repeatable)")] = None,
+    db: DbOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Tune every problem of a suite or spec into the database.
+
+    Results are stored as they finish; running the same command again resumes (stored
+    configs are not measured again), and a larger --trials tunes further.
+    """
+    import optuna
+
+    from templates.device import interpreter_active
+    from tuner.suites import resolve_spec, spec_from_flags
+    from tuner.sweep import SweepOptions, run_sweep
+
+    url = database_url(db)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    interpreter = interpreter_active()
+    note = None
+    if spec is not None and shape:
+        raise TunerError("give either a suite/spec file or --shape flags, not both",
+                         "drop the SPEC argument or the --shape options")
+    if spec is not None:
+        resolved, note = resolve_spec(spec, interpreter=interpreter)
+    elif shape:
+        resolved = spec_from_flags(templates=template or [], shapes=shape, dtypes=dtype or [],
+                                   causal=causal or [])
+    else:
+        raise TunerError("nothing to tune", "give a suite (`tuner sweep quick`), a spec file "
+                         "(`tuner sweep my.toml`) or shapes (`--shape B=8,H=16,N=2048,D=128`)")
+    chosen_sampler = sampler or resolved.sampler or "tpe"
+    if trials is not None:
+        budget = trials
+    elif chosen_sampler == "grid":
+        budget = WHOLE_SPACE
+    else:
+        budget = resolved.trials or DEFAULT_TRIALS
+    options = SweepOptions(trials=budget, timeout_s=timeout or resolved.timeout_s or 300.0,
+                           sampler=chosen_sampler, workers=workers, seed=seed,
+                           compile_ahead=compile_ahead, heartbeat_s=heartbeat)
+    if note and not json_out:
+        console.print(f"[yellow]{note}[/]")
+    stop = threading.Event()
+    display = None if json_out else SweepDisplay()
+    try:
+        report = run_sweep(resolved, options, db_url=url,
+                           on_event=display.handle if display else None, stop=stop)
+    except KeyboardInterrupt:
+        if display:
+            display.close()
+        err_console.print("[yellow]interrupted: everything measured so far is stored; run the "
+                          "same command again to resume[/]")
+        raise typer.Exit(130) from None
+    finally:
+        if display:
+            display.close()
+    if json_out:
+        data = report.to_dict()
+        if note:
+            data["note"] = note
+        if report.interpreter:
+            data["warning"] = INTERPRETER_WARNING
+        print_json(data)
+    else:
+        print_summary(report)
+    if report.status == "interrupted":
+        raise typer.Exit(130)
+
+
+class SweepDisplay:
+    """Progress bars: all problems (configs measured of the total, ETA), one bar per problem
+    being tuned (best so far), and a line per finished problem."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), TextColumn("ETA"),
+            TimeRemainingColumn(), console=console, transient=False)
+        self._overall: TaskID | None = None
+        self._tasks: dict[int, TaskID] = {}
+        self._labels: list[str] = []
+        self._budgets: dict[int, int] = {}
+        self._results: dict[int, int] = {}
+        self._started = False
+
+    def handle(self, event: Any) -> None:
+        from tuner.sweep import (
+            ProblemFailed,
+            ProblemFinished,
+            ProblemStarted,
+            SweepStarted,
+            TrialDone,
+        )
+
+        if isinstance(event, SweepStarted):
+            self._start(event)
+        elif isinstance(event, ProblemStarted):
+            self._budgets[event.index] = event.budget
+            self._results[event.index] = max(self._results.get(event.index, 0),
+                                              min(event.results, event.budget))
+            if event.index not in self._tasks:
+                self._tasks[event.index] = self.progress.add_task(
+                    f"  {self._labels[event.index]}", total=event.budget,
+                    completed=self._results[event.index], best="-")
+            self._refresh_overall()
+        elif isinstance(event, TrialDone):
+            ev = event.event
+            self._results[event.index] = max(self._results.get(event.index, 0),
+                                             min(ev.results, ev.budget))
+            task = self._tasks.get(event.index)
+            if task is not None:
+                fields: dict[str, Any] = {}
+                if ev.best_tflops is not None:
+                    fields["best"] = f"{fmt_tflops(ev.best_tflops)} TFLOP/s"
+                self.progress.update(task, completed=self._results[event.index], **fields)
+            self._refresh_overall()
+        elif isinstance(event, ProblemFinished):
+            self._finish_problem(event)
+        elif isinstance(event, ProblemFailed):
+            self.progress.console.print(f"  [red]skipped[/] {self._labels[event.index]}: "
+                                        f"{event.reason}")
+
+    def _start(self, event: Any) -> None:
+        device = event.device
+        console.print(f"[bold]sweep {event.sweep_id}[/] on {device.get('name')} "
+                      f"(triton {device.get('triton_version')}, torch "
+                      f"{device.get('torch_version')}): {len(event.tasks)} problem(s)")
+        if device.get("name") == "cpu-interpreter":
+            console.print(f"[yellow]{INTERPRETER_WARNING}[/]")
+        for label, why in event.skipped:
+            console.print(f"[dim]skipped {label}: {why}[/]")
+        self._labels = [t.label for t in event.tasks]
+        self.progress.start()
+        self._started = True
+        self._overall = self.progress.add_task("all problems", total=None, best="")
+
+    def _refresh_overall(self) -> None:
+        if self._overall is None:
+            return
+        # Problems not started yet count with the budget of the ones that have.
+        known = list(self._budgets.values())
+        guess = max(known) if known else 0
+        total = sum(self._budgets.get(i, guess) for i in range(len(self._labels)))
+        self.progress.update(self._overall, total=total, completed=sum(self._results.values()))
+
+    def _finish_problem(self, event: Any) -> None:
+        task = self._tasks.get(event.index)
+        stats = event.stats
+        if task is not None:
+            self.progress.update(task, visible=False)
+        best = stats.best
+        if best is None:
+            line = "no config ran correctly"
+        else:
+            line = f"best {fmt_tflops(best.tflops)} TFLOP/s"
+            if best.default_tflops:
+                line += (f" (default {fmt_tflops(best.default_tflops)}, "
+                         f"{best.tflops / best.default_tflops:.2f}x)")
+        self.progress.console.print(f"  [green]done[/] {self._labels[event.index]}: {line}")
+
+    def close(self) -> None:
+        if self._started:
+            self.progress.stop()
+            self._started = False
+
+
+def print_summary(report: Any) -> None:
+    templates = {p.template for p in report.problems if not p.skipped}
+    table = Table(title=f"sweep {report.sweep_id} ({report.name}): {report.status}, "
+                        f"sampler {report.sampler}, {report.workers} worker(s); TFLOP/s")
+    for column in ("problem", "best", "default", "speedup", "ok", "failed", "s/trial",
+                   "bench s"):
+        table.add_column(column, justify="left" if column in ("problem", "failed")
+                         else "right", overflow="fold")
+    measured = 0
+    wall = bench = 0.0
+    for p in report.problems:
+        label = p.label if len(templates) > 1 else p.label.split(" ", 1)[-1]
+        if p.skipped:
+            table.add_row(label, "-", "-", "-", "-", f"skipped: {p.skipped}", "-", "-")
+            continue
+        measured += p.measured
+        wall += p.wall_s
+        bench += p.bench_s
+        failed = ", ".join(f"{n} {kind}" for kind, n in sorted(p.failed.items())) or "-"
+        table.add_row(label, fmt_tflops(p.best_tflops), fmt_tflops(p.default_tflops),
+                      f"{p.speedup:.2f}x" if p.speedup else "-", str(p.ok), failed,
+                      f"{p.seconds_per_trial:.2f}" if p.seconds_per_trial else "-",
+                      f"{p.bench_seconds_per_trial:.2f}" if p.bench_seconds_per_trial else "-")
+    console.print(table)
+    if len(templates) == 1:
+        console.print(f"template: {templates.pop()}; s/trial: worker seconds per measured "
+                      "config; bench s: of which timing the kernel")
+    if measured:
+        console.print(f"{measured} config(s) measured by this sweep in {report.wall_s:.0f} s: "
+                      f"{wall / measured:.2f} s per trial of worker time, of which "
+                      f"{bench / measured:.2f} s timing the kernel "
+                      f"(compile-ahead processes: {report.compile_ahead})")
+    else:
+        console.print("nothing new to measure: every problem already has its budget of "
+                      "results (raise --trials to tune further)")
+    if report.interpreter:
+        console.print(f"[yellow]{INTERPRETER_WARNING}[/]")

@@ -1,0 +1,287 @@
+"""Replay: the search logic on recorded trial results, without a GPU.
+
+A :class:`ReplayRunner` answers each config with its recorded measurement (a config that
+was never recorded answers ``runtime_error``), so the same ``ProblemSearch`` that drives a
+real sweep runs in milliseconds per trial on an in-memory study. Uses: testing the samplers
+and the search loop, and comparing samplers offline, e.g. what TPE finds with a quarter of
+the trials against the best of a full grid sweep recorded on the GPU (``tuner replay``).
+
+Recordings come from the project database (every trial of a device and template) or from a
+JSON file written by ``tuner export --trials``::
+
+    {"format": "attention-tuner/trials", "version": 1,
+     "problems": [{"template": "flash_fwd", "template_version": "...", "device": {...},
+                   "problem": {...}, "problem_key": "...",
+                   "trials": [{"config": {...}, "status": "ok", "tflops": 412.0,
+                               "median_ms": 1.3, "reason": ""}, ...]}]}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from db.models import TrialStatus
+from templates.base import Problem, Template
+from templates.registry import get_template
+from tuner.errors import TunerError
+from tuner.runner.outcome import TrialOutcome, TrialRequest
+from tuner.search.loop import ProblemSearch, SearchSettings
+from tuner.search.samplers import make_sampler
+from tuner.search.store import MemoryStore
+
+__all__ = [
+    "TRIALS_FORMAT",
+    "RecordedProblem",
+    "ReplayResult",
+    "ReplayRunner",
+    "SamplerSummary",
+    "compare_samplers",
+    "dump_recorded",
+    "load_recorded_file",
+    "load_recorded_from_db",
+    "replay",
+]
+
+log = logging.getLogger(__name__)
+TRIALS_FORMAT = "attention-tuner/trials"
+NOT_RECORDED = "not recorded: replay has no measurement of this config"
+
+
+@dataclass(frozen=True)
+class RecordedProblem:
+    """Every recorded trial of one problem of one template on one device."""
+
+    template: str
+    template_version: str
+    device: dict[str, Any]  # DeviceInfo fields plus "key"
+    problem: dict[str, Any]
+    problem_key: str
+    trials: dict[str, TrialOutcome]  # by config key
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # by config key
+
+    @property
+    def best_tflops(self) -> float | None:
+        values = [o.tflops for o in self.trials.values() if o.ok and o.tflops]
+        return max(values) if values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"template": self.template, "template_version": self.template_version,
+                "device": self.device, "problem": self.problem,
+                "problem_key": self.problem_key,
+                "trials": [{"config": self.configs.get(key, {}), "status": o.status.value,
+                            "reason": o.reason, "tflops": o.tflops, "median_ms": o.median_ms,
+                            "compile_s": o.compile_s, "error": o.error}
+                           for key, o in self.trials.items()]}
+
+
+class ReplayRunner:
+    """A runner that answers from recorded outcomes; counts what it was asked.
+
+    ``delay_s`` stands in for the benchmark's time, so that concurrent searches overlap as
+    they do on a GPU.
+    """
+
+    def __init__(self, template: Template, outcomes: Mapping[str, TrialOutcome], *,
+                 delay_s: float = 0.0) -> None:
+        self.template = template
+        self.outcomes = dict(outcomes)
+        self.delay_s = delay_s
+        self.calls: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def measure(self, request: TrialRequest, timeout_s: float) -> TrialOutcome:
+        key = self.template.config(request.config).key()
+        with self._lock:
+            self.calls[key] += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.outcomes.get(key) or TrialOutcome.failed(TrialStatus.RUNTIME_ERROR,
+                                                             NOT_RECORDED)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    problem_key: str
+    sampler: str
+    seed: int | None
+    budget: int
+    measured: int  # configs the replayed search ran
+    best_found_tflops: float | None
+    best_recorded_tflops: float | None
+    default_tflops: float | None
+    repeated: int = 0  # configs the runner was asked for more than once (should be none)
+
+    @property
+    def fraction_of_best(self) -> float | None:
+        """Best found / best recorded: 1.0 means the search found the recorded best."""
+        if not self.best_found_tflops or not self.best_recorded_tflops:
+            return None
+        return self.best_found_tflops / self.best_recorded_tflops
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"problem_key": self.problem_key, "sampler": self.sampler, "seed": self.seed,
+                "budget": self.budget, "measured": self.measured,
+                "best_found_tflops": self.best_found_tflops,
+                "best_recorded_tflops": self.best_recorded_tflops,
+                "default_tflops": self.default_tflops, "repeated": self.repeated,
+                "fraction_of_best": self.fraction_of_best}
+
+
+def replay(recorded: RecordedProblem, *, sampler: str, budget: int,
+           seed: int | None = None) -> ReplayResult:
+    """Run the search on ``recorded`` as if on the GPU; see the module docstring."""
+    from tuner.sweep import device_from_dict
+
+    template = _template(recorded.template)
+    problem = Problem.from_dict(recorded.problem)
+    device = device_from_dict(recorded.device)
+    if template.problem_key(problem) != recorded.problem_key:
+        raise TunerError(f"recorded problem key {recorded.problem_key!r} is not what template "
+                         f"{template.name!r} gives its problem ({template.problem_key(problem)!r})",
+                         "record and replay with the same template code")
+    runner = ReplayRunner(template, recorded.trials)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="maximize",
+                                sampler=make_sampler(sampler, template.config_cls,
+                                                     budget=budget, seed=seed))
+    store = MemoryStore()
+    search = ProblemSearch(template=template, problem=problem, device=device, study=study,
+                           store=store, runner=runner,
+                           settings=SearchSettings(budget=budget, timeout_s=1.0, seed=seed))
+    stats = search.run()
+    default_key = template.default_config(problem, device).key()
+    default = recorded.trials.get(default_key)
+    return ReplayResult(problem_key=recorded.problem_key, sampler=sampler, seed=seed,
+                        budget=budget, measured=stats.measured,
+                        best_found_tflops=stats.best.tflops if stats.best else None,
+                        best_recorded_tflops=recorded.best_tflops,
+                        default_tflops=default.tflops if default and default.ok else None,
+                        repeated=sum(1 for n in runner.calls.values() if n > 1))
+
+
+@dataclass(frozen=True)
+class SamplerSummary:
+    """One sampler over several seeds on one recorded problem."""
+
+    problem_key: str
+    sampler: str
+    budget: int
+    runs: list[ReplayResult]
+
+    @property
+    def mean_fraction(self) -> float | None:
+        values = [r.fraction_of_best for r in self.runs if r.fraction_of_best is not None]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def worst_fraction(self) -> float | None:
+        values = [r.fraction_of_best for r in self.runs if r.fraction_of_best is not None]
+        return min(values) if values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"problem_key": self.problem_key, "sampler": self.sampler,
+                "budget": self.budget, "mean_fraction_of_best": self.mean_fraction,
+                "worst_fraction_of_best": self.worst_fraction,
+                "runs": [r.to_dict() for r in self.runs]}
+
+
+def compare_samplers(recorded: RecordedProblem, *, samplers: Sequence[str], budget: int,
+                     seeds: Sequence[int]) -> list[SamplerSummary]:
+    return [SamplerSummary(recorded.problem_key, name, budget,
+                           [replay(recorded, sampler=name, budget=budget, seed=seed)
+                            for seed in seeds])
+            for name in samplers]
+
+
+# ----------------------------------------------------------------------------- recordings
+def _template(name: str) -> Template:
+    try:
+        return get_template(name)
+    except ValueError as exc:
+        raise TunerError(str(exc), "replay recordings of a registered template") from None
+
+
+def _outcome(*, status: str, **fields: Any) -> TrialOutcome:
+    return TrialOutcome(status=TrialStatus(status), reason=fields.get("reason") or "",
+                        median_ms=fields.get("median_ms"), tflops=fields.get("tflops"),
+                        compile_s=fields.get("compile_s"), error=fields.get("error"))
+
+
+def load_recorded_from_db(url: str, *, template: str | None = None,
+                          device: str | None = None) -> list[RecordedProblem]:
+    """Every problem with trials in the database, filtered by template name and device name
+    or key."""
+    from sqlalchemy import select
+
+    from db.models import Device, Trial
+    from db.models import Template as TemplateRow
+    from db.session import session_scope
+    from tuner.lookup import device_info_from_row
+
+    groups: dict[tuple[int, int, str], RecordedProblem] = {}
+    with session_scope(url, write=False) as s:
+        query = select(Trial, Device, TemplateRow).join(Device, Trial.device_id == Device.id) \
+            .join(TemplateRow, Trial.template_id == TemplateRow.id).order_by(Trial.id)
+        if template is not None:
+            query = query.where(TemplateRow.name == template)
+        if device is not None:
+            query = query.where((Device.name == device) | (Device.key == device))
+        for trial, dev, tpl in s.execute(query):
+            ident = (dev.id, tpl.id, trial.problem_key)
+            group = groups.get(ident)
+            if group is None:
+                info = device_info_from_row(dev)
+                group = groups[ident] = RecordedProblem(
+                    template=tpl.name, template_version=tpl.version,
+                    device=info.to_dict() | {"key": dev.key}, problem=dict(trial.problem),
+                    problem_key=trial.problem_key, trials={})
+            group.trials[trial.config_key] = _outcome(
+                status=TrialStatus(trial.status).value, reason=trial.reason, median_ms=trial.median_ms,
+                tflops=trial.tflops, compile_s=trial.compile_s, error=trial.error)
+            group.configs[trial.config_key] = dict(trial.config)
+    return list(groups.values())
+
+
+def dump_recorded(problems: Sequence[RecordedProblem]) -> dict[str, Any]:
+    return {"format": TRIALS_FORMAT, "version": 1, "problems": [p.to_dict() for p in problems]}
+
+
+def load_recorded_file(path: Path) -> list[RecordedProblem]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TunerError(f"cannot read trials file {str(path)!r}: {exc}",
+                         "give a file written by `tuner export --trials`") from None
+    if not isinstance(data, dict) or data.get("format") != TRIALS_FORMAT:
+        raise TunerError(f"{str(path)!r} is not a trials file (format must be "
+                         f"{TRIALS_FORMAT!r})", "write one with `tuner export --trials FILE`")
+    problems: list[RecordedProblem] = []
+    for i, item in enumerate(data.get("problems", [])):
+        try:
+            template = _template(item["template"])
+            trials: dict[str, TrialOutcome] = {}
+            configs: dict[str, dict[str, Any]] = {}
+            for row in item["trials"]:
+                key = template.config(row["config"]).key()
+                trials[key] = _outcome(**row)
+                configs[key] = dict(row["config"])
+            problems.append(RecordedProblem(
+                template=item["template"], template_version=item["template_version"],
+                device=dict(item["device"]), problem=dict(item["problem"]),
+                problem_key=item["problem_key"], trials=trials, configs=configs))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TunerError(f"{str(path)!r}: problems[{i}] is malformed: "
+                             f"{type(exc).__name__}: {exc}",
+                             "re-export it with `tuner export --trials`") from None
+    return problems

@@ -1,0 +1,27 @@
+"""The search: a template's space as Optuna distributions, samplers, studies in the project
+database, the per-problem ask/tell loop and where its results are stored."""
+
+from __future__ import annotations
+
+from tuner.search.loop import ProblemSearch, SearchSettings, SearchStats, TrialEvent
+from tuner.search.samplers import SAMPLERS, ExhaustiveSampler, make_sampler
+from tuner.search.store import DbStore, MemoryStore, ResultStore, StoredBest, StoredResult
+from tuner.search.study import make_storage, open_study, study_name
+
+__all__ = [
+    "SAMPLERS",
+    "DbStore",
+    "ExhaustiveSampler",
+    "MemoryStore",
+    "ProblemSearch",
+    "ResultStore",
+    "SearchSettings",
+    "SearchStats",
+    "StoredBest",
+    "StoredResult",
+    "TrialEvent",
+    "make_sampler",
+    "make_storage",
+    "open_study",
+    "study_name",
+]

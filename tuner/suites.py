@@ -1,0 +1,294 @@
+"""What a sweep tunes: templates x shapes x dtypes x variants, from a built-in suite, a spec
+file (TOML or YAML) or command-line flags.
+
+A spec file::
+
+    name = "my-sweep"                  # optional; the file's stem otherwise
+    templates = ["flash_fwd"]
+    dtypes = ["bfloat16"]              # float16, bfloat16, float32
+    causal = ["none", "top_left"]      # none, top_left, bottom_right (true = top_left)
+    masks = ["none"]                   # block-sparse patterns, e.g. "random:0.10"
+    trials = 20                        # optional defaults for the flags of `tuner sweep`
+    sampler = "tpe"
+    timeout = 300
+    template_modules = []              # modules to import that register extra templates
+    shapes = [
+      {B = 8, H = 16, N = 2048, D = 128},                   # H and N set both q and kv
+      {B = 1, H_q = 32, H_kv = 8, N_q = 4096, N_kv = 4096, D = 64},
+    ]
+
+Shape keys: ``B``/``batch``, ``H``, ``H_q``/``heads_q``, ``H_kv``/``heads_kv``, ``N``,
+``N_q``/``seqlen_q``, ``N_kv``/``seqlen_kv``, ``D``/``head_dim``. Problems that fall into one
+shape bucket (``Problem.bucketed``) are tuned once: one stored config serves the bucket.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from templates.base import CAUSAL_MODES, DTYPES, Problem
+from tuner.errors import TunerError
+
+__all__ = [
+    "BUILTIN_SUITES",
+    "SweepSpec",
+    "load_spec_file",
+    "parse_shape",
+    "resolve_spec",
+    "spec_from_flags",
+    "spec_from_mapping",
+]
+
+SPEC_KEYS = ("name", "templates", "template", "shapes", "dtypes", "dtype", "causal", "masks",
+             "trials", "sampler", "timeout", "template_modules")
+SHAPE_ALIASES: dict[str, tuple[str, ...]] = {
+    "B": ("batch",), "batch": ("batch",),
+    "H": ("heads_q", "heads_kv"), "H_q": ("heads_q",), "heads_q": ("heads_q",),
+    "H_kv": ("heads_kv",), "heads_kv": ("heads_kv",),
+    "N": ("seqlen_q", "seqlen_kv"), "N_q": ("seqlen_q",), "seqlen_q": ("seqlen_q",),
+    "N_kv": ("seqlen_kv",), "seqlen_kv": ("seqlen_kv",),
+    "D": ("head_dim",), "head_dim": ("head_dim",),
+}
+SPEC_FIX = ("see docs/TUNING.md for the spec format, e.g. "
+            "shapes = [{B = 8, H = 16, N = 2048, D = 128}]")
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A resolved sweep: every (template, problem) pair to tune, plus flag defaults."""
+
+    name: str
+    templates: tuple[str, ...]
+    problems: tuple[Problem, ...]
+    trials: int | None = None
+    sampler: str | None = None
+    timeout_s: float | None = None
+    template_modules: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "templates": list(self.templates),
+                "problems": [p.to_dict() for p in self.problems], "trials": self.trials,
+                "sampler": self.sampler, "timeout_s": self.timeout_s,
+                "template_modules": list(self.template_modules)}
+
+    def import_template_modules(self) -> None:
+        for module in self.template_modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise TunerError(f"spec {self.name!r}: cannot import template module "
+                                 f"{module!r} ({exc})",
+                                 "fix the module name in template_modules or install it") from exc
+
+
+# ----------------------------------------------------------------------------- built-in suites
+def _standard_shapes(seqlens: Iterable[int], head_dims: Iterable[int]) -> list[dict[str, int]]:
+    # PROTOCOL.md: 16k tokens per batch and hidden size 2048, so B = 16384 / N, H = 2048 / D.
+    return [{"B": max(1, 16384 // n), "H": 2048 // d, "N": n, "D": d}
+            for d in head_dims for n in seqlens]
+
+
+def _suite(name: str, shapes: list[dict[str, int]], dtypes: Sequence[str],
+           causal: Sequence[str], trials: int) -> SweepSpec:
+    return spec_from_mapping({"name": name, "templates": ["flash_fwd"], "shapes": shapes,
+                              "dtypes": list(dtypes), "causal": list(causal),
+                              "trials": trials}, source=f"built-in suite {name!r}")
+
+
+def quick_suite() -> SweepSpec:
+    """Minutes on one GPU: the standard layout at N = 1k and 4k, d = 64 and 128."""
+    return _suite("quick", _standard_shapes((1024, 4096), (64, 128)), ["bfloat16"],
+                  ["none", "top_left"], trials=16)
+
+
+def standard_suite() -> SweepSpec:
+    """The suite of shared/bench/PROTOCOL.md: N in 512..16k, d in 64, 128, causal and not."""
+    return _suite("standard", _standard_shapes((512, 1024, 2048, 4096, 8192, 16384), (64, 128)),
+                  ["bfloat16"], ["none", "top_left"], trials=40)
+
+
+def cpu_suite() -> SweepSpec:
+    """Tiny shapes the Triton interpreter runs in a minute or two (fp16: the interpreter
+    computes bf16 wrongly). Proves the pipeline; its timings are not GPU timings."""
+    shapes = [{"B": 1, "H": 2, "N": 64, "D": 32}, {"B": 1, "H": 2, "N": 128, "D": 64}]
+    return _suite("cpu", shapes, ["float16"], ["none", "top_left"], trials=6)
+
+
+BUILTIN_SUITES = {"quick": quick_suite, "standard": standard_suite, "cpu": cpu_suite}
+
+
+def resolve_spec(arg: str, *, interpreter: bool) -> tuple[SweepSpec, str | None]:
+    """A suite name or a spec file path -> (spec, a note to show the user or None).
+
+    Without a GPU, ``quick`` runs as ``cpu`` (tiny shapes under the interpreter) and
+    ``standard`` is refused: its shapes would take days under the interpreter.
+    """
+    path = Path(arg)
+    if path.suffix.lower() in (".toml", ".yaml", ".yml", ".json") or path.is_file():
+        return load_spec_file(path), None
+    if arg not in BUILTIN_SUITES:
+        raise TunerError(f"unknown suite {arg!r} and no spec file of that name",
+                         f"use one of {', '.join(BUILTIN_SUITES)}, or the path of a "
+                         ".toml/.yaml spec file")
+    if interpreter and arg == "quick":
+        return cpu_suite(), ("no CUDA GPU: suite 'quick' runs as 'cpu' "
+                             "(tiny fp16 shapes under the Triton interpreter)")
+    if interpreter and arg == "standard":
+        raise TunerError("suite 'standard' needs a CUDA GPU (N up to 16k would take days "
+                         "under the Triton interpreter)",
+                         "run it on a GPU host, or use `tuner sweep cpu` here")
+    return BUILTIN_SUITES[arg](), None
+
+
+# ----------------------------------------------------------------------------- parsing
+def load_spec_file(path: Path) -> SweepSpec:
+    if not path.is_file():
+        raise TunerError(f"spec file {str(path)!r} does not exist",
+                         "give the path of a .toml or .yaml spec, or a suite name "
+                         f"({', '.join(BUILTIN_SUITES)})")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".toml":
+            data: object = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise TunerError(f"spec file {str(path)!r} is not valid "
+                         f"{'TOML' if path.suffix.lower() == '.toml' else 'YAML'}: {exc}",
+                         "fix the syntax at the position named") from None
+    if not isinstance(data, Mapping):
+        raise TunerError(f"spec file {str(path)!r} must hold a mapping at the top, "
+                         f"but holds a {type(data).__name__}", SPEC_FIX)
+    data = dict(data)
+    data.setdefault("name", path.stem)
+    return spec_from_mapping(data, source=f"spec file {str(path)!r}")
+
+
+def spec_from_flags(*, templates: Sequence[str], shapes: Sequence[str], dtypes: Sequence[str],
+                    causal: Sequence[str], masks: Sequence[str] = ("none",),
+                    name: str = "flags") -> SweepSpec:
+    """A spec from ``--template/--shape/--dtype/--causal`` flags (shapes as ``B=8,H=16,...``)."""
+    return spec_from_mapping({"name": name, "templates": list(templates) or ["flash_fwd"],
+                              "shapes": [parse_shape(s) for s in shapes],
+                              "dtypes": list(dtypes) or ["bfloat16"],
+                              "causal": list(causal) or ["none"], "masks": list(masks)},
+                             source="the command-line flags")
+
+
+def parse_shape(text: str) -> dict[str, int]:
+    """``"B=8,H=16,N=2048,D=128"`` -> ``{"B": 8, ...}`` (keys checked by spec_from_mapping)."""
+    shape: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise TunerError(f"shape {text!r}: {part!r} is not KEY=INTEGER",
+                             "write shapes like B=8,H=16,N=2048,D=128")
+        shape[key.strip()] = int(value)
+    return shape
+
+
+def _as_list(value: object, key: str, source: str) -> list[Any]:
+    if isinstance(value, str | int | bool | Mapping):
+        return [value]
+    if isinstance(value, Sequence):
+        return list(value)
+    raise TunerError(f"{source}: {key!r} must be a list, but got {type(value).__name__}", SPEC_FIX)
+
+
+def _shape_fields(shape: object, index: int, source: str) -> dict[str, int]:
+    if not isinstance(shape, Mapping):
+        raise TunerError(f"{source}: shapes[{index}] must be a mapping like "
+                         f"{{B = 8, H = 16, N = 2048, D = 128}}, but got {shape!r}", SPEC_FIX)
+    out: dict[str, int] = {}
+    for key, value in shape.items():
+        if key not in SHAPE_ALIASES:
+            raise TunerError(f"{source}: shapes[{index}] has an unknown key {key!r}",
+                             f"use the keys {', '.join(SHAPE_ALIASES)}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TunerError(f"{source}: shapes[{index}].{key} must be an integer, "
+                             f"but got {value!r}", SPEC_FIX)
+        for name in SHAPE_ALIASES[key]:
+            # A specific key (H_kv) wins over the shorthand (H) whatever their order.
+            if name not in out or len(SHAPE_ALIASES[key]) == 1:
+                out[name] = value
+    missing = [k for k in ("batch", "heads_q", "seqlen_q", "head_dim") if k not in out]
+    if missing:
+        raise TunerError(f"{source}: shapes[{index}] lacks {missing}",
+                         "every shape needs B, H (or H_q), N (or N_q) and D")
+    out.setdefault("heads_kv", out["heads_q"])
+    out.setdefault("seqlen_kv", out["seqlen_q"])
+    return out
+
+
+def _causal_mode(value: object, source: str) -> str:
+    if value is True:
+        return "top_left"
+    if value is False:
+        return "none"
+    if value not in CAUSAL_MODES:
+        raise TunerError(f"{source}: causal mode {value!r} is unknown",
+                         f"use {', '.join(CAUSAL_MODES)} (or true/false)")
+    return str(value)
+
+
+def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
+    """Validate a spec mapping; every error names the key and the fix."""
+    unknown = sorted(set(data) - set(SPEC_KEYS))
+    if unknown:
+        raise TunerError(f"{source}: unknown key(s) {unknown}",
+                         f"the keys are {', '.join(k for k in SPEC_KEYS if k != 'template')}")
+    templates = _as_list(data.get("templates", data.get("template", ["flash_fwd"])),
+                         "templates", source)
+    if not templates or not all(isinstance(t, str) and t for t in templates):
+        raise TunerError(f"{source}: 'templates' must be a non-empty list of template names, "
+                         f"but got {templates!r}", "e.g. templates = [\"flash_fwd\"]")
+    if "shapes" not in data:
+        raise TunerError(f"{source}: no 'shapes'", SPEC_FIX)
+    shapes = [_shape_fields(s, i, source)
+              for i, s in enumerate(_as_list(data["shapes"], "shapes", source))]
+    if not shapes:
+        raise TunerError(f"{source}: 'shapes' is empty", SPEC_FIX)
+    dtypes = _as_list(data.get("dtypes", data.get("dtype", ["bfloat16"])), "dtypes", source)
+    for dtype in dtypes:
+        if dtype not in DTYPES:
+            raise TunerError(f"{source}: dtype {dtype!r} is unknown", f"use {', '.join(DTYPES)}")
+    causal = [_causal_mode(c, source) for c in _as_list(data.get("causal", ["none"]),
+                                                         "causal", source)]
+    masks = [str(m) for m in _as_list(data.get("masks", ["none"]), "masks", source)]
+    problems: list[Problem] = []
+    for i, (shape, dtype, mode, mask) in enumerate(itertools.product(shapes, dtypes, causal, masks)):
+        try:
+            problem = Problem(**shape, dtype=dtype, causal=mode, mask=mask)
+        except ValueError as exc:
+            raise TunerError(f"{source}: problem {i} ({shape}, {dtype}, causal={mode}) is "
+                             f"invalid: {exc}", "fix that shape in the spec") from None
+        if problem not in problems:
+            problems.append(problem)
+    trials = data.get("trials")
+    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
+                               or trials < 1):
+        raise TunerError(f"{source}: 'trials' must be a positive integer, but got {trials!r}",
+                         "e.g. trials = 20")
+    timeout = data.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or timeout <= 0):
+        raise TunerError(f"{source}: 'timeout' must be a positive number of seconds, "
+                         f"but got {timeout!r}", "e.g. timeout = 300")
+    sampler = data.get("sampler")
+    if sampler is not None and not isinstance(sampler, str):
+        raise TunerError(f"{source}: 'sampler' must be a name, but got {sampler!r}",
+                         "e.g. sampler = \"tpe\"")
+    modules = _as_list(data.get("template_modules", []), "template_modules", source)
+    name = data.get("name", "sweep")
+    return SweepSpec(name=str(name), templates=tuple(templates), problems=tuple(problems),
+                     trials=trials, sampler=sampler,
+                     timeout_s=float(timeout) if timeout is not None else None,
+                     template_modules=tuple(str(m) for m in modules))

@@ -1,0 +1,514 @@
+"""A sweep: every (template, problem) of a spec, tuned by one or more workers into the
+project database.
+
+Each worker is a thread of this process that owns one trial-worker process (its GPU, round
+robin over the visible GPUs) and walks the problems in order; all workers join the same
+Optuna study per problem, so a problem's trials spread over them. More hosts join by
+running the same sweep against the same PostgreSQL URL. Everything measured is stored as it
+finishes; running a sweep again resumes it (stored configs are not run again), and a larger
+``--trials`` extends it.
+
+The caller gets events (``on_event``, always called on the calling thread) to draw
+progress, and a :class:`SweepReport` at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from db.models import SweepStatus, TrialStatus
+from templates.base import Problem, Template
+from templates.device import DeviceInfo
+from templates.registry import get_template
+from tuner.errors import TunerError
+from tuner.runner.compile_ahead import CompileAhead
+from tuner.runner.isolated import IsolatedRunner
+from tuner.runner.measure import describe_exception
+from tuner.search.loop import ProblemSearch, SearchSettings, SearchStats, TrialEvent
+from tuner.search.samplers import SAMPLERS, make_sampler
+from tuner.search.store import DbStore
+from tuner.search.study import (
+    HEARTBEAT_INTERVAL_S,
+    HeartbeatKeeper,
+    make_storage,
+    open_study,
+    study_name,
+)
+from tuner.suites import SweepSpec
+
+__all__ = [
+    "ProblemFailed",
+    "ProblemFinished",
+    "ProblemReport",
+    "ProblemStarted",
+    "SweepOptions",
+    "SweepReport",
+    "SweepStarted",
+    "Task",
+    "TrialDone",
+    "device_from_dict",
+    "expand_tasks",
+    "run_sweep",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    trials: int = 20  # configs with results per problem (invalid ones not counted)
+    timeout_s: float = 300.0  # per trial, compile included
+    sampler: str = "tpe"
+    workers: int = 1
+    seed: int | None = None
+    # Compile-ahead processes; None: a few on a GPU host, none under the interpreter (there
+    # is nothing to compile ahead).
+    compile_ahead: int | None = None
+    # Seconds between the heartbeats of a worker's trials; a trial silent for 3x as long is
+    # taken to be a dead worker's: failed and retried.
+    heartbeat_s: int = HEARTBEAT_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s < 1:
+            raise TunerError(f"--heartbeat must be >= 1 s, but got {self.heartbeat_s}",
+                             f"e.g. --heartbeat {HEARTBEAT_INTERVAL_S}")
+        if self.trials < 1:
+            raise TunerError(f"--trials must be >= 1, but got {self.trials}", "e.g. --trials 20")
+        if self.timeout_s <= 0:
+            raise TunerError(f"--timeout must be > 0 seconds, but got {self.timeout_s:g}",
+                             "e.g. --timeout 300")
+        if self.workers < 1:
+            raise TunerError(f"--workers must be >= 1, but got {self.workers}",
+                             "e.g. --workers 2")
+        if self.sampler not in SAMPLERS:
+            raise TunerError(f"unknown sampler {self.sampler!r}",
+                             f"use one of {', '.join(SAMPLERS)}")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem of one template; ``label`` is what people read."""
+
+    template: Template
+    problem: Problem
+    problem_key: str
+
+    @property
+    def label(self) -> str:
+        p = self.problem
+        shape = (f"B{p.batch} H{p.heads_q}" + (f"/{p.heads_kv}" if p.heads_kv != p.heads_q else "")
+                 + f" N{p.seqlen_q}" + (f"/{p.seqlen_kv}" if p.seqlen_kv != p.seqlen_q else "")
+                 + f" D{p.head_dim}")
+        return f"{self.template.name} {shape} {p.dtype} {p.variant}"
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class SweepStarted:
+    sweep_id: int
+    device: dict[str, Any]
+    tasks: list[Task]
+    skipped: list[tuple[str, str]]  # (label, why the template cannot run it)
+
+
+@dataclass(frozen=True)
+class ProblemStarted:
+    worker: int
+    index: int
+    budget: int  # the problem's budget, capped by its number of valid configs
+    results: int  # configs with results already (earlier sweeps, other workers)
+
+
+@dataclass(frozen=True)
+class TrialDone:
+    worker: int
+    index: int
+    event: TrialEvent
+
+
+@dataclass(frozen=True)
+class ProblemFinished:
+    worker: int
+    index: int
+    stats: SearchStats
+
+
+@dataclass(frozen=True)
+class ProblemFailed:
+    """The template's code failed for this problem before any trial; the sweep goes on."""
+
+    worker: int
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class _WorkerReady:
+    worker: int
+    device: dict[str, Any]  # DeviceInfo fields plus "key", as the trial worker reports
+
+
+@dataclass(frozen=True)
+class _WorkerExit:
+    worker: int
+    error: BaseException | None
+
+
+Event = SweepStarted | ProblemStarted | TrialDone | ProblemFinished | ProblemFailed
+
+
+# ----------------------------------------------------------------------------- the report
+@dataclass
+class ProblemReport:
+    label: str
+    template: str
+    template_version: str
+    problem: dict[str, Any]
+    problem_key: str
+    budget: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # stored results of the problem
+    measured: int = 0  # configs run by this sweep
+    reused: int = 0
+    deferred: int = 0
+    best_tflops: float | None = None
+    best_config: dict[str, Any] | None = None
+    default_tflops: float | None = None
+    speedup: float | None = None
+    wall_s: float = 0.0  # worker seconds spent on the problem by this sweep
+    bench_s: float = 0.0  # of which timing the kernel
+    skipped: str | None = None
+
+    @property
+    def ok(self) -> int:
+        return self.counts.get(TrialStatus.OK.value, 0)
+
+    @property
+    def failed(self) -> dict[str, int]:
+        return {k: v for k, v in self.counts.items() if k != TrialStatus.OK.value and v}
+
+    @property
+    def seconds_per_trial(self) -> float | None:
+        return self.wall_s / self.measured if self.measured else None
+
+    @property
+    def bench_seconds_per_trial(self) -> float | None:
+        return self.bench_s / self.measured if self.measured else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.update(ok=self.ok, failed=self.failed, seconds_per_trial=self.seconds_per_trial,
+                    bench_seconds_per_trial=self.bench_seconds_per_trial)
+        return data
+
+
+@dataclass
+class SweepReport:
+    sweep_id: int
+    name: str
+    status: str
+    device: dict[str, Any]
+    sampler: str
+    workers: int
+    problems: list[ProblemReport]
+    wall_s: float
+    compile_ahead: int
+
+    @property
+    def interpreter(self) -> bool:
+        return self.device.get("name") == "cpu-interpreter"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sweep_id": self.sweep_id, "name": self.name, "status": self.status,
+                "device": self.device, "interpreter": self.interpreter,
+                "timings_are_gpu_timings": not self.interpreter, "sampler": self.sampler,
+                "workers": self.workers, "compile_ahead": self.compile_ahead,
+                "wall_s": self.wall_s, "problems": [p.to_dict() for p in self.problems]}
+
+
+# ----------------------------------------------------------------------------- helpers
+def device_from_dict(data: dict[str, Any]) -> DeviceInfo:
+    names = {f.name for f in dataclasses.fields(DeviceInfo)}
+    return DeviceInfo(**{k: v for k, v in data.items() if k in names})
+
+
+def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
+    """The spec's (template, problem) pairs, one per shape bucket, and the skipped ones."""
+    spec.import_template_modules()
+    tasks: list[Task] = []
+    skipped: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for name in spec.templates:
+        try:
+            template = get_template(name)
+        except ValueError as exc:
+            raise TunerError(f"spec {spec.name!r}: {exc}",
+                             "use a registered template name (`tuner list templates`)") from None
+        for problem in spec.problems:
+            task = Task(template, problem, template.problem_key(problem))
+            why = template.unsupported(problem)
+            if why:
+                skipped.append((task.label, why))
+                continue
+            if (name, task.problem_key) not in seen:  # one study per shape bucket
+                seen.add((name, task.problem_key))
+                tasks.append(task)
+    if not tasks:
+        raise TunerError(f"spec {spec.name!r}: no problem that its templates can run "
+                         f"({'; '.join(f'{label}: {why}' for label, why in skipped)})",
+                         "change the shapes, dtypes or variants of the spec")
+    return tasks, skipped
+
+
+def _visible_gpus() -> list[str]:
+    """GPU ids for CUDA_VISIBLE_DEVICES, without creating a CUDA context here."""
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return []
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+    return ids[:count] if ids else [str(i) for i in range(count)]
+
+
+def _compile_ahead_workers(options: SweepOptions, gpus: list[str]) -> int:
+    if options.compile_ahead is not None:
+        return max(0, options.compile_ahead)
+    if not gpus:
+        return 0
+    cpus = os.cpu_count() or 2
+    return max(1, min(2 * options.workers + 2, cpus - options.workers - 1))
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+# ----------------------------------------------------------------------------- the sweep
+@dataclass
+class _Shared:
+    """What every worker thread of one sweep uses."""
+
+    db_url: str
+    sweep_id: int
+    tasks: list[Task]
+    versions: dict[str, str]
+    options: SweepOptions
+    gpus: list[str]
+    storage: Any  # optuna RDBStorage
+    heartbeats: HeartbeatKeeper
+    compile_ahead: CompileAhead
+    lookahead: int
+    stale_check_s: float
+    events: queue.Queue[Any]
+    stop: threading.Event
+
+
+def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
+              on_event: Callable[[Event], None] | None = None,
+              stop: threading.Event | None = None) -> SweepReport:
+    """Tune every problem of ``spec`` into ``db_url``; see the module docstring."""
+    from db import crud
+    from db.session import init_db, run_in_transaction
+
+    started = time.monotonic()
+    emit = on_event or (lambda event: None)
+    tasks, skipped = expand_tasks(spec)
+    gpus = _visible_gpus()
+    if gpus and options.workers > len(gpus):
+        raise TunerError(f"--workers {options.workers} but {len(gpus)} GPU(s) visible: two "
+                         "workers timing kernels on one GPU disturb each other's timings",
+                         f"use --workers {len(gpus)} or fewer here, and more hosts on one "
+                         "PostgreSQL database for more")
+    init_db(db_url)
+    grace_s = 3 * options.heartbeat_s
+    # Creates Optuna's tables once, before the workers race.
+    storage = make_storage(db_url, heartbeat_interval_s=options.heartbeat_s,
+                           grace_period_s=grace_s)
+    sweep_id = run_in_transaction(db_url, lambda s: crud.create_sweep(
+        s, name=spec.name, spec={**spec.to_dict(), "options": dataclasses.asdict(options)},
+        host=_host()).id)
+    compile_ahead = CompileAhead(_compile_ahead_workers(options, gpus),
+                                 env={"CUDA_VISIBLE_DEVICES": gpus[0]} if gpus else {})
+    shared = _Shared(
+        db_url=db_url, sweep_id=sweep_id, tasks=tasks,
+        versions={t.template.name: t.template.version() for t in tasks}, options=options,
+        gpus=gpus, storage=storage, heartbeats=HeartbeatKeeper(storage),
+        compile_ahead=compile_ahead,
+        lookahead=max(1, compile_ahead.workers // options.workers) if compile_ahead.workers
+        else 0, stale_check_s=grace_s / 2, events=queue.Queue(),
+        stop=stop or threading.Event())
+    devices: dict[int, dict[str, Any]] = {}
+    stats: dict[int, list[SearchStats]] = {i: [] for i in range(len(tasks))}
+    failures: dict[int, str] = {}
+    errors: list[BaseException] = []
+    status = SweepStatus.FAILED
+    threads = [threading.Thread(target=_work, args=(shared, w), name=f"sweep-worker-{w}",
+                                daemon=True) for w in range(options.workers)]
+    try:
+        for thread in threads:
+            thread.start()
+        running = len(threads)
+        while running:  # events from the worker threads, handed on from this thread
+            try:
+                item = shared.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if isinstance(item, _WorkerReady):
+                if not devices:
+                    emit(SweepStarted(sweep_id, item.device, tasks, skipped))
+                devices[item.worker] = item.device
+            elif isinstance(item, _WorkerExit):
+                running -= 1
+                if item.error is not None:
+                    errors.append(item.error)
+                    shared.stop.set()  # one worker's bug stops the sweep; what is stored stays
+            else:
+                if isinstance(item, ProblemFinished):
+                    stats[item.index].append(item.stats)
+                elif isinstance(item, ProblemFailed):
+                    failures[item.index] = item.reason
+                emit(item)
+        status = SweepStatus.FAILED if errors else (
+            SweepStatus.INTERRUPTED if shared.stop.is_set() else SweepStatus.DONE)
+    except KeyboardInterrupt:
+        status = SweepStatus.INTERRUPTED
+        raise
+    finally:
+        shared.stop.set()
+        for thread in threads:
+            thread.join(timeout=options.timeout_s + 30)
+        compile_ahead.close()
+        shared.heartbeats.close()
+        with contextlib.suppress(Exception):
+            run_in_transaction(db_url, lambda s: crud.finish_sweep(s, sweep_id=sweep_id,
+                                                                   status=status))
+    if errors:
+        error = errors[0]
+        if isinstance(error, TunerError):
+            raise error
+        raise TunerError(f"sweep {spec.name!r} stopped: {type(error).__name__}: {error}",
+                         "the results measured so far are stored; fix the cause and run the "
+                         "same command again to resume") from error
+    device = devices.get(0) or next(iter(devices.values()), {})
+    problems = _problem_reports(db_url, device, tasks, shared.versions, stats, skipped)
+    for index, reason in failures.items():
+        problems[index].skipped = reason
+    return SweepReport(sweep_id=sweep_id, name=spec.name, status=status.value, device=device,
+                       sampler=options.sampler, workers=options.workers, problems=problems,
+                       wall_s=time.monotonic() - started, compile_ahead=compile_ahead.workers)
+
+
+def _work(shared: _Shared, worker: int) -> None:
+    """One worker thread: its own trial-worker process, every problem in order."""
+    gpus = shared.gpus
+    env = {"CUDA_VISIBLE_DEVICES": gpus[worker % len(gpus)]} if len(gpus) > 1 else {}
+    # Created (and closed) on this thread: the worker process dies with its thread.
+    runner = IsolatedRunner(name=f"trial-worker-{worker}", env=env)
+    error: BaseException | None = None
+    try:
+        device = runner.device()
+        shared.events.put(_WorkerReady(worker, device))
+        stores: dict[str, DbStore] = {}
+        for index, task in enumerate(shared.tasks):
+            if shared.stop.is_set():
+                break
+            name = task.template.name
+            if name not in stores:
+                stores[name] = DbStore(
+                    shared.db_url, device=device, template_name=name,
+                    template_version=shared.versions[name],
+                    space=task.template.config_cls.json_schema(), sweep_id=shared.sweep_id,
+                    worker=f"{_host()}:{os.getpid()}:{worker}")
+            _tune(shared, worker, index, task, device, stores[name], runner)
+    except BaseException as exc:  # reported on the main thread
+        error = exc
+    finally:
+        runner.close()
+        shared.events.put(_WorkerExit(worker, error))
+
+
+def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str, Any],
+          store: DbStore, runner: IsolatedRunner) -> None:
+    """One problem on one worker: join its study, search until its budget is met."""
+    options, template = shared.options, task.template
+    version = shared.versions[template.name]
+    seed = None if options.seed is None else options.seed * 1000 + index
+    study = open_study(
+        shared.storage, study_name(device["key"], template.name, version, task.problem_key),
+        make_sampler(options.sampler, template.config_cls, budget=options.trials, seed=seed),
+        {"template": template.name, "template_version": version, "device": device["key"],
+         "problem_key": task.problem_key, "problem": task.problem.to_dict()})
+    try:  # the template's own code runs here: its default config, its constraints
+        search = ProblemSearch(
+            template=template, problem=task.problem, device=device_from_dict(device),
+            study=study, store=store, runner=runner,
+            settings=SearchSettings(budget=options.trials, timeout_s=options.timeout_s,
+                                    lookahead=shared.lookahead, seed=seed,
+                                    stale_check_s=shared.stale_check_s),
+            compile_ahead=shared.compile_ahead, heartbeats=shared.heartbeats,
+            on_trial=functools.partial(_forward_trial, shared.events, worker, index),
+            stop=shared.stop)
+        budget = search.effective_budget()
+    except Exception as exc:
+        shared.events.put(ProblemFailed(worker, index, f"{template.name} could not set up the "
+                                        f"search: {describe_exception(exc)}"))
+        return
+    known = store.known(task.problem_key)
+    shared.events.put(ProblemStarted(worker, index, budget, sum(
+        1 for r in known.values() if r.status != TrialStatus.INVALID)))
+    shared.events.put(ProblemFinished(worker, index, search.run()))
+
+
+def _forward_trial(events: queue.Queue[Any], worker: int, index: int, event: TrialEvent) -> None:
+    events.put(TrialDone(worker, index, event))
+
+
+def _problem_reports(db_url: str, device: dict[str, Any], tasks: list[Task],
+                     versions: dict[str, str], stats: dict[int, list[SearchStats]],
+                     skipped: list[tuple[str, str]]) -> list[ProblemReport]:
+    reports: list[ProblemReport] = []
+    stores: dict[str, DbStore] = {}
+    for index, task in enumerate(tasks):
+        name = task.template.name
+        report = ProblemReport(label=task.label, template=name, template_version=versions[name],
+                               problem=task.problem.to_dict(), problem_key=task.problem_key)
+        for s in stats.get(index, []):
+            report.budget = max(report.budget, s.budget)
+            report.measured += s.measured
+            report.reused += s.reused
+            report.deferred += s.deferred
+            report.wall_s += s.wall_s
+            report.bench_s += s.bench_s
+        if device:
+            store = stores.get(name)
+            if store is None:
+                store = stores[name] = DbStore(db_url, device=device, template_name=name,
+                                               template_version=versions[name],
+                                               space=task.template.config_cls.json_schema())
+            known = store.known(task.problem_key)
+            report.counts = dict(Counter(r.status.value for r in known.values()))
+            best = store.best(task.problem_key)
+            if best is not None:
+                report.best_tflops, report.best_config = best.tflops, best.config
+                report.default_tflops, report.speedup = best.default_tflops, best.speedup
+            else:
+                report.default_tflops = next((r.tflops for r in known.values()
+                                              if r.is_default and r.tflops), None)
+        reports.append(report)
+    for label, why in skipped:
+        reports.append(ProblemReport(label=label, template=label.split()[0], template_version="",
+                                     problem={}, problem_key="", skipped=why))
+    return reports

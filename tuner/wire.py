@@ -1,0 +1,112 @@
+"""The JSON shapes the config service answers with, shared by the service and its client.
+
+They live here, not in ``api/``, because the client (and ``tuner.attention`` behind it) must
+parse answers without importing FastAPI; ``api/schemas.py`` re-exports them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MatchKind = Literal["exact", "bucket", "nearest", "default"]
+MATCH_KINDS: tuple[MatchKind, ...] = ("exact", "bucket", "nearest", "default")
+
+
+class WireModel(BaseModel):
+    # Answers from a newer service may carry fields this client does not know: ignore them.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class DeviceOut(WireModel):
+    key: str
+    name: str
+    compute_capability: str
+    sm_count: int
+    total_memory: int
+    driver_version: str
+    triton_version: str
+    torch_version: str
+    cuda_version: str
+    created_at: datetime | None = None
+
+
+class TemplateOut(WireModel):
+    name: str
+    version: str = Field(description="hash of the kernel source this service runs")
+    description: str
+    config_schema: dict[str, Any] = Field(description="JSON schema of the template's config")
+    grid_size: int = Field(description="number of configs in the full search space")
+    versions_in_database: list[str] = Field(
+        default_factory=list, description="versions with stored results, newest first")
+
+
+class Provenance(WireModel):
+    sweep_id: int | None = None
+    sweep_name: str | None = None
+    measured_at: datetime | None = None
+    triton_version: str | None = None
+    torch_version: str | None = None
+
+
+class BestOut(WireModel):
+    template: str
+    template_version: str
+    device: str = Field(description="device key the answer is for")
+    problem: dict[str, Any] = Field(description="the problem asked about")
+    problem_key: str = Field(description="its shape bucket")
+    match: MatchKind = Field(description="exact: this very problem was tuned; bucket: a problem "
+                             "of the same shape bucket; nearest: the closest tuned shape with the "
+                             "same dtype, variant, head dim and GQA ratio; default: the "
+                             "template's heuristic, nothing tuned")
+    config: dict[str, Any]
+    matched_problem: dict[str, Any] | None = Field(
+        None, description="the tuned problem the config comes from (None for default)")
+    tflops: float | None = None
+    median_ms: float | None = None
+    default_tflops: float | None = None
+    speedup: float | None = Field(None, description="tuned over default config, same problem")
+    provenance: Provenance | None = None
+
+
+class ConfigRow(WireModel):
+    device: str
+    device_name: str
+    template: str
+    template_version: str
+    problem_key: str
+    problem: dict[str, Any]
+    dtype: str
+    variant: str
+    config: dict[str, Any]
+    tflops: float
+    median_ms: float
+    default_tflops: float | None = None
+    speedup: float | None = None
+    sweep_id: int | None = None
+    updated_at: datetime | None = None
+
+
+class ConfigPage(WireModel):
+    items: list[ConfigRow]
+    total: int
+    offset: int
+    limit: int
+
+
+class UploadResult(WireModel):
+    items: int = Field(description="items in the bundle, all stored")
+    trials: int = Field(description="trial rows written (default-config measurements included)")
+    best_updated: int = Field(description="best-config rows created or changed")
+
+
+class HealthOut(WireModel):
+    status: Literal["ok", "degraded"]
+    database: str
+    templates: int
+
+
+class ErrorOut(WireModel):
+    detail: Any = Field(description="what was wrong: a sentence, or a list of field errors")
