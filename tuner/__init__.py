@@ -2,4 +2,23 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from typing import TYPE_CHECKING, Any
+
+# Imported eagerly: a lazily imported submodule named `attention` would replace this function
+# with itself as `tuner.attention` on first import. Costs importing torch and the templates
+# (triton): about 0.5 s over torch alone.
+from tuner.attention import attention
+
+if TYPE_CHECKING:
+    from tuner.client import TunerClient
+
+__all__: list[str] = ["TunerClient", "attention"]
+
+
+def __getattr__(name: str) -> Any:
+    # The HTTP client (httpx, pydantic) only when asked for.
+    if name == "TunerClient":
+        from tuner.client import TunerClient
+
+        return TunerClient
+    raise AttributeError(f"module 'tuner' has no attribute {name!r}")

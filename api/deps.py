@@ -1,0 +1,75 @@
+"""Dependencies of the routes: settings, database sessions, the write-token check."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from sqlalchemy.orm import Session
+
+from api.answers import BestCache
+from db.session import get_sessionmaker
+from templates.base import Template
+from templates.registry import all_templates, get_template
+from tuner.settings import Settings, SettingsError
+
+
+# The small dependencies are `async def`: FastAPI runs a plain `def` dependency in its thread
+# pool, and each such hop cost ~0.3 ms per request under load (benchmarks/api_load.py).
+async def get_app_settings(request: Request) -> Settings:
+    return request.app.state.settings  # type: ignore[no-any-return]
+
+
+SettingsDep = Annotated[Settings, Depends(get_app_settings)]
+
+
+async def get_session(settings: SettingsDep) -> AsyncIterator[Session]:
+    """A read-only session (it never takes SQLite's write lock); writes use run_in_transaction.
+
+    Creating it does not connect (the first query does, in the endpoint's worker thread);
+    closing it returns a pooled connection, which does not block either.
+    """
+    with get_sessionmaker(settings.database_url, write=False)() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+async def get_best_cache(request: Request) -> BestCache:
+    return request.app.state.best_cache  # type: ignore[no-any-return]
+
+
+BestCacheDep = Annotated[BestCache, Depends(get_best_cache)]
+
+
+async def require_write_token(request: Request, settings: SettingsDep) -> None:
+    """Writes need ``Authorization: Bearer <TUNER_TOKEN>``; without a configured token, none pass."""
+    try:
+        expected = settings.require_write_token()
+    except SettingsError as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
+                            detail=f"writes are disabled until TUNER_TOKEN is set on the "
+                                   f"service: {exc}") from None
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED,
+                            detail="this endpoint needs the header 'Authorization: Bearer <token>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+    # Constant time: the comparison must not reveal how many leading characters matched.
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail="the bearer token is not valid")
+
+
+WriteAuth = Depends(require_write_token)
+
+
+def template_or_404(name: str) -> Template:
+    try:
+        return get_template(name)
+    except ValueError:
+        known = [t.name for t in all_templates()]
+        raise HTTPException(status.HTTP_404_NOT_FOUND,
+                            detail=f"unknown template {name!r}; known: {known}") from None

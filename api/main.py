@@ -1,0 +1,31 @@
+"""The config service: ``uvicorn --factory api.main:create_app`` (what ``tuner serve`` runs)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from api.answers import BestCache
+from api.errors import BodySizeLimit, install_error_handlers
+from api.routes import best, configs, dashboard, devices, health, kernels, results, templates
+from db.session import init_db
+from tuner.settings import Settings, load_settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The app for ``settings`` (default: read from TUNER_* variables); migrates the database."""
+    settings = settings if settings is not None else load_settings()
+    init_db(settings.database_url)
+    app = FastAPI(title="attention-tuner", version="1",
+                  description="Tuned Triton attention configs per GPU and problem shape.")
+    app.state.settings = settings
+    app.state.best_cache = BestCache(settings.database_url)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    install_error_handlers(app)
+    for module in (health, devices, templates, best, configs, results, kernels, dashboard):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,200 @@
+"""Typed HTTP client of the config service.
+
+    from tuner.client import TunerClient
+
+    with TunerClient("http://tuner.internal:8000") as client:
+        answer = client.best("flash_fwd", problem)          # BestOut: config, match, TFLOP/s
+        page = client.configs(template="flash_fwd", limit=50)
+
+Transient failures (connection errors, timeouts, 429/502/503/504) are retried ``retries`` times
+with exponential backoff and jitter; other 4xx/5xx answers raise ``TunerError`` at once with
+the service's explanation.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from templates.base import Problem
+from templates.device import DeviceInfo
+from tuner.wire import (
+    BestOut,
+    ConfigPage,
+    ConfigRow,
+    DeviceOut,
+    HealthOut,
+    TemplateOut,
+    UploadResult,
+)
+
+__all__ = ["TunerClient", "TunerError"]
+
+M = TypeVar("M")
+_RETRY_STATUS = frozenset({429, 502, 503, 504})
+
+
+class TunerError(RuntimeError):
+    """The service refused, failed, or could not be reached; ``status`` is None for the latter."""
+
+    def __init__(self, message: str, *, status: int | None = None, detail: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+
+class TunerClient:
+    """Client of one service. ``url``/``token`` default to ``TUNER_URL``/``TUNER_TOKEN``."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *,
+                 timeout: float = 10.0, retries: int = 3, backoff_s: float = 0.2,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        if url is None or token is None:
+            from tuner.settings import get_settings
+
+            settings = get_settings()
+            url = url if url is not None else settings.url
+            token = token if token is not None else settings.token
+        if not url:
+            raise ValueError("TunerClient needs the service URL (argument or TUNER_URL), "
+                             "e.g. http://localhost:8000")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"service URL must start with http:// or https://, but got {url!r}")
+        if retries < 0 or timeout <= 0:
+            raise ValueError(f"retries must be >= 0 and timeout > 0, "
+                             f"but got retries={retries}, timeout={timeout}")
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout),
+                                  headers=headers, transport=transport)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> TunerClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- endpoints ------------------------------------------------------------------------
+    def health(self) -> HealthOut:
+        return self._get("/healthz", HealthOut, ok_status=(200, 503))
+
+    def devices(self) -> list[DeviceOut]:
+        return self._get("/v1/devices", list[DeviceOut])
+
+    def templates(self) -> list[TemplateOut]:
+        return self._get("/v1/templates", list[TemplateOut])
+
+    def best(self, template: str, problem: Problem | Mapping[str, Any], *,
+             device: str | DeviceInfo | None = None,
+             template_version: str | None = None) -> BestOut:
+        """The service's config for ``problem`` on ``device`` (default: this machine's GPU)."""
+        params = {"template": template, "device": _device_key(device), **_problem_params(problem)}
+        if template_version:
+            params["template_version"] = template_version
+        return self._get("/v1/best", BestOut, params=params)
+
+    def configs(self, *, device: str | None = None, template: str | None = None,
+                dtype: str | None = None, variant: str | None = None, offset: int = 0,
+                limit: int = 100) -> ConfigPage:
+        params = {k: v for k, v in {"device": device, "template": template, "dtype": dtype,
+                                    "variant": variant}.items() if v is not None}
+        return self._get("/v1/configs", ConfigPage,
+                         params={**params, "offset": offset, "limit": limit})
+
+    def iter_configs(self, *, page_size: int = 500, **filters: str | None) -> Iterator[ConfigRow]:
+        """Every stored best config matching ``filters``, page by page."""
+        offset = 0
+        while True:
+            page = self.configs(**filters, offset=offset, limit=page_size)  # type: ignore[arg-type]
+            yield from page.items
+            offset += len(page.items)
+            if not page.items or offset >= page.total:
+                return
+
+    def upload(self, bundle: Mapping[str, Any]) -> UploadResult:
+        """Store a bundle (``tuner.bundle``'s format); needs the write token."""
+        response = self._request("POST", "/v1/results", json=dict(bundle))
+        return _parse(response, UploadResult)
+
+    def kernel_source(self, template: str, problem: Problem | Mapping[str, Any], *,
+                      device: str | DeviceInfo | None = None) -> str:
+        """A standalone Python module of ``template`` with the served config baked in."""
+        params = {"device": _device_key(device), **_problem_params(problem)}
+        return self._request("GET", f"/v1/kernels/{template}/source", params=params).text
+
+    # -- transport ------------------------------------------------------------------------
+    def _get(self, path: str, model: Any, *, params: Mapping[str, Any] | None = None,
+             ok_status: tuple[int, ...] = (200,)) -> Any:
+        return _parse(self._request("GET", path, params=params, ok_status=ok_status), model)
+
+    def _request(self, method: str, path: str, *, ok_status: tuple[int, ...] = (200, 201),
+                 **kwargs: Any) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:  # connect, read, write, pool, protocol errors
+                if last:
+                    raise TunerError(f"{method} {self.url}{path} failed after "
+                                     f"{attempt + 1} attempt(s): {type(exc).__name__}: {exc}"
+                                     ) from exc
+            else:
+                if response.status_code in ok_status:
+                    return response
+                if last or response.status_code not in _RETRY_STATUS:
+                    raise _error_of(method, self.url + path, response)
+            # Exponential backoff with jitter: clients that failed together do not retry together.
+            time.sleep(self.backoff_s * 2**attempt * random.uniform(0.5, 1.5))
+        raise AssertionError("unreachable: the loop returns or raises")
+
+
+def _device_key(device: str | DeviceInfo | None) -> str:
+    if device is None:
+        from templates.device import current_device
+
+        return current_device().key
+    return device.key if isinstance(device, DeviceInfo) else device
+
+
+def _problem_params(problem: Problem | Mapping[str, Any]) -> dict[str, Any]:
+    data = problem.to_dict() if isinstance(problem, Problem) else dict(problem)
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def _error_of(method: str, url: str, response: httpx.Response) -> TunerError:
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = response.text[:500]
+    return TunerError(f"{method} {url} answered {response.status_code}: {detail}",
+                      status=response.status_code, detail=detail)
+
+
+_adapters: dict[Any, TypeAdapter[Any]] = {}
+
+
+def _parse(response: httpx.Response, model: Any) -> Any:
+    try:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            return model.model_validate_json(response.content)
+        adapter = _adapters.get(model)
+        if adapter is None:
+            adapter = _adapters[model] = TypeAdapter(model)
+        return adapter.validate_json(response.content)
+    except ValidationError as exc:
+        raise TunerError(f"{response.request.method} {response.request.url} answered with a "
+                         f"body that is not a valid {model}: {exc.errors()[0]['msg']}",
+                         status=response.status_code) from None
