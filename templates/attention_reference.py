@@ -49,10 +49,13 @@ def sum_range(lo: int, hi: int) -> int:
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str,
-                        scale: float, compute_dtype: torch.dtype | None = None
+                        scale: float, compute_dtype: torch.dtype | None = None,
+                        mask: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of softmax(scale * q k^T, masked) v in ``compute_dtype``.
 
+    ``mask`` broadcasts to (B, H_q, N_q, N_kv): bool (True = attend, e.g. a BlockMask's
+    ``to_dense()``) or float (added to the scaled scores), on top of ``causal``.
     ``compute_dtype`` None picks float64, or float32 on a GPU for large problems. Rows that see
     no key give o = 0 and lse = -inf.
     """
@@ -65,9 +68,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     kc = k.to(compute_dtype).repeat_interleave(group, dim=1)
     vc = v.to(compute_dtype).repeat_interleave(group, dim=1)
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
-    mask = visible_mask(causal, q.shape[2], k.shape[2], q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    causal_mask = visible_mask(causal, q.shape[2], k.shape[2], q.device)
+    if causal_mask is not None:
+        s = s.masked_fill(~causal_mask, float("-inf"))
+    if mask is not None and mask.dtype == torch.bool:
+        s = s.masked_fill(~mask.to(s.device), float("-inf"))
+    elif mask is not None:
+        s = s + mask.to(s.device, compute_dtype)
     lse = torch.logsumexp(s, dim=-1)
     seen = torch.isfinite(lse)
     p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])

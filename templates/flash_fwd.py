@@ -7,6 +7,7 @@ can be emitted as standalone source); this module adds what the tuner and users 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,9 @@ import torch
 from templates import flash_fwd_kernel as kernel
 from templates.attention_reference import attention_reference, lse_error, visible_pairs
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2, relative_error
+from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.mask_mods import pattern_block_mask, pattern_mask_mod
 from templates.registry import register
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -128,14 +131,18 @@ class FlashFwdTemplate(Template):
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
         if problem.mask != "none":
-            return (f"flash_fwd computes dense attention, but the problem has block-sparse mask "
-                    f"{problem.mask!r}")
+            try:
+                pattern_mask_mod(problem.mask, problem.seqlen_q, problem.seqlen_kv)
+            except ValueError as exc:
+                return str(exc)
         if problem.head_dim > kernel.MAX_HEAD_DIM:
             return (f"flash_fwd supports head_dim <= {kernel.MAX_HEAD_DIM}, but got "
                     f"{problem.head_dim}")
         return None
 
     def flops(self, problem: Problem) -> float:
+        # Block-sparse problems count the dense-equivalent FLOPs (PROTOCOL.md), so TFLOP/s
+        # compare with the dense kernel's and the density is reported beside them.
         # Equal lengths follow the FlashAttention papers' convention (causal = half of dense);
         # otherwise count the visible (query, key) pairs exactly.
         if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
@@ -161,6 +168,14 @@ class FlashFwdTemplate(Template):
         if config.warp_specialize and device.family != "blackwell":
             return ("warp_specialize is only tried on Blackwell: on H100 with triton 3.6 it "
                     "failed to compile for about half the configs and never won")
+        if problem.mask != "none":
+            reason = block_mask_tile_reason(config, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
+            if reason:
+                return reason
+            if config.loop_unroll > 1 or config.warp_specialize:
+                return ("loop_unroll and warp_specialize only apply to the dense KV loop, not "
+                        "to a block mask's listed blocks; use loop_unroll=1, "
+                        "warp_specialize=False")
         if config.longest_first and problem.causal == "none":
             return ("longest_first only reorders causal launches (every non-causal tile has "
                     "the same work); use longest_first=False")
@@ -220,28 +235,36 @@ class FlashFwdTemplate(Template):
             shape = (problem.batch, heads, seqlen, problem.head_dim)
             return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
-        return {"q": randn(problem.heads_q, problem.seqlen_q),
-                "k": randn(problem.heads_kv, problem.seqlen_kv),
-                "v": randn(problem.heads_kv, problem.seqlen_kv),
-                "causal": problem.causal, "scale": 1.0 / math.sqrt(problem.head_dim)}
+        inputs = {"q": randn(problem.heads_q, problem.seqlen_q),
+                  "k": randn(problem.heads_kv, problem.seqlen_kv),
+                  "v": randn(problem.heads_kv, problem.seqlen_kv),
+                  "causal": problem.causal, "scale": 1.0 / math.sqrt(problem.head_dim)}
+        if problem.mask != "none":
+            inputs["block_mask"] = _pattern_mask(problem.mask, problem.seqlen_q,
+                                                 problem.seqlen_kv, str(device))
+        return inputs
 
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         cfg = self.config(config)
         assert isinstance(cfg, FwdConfig)
         return flash_attention_fwd(inputs["q"], inputs["k"], inputs["v"],
-                                   causal=inputs["causal"], scale=inputs["scale"], config=cfg)
+                                   causal=inputs["causal"], scale=inputs["scale"], config=cfg,
+                                   block_mask=inputs.get("block_mask"))
 
     def precompile(self, problem: Problem, config: KernelConfig) -> bool:
-        """Compile what ``run`` would launch for ``problem``'s inputs, allocating nothing."""
-        if interpreter_active() or not torch.cuda.is_available():
+        """Compile what ``run`` would launch for ``problem``'s inputs, allocating nothing
+        (dense problems only: a block mask's tensors have no stand-ins)."""
+        if interpreter_active() or not torch.cuda.is_available() or problem.mask != "none":
             return False
         compile_for(problem, self.config(config))
         return True
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
+        block_mask = inputs.get("block_mask")
         return attention_reference(inputs["q"], inputs["k"], inputs["v"],
                                    causal=kernel.normalize_causal(inputs["causal"]),
-                                   scale=inputs["scale"])
+                                   scale=inputs["scale"],
+                                   mask=None if block_mask is None else block_mask.to_dense())
 
     def error(self, out: Any, ref: Any) -> float:
         """Largest of the relative errors of o and of lse (its -inf rows must match exactly)."""
@@ -400,7 +423,8 @@ def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        causal: bool | str = False, scale: float | None = None,
+                        causal: bool | str = False, attn_mask: torch.Tensor | None = None,
+                        block_mask: BlockMask | None = None, scale: float | None = None,
                         config: FwdConfig | Mapping[str, object] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: (o, lse) of softmax(scale * q k^T [masked]) v.
@@ -410,6 +434,12 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         k, v: (B, H_kv, N_kv, D), same dtype and device; H_q a multiple of H_kv (GQA/MQA).
         causal: False / "none"; True / "top_left" (query i sees keys j <= i, as torch SDPA);
             "bottom_right" (j <= i + N_kv - N_q, as FlashAttention-2 with a KV cache).
+        attn_mask: as torch SDPA's, broadcastable to (B, H_q, N_q, N_kv): bool (True =
+            attend) or float (added to the scaled scores); read tile by tile in the kernel.
+        block_mask: a ``BlockMask`` for (N_q, N_kv) with batch and head dims 1 or B / H_q:
+            only its listed blocks are computed. The config's BLOCK_M and BLOCK_N must divide
+            its block size (the default config is fitted to it).
+            All masks combine: a pair is visible only where every one given lets it through.
         scale: softmax scale, default 1/sqrt(D).
         config: an ``FwdConfig`` or a mapping of its fields; None takes the template's default
             for this problem and device.
@@ -430,12 +460,17 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the kernel runs on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
+    if block_mask is not None:
+        check_block_mask(block_mask, q, k)
+    mask_view = None if attn_mask is None else kernel.attn_mask_view(attn_mask, q, k)
     problem = problem_of(q, k, causal_mode)
     device = current_device(q.device.index) if q.is_cuda else current_device()
     if chosen is None:
         cfg = TEMPLATE.default_config(problem, device)
         if cfg.use_tma and kernel.tma_inputs_problem(q, k, v):
             cfg = dataclasses.replace(cfg, use_tma=False)  # this layout cannot use TMA
+        if block_mask is not None:
+            cfg = fit_to_block_mask(cfg, block_mask.block_size)
     else:
         assert isinstance(chosen, FwdConfig)
         cfg = chosen
@@ -446,8 +481,53 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         reason = kernel.tma_inputs_problem(q, k, v) if cfg.use_tma else None
         if reason:
             raise ValueError(f"config {cfg.key()}: {reason}; use use_tma=False for this layout")
+        reason = None if block_mask is None else block_mask_tile_reason(cfg,
+                                                                        block_mask.block_size)
+        if reason:
+            raise ValueError(f"config {cfg.key()}: {reason}")
     return kernel.launch(q, k, v, causal_mode=causal_mode, scale=softmax_scale,
-                         config=cfg.to_dict())
+                         config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
+
+
+def block_mask_tile_reason(config: FwdConfig, block_size: tuple[int, int]) -> str | None:
+    """Why ``config``'s tiles cannot walk a block mask of ``block_size`` (None if they can):
+    a query tile must lie inside one mask row block, a KV step inside one mask block."""
+    if block_size[0] % config.BLOCK_M or block_size[1] % config.BLOCK_N:
+        return (f"BLOCK_M ({config.BLOCK_M}) and BLOCK_N ({config.BLOCK_N}) must divide the "
+                f"block mask's block size {block_size} (query, kv)")
+    return None
+
+
+def fit_to_block_mask(config: FwdConfig, block_size: tuple[int, int]) -> FwdConfig:
+    """``config`` with tiles no larger than the mask's blocks (both powers of two, so the
+    smaller divides the larger), and no dense-loop-only options."""
+    return dataclasses.replace(config, BLOCK_M=min(config.BLOCK_M, block_size[0]),
+                               BLOCK_N=min(config.BLOCK_N, block_size[1]), loop_unroll=1,
+                               warp_specialize=False)
+
+
+def check_block_mask(block_mask: BlockMask, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Raise if ``block_mask`` does not describe attention of q over k."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a templates.BlockMask or None, but got "
+                        f"{type(block_mask).__name__}")
+    bm, hm, n_q, n_kv = block_mask.shape
+    if (n_q, n_kv) != (q.shape[2], k.shape[2]):
+        raise ValueError(f"block_mask is for (N_q, N_kv) = {(n_q, n_kv)}, but q and k have "
+                         f"{(q.shape[2], k.shape[2])}")
+    if bm not in (1, q.shape[0]) or hm not in (1, q.shape[1]):
+        raise ValueError(f"block_mask's (batch, heads) {(bm, hm)} must be 1 or match q's "
+                         f"{(q.shape[0], q.shape[1])}")
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask must be on q's device {q.device}, but is on "
+                         f"{block_mask.device}; use block_mask.to(device)")
+
+
+@functools.lru_cache(maxsize=16)
+def _pattern_mask(pattern: str, seqlen_q: int, seqlen_kv: int, device: str) -> BlockMask:
+    """Sweep problems name their mask; built once per problem and device (a 16k x 16k one
+    takes seconds on a CPU), so every trial times the same pattern."""
+    return pattern_block_mask(pattern, seqlen_q, seqlen_kv, device=device)
 
 
 TEMPLATE = FlashFwdTemplate()

@@ -51,70 +51,144 @@ DEBUG_POISON = False
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
-def _attend_kv_blocks(
+def _kv_step(
     acc, l_i, m_i, q,
     K, V, kv_b, kv_h,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, kv_lo, kv_hi, N_KV, causal_offset, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale,
+    tile_base, am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, TILE_STRIDE: tl.constexpr,
+    ATTN_MASK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold KV blocks [kv_lo, kv_hi) into the running (acc, l_i, m_i) of one query tile.
+    """Fold the KV block [start_n, start_n + BLOCK_N) into the running (acc, l_i, m_i).
 
-    ``MASKED`` blocks apply the elementwise mask (key < N_kv, and the causal diagonal) and may
-    hold rows with no visible key yet; unmasked blocks are fully visible to every row.
+    Each mask is a compile-time switch, so a block that needs none runs none of their code:
+    ``MASKED`` (keys past N_kv, and the causal diagonal when ``CAUSAL``), ``TILE`` (the block
+    mask's elementwise tile of a partial block, uint8 rows ``TILE_STRIDE`` apart from
+    ``tile_base``), ``ATTN_MASK`` (0 none, 1 bool, 2 additive: SDPA's attn_mask read tile by
+    tile from ``am_base``). Masked blocks may hold rows with no visible key yet.
     With pointer loads ``K``/``V`` point at the (batch, kv head) base; with TMA they are
     rank-4 descriptors indexed by (kv_b, kv_h, row, 0).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    keys = start_n + offs_n
+    if USE_TMA:
+        k = K.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        k_ptrs = K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=(keys[:, None] < N_KV) & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED or TILE or ATTN_MASK != 0:
+        s = s * qk_scale
+        visible = (keys[None, :] < N_KV) & (offs_m[:, None] >= 0)  # (BLOCK_M, BLOCK_N)
+        if MASKED and CAUSAL:
+            visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
+        if TILE:
+            rows = tl.arange(0, offs_m.shape[0])
+            tile = tl.load(tile_base + rows[:, None] * TILE_STRIDE + offs_n[None, :])
+            visible = visible & (tile != 0)
+        if ATTN_MASK != 0:
+            am = tl.load(am_base + offs_m[:, None] * stride_amm + keys[None, :] * stride_amn,
+                         mask=(offs_m[:, None] < N_Q) & (keys[None, :] < N_KV), other=0)
+            if ATTN_MASK == 1:
+                visible = visible & (am != 0)
+            else:  # additive, in the log2 domain of the scores
+                s = s + am.to(tl.float32) * 1.4426950408889634
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key so far keeps m = -inf: shift by 0 instead, so that
+        # exp2(-inf - -inf) never makes a NaN; its p and alpha are then exactly 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_shift = m_new
+        p = tl.math.exp2(s * qk_scale - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if USE_TMA:
+        v = V.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        v_ptrs = V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(keys[:, None] < N_KV) & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_kv_range(
+    acc, l_i, m_i, q,
+    K, V, kv_b, kv_h,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, kv_lo, kv_hi, N_Q, N_KV, causal_offset, qk_scale,
+    am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the contiguous KV blocks [kv_lo, kv_hi) (dense and causal attention)."""
     for start_n in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=LOOP_STAGES,
                             loop_unroll_factor=LOOP_UNROLL, warp_specialize=WARP_SPECIALIZE):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        keys = start_n + offs_n
-        if USE_TMA:
-            k = K.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k_ptrs = K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd
-            if MASKED:
-                k = tl.load(k_ptrs, mask=(keys[:, None] < N_KV) & d_ok[None, :], other=0.0)
-            elif BLOCK_D != HEAD_DIM:
-                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED:
-            visible = keys[None, :] < N_KV
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with no visible key so far keeps m = -inf: shift by 0 instead, so that
-            # exp2(-inf - -inf) never makes a NaN; its p and alpha are then exactly 0.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_shift[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_shift = m_new
-            p = tl.math.exp2(s * qk_scale - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if USE_TMA:
-            v = V.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            v_ptrs = V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd
-            if MASKED:
-                v = tl.load(v_ptrs, mask=(keys[:, None] < N_KV) & d_ok[None, :], other=0.0)
-            elif BLOCK_D != HEAD_DIM:
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _kv_step(
+            acc, l_i, m_i, q, K, V, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
+            start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale,
+            am_base, am_base, stride_amm, stride_amn,
+            MASKED, CAUSAL, False, 1, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+            DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_listed_blocks(
+    acc, l_i, m_i, q,
+    K, V, kv_b, kv_h,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, tile_row, N_Q, N_KV, causal_offset, qk_scale,
+    Count, Indices, TileIds, Tiles,
+    am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, ATTN_MASK: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the KV blocks a BlockMask lists for this query block (``Count`` of them, indices
+    at ``Indices``), each as MASK_BLOCK_KV / BLOCK_N kernel steps; one flat loop, so the
+    pipeliner overlaps loads across listed blocks. ``TILE``: partial blocks, whose uint8 tile
+    (row ``tile_row`` of it first) is at ``Tiles`` + its id * MASK_BLOCK_Q * MASK_BLOCK_KV."""
+    SUB: tl.constexpr = MASK_BLOCK_KV // BLOCK_N
+    n = tl.load(Count)
+    for t in tl.range(0, n * SUB, num_stages=LOOP_STAGES):
+        slot = t // SUB
+        sub = t % SUB
+        start_n = tl.load(Indices + slot) * MASK_BLOCK_KV + sub * BLOCK_N
+        tile_base = Tiles
+        if TILE:
+            tile_id = tl.load(TileIds + slot).to(tl.int64)
+            tile_base = (Tiles + tile_id * (MASK_BLOCK_Q * MASK_BLOCK_KV)
+                         + tile_row * MASK_BLOCK_KV + sub * BLOCK_N)
+        acc, l_i, m_i = _kv_step(
+            acc, l_i, m_i, q, K, V, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
+            start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale,
+            tile_base, am_base, stride_amm, stride_amn,
+            MASKED, CAUSAL, TILE, MASK_BLOCK_KV, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+            USE_TMA, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -127,12 +201,17 @@ def _flash_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     N_Q, N_KV, causal_offset, H_Q, GROUP, BH, n_q_tiles, qk_scale,
+    FullCount, FullIndices, PartialCount, PartialIndices, PartialTileIds, PartialTiles,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+    AttnMask, stride_amb, stride_amh, stride_amm, stride_amn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     GRID_ORDER: tl.constexpr, LONGEST_FIRST: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPARSE: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
+    ATTN_MASK: tl.constexpr,
 ):
     # -- which (batch, head, query tile) this program owns: a 1-D grid decoded here, so the
     # launch order is a knob and no grid axis can exceed its hardware limit.
@@ -165,31 +244,59 @@ def _flash_fwd_kernel(
         K_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
         V_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
 
-    # -- the KV range of this tile: [0, full_end) needs no mask, [full_end, kv_end) does.
-    if CAUSAL:
-        # Row i sees keys j <= i + causal_offset (0 for top-left, N_kv - N_q for bottom-right).
-        kv_end = tl.maximum(tl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
-        first_row_sees = tl.maximum(m0 + causal_offset + 1, 0)
-        full_end = tl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N) * BLOCK_N
-    else:
-        kv_end = N_KV
-        full_end = (N_KV // BLOCK_N) * BLOCK_N
+    # SDPA's attn_mask (B|1, H|1, N_q, N_kv): broadcast dims have stride 0.
+    am_base = AttnMask + b.to(tl.int64) * stride_amb + h.to(tl.int64) * stride_amh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _attend_kv_blocks(
-        acc, l_i, m_i, q, K_base, V_base, b, kv_h,
-        stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, 0, full_end, N_KV, causal_offset, qk_scale,
-        False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
-        USE_TMA, NUM_STAGES, LOOP_UNROLL, WARP_SPECIALIZE, DOT_PRECISION)
-    acc, l_i, m_i = _attend_kv_blocks(
-        acc, l_i, m_i, q, K_base, V_base, b, kv_h,
-        stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, full_end, kv_end, N_KV, causal_offset, qk_scale,
-        True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N,
-        USE_TMA, MASKED_LOOP_STAGES, 1, False, DOT_PRECISION)
+    if SPARSE:
+        # The BlockMask's lists for the mask block holding this tile (BLOCK_M divides
+        # MASK_BLOCK_Q): full blocks unmasked (but for causal, applied on top elementwise),
+        # then partial blocks through their tiles; unlisted blocks are never touched.
+        q_block = m0 // MASK_BLOCK_Q
+        lists = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + q_block * stride_iq
+        counts = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + q_block
+        acc, l_i, m_i = _attend_listed_blocks(
+            acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            FullCount + counts, FullIndices + lists, PartialTileIds + lists, PartialTiles,
+            am_base, stride_amm, stride_amn,
+            CAUSAL, CAUSAL, False, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, NUM_STAGES, DOT_PRECISION)
+        acc, l_i, m_i = _attend_listed_blocks(
+            acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
+            PartialTiles, am_base, stride_amm, stride_amn,
+            True, CAUSAL, True, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
+    else:
+        # The KV range of this tile: [0, full_end) needs no mask, [full_end, kv_end) does.
+        if CAUSAL:
+            # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
+            kv_end = tl.maximum(tl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
+            first_row_sees = tl.maximum(m0 + causal_offset + 1, 0)
+            full_end = tl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N) * BLOCK_N
+        else:
+            kv_end = N_KV
+            full_end = (N_KV // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, 0, full_end, N_Q, N_KV, causal_offset, qk_scale,
+            am_base, stride_amm, stride_amn,
+            False, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+            USE_TMA, NUM_STAGES, LOOP_UNROLL, WARP_SPECIALIZE, DOT_PRECISION)
+        acc, l_i, m_i = _attend_kv_range(
+            acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, full_end, kv_end, N_Q, N_KV, causal_offset, qk_scale,
+            am_base, stride_amm, stride_amn,
+            True, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+            USE_TMA, MASKED_LOOP_STAGES, 1, False, DOT_PRECISION)
 
     # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
     seen = l_i > 0.0
@@ -293,9 +400,36 @@ def tma_inputs_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
     return None
 
 
+def attn_mask_view(attn_mask: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """SDPA's ``attn_mask`` checked and viewed as (B, H_q, N_q, N_kv) without a copy (stride 0
+    on broadcast dims); bool masks as uint8 (1 = attend), float masks added to the scores."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, but got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"attn_mask must be bool (True = attend) or float16/bfloat16/float32 "
+                        f"(added to the scores), but got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask must be on q's device {q.device}, but is on "
+                         f"{attn_mask.device}")
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        if attn_mask.dim() > 4 or torch.broadcast_shapes(attn_mask.shape, full) != full:
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(B, H_q, N_q, N_kv) = {full}") from None
+    view = attn_mask.expand(full)
+    return view.view(torch.uint8) if view.dtype == torch.bool else view
+
+
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: str,
-           scale: float, config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel on validated inputs with a config given as a plain mapping."""
+           scale: float, config: Mapping[str, Any], block_mask: Any = None,
+           attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on validated inputs with a config given as a plain mapping.
+
+    ``block_mask``: a ``templates.block_mask.BlockMask`` (already checked against q and k);
+    ``attn_mask``: as returned by ``attn_mask_view``."""
     batch, heads_q, seqlen_q, _ = q.shape
     if DEBUG_POISON:
         o = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
@@ -309,14 +443,16 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: st
         if reason:
             raise ValueError(f"{reason}; use a config with use_tma=False")
     grid, args, options = kernel_call(q, k, v, o, lse, causal_mode=causal_mode, scale=scale,
-                                      config=config)
+                                      config=config, block_mask=block_mask,
+                                      attn_mask=attn_mask)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _flash_fwd_kernel[grid](*args, **options)
     return o, lse
 
 
 def kernel_call(q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str, scale: float,
-                config: Mapping[str, Any]) -> tuple[tuple[int], list[Any], dict[str, Any]]:
+                config: Mapping[str, Any], block_mask: Any = None, attn_mask: Any = None
+                ) -> tuple[tuple[int], list[Any], dict[str, Any]]:
     """Grid, positional arguments and options of one launch.
 
     The tensors may be triton's ``MockTensor`` stand-ins (dtype and shape, contiguous), so that
@@ -342,6 +478,24 @@ def kernel_call(q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str, s
     args = [*tensors, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             seqlen_q, seqlen_kv, causal_offset(causal_mode, seqlen_q, seqlen_kv),
             heads_q, heads_q // heads_kv, batch * heads_q, n_q_tiles, scale * LOG2_E]
+    # Unused mask arguments point at lse: their code is compiled out (SPARSE, ATTN_MASK).
+    if block_mask is not None:
+        bm = block_mask
+        mask_block_q, mask_block_kv = bm.block_size
+        count_strides = [bm.full_counts.stride(0) if bm.full_counts.shape[0] > 1 else 0,
+                         bm.full_counts.stride(1) if bm.full_counts.shape[1] > 1 else 0]
+        list_strides = [bm.full_indices.stride(0) if bm.full_indices.shape[0] > 1 else 0,
+                        bm.full_indices.stride(1) if bm.full_indices.shape[1] > 1 else 0,
+                        bm.full_indices.stride(2)]
+        args += [bm.full_counts, bm.full_indices, bm.partial_counts, bm.partial_indices,
+                 bm.partial_tile_ids, bm.partial_tiles, *count_strides, *list_strides]
+    else:
+        mask_block_q = mask_block_kv = block_m
+        args += [lse] * 6 + [0] * 5
+    if attn_mask is not None:
+        args += [attn_mask, *attn_mask.stride()]
+    else:
+        args += [lse, 0, 0, 0, 0]
     options = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, USE_TMA=use_tma,
@@ -353,6 +507,8 @@ def kernel_call(q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str, s
         WARP_SPECIALIZE=bool(config["warp_specialize"]),
         # fp32 inputs (tests) get exact fp32 dots; 16-bit inputs ignore the option.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        SPARSE=block_mask is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
+        ATTN_MASK=0 if attn_mask is None else (1 if attn_mask.dtype == torch.uint8 else 2),
         num_warps=int(config["num_warps"]), num_stages=num_stages,
     )
     return (n_q_tiles * batch * heads_q,), args, options

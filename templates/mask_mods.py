@@ -1,0 +1,171 @@
+"""Mask functions ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` for ``BlockMask.from_mask_mod``,
+their combinators, and the named patterns a sweep spec uses (``Problem.mask``).
+
+Each takes broadcasting index tensors, as FlexAttention's mask_mods do, so one function serves
+any block of any mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
+
+__all__ = ["and_masks", "causal_mask", "document_mask", "or_masks", "pattern_block_mask",
+           "pattern_density", "prefix_lm_mask", "sliding_window_mask"]
+
+PATTERNS = ("random:<density>", "sliding:<window>", "document:<count>", "prefix:<length>",
+            "causal")
+
+
+def causal_mask(offset: int = 0) -> MaskMod:
+    """Query i sees keys j <= i + offset (0: top-left as SDPA; N_kv - N_q: bottom-right)."""
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        return k <= q + offset
+
+    return mask_mod
+
+
+def sliding_window_mask(window: int, *, causal: bool = False) -> MaskMod:
+    """Local attention: |i - j| <= window, or 0 <= i - j <= window with ``causal``."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a non-negative int, but got {window!r}")
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        if causal:
+            return (k <= q) & (q - k <= window)
+        return (q - k).abs() <= window
+
+    return mask_mod
+
+
+def prefix_lm_mask(prefix_length: int) -> MaskMod:
+    """Prefix-LM: every query sees the first ``prefix_length`` keys, and causally after them."""
+    if isinstance(prefix_length, bool) or not isinstance(prefix_length, int) or prefix_length < 0:
+        raise ValueError(f"prefix_length must be a non-negative int, but got {prefix_length!r}")
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        return (k < prefix_length) | (k <= q)
+
+    return mask_mod
+
+
+def document_mask(lengths: list[int] | torch.Tensor, *, causal: bool = False,
+                  device: torch.device | str = "cpu") -> MaskMod:
+    """Packed sequences: a query sees only keys of its own document (documents given by their
+    lengths, in order; they cover the sequence), causally within it with ``causal``."""
+    lengths_t = torch.as_tensor(lengths, device=device)
+    if lengths_t.dim() != 1 or lengths_t.numel() == 0 or bool((lengths_t < 1).any()):
+        raise ValueError(f"lengths must be a non-empty list of positive ints, but got {lengths!r}")
+    doc_of = torch.repeat_interleave(torch.arange(lengths_t.numel(), device=device), lengths_t)
+    total = doc_of.numel()
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        if int(q.max()) >= total or int(k.max()) >= total:
+            raise ValueError(f"the documents cover {total} positions, but the mask has "
+                             f"{int(max(q.max(), k.max())) + 1}")
+        same = doc_of[q] == doc_of[k]
+        return same & (k <= q) if causal else same
+
+    return mask_mod
+
+
+def and_masks(*mods: MaskMod) -> MaskMod:
+    """Visible where every mask says so."""
+    if not mods:
+        raise ValueError("and_masks needs at least one mask_mod")
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        out = mods[0](b, h, q, k)
+        for mod in mods[1:]:
+            out = out & mod(b, h, q, k)
+        return out
+
+    return mask_mod
+
+
+def or_masks(*mods: MaskMod) -> MaskMod:
+    """Visible where any mask says so."""
+    if not mods:
+        raise ValueError("or_masks needs at least one mask_mod")
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        out = mods[0](b, h, q, k)
+        for mod in mods[1:]:
+            out = out | mod(b, h, q, k)
+        return out
+
+    return mask_mod
+
+
+def _random_blocks(density: float, seqlen_q: int, seqlen_kv: int, block: int, seed: int,
+                   device: torch.device | str) -> MaskMod:
+    """Whole blocks kept at random with probability ``density`` (seeded: one pattern per
+    problem, so every trial of a sweep times the same mask)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    nq, nk = -(-seqlen_q // block), -(-seqlen_kv // block)
+    keep = (torch.rand(nq, nk, generator=gen) < density).to(device)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        return keep[q // block, k // block]
+
+    return mask_mod
+
+
+def _parse(pattern: str) -> tuple[str, str]:
+    name, _, arg = pattern.partition(":")
+    return name, arg
+
+
+def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
+                     block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0,
+                     device: torch.device | str = "cpu") -> MaskMod:
+    """The mask_mod of a named pattern: ``random:0.1`` (10% of blocks kept), ``sliding:1024``
+    (|i - j| <= 1024), ``document:4`` (4 equal documents), ``prefix:256``, ``causal``."""
+    name, arg = _parse(pattern)
+    try:
+        if name == "random":
+            density = float(arg)
+            if not 0.0 < density <= 1.0:
+                raise ValueError
+            return _random_blocks(density, seqlen_q, seqlen_kv, block_size, seed, device)
+        if name == "sliding":
+            return sliding_window_mask(int(arg))
+        if name == "prefix":
+            return prefix_lm_mask(int(arg))
+        if name == "document":
+            count = int(arg)
+            if count < 1 or seqlen_q != seqlen_kv or count > seqlen_q:
+                raise ValueError
+            base, extra = divmod(seqlen_q, count)
+            return document_mask([base + (i < extra) for i in range(count)], device=device)
+        if name == "causal" and not arg:
+            return causal_mask()
+    except ValueError:
+        pass
+    raise ValueError(f"unknown or malformed mask pattern {pattern!r} for N_q={seqlen_q}, "
+                     f"N_kv={seqlen_kv}; patterns: {list(PATTERNS)} (random density in (0, 1], "
+                     f"document needs N_q == N_kv)")
+
+
+def pattern_block_mask(pattern: str, seqlen_q: int, seqlen_kv: int, *,
+                       block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0,
+                       device: torch.device | str = "cpu") -> BlockMask:
+    """The (1, 1, N_q, N_kv) BlockMask of a named pattern."""
+    mod = pattern_mask_mod(pattern, seqlen_q, seqlen_kv, block_size=block_size, seed=seed,
+                           device=device)
+    return BlockMask.from_mask_mod(mod, None, None, seqlen_q, seqlen_kv, block_size,
+                                   device=device)
+
+
+def pattern_density(pattern: str, seqlen_q: int, seqlen_kv: int) -> float:
+    """Fraction of the blocks a pattern visits (to report beside dense-equivalent TFLOP/s)."""
+    return pattern_block_mask(pattern, seqlen_q, seqlen_kv).density()
