@@ -1,0 +1,792 @@
+"""Benchmark report: docs/benchmarks.md and docs/img/*.png from the JSON in benchmarks/results/.
+
+Reads what the benchmark scripts wrote (every number in the report comes from those files;
+only the targets' thresholds are written here):
+
+- ``fwd_quick*.json``      benchmarks/fwd_quick.py: forward, our default config, a grid of
+                           configs and their variants, SDPA FA2 / cuDNN / EFF, per problem;
+- ``fwd_bwd*.json``        benchmarks/fwd_bwd_bench.py: forward + backward, our defaults and a
+                           backward grid, SDPA FA2 / cuDNN, FlexAttention;
+- ``decode*.json``         benchmarks/decode_bench.py: flash-decoding, bandwidth;
+- ``fwd_compile_sweep*``   compile data: listed, not reported.
+
+Any other file is listed as skipped with the reason, so a new benchmark's results never break
+the report. A hand-written ``benchmarks_notes.md`` beside the report is included verbatim.
+
+    pip install -e '.[report]'          # matplotlib, for the plots
+    python benchmarks/report.py [--results DIR] [--out FILE] [--img-dir DIR] [--notes FILE]
+                                [--no-plots]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_OUT = ROOT / "docs" / "benchmarks.md"
+DEFAULT_IMG = ROOT / "docs" / "img"
+NOTES_NAME = "benchmarks_notes.md"
+MATPLOTLIB_MISSING = ("report.py draws its plots with matplotlib, which is not installed: "
+                      "pip install -e '.[report]' (or pip install 'matplotlib>=3.7'), "
+                      "or pass --no-plots for the tables alone")
+
+# The targets of the project's performance issues (thresholds, not measurements).
+FWD_D128_VS_CUDNN = 1.0      # forward best >= 1.0x cuDNN at d=128, N >= 2k, causal and not
+FWD_D128_MIN_N = 2048
+FWD_D64_VS_CUDNN = 1.1       # forward best >= 1.1x cuDNN at d=64
+FWD_VS_FA2 = 1.6             # forward best >= 1.6x FA2 everywhere
+FWD_TUNED_VS_DEFAULT = 1.2   # geomean over problems of best / default
+FWD_BWD_VS_CUDNN = 1.0       # fwd+bwd best >= 1.0x cuDNN at d=128, N >= 4k
+FWD_BWD_MIN_N = 4096
+DECODE_COPY_SHARE = 0.8      # decode B=1, 32k cache: >= 80% of the measured copy bandwidth
+DECODE_VS_ONE_SPLIT = 3.0    # ... and >= 3x faster than the same kernel with one split
+DECODE_SEQLEN = 32768
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class Source:
+    """Where one file's numbers come from."""
+
+    path: Path
+    kind: str
+    gpu: str = ""
+    driver: str = ""
+    torch: str = ""
+    triton: str = ""
+    cuda: str = ""
+    date: str = ""
+    command: str = ""
+
+
+@dataclass
+class FwdRow:
+    dtype: str
+    head_dim: int
+    seqlen: int
+    seqlen_kv: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    variant: str
+    default: float | None = None
+    best: float | None = None
+    best_label: str = ""
+    best_config: dict[str, Any] | None = None
+    timed: int = 0
+    fa2: float | None = None
+    cudnn: float | None = None
+    flex: float | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.variant.startswith("causal")
+
+    @property
+    def dense_mask(self) -> bool:
+        return "sparse" not in self.variant
+
+    @property
+    def name(self) -> str:
+        return f"d{self.head_dim} N{_n(self.seqlen)} {'causal' if self.causal else 'dense'}"
+
+
+@dataclass
+class FwdBwdRow:
+    head_dim: int
+    seqlen: int
+    causal: bool
+    batch: int
+    heads: int
+    default: float | None = None
+    best: float | None = None
+    best_label: str = ""
+    best_config: dict[str, Any] | None = None
+    grid: int = 0
+    fa2: float | None = None
+    cudnn: float | None = None
+    flex: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"d{self.head_dim} N{_n(self.seqlen)} {'causal' if self.causal else 'dense'}"
+
+
+@dataclass
+class DecodeResult:
+    us: float | None
+    tb_per_s: float | None
+    config: dict[str, Any] | None = None
+    note: str = ""
+
+
+@dataclass
+class DecodeRow:
+    name: str
+    batch: int
+    seqlen_kv: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    mask: str
+    results: dict[str, DecodeResult] = field(default_factory=dict)
+
+
+@dataclass
+class Target:
+    what: str
+    source: str
+    threshold: str
+    measured: str
+    met: bool | None  # None: not measured
+    margin: str
+    rows: str = ""
+
+
+@dataclass
+class Section:
+    """One result file's part of the report."""
+
+    source: Source
+    markdown: list[str]
+    targets: list[Target]
+    plot: Callable[[Path], None] | None = None
+    plot_name: str = ""
+
+
+class FormatError(ValueError):
+    """A result file whose rows are not in the format its name promises."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _n(seqlen: int) -> str:
+    return f"{seqlen // 1024}k" if seqlen >= 1024 and seqlen % 1024 == 0 else str(seqlen)
+
+
+def _tf(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _first_sentence(text: str, limit: int = 100) -> str:
+    head = text.split(". ", 1)[0]
+    return head if len(head) <= limit else head[:limit] + "..."
+
+
+def _date(text: str) -> str:
+    """An ISO timestamp to the minute (the scripts record microseconds); anything else as is."""
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return text
+    if when.hour == when.minute == when.second == 0 and "T" not in text:
+        return text
+    zone = " UTC" if when.utcoffset() == datetime.timedelta(0) else ""
+    return when.strftime("%Y-%m-%d %H:%M") + zone
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return out
+
+
+def _margin_min(rows: list[tuple[str, float]], threshold: float) -> tuple[str, bool, str]:
+    """(measured, met, margin) for 'every row's ratio >= threshold'."""
+    name, worst = min(rows, key=lambda r: r[1])
+    meeting = sum(r >= threshold for _, r in rows)
+    gap = worst / threshold - 1
+    met = worst >= threshold
+    margin = (f"worst row {100 * gap:.0f}% above" if met else
+              f"worst row {100 * -gap:.0f}% short; {meeting} of {len(rows)} rows meet it")
+    return f"worst {worst:.2f}x ({name})", met, margin
+
+
+def min_target(what: str, source: str, threshold: float,
+               rows: list[tuple[str, float]]) -> Target:
+    if not rows:
+        return Target(what, source, f">= {threshold:.2f}x", "no rows", None, "not measured")
+    measured, met, margin = _margin_min(rows, threshold)
+    return Target(what, source, f">= {threshold:.2f}x", measured, met, margin,
+                  ", ".join(f"{n} {r:.2f}x" for n, r in rows))
+
+
+# fwd_quick.py's short config text (written again here: report.py imports no torch).
+def fwd_config_text(cfg: dict[str, Any] | None) -> str:
+    if not cfg:
+        return "-"
+    text = (f"{cfg.get('BLOCK_M')}x{cfg.get('BLOCK_N')} w{cfg.get('num_warps')} "
+            f"s{cfg.get('num_stages')}")
+    flags = [("use_tma", True, "tma"), ("longest_first", True, "lf"),
+             ("grid_order", "heads_inner", "heads"), ("pipeline_masked_loop", False,
+                                                      "nopipe-masked"),
+             ("warp_specialize", True, "ws")]
+    text += "".join(f" {label}" for key, value, label in flags if cfg.get(key) == value)
+    if (cfg.get("loop_unroll") or 1) > 1:
+        text += f" unroll{cfg['loop_unroll']}"
+    return text
+
+
+def bwd_config_text(cfg: dict[str, Any] | None) -> str:
+    if not cfg:
+        return "-"
+    blocks = "/".join(str(cfg[k]) for k in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+                      if k in cfg)
+    return (f"{blocks} w{cfg.get('num_warps')} s{cfg.get('num_stages')} "
+            f"{cfg.get('dq_mode', '')}").strip()
+
+
+def decode_config_text(cfg: dict[str, Any] | None) -> str:
+    if not cfg:
+        return "-"
+    return (f"splits {cfg.get('num_splits')} bn{cfg.get('block_n')} w{cfg.get('num_warps')} "
+            f"s{cfg.get('num_stages')}")
+
+
+# ----------------------------------------------------------------------------- loading
+def read_source(path: Path, kind: str, data: dict[str, Any]) -> Source:
+    """fwd_quick.py writes ``device`` (templates.device) with ``command``/``date`` beside it;
+    fwd_bwd_bench.py and decode_bench.py write ``environment``."""
+    src = Source(path, kind)
+    env = data.get("environment")
+    dev = data.get("device")
+    if isinstance(env, dict):
+        src.gpu, src.driver = str(env.get("gpu", "")), str(env.get("driver", ""))
+        src.torch, src.triton = str(env.get("torch", "")), str(env.get("triton", ""))
+        src.cuda, src.date = str(env.get("cuda", "")), str(env.get("date", ""))
+        src.command = str(env.get("command", ""))
+    if isinstance(dev, dict):
+        src.gpu = src.gpu or str(dev.get("name", ""))
+        src.driver = src.driver or str(dev.get("driver_version", ""))
+        src.torch = src.torch or str(dev.get("torch_version", ""))
+        src.triton = src.triton or str(dev.get("triton_version", ""))
+        src.cuda = src.cuda or str(dev.get("cuda_version", ""))
+    src.date = src.date or str(data.get("date", ""))
+    src.command = src.command or str(data.get("command", ""))
+    return src
+
+
+PROBLEM_KEY = re.compile(r"^b(\d+)-hq(\d+)-hkv(\d+)-q(\d+)-kv(\d+)-d(\d+)-([a-z0-9]+)-(.+)$")
+
+
+def fwd_rows(data: dict[str, Any]) -> list[FwdRow]:
+    rows: dict[str, FwdRow] = {}
+    for r in data["rows"]:
+        if not isinstance(r, dict) or "problem" not in r or "kernel" not in r:
+            raise FormatError(f"a row without 'problem' and 'kernel': {str(r)[:120]}")
+        key, kernel = str(r["problem"]), str(r["kernel"])
+        if key not in rows:
+            m = PROBLEM_KEY.match(key)
+            if m is None:
+                raise FormatError(f"problem key {key!r} is not Problem.key()'s format")
+            b, hq, hkv, nq, nkv, d = (int(g) for g in m.groups()[:6])
+            rows[key] = FwdRow(m[7], d, nq, nkv, b, hq, hkv, m[8])
+        row, tflops = rows[key], _num(r.get("tflops"))
+        if tflops is None:
+            continue  # failed, wrong result or not timed: not a number to report
+        if kernel.startswith("sdpa-"):
+            backend = kernel.removeprefix("sdpa-").lower()
+            if backend == "fa2":
+                row.fa2 = tflops
+            elif backend == "cudnn":
+                row.cudnn = tflops
+        elif kernel.startswith("flex"):
+            row.flex = max(tflops, row.flex or 0.0)
+        else:  # ours: flash_fwd-default, -grid, -variant
+            label = kernel.rsplit("-", 1)[-1]
+            row.timed += 1
+            if label == "default":
+                row.default = tflops
+            if row.best is None or tflops > row.best:
+                row.best, row.best_label, row.best_config = tflops, label, r.get("config")
+    return sorted(rows.values(), key=lambda r: (r.dtype != "bfloat16", r.dtype, r.head_dim,
+                                                 not r.dense_mask, r.causal, r.variant,
+                                                 r.seqlen, r.seqlen_kv))
+
+
+def fwd_bwd_rows(data: dict[str, Any]) -> tuple[list[FwdBwdRow], list[str]]:
+    rows, failures = [], []
+    for r in data["rows"]:
+        try:
+            row = FwdBwdRow(int(r["head_dim"]), int(r["seqlen"]), bool(r["causal"]),
+                            int(r["batch"]), int(r["heads"]))
+            results = list(r["results"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"a row without {exc}: {str(r)[:120]}") from exc
+        best_ms: float | None = None
+        for m in results:
+            what, tflops, ms = str(m.get("what")), _num(m.get("tflops")), _num(m.get("ms"))
+            if tflops is None or ms is None:
+                if m.get("note"):
+                    failures.append(f"{row.name} {what}: {_first_sentence(str(m['note']))}")
+                continue
+            if what == "sdpa-fa2":
+                row.fa2 = tflops
+            elif what == "sdpa-cudnn":
+                row.cudnn = tflops
+            elif what == "flex":
+                row.flex = tflops
+            elif what in ("default", "grid"):
+                row.grid += what == "grid"
+                if what == "default":
+                    row.default = tflops
+                if best_ms is None or ms < best_ms:  # RowResult.best_grid: the least time
+                    best_ms = ms
+                    row.best, row.best_label, row.best_config = tflops, what, m.get("config")
+        rows.append(row)
+    return rows, failures
+
+
+def decode_rows(data: dict[str, Any]) -> list[DecodeRow]:
+    rows = []
+    for r in data["rows"]:
+        try:
+            p = r["problem"]
+            row = DecodeRow(str(r["name"]), int(p["batch"]), int(p["seqlen_kv"]),
+                            int(p["heads_q"]), int(p["heads_kv"]), int(p["head_dim"]),
+                            str(p.get("mask", "none")))
+            for m in r["results"]:
+                row.results[str(m["what"])] = DecodeResult(_num(m.get("us")),
+                                                           _num(m.get("tb_per_s")),
+                                                           m.get("config"),
+                                                           str(m.get("note", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"a row without {exc}: {str(r)[:120]}") from exc
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- sections
+def forward_section(src: Source, data: dict[str, Any]) -> Section:
+    rows = fwd_rows(data)
+    has_flex = any(r.flex is not None for r in rows)
+    multi_dtype = len({r.dtype for r in rows}) > 1
+    header = (["dtype"] if multi_dtype else []) + [
+        "D", "N", "variant", "B x H", "default", "best", "best config (of n timed)", "SDPA FA2",
+        "SDPA cuDNN"] + (["Flex"] if has_flex else []) + [
+        "best/cuDNN", "best/FA2", "best/default"]
+    cells = []
+    for r in rows:
+        heads = str(r.heads_q) if r.heads_q == r.heads_kv else f"{r.heads_q}/{r.heads_kv}"
+        seq = _n(r.seqlen) if r.seqlen == r.seqlen_kv else f"{_n(r.seqlen)}/{_n(r.seqlen_kv)}"
+        cells.append(([r.dtype] if multi_dtype else []) + [
+            str(r.head_dim), seq, r.variant, f"{r.batch} x {heads}", _tf(r.default),
+            _tf(r.best), f"{fwd_config_text(r.best_config)} ({r.best_label}, of {r.timed})",
+            _tf(r.fa2), _tf(r.cudnn)] + ([_tf(r.flex)] if has_flex else []) + [
+            _x(_ratio(r.best, r.cudnn)), _x(_ratio(r.best, r.fa2)),
+            _x(_ratio(r.best, r.default))])
+    md = [f"### Forward: `{src.path.name}`", "",
+          "TFLOP/s (forward FLOPs = 4 B H N^2 D, halved for causal). *default*: the template's "
+          "default config; *best*: the fastest of every config of ours timed for the problem "
+          "(default, grid and variants): what a tuning sweep over those configs would return.",
+          "", *_table(header, cells), ""]
+    name = src.path.stem
+    plot_rows = [r for r in rows if r.dtype == "bfloat16" and r.dense_mask
+                 and r.seqlen == r.seqlen_kv]
+    return Section(src, md, forward_targets(src.path.name, rows),
+                   (lambda path: plot_tflops(path, plot_rows, f"{src.gpu}: forward, bf16"))
+                   if plot_rows else None, f"{name}.png")
+
+
+def forward_targets(source: str, rows: list[FwdRow]) -> list[Target]:
+    rows = [r for r in rows if r.dtype == "bfloat16" and r.dense_mask]
+
+    def ratios(keep: Callable[[FwdRow], bool], base: str) -> list[tuple[str, float]]:
+        out = []
+        for r in rows:
+            ratio = _ratio(r.best, getattr(r, base))
+            if keep(r) and ratio is not None:
+                out.append((r.name, ratio))
+        return out
+
+    def d128(causal: bool) -> Callable[[FwdRow], bool]:
+        return lambda r: r.head_dim == 128 and r.seqlen >= FWD_D128_MIN_N and r.causal == causal
+
+    out = [min_target(f"forward best vs cuDNN, d=128, N >= {_n(FWD_D128_MIN_N)}, "
+                      f"{'causal' if causal else 'dense'}", source, FWD_D128_VS_CUDNN,
+                      ratios(d128(causal), "cudnn")) for causal in (False, True)]
+    out.append(min_target("forward best vs cuDNN, d=64", source, FWD_D64_VS_CUDNN,
+                          ratios(lambda r: r.head_dim == 64, "cudnn")))
+    out.append(min_target("forward best vs FA2, every row", source, FWD_VS_FA2,
+                          ratios(lambda r: True, "fa2")))
+    tuned = ratios(lambda r: True, "default")
+    what = "forward tuned (best) vs default, geomean over problems"
+    if not tuned:
+        out.append(Target(what, source, f">= {FWD_TUNED_VS_DEFAULT:.2f}x", "no rows", None,
+                          "not measured"))
+    else:
+        geomean = math.exp(sum(math.log(r) for _, r in tuned) / len(tuned))
+        gap = geomean / FWD_TUNED_VS_DEFAULT - 1
+        met = geomean >= FWD_TUNED_VS_DEFAULT
+        out.append(Target(what, source, f">= {FWD_TUNED_VS_DEFAULT:.2f}x",
+                          f"{geomean:.3f}x over {len(tuned)} problems", met,
+                          f"{100 * abs(gap):.0f}% {'above' if met else 'short'}",
+                          ", ".join(f"{n} {r:.2f}x" for n, r in tuned)))
+    return out
+
+
+def fwd_bwd_section(src: Source, data: dict[str, Any]) -> Section:
+    rows, failures = fwd_bwd_rows(data)
+    has_flex = any(r.flex is not None for r in rows) or any("flex" in f for f in failures)
+    header = ["D", "N", "causal", "B x H", "default", "best", "best bwd config (of n grid)",
+              "SDPA FA2", "SDPA cuDNN"] + (["Flex"] if has_flex else []) + [
+        "best/cuDNN", "best/FA2", "best/default"]
+    cells = [[str(r.head_dim), _n(r.seqlen), "yes" if r.causal else "no",
+              f"{r.batch} x {r.heads}", _tf(r.default), _tf(r.best),
+              f"{bwd_config_text(r.best_config)} ({r.best_label}, of {r.grid})", _tf(r.fa2),
+              _tf(r.cudnn)] + ([_tf(r.flex)] if has_flex else []) + [
+                 _x(_ratio(r.best, r.cudnn)), _x(_ratio(r.best, r.fa2)),
+                 _x(_ratio(r.best, r.default))] for r in rows]
+    md = [f"### Forward + backward: `{src.path.name}`", "",
+          "TFLOP/s (fwd+bwd FLOPs = 3.5 x forward); one call is `torch.autograd.grad` of the "
+          "attention output. *default*: our forward and backward default configs; *best*: the "
+          "fastest of the default and the backward grid (default forward).",
+          "", *_table(header, cells), ""]
+    if failures:
+        md += ["Not timed:", "", *(f"- {f}" for f in failures), ""]
+    keep = [(r.name, ratio) for r in rows
+            if r.head_dim == 128 and r.seqlen >= FWD_BWD_MIN_N
+            and (ratio := _ratio(r.best, r.cudnn)) is not None]
+    targets = [min_target(f"fwd+bwd best vs cuDNN, d=128, N >= {_n(FWD_BWD_MIN_N)}",
+                          src.path.name, FWD_BWD_VS_CUDNN, keep)]
+    fwd_like = [FwdRow("bfloat16", r.head_dim, r.seqlen, r.seqlen, r.batch, r.heads, r.heads,
+                       "causal" if r.causal else "dense", r.default, r.best, fa2=r.fa2,
+                       cudnn=r.cudnn, flex=r.flex) for r in rows]
+    return Section(src, md, targets,
+                   (lambda path: plot_tflops(path, fwd_like, f"{src.gpu}: forward + backward, "
+                                                             "bf16")) if rows else None,
+                   f"{src.path.stem}.png")
+
+
+def decode_section(src: Source, data: dict[str, Any]) -> Section:
+    rows = decode_rows(data)
+    copy = _num(data.get("copy_tb_per_s"))
+
+    def bw(m: DecodeResult | None) -> str:
+        if m is None or m.us is None or m.tb_per_s is None:
+            return "-"
+        share = f", {100 * m.tb_per_s / copy:.0f}%" if copy else ""
+        return f"{m.us:.1f} ({m.tb_per_s:.2f}{share})"
+
+    def speedup(row: DecodeRow, what: str) -> float | None:
+        m, one = row.results.get(what), row.results.get("one-split")
+        return _ratio(one.us if one else None, m.us if m else None)
+
+    header = ["row", "B", "cache", "q/kv heads", "layout", "default", "x vs 1 split", "best",
+              "x vs 1 split", "best config", "SDPA FA2", "SDPA cuDNN", "best/cuDNN time"]
+    cells = []
+    for r in rows:
+        best, cudnn = r.results.get("tuned"), r.results.get("sdpa-cudnn")
+        cells.append([r.name, str(r.batch), _n(r.seqlen_kv), f"{r.heads_q}/{r.heads_kv}",
+                      r.mask, bw(r.results.get("default")), _x(speedup(r, "default")),
+                      bw(best), _x(speedup(r, "tuned")),
+                      f"{decode_config_text(best.config if best else None)}"
+                      f"{f' ({best.note})' if best and best.note else ''}",
+                      bw(r.results.get("sdpa-fa2")), bw(cudnn),
+                      _x(_ratio(cudnn.us if cudnn else None, best.us if best else None))])
+    copy_text = f"{copy:.2f} TB/s" if copy else "not recorded"
+    md = [f"### Decode: `{src.path.name}`", "",
+          f"One query token, bf16. Each cell: microseconds (TB/s of K and V read, % of the "
+          f"device-to-device copy bandwidth measured in the same run: {copy_text}, read + "
+          "write). *default*: the template's default config; *1 split*: the default with "
+          "num_splits = 1; *best*: the fastest of the default and a short sweep around it. "
+          "*best/cuDNN time*: cuDNN's time over ours (above 1: ours is faster).",
+          "", *_table(header, cells), ""]
+    name = src.path.name
+    target_rows = [r for r in rows if r.batch == 1 and r.seqlen_kv == DECODE_SEQLEN
+                   and r.mask == "none"]
+    bw_what = f"decode B=1, {_n(DECODE_SEQLEN)} cache: best's K+V bandwidth vs copy"
+    split_what = f"decode B=1, {_n(DECODE_SEQLEN)} cache: best vs one split"
+    best = target_rows[0].results.get("tuned") if target_rows else None
+    default = target_rows[0].results.get("default") if target_rows else None
+    targets = []
+    if best is None or best.tb_per_s is None or not copy:
+        targets.append(Target(bw_what, name, f">= {100 * DECODE_COPY_SHARE:.0f}%",
+                              "no row", None, "not measured"))
+    else:
+        share = best.tb_per_s / copy
+        met = share >= DECODE_COPY_SHARE
+        targets.append(Target(
+            bw_what, name, f">= {100 * DECODE_COPY_SHARE:.0f}%",
+            f"{100 * share:.1f}% ({best.tb_per_s:.2f} of {copy:.2f} TB/s)", met,
+            f"{100 * abs(share - DECODE_COPY_SHARE):.1f} points "
+            f"{'above' if met else 'short'}",
+            f"default {100 * default.tb_per_s / copy:.1f}%"
+            if default and default.tb_per_s else ""))
+    x_best = speedup(target_rows[0], "tuned") if target_rows else None
+    if x_best is None:
+        targets.append(Target(split_what, name, f">= {DECODE_VS_ONE_SPLIT:.1f}x", "no row",
+                              None, "not measured"))
+    else:
+        x_default = speedup(target_rows[0], "default")
+        met = x_best >= DECODE_VS_ONE_SPLIT
+        targets.append(Target(
+            split_what, name, f">= {DECODE_VS_ONE_SPLIT:.1f}x", f"{x_best:.2f}x", met,
+            f"{100 * abs(x_best / DECODE_VS_ONE_SPLIT - 1):.0f}% "
+            f"{'above' if met else 'short'}",
+            f"default {x_default:.2f}x" if x_default is not None else ""))
+    return Section(src, md, targets,
+                   (lambda path: plot_decode(path, rows, copy, f"{src.gpu}: decode, bf16"))
+                   if rows else None, f"{src.path.stem}.png")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Result files whose name starts with ``prefix``: written by ``script``."""
+
+    prefix: str
+    label: str
+    script: str
+    build: Callable[[Source, dict[str, Any]], Section] | None  # None: listed, not reported
+
+
+# The first match wins; the order is the report's.
+KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-sweep", None),
+         Kind("fwd_quick", "forward", "fwd_quick.py", forward_section),
+         Kind("fwd_bwd", "forward + backward", "fwd_bwd_bench.py", fwd_bwd_section),
+         Kind("decode", "decode", "decode_bench.py", decode_section)]
+
+
+def kind_of(path: Path) -> Kind | None:
+    return next((k for k in KINDS if path.name.startswith(k.prefix)), None)
+
+
+def load(results: Path) -> tuple[list[Section], list[str]]:
+    """The sections of the files we know, and a note for every file left out."""
+    sections, skipped = [], []
+    # Forward first, then forward + backward, then decode; files of one kind by name.
+    files = sorted(sorted(results.glob("*.json")),
+                   key=lambda p: KINDS.index(k) if (k := kind_of(p)) else len(KINDS))
+    for path in files:
+        kind = kind_of(path)
+        if kind is None:
+            skipped.append(f"`{path.name}`: format not known to report.py, skipped")
+            continue
+        if kind.build is None:
+            skipped.append(f"`{path.name}`: {kind.label} data, not part of this report")
+            continue
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+                raise FormatError("no 'rows' list")
+            sections.append(kind.build(read_source(path, kind.label, data), data))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, FormatError) as exc:
+            skipped.append(f"`{path.name}`: not a {kind.script} result ({exc}), skipped")
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:  # rows of another shape
+            skipped.append(f"`{path.name}`: not a {kind.script} result "
+                           f"({type(exc).__name__}: {exc}), skipped")
+    return sections, skipped
+
+
+# ----------------------------------------------------------------------------- plots
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit(MATPLOTLIB_MISSING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+SERIES = [("best", "ours, best config", "C0", "-", "o"),
+          ("default", "ours, default config", "C0", "--", "s"),
+          ("cudnn", "SDPA cuDNN", "C3", "-", "^"),
+          ("fa2", "SDPA FA2", "C2", "-", "v"),
+          ("flex", "FlexAttention", "C4", ":", "D")]
+
+
+def plot_tflops(path: Path, rows: list[FwdRow], title: str) -> None:
+    """TFLOP/s against N: one panel per (causal, head dim)."""
+    plt = _pyplot()
+    dims = sorted({r.head_dim for r in rows})
+    masks = sorted({r.causal for r in rows})
+    top = 1.1 * max((getattr(r, s[0]) or 0.0 for r in rows for s in SERIES), default=1.0)
+    fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.6 * len(dims), 3.8 * len(masks)),
+                             squeeze=False)
+    handles: dict[str, Any] = {}
+    for i, causal in enumerate(masks):
+        for j, dim in enumerate(dims):
+            ax = axes[i][j]
+            panel = sorted((r for r in rows if r.causal == causal and r.head_dim == dim),
+                           key=lambda r: r.seqlen)
+            for attr, label, color, style, marker in SERIES:
+                points = [(r.seqlen, getattr(r, attr)) for r in panel
+                          if getattr(r, attr) is not None]
+                if points:
+                    (line,) = ax.plot([p[0] for p in points], [p[1] for p in points],
+                                      color=color, linestyle=style, marker=marker, label=label)
+                    handles.setdefault(label, line)
+            seqlens = sorted({r.seqlen for r in panel})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqlens, [_n(n) for n in seqlens])
+            ax.minorticks_off()
+            if len(seqlens) == 1:
+                ax.set_xlim(seqlens[0] / 1.5, seqlens[0] * 1.5)
+            ax.set_title(f"d={dim}, {'causal' if causal else 'dense'}")
+            ax.set_xlabel("sequence length N")
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(0, top)  # one scale for every panel
+            if j == 0:
+                ax.set_ylabel("TFLOP/s")
+    order = [s[1] for s in SERIES if s[1] in handles]
+    fig.legend([handles[k] for k in order], order, loc="lower center", ncol=len(order),
+               frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def plot_decode(path: Path, rows: list[DecodeRow], copy: float | None, title: str) -> None:
+    """TB/s of K and V read per row: ours default and best beside SDPA, the copy as a line."""
+    plt = _pyplot()
+    bars = [("default", "ours, default", "C0", ""), ("tuned", "ours, best", "C0", "//"),
+            ("sdpa-cudnn", "SDPA cuDNN", "C3", ""), ("sdpa-fa2", "SDPA FA2", "C2", "")]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(rows)), 4.4))
+    width = 0.8 / len(bars)
+    for k, (what, label, color, hatch) in enumerate(bars):
+        xs, ys = [], []
+        for i, r in enumerate(rows):
+            m = r.results.get(what)
+            if m is not None and m.tb_per_s is not None:
+                xs.append(i - 0.4 + width * (k + 0.5))
+                ys.append(m.tb_per_s)
+        if xs:
+            ax.bar(xs, ys, width, label=label, color=color, hatch=hatch,
+                   alpha=0.55 if what == "default" else 0.9, edgecolor="white")
+    if copy:
+        ax.axhline(copy, color="black", linewidth=1, label=f"copy {copy:.2f} TB/s")
+        ax.axhline(DECODE_COPY_SHARE * copy, color="black", linestyle=":", linewidth=1,
+                   label=f"{100 * DECODE_COPY_SHARE:.0f}% of copy")
+    ax.set_xticks(range(len(rows)), [r.name for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("TB/s of K and V read")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
+    ax.set_ylim(0, (copy or max((m.tb_per_s or 0 for r in rows for m in r.results.values()),
+                                default=1.0)) * 1.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- report
+def provenance(sections: list[Section]) -> list[str]:
+    cells = [[f"`{s.source.path.name}`", s.source.kind, s.source.gpu or "-",
+              s.source.driver or "-", s.source.torch or "-", s.source.triton or "-",
+              s.source.cuda or "-", _date(s.source.date) or "-",
+              f"`{s.source.command}`" if s.source.command else "(not recorded)"]
+             for s in sections]
+    return _table(["file", "benchmark", "GPU", "driver", "torch", "triton", "CUDA", "date",
+                   "command"], cells)
+
+
+def targets_table(targets: list[Target]) -> list[str]:
+    verdict = {True: "**met**", False: "**not met**", None: "not measured"}
+    return _table(["target", "threshold", "measured", "verdict", "margin", "file"],
+                  [[t.what, t.threshold, t.measured, verdict[t.met], t.margin, f"`{t.source}`"]
+                   for t in targets])
+
+
+def render(sections: list[Section], skipped: list[str], images: dict[str, str],
+           notes: Path) -> str:
+    lines = ["# Benchmarks", "",
+             "Generated by `python benchmarks/report.py` from the JSON files in "
+             "`benchmarks/results/` (do not edit by hand: change the data or the script and "
+             "run it again; the plots need `pip install -e '.[report]'`). Every number below "
+             "is read from those files; the benchmark scripts and the protocol they follow "
+             "(`/work/shared/bench/PROTOCOL.md`) say how each was measured. Ratios compare "
+             "implementations timed side by side in one process; files are separate runs.", ""]
+    lines += ["## Where the numbers come from", ""]
+    lines += provenance(sections) if sections else ["No result files were found."]
+    lines.append("")
+    if skipped:
+        lines += ["Not in this report:", "", *(f"- {s}" for s in skipped), ""]
+    targets = [t for s in sections for t in s.targets]
+    lines += ["## Targets", "",
+              "The targets of the project's performance issues, computed from the files "
+              "(\"best\" is our fastest measured config; a ratio target must hold on every row "
+              "it names, so the worst row decides).", ""]
+    lines += targets_table(targets) if targets else ["No data for any target."]
+    lines.append("")
+    for t in targets:
+        if t.rows:
+            lines.append(f"- {t.what}: {t.rows}")
+    lines += ["", "## Results", ""]
+    for s in sections:
+        lines += s.markdown
+        if s.plot_name in images:
+            lines += [f"![{s.source.kind}, {s.source.gpu}]({images[s.plot_name]})", ""]
+    lines += ["## Why targets are missed", ""]
+    if notes.is_file():
+        lines += [f"<!-- included verbatim from {notes.name}, written by hand -->",
+                  notes.read_text().rstrip("\n"), ""]
+    else:
+        lines += [f"(no `{notes.name}` beside this file)", ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
+                        help="directory of result JSON files (default benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="the Markdown report to write (default docs/benchmarks.md)")
+    parser.add_argument("--img-dir", type=Path, default=DEFAULT_IMG,
+                        help="where the PNG plots go (default docs/img)")
+    parser.add_argument("--notes", type=Path, default=None,
+                        help=f"hand-written analysis included verbatim (default {NOTES_NAME} "
+                             "beside --out)")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write the tables only (no matplotlib needed)")
+    args = parser.parse_args(argv)
+    if not args.results.is_dir():
+        parser.error(f"--results must be a directory, but got {str(args.results)!r}")
+    if not args.no_plots:
+        _pyplot()  # fail before writing anything when matplotlib is missing
+    sections, skipped = load(args.results)
+    images: dict[str, str] = {}
+    if not args.no_plots:
+        args.img_dir.mkdir(parents=True, exist_ok=True)
+        for s in sections:
+            if s.plot is not None:
+                path = args.img_dir / s.plot_name
+                s.plot(path)
+                images[s.plot_name] = Path(os.path.relpath(path, args.out.parent)).as_posix()
+    notes = args.notes or args.out.parent / NOTES_NAME
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(sections, skipped, images, notes))
+    print(f"wrote {args.out} ({len(sections)} result files, {len(images)} plots"
+          f"{f', {len(skipped)} files left out' if skipped else ''})")
+    for t in (t for s in sections for t in s.targets):
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[t.met]
+        print(f"  {verdict:12} {t.what}: {t.measured} ({t.margin})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

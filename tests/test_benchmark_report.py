@@ -1,0 +1,265 @@
+"""benchmarks/report.py on a tiny synthetic results directory, in the benchmark scripts' formats."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
+
+
+@pytest.fixture(scope="module")
+def report() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("benchmark_report", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------- synthetic data
+DEVICE = {"name": "Synthetic GPU", "driver_version": "999.1", "triton_version": "9.9.0",
+          "torch_version": "9.8.0", "cuda_version": "77.0", "compute_capability": "9.0"}
+
+
+def env(command: str) -> dict[str, Any]:
+    return {"gpu": "Synthetic GPU", "sm_count": 1, "driver": "999.1", "torch": "9.8.0+cu77",
+            "triton": "9.9.0", "cuda": "77.0", "date": "2030-01-02T03:04:05.678+00:00",
+            "command": command}
+
+
+def fwd_config(bm: int, bn: int, warps: int = 4, stages: int = 2, tma: bool = True,
+               causal: bool = False) -> dict[str, Any]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+            "use_tma": tma, "pipeline_masked_loop": True, "loop_unroll": 1,
+            "grid_order": "tiles_inner", "longest_first": causal, "warp_specialize": False}
+
+
+def fwd_rows() -> list[dict[str, Any]]:
+    """fwd_quick.py rows: d128 4k dense / causal and d64 4k dense."""
+    rows: list[dict[str, Any]] = []
+
+    def add(problem: str, kernel: str, tflops: float | None, config: dict[str, Any] | None = None,
+            failed: str = "") -> None:
+        row: dict[str, Any] = {"problem": problem, "kernel": kernel}
+        if config is not None:
+            row["config"] = config
+        if tflops is None:
+            row["failed"] = failed
+        else:
+            row.update(error=0.001, ms=1.0, tflops=tflops)
+        rows.append(row)
+
+    dense = "b4-hq16-hkv16-q4096-kv4096-d128-bfloat16-dense"
+    causal = "b4-hq16-hkv16-q4096-kv4096-d128-bfloat16-causal-top_left"
+    d64 = "b4-hq32-hkv32-q4096-kv4096-d64-bfloat16-dense"
+    for problem, fa2, cudnn in ((dense, 300, 480), (causal, 200, 360), (d64, 250, 380)):
+        add(problem, "sdpa-FA2", fa2)
+        add(problem, "sdpa-cuDNN", cudnn)
+        add(problem, "sdpa-EFF", 100)
+    add(dense, "flash_fwd-default", 400, fwd_config(64, 64))
+    add(dense, "flash_fwd-grid", 500, fwd_config(128, 64))
+    add(dense, "flash_fwd-variant", 450, fwd_config(128, 64, stages=3))
+    add(causal, "flash_fwd-default", 300, fwd_config(128, 64, causal=True))
+    add(causal, "flash_fwd-grid", 330, fwd_config(128, 128, warps=8, causal=True))
+    add(d64, "flash_fwd-default", 440, fwd_config(64, 128))
+    add(d64, "flash_fwd-grid", 400, fwd_config(128, 128))
+    add(d64, "flash_fwd-grid", None, fwd_config(128, 64), failed="relative error 0.5 vs SDPA")
+    return rows
+
+
+def measurement(what: str, tflops: float | None, config: dict[str, Any] | None = None,
+                note: str = "") -> dict[str, Any]:
+    # flops = 1e12 per call, so ms = 1000 / TFLOP/s.
+    return {"what": what, "ms": None if tflops is None else 1000.0 / tflops, "tflops": tflops,
+            "grad_error": 0.001, "config": config, "note": note}
+
+
+def fwd_bwd_row(head_dim: int, seqlen: int, causal: bool,
+                results: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "batch": 16384 // seqlen,
+            "heads": 2048 // head_dim, "flops": 1e12, "results": results}
+
+
+BWD = {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
+       "num_stages": 3, "dq_mode": "separate"}
+
+
+def decode_result(what: str, us: float | None, tb: float | None,
+                  config: dict[str, Any] | None = None, note: str = "") -> dict[str, Any]:
+    return {"what": what, "us": us, "tb_per_s": tb, "error": 0.002, "config": config,
+            "note": note}
+
+
+def decode_row(name: str, mask: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    problem = {"batch": 1, "heads_q": 32, "heads_kv": 8, "seqlen_q": 1, "seqlen_kv": 32768,
+               "head_dim": 128, "dtype": "bfloat16", "causal": "none", "mask": mask}
+    return {"name": name, "problem": problem, "kv_bytes": 134217728.0, "results": results}
+
+
+def write_results(directory: Path) -> Path:
+    directory.mkdir()
+    (directory / "fwd_quick_syn.json").write_text(json.dumps({
+        "device": DEVICE, "rows": fwd_rows(), "date": "2030-01-01",
+        "command": "python3 benchmarks/fwd_quick.py --synthetic"}))
+    (directory / "fwd_bwd_syn.json").write_text(json.dumps({
+        "environment": env("python benchmarks/fwd_bwd_bench.py --synthetic"),
+        "grad_tolerance": 0.02, "rows": [
+            fwd_bwd_row(128, 1024, False, [  # below N = 4k: not part of the target
+                measurement("sdpa-fa2", 200, note="gradient reference"),
+                measurement("sdpa-cudnn", 500), measurement("default", 100, BWD)]),
+            fwd_bwd_row(128, 4096, False, [
+                measurement("sdpa-fa2", 300, note="gradient reference"),
+                measurement("sdpa-cudnn", 500), measurement("default", 450, BWD),
+                measurement("flex", 350), measurement("grid", 520, {**BWD, "num_stages": 2})]),
+            fwd_bwd_row(128, 16384, True, [
+                measurement("sdpa-fa2", 320, note="gradient reference"),
+                measurement("sdpa-cudnn", 500), measurement("default", 480, BWD),
+                measurement("flex", None, note="OutOfMemoryError: CUDA out of memory. Tried"),
+                measurement("grid", 400, {**BWD, "num_warps": 8})]),
+        ]}))
+    (directory / "decode_syn.json").write_text(json.dumps({
+        "environment": env("python benchmarks/decode_bench.py --synthetic"),
+        "copy_tb_per_s": 3.0, "rows": [
+            decode_row("b1-32k", "none", [
+                decode_result("default", 100.0, 1.5, {"num_splits": 64, "block_n": 64,
+                                                      "num_warps": 4, "num_stages": 3}),
+                decode_result("one-split", 400.0, 0.375),
+                decode_result("tuned", 60.0, 2.5, {"num_splits": 32, "block_n": 32,
+                                                   "num_warps": 4, "num_stages": 3},
+                              "best of 5 swept"),
+                decode_result("sdpa-fa2", 80.0, 1.9), decode_result("sdpa-cudnn", 66.0, 2.3)]),
+            decode_row("b1-32k-paged16", "paged:16", [  # not the target's row
+                decode_result("default", 200.0, 1.0), decode_result("one-split", 210.0, 0.9),
+                decode_result("tuned", 200.0, 1.0)]),
+        ]}))
+    (directory / "fwd_compile_sweep_syn.json").write_text(json.dumps({"rows": []}))
+    (directory / "blocksparse_syn.json").write_text(json.dumps({"rows": [{"who": "knows"}]}))
+    (directory / "fwd_quick_broken.json").write_text("{not json")
+    return directory
+
+
+def run(report: ModuleType, tmp_path: Path, *extra: str) -> str:
+    out = tmp_path / "out" / "benchmarks.md"
+    code = report.main(["--results", str(tmp_path / "results"), "--out", str(out),
+                        "--img-dir", str(tmp_path / "out" / "img"), *extra])
+    assert code == 0
+    return out.read_text()
+
+
+def targets_by_name(markdown: str) -> dict[str, list[str]]:
+    start = markdown.index("| target | threshold |")
+    rows = {}
+    for line in markdown[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+# ----------------------------------------------------------------------------- tests
+def test_tables_and_targets(report: ModuleType, tmp_path: Path) -> None:
+    write_results(tmp_path / "results")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "benchmarks_notes.md").write_text("Hand-written *analysis*.\n")
+    md = run(report, tmp_path, "--no-plots")
+
+    # provenance, per file
+    assert "| `fwd_quick_syn.json` | forward | Synthetic GPU | 999.1 | 9.8.0 | 9.9.0 | 77.0 | " \
+           "2030-01-01 | `python3 benchmarks/fwd_quick.py --synthetic` |" in md
+    assert ("| `fwd_bwd_syn.json` | forward + backward | Synthetic GPU | 999.1 | 9.8.0+cu77 | "
+            "9.9.0 | 77.0 | 2030-01-02 03:04 UTC | "
+            "`python benchmarks/fwd_bwd_bench.py --synthetic` |") in md
+    assert "`python benchmarks/decode_bench.py --synthetic`" in md
+    assert "python benchmarks/report.py" in md
+    # files left out, with the reason
+    assert "`blocksparse_syn.json`: format not known to report.py, skipped" in md
+    assert "`fwd_compile_sweep_syn.json`: compile sweep data, not part of this report" in md
+    assert "`fwd_quick_broken.json`: not a fwd_quick.py result (" in md
+
+    # forward: best of default/grid/variant, its config, the ratios; failed configs not counted
+    assert ("| 128 | 4k | dense | 4 x 16 | 400 | 500 | 128x64 w4 s2 tma (grid, of 3) | 300 | 480 "
+            "| 1.04x | 1.67x | 1.25x |") in md
+    assert ("| 128 | 4k | causal-top_left | 4 x 16 | 300 | 330 | 128x128 w8 s2 tma lf (grid, of 2) "
+            "| 200 | 360 | 0.92x | 1.65x | 1.10x |") in md
+    assert ("| 64 | 4k | dense | 4 x 32 | 440 | 440 | 64x128 w4 s2 tma (default, of 2) | 250 | 380 "
+            "| 1.16x | 1.76x | 1.00x |") in md
+    # fwd+bwd: best by time; Flex present, its failure listed
+    assert ("| 128 | 4k | no | 4 x 16 | 450 | 520 | 32/128/128/32 w4 s2 separate (grid, of 1) "
+            "| 300 | 500 | 350 | 1.04x | 1.73x | 1.16x |") in md
+    assert ("| 128 | 16k | yes | 1 x 16 | 480 | 480 | 32/128/128/32 w4 s3 separate (default, of 1) "
+            "| 320 | 500 | - | 0.96x | 1.50x | 1.00x |") in md
+    assert "- d128 N16k causal flex: OutOfMemoryError: CUDA out of memory" in md
+    # decode: us (TB/s, % of copy), speed-up over one split
+    assert ("| b1-32k | 1 | 32k | 32/8 | none | 100.0 (1.50, 50%) | 4.00x | 60.0 (2.50, 83%) | "
+            "6.67x | splits 32 bn32 w4 s3 (best of 5 swept) | 80.0 (1.90, 63%) | "
+            "66.0 (2.30, 77%) | 1.10x |") in md
+
+    targets = targets_by_name(md)
+    verdict = {name: cells[2] for name, cells in targets.items()}
+    assert verdict == {
+        "forward best vs cuDNN, d=128, N >= 2k, dense": "**met**",
+        "forward best vs cuDNN, d=128, N >= 2k, causal": "**not met**",
+        "forward best vs cuDNN, d=64": "**met**",
+        "forward best vs FA2, every row": "**met**",
+        "forward tuned (best) vs default, geomean over problems": "**not met**",
+        "fwd+bwd best vs cuDNN, d=128, N >= 4k": "**not met**",
+        "decode B=1, 32k cache: best's K+V bandwidth vs copy": "**met**",
+        "decode B=1, 32k cache: best vs one split": "**met**",
+    }
+    causal = targets["forward best vs cuDNN, d=128, N >= 2k, causal"]
+    assert causal[1] == "worst 0.92x (d128 N4k causal)" and causal[3].startswith("worst row 8% short")
+    geomean = targets["forward tuned (best) vs default, geomean over problems"]
+    assert geomean[1] == "1.112x over 3 problems" and geomean[3] == "7% short"
+    assert targets["forward best vs FA2, every row"][1] == "worst 1.65x (d128 N4k causal)"
+    fwd_bwd = targets["fwd+bwd best vs cuDNN, d=128, N >= 4k"]
+    assert fwd_bwd[1] == "worst 0.96x (d128 N16k causal)"
+    assert fwd_bwd[3] == "worst row 4% short; 1 of 2 rows meet it"
+    assert targets["decode B=1, 32k cache: best's K+V bandwidth vs copy"][1:4:2] == [
+        "83.3% (2.50 of 3.00 TB/s)", "3.3 points above"]
+    assert targets["decode B=1, 32k cache: best vs one split"][1] == "6.67x"
+
+    # the hand-written notes, verbatim, under their heading
+    assert md.rstrip().endswith("## Why targets are missed\n\n"
+                                "<!-- included verbatim from benchmarks_notes.md, written by hand "
+                                "-->\nHand-written *analysis*.")
+    assert "![" not in md  # --no-plots
+
+
+def test_missing_files_and_notes(report: ModuleType, tmp_path: Path) -> None:
+    (tmp_path / "results").mkdir()
+    md = run(report, tmp_path, "--no-plots")
+    assert "No result files were found." in md
+    assert "No data for any target." in md
+    assert "(no `benchmarks_notes.md` beside this file)" in md
+
+
+def test_missing_matplotlib_is_a_clear_error(report: ModuleType, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    write_results(tmp_path / "results")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as exc:
+        run(report, tmp_path)
+    assert "pip install -e '.[report]'" in str(exc.value.code)
+    assert not (tmp_path / "out" / "benchmarks.md").exists()
+
+
+def test_plots(report: ModuleType, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib (the report extra); "
+                                             "CI installs only the dev extra")
+    write_results(tmp_path / "results")
+    md = run(report, tmp_path)
+    img = tmp_path / "out" / "img"
+    for name in ("fwd_quick_syn", "fwd_bwd_syn", "decode_syn"):
+        assert (img / f"{name}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+        assert f"(img/{name}.png)" in md
+    assert sorted(p.name for p in img.iterdir()) == ["decode_syn.png", "fwd_bwd_syn.png",
+                                                     "fwd_quick_syn.png"]
