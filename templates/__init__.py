@@ -23,6 +23,7 @@ _use_interpreter_without_cuda()
 # Importing a template module registers its template.
 from templates.autograd import flash_attention  # noqa: E402
 from templates.base import KernelConfig, Problem, Template  # noqa: E402
+from templates.block_mask import BlockMask  # noqa: E402
 from templates.device import CPU_INTERPRETER, DeviceInfo, current_device  # noqa: E402
 from templates.flash_bwd import flash_attention_bwd  # noqa: E402
 from templates.flash_decode import flash_decode  # noqa: E402
@@ -30,6 +31,7 @@ from templates.flash_fwd import flash_attention_fwd  # noqa: E402
 from templates.registry import all_templates, get_template, register  # noqa: E402
 
 __all__ = [
+    "BlockMask",
     "CPU_INTERPRETER",
     "DeviceInfo",
     "KernelConfig",

@@ -71,6 +71,49 @@ class BlockMask:
     partial_tile_ids: torch.Tensor
     partial_tiles: torch.Tensor
 
+    def __post_init__(self) -> None:
+        """Check everything the kernel trusts (once, at construction): shapes, dtypes, and
+        that every count, index and tile id is in range (the kernel reads through them)."""
+        qb, kb = _block_sizes(self.block_size)
+        nq, nk = _cdiv(self.seqlen_q, qb), _cdiv(self.seqlen_kv, kb)
+        counts = (("full_counts", self.full_counts), ("partial_counts", self.partial_counts))
+        lists = (("full_indices", self.full_indices), ("partial_indices", self.partial_indices),
+                 ("partial_tile_ids", self.partial_tile_ids))
+        bh = tuple(self.full_counts.shape[:2])
+        for name, t in counts + lists:
+            if t.dtype != torch.int32 or not t.is_contiguous():
+                raise ValueError(f"BlockMask.{name} must be a contiguous int32 tensor, but got "
+                                 f"{t.dtype}{'' if t.is_contiguous() else ' (not contiguous)'}")
+        for name, t in counts:
+            if tuple(t.shape) != (*bh, nq):
+                raise ValueError(f"BlockMask.{name} must have shape (Bm, Hm, {nq}) for N_q="
+                                 f"{self.seqlen_q} in blocks of {qb}, but got {tuple(t.shape)}")
+        for name, t in lists:
+            if tuple(t.shape) != (*bh, nq, nk):
+                raise ValueError(f"BlockMask.{name} must have shape (Bm, Hm, {nq}, {nk}), but "
+                                 f"got {tuple(t.shape)}")
+        if (self.partial_tiles.dtype != torch.uint8 or self.partial_tiles.dim() != 3
+                or tuple(self.partial_tiles.shape[1:]) != (qb, kb)
+                or not self.partial_tiles.is_contiguous()):
+            raise ValueError(f"BlockMask.partial_tiles must be a contiguous uint8 tensor (P, "
+                             f"{qb}, {kb}), but got {self.partial_tiles.dtype} "
+                             f"{tuple(self.partial_tiles.shape)}")
+        n_tiles = self.partial_tiles.shape[0]
+        checks = (("full_counts", self.full_counts, "full_indices", self.full_indices, nk),
+                  ("partial_counts", self.partial_counts, "partial_indices",
+                   self.partial_indices, nk),
+                  ("partial_counts", self.partial_counts, "partial_tile_ids",
+                   self.partial_tile_ids, n_tiles))
+        for count_name, c, list_name, entries, bound in checks:
+            if c.numel() and (int(c.min()) < 0 or int(c.max()) > nk):
+                raise ValueError(f"BlockMask.{count_name} must lie in [0, {nk}]")
+            used = entries[_valid(c, nk)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= bound):
+                raise ValueError(f"BlockMask.{list_name} has an entry out of range [0, {bound})")
+        devices = {t.device for _, t in counts + lists} | {self.partial_tiles.device}
+        if len(devices) > 1:
+            raise ValueError(f"BlockMask tensors must be on one device, but got {devices}")
+
     # -- constructors ---------------------------------------------------------------------
     @classmethod
     def from_dense(cls, mask: torch.Tensor, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE
