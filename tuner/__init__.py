@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Any
 # Imported eagerly: a lazily imported submodule named `attention` would replace this function
 # with itself as `tuner.attention` on first import. Costs importing torch and the templates
 # (triton): about 0.5 s over torch alone.
+from templates.block_mask import BlockMask
 from tuner.attention import attention
 
 if TYPE_CHECKING:
     from tuner.client import TunerClient
 
-__all__: list[str] = ["TunerClient", "attention"]
+__all__: list[str] = ["BlockMask", "TunerClient", "attention"]
 
 
 def __getattr__(name: str) -> Any:

@@ -7,9 +7,12 @@ that runs the project's Triton kernel with the config tuned for this GPU and pro
 Semantics follow SDPA: ``q`` (..., H_q, L, E), ``k`` (..., H_kv, S, E), ``v`` (..., H_kv, S, E)
 with equal leading batch dims; ``is_causal`` masks top-left (query i sees keys j <= i);
 ``scale`` defaults to 1/sqrt(E); H_q != H_kv only with ``enable_gqa=True`` and H_q a multiple
-of H_kv. Not (yet) supported, each raising ``NotImplementedError`` rather than silently
-running a slow path: ``attn_mask`` and ``block_mask`` (block-sparse attention is its own
-issue), ``dropout_p > 0``, and a value head dim different from the query's.
+of H_kv. ``attn_mask`` (bool, True = attend, or float added to the scores) and ``block_mask``
+(a ``tuner.BlockMask``: only its blocks are computed) run the masked kernel, forward only, and
+eagerly under ``torch.compile``; a row that sees no key gives zeros (SDPA gives NaN). Not (yet)
+supported, each raising ``NotImplementedError`` rather than silently running a slow path:
+gradients through a masked call, ``dropout_p > 0``, and a value head dim different from the
+query's.
 
 How a call runs:
 
@@ -59,14 +62,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
               *, block_mask: object | None = None) -> torch.Tensor:
     """Scaled dot-product attention with the tuned Triton kernel (see the module docstring)."""
-    if attn_mask is not None or block_mask is not None:
-        raise NotImplementedError(
-            "tuner.attention does not take attn_mask or block_mask yet: block-sparse and "
-            "masked attention come with the block-sparse template (its own issue); use "
-            "torch.nn.functional.scaled_dot_product_attention for masked attention until then")
     if dropout_p != 0.0:
         raise NotImplementedError(f"tuner.attention has no dropout: dropout_p must be 0.0, "
                                   f"but got {dropout_p}")
+    if attn_mask is not None or block_mask is not None:
+        if torch.is_grad_enabled() and (
+                query.requires_grad or key.requires_grad or value.requires_grad):
+            raise NotImplementedError(
+                "tuner.attention with attn_mask or block_mask is forward-only for now (the "
+                "flash_bwd template has no masks yet): call it under torch.no_grad(), or use "
+                "torch.nn.functional.scaled_dot_product_attention for masked training")
+        return _masked_forward(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                               block_mask)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad)):
         check_inputs(query, key, value, enable_gqa)  # errors at trace time, not in the op
@@ -209,6 +216,52 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             _PLANS.clear()
         _PLANS[key] = plan
     return plan
+
+
+@torch.compiler.disable  # runs eagerly under torch.compile (one graph break per call)
+def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
+                    enable_gqa: bool, block_mask: object | None) -> torch.Tensor:
+    """attn_mask / block_mask: the dense problem's tuned config, fitted to the block mask's
+    tiles, through the masked kernel. Not cached per shape: a mask changes every call."""
+    from templates import flash_fwd_kernel
+    from templates.block_mask import BlockMask
+    from templates.flash_fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd
+
+    plan = _plan(q, k, v, is_causal, enable_gqa)
+    config = plan.resolved.config
+    assert isinstance(config, FwdConfig)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a tuner.BlockMask, but got "
+                            f"{type(block_mask).__name__}")
+        if q.dim() != 4:
+            raise ValueError(f"block_mask needs 4-D (B, H, L, E) inputs, but query has shape "
+                             f"{tuple(q.shape)}")
+        config = fit_to_block_mask(config, block_mask.block_size)
+    lead = tuple(q.shape[:-3])
+    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
+    q4 = q.reshape(math.prod(lead), heads_q, q.shape[-2], q.shape[-1])
+    k4 = k.reshape(math.prod(lead), heads_kv, k.shape[-2], k.shape[-1])
+    v4 = v.reshape(math.prod(lead), heads_kv, v.shape[-2], v.shape[-1])
+    mask4 = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor, but got "
+                            f"{type(attn_mask).__name__}")
+        full = (*q.shape[:-1], k.shape[-2])
+        try:
+            mask4 = attn_mask.expand(full) if q.dim() == 4 else (
+                attn_mask.expand(full).reshape(q4.shape[:-1] + (k.shape[-2],)))
+        except RuntimeError:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
+                             f"to {full}") from None
+    if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q4, k4, v4):
+        config = replace(config, use_tma=False)
+    o, _ = flash_attention_fwd(q4, k4, v4, causal="top_left" if is_causal else "none",
+                               attn_mask=mask4, block_mask=block_mask, scale=scale,
+                               config=config)
+    return o.reshape(q.shape)
 
 
 # ----------------------------------------------------------------------------- torch.library

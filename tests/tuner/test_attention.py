@@ -130,9 +130,39 @@ def test_compiles_without_graph_breaks_forward_and_backward(device: str) -> None
         torch.testing.assert_close(mine, theirs)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("lead", [(2,), (2, 3)])
+def test_attn_mask_matches_sdpa(device: str, kind: str, lead: tuple[int, ...]) -> None:
+    q = rand(*lead, 20, 32, dtype=torch.float16, device=device)
+    k, v = (rand(*lead, 30, 32, dtype=torch.float16, device=device) for _ in range(2))
+    if kind == "bool":
+        mask = torch.rand(20, 30, device=device) < 0.7
+        mask[:, 0] = True  # SDPA gives NaN for a row that sees nothing (tuner.attention: 0)
+    else:
+        mask = torch.randn(*lead[:-1], 1, 20, 30, device=device).to(torch.float16)
+    out = tuner.attention(q, k, v, attn_mask=mask, is_causal=False)
+    ref_mask = mask if kind == "bool" else mask.double()
+    assert rel_error(out, sdpa_reference(q, k, v, attn_mask=ref_mask)) <= TOL[torch.float16]
+
+
+def test_masked_gradients_raise_instead_of_a_wrong_answer() -> None:
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        tuner.attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+
+
+def test_block_mask_matches_sdpa_with_its_dense_mask(device: str) -> None:
+    q, k, v = (rand(2, 4, 64, 32, dtype=torch.float16, device=device) for _ in range(3))
+    mask = tuner.BlockMask.from_mask_mod(lambda b, h, qi, ki: (qi - ki).abs() <= 20, None,
+                                         None, 64, 64, 16, device=device)
+    out = tuner.attention(q, k, v, block_mask=mask, is_causal=True)
+    dense = mask.to_dense() & torch.ones(64, 64, dtype=torch.bool, device=device).tril()
+    assert rel_error(out, sdpa_reference(q, k, v, attn_mask=dense)) <= TOL[torch.float16]
+
+
 @pytest.mark.parametrize(("kwargs", "error", "needle"), [
-    ({"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, NotImplementedError, "block-sparse"),
-    ({"block_mask": object()}, NotImplementedError, "block-sparse"),
+    ({"block_mask": object()}, TypeError, "BlockMask"),
+    ({"attn_mask": torch.ones(3, 8, 8, dtype=torch.bool)}, ValueError, "does not broadcast"),
     ({"dropout_p": 0.1}, NotImplementedError, "dropout"),
 ])
 def test_unsupported_arguments_raise_instead_of_a_slow_path(kwargs: dict[str, object],
