@@ -8,10 +8,18 @@ only the targets' thresholds are written here):
 - ``fwd_bwd*.json``        benchmarks/fwd_bwd_bench.py: forward + backward, our defaults and a
                            backward grid, SDPA FA2 / cuDNN, FlexAttention;
 - ``decode*.json``         benchmarks/decode_bench.py: flash-decoding, bandwidth;
-- ``fwd_compile_sweep*``   compile data: listed, not reported.
+- ``blocksparse*.json``    benchmarks/blocksparse_bench.py: block-sparse forward against our
+                           dense kernel and FlexAttention, per mask pattern;
+- ``sweep*.json``          the JSON report of ``tuner sweep NAME --json``: best and default
+                           TFLOP/s per problem, trial counts, seconds per trial;
+- ``fwd_compile_sweep*``, ``sweep_quick_trials*``  compile data and the recorded trials of a
+                           sweep (``tuner replay``'s input): listed, not reported.
 
 Any other file is listed as skipped with the reason, so a new benchmark's results never break
-the report. A hand-written ``benchmarks_notes.md`` beside the report is included verbatim.
+the report. A sidecar ``NAME.meta.json`` beside ``NAME.json`` states what the result file does
+not record (``command``, ``date``, ``gpu``, ``driver``, ``torch``, ``triton``, ``cuda``); the
+file's own values win. A hand-written ``benchmarks_notes.md`` beside the report is included
+verbatim.
 
     pip install -e '.[report]'          # matplotlib, for the plots
     python benchmarks/report.py [--results DIR] [--out FILE] [--img-dir DIR] [--notes FILE]
@@ -52,6 +60,12 @@ FWD_BWD_MIN_N = 4096
 DECODE_COPY_SHARE = 0.8      # decode B=1, 32k cache: >= 80% of the measured copy bandwidth
 DECODE_VS_ONE_SPLIT = 3.0    # ... and >= 3x faster than the same kernel with one split
 DECODE_SEQLEN = 32768
+BLOCKSPARSE_PATTERN = "random:0.1"  # block-sparse, ~90% sparse random blocks:
+BLOCKSPARSE_VS_DENSE = 0.15          # time <= 0.15x our dense kernel's
+BLOCKSPARSE_VS_FLEX = 1.3            # ... and >= 1.3x faster than FlexAttention
+SWEEP_TUNED_VS_DEFAULT = 1.2         # tuner sweep: geomean of best / default over the suite
+SWEEP_OVERHEAD_S = 1.0               # ... seconds per trial beyond the benchmark, worst problem
+META_SUFFIX = ".meta.json"
 
 
 # ----------------------------------------------------------------------------- data
@@ -68,6 +82,8 @@ class Source:
     cuda: str = ""
     date: str = ""
     command: str = ""
+    meta: str = ""  # the sidecar that stated some of these, if any
+    meta_keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -144,6 +160,40 @@ class DecodeRow:
 
 
 @dataclass
+class BlockSparseRow:
+    pattern: str
+    density: float | None = None
+    default_ms: float | None = None
+    best_ms: float | None = None
+    best_config: dict[str, Any] | None = None
+    best_label: str = ""
+    best_tflops: float | None = None
+    timed: int = 0
+    failed: int = 0
+    flex_ms: float | None = None
+    flex_note: str = ""
+
+
+@dataclass
+class SweepRow:
+    label: str
+    best: float | None
+    default: float | None
+    speedup: float | None
+    ok: int
+    failed: dict[str, int]
+    budget: int | None
+    seconds_per_trial: float | None
+    bench_seconds_per_trial: float | None
+
+    @property
+    def overhead(self) -> float | None:
+        if self.seconds_per_trial is None or self.bench_seconds_per_trial is None:
+            return None
+        return self.seconds_per_trial - self.bench_seconds_per_trial
+
+
+@dataclass
 class Target:
     what: str
     source: str
@@ -187,7 +237,28 @@ def _x(value: float | None) -> str:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+    return (float(value) if isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) else None)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def max_target(what: str, source: str, threshold: float, value: float | None, unit: str,
+               measured: str, rows: str = "") -> Target:
+    """'value <= threshold'; unit is 'x' or ' s'."""
+    limit = f"<= {threshold:.2f}{unit}"
+    if value is None:
+        return Target(what, source, limit, "no row", None, "not measured")
+    met = value <= threshold
+    gap = abs(1 - value / threshold)
+    return Target(what, source, limit, measured, met,
+                  f"{100 * gap:.0f}% {'under the limit' if met else 'over the limit'}", rows)
 
 
 def _first_sentence(text: str, limit: int = 100) -> str:
@@ -286,6 +357,26 @@ def read_source(path: Path, kind: str, data: dict[str, Any]) -> Source:
     src.date = src.date or str(data.get("date", ""))
     src.command = src.command or str(data.get("command", ""))
     return src
+
+
+def read_meta(path: Path, src: Source) -> None:
+    """Fill what the result file left empty from its sidecar ``NAME.meta.json``."""
+    meta_path = path.with_name(path.stem + META_SUFFIX)
+    if not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"unreadable sidecar {meta_path.name}: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise FormatError(f"sidecar {meta_path.name} is not an object")
+    keys = []
+    for key in ("gpu", "driver", "torch", "triton", "cuda", "date", "command"):
+        if not getattr(src, key) and meta.get(key):
+            setattr(src, key, str(meta[key]))
+            keys.append(key)
+    if keys:
+        src.meta, src.meta_keys = meta_path.name, tuple(keys)
 
 
 PROBLEM_KEY = re.compile(r"^b(\d+)-hq(\d+)-hkv(\d+)-q(\d+)-kv(\d+)-d(\d+)-([a-z0-9]+)-(.+)$")
@@ -552,6 +643,189 @@ def decode_section(src: Source, data: dict[str, Any]) -> Section:
                    if rows else None, f"{src.path.stem}.png")
 
 
+def blocksparse_rows(data: dict[str, Any]) -> tuple[list[BlockSparseRow], float | None]:
+    """Per pattern (in the file's order), and our dense kernel's time."""
+    rows: dict[str, BlockSparseRow] = {}
+    dense_ms: float | None = None
+    for r in data["rows"]:
+        if not isinstance(r, dict) or "pattern" not in r or "kernel" not in r:
+            raise FormatError(f"a row without 'pattern' and 'kernel': {str(r)[:120]}")
+        pattern, kernel, ms = str(r["pattern"]), str(r["kernel"]), _num(r.get("ms"))
+        if kernel == "ours-dense":
+            dense_ms = ms if ms is not None else dense_ms
+            continue
+        if kernel not in ("ours-default", "ours-grid", "flex"):
+            raise FormatError(f"unknown kernel {kernel!r}")
+        row = rows.setdefault(pattern, BlockSparseRow(pattern))
+        if row.density is None:
+            row.density = _num(r.get("density"))
+        if ms is None:
+            if kernel == "flex":
+                row.flex_note = _first_sentence(str(r.get("failed", "not timed")))
+            else:
+                row.failed += 1
+            continue
+        if kernel == "flex":
+            row.flex_ms = ms
+            continue
+        row.timed += 1
+        label = kernel.removeprefix("ours-")
+        if label == "default":
+            row.default_ms = ms
+        if row.best_ms is None or ms < row.best_ms:
+            row.best_ms, row.best_label, row.best_config = ms, label, r.get("config")
+            row.best_tflops = _num(r.get("tflops_dense_equiv"))
+    return list(rows.values()), dense_ms
+
+
+def blocksparse_section(src: Source, data: dict[str, Any]) -> Section:
+    rows, dense_ms = blocksparse_rows(data)
+    shape = data.get("shape") if isinstance(data.get("shape"), dict) else {}
+    shape_text = (", ".join(f"{k}={shape[k]}" for k in ("B", "H", "N", "D") if k in shape)
+                  + (f", {shape['dtype']}" if "dtype" in shape else "")
+                  + (f", mask block {shape['block']}" if "block" in shape else ""))
+    header = ["pattern", "block density", "ours default ms", "ours best ms",
+              "best config (of n timed)", "Flex ms", "best/Flex speed-up", "best/dense time",
+              "best TFLOP/s (dense-equiv.)"]
+    cells = []
+    for r in rows:
+        failed = f", {r.failed} failed" if r.failed else ""
+        config = (f"default (of {r.timed}{failed})" if r.best_label == "default" else
+                  f"{fwd_config_text(r.best_config)} ({r.best_label}, of {r.timed}{failed})"
+                  if r.best_ms is not None else f"- (of {r.timed}{failed})")
+        vs_dense = _ratio(r.best_ms, dense_ms)
+        cells.append([f"`{r.pattern}`", "-" if r.density is None else f"{r.density:.3f}",
+                      _ms(r.default_ms), _ms(r.best_ms), config,
+                      _ms(r.flex_ms) if r.flex_ms is not None else (r.flex_note or "-"),
+                      _x(_ratio(r.flex_ms, r.best_ms)),
+                      "-" if vs_dense is None else f"{vs_dense:.3f}x",
+                      _tf(r.best_tflops)])
+    dense_text = (f"{dense_ms:.3f} ms" if dense_ms is not None else "not recorded")
+    md = [f"### Block-sparse forward: `{src.path.name}`", "",
+          f"{shape_text or 'Shape not recorded'}. Milliseconds per call. *default*: our "
+          "default config for the mask; *best*: the fastest of the default and the grid; "
+          "*Flex*: compiled FlexAttention with a block mask of the same pattern. "
+          f"*best/dense time*: our best time over our dense kernel's (no mask: {dense_text}). "
+          "Dense-equivalent TFLOP/s = 4 B H N^2 D / time. Targets apply to "
+          f"`{BLOCKSPARSE_PATTERN}` only; the other patterns are shown for reference.",
+          "", *_table(header, cells), ""]
+    name = src.path.name
+    row = next((r for r in rows if r.pattern == BLOCKSPARSE_PATTERN), None)
+    best = row.best_ms if row else None
+    vs_dense = _ratio(best, dense_ms)
+    default_vs_dense = _ratio(row.default_ms if row else None, dense_ms)
+    targets = [max_target(
+        f"block-sparse `{BLOCKSPARSE_PATTERN}`: best time vs our dense kernel", name,
+        BLOCKSPARSE_VS_DENSE, vs_dense, "x",
+        f"{vs_dense:.3f}x ({best:.3f} of {dense_ms:.3f} ms)"
+        if vs_dense is not None and best is not None and dense_ms is not None else "",
+        f"default {default_vs_dense:.3f}x" if default_vs_dense is not None else "")]
+    vs_flex = _ratio(row.flex_ms if row else None, best)
+    what = f"block-sparse `{BLOCKSPARSE_PATTERN}`: best vs FlexAttention (Flex time / ours)"
+    if vs_flex is None or row is None or row.flex_ms is None or best is None:
+        targets.append(Target(what, name, f">= {BLOCKSPARSE_VS_FLEX:.2f}x", "no row", None,
+                              "not measured"))
+    else:
+        met = vs_flex >= BLOCKSPARSE_VS_FLEX
+        default_vs_flex = _ratio(row.flex_ms, row.default_ms)
+        targets.append(Target(
+            what, name, f">= {BLOCKSPARSE_VS_FLEX:.2f}x",
+            f"{vs_flex:.2f}x ({row.flex_ms:.3f} / {best:.3f} ms)", met,
+            f"{100 * abs(vs_flex / BLOCKSPARSE_VS_FLEX - 1):.0f}% "
+            f"{'above' if met else 'short'}",
+            f"default {default_vs_flex:.2f}x" if default_vs_flex is not None else ""))
+    short = ", ".join(f"{k}={_n(int(v)) if k == 'N' else v}" for k, v in shape.items()
+                      if k in ("B", "H", "N", "D") and isinstance(v, int))
+    title = f"{src.gpu}: block-sparse forward" + (f"\n{short}, {shape.get('dtype', '')}"
+                                                  if short else "")
+    return Section(src, md, targets,
+                   (lambda path: plot_blocksparse(path, rows, dense_ms, title)) if rows else None,
+                   f"{src.path.stem}.png")
+
+
+def sweep_rows(data: dict[str, Any]) -> list[SweepRow]:
+    rows = []
+    for p in data["problems"]:
+        try:
+            counts = p.get("counts") or {}
+            failed = p.get("failed")
+            if not isinstance(failed, dict):
+                failed = {k: v for k, v in counts.items() if k != "ok"}
+            ok = p.get("ok", counts.get("ok", 0))
+            best, default = _num(p.get("best_tflops")), _num(p.get("default_tflops"))
+            speedup = _num(p.get("speedup"))
+            rows.append(SweepRow(str(p["label"]), best, default,
+                                 speedup if speedup is not None else _ratio(best, default),
+                                 int(ok), {str(k): int(v) for k, v in failed.items() if v},
+                                 int(p["budget"]) if p.get("budget") is not None else None,
+                                 _num(p.get("seconds_per_trial")),
+                                 _num(p.get("bench_seconds_per_trial"))))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"a problem without {exc}: {str(p)[:120]}") from exc
+    return rows
+
+
+def sweep_section(src: Source, data: dict[str, Any]) -> Section:
+    rows = sweep_rows(data)
+    sweep = str(data.get("name", "?"))
+
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    header = ["problem", "best TFLOP/s", "default TFLOP/s", "speed-up",
+              "trials ok / failed by kind", "s per trial", "bench s per trial",
+              "overhead s per trial"]
+    cells = [[r.label, _tf(r.best), _tf(r.default), _x(r.speedup),
+              f"{r.ok} / " + (", ".join(f"{k} {v}" for k, v in sorted(r.failed.items()))
+                              or "none"),
+              s(r.seconds_per_trial), s(r.bench_seconds_per_trial), s(r.overhead)]
+             for r in rows]
+    budgets = sorted({r.budget for r in rows if r.budget is not None})
+    budget_text = (f"{budgets[0]} trials per problem" if len(budgets) == 1 else
+                   f"{budgets[0]}-{budgets[-1]} trials per problem" if budgets else
+                   "trials per problem not recorded")
+    facts = [f"sampler {data['sampler']}" if data.get("sampler") else "",
+             f"{data['workers']} worker{'' if data['workers'] == 1 else 's'}"
+             if data.get("workers") is not None else "",
+             f"compile ahead {data['compile_ahead']}" if data.get("compile_ahead") is not None
+             else "",
+             f"wall {_num(data.get('wall_s')):.1f} s" if _num(data.get("wall_s")) else "",
+             f"status {data['status']}" if data.get("status") else ""]
+    md = [f"### Tuner sweep `{sweep}`: `{src.path.name}`", "",
+          f"The JSON report of `tuner sweep {sweep} --json`: {budget_text}, "
+          f"{', '.join(f for f in facts if f)}. *best*: the fastest config the sweep found; "
+          "*default*: the template's default config; *trials*: timed configs (ok) and the "
+          "failures by kind (*invalid*: rejected by the template's constraints, never compiled). *s per trial*: the "
+          "problem's wall time over its trials; *bench s per trial*: the part spent timing; "
+          "*overhead*: the rest (compiling, checking, bookkeeping)."
+          + (f" The {' and '.join(src.meta_keys)} of this run are not in the JSON; they are "
+             f"stated in `{src.meta}`." if src.meta else ""),
+          "", *_table(header, cells), ""]
+    name = src.path.name
+    speedups = [(r.label, r.speedup) for r in rows if r.speedup]
+    what = (f"tuner sweep `{sweep}`: tuned vs default, geomean over the suite "
+            f"(only {budget_text})")
+    if not speedups:
+        targets = [Target(what, name, f">= {SWEEP_TUNED_VS_DEFAULT:.2f}x", "no rows", None,
+                          "not measured")]
+    else:
+        geomean = _geomean([r for _, r in speedups])
+        met = geomean >= SWEEP_TUNED_VS_DEFAULT
+        targets = [Target(what, name, f">= {SWEEP_TUNED_VS_DEFAULT:.2f}x",
+                          f"{geomean:.3f}x over {len(speedups)} problems", met,
+                          f"{100 * abs(geomean / SWEEP_TUNED_VS_DEFAULT - 1):.0f}% "
+                          f"{'above' if met else 'short'}",
+                          ", ".join(f"{n} {r:.2f}x" for n, r in speedups))]
+    overheads = [(r.label, r.overhead) for r in rows if r.overhead is not None]
+    worst = max(overheads, key=lambda r: r[1]) if overheads else None
+    targets.append(max_target(
+        f"tuner sweep `{sweep}`: seconds per trial beyond the benchmark, worst problem", name,
+        SWEEP_OVERHEAD_S, worst[1] if worst else None, " s",
+        f"{worst[1]:.2f} s ({worst[0]})" if worst else "",
+        ", ".join(f"{n} {o:.2f} s" for n, o in overheads)))
+    return Section(src, md, targets)
+
+
 @dataclass(frozen=True)
 class Kind:
     """Result files whose name starts with ``prefix``: written by ``script``."""
@@ -560,13 +834,18 @@ class Kind:
     label: str
     script: str
     build: Callable[[Source, dict[str, Any]], Section] | None  # None: listed, not reported
+    rows_key: str = "rows"  # the list the file must hold
 
 
 # The first match wins; the order is the report's.
 KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-sweep", None),
+         Kind("sweep_quick_trials", "recorded sweep trials (`tuner replay` input)",
+              "tuner sweep --record", None),
          Kind("fwd_quick", "forward", "fwd_quick.py", forward_section),
          Kind("fwd_bwd", "forward + backward", "fwd_bwd_bench.py", fwd_bwd_section),
-         Kind("decode", "decode", "decode_bench.py", decode_section)]
+         Kind("decode", "decode", "decode_bench.py", decode_section),
+         Kind("blocksparse", "block-sparse", "blocksparse_bench.py", blocksparse_section),
+         Kind("sweep", "tuner sweep", "tuner sweep --json", sweep_section, "problems")]
 
 
 def kind_of(path: Path) -> Kind | None:
@@ -577,8 +856,12 @@ def load(results: Path) -> tuple[list[Section], list[str]]:
     """The sections of the files we know, and a note for every file left out."""
     sections, skipped = [], []
     # Forward first, then forward + backward, then decode; files of one kind by name.
-    files = sorted(sorted(results.glob("*.json")),
+    files = sorted(sorted(p for p in results.glob("*.json") if not p.name.endswith(META_SUFFIX)),
                    key=lambda p: KINDS.index(k) if (k := kind_of(p)) else len(KINDS))
+    for meta in sorted(results.glob(f"*{META_SUFFIX}")):
+        owner = meta.name.removesuffix(META_SUFFIX) + ".json"
+        if not (results / owner).is_file():
+            skipped.append(f"`{meta.name}`: sidecar of `{owner}`, which is missing")
     for path in files:
         kind = kind_of(path)
         if kind is None:
@@ -589,9 +872,11 @@ def load(results: Path) -> tuple[list[Section], list[str]]:
             continue
         try:
             data = json.loads(path.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-                raise FormatError("no 'rows' list")
-            sections.append(kind.build(read_source(path, kind.label, data), data))
+            if not isinstance(data, dict) or not isinstance(data.get(kind.rows_key), list):
+                raise FormatError(f"no '{kind.rows_key}' list")
+            src = read_source(path, kind.label, data)
+            read_meta(path, src)
+            sections.append(kind.build(src, data))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, FormatError) as exc:
             skipped.append(f"`{path.name}`: not a {kind.script} result ({exc}), skipped")
         except (AttributeError, KeyError, TypeError, ValueError) as exc:  # rows of another shape
@@ -694,12 +979,52 @@ def plot_decode(path: Path, rows: list[DecodeRow], copy: float | None, title: st
     plt.close(fig)
 
 
+def plot_blocksparse(path: Path, rows: list[BlockSparseRow], dense_ms: float | None,
+                     title: str) -> None:
+    """Milliseconds per pattern: ours default, ours best, FlexAttention."""
+    plt = _pyplot()
+    bars = [("default_ms", "ours, default", "C0", ""), ("best_ms", "ours, best", "C0", "//"),
+            ("flex_ms", "FlexAttention", "C4", "")]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * len(rows)), 4.4))
+    width = 0.8 / len(bars)
+    top = max((getattr(r, b[0]) or 0.0 for r in rows for b in bars), default=1.0)
+    for k, (attr, label, color, hatch) in enumerate(bars):
+        xs, ys = [], []
+        for i, r in enumerate(rows):
+            if getattr(r, attr) is not None:
+                xs.append(i - 0.4 + width * (k + 0.5))
+                ys.append(getattr(r, attr))
+        if xs:
+            drawn = ax.bar(xs, ys, width, label=label, color=color, hatch=hatch,
+                           alpha=0.55 if attr == "default_ms" else 0.9, edgecolor="white")
+            ax.bar_label(drawn, [f"{y:.2f}" for y in ys], fontsize=7, padding=1)
+    ax.set_xticks(range(len(rows)),
+                  [f"{r.pattern}\n(density {r.density:.2f})" if r.density is not None
+                   else r.pattern for r in rows])
+    ax.set_ylabel("ms per call (lower is better)")
+    ax.set_title(title + (f"; our dense kernel, no mask: {dense_ms:.2f} ms" if dense_ms else ""),
+                 fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(0, top * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------- report
 def provenance(sections: list[Section]) -> list[str]:
-    cells = [[f"`{s.source.path.name}`", s.source.kind, s.source.gpu or "-",
-              s.source.driver or "-", s.source.torch or "-", s.source.triton or "-",
-              s.source.cuda or "-", _date(s.source.date) or "-",
-              f"`{s.source.command}`" if s.source.command else "(not recorded)"]
+    def stated(s: Section, key: str, text: str) -> str:
+        return f"{text} (from `{s.source.meta}`)" if key in s.source.meta_keys else text
+
+    cells = [[f"`{s.source.path.name}`", s.source.kind, stated(s, "gpu", s.source.gpu or "-"),
+              stated(s, "driver", s.source.driver or "-"),
+              stated(s, "torch", s.source.torch or "-"),
+              stated(s, "triton", s.source.triton or "-"),
+              stated(s, "cuda", s.source.cuda or "-"),
+              stated(s, "date", _date(s.source.date) or "-"),
+              stated(s, "command", f"`{s.source.command}`" if s.source.command
+                     else "(not recorded)")]
              for s in sections]
     return _table(["file", "benchmark", "GPU", "driver", "torch", "triton", "CUDA", "date",
                    "command"], cells)

@@ -104,6 +104,45 @@ def decode_row(name: str, mask: str, results: list[dict[str, Any]]) -> dict[str,
     return {"name": name, "problem": problem, "kv_bytes": 134217728.0, "results": results}
 
 
+def blocksparse_rows() -> list[dict[str, Any]]:
+    """blocksparse_bench.py rows: dense 4 ms; random:0.1 (the target) and document:8."""
+    rows: list[dict[str, Any]] = []
+
+    def add(pattern: str, density: float, kernel: str, ms: float | None,
+            config: dict[str, Any] | None = None) -> None:
+        row: dict[str, Any] = {"pattern": pattern, "density": density, "kernel": kernel,
+                               "config": config, "error": 0.002}
+        if ms is None:
+            row["failed"] = "error 0.5 over the tolerance 0.01"
+        else:
+            row.update(ms=ms, tflops_dense_equiv=2000.0 / ms)
+        rows.append(row)
+
+    grid = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "use_tma": True}
+    add("dense", 1.0, "ours-dense", 4.0)
+    add("random:0.1", 0.1, "ours-default", 0.8)
+    add("random:0.1", 0.1, "ours-grid", 0.5, grid)
+    add("random:0.1", 0.1, "ours-grid", None, {**grid, "num_stages": 3})
+    rows.append({"pattern": "random:0.1", "kernel": "ours-grid",  # did not compile
+                 "config": {**grid, "BLOCK_M": 256}, "failed": "OutOfResources('shared')"})
+    add("random:0.1", 0.1, "flex", 0.7)
+    add("document:8", 0.125, "ours-default", 0.4)
+    add("document:8", 0.125, "ours-grid", 0.45, {**grid, "pipeline_masked_loop": False})
+    add("document:8", 0.125, "flex", 0.6)
+    return rows
+
+
+def sweep_problem(label: str, best: float, default: float, counts: dict[str, int],
+                  wall_s: float, bench_s: float) -> dict[str, Any]:
+    """One problem of ``tuner sweep NAME --json``, budget 4."""
+    return {"label": label, "template": "flash_fwd", "problem_key": label.replace(" ", "-"),
+            "budget": 4, "counts": counts, "measured": counts.get("ok", 0), "reused": 0,
+            "best_tflops": best, "best_config": {"BLOCK_M": 64}, "default_tflops": default,
+            "speedup": best / default, "wall_s": wall_s, "bench_s": bench_s, "skipped": None,
+            "ok": counts.get("ok", 0), "failed": {k: v for k, v in counts.items() if k != "ok"},
+            "seconds_per_trial": wall_s / 4, "bench_seconds_per_trial": bench_s / 4}
+
+
 def write_results(directory: Path) -> Path:
     directory.mkdir()
     (directory / "fwd_quick_syn.json").write_text(json.dumps({
@@ -141,7 +180,28 @@ def write_results(directory: Path) -> Path:
                 decode_result("tuned", 200.0, 1.0)]),
         ]}))
     (directory / "fwd_compile_sweep_syn.json").write_text(json.dumps({"rows": []}))
-    (directory / "blocksparse_syn.json").write_text(json.dumps({"rows": [{"who": "knows"}]}))
+    (directory / "blocksparse_syn.json").write_text(json.dumps({
+        "device": {"name": "Synthetic GPU", "torch_version": "9.8.0", "triton_version": "9.9.0",
+                   "cuda_version": "77.0", "python": "3.99"},
+        "command": "python3 benchmarks/blocksparse_bench.py --synthetic", "date": "2030-01-03",
+        "shape": {"B": 1, "H": 16, "N": 16384, "D": 128, "dtype": "bfloat16", "block": 128},
+        "rows": blocksparse_rows()}))
+    (directory / "blocksparse_broken.json").write_text(json.dumps({"rows": [{"who": "knows"}]}))
+    (directory / "sweep_quick_syn.json").write_text(json.dumps({
+        "sweep_id": 1, "name": "quick", "status": "done", "device": DEVICE,
+        "sampler": "tpe", "workers": 1, "compile_ahead": 4, "wall_s": 20.0, "problems": [
+            sweep_problem("flash_fwd d64 dense", 400.0, 250.0, {"ok": 4, "invalid": 3}, 2.0,
+                          0.4),
+            sweep_problem("flash_fwd d128 causal", 300.0, 300.0,
+                          {"ok": 3, "invalid": 1, "compile_error": 1}, 6.4, 0.8),
+        ]}))
+    (directory / "sweep_quick_syn.meta.json").write_text(json.dumps({
+        "command": "tuner sweep quick --json --synthetic", "date": "2030-01-04",
+        "gpu": "not used: the JSON names its GPU"}))
+    (directory / "sweep_quick_trials_syn.json").write_text(json.dumps({
+        "format": "attention-tuner/trials", "version": 1, "problems": []}))
+    (directory / "orphan.meta.json").write_text("{}")
+    (directory / "mystery_syn.json").write_text(json.dumps({"rows": []}))
     (directory / "fwd_quick_broken.json").write_text("{not json")
     return directory
 
@@ -181,7 +241,18 @@ def test_tables_and_targets(report: ModuleType, tmp_path: Path) -> None:
     assert "`python benchmarks/decode_bench.py --synthetic`" in md
     assert "python benchmarks/report.py" in md
     # files left out, with the reason
-    assert "`blocksparse_syn.json`: format not known to report.py, skipped" in md
+    assert "`mystery_syn.json`: format not known to report.py, skipped" in md
+    assert "`blocksparse_broken.json`: not a blocksparse_bench.py result (" in md
+    assert ("`sweep_quick_trials_syn.json`: recorded sweep trials (`tuner replay` input) data, "
+            "not part of this report") in md
+    assert "`orphan.meta.json`: sidecar of `orphan.json`, which is missing" in md
+    assert "sweep_quick_syn.meta.json`:" not in md  # a sidecar is not a result file
+    assert ("| `blocksparse_syn.json` | block-sparse | Synthetic GPU | - | 9.8.0 | 9.9.0 | 77.0 | "
+            "2030-01-03 | `python3 benchmarks/blocksparse_bench.py --synthetic` |") in md
+    # the sidecar states what the sweep's JSON lacks (command, date), not what it has (GPU)
+    assert ("| `sweep_quick_syn.json` | tuner sweep | Synthetic GPU | 999.1 | 9.8.0 | 9.9.0 | "
+            "77.0 | 2030-01-04 (from `sweep_quick_syn.meta.json`) | "
+            "`tuner sweep quick --json --synthetic` (from `sweep_quick_syn.meta.json`) |") in md
     assert "`fwd_compile_sweep_syn.json`: compile sweep data, not part of this report" in md
     assert "`fwd_quick_broken.json`: not a fwd_quick.py result (" in md
 
@@ -198,6 +269,18 @@ def test_tables_and_targets(report: ModuleType, tmp_path: Path) -> None:
     assert ("| 128 | 16k | yes | 1 x 16 | 480 | 480 | 32/128/128/32 w4 s3 separate (default, of 1) "
             "| 320 | 500 | - | 0.96x | 1.50x | 1.00x |") in md
     assert "- d128 N16k causal flex: OutOfMemoryError: CUDA out of memory" in md
+    # block-sparse: default, best (of the timed; failed and uncompiled counted apart), Flex
+    assert ("| `random:0.1` | 0.100 | 0.800 | 0.500 | 128x64 w4 s2 tma (grid, of 2, 2 failed) | "
+            "0.700 | 1.40x | 0.125x | 4000 |") in md
+    assert ("| `document:8` | 0.125 | 0.400 | 0.400 | default (of 2) | 0.600 | 1.50x | 0.100x "
+            "| 5000 |") in md
+    assert "our dense kernel's (no mask: 4.000 ms)" in md
+    # sweep: per problem, failures by kind, overhead = s per trial - bench s per trial
+    assert ("| flash_fwd d64 dense | 400 | 250 | 1.60x | 4 / invalid 3 | 0.50 | 0.10 | 0.40 |"
+            in md)
+    assert ("| flash_fwd d128 causal | 300 | 300 | 1.00x | 3 / compile_error 1, invalid 1 | "
+            "1.60 | 0.20 | 1.40 |") in md
+    assert "4 trials per problem, sampler tpe, 1 worker, compile ahead 4, wall 20.0 s" in md
     # decode: us (TB/s, % of copy), speed-up over one split
     assert ("| b1-32k | 1 | 32k | 32/8 | none | 100.0 (1.50, 50%) | 4.00x | 60.0 (2.50, 83%) | "
             "6.67x | splits 32 bn32 w4 s3 (best of 5 swept) | 80.0 (1.90, 63%) | "
@@ -214,6 +297,12 @@ def test_tables_and_targets(report: ModuleType, tmp_path: Path) -> None:
         "fwd+bwd best vs cuDNN, d=128, N >= 4k": "**not met**",
         "decode B=1, 32k cache: best's K+V bandwidth vs copy": "**met**",
         "decode B=1, 32k cache: best vs one split": "**met**",
+        "block-sparse `random:0.1`: best time vs our dense kernel": "**met**",
+        "block-sparse `random:0.1`: best vs FlexAttention (Flex time / ours)": "**met**",
+        "tuner sweep `quick`: tuned vs default, geomean over the suite "
+        "(only 4 trials per problem)": "**met**",
+        "tuner sweep `quick`: seconds per trial beyond the benchmark, worst problem":
+            "**not met**",
     }
     causal = targets["forward best vs cuDNN, d=128, N >= 2k, causal"]
     assert causal[1] == "worst 0.92x (d128 N4k causal)" and causal[3].startswith("worst row 8% short")
@@ -226,6 +315,20 @@ def test_tables_and_targets(report: ModuleType, tmp_path: Path) -> None:
     assert targets["decode B=1, 32k cache: best's K+V bandwidth vs copy"][1:4:2] == [
         "83.3% (2.50 of 3.00 TB/s)", "3.3 points above"]
     assert targets["decode B=1, 32k cache: best vs one split"][1] == "6.67x"
+    vs_dense = targets["block-sparse `random:0.1`: best time vs our dense kernel"]
+    assert vs_dense[:4] == ["<= 0.15x", "0.125x (0.500 of 4.000 ms)", "**met**",
+                             "17% under the limit"]
+    vs_flex = targets["block-sparse `random:0.1`: best vs FlexAttention (Flex time / ours)"]
+    assert vs_flex[:4] == [">= 1.30x", "1.40x (0.700 / 0.500 ms)", "**met**", "8% above"]
+    assert "- block-sparse `random:0.1`: best vs FlexAttention (Flex time / ours): default " \
+           "0.87x" in md
+    tuned = targets["tuner sweep `quick`: tuned vs default, geomean over the suite "
+                    "(only 4 trials per problem)"]
+    assert tuned[1:4] == ["1.265x over 2 problems", "**met**", "5% above"]
+    overhead = targets["tuner sweep `quick`: seconds per trial beyond the benchmark, "
+                       "worst problem"]
+    assert overhead[:4] == ["<= 1.00 s", "1.40 s (flash_fwd d128 causal)", "**not met**",
+                            "40% over the limit"]
 
     # the hand-written notes, verbatim, under their heading
     assert md.rstrip().endswith("## Why targets are missed\n\n"
@@ -258,8 +361,8 @@ def test_plots(report: ModuleType, tmp_path: Path) -> None:
     write_results(tmp_path / "results")
     md = run(report, tmp_path)
     img = tmp_path / "out" / "img"
-    for name in ("fwd_quick_syn", "fwd_bwd_syn", "decode_syn"):
+    names = ["blocksparse_syn", "decode_syn", "fwd_bwd_syn", "fwd_quick_syn"]
+    for name in names:
         assert (img / f"{name}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
         assert f"(img/{name}.png)" in md
-    assert sorted(p.name for p in img.iterdir()) == ["decode_syn.png", "fwd_bwd_syn.png",
-                                                     "fwd_quick_syn.png"]
+    assert sorted(p.name for p in img.iterdir()) == [f"{n}.png" for n in names]
