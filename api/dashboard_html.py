@@ -7,6 +7,7 @@ escaped, since anyone holding the write token could have put markup into a name.
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -103,7 +104,13 @@ def svg_chart(chart: Chart, width: int = 460, height: int = 270) -> str:
 
 
 def _nice_ceiling(y: float) -> float:
-    step = 10 ** math.floor(math.log10(y)) if y > 0 else 1.0
+    # Floats throughout, capped at the largest one: with an int step (10 ** 308) a huge stored
+    # TFLOP/s made `y / ymax` raise OverflowError, and the whole page a 500.
+    if not math.isfinite(y) or y >= sys.float_info.max / 10:
+        return sys.float_info.max
+    if y <= 1e-300:  # a step of 10.0 ** -324 is zero
+        return 1e-300 if y > 0 else 1.0
+    step = 10.0 ** math.floor(math.log10(y))
     for m in (1, 2, 2.5, 5, 10):
         if m * step >= y:
             return m * step

@@ -6,7 +6,8 @@ import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, Security, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api.answers import BestCache
@@ -45,7 +46,16 @@ async def get_best_cache(request: Request) -> BestCache:
 BestCacheDep = Annotated[BestCache, Depends(get_best_cache)]
 
 
-async def require_write_token(request: Request, settings: SettingsDep) -> None:
+# Declares the bearer scheme in OpenAPI (and /docs' Authorize button) for the operations that
+# need it; the header is checked below, by hand, for the service's own 401/403/503 answers.
+bearer_scheme = HTTPBearer(auto_error=False, scheme_name="bearer",
+                           description="TUNER_TOKEN of the service; needed for writes")
+
+
+async def require_write_token(
+    request: Request, settings: SettingsDep,
+    _documented: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
+) -> None:
     """Writes need ``Authorization: Bearer <TUNER_TOKEN>``; without a configured token, none pass."""
     try:
         expected = settings.require_write_token()

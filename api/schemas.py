@@ -12,6 +12,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from templates.base import Problem
+from tuner.bundle import MAX_HEAD_DIM, MAX_PROBLEM_SIZE, NO_NUL
 from tuner.wire import (
     BestOut,
     ConfigPage,
@@ -40,8 +41,9 @@ __all__ = [
     "UploadResult",
 ]
 
-# Larger than any real attention problem, small enough that products of sizes stay exact.
-_MAX_SIZE = 1 << 24
+# Larger than any real attention problem, small enough that products of sizes stay exact (the
+# limits of bundle uploads too).
+_MAX_SIZE = MAX_PROBLEM_SIZE
 
 
 class ProblemQuery(BaseModel):
@@ -54,7 +56,7 @@ class ProblemQuery(BaseModel):
     heads_kv: int | None = Field(None, ge=1, le=_MAX_SIZE, description="default: heads_q")
     seqlen_q: int = Field(ge=1, le=_MAX_SIZE)
     seqlen_kv: int | None = Field(None, ge=1, le=_MAX_SIZE, description="default: seqlen_q")
-    head_dim: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=MAX_HEAD_DIM)
     dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
     causal: Literal["none", "top_left", "bottom_right"] = "none"
     mask: str = Field("none", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.:+-]+$",
@@ -73,24 +75,27 @@ class ProblemQuery(BaseModel):
 
 
 class KernelSourceQuery(ProblemQuery):
-    device: str = Field(min_length=1, max_length=400,
+    # NO_NUL on strings the database compares: PostgreSQL refuses NUL characters outright.
+    device: str = Field(min_length=1, max_length=400, pattern=NO_NUL,
                         description="device key (see /v1/devices); unknown keys get the "
                                     "default config of the family the key names")
 
 
 class BestQuery(KernelSourceQuery):
-    template: str = Field(min_length=1, max_length=100)
+    template: str = Field(min_length=1, max_length=100, pattern=NO_NUL)
     template_version: str | None = Field(
-        None, min_length=1, max_length=64,
+        None, min_length=1, max_length=64, pattern=NO_NUL,
         description="kernel version the caller runs (default: the service's)")
 
 
 class ConfigsQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    device: str | None = Field(None, max_length=400, description="device name or key")
-    template: str | None = Field(None, max_length=100)
+    device: str | None = Field(None, max_length=400, pattern=NO_NUL,
+                               description="device name or key")
+    template: str | None = Field(None, max_length=100, pattern=NO_NUL)
     dtype: Literal["float16", "bfloat16", "float32"] | None = None
-    variant: str | None = Field(None, max_length=100, description="e.g. dense, causal-top_left")
+    variant: str | None = Field(None, max_length=100, pattern=NO_NUL,
+                                description="e.g. dense, causal-top_left")
     offset: int = Field(0, ge=0, le=10_000_000)
     limit: int = Field(100, ge=1, le=1000)

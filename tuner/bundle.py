@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -45,6 +45,16 @@ if TYPE_CHECKING:
 BUNDLE_FORMAT = "attention-tuner/bundle"
 BUNDLE_VERSION = 1
 DEFAULT_SWEEP_NAME = "bundle-import"
+
+# Largest problem size (batch, heads, sequence lengths) and head dim a bundle or a query of the
+# service may name: larger than any real attention problem, small enough that FLOP counts and
+# bucket keys stay finite and short (api/schemas.py takes the same limits).
+MAX_PROBLEM_SIZE = 1 << 24
+MAX_HEAD_DIM = 4096
+# PostgreSQL text cannot hold NUL characters (the driver raises, and the upload would be a 500):
+# strings that are stored or compared in the database are refused with the bundle instead.
+NO_NUL = r"^[^\x00]*$"
+Text = Annotated[str, Field(pattern=NO_NUL)]
 
 
 class BundleError(ValueError):
@@ -63,16 +73,16 @@ class _Strict(BaseModel):
 
 
 class BundleDevice(_Strict):
-    key: str = Field(min_length=1, max_length=400)
-    name: str = Field(min_length=1, max_length=200)
-    compute_capability: str = Field(max_length=16)
-    sm_count: int = Field(ge=1)
-    total_memory: int = Field(ge=0)
-    smem_per_block: int | None = Field(None, ge=0)
-    driver_version: str = Field(max_length=64)
-    triton_version: str = Field(max_length=64)
-    torch_version: str = Field(max_length=64)
-    cuda_version: str = Field(max_length=64)
+    key: Text = Field(min_length=1, max_length=400)
+    name: Text = Field(min_length=1, max_length=200)
+    compute_capability: Text = Field(max_length=16)
+    sm_count: int = Field(ge=1, le=(1 << 31) - 1)  # the database's INTEGER and BIGINT columns
+    total_memory: int = Field(ge=0, le=(1 << 63) - 1)
+    smem_per_block: int | None = Field(None, ge=0, le=(1 << 31) - 1)
+    driver_version: Text = Field(max_length=64)
+    triton_version: Text = Field(max_length=64)
+    torch_version: Text = Field(max_length=64)
+    cuda_version: Text = Field(max_length=64)
 
     def info(self) -> DeviceInfo:
         from tuner.lookup import smem_for_cc
@@ -97,15 +107,15 @@ def _finite_positive(value: float | None) -> float | None:
 
 class BundleItem(_Strict):
     device: BundleDevice
-    template: str = Field(min_length=1, max_length=100)
-    template_version: str = Field(min_length=1, max_length=64)
+    template: Text = Field(min_length=1, max_length=100)
+    template_version: Text = Field(min_length=1, max_length=64)
     problem: dict[str, Any]
     config: dict[str, Any]
     tflops: float
     median_ms: float
     default_tflops: float | None = None
     default_config: dict[str, Any] | None = None
-    sweep: str | None = Field(None, max_length=200)
+    sweep: Text | None = Field(None, max_length=200)
     error: float | None = Field(None, ge=0)
 
     _positive = field_validator("tflops", "median_ms", "default_tflops")(_finite_positive)
@@ -114,7 +124,7 @@ class BundleItem(_Strict):
 class Bundle(_Strict):
     format: Literal["attention-tuner/bundle"]
     version: Literal[1]
-    host: str | None = Field(None, max_length=200)
+    host: Text | None = Field(None, max_length=200)
     exported_at: datetime | None = None
     items: list[dict[str, Any]] = Field(description="BundleItem objects")
 
@@ -176,6 +186,11 @@ def _validate_item(index: int, raw: Mapping[str, Any], versions: dict[str, str])
         problem = Problem.from_dict(item.problem)
     except (TypeError, ValueError) as exc:
         raise BundleError(index, f"problem: {exc}") from None
+    too_large = [f"{name}={getattr(problem, name)}" for name, limit in _SIZE_LIMITS.items()
+                 if getattr(problem, name) > limit]
+    if too_large:
+        raise BundleError(index, f"problem: {', '.join(too_large)} above the limit "
+                                 f"({MAX_PROBLEM_SIZE}, head_dim {MAX_HEAD_DIM})")
     why = template.unsupported(problem)
     if why:
         raise BundleError(index, f"problem: {template.name} cannot run it: {why}")
@@ -187,6 +202,11 @@ def _validate_item(index: int, raw: Mapping[str, Any], versions: dict[str, str])
     elif item.default_tflops is not None:
         default = template.default_config(problem, device)
     return ValidItem(item, template, device, problem, config, default)
+
+
+_SIZE_LIMITS = {"batch": MAX_PROBLEM_SIZE, "heads_q": MAX_PROBLEM_SIZE,
+                "heads_kv": MAX_PROBLEM_SIZE, "seqlen_q": MAX_PROBLEM_SIZE,
+                "seqlen_kv": MAX_PROBLEM_SIZE, "head_dim": MAX_HEAD_DIM}
 
 
 def _checked_config(index: int, field: str, template: Template, problem: Problem,

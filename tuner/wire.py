@@ -6,13 +6,23 @@ parse answers without importing FastAPI; ``api/schemas.py`` re-exports them.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MatchKind = Literal["exact", "bucket", "nearest", "default"]
 MATCH_KINDS: tuple[MatchKind, ...] = ("exact", "bucket", "nearest", "default")
+
+
+def _as_utc(value: datetime) -> datetime:
+    # The database stores UTC (db.models.utcnow), but SQLite hands times back without their
+    # offset: a naive time here is UTC. An answer without an offset is no RFC 3339 date-time,
+    # the format the OpenAPI schema promises.
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+UtcDateTime = Annotated[datetime, AfterValidator(_as_utc)]
 
 
 class WireModel(BaseModel):
@@ -30,7 +40,7 @@ class DeviceOut(WireModel):
     triton_version: str
     torch_version: str
     cuda_version: str
-    created_at: datetime | None = None
+    created_at: UtcDateTime | None = None
 
 
 class TemplateOut(WireModel):
@@ -46,7 +56,7 @@ class TemplateOut(WireModel):
 class Provenance(WireModel):
     sweep_id: int | None = None
     sweep_name: str | None = None
-    measured_at: datetime | None = None
+    measured_at: UtcDateTime | None = None
     triton_version: str | None = None
     torch_version: str | None = None
 
@@ -86,7 +96,7 @@ class ConfigRow(WireModel):
     default_tflops: float | None = None
     speedup: float | None = None
     sweep_id: int | None = None
-    updated_at: datetime | None = None
+    updated_at: UtcDateTime | None = None
 
 
 class ConfigPage(WireModel):

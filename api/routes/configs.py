@@ -8,12 +8,13 @@ from api.deps import SessionDep
 from api.query import openapi_parameters, parse_query
 from api.schemas import ConfigsQuery
 from db import crud
-from tuner.wire import ConfigPage, ConfigRow
+from tuner.wire import ConfigPage, ConfigRow, ErrorOut
 
 router = APIRouter(prefix="/v1", tags=["configs"])
 
 
-@router.get("/configs", response_model=ConfigPage, openapi_extra=openapi_parameters(ConfigsQuery))
+@router.get("/configs", response_model=ConfigPage, openapi_extra=openapi_parameters(ConfigsQuery),
+            responses={422: {"model": ErrorOut}})
 def list_configs(
     query: Annotated[ConfigsQuery, Depends(parse_query(ConfigsQuery))], session: SessionDep
 ) -> ConfigPage:

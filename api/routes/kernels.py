@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, status
 from fastapi.responses import PlainTextResponse
@@ -14,32 +14,43 @@ from tuner.wire import ErrorOut
 router = APIRouter(prefix="/v1", tags=["kernels"])
 
 
+class PythonSource(PlainTextResponse):
+    media_type = "text/x-python"
+
+
+def _json_error(description: str) -> dict[str, Any]:
+    # Spelled out: with `"model": ErrorOut`, FastAPI documents an error under the route's own
+    # media type (text/x-python), but errors are answered as application/json.
+    schema = {"$ref": f"#/components/schemas/{ErrorOut.__name__}"}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
 @router.get(
     "/kernels/{template}/source",
-    response_class=PlainTextResponse,
+    response_class=PythonSource,
     openapi_extra=openapi_parameters(KernelSourceQuery),
     responses={
-        200: {
-            "content": {"text/x-python": {}},
-            "description": "a Python module needing only torch and triton",
-        },
-        404: {"model": ErrorOut},
-        422: {"model": ErrorOut},
-        501: {"model": ErrorOut},
+        200: {"description": "a Python module needing only torch and triton"},
+        404: _json_error("unknown template (the detail names the known ones)"),
+        422: _json_error("invalid or unsupported problem, or unknown query parameters"),
+        501: _json_error("this template cannot export standalone source yet"),
     },
 )
 async def kernel_source(
     template: str,
     query: Annotated[KernelSourceQuery, Depends(parse_query(KernelSourceQuery))],
     cache: BestCacheDep,
-) -> PlainTextResponse:
+) -> PythonSource:
     """A standalone module of the kernel with the best config for the problem baked in.
 
     The config is the one ``GET /v1/best`` answers for this service's kernel version.
     """
     tmpl = template_or_404(template)
     problem = query.problem()
-    why = tmpl.unsupported(problem)
+    # The standalone module's entry point takes no mask: it would run the problem dense.
+    why = (f"mask={problem.mask!r}: the standalone module runs dense attention only "
+           "(block-sparse problems run through tuner.attention with a block_mask)"
+           if problem.mask != "none" else tmpl.unsupported(problem))
     if why:
         raise HTTPException(422, detail=f"template {tmpl.name!r} cannot run this problem: {why}")
     answer = await best_answer(
@@ -60,4 +71,4 @@ async def kernel_source(
         f"# problem {problem.key()!r} (config match: {answer.match})\n"
         f"# config {tmpl.config(answer.config).key()!r}\n"
     )
-    return PlainTextResponse(header + source, media_type="text/x-python")
+    return PythonSource(header + source)

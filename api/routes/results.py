@@ -14,7 +14,9 @@ router = APIRouter(prefix="/v1", tags=["results"])
 
 @router.post("/results", response_model=UploadResult, status_code=status.HTTP_201_CREATED,
              dependencies=[WriteAuth],
-             responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut},
+             responses={400: {"model": ErrorOut,
+                              "description": "the body is not JSON text (e.g. not UTF-8)"},
+                        401: {"model": ErrorOut}, 403: {"model": ErrorOut},
                         413: {"model": ErrorOut}, 422: {"model": ErrorOut},
                         503: {"model": ErrorOut}})
 def upload_results(

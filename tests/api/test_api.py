@@ -112,7 +112,7 @@ def test_best_matches_exact_bucket_nearest_default(client: TestClient,
     assert exact["speedup"] == pytest.approx(400 / 300)
     assert exact["provenance"]["sweep_name"] == "test-sweep"
     assert exact["provenance"]["triton_version"] == "3.6.0"
-    assert exact["provenance"]["measured_at"]
+    assert exact["provenance"]["measured_at"].endswith("Z")  # RFC 3339: UTC, with its offset
     assert exact["template_version"] == FWD.version()
     assert exact["problem_key"] == FWD.problem_key(p1)
 
@@ -208,11 +208,16 @@ def _too_big_for_h100(it: dict[str, Any]) -> dict[str, Any]:
     (_set("template_version", "0123456789abcdef"), "re-tune"),
     (_too_big_for_h100, "shared memory"),
     (_set("problem.heads_kv", 5), "multiple of heads_kv"),
-    (_set("problem.mask", "sliding:64"), "cannot run it"),
+    (_set("problem.mask", "sliding:wide"), "cannot run it"),
     (_set("tflops", -1.0), "finite number > 0"),
     (_set("median_ms", float("inf")), "finite number > 0"),
     (_set("device.key", "forged"), "does not match"),
     (_set("surprise", 1), "Extra inputs"),
+    # Beyond the database's columns or float range: these were 500s (OverflowError, DataError).
+    (_set("device.total_memory", 1 << 63), "less than or equal"),
+    (_set("device.sm_count", 1 << 31), "less than or equal"),
+    (_set("problem.batch", 10**40), "above the limit"),
+    (_set("sweep", "a\x00b"), "sweep: String should match pattern"),  # PostgreSQL refuses NUL
 ])
 def test_a_bad_item_rejects_the_whole_upload(
     client: TestClient, auth: dict[str, str],
@@ -231,6 +236,12 @@ def _json(data: Any) -> bytes:
     import json
 
     return json.dumps(data, allow_nan=True).encode()
+
+
+def test_a_body_that_is_not_json_text_is_400(client: TestClient, auth: dict[str, str]) -> None:
+    r = client.post("/v1/results", content=b"\xff\xfe{",
+                    headers={**auth, "Content-Type": "application/json"})
+    assert assert_json_error(r, 400)
 
 
 @pytest.mark.parametrize(("body", "needle"), [
@@ -270,6 +281,9 @@ def test_malformed_bundles_are_422(client: TestClient, auth: dict[str, str], bod
     ("/v1/configs?limit=0", 422, "limit"),
     ("/v1/configs?limit=5000", 422, "limit"),
     ("/v1/configs?offset=-1", 422, "offset"),
+    ("/v1/configs?variant=dense%00", 422, "variant"),
+    ("/v1/best?device=a%00b&template=flash_fwd&batch=1&heads_q=2&seqlen_q=8&head_dim=16", 422,
+     "device"),
     ("/v1/kernels/nope/source?device=d&batch=1&heads_q=2&seqlen_q=8&head_dim=16", 404, "known"),
     ("/v1/kernels/flash_fwd/source?device=d&batch=1&heads_q=2&seqlen_q=8&head_dim=16"
      "&mask=sliding:16", 422, "block-sparse"),
@@ -326,6 +340,16 @@ def test_dashboard_shows_devices_templates_configs_and_charts(client: TestClient
     assert "tuned" in html and "default config" in html and "<polyline" in html
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert "4k" in html  # sequence-length tick labels
+
+
+@pytest.mark.parametrize("tflops", [1e308, 5e-324])
+def test_dashboard_charts_extreme_tflops(client: TestClient, auth: dict[str, str],
+                                         tflops: float) -> None:
+    # Finite and positive, so accepted; the chart's axis once overflowed (or divided by zero).
+    r = upload(client, auth, item(problem(1024), tflops=tflops, median_ms=1.0))
+    assert r.status_code == 201, r.text
+    r = client.get("/dashboard")
+    assert r.status_code == 200 and "<polyline" in r.text
 
 
 def test_dashboard_renders_an_empty_database(client: TestClient) -> None:
