@@ -654,8 +654,11 @@ def blocksparse_rows(data: dict[str, Any]) -> tuple[list[BlockSparseRow], float 
         if kernel == "ours-dense":
             dense_ms = ms if ms is not None else dense_ms
             continue
-        if kernel not in ("ours-default", "ours-grid", "flex"):
+        if kernel not in ("ours-default", "ours-default-again", "ours-grid", "flex"):
             raise FormatError(f"unknown kernel {kernel!r}")
+        # The default config is timed twice (before and after the grid; the first timing of
+        # a run can read slow): its time is the faster of the two.
+        kernel = "ours-default" if kernel == "ours-default-again" else kernel
         row = rows.setdefault(pattern, BlockSparseRow(pattern))
         if row.density is None:
             row.density = _num(r.get("density"))
@@ -671,7 +674,7 @@ def blocksparse_rows(data: dict[str, Any]) -> tuple[list[BlockSparseRow], float 
         row.timed += 1
         label = kernel.removeprefix("ours-")
         if label == "default":
-            row.default_ms = ms
+            row.default_ms = ms if row.default_ms is None else min(row.default_ms, ms)
         if row.best_ms is None or ms < row.best_ms:
             row.best_ms, row.best_label, row.best_config = ms, label, r.get("config")
             row.best_tflops = _num(r.get("tflops_dense_equiv"))
