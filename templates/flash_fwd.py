@@ -21,7 +21,7 @@ from templates.attention_reference import attention_reference, lse_error, visibl
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2, relative_error
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo, current_device, interpreter_active
-from templates.mask_mods import pattern_block_mask, pattern_mask_mod
+from templates.mask_mods import pattern_block_mask, pattern_problem
 from templates.registry import register
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -131,10 +131,9 @@ class FlashFwdTemplate(Template):
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
         if problem.mask != "none":
-            try:
-                pattern_mask_mod(problem.mask, problem.seqlen_q, problem.seqlen_kv)
-            except ValueError as exc:
-                return str(exc)
+            reason = pattern_problem(problem.mask, problem.seqlen_q, problem.seqlen_kv)
+            if reason:
+                return reason
         if problem.head_dim > kernel.MAX_HEAD_DIM:
             return (f"flash_fwd supports head_dim <= {kernel.MAX_HEAD_DIM}, but got "
                     f"{problem.head_dim}")

@@ -127,35 +127,45 @@ def _parse(pattern: str) -> tuple[str, str]:
     return name, arg
 
 
+def pattern_problem(pattern: str, seqlen_q: int, seqlen_kv: int) -> str | None:
+    """Why ``pattern`` is not a valid mask for (N_q, N_kv) (None if it is), without building
+    anything: problem validation (e.g. a service query) must stay cheap at any length."""
+    name, arg = _parse(pattern)
+    try:
+        if name == "random" and 0.0 < float(arg) <= 1.0:
+            return None
+        if name in ("sliding", "prefix") and int(arg) >= 0:
+            return None
+        if name == "document" and 1 <= int(arg) <= seqlen_q and seqlen_q == seqlen_kv:
+            return None
+        if name == "causal" and not arg:
+            return None
+    except ValueError:
+        pass
+    return (f"unknown or malformed mask pattern {pattern!r} for N_q={seqlen_q}, "
+            f"N_kv={seqlen_kv}; patterns: {list(PATTERNS)} (random density in (0, 1], "
+            f"document needs N_q == N_kv)")
+
+
 def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
                      block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0,
                      device: torch.device | str = "cpu") -> MaskMod:
     """The mask_mod of a named pattern: ``random:0.1`` (10% of blocks kept), ``sliding:1024``
     (|i - j| <= 1024), ``document:4`` (4 equal documents), ``prefix:256``, ``causal``."""
+    reason = pattern_problem(pattern, seqlen_q, seqlen_kv)
+    if reason:
+        raise ValueError(reason)
     name, arg = _parse(pattern)
-    try:
-        if name == "random":
-            density = float(arg)
-            if not 0.0 < density <= 1.0:
-                raise ValueError
-            return _random_blocks(density, seqlen_q, seqlen_kv, block_size, seed, device)
-        if name == "sliding":
-            return sliding_window_mask(int(arg))
-        if name == "prefix":
-            return prefix_lm_mask(int(arg))
-        if name == "document":
-            count = int(arg)
-            if count < 1 or seqlen_q != seqlen_kv or count > seqlen_q:
-                raise ValueError
-            base, extra = divmod(seqlen_q, count)
-            return document_mask([base + (i < extra) for i in range(count)], device=device)
-        if name == "causal" and not arg:
-            return causal_mask()
-    except ValueError:
-        pass
-    raise ValueError(f"unknown or malformed mask pattern {pattern!r} for N_q={seqlen_q}, "
-                     f"N_kv={seqlen_kv}; patterns: {list(PATTERNS)} (random density in (0, 1], "
-                     f"document needs N_q == N_kv)")
+    if name == "random":
+        return _random_blocks(float(arg), seqlen_q, seqlen_kv, block_size, seed, device)
+    if name == "sliding":
+        return sliding_window_mask(int(arg))
+    if name == "prefix":
+        return prefix_lm_mask(int(arg))
+    if name == "document":
+        base, extra = divmod(seqlen_q, int(arg))
+        return document_mask([base + (i < extra) for i in range(int(arg))], device=device)
+    return causal_mask()
 
 
 def pattern_block_mask(pattern: str, seqlen_q: int, seqlen_kv: int, *,
