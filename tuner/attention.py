@@ -228,9 +228,7 @@ def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from templates.block_mask import BlockMask
     from templates.flash_fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd
 
-    plan = _plan(q, k, v, is_causal, enable_gqa)
-    config = plan.resolved.config
-    assert isinstance(config, FwdConfig)
+    check_inputs(q, k, v, enable_gqa)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a tuner.BlockMask, but got "
@@ -238,7 +236,6 @@ def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if q.dim() != 4:
             raise ValueError(f"block_mask needs 4-D (B, H, L, E) inputs, but query has shape "
                              f"{tuple(q.shape)}")
-        config = fit_to_block_mask(config, block_mask.block_size)
     lead = tuple(q.shape[:-3])
     heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
     q4 = q.reshape(math.prod(lead), heads_q, q.shape[-2], q.shape[-1])
@@ -256,6 +253,11 @@ def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to {full}") from None
+    plan = _plan(q, k, v, is_causal, enable_gqa)
+    config = plan.resolved.config
+    assert isinstance(config, FwdConfig)
+    if block_mask is not None:
+        config = fit_to_block_mask(config, block_mask.block_size)
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q4, k4, v4):
         config = replace(config, use_tma=False)
     o, _ = flash_attention_fwd(q4, k4, v4, causal="top_left" if is_causal else "none",
