@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -9,12 +11,13 @@ from api.answers import BestCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.routes import best, configs, dashboard, devices, health, kernels, results, templates
 from db.session import init_db
-from tuner.settings import Settings, load_settings
+from tuner.settings import Settings, SettingsError, load_settings
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The app for ``settings`` (default: read from TUNER_* variables); migrates the database."""
     settings = settings if settings is not None else load_settings()
+    import_template_modules(settings.template_modules)
     init_db(settings.database_url)
     app = FastAPI(title="attention-tuner", version="1",
                   description="Tuned Triton attention configs per GPU and problem shape.")
@@ -29,3 +32,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, devices, templates, best, configs, results, kernels, dashboard):
         app.include_router(module.router)
     return app
+
+
+def import_template_modules(modules: list[str]) -> None:
+    """Import the modules that register templates from outside the ``templates`` package.
+
+    A sweep imports its spec's ``template_modules`` itself; the service must import the same
+    ones (TUNER_TEMPLATE_MODULES), or it answers 404 for the templates they register.
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise SettingsError(f"TUNER_TEMPLATE_MODULES: cannot import {module!r} ({exc}); "
+                                "install it or fix the module name") from exc

@@ -6,6 +6,10 @@
     TUNER_TOKEN          bearer token the service requires for writes / the client sends
     TUNER_LOG_LEVEL      DEBUG, INFO, WARNING, ERROR (default WARNING)
     TUNER_LOOKUP_TIMEOUT seconds the client waits for the service before using the default
+    TUNER_TEMPLATE_MODULES JSON list of modules the service imports at start (templates from
+                         outside the ``templates`` package, as a sweep spec's template_modules)
+    TUNER_GPU_LOCK_DIR   folder where the sweep processes of one host claim their GPUs
+                         (see tuner/gpus.py); unset: a sweep uses every GPU it sees
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class Settings(BaseSettings):
     lookup_timeout: float = Field(0.5, gt=0, le=60, description="seconds to wait for the service")
     cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="largest request body")
+    template_modules: list[str] = Field(
+        default_factory=list, description="modules the service imports to register templates")
+    gpu_lock_dir: str | None = Field(
+        None, description="folder of the GPU claims shared by the sweeps of one host")
 
     @field_validator("database_url")
     @classmethod

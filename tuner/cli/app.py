@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from tuner.cli import best, export, importing, listing, replay, serve, sweep
+from tuner.cli import best, database, export, importing, listing, replay, serve, sweep
 from tuner.cli.common import err_console
 from tuner.errors import TunerError
 from tuner.settings import SettingsError
@@ -28,6 +28,7 @@ app.command("export")(export.export)
 app.command("import")(importing.import_bundle)
 app.command("replay")(replay.replay)
 app.command("serve")(serve.serve)
+app.add_typer(database.app, name="db")
 
 EXIT_USER_ERROR = 2
 

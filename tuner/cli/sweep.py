@@ -67,6 +67,10 @@ def sweep(
         "--dtype", help="with --shape: float16, bfloat16, float32 (repeatable)")] = None,
     causal: Annotated[list[str] | None, typer.Option(
         "--causal", help="with --shape: none, top_left, bottom_right (repeatable)")] = None,
+    gpu_lock_dir: Annotated[str | None, typer.Option(
+        "--gpu-lock-dir", help="claim GPUs through locks in this folder, shared by the sweeps "
+                               "of one host, one GPU per worker (default: TUNER_GPU_LOCK_DIR; "
+                               "unset: use every visible GPU)", show_default=False)] = None,
     db: DbOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -78,6 +82,7 @@ def sweep(
     import optuna
 
     from templates.device import interpreter_active
+    from tuner.gpus import gpus_for_sweep
     from tuner.suites import resolve_spec, spec_from_flags
     from tuner.sweep import SweepOptions, run_sweep
 
@@ -110,9 +115,13 @@ def sweep(
         console.print(f"[yellow]{note}[/]")
     stop = threading.Event()
     display = None if json_out else SweepDisplay()
+    claimed: list[str] = []
     try:
-        report = run_sweep(resolved, options, db_url=url,
-                           on_event=display.handle if display else None, stop=stop)
+        with gpus_for_sweep(_lock_dir(gpu_lock_dir), workers) as claimed:
+            if claimed and not json_out:
+                console.print(f"claimed GPU(s) {', '.join(claimed)}")
+            report = run_sweep(resolved, options, db_url=url,
+                               on_event=display.handle if display else None, stop=stop)
     except KeyboardInterrupt:
         if display:
             display.close()
@@ -128,11 +137,19 @@ def sweep(
             data["note"] = note
         if report.interpreter:
             data["warning"] = INTERPRETER_WARNING
+        if claimed:
+            data["claimed_gpus"] = claimed
         print_json(data)
     else:
         print_summary(report)
     if report.status == "interrupted":
         raise typer.Exit(130)
+
+
+def _lock_dir(flag: str | None) -> str | None:
+    from tuner.settings import get_settings
+
+    return flag if flag is not None else get_settings().gpu_lock_dir
 
 
 class SweepDisplay:
