@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import uuid
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,11 @@ PRECOMPILE_DIR_ENV = "TOY_PRECOMPILE_DIR"
 # n=<elements> <config key>"; each measurement makes fresh inputs (a new token), so distinct
 # tokens per (template, n, config) count its measurements.
 MEASURE_LOG_ENV = "TOY_MEASURE_LOG"
+# Set by tests that must catch a worker mid-trial: each toy_add measurement sleeps this many
+# seconds right after its first launch is logged, before the kernel runs. A measurement whose
+# token has exactly one logged launch is therefore in flight, its result not stored yet.
+SLOW_ENV = "TOY_SLOW_S"
+_slowed: set[str] = set()  # tokens of this process's measurements that have slept already
 
 
 @triton.jit
@@ -92,6 +98,12 @@ class _ToyBase(Template):
                 f.write(f"{inputs['token']} {self.name} n={inputs['x'].numel()} "
                         f"{config.key()}\n")
 
+    def _slow_down_once(self, inputs: Mapping[str, Any]) -> None:
+        seconds = float(os.environ.get(SLOW_ENV) or 0)
+        if seconds > 0 and inputs["token"] not in _slowed:
+            _slowed.add(inputs["token"])
+            time.sleep(seconds)
+
     def _launch(self, inputs: Mapping[str, Any], block: int, warps: int, drop_y: bool) -> Any:
         x, y = inputs["x"], inputs["y"]
         out = torch.empty_like(x)
@@ -128,6 +140,7 @@ class ToyAdd(_ToyBase):
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         assert isinstance(config, ToyAddConfig)
         self._log_launch(inputs, config)
+        self._slow_down_once(inputs)
         return self._launch(inputs, config.BLOCK, config.num_warps, drop_y=False)
 
 
@@ -201,3 +214,13 @@ def measurements(log_path: Path) -> dict[tuple[str, str, str], set[str]]:
         token, template, n, key = line.split(" ")
         found.setdefault((template, n, key), set()).add(token)
     return found
+
+
+def launches(log_path: Path) -> Counter[str]:
+    """Measurement token -> launches logged for it, in the order the tokens first appear."""
+    counts: Counter[str] = Counter()
+    if log_path.exists():
+        for line in log_path.read_text().splitlines(keepends=True):
+            if line.endswith("\n"):  # a line still being written is not counted yet
+                counts[line.split(" ", 1)[0]] += 1
+    return counts
