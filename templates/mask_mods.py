@@ -7,6 +7,8 @@ any block of any mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
@@ -79,29 +81,24 @@ def document_mask(lengths: list[int] | torch.Tensor, *, causal: bool = False,
 
 def and_masks(*mods: MaskMod) -> MaskMod:
     """Visible where every mask says so."""
-    if not mods:
-        raise ValueError("and_masks needs at least one mask_mod")
-
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> torch.Tensor:
-        out = mods[0](b, h, q, k)
-        for mod in mods[1:]:
-            out = out & mod(b, h, q, k)
-        return out
-
-    return mask_mod
+    return _combined("and_masks", torch.logical_and, mods)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
     """Visible where any mask says so."""
+    return _combined("or_masks", torch.logical_or, mods)
+
+
+def _combined(name: str, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              mods: tuple[MaskMod, ...]) -> MaskMod:
     if not mods:
-        raise ValueError("or_masks needs at least one mask_mod")
+        raise ValueError(f"{name} needs at least one mask_mod")
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                  ) -> torch.Tensor:
         out = mods[0](b, h, q, k)
         for mod in mods[1:]:
-            out = out | mod(b, h, q, k)
+            out = op(out, mod(b, h, q, k))
         return out
 
     return mask_mod
