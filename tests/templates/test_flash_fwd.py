@@ -248,8 +248,13 @@ def test_constraints_reject_what_cannot_fit_and_keep_good_configs() -> None:
     assert "reported to fault" in str(TEMPLATE.constraint(
         p128, dataclasses.replace(good, loop_unroll=2), H100))
     sparse = dataclasses.replace(p128, mask="random:0.10")
-    assert "block-sparse" in str(TEMPLATE.unsupported(sparse))
-    assert "block-sparse" in str(TEMPLATE.constraint(sparse, good, H100))
+    assert TEMPLATE.unsupported(sparse) is None
+    assert "malformed mask pattern" in str(TEMPLATE.unsupported(
+        dataclasses.replace(p128, mask="random:2")))
+    assert "must divide the block mask's block size" in str(TEMPLATE.constraint(
+        sparse, dataclasses.replace(good, BLOCK_N=256, num_stages=1), H100))
+    assert "only apply to the dense KV loop" in str(TEMPLATE.constraint(
+        sparse, dataclasses.replace(good, loop_unroll=2, use_tma=False), H100))
     # The space is wide on purpose; the constraints cut it down before anything compiles.
     kept = [c for c in FwdConfig.grid() if TEMPLATE.constraint(p128, c, H100) is None]
     assert 0 < len(kept) < FwdConfig.grid_size() / 2
