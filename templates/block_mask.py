@@ -127,11 +127,8 @@ class BlockMask:
                              f"{tuple(mask.shape)}")
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
-        qb, _ = _block_sizes(block_size)
-        n_q, n_kv = mask.shape[2], mask.shape[3]
-        rows = max(qb, (_CHUNK_ELEMENTS // max(1, n_kv * mask.shape[0] * mask.shape[1])) // qb * qb)
         return cls._build(lambda lo, hi: mask[:, :, lo:hi], mask.shape[0], mask.shape[1],
-                          n_q, n_kv, block_size, rows, mask.device)
+                          mask.shape[2], mask.shape[3], block_size, mask.device)
 
     @classmethod
     def from_mask_mod(cls, mask_mod: MaskMod, B: int | None, H: int | None, N_q: int,
@@ -147,7 +144,6 @@ class BlockMask:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, but got {value!r}")
         bm, hm = B or 1, H or 1
-        qb, _ = _block_sizes(block_size)
         b_idx = torch.arange(bm, device=device)[:, None, None, None]
         h_idx = torch.arange(hm, device=device)[None, :, None, None]
         kv_idx = torch.arange(N_kv, device=device)[None, None, None, :]
@@ -159,15 +155,15 @@ class BlockMask:
                 raise TypeError(f"mask_mod must return a bool tensor, but returned {out.dtype}")
             return out.expand(bm, hm, hi - lo, N_kv)
 
-        chunk_rows = max(qb, (_CHUNK_ELEMENTS // (N_kv * bm * hm)) // qb * qb)
-        return cls._build(rows, bm, hm, N_q, N_kv, block_size, chunk_rows, torch.device(device))
+        return cls._build(rows, bm, hm, N_q, N_kv, block_size, torch.device(device))
 
     @classmethod
     def _build(cls, rows: Callable[[int, int], torch.Tensor], bm: int, hm: int, n_q: int,
-               n_kv: int, block_size: int | tuple[int, int], chunk_rows: int,
-               device: torch.device) -> BlockMask:
-        """Classify every block from dense row chunks ``rows(lo, hi)`` (Bm, Hm, hi-lo, N_kv)."""
+               n_kv: int, block_size: int | tuple[int, int], device: torch.device) -> BlockMask:
+        """Classify every block from dense row chunks ``rows(lo, hi)`` (Bm, Hm, hi-lo, N_kv),
+        whole query blocks of at most ~_CHUNK_ELEMENTS elements at a time."""
         qb, kb = _block_sizes(block_size)
+        chunk_rows = max(qb, (_CHUNK_ELEMENTS // (n_kv * bm * hm)) // qb * qb)
         nq, nk = _cdiv(n_q, qb), _cdiv(n_kv, kb)
         full = torch.zeros(bm, hm, nq, nk, dtype=torch.bool, device=device)
         partial = torch.zeros_like(full)
@@ -279,15 +275,13 @@ class BlockMask:
                               ("head", self.shape[1], other.shape[1], hm)):
             if {a, b} - {1, n}:
                 raise ValueError(f"the masks' {name} dims {a} and {b} do not broadcast")
-        qb = self.block_size[0]
-        chunk = max(qb, (_CHUNK_ELEMENTS // (self.seqlen_kv * bm * hm)) // qb * qb)
 
         def rows(lo: int, hi: int) -> torch.Tensor:
             return op(self.to_dense(lo, hi), other.to_dense(lo, hi)).expand(
                 bm, hm, hi - lo, self.seqlen_kv)
 
         return BlockMask._build(rows, bm, hm, self.seqlen_q, self.seqlen_kv, self.block_size,
-                                chunk, self.device)
+                                self.device)
 
     def __repr__(self) -> str:
         return (f"BlockMask(shape={self.shape}, block_size={self.block_size}, "
