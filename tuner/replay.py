@@ -18,6 +18,7 @@ JSON file written by ``tuner export --trials``::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -38,6 +39,7 @@ from tuner.errors import TunerError
 from tuner.runner.outcome import TrialOutcome, TrialRequest
 from tuner.search.loop import ProblemSearch, SearchSettings
 from tuner.search.samplers import make_sampler
+from tuner.search.space import SearchSpace, SpaceRestriction, problem_space
 from tuner.search.store import MemoryStore
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "load_recorded_file",
     "load_recorded_from_db",
     "replay",
+    "search_space",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,20 @@ class RecordedProblem:
     def best_tflops(self) -> float | None:
         values = [o.tflops for o in self.trials.values() if o.ok and o.tflops]
         return max(values) if values else None
+
+    @property
+    def results(self) -> int:
+        """Recorded configs with a result (invalid ones do not count)."""
+        return sum(1 for o in self.trials.values() if o.status != TrialStatus.INVALID)
+
+    def within(self, space: SearchSpace) -> RecordedProblem:
+        """The recording of the configs inside ``space`` only (all of it for a whole space)."""
+        if space.is_full:
+            return self
+        keys = [key for key, config in self.configs.items()
+                if key in self.trials and space.contains(config)]
+        return dataclasses.replace(self, trials={k: self.trials[k] for k in keys},
+                                   configs={k: self.configs[k] for k in keys})
 
     def to_dict(self) -> dict[str, Any]:
         return {"template": self.template, "template_version": self.template_version,
@@ -138,9 +155,13 @@ class ReplayResult:
                 "fraction_of_best": self.fraction_of_best}
 
 
-def replay(recorded: RecordedProblem, *, sampler: str, budget: int,
-           seed: int | None = None) -> ReplayResult:
-    """Run the search on ``recorded`` as if on the GPU; see the module docstring."""
+def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | None = None,
+           space: SpaceRestriction | None = None) -> ReplayResult:
+    """Run the search on ``recorded`` as if on the GPU; see the module docstring.
+
+    ``space`` narrows the search as the recorded sweep's spec did (its [space] table): a
+    grid recorded over a subset must be replayed over the same subset.
+    """
     from tuner.sweep import device_from_dict
 
     template = _template(recorded.template)
@@ -150,14 +171,15 @@ def replay(recorded: RecordedProblem, *, sampler: str, budget: int,
         raise TunerError(f"recorded problem key {recorded.problem_key!r} is not what template "
                          f"{template.name!r} gives its problem ({template.problem_key(problem)!r})",
                          "record and replay with the same template code")
+    searched = search_space(recorded, space)
+    recorded = recorded.within(searched)
     runner = ReplayRunner(template, recorded.trials)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="maximize",
-                                sampler=make_sampler(sampler, template.config_cls,
-                                                     budget=budget, seed=seed))
+                                sampler=make_sampler(sampler, searched, budget=budget, seed=seed))
     store = MemoryStore()
     search = ProblemSearch(template=template, problem=problem, device=device, study=study,
-                           store=store, runner=runner,
+                           store=store, runner=runner, space=searched,
                            settings=SearchSettings(budget=budget, timeout_s=1.0, seed=seed))
     stats = search.run()
     default_key = template.default_config(problem, device).key()
@@ -197,11 +219,27 @@ class SamplerSummary:
 
 
 def compare_samplers(recorded: RecordedProblem, *, samplers: Sequence[str], budget: int,
-                     seeds: Sequence[int]) -> list[SamplerSummary]:
+                     seeds: Sequence[int],
+                     space: SpaceRestriction | None = None) -> list[SamplerSummary]:
     return [SamplerSummary(recorded.problem_key, name, budget,
-                           [replay(recorded, sampler=name, budget=budget, seed=seed)
-                            for seed in seeds])
+                           [replay(recorded, sampler=name, budget=budget, seed=seed,
+                                   space=space) for seed in seeds])
             for name in samplers]
+
+
+def search_space(recorded: RecordedProblem,
+                 space: SpaceRestriction | None = None) -> SearchSpace:
+    """The space a replay of ``recorded`` searches: the template's whole space, or the subset
+    ``space`` allows for that problem on the recorded device."""
+    from tuner.sweep import device_from_dict
+
+    template = _template(recorded.template)
+    try:
+        return problem_space(template, Problem.from_dict(recorded.problem),
+                             device_from_dict(recorded.device), space)
+    except ValueError as exc:
+        raise TunerError(str(exc), "give the [space] of the spec the recording was swept "
+                         "with") from None
 
 
 # ----------------------------------------------------------------------------- recordings

@@ -17,9 +17,16 @@ A spec file::
       {B = 1, H_q = 32, H_kv = 8, N_q = 4096, N_kv = 4096, D = 64},
     ]
 
+    [space]                            # optional: search only these values of these knobs
+    BLOCK_M = [64, 128]
+    num_stages = [2, 3]
+    longest_first = "default"          # the problem's default config's value
+
 Shape keys: ``B``/``batch``, ``H``, ``H_q``/``heads_q``, ``H_kv``/``heads_kv``, ``N``,
 ``N_q``/``seqlen_q``, ``N_kv``/``seqlen_kv``, ``D``/``head_dim``. Problems that fall into one
 shape bucket (``Problem.bucketed``) are tuned once: one stored config serves the bucket.
+``[space]`` applies to every template of the spec (``tuner.search.space``); its knob names
+and values are checked against each template when the sweep starts.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import yaml
 
 from templates.base import CAUSAL_MODES, DTYPES, Problem
 from tuner.errors import TunerError
+from tuner.search.space import PROBLEM_DEFAULT, SpaceRestriction
 
 __all__ = [
     "BUILTIN_SUITES",
@@ -48,7 +56,7 @@ __all__ = [
 ]
 
 SPEC_KEYS = ("name", "templates", "template", "shapes", "dtypes", "dtype", "causal", "masks",
-             "trials", "sampler", "timeout", "template_modules")
+             "trials", "sampler", "timeout", "template_modules", "space")
 SHAPE_ALIASES: dict[str, tuple[str, ...]] = {
     "B": ("batch",), "batch": ("batch",),
     "H": ("heads_q", "heads_kv"), "H_q": ("heads_q",), "heads_q": ("heads_q",),
@@ -72,12 +80,17 @@ class SweepSpec:
     sampler: str | None = None
     timeout_s: float | None = None
     template_modules: tuple[str, ...] = field(default_factory=tuple)
+    # Knob -> allowed values or "default" (the [space] table); empty: every template's whole
+    # space.
+    space: SpaceRestriction = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "templates": list(self.templates),
                 "problems": [p.to_dict() for p in self.problems], "trials": self.trials,
                 "sampler": self.sampler, "timeout_s": self.timeout_s,
-                "template_modules": list(self.template_modules)}
+                "template_modules": list(self.template_modules),
+                "space": {k: v if isinstance(v, str) else list(v)
+                          for k, v in self.space.items()}}
 
     def import_template_modules(self) -> None:
         for module in self.template_modules:
@@ -239,6 +252,26 @@ def _causal_mode(value: object, source: str) -> str:
     return str(value)
 
 
+def _space(value: object, source: str) -> dict[str, tuple[Any, ...] | str]:
+    """The [space] table's form; its knobs are checked against the templates later, once
+    their modules are imported (``tuner.search.space.check_restriction``)."""
+    example = "e.g. [space] BLOCK_M = [64, 128] or longest_first = \"default\""
+    if not isinstance(value, Mapping):
+        raise TunerError(f"{source}: 'space' must be a table of knob = [allowed values], "
+                         f"but got {value!r}", example)
+    space: dict[str, tuple[Any, ...] | str] = {}
+    for knob, allowed in value.items():
+        if allowed == PROBLEM_DEFAULT:
+            space[str(knob)] = PROBLEM_DEFAULT
+            continue
+        if (isinstance(allowed, str) or not isinstance(allowed, Sequence) or not allowed
+                or not all(isinstance(v, int | str) for v in allowed)):
+            raise TunerError(f"{source}: space.{knob} must be a non-empty list of values or "
+                             f"\"{PROBLEM_DEFAULT}\", but got {allowed!r}", example)
+        space[str(knob)] = tuple(allowed)
+    return space
+
+
 def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
     """Validate a spec mapping; every error names the key and the fix."""
     unknown = sorted(set(data) - set(SPEC_KEYS))
@@ -291,4 +324,5 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
     return SweepSpec(name=str(name), templates=tuple(templates), problems=tuple(problems),
                      trials=trials, sampler=sampler,
                      timeout_s=float(timeout) if timeout is not None else None,
-                     template_modules=tuple(str(m) for m in modules))
+                     template_modules=tuple(str(m) for m in modules),
+                     space=_space(data.get("space", {}), source))

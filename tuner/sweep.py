@@ -38,6 +38,7 @@ from tuner.runner.isolated import IsolatedRunner
 from tuner.runner.measure import describe_exception
 from tuner.search.loop import ProblemSearch, SearchSettings, SearchStats, TrialEvent
 from tuner.search.samplers import SAMPLERS, make_sampler
+from tuner.search.space import SpaceRestriction, check_restriction, problem_space
 from tuner.search.store import DbStore
 from tuner.search.study import (
     HEARTBEAT_INTERVAL_S,
@@ -99,11 +100,13 @@ class SweepOptions:
 
 @dataclass(frozen=True)
 class Task:
-    """One problem of one template; ``label`` is what people read."""
+    """One problem of one template; ``label`` is what people read. ``space`` narrows the
+    template's space (a spec's [space] table; empty: the whole space)."""
 
     template: Template
     problem: Problem
     problem_key: str
+    space: SpaceRestriction = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -255,8 +258,15 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
         except ValueError as exc:
             raise TunerError(f"spec {spec.name!r}: {exc}",
                              "use a registered template name (`tuner list templates`)") from None
+        try:
+            check_restriction(template.config_cls, spec.space, name)
+        except ValueError as exc:
+            raise TunerError(f"spec {spec.name!r}: {exc}",
+                             "name only knobs and choices of every template of the spec "
+                             "(`tuner list templates --json` lists them), or split the "
+                             "spec per template") from None
         for problem in spec.problems:
-            task = Task(template, problem, template.problem_key(problem))
+            task = Task(template, problem, template.problem_key(problem), spec.space)
             why = template.unsupported(problem)
             if why:
                 skipped.append((task.label, why))
@@ -446,15 +456,23 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
     options, template = shared.options, task.template
     version = shared.versions[template.name]
     seed = None if options.seed is None else options.seed * 1000 + index
-    study = open_study(
-        shared.storage, study_name(device["key"], template.name, version, task.problem_key),
-        make_sampler(options.sampler, template.config_cls, budget=options.trials, seed=seed),
-        {"template": template.name, "template_version": version, "device": device["key"],
-         "problem_key": task.problem_key, "problem": task.problem.to_dict()})
+    info = device_from_dict(device)
     try:  # the template's own code runs here: its default config, its constraints
+        space = problem_space(template, task.problem, info, task.space)
+    except Exception as exc:
+        _setup_failed(shared, worker, index, template, exc)
+        return
+    study = open_study(
+        shared.storage, study_name(device["key"], template.name, version, task.problem_key,
+                                   space.tag()),
+        make_sampler(options.sampler, space, budget=options.trials, seed=seed),
+        {"template": template.name, "template_version": version, "device": device["key"],
+         "problem_key": task.problem_key, "problem": task.problem.to_dict(),
+         **({} if space.is_full else {"space": space.to_dict()})})
+    try:
         search = ProblemSearch(
-            template=template, problem=task.problem, device=device_from_dict(device),
-            study=study, store=store, runner=runner,
+            template=template, problem=task.problem, device=info, study=study, store=store,
+            runner=runner, space=space,
             settings=SearchSettings(budget=options.trials, timeout_s=options.timeout_s,
                                     lookahead=shared.lookahead, seed=seed,
                                     stale_check_s=shared.stale_check_s),
@@ -463,13 +481,17 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
             stop=shared.stop)
         budget = search.effective_budget()
     except Exception as exc:
-        shared.events.put(ProblemFailed(worker, index, f"{template.name} could not set up the "
-                                        f"search: {describe_exception(exc)}"))
+        _setup_failed(shared, worker, index, template, exc)
         return
-    known = store.known(task.problem_key)
-    shared.events.put(ProblemStarted(worker, index, budget, sum(
-        1 for r in known.values() if r.status != TrialStatus.INVALID)))
+    shared.events.put(ProblemStarted(worker, index, budget, search.results()))
     shared.events.put(ProblemFinished(worker, index, search.run()))
+
+
+def _setup_failed(shared: _Shared, worker: int, index: int, template: Template,
+                  exc: Exception) -> None:
+    """The template's code failed for this problem before any trial; the sweep goes on."""
+    shared.events.put(ProblemFailed(worker, index, f"{template.name} could not set up the "
+                                    f"search: {describe_exception(exc)}"))
 
 
 def _forward_trial(events: queue.Queue[Any], worker: int, index: int, event: TrialEvent) -> None:

@@ -27,6 +27,9 @@ def replay(
     fraction: Annotated[float, typer.Option(
         "--fraction", help="without --budget: this fraction of the recorded configs")] = 0.25,
     seeds: Annotated[int, typer.Option("--seeds", help="runs per sampler (seeds 0..N-1)")] = 5,
+    spec: Annotated[Path | None, typer.Option(
+        "--spec", help="search only the [space] of this sweep spec (the one the recording "
+                       "was swept with)", show_default=False)] = None,
     db: DbOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -37,8 +40,13 @@ def replay(
     sweep's trials against the grid's best.
     """
     import templates  # noqa: F401
-    from db.models import TrialStatus
-    from tuner.replay import compare_samplers, load_recorded_file, load_recorded_from_db
+    from tuner.replay import (
+        compare_samplers,
+        load_recorded_file,
+        load_recorded_from_db,
+        search_space,
+    )
+    from tuner.suites import load_spec_file
 
     if budget is not None and budget < 1:
         raise TunerError(f"--budget must be >= 1, but got {budget}", "e.g. --budget 20")
@@ -54,12 +62,13 @@ def replay(
         raise TunerError("no recorded trials to replay", "run a sweep first (a grid sweep "
                          "records the whole space) or pass --from FILE")
     samplers = sampler or ["tpe", "random"]
+    space = load_spec_file(spec).space if spec is not None else None
     summaries = []
     for rec in recorded:
-        measured = sum(1 for o in rec.trials.values() if o.status != TrialStatus.INVALID)
+        measured = rec.within(search_space(rec, space)).results
         n = budget or max(1, round(fraction * measured))
         summaries.extend(compare_samplers(rec, samplers=samplers, budget=n,
-                                          seeds=list(range(seeds))))
+                                          seeds=list(range(seeds)), space=space))
     if json_out:
         print_json([s.to_dict() for s in summaries])
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tuner.search.loop import ProblemSearch, SearchSettings, SearchStats, TrialEvent
 from tuner.search.samplers import SAMPLERS, ExhaustiveSampler, make_sampler
+from tuner.search.space import SearchSpace, problem_space
 from tuner.search.store import DbStore, MemoryStore, ResultStore, StoredBest, StoredResult
 from tuner.search.study import make_storage, open_study, study_name
 
@@ -16,6 +17,7 @@ __all__ = [
     "ProblemSearch",
     "ResultStore",
     "SearchSettings",
+    "SearchSpace",
     "SearchStats",
     "StoredBest",
     "StoredResult",
@@ -23,5 +25,6 @@ __all__ = [
     "make_sampler",
     "make_storage",
     "open_study",
+    "problem_space",
     "study_name",
 ]

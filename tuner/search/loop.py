@@ -13,6 +13,8 @@ For every config the sampler suggests, in this order:
   4. otherwise the runner measures it; the result is stored (with the refreshed best config)
      before the study is told.
 
+The search runs over a ``SearchSpace``, the template's whole space unless a sweep spec
+narrows it: only its configs are suggested, enqueued first and counted as results.
 The study is told TFLOP/s, 0 for every config that did not give one, so the sampler learns
 to avoid those regions. The loop ends when ``budget`` configs have results (invalid ones
 not counted), when every valid config has one, or when the sampler keeps repeating itself.
@@ -42,8 +44,14 @@ from templates.device import DeviceInfo
 from tuner.runner.compile_ahead import CompileAhead
 from tuner.runner.measure import describe_exception
 from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
-from tuner.search.space import distributions, neighbours, params_of, valid_configs
-from tuner.search.store import ResultStore, StoredBest, TrialRecord
+from tuner.search.space import (
+    SearchSpace,
+    distributions,
+    neighbours,
+    params_of,
+    valid_configs,
+)
+from tuner.search.store import ResultStore, StoredBest, StoredResult, TrialRecord
 from tuner.search.study import GRACE_PERIOD_S, HeartbeatKeeper, fail_stale_trials, retry_locked
 
 __all__ = ["ProblemSearch", "SearchSettings", "SearchStats", "TrialEvent"]
@@ -119,7 +127,8 @@ class ProblemSearch:
                  settings: SearchSettings, compile_ahead: CompileAhead | None = None,
                  heartbeats: HeartbeatKeeper | None = None,
                  on_trial: Callable[[TrialEvent], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None,
+                 space: SearchSpace | None = None) -> None:
         self.template = template
         self.problem = problem
         self.problem_key = template.problem_key(problem)
@@ -134,7 +143,9 @@ class ProblemSearch:
         self.stop = stop or threading.Event()
         self.stats = SearchStats()
         self._rng = random.Random(settings.seed)
-        self._dists = distributions(template.config_cls)
+        # The study's sampler must draw from the same space (make_sampler(..., space)).
+        self.space = space or SearchSpace.full(template.config_cls)
+        self._dists = distributions(self.space)
         self._default = template.default_config(problem, device)
         self._mine: set[int] = set()  # numbers of the trials this loop holds
         self._valid: list[KernelConfig] | None = None
@@ -143,14 +154,29 @@ class ProblemSearch:
         self._last_stale_check = 0.0
 
     def effective_budget(self) -> int:
-        """The budget, capped by the number of configs the constraints let through."""
+        """The budget, capped by the number of configs of the space that the constraints let
+        through."""
         if self._budget is None:
-            self._valid = valid_configs(self.template.config_cls, self._constraint)
+            self._valid = valid_configs(self.space, self._constraint)
             self._budget = self.settings.budget
             if self._valid is not None:
                 self._valid_keys = [c.key() for c in self._valid]
                 self._budget = min(self._budget, len(self._valid))
         return self._budget
+
+    def known(self) -> dict[str, StoredResult]:
+        """The stored results of the problem (any sweep, any worker) inside the space: results
+        outside it, of searches over other spaces, neither count towards the budget nor
+        inform this search."""
+        known = self.store.known(self.problem_key)
+        if self.space.is_full:
+            return known
+        return {key: r for key, r in known.items() if self.space.contains(r.config)}
+
+    def results(self, known: dict[str, StoredResult] | None = None) -> int:
+        """Configs of the space with results (invalid ones do not count)."""
+        known = self.known() if known is None else known
+        return sum(1 for r in known.values() if r.status != TrialStatus.INVALID)
 
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> SearchStats:
@@ -160,13 +186,13 @@ class ProblemSearch:
         max_asks = self.settings.max_asks or 4 * budget + 40
         max_wait = self.settings.max_wait_s or 2 * self.settings.timeout_s + 60
         waiting_since: float | None = None
-        known = self.store.known(self.problem_key)
+        known = self.known()
         self._enqueue_first(known)
         queue: deque[tuple[optuna.Trial, KernelConfig | None]] = deque()
         try:
             while not self.stop.is_set():
-                known = self.store.known(self.problem_key)
-                results = sum(1 for r in known.values() if r.status != TrialStatus.INVALID)
+                known = self.known()
+                results = self.results(known)
                 if results >= budget or self._exhausted(known):
                     break
                 self._fail_stale()
@@ -247,7 +273,7 @@ class ProblemSearch:
 
     def _enqueue_first(self, known: dict[str, Any]) -> None:
         """The default config and the template's known good ones go first, so a sweep never
-        ends worse than the default."""
+        ends worse than the default; those of them that lie in the space."""
         pending = {self._key_of(t.params) for t in self.study.get_trials(
             deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
                                     TrialState.COMPLETE))}
@@ -256,6 +282,10 @@ class ProblemSearch:
         for config in firsts:
             key = config.key()
             if key in known or key in pending or key in seen:
+                continue
+            if not self.space.contains(config.to_dict()):
+                log.info("%s: %s is outside the search space; not enqueued", self.problem_key,
+                         key)
                 continue
             seen.add(key)
             retry_locked(functools.partial(self.study.enqueue_trial, params_of(config)))
@@ -399,7 +429,7 @@ class ProblemSearch:
         ask measures something new instead of repeating (TPE converges on small spaces)."""
         if self._valid is None:
             return
-        known = self.store.known(self.problem_key)
+        known = self.known()
         taken = {self._key_of(t.params) for t in self.study.get_trials(
             deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))}
         untried = [c for c, key in zip(self._valid, self._valid_keys, strict=True)

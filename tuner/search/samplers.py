@@ -1,6 +1,6 @@
 """Samplers by name: ``tpe`` (default), ``gp``, ``random`` and ``grid`` (exhaustive).
 
-``grid`` is the baseline the others are measured against: every config of the template's
+``grid`` is the baseline the others are measured against: every config of the search's
 space once, in a seeded random order (so a grid cut short is still an unbiased sample).
 Optuna's own GridSampler is not used: it re-suggests a config that was enqueued (the
 template's default) and calls ``Study.stop`` when the grid runs out, which ask/tell forbids.
@@ -19,8 +19,8 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.samplers import BaseSampler, GPSampler, RandomSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
-from templates.base import KernelConfig
 from tuner.errors import TunerError
+from tuner.search.space import SearchSpace, SpaceLike
 
 __all__ = ["SAMPLERS", "ExhaustiveSampler", "make_sampler", "startup_trials"]
 
@@ -89,9 +89,9 @@ def startup_trials(budget: int) -> int:
     return max(4, min(10, budget // 4))
 
 
-def make_sampler(name: str, config_cls: type[KernelConfig], *, budget: int,
+def make_sampler(name: str, space: SpaceLike, *, budget: int,
                  seed: int | None = None) -> BaseSampler:
-    """The sampler ``name`` over ``config_cls``'s space."""
+    """The sampler ``name`` over ``space`` (a config class: its whole space)."""
     if name == "tpe":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -108,5 +108,5 @@ def make_sampler(name: str, config_cls: type[KernelConfig], *, budget: int,
     if name == "random":
         return RandomSampler(seed=seed)
     if name == "grid":
-        return ExhaustiveSampler({k.name: k.choices for k in config_cls.knobs()}, seed=seed)
+        return ExhaustiveSampler(SearchSpace.of(space).choices, seed=seed)
     raise TunerError(f"unknown sampler {name!r}", f"use one of {', '.join(SAMPLERS)}")

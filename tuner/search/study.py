@@ -51,12 +51,14 @@ SQLITE_TIMEOUT_S = 30.0
 
 
 def study_name(device_key: str, template_name: str, template_version: str,
-               problem_key: str) -> str:
-    name = f"{template_name}@{template_version}|{problem_key}|{device_key}"
+               problem_key: str, space_tag: str = "") -> str:
+    """``space_tag`` (``SearchSpace.tag``) names a restricted space; empty for the whole one."""
+    suffix = f"|{space_tag}" if space_tag else ""
+    name = f"{template_name}@{template_version}|{problem_key}|{device_key}{suffix}"
     if len(name) <= _MAX_STUDY_NAME:
         return name
     digest = hashlib.sha256(device_key.encode()).hexdigest()[:16]
-    return f"{template_name}@{template_version}|{problem_key}|device-{digest}"
+    return f"{template_name}@{template_version}|{problem_key}|device-{digest}{suffix}"
 
 
 def optuna_url(url: str) -> str:
