@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from templates.block_mask import BlockMask
 from templates.flash_bwd import BwdConfig, flash_attention_bwd
 from templates.flash_fwd import FwdConfig, flash_attention_fwd
 
@@ -23,32 +24,38 @@ BwdConfigLike = BwdConfig | Mapping[str, object] | None
 class FlashAttentionFunction(torch.autograd.Function):
     """o = softmax(scale * q k^T [masked]) v with FlashAttention kernels both ways.
 
-    ``apply(q, k, v, causal, scale, fwd_config, bwd_config)``; see ``flash_attention``.
+    ``apply(q, k, v, causal, scale, fwd_config, bwd_config, attn_mask, block_mask)``; see
+    ``flash_attention``.
     """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool | str, scale: float | None, fwd_config: FwdConfigLike,
-                bwd_config: BwdConfigLike) -> torch.Tensor:
-        o, lse = flash_attention_fwd(q, k, v, causal=causal, scale=scale, config=fwd_config)
-        ctx.save_for_backward(q, k, v, o, lse)
+                bwd_config: BwdConfigLike, attn_mask: torch.Tensor | None = None,
+                block_mask: BlockMask | None = None) -> torch.Tensor:
+        o, lse = flash_attention_fwd(q, k, v, causal=causal, scale=scale, config=fwd_config,
+                                     attn_mask=attn_mask, block_mask=block_mask)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask)
         ctx.causal = causal
         ctx.scale = scale
         ctx.bwd_config = bwd_config
+        ctx.block_mask = block_mask
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, attn_mask = ctx.saved_tensors
         dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, causal=ctx.causal,
-                                         scale=ctx.scale, config=ctx.bwd_config)
-        return dq, dk, dv, None, None, None, None
+                                         scale=ctx.scale, config=ctx.bwd_config,
+                                         attn_mask=attn_mask, block_mask=ctx.block_mask)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                     causal: bool | str = False, scale: float | None = None,
-                    fwd_config: FwdConfigLike = None, bwd_config: BwdConfigLike = None
+                    fwd_config: FwdConfigLike = None, bwd_config: BwdConfigLike = None,
+                    attn_mask: torch.Tensor | None = None, block_mask: BlockMask | None = None
                     ) -> torch.Tensor:
     """Attention output o (B, H_q, N_q, D) in q's dtype, differentiable w.r.t. q, k and v.
 
@@ -58,12 +65,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         causal: False / "none"; True / "top_left" (query i sees keys j <= i, as torch SDPA);
             "bottom_right" (j <= i + N_kv - N_q).
         scale: softmax scale, default 1/sqrt(D).
+        attn_mask, block_mask: as ``flash_attention_fwd``'s; both passes apply them. A float
+            attn_mask is a constant here: asking for its gradient raises.
         fwd_config / bwd_config: configs of the flash_fwd / flash_bwd templates (or mappings
             of their fields); None takes each template's default for the problem and device.
 
     Raises:
         TypeError / ValueError from either template's validation (shapes, dtypes, configs).
     """
-    o = FlashAttentionFunction.apply(q, k, v, causal, scale, fwd_config, bwd_config)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
+        raise NotImplementedError("attn_mask requires grad, but the kernels compute no "
+                                  "gradient for it (that would be an N_q x N_kv matrix); pass "
+                                  "attn_mask.detach() or use torch SDPA's math backend")
+    o = FlashAttentionFunction.apply(q, k, v, causal, scale, fwd_config, bwd_config,
+                                     attn_mask, block_mask)
     assert isinstance(o, torch.Tensor)
     return o

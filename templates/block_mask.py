@@ -20,6 +20,7 @@ evaluated a few query blocks at a time), and the helpers of ``templates.mask_mod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -220,6 +221,30 @@ class BlockMask:
         visited = int(self.full_counts.sum()) + int(self.partial_counts.sum())
         return visited / total
 
+    @functools.cached_property
+    def transposed(self) -> BlockMask:
+        """The same mask seen from the keys: a BlockMask of (N_kv, N_q) in blocks of
+        (KV_BLOCK, Q_BLOCK), listing per KV block the query blocks that see it (full or
+        partial, with transposed tiles). The backward's dK/dV pass walks it. Built once per
+        mask from the block lists (O(blocks) work plus a copy of the partial tiles)."""
+        bm, hm, nq, nk = self.full_indices.shape
+        kind = torch.zeros(bm, hm, nq, nk, dtype=torch.int8, device=self.device)
+        tile_of_block = torch.zeros(bm, hm, nq, nk, dtype=torch.int32, device=self.device)
+        kind[self._scatter_index(self.full_counts, self.full_indices, 0, nq)] = 1
+        where = self._scatter_index(self.partial_counts, self.partial_indices, 0, nq)
+        kind[where] = 2
+        tile_of_block[where] = self.partial_tile_ids[_valid(self.partial_counts, nk)]
+        kind_t, tiles_t = kind.transpose(2, 3), tile_of_block.transpose(2, 3)
+        full_counts, full_indices = _lists(kind_t == 1)
+        partial_counts, partial_indices = _lists(kind_t == 2)
+        tile_ids = torch.gather(tiles_t, 3, partial_indices.long())
+        tile_ids = torch.where(_valid(partial_counts, nq), tile_ids, 0).to(torch.int32)
+        out = BlockMask(self.seqlen_kv, self.seqlen_q, (self.block_size[1], self.block_size[0]),
+                        full_counts, full_indices, partial_counts, partial_indices,
+                        tile_ids.contiguous(), self.partial_tiles.transpose(1, 2).contiguous())
+        out.__dict__["transposed"] = self  # transposing back gives this mask, not a copy
+        return out
+
     def to(self, device: torch.device | str) -> BlockMask:
         return BlockMask(self.seqlen_q, self.seqlen_kv, self.block_size,
                          *(t.to(device) for t in self._tensors()))
@@ -248,6 +273,16 @@ class BlockMask:
         valid = _valid(counts, nk)[:, :, q_lo:q_hi]
         b, h, q, slot = valid.nonzero(as_tuple=True)
         return b, h, q, indices[:, :, q_lo:q_hi][b, h, q, slot].long()
+
+    def kernel_args(self) -> list[torch.Tensor | int]:
+        """The lists as the kernels take them: full and partial counts, indices, tile ids,
+        tiles, then the (batch, head) strides of the counts and of the lists (0 where the mask
+        broadcasts over a size-1 dim) and the stride between the lists' rows."""
+        def broadcast_strides(t: torch.Tensor) -> list[int]:
+            return [t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0]
+
+        return [*self._tensors(), *broadcast_strides(self.full_counts),
+                *broadcast_strides(self.full_indices), self.full_indices.stride(2)]
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.full_counts, self.full_indices, self.partial_counts,

@@ -19,9 +19,12 @@ import torch
 from triton.runtime.jit import MockTensor
 
 from templates import flash_bwd_kernel as kernel
+from templates import listed_blocks
 from templates.attention_reference import FLOAT64_SCORE_LIMIT, attention_reference, visible_pairs
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2
+from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.mask_mods import pattern_problem
 from templates.registry import register
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -122,17 +125,19 @@ class FlashBwdTemplate(Template):
     description = ("FlashAttention-2 backward: (dq, dk, dv) from q, k, v, o, do and the "
                    "forward's lse, recomputing P tile by tile; dK/dV per KV tile with the GQA "
                    "group summed in-program, dQ by fp32 atomics or a separate pass; dense, "
-                   "causal top-left or bottom-right, head dim <= 256.")
+                   "causal top-left or bottom-right, block-sparse (the dK/dV pass walks the "
+                   "transposed block lists) and SDPA attn_mask, head dim <= 256.")
     config_cls = BwdConfig
 
     def source_modules(self) -> Sequence[str]:
-        return [kernel.__name__, __name__]
+        return [kernel.__name__, listed_blocks.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
         if problem.mask != "none":
-            return (f"flash_bwd computes dense attention gradients, but the problem has "
-                    f"block-sparse mask {problem.mask!r}")
+            reason = pattern_problem(problem.mask, problem.seqlen_q, problem.seqlen_kv)
+            if reason:
+                return reason
         if problem.head_dim > kernel.MAX_HEAD_DIM:
             return (f"flash_bwd supports head_dim <= {kernel.MAX_HEAD_DIM}, but got "
                     f"{problem.head_dim}")
@@ -170,7 +175,11 @@ class FlashBwdTemplate(Template):
         part of ``constraint`` that an explicitly requested config must satisfy."""
         cfg = self.config(config)
         assert isinstance(cfg, BwdConfig)
-        return self.unsupported(problem) or _shared_memory_reason(problem, cfg, device)
+        mask_reason = None
+        if problem.mask != "none":  # sweep problems use the default mask block size
+            mask_reason = block_mask_tile_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
+        return (self.unsupported(problem) or mask_reason
+                or _shared_memory_reason(problem, cfg, device))
 
     def default_config(self, problem: Problem, device: DeviceInfo) -> KernelConfig:
         return _default_config(self, problem, device)
@@ -191,20 +200,31 @@ class FlashBwdTemplate(Template):
         v = randn(problem.heads_kv, problem.seqlen_kv)
         do = randn(problem.heads_q, problem.seqlen_q)
         scale = 1.0 / math.sqrt(problem.head_dim)
-        o, lse = forward_for_backward(q, k, v, causal=problem.causal, scale=scale)
-        return {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do,
-                "causal": problem.causal, "scale": scale}
+        block_mask = None
+        if problem.mask != "none":
+            from templates.flash_fwd import _pattern_mask  # cached per problem and device
+            block_mask = _pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
+                                       str(device))
+        o, lse = forward_for_backward(q, k, v, causal=problem.causal, scale=scale,
+                                      block_mask=block_mask)
+        inputs = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do,
+                  "causal": problem.causal, "scale": scale}
+        if block_mask is not None:
+            inputs["block_mask"] = block_mask
+        return inputs
 
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         cfg = self.config(config)
         assert isinstance(cfg, BwdConfig)
         return flash_attention_bwd(inputs["do"], inputs["q"], inputs["k"], inputs["v"],
                                    inputs["o"], inputs["lse"], causal=inputs["causal"],
-                                   scale=inputs["scale"], config=cfg)
+                                   scale=inputs["scale"], config=cfg,
+                                   block_mask=inputs.get("block_mask"))
 
     def precompile(self, problem: Problem, config: KernelConfig) -> bool:
-        """Compile the kernels ``run`` would launch for ``problem``'s inputs, allocating nothing."""
-        if interpreter_active() or not torch.cuda.is_available():
+        """Compile the kernels ``run`` would launch for ``problem``'s inputs, allocating nothing
+        (dense problems only: a block mask's tensors have no stand-ins)."""
+        if interpreter_active() or not torch.cuda.is_available() or problem.mask != "none":
             return False
         cfg = self.config(config)
         assert isinstance(cfg, BwdConfig)
@@ -227,9 +247,11 @@ class FlashBwdTemplate(Template):
         return True
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
+        block_mask = inputs.get("block_mask")
         return reference_grads(inputs["q"], inputs["k"], inputs["v"], inputs["do"],
                                causal=kernel.normalize_causal(inputs["causal"]),
-                               scale=inputs["scale"])
+                               scale=inputs["scale"],
+                               mask=None if block_mask is None else block_mask.to_dense())
 
     # -- code generation ----------------------------------------------------------------------
     def standalone_source(self, config: KernelConfig) -> str:
@@ -440,23 +462,27 @@ def _default_config(template: FlashBwdTemplate, problem: Problem, device: Device
 
 # ----------------------------------------------------------------------------- references
 def forward_for_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float, block_mask: BlockMask | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) the backward consumes: the forward kernel's when its template is available,
     else the reference forward's (o rounded to q's dtype, lse float32)."""
     try:
         from templates.flash_fwd import flash_attention_fwd
     except ImportError:
-        o, lse = attention_reference(q, k, v, causal=causal, scale=scale)
+        mask = None if block_mask is None else block_mask.to_dense()
+        o, lse = attention_reference(q, k, v, causal=causal, scale=scale, mask=mask)
         return o.to(q.dtype), lse.to(torch.float32)
-    return flash_attention_fwd(q, k, v, causal=causal, scale=scale)
+    return flash_attention_fwd(q, k, v, causal=causal, scale=scale, block_mask=block_mask)
 
 
 def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
-                    causal: str, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    causal: str, scale: float, mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by torch autograd through the plain-torch reference attention.
 
-    float64, or float32 on a GPU for large problems; computed per chunk of (batch, kv heads)
-    so that memory stays bounded by REFERENCE_CHUNK_SCORES score elements per tensor.
+    ``mask`` as ``attention_reference``'s (bool or additive, broadcast to (B, H_q, N_q,
+    N_kv)). float64, or float32 on a GPU for large problems; computed per chunk of (batch, kv
+    heads) so that memory stays bounded by REFERENCE_CHUNK_SCORES score elements per tensor.
     """
     batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_kv = k.shape[1], k.shape[2]
@@ -471,9 +497,11 @@ def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
             q_heads, kv_heads = slice(h0 * group, h1 * group), slice(h0, h1)
             leaves = [t[b:b + 1, heads].to(compute).requires_grad_()
                       for t, heads in ((q, q_heads), (k, kv_heads), (v, kv_heads))]
+            chunk_mask = None if mask is None else mask.expand(
+                batch, heads_q, seqlen_q, seqlen_kv)[b:b + 1, q_heads]
             with torch.enable_grad():
                 o, _ = attention_reference(*leaves, causal=causal, scale=scale,
-                                           compute_dtype=compute)
+                                           compute_dtype=compute, mask=chunk_mask)
                 chunk = torch.autograd.grad(o, leaves, do[b:b + 1, q_heads].to(compute))
             for out, part, heads in zip(grads, chunk, (q_heads, kv_heads, kv_heads),
                                         strict=True):
@@ -489,30 +517,59 @@ def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
 
 
 def resolve_config(config: BwdConfig | Mapping[str, object] | None, problem: Problem,
-                   device: DeviceInfo) -> BwdConfig:
-    """The config to launch: the default for ``problem`` on ``device`` when None, else
-    ``config`` validated against the space and the hard constraints (an explicit config may
-    be wasteful for this problem, e.g. tiles longer than a short sequence, but it must run)."""
+                   device: DeviceInfo, block_size: tuple[int, int] | None = None) -> BwdConfig:
+    """The config to launch: the default for ``problem`` on ``device`` when None (with tiles
+    fitted to a block mask of ``block_size``), else ``config`` validated against the space and
+    the hard constraints (an explicit config may be wasteful for this problem, e.g. tiles
+    longer than a short sequence, but it must run)."""
     if config is None:
         cfg = TEMPLATE.default_config(problem, device)
         assert isinstance(cfg, BwdConfig)
-        return cfg
+        return cfg if block_size is None else fit_to_block_mask(cfg, block_size)
     if not isinstance(config, BwdConfig | Mapping):
         raise TypeError(f"config must be a BwdConfig, a mapping of its fields or None, "
                         f"but got {type(config).__name__}")
     cfg = TEMPLATE.config(config)
     assert isinstance(cfg, BwdConfig)
     reason = TEMPLATE.hard_constraint(problem, cfg, device)
+    if not reason and block_size is not None:
+        reason = block_mask_tile_reason(cfg, block_size)
     if reason:
         raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on {device.name}: "
                          f"{reason}")
     return cfg
 
 
+def block_mask_tile_reason(config: BwdConfig, block_size: tuple[int, int]) -> str | None:
+    """Why ``config``'s tiles cannot walk a block mask of ``block_size`` (None if they can):
+    every query tile must lie inside one mask row block, every KV tile inside one mask block."""
+    q_block, kv_block = block_size
+    tiles = [("BLOCK_M1", config.BLOCK_M1, q_block), ("BLOCK_N1", config.BLOCK_N1, kv_block)]
+    if config.dq_mode == "separate":
+        tiles += [("BLOCK_M2", config.BLOCK_M2, q_block), ("BLOCK_N2", config.BLOCK_N2, kv_block)]
+    for name, tile, block in tiles:
+        if block % tile:
+            return (f"{name} ({tile}) must divide the block mask's block size {block_size} "
+                    f"(query, kv)")
+    return None
+
+
+def fit_to_block_mask(config: BwdConfig, block_size: tuple[int, int]) -> BwdConfig:
+    """``config`` with tiles no larger than the mask's blocks (both powers of two, so the
+    smaller divides the larger)."""
+    q_block, kv_block = block_size
+    return dataclasses.replace(config, BLOCK_M1=min(config.BLOCK_M1, q_block),
+                               BLOCK_N1=min(config.BLOCK_N1, kv_block),
+                               BLOCK_M2=min(config.BLOCK_M2, q_block),
+                               BLOCK_N2=min(config.BLOCK_N2, kv_block))
+
+
 def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         o: torch.Tensor, lse: torch.Tensor, *, causal: bool | str = False,
                         scale: float | None = None,
-                        config: BwdConfig | Mapping[str, object] | None = None
+                        config: BwdConfig | Mapping[str, object] | None = None,
+                        attn_mask: torch.Tensor | None = None,
+                        block_mask: BlockMask | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: (dq, dk, dv) of o = softmax(scale * q k^T [masked]) v.
 
@@ -528,6 +585,8 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         scale: softmax scale, default 1/sqrt(D); must be the forward's.
         config: a ``BwdConfig`` or a mapping of its fields; None takes the template's default
             for this problem and device.
+        attn_mask, block_mask: the forward's (see ``flash_attention_fwd``); the gradients are
+            those of the masked attention. attn_mask itself gets no gradient.
 
     Returns:
         dq, dk, dv in the inputs' dtype and shapes (q's, k's, v's), contiguous.
@@ -540,11 +599,18 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the kernels run on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
+    from templates.flash_fwd import check_block_mask
+    from templates.flash_fwd_kernel import attn_mask_view
+
+    if block_mask is not None:
+        check_block_mask(block_mask, q, k)
+    mask_view = None if attn_mask is None else attn_mask_view(attn_mask, q, k)
     problem = problem_of(q, k, causal_mode)
     device = current_device(q.device.index) if q.is_cuda else current_device()
-    cfg = resolve_config(config, problem, device)
+    cfg = resolve_config(config, problem, device,
+                         None if block_mask is None else block_mask.block_size)
     return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
-                         config=cfg.to_dict())
+                         config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
 
 
 TEMPLATE: FlashBwdTemplate = register(FlashBwdTemplate())

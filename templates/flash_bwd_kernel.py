@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from templates.listed_blocks import listed_block_step
+
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
 DQ_MODES = ("atomic", "separate")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -68,54 +70,122 @@ def _load_rows(ptrs, rows, n_rows, offs_d,
 
 
 @triton.jit
-def _dkdv_walk_q_tiles(
+def _dkdv_step(
+    dk, dv, k, v,
+    Q, DO, DQ, LSE2, DELTA,
+    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+    m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+    tile_base, am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, TILE_STRIDE: tl.constexpr,
+    ATTN_MASK: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the query tile [m0, m0 + BLOCK_M) of one query head into the (dk, dv)
+    accumulators of one KV tile (keys ``offs_n``).
+
+    ``Q``, ``DO``, ``DQ`` point at the (batch, query head) base, ``LSE2``/``DELTA`` at its
+    first row. Each mask is a compile-time switch, as in the forward: ``MASKED`` (rows past
+    N_q, keys past N_kv, and the causal diagonal when ``CAUSAL``), ``TILE`` (a block mask's
+    elementwise tile, transposed: uint8 rows per key ``TILE_STRIDE`` apart from ``tile_base``),
+    ``ATTN_MASK`` (0 none, 1 bool, 2 additive, read from ``am_base`` by (query, key)).
+    """
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, N_Q, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+    do = _load_rows(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, N_Q, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+    if MASKED:
+        # Rows past N_q get lse2 = +inf, hence P = 0: they add nothing.
+        lse2 = tl.load(LSE2 + offs_m, mask=offs_m < N_Q, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)
+    else:
+        lse2 = tl.load(LSE2 + offs_m)
+        delta = tl.load(DELTA + offs_m)
+    # Scores transposed (keys along rows): P^T feeds dV = P^T dO without a transpose.
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    if ATTN_MASK != 0:
+        am = tl.load(am_base + offs_m[None, :] * stride_amm + offs_n[:, None] * stride_amn,
+                     mask=(offs_m[None, :] < N_Q) & (offs_n[:, None] < N_KV), other=0)
+        if ATTN_MASK == 2:  # additive, in the log2 domain of the scores
+            s_t = s_t + am.to(tl.float32) * 1.4426950408889634
+    s_t = s_t - lse2[None, :]
+    if MASKED or TILE or ATTN_MASK == 1:
+        # Masked before exp2: a hidden score may exceed the row's lse and overflow.
+        visible = (offs_n[:, None] < N_KV) & (offs_m[None, :] >= 0)  # (BLOCK_N, BLOCK_M)
+        if MASKED and CAUSAL:
+            visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+        if TILE:
+            tile = tl.load(tile_base + tl.arange(0, BLOCK_N)[:, None] * TILE_STRIDE
+                           + tl.arange(0, BLOCK_M)[None, :])
+            visible = visible & (tile != 0)
+        if ATTN_MASK == 1:
+            visible = visible & (am != 0)
+        s_t = tl.where(visible, s_t, float("-inf"))
+    p_t = tl.math.exp2(s_t)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
+        dq_ptrs = DQ + offs_m[:, None] * stride_dqm + offs_d[None, :]
+        tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM),
+                      sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_walk_q_range(
     dk, dv, k, v,
     Q, DO, DQ, LSE2, DELTA,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
     offs_n, offs_d, m_start, m_stop, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold the query tiles starting at m_start, m_start + BLOCK_M, ... < m_stop of one query
-    head into the (dk, dv) accumulators of one KV tile.
-
-    ``Q``, ``DO``, ``DQ`` point at the (batch, query head) base, ``LSE2``/``DELTA`` at its
-    first row. ``MASKED`` tiles mask the elementwise visibility (key < N_kv, query < N_q, the
-    causal diagonal); unmasked tiles must lie inside both lengths and be entirely visible.
-    """
-    offs_tile = tl.arange(0, BLOCK_M)
+    """Fold the query tiles m_start, m_start + BLOCK_M, ... < m_stop (dense and causal)."""
     for m0 in range(m_start, m_stop, BLOCK_M):
-        offs_m = m0 + offs_tile
-        q = _load_rows(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                       offs_m, N_Q, offs_d, MASKED, HEAD_DIM, BLOCK_D)
-        do = _load_rows(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                        offs_m, N_Q, offs_d, MASKED, HEAD_DIM, BLOCK_D)
-        if MASKED:
-            # Rows past N_q get lse2 = +inf, hence P = 0: they add nothing.
-            lse2 = tl.load(LSE2 + offs_m, mask=offs_m < N_Q, other=float("inf"))
-            delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)
-        else:
-            lse2 = tl.load(LSE2 + offs_m)
-            delta = tl.load(DELTA + offs_m)
-        # Scores transposed (keys along rows): P^T feeds dV = P^T dO without a transpose.
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
-        if MASKED:
-            # Masked before exp2: a hidden score may exceed the row's lse and overflow.
-            visible = offs_n[:, None] < N_KV
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-            s_t = tl.where(visible, s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
-            dq_ptrs = DQ + offs_m[:, None] * stride_dqm + offs_d[None, :]
-            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM),
-                          sem="relaxed")
+        dk, dv = _dkdv_step(
+            dk, dv, k, v, Q, DO, DQ, LSE2, DELTA,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+            m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+            am_base, am_base, stride_amm, stride_amn,
+            MASKED, CAUSAL, False, 1, ATTN_MASK, ATOMIC_DQ,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_walk_listed_blocks(
+    dk, dv, k, v,
+    Q, DO, DQ, LSE2, DELTA,
+    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+    offs_n, offs_d, tile_row, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+    Count, Indices, TileIds, Tiles,
+    am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, ATTN_MASK: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the query blocks the transposed BlockMask lists for this KV block (``Count`` of
+    them, indices at ``Indices``), each as MASK_BLOCK_Q / BLOCK_M steps in one flat loop.
+    ``TILE``: partial blocks, whose transposed (MASK_BLOCK_KV, MASK_BLOCK_Q) uint8 tile (row
+    ``tile_row`` first) is at ``Tiles`` + its id * MASK_BLOCK_Q * MASK_BLOCK_KV."""
+    n = tl.load(Count)
+    for t in tl.range(0, n * (MASK_BLOCK_Q // BLOCK_M)):
+        m0, tile_base = listed_block_step(Indices, TileIds, Tiles, t, tile_row, MASK_BLOCK_Q,
+                                          BLOCK_M, MASK_BLOCK_Q * MASK_BLOCK_KV, TILE)
+        dk, dv = _dkdv_step(
+            dk, dv, k, v, Q, DO, DQ, LSE2, DELTA,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+            m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+            tile_base, am_base, stride_amm, stride_amn,
+            MASKED, CAUSAL, TILE, MASK_BLOCK_Q, ATTN_MASK, ATOMIC_DQ,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DOT_PRECISION)
     return dk, dv
 
 
@@ -130,9 +200,14 @@ def _flash_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dqb, stride_dqh, stride_dqm,
     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, qk_scale, sm_scale,
+    FullCount, FullIndices, PartialCount, PartialIndices, PartialTileIds, PartialTiles,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_il,
+    AttnMask, stride_amb, stride_amh, stride_amm, stride_amn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SPARSE: tl.constexpr, SPARSE_FULL_MASKED: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr, ATTN_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # -- which (batch, kv head, KV tile): a 1-D grid, tiles of one kv head next to each other
@@ -176,24 +251,55 @@ def _flash_bwd_dkdv_kernel(
         DO_bh = DO + b * stride_dob + h * stride_doh
         DQ_bh = DQ + b * stride_dqb + h * stride_dqh
         row0 = (b * H_Q + h) * N_Q
-        dk, dv = _dkdv_walk_q_tiles(
-            dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-            offs_n, offs_d, m_begin, tl.minimum(m_full, N_Q), N_Q, N_KV, causal_offset,
-            qk_scale, sm_scale,
-            True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
-        dk, dv = _dkdv_walk_q_tiles(
-            dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-            offs_n, offs_d, m_full, m_whole, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
-            False, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
-        if not EVEN_M:
-            dk, dv = _dkdv_walk_q_tiles(
+        # SDPA's attn_mask (B|1, H|1, N_q, N_kv): broadcast dims have stride 0.
+        am_base = AttnMask + b * stride_amb + h * stride_amh
+        if SPARSE:
+            # The transposed BlockMask's lists for the mask KV block holding this tile
+            # (BLOCK_N divides MASK_BLOCK_KV): full query blocks, then partial ones.
+            kv_block = n0 // MASK_BLOCK_KV
+            lists = b * stride_ib + h * stride_ih + kv_block * stride_il
+            counts = b * stride_cb + h * stride_ch + kv_block
+            dk, dv = _dkdv_walk_listed_blocks(
                 dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-                offs_n, offs_d, tl.maximum(m_full, m_whole), N_Q, N_Q, N_KV, causal_offset,
-                qk_scale, sm_scale,
-                True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
+                offs_n, offs_d, n0 % MASK_BLOCK_KV, N_Q, N_KV, causal_offset, qk_scale,
+                sm_scale, FullCount + counts, FullIndices + lists, PartialTileIds + lists,
+                PartialTiles, am_base, stride_amm, stride_amn,
+                SPARSE_FULL_MASKED, CAUSAL, False, ATTN_MASK, ATOMIC_DQ,
+                MASK_BLOCK_Q, MASK_BLOCK_KV, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                DOT_PRECISION)
+            dk, dv = _dkdv_walk_listed_blocks(
+                dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+                offs_n, offs_d, n0 % MASK_BLOCK_KV, N_Q, N_KV, causal_offset, qk_scale,
+                sm_scale, PartialCount + counts, PartialIndices + lists,
+                PartialTileIds + lists, PartialTiles, am_base, stride_amm, stride_amn,
+                True, CAUSAL, True, ATTN_MASK, ATOMIC_DQ,
+                MASK_BLOCK_Q, MASK_BLOCK_KV, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                DOT_PRECISION)
+        else:
+            dk, dv = _dkdv_walk_q_range(
+                dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+                offs_n, offs_d, m_begin, tl.minimum(m_full, N_Q), N_Q, N_KV, causal_offset,
+                qk_scale, sm_scale, am_base, stride_amm, stride_amn,
+                True, CAUSAL, ATTN_MASK, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                DOT_PRECISION)
+            dk, dv = _dkdv_walk_q_range(
+                dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+                offs_n, offs_d, m_full, m_whole, N_Q, N_KV, causal_offset, qk_scale,
+                sm_scale, am_base, stride_amm, stride_amn,
+                False, CAUSAL, ATTN_MASK, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                DOT_PRECISION)
+            if not EVEN_M:
+                dk, dv = _dkdv_walk_q_range(
+                    dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+                    offs_n, offs_d, tl.maximum(m_full, m_whole), N_Q, N_Q, N_KV,
+                    causal_offset, qk_scale, sm_scale, am_base, stride_amm, stride_amn,
+                    True, CAUSAL, ATTN_MASK, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                    DOT_PRECISION)
 
     out_mask = (offs_n[:, None] < N_KV) & (offs_d[None, :] < HEAD_DIM)
     out_offs = b * stride_dkb + kv_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -202,37 +308,91 @@ def _flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_walk_kv_tiles(
+def _dq_step(
     dq, q, do, lse2, delta,
     K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, n_start, n_stop, N_KV, causal_offset, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale,
+    tile_base, am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, TILE_STRIDE: tl.constexpr,
+    ATTN_MASK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Fold the KV tiles starting at n_start, n_start + BLOCK_N, ... < n_stop into the dq
-    accumulator of one query tile (``K``/``V`` point at the (batch, kv head) base).
+    """Fold the KV tile [n0, n0 + BLOCK_N) into the dq accumulator of one query tile
+    (``K``/``V`` point at the (batch, kv head) base). The masks are the dK/dV step's, in the
+    forward's orientation: ``MASKED`` (keys past N_kv, the causal diagonal), ``TILE`` (a block
+    mask's tile, uint8 rows per query ``TILE_STRIDE`` apart), ``ATTN_MASK``."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, N_KV, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+    v = _load_rows(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, N_KV, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if ATTN_MASK != 0:
+        am = tl.load(am_base + offs_m[:, None] * stride_amm + offs_n[None, :] * stride_amn,
+                     mask=(offs_m[:, None] < N_Q) & (offs_n[None, :] < N_KV), other=0)
+        if ATTN_MASK == 2:
+            s = s + am.to(tl.float32) * 1.4426950408889634
+    s = s - lse2[:, None]
+    if MASKED or TILE or ATTN_MASK == 1:
+        visible = (offs_n[None, :] < N_KV) & (offs_m[:, None] >= 0)  # (BLOCK_M, BLOCK_N)
+        if MASKED and CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        if TILE:
+            tile = tl.load(tile_base + tl.arange(0, offs_m.shape[0])[:, None] * TILE_STRIDE
+                           + tl.arange(0, BLOCK_N)[None, :])
+            visible = visible & (tile != 0)
+        if ATTN_MASK == 1:
+            visible = visible & (am != 0)
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.math.exp2(s)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
-    ``MASKED`` tiles mask keys >= N_kv and the causal diagonal; unmasked tiles must lie inside
-    N_kv and be visible to every row of the query tile.
-    """
-    offs_tile = tl.arange(0, BLOCK_N)
+
+@triton.jit
+def _dq_walk_kv_range(
+    dq, q, do, lse2, delta,
+    K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, n_start, n_stop, N_Q, N_KV, causal_offset, qk_scale,
+    am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the KV tiles n_start, n_start + BLOCK_N, ... < n_stop (dense and causal)."""
     for n0 in range(n_start, n_stop, BLOCK_N):
-        offs_n = n0 + offs_tile
-        k = _load_rows(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                       offs_n, N_KV, offs_d, MASKED, HEAD_DIM, BLOCK_D)
-        v = _load_rows(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                       offs_n, N_KV, offs_d, MASKED, HEAD_DIM, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
-        if MASKED:
-            visible = offs_n[None, :] < N_KV
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s, float("-inf"))
-        p = tl.math.exp2(s)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                      n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale,
+                      am_base, am_base, stride_amm, stride_amn,
+                      MASKED, CAUSAL, False, 1, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+                      DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_walk_listed_blocks(
+    dq, q, do, lse2, delta,
+    K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, tile_row, N_Q, N_KV, causal_offset, qk_scale,
+    Count, Indices, TileIds, Tiles,
+    am_base, stride_amm, stride_amn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, ATTN_MASK: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the KV blocks the BlockMask lists for this query block, as the forward does."""
+    n = tl.load(Count)
+    for t in tl.range(0, n * (MASK_BLOCK_KV // BLOCK_N)):
+        n0, tile_base = listed_block_step(Indices, TileIds, Tiles, t, tile_row, MASK_BLOCK_KV,
+                                          BLOCK_N, MASK_BLOCK_Q * MASK_BLOCK_KV, TILE)
+        dq = _dq_step(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                      n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale,
+                      tile_base, am_base, stride_amm, stride_amn,
+                      MASKED, CAUSAL, TILE, MASK_BLOCK_KV, ATTN_MASK, HEAD_DIM, BLOCK_D,
+                      BLOCK_N, DOT_PRECISION)
     return dq
 
 
@@ -245,9 +405,14 @@ def _flash_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm,
     N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, qk_scale, sm_scale,
+    FullCount, FullIndices, PartialCount, PartialIndices, PartialTileIds, PartialTiles,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_il,
+    AttnMask, stride_amb, stride_amh, stride_amm, stride_amn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr, ATTN_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tile = pid % n_q_tiles
@@ -271,27 +436,53 @@ def _flash_bwd_dq_kernel(
     lse2 = tl.load(LSE2 + row0 + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
 
-    # -- the KV range: [0, n_full) full, [n_full, n_stop) partial.
-    if CAUSAL:
-        # The tile's last row sees keys < n_stop; its first row sees every key < n_full.
-        n_stop = tl.maximum(tl.minimum(N_KV, tl.minimum(m0 + BLOCK_M, N_Q) + causal_offset), 0)
-        n_full = tl.minimum(tl.maximum(m0 + causal_offset + 1, 0) // BLOCK_N,
-                            N_KV // BLOCK_N) * BLOCK_N
-    else:
-        n_stop = N_KV
-        n_full = (N_KV // BLOCK_N) * BLOCK_N
-
     K_bh = K + b * stride_kb + kv_h * stride_kh
     V_bh = V + b * stride_vb + kv_h * stride_vh
+    am_base = AttnMask + b * stride_amb + h * stride_amh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_walk_kv_tiles(dq, q, do, lse2, delta, K_bh, V_bh,
-                           stride_kn, stride_kd, stride_vn, stride_vd,
-                           offs_m, offs_d, 0, n_full, N_KV, causal_offset, qk_scale,
-                           False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
-    dq = _dq_walk_kv_tiles(dq, q, do, lse2, delta, K_bh, V_bh,
-                           stride_kn, stride_kd, stride_vn, stride_vd,
-                           offs_m, offs_d, n_full, n_stop, N_KV, causal_offset, qk_scale,
-                           True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+    if SPARSE:
+        # The BlockMask's lists for the mask block holding this tile, as in the forward:
+        # full blocks (causal still applied elementwise), then partial ones through tiles.
+        q_block = m0 // MASK_BLOCK_Q
+        lists = b * stride_ib + h * stride_ih + q_block * stride_il
+        counts = b * stride_cb + h * stride_ch + q_block
+        dq = _dq_walk_listed_blocks(
+            dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            FullCount + counts, FullIndices + lists, PartialTileIds + lists, PartialTiles,
+            am_base, stride_amm, stride_amn,
+            CAUSAL, CAUSAL, False, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+        dq = _dq_walk_listed_blocks(
+            dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
+            PartialTiles, am_base, stride_amm, stride_amn,
+            True, CAUSAL, True, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+    else:
+        # -- the KV range: [0, n_full) full, [n_full, n_stop) partial.
+        if CAUSAL:
+            # The tile's last row sees keys < n_stop; its first row sees every key < n_full.
+            n_stop = tl.maximum(tl.minimum(N_KV, tl.minimum(m0 + BLOCK_M, N_Q) + causal_offset),
+                                0)
+            n_full = tl.minimum(tl.maximum(m0 + causal_offset + 1, 0) // BLOCK_N,
+                                N_KV // BLOCK_N) * BLOCK_N
+        else:
+            n_stop = N_KV
+            n_full = (N_KV // BLOCK_N) * BLOCK_N
+        dq = _dq_walk_kv_range(dq, q, do, lse2, delta, K_bh, V_bh,
+                               stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, 0, n_full, N_Q, N_KV, causal_offset, qk_scale,
+                               am_base, stride_amm, stride_amn,
+                               False, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+                               DOT_PRECISION)
+        dq = _dq_walk_kv_range(dq, q, do, lse2, delta, K_bh, V_bh,
+                               stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, n_full, n_stop, N_Q, N_KV, causal_offset,
+                               qk_scale, am_base, stride_amm, stride_amn,
+                               True, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+                               DOT_PRECISION)
 
     dq_ptrs = (DQ + b * stride_dqb + h * stride_dqh
                + offs_m[:, None] * stride_dqm + offs_d[None, :])
@@ -424,10 +615,15 @@ def _empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> to
 
 def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            o: torch.Tensor, lse: torch.Tensor, *, causal_mode: str, scale: float,
-           config: Mapping[str, object]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           config: Mapping[str, object], block_mask: Any = None,
+           attn_mask: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward on validated inputs with a config given as a plain mapping.
 
-    Returns (dq, dk, dv), contiguous, in the inputs' dtype and shapes.
+    ``block_mask``: the forward's ``templates.block_mask.BlockMask`` (already checked against
+    q and k; the dK/dV pass walks its ``transposed`` lists); ``attn_mask``: the forward's,
+    as ``flash_fwd_kernel.attn_mask_view`` returns it. Returns (dq, dk, dv), contiguous, in
+    the inputs' dtype and shapes.
     """
     rows = tuple(q.shape[:3])
     delta = _empty(rows, q, torch.float32)
@@ -439,7 +635,8 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dq = (torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic
           else _empty(tuple(q.shape), q, q.dtype))
     calls = kernel_calls(do, q, k, v, o, lse, delta, lse2, dq, dk, dv,
-                         causal_mode=causal_mode, scale=scale, config=config)
+                         causal_mode=causal_mode, scale=scale, config=config,
+                         block_mask=block_mask, attn_mask=attn_mask)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         for kernel, grid, args, options in calls:
             kernel[grid](*args, **options)
@@ -448,8 +645,8 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, lse2: Any,
                  dq: Any, dk: Any, dv: Any, *, causal_mode: str, scale: float,
-                 config: Mapping[str, object]) -> list[tuple[Any, tuple[int], list[Any],
-                                                             dict[str, Any]]]:
+                 config: Mapping[str, object], block_mask: Any = None, attn_mask: Any = None
+                 ) -> list[tuple[Any, tuple[int], list[Any], dict[str, Any]]]:
     """(kernel, grid, positional arguments, options) of each launch, in launch order.
 
     ``delta``/``lse2`` are (B, H_q, N_q) float32 row buffers, ``dq`` the fp32 accumulator
@@ -483,23 +680,40 @@ def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, 
          seqlen_q, heads_q, pre_tiles],
         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_m, num_warps=PREPROCESS_WARPS))]
 
+    # Unused mask arguments point at lse: their code is compiled out (SPARSE, ATTN_MASK).
+    if attn_mask is not None:
+        mask_args = [attn_mask, *attn_mask.stride()]
+        mask_kind = 1 if attn_mask.dtype == torch.uint8 else 2
+    else:
+        mask_args, mask_kind = [lse, 0, 0, 0, 0], 0
+    sparse = block_mask is not None
+    mask_block_q, mask_block_kv = block_mask.block_size if sparse else (block_m1, block_n1)
+    masks = dict(SPARSE=sparse, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
+                 ATTN_MASK=mask_kind)
+
     kv_tiles = triton.cdiv(seqlen_kv, block_n1)
     calls.append((
         _flash_bwd_dkdv_kernel, (kv_tiles * batch * heads_kv,),
         [q, k, v, do, dk, dv, dq, lse2, delta,
          *q.stride(), *k.stride(), *v.stride(), *do.stride(),
          *dk.stride()[:3], *dq.stride()[:3],
-         seqlen_q, seqlen_kv, offset, heads_q, heads_kv, group, kv_tiles, qk_scale, scale],
+         seqlen_q, seqlen_kv, offset, heads_q, heads_kv, group, kv_tiles, qk_scale, scale,
+         *(block_mask.transposed.kernel_args() if sparse else [lse] * 6 + [0] * 5),
+         *mask_args],
         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m1, BLOCK_N=block_n1,
              CAUSAL=causal, EVEN_M=seqlen_q % block_m1 == 0, ATOMIC_DQ=atomic,
-             DOT_PRECISION=precision, **warps_stages)))
+             # Full blocks of the last query block may hold rows past N_q: mask their loads.
+             SPARSE_FULL_MASKED=causal or seqlen_q % mask_block_q != 0,
+             DOT_PRECISION=precision, **masks, **warps_stages)))
     if not atomic:
         q_tiles = triton.cdiv(seqlen_q, block_m2)
         calls.append((
             _flash_bwd_dq_kernel, (q_tiles * batch * heads_q,),
             [q, k, v, do, dq, lse2, delta,
              *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
-             seqlen_q, seqlen_kv, offset, heads_q, group, q_tiles, qk_scale, scale],
+             seqlen_q, seqlen_kv, offset, heads_q, group, q_tiles, qk_scale, scale,
+             *(block_mask.kernel_args() if sparse else [lse] * 6 + [0] * 5),
+             *mask_args],
             dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2, BLOCK_N=block_n2,
-                 CAUSAL=causal, DOT_PRECISION=precision, **warps_stages)))
+                 CAUSAL=causal, DOT_PRECISION=precision, **masks, **warps_stages)))
     return calls

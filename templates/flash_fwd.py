@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from templates import flash_fwd_kernel as kernel
+from templates import listed_blocks
 from templates.attention_reference import attention_reference, lse_error, visible_pairs
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2, relative_error
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo, current_device, interpreter_active
 from templates.mask_mods import pattern_block_mask, pattern_problem
+from templates.plan_cache import PlanCache
 from templates.registry import register
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -125,7 +127,7 @@ class FlashFwdTemplate(Template):
     config_cls = FwdConfig
 
     def source_modules(self) -> Sequence[str]:
-        return [kernel.__name__, __name__]
+        return [kernel.__name__, listed_blocks.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
@@ -445,6 +447,59 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         TypeError / ValueError naming the offending argument, the config field, or the
         constraint the config violates for this problem and device.
     """
+    key = _plan_key(q, k, v, causal, attn_mask, block_mask, scale, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _validated_plan(q, k, v, causal, attn_mask, block_mask, scale, config)
+        _PLANS.put(key, plan)
+    if attn_mask is not None:
+        attn_mask = kernel.broadcast_attn_mask(attn_mask, q, k)
+    return plan(q, k, v, block_mask, attn_mask)
+
+
+# Launch plans of flash_attention_fwd by _plan_key: a repeated call skips the checks and the
+# config choice (150-300 us of host time per call on the H100 before, at any shape). A decode
+# loop makes one per step, so the bound is generous; a plan is a few hundred bytes.
+_PLANS: PlanCache[kernel.LaunchPlan] = PlanCache(maxsize=1024)
+
+
+def _plan_key(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: Any, scale: Any,
+              config: Any) -> tuple[object, ...] | None:
+    """Everything ``_validated_plan`` reads from its arguments, or None for arguments of a kind
+    no plan is kept for (the full path then raises the right error).
+
+    Tensors enter by class, shape, strides, dtype and device, plus whether all three data
+    pointers are 16-byte aligned (TMA needs it); masks by what their checks read; scalars with
+    their class, so that 1 (refused) never matches True (accepted). A mapping config is
+    validated into an FwdConfig first, on every call: pass an FwdConfig to skip that.
+    Values never enter: the plan does not depend on them.
+    """
+    if config is not None and not isinstance(config, FwdConfig):
+        if not isinstance(config, Mapping):
+            return None
+        try:
+            config = TEMPLATE.config(config)
+        except (TypeError, ValueError):
+            return None
+    try:
+        return (q.__class__, k.__class__, v.__class__, q.shape, k.shape, v.shape,
+                q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
+                causal.__class__, causal, scale.__class__, scale, config,
+                None if attn_mask is None else (attn_mask.__class__, attn_mask.shape,
+                                                attn_mask.dtype, attn_mask.device),
+                None if block_mask is None else (block_mask.__class__, block_mask.shape,
+                                                 block_mask.block_size, block_mask.device))
+    except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors: no pointer
+        return None
+
+
+def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | str,
+                    attn_mask: torch.Tensor | None, block_mask: BlockMask | None,
+                    scale: float | None, config: FwdConfig | Mapping[str, object] | None
+                    ) -> kernel.LaunchPlan:
+    """Check the arguments, choose or check the config, and plan the launch (see
+    ``flash_attention_fwd`` for the errors)."""
     causal_mode, softmax_scale = kernel.validate_inputs(q, k, v, causal, scale)
     if config is not None and not isinstance(config, FwdConfig | Mapping):
         raise TypeError(f"config must be an FwdConfig, a mapping of its fields or None, but "
@@ -478,8 +533,8 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                                                         block_mask.block_size)
         if reason:
             raise ValueError(f"config {cfg.key()}: {reason}")
-    return kernel.launch(q, k, v, causal_mode=causal_mode, scale=softmax_scale,
-                         config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
+    return kernel.LaunchPlan(q, k, v, causal_mode=causal_mode, scale=softmax_scale,
+                             config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
 
 
 def block_mask_tile_reason(config: FwdConfig, block_size: tuple[int, int]) -> str | None:

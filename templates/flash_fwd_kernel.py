@@ -23,7 +23,7 @@ lse = -inf.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from templates.listed_blocks import listed_block_step
 
 try:  # host-side TMA descriptors (triton >= 3.3 with a Hopper-or-newer GPU, or the interpreter)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -172,17 +174,11 @@ def _attend_listed_blocks(
     at ``Indices``), each as MASK_BLOCK_KV / BLOCK_N kernel steps; one flat loop, so the
     pipeliner overlaps loads across listed blocks. ``TILE``: partial blocks, whose uint8 tile
     (row ``tile_row`` of it first) is at ``Tiles`` + its id * MASK_BLOCK_Q * MASK_BLOCK_KV."""
-    SUB: tl.constexpr = MASK_BLOCK_KV // BLOCK_N
     n = tl.load(Count)
-    for t in tl.range(0, n * SUB, num_stages=LOOP_STAGES):
-        slot = t // SUB
-        sub = t % SUB
-        start_n = tl.load(Indices + slot) * MASK_BLOCK_KV + sub * BLOCK_N
-        tile_base = Tiles
-        if TILE:
-            tile_id = tl.load(TileIds + slot).to(tl.int64)
-            tile_base = (Tiles + tile_id * (MASK_BLOCK_Q * MASK_BLOCK_KV)
-                         + tile_row * MASK_BLOCK_KV + sub * BLOCK_N)
+    for t in tl.range(0, n * (MASK_BLOCK_KV // BLOCK_N), num_stages=LOOP_STAGES):
+        start_n, tile_base = listed_block_step(Indices, TileIds, Tiles, t, tile_row,
+                                               MASK_BLOCK_KV, BLOCK_N,
+                                               MASK_BLOCK_Q * MASK_BLOCK_KV, TILE)
         acc, l_i, m_i = _kv_step(
             acc, l_i, m_i, q, K, V, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
             start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale,
@@ -388,16 +384,28 @@ def tma_layout_problem(shape: tuple[int, ...], strides: tuple[int, ...], data_pt
 
 def tma_inputs_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why q, k, v (and the contiguous output) cannot be read through TMA (None if they can)."""
-    batch, heads, seqlen, head_dim = q.shape
-    o_strides = (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)  # o is contiguous
-    for name, shape, strides, ptr in (("q", q.shape, q.stride(), q.data_ptr()),
-                                      ("k", k.shape, k.stride(), k.data_ptr()),
-                                      ("v", v.shape, v.stride(), v.data_ptr()),
-                                      ("o", q.shape, o_strides, 0)):
-        reason = tma_layout_problem(tuple(shape), tuple(strides), ptr, q.element_size(), name)
+    layout = _tma_layout_problems(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+                                  q.element_size())
+    for name, t, reason in (("q", q, layout[0]), ("k", k, layout[1]), ("v", v, layout[2])):
         if reason:
             return reason
-    return None
+        if t.data_ptr() % 16:
+            return f"TMA needs {name} to start at a 16-byte aligned address"
+    return layout[3]
+
+
+@functools.lru_cache(maxsize=256)
+def _tma_layout_problems(q_shape: tuple[int, ...], q_strides: tuple[int, ...],
+                         k_shape: tuple[int, ...], k_strides: tuple[int, ...],
+                         v_shape: tuple[int, ...], v_strides: tuple[int, ...],
+                         element_size: int) -> tuple[str | None, ...]:
+    """``tma_layout_problem`` of q, k, v and o, less the data pointers: remembered per layout,
+    as callers check every call (tuner.attention's hot path does)."""
+    _, heads, seqlen, head_dim = q_shape
+    o_strides = (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)  # o is contiguous
+    return tuple(tma_layout_problem(tuple(shape), tuple(strides), 0, element_size, name)
+                 for name, shape, strides in (("q", q_shape, q_strides), ("k", k_shape, k_strides),
+                                              ("v", v_shape, v_strides), ("o", q_shape, o_strides)))
 
 
 def attn_mask_view(attn_mask: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -423,6 +431,13 @@ def attn_mask_view(attn_mask: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Te
     return view.view(torch.uint8) if view.dtype == torch.bool else view
 
 
+def broadcast_attn_mask(attn_mask: torch.Tensor, q: Any, k: Any) -> torch.Tensor:
+    """The (B, H_q, N_q, N_kv) view of an ``attn_mask`` that ``attn_mask_view`` accepted, as
+    the kernel reads it: broadcast dims with stride 0, bool as uint8."""
+    view = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return view.view(torch.uint8) if view.dtype == torch.bool else view
+
+
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: str,
            scale: float, config: Mapping[str, Any], block_mask: Any = None,
            attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,85 +445,142 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: st
 
     ``block_mask``: a ``templates.block_mask.BlockMask`` (already checked against q and k);
     ``attn_mask``: as returned by ``attn_mask_view``."""
-    batch, heads_q, seqlen_q, _ = q.shape
-    if DEBUG_POISON:
-        o = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-        lse = torch.full((batch, heads_q, seqlen_q), float("nan"), device=q.device,
-                         dtype=torch.float32)
-    else:
-        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        lse = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
     if config["use_tma"]:
         reason = tma_inputs_problem(q, k, v)
         if reason:
             raise ValueError(f"{reason}; use a config with use_tma=False")
-    grid, args, options = kernel_call(q, k, v, o, lse, causal_mode=causal_mode, scale=scale,
-                                      config=config, block_mask=block_mask,
-                                      attn_mask=attn_mask)
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _flash_fwd_kernel[grid](*args, **options)
-    return o, lse
+    plan = LaunchPlan(q, k, v, causal_mode=causal_mode, scale=scale, config=config,
+                      block_mask=block_mask, attn_mask=attn_mask)
+    return plan(q, k, v, block_mask, attn_mask)
 
 
 def kernel_call(q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str, scale: float,
                 config: Mapping[str, Any], block_mask: Any = None, attn_mask: Any = None
                 ) -> tuple[tuple[int], list[Any], dict[str, Any]]:
-    """Grid, positional arguments and options of one launch.
+    """Grid, positional arguments and options of one launch (``o`` and ``lse`` contiguous).
 
     The tensors may be triton's ``MockTensor`` stand-ins (dtype and shape, contiguous), so that
     ``_flash_fwd_kernel.warmup`` can compile exactly what a launch would without any memory.
     """
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_kv = k.shape[1], k.shape[2]
-    block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
-    block_d = block_d_for(head_dim)
-    use_tma = bool(config["use_tma"])
-    num_stages = int(config["num_stages"])
-    if use_tma:
-        if TensorDescriptor is None:
+    plan = LaunchPlan(q, k, v, causal_mode=causal_mode, scale=scale, config=config,
+                      block_mask=block_mask, attn_mask=attn_mask)
+    return plan.grid, plan.args(q, k, v, o, lse, block_mask, attn_mask), plan.options
+
+
+class LaunchPlan:
+    """One launch of ``_flash_fwd_kernel`` less its tensors: the grid, the compile-time options
+    and every scalar argument, worked out once from the inputs' shapes, strides and dtype, the
+    causal mode, the scale, the config and the kinds of mask.
+
+    Calling it launches on tensors laid out like the ones it was made from (same shapes,
+    strides, dtype and device; for TMA, 16-byte aligned): then the only host work left is two
+    allocations, the argument list and Triton's own launch. A caller that checks inputs once
+    per layout and keeps the plan (``templates.flash_fwd`` does) pays for the checks once.
+    """
+
+    def __init__(self, q: Any, k: Any, v: Any, *, causal_mode: str, scale: float,
+                 config: Mapping[str, Any], block_mask: Any = None,
+                 attn_mask: Any = None) -> None:
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        heads_kv, seqlen_kv = k.shape[1], k.shape[2]
+        block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
+        block_d = block_d_for(head_dim)
+        num_stages = int(config["num_stages"])
+        causal = causal_mode != "none"
+        n_q_tiles = -(-seqlen_q // block_m)
+        self.use_tma = bool(config["use_tma"])
+        if self.use_tma and TensorDescriptor is None:
             raise RuntimeError("use_tma=True needs triton.tools.tensor_descriptor (triton >= 3.3)")
-        tensors = [TensorDescriptor.from_tensor(q, [1, 1, block_m, block_d]),
-                   TensorDescriptor.from_tensor(k, [1, 1, block_n, block_d]),
-                   TensorDescriptor.from_tensor(v, [1, 1, block_n, block_d]),
-                   TensorDescriptor.from_tensor(o, [1, 1, block_m, block_d])]
-    else:
-        tensors = [q, k, v, o]
-    n_q_tiles = triton.cdiv(seqlen_q, block_m)
-    causal = causal_mode != "none"
-    args = [*tensors, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            seqlen_q, seqlen_kv, causal_offset(causal_mode, seqlen_q, seqlen_kv),
-            heads_q, heads_q // heads_kv, batch * heads_q, n_q_tiles, scale * LOG2_E]
-    # Unused mask arguments point at lse: their code is compiled out (SPARSE, ATTN_MASK).
-    if block_mask is not None:
-        bm = block_mask
-        mask_block_q, mask_block_kv = bm.block_size
-        count_strides = [bm.full_counts.stride(0) if bm.full_counts.shape[0] > 1 else 0,
-                         bm.full_counts.stride(1) if bm.full_counts.shape[1] > 1 else 0]
-        list_strides = [bm.full_indices.stride(0) if bm.full_indices.shape[0] > 1 else 0,
-                        bm.full_indices.stride(1) if bm.full_indices.shape[1] > 1 else 0,
-                        bm.full_indices.stride(2)]
-        args += [bm.full_counts, bm.full_indices, bm.partial_counts, bm.partial_indices,
-                 bm.partial_tile_ids, bm.partial_tiles, *count_strides, *list_strides]
-    else:
-        mask_block_q = mask_block_kv = block_m
-        args += [lse] * 6 + [0] * 5
-    if attn_mask is not None:
-        args += [attn_mask, *attn_mask.stride()]
-    else:
-        args += [lse, 0, 0, 0, 0]
-    options = dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, USE_TMA=use_tma,
-        GRID_ORDER=GRID_ORDERS.index(str(config["grid_order"])),
-        LONGEST_FIRST=bool(config["longest_first"]) and causal,
-        NUM_STAGES=num_stages,
-        MASKED_LOOP_STAGES=num_stages if config["pipeline_masked_loop"] else 1,
-        LOOP_UNROLL=int(config["loop_unroll"]),
-        WARP_SPECIALIZE=bool(config["warp_specialize"]),
-        # fp32 inputs (tests) get exact fp32 dots; 16-bit inputs ignore the option.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        SPARSE=block_mask is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
-        ATTN_MASK=0 if attn_mask is None else (1 if attn_mask.dtype == torch.uint8 else 2),
-        num_warps=int(config["num_warps"]), num_stages=num_stages,
-    )
-    return (n_q_tiles * batch * heads_q,), args, options
+        self.grid = (n_q_tiles * batch * heads_q,)
+        self.out_shape = (batch, heads_q, seqlen_q, head_dim)
+        self.lse_shape = (batch, heads_q, seqlen_q)
+        o_strides = (heads_q * seqlen_q * head_dim, seqlen_q * head_dim, head_dim, 1)
+        self.scalars = [*q.stride(), *k.stride(), *v.stride(), *o_strides,
+                        seqlen_q, seqlen_kv, causal_offset(causal_mode, seqlen_q, seqlen_kv),
+                        heads_q, heads_q // heads_kv, batch * heads_q, n_q_tiles,
+                        scale * LOG2_E]
+        self.block_shapes = ([1, 1, block_m, block_d], [1, 1, block_n, block_d])
+        if block_mask is not None:
+            mask_block_q, mask_block_kv = block_mask.block_size
+        else:
+            mask_block_q = mask_block_kv = block_m
+        self.options = dict(
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+            CAUSAL=causal, USE_TMA=self.use_tma,
+            GRID_ORDER=GRID_ORDERS.index(str(config["grid_order"])),
+            LONGEST_FIRST=bool(config["longest_first"]) and causal,
+            NUM_STAGES=num_stages,
+            MASKED_LOOP_STAGES=num_stages if config["pipeline_masked_loop"] else 1,
+            LOOP_UNROLL=int(config["loop_unroll"]),
+            WARP_SPECIALIZE=bool(config["warp_specialize"]),
+            # fp32 inputs (tests) get exact fp32 dots; 16-bit inputs ignore the option.
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            SPARSE=block_mask is not None, MASK_BLOCK_Q=mask_block_q,
+            MASK_BLOCK_KV=mask_block_kv,
+            ATTN_MASK=0 if attn_mask is None else (1 if attn_mask.dtype == torch.uint8 else 2),
+            num_warps=int(config["num_warps"]), num_stages=num_stages,
+        )
+        self._descriptor_fields: list[dict[str, Any]] | None = None
+        self._device_guard: bool | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any = None,
+                 attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse) of the kernel on q, k, v; ``attn_mask`` as ``broadcast_attn_mask`` gives it."""
+        if DEBUG_POISON:
+            o = torch.full(self.out_shape, float("nan"), device=q.device, dtype=q.dtype)
+            lse = torch.full(self.lse_shape, float("nan"), device=q.device, dtype=torch.float32)
+        else:
+            o = q.new_empty(self.out_shape)
+            lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        args = self.args(q, k, v, o, lse, block_mask, attn_mask)
+        if self._device_guard is None:
+            # Triton launches on the current device: make it q's, unless there is only one.
+            self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
+        if self._device_guard:
+            with torch.cuda.device(q.device):
+                _flash_fwd_kernel[self.grid](*args, **self.options)
+        else:
+            _flash_fwd_kernel[self.grid](*args, **self.options)
+        return o, lse
+
+    def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any, block_mask: Any = None,
+             attn_mask: Any = None) -> list[Any]:
+        """The kernel's positional arguments for these tensors."""
+        tensors = self._tma_descriptors(q, k, v, o) if self.use_tma else [q, k, v, o]
+        # Unused mask arguments point at lse: their code is compiled out (SPARSE, ATTN_MASK).
+        args = [*tensors, lse, *self.scalars]
+        if block_mask is not None:
+            args += block_mask.kernel_args()
+        else:
+            args += [lse, lse, lse, lse, lse, lse, 0, 0, 0, 0, 0]
+        if attn_mask is not None:
+            args += [attn_mask, *attn_mask.stride()]
+        else:
+            args += [lse, 0, 0, 0, 0]
+        return args
+
+    def _tma_descriptors(self, q: Any, k: Any, v: Any, o: Any) -> list[Any]:
+        """TMA descriptors of q, k, v and o. The first call builds them; later calls copy them
+        onto the new tensors, skipping ``TensorDescriptor``'s checks of shape, strides and
+        alignment (about 5 us each on a CPU of the dev machines), which held for tensors laid
+        out alike."""
+        if self._descriptor_fields is None:
+            m_block, n_block = self.block_shapes
+            descriptors = [TensorDescriptor.from_tensor(q, m_block),
+                           TensorDescriptor.from_tensor(k, n_block),
+                           TensorDescriptor.from_tensor(v, n_block),
+                           TensorDescriptor.from_tensor(o, m_block)]
+            # Without their tensors: a plan must not keep its first call's memory alive.
+            self._descriptor_fields = [{**vars(d), "base": None} for d in descriptors]
+            return descriptors
+        q_fields, k_fields, v_fields, o_fields = self._descriptor_fields
+        return [_descriptor(q_fields, q), _descriptor(k_fields, k), _descriptor(v_fields, v),
+                _descriptor(o_fields, o)]
+
+
+def _descriptor(fields: dict[str, Any], base: Any) -> Any:
+    """A TensorDescriptor with ``fields`` over ``base``, built without running its checks."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__ = fields.copy()
+    desc.base = base
+    return desc

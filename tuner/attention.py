@@ -8,11 +8,11 @@ Semantics follow SDPA: ``q`` (..., H_q, L, E), ``k`` (..., H_kv, S, E), ``v`` (.
 with equal leading batch dims; ``is_causal`` masks top-left (query i sees keys j <= i);
 ``scale`` defaults to 1/sqrt(E); H_q != H_kv only with ``enable_gqa=True`` and H_q a multiple
 of H_kv. ``attn_mask`` (bool, True = attend, or float added to the scores) and ``block_mask``
-(a ``tuner.BlockMask``: only its blocks are computed) run the masked kernel, forward only, and
+(a ``tuner.BlockMask``: only its blocks are computed) run the masked kernels, both ways, and
 eagerly under ``torch.compile``; a row that sees no key gives zeros (SDPA gives NaN). Not (yet)
 supported, each raising ``NotImplementedError`` rather than silently running a slow path:
-gradients through a masked call, ``dropout_p > 0``, and a value head dim different from the
-query's.
+a gradient for a float ``attn_mask`` itself, ``dropout_p > 0``, and a value head dim different
+from the query's.
 
 How a call runs:
 
@@ -66,14 +66,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise NotImplementedError(f"tuner.attention has no dropout: dropout_p must be 0.0, "
                                   f"but got {dropout_p}")
     if attn_mask is not None or block_mask is not None:
-        if torch.is_grad_enabled() and (
-                query.requires_grad or key.requires_grad or value.requires_grad):
-            raise NotImplementedError(
-                "tuner.attention with attn_mask or block_mask is forward-only for now (the "
-                "flash_bwd template has no masks yet): call it under torch.no_grad(), or use "
-                "torch.nn.functional.scaled_dot_product_attention for masked training")
-        return _masked_forward(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                               block_mask)
+        return _masked_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                 block_mask)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad)):
         check_inputs(query, key, value, enable_gqa)  # errors at trace time, not in the op
@@ -219,14 +213,18 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 
 
 @torch.compiler.disable  # runs eagerly under torch.compile (one graph break per call)
-def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
-                    enable_gqa: bool, block_mask: object | None) -> torch.Tensor:
-    """attn_mask / block_mask: the dense problem's tuned config, fitted to the block mask's
-    tiles, through the masked kernel. Not cached per shape: a mask changes every call."""
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
+                      enable_gqa: bool, block_mask: object | None) -> torch.Tensor:
+    """attn_mask / block_mask: the dense problem's tuned forward and backward configs, fitted
+    to the block mask's tiles, through the masked kernels and ``FlashAttentionFunction``
+    (differentiable w.r.t. q, k, v). Not cached per shape: a mask changes every call."""
     from templates import flash_fwd_kernel
+    from templates.autograd import flash_attention
     from templates.block_mask import BlockMask
-    from templates.flash_fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd
+    from templates.flash_bwd import BwdConfig
+    from templates.flash_bwd import fit_to_block_mask as fit_bwd_to_block_mask
+    from templates.flash_fwd import FwdConfig, fit_to_block_mask
 
     check_inputs(q, k, v, enable_gqa)
     if block_mask is not None:
@@ -256,13 +254,19 @@ def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plan = _plan(q, k, v, is_causal, enable_gqa)
     config = plan.resolved.config
     assert isinstance(config, FwdConfig)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                              or v.requires_grad)
+    bwd_config = _backward_config(q, k, is_causal) if needs_grad else None
+    assert bwd_config is None or isinstance(bwd_config, BwdConfig)
     if block_mask is not None:
         config = fit_to_block_mask(config, block_mask.block_size)
+        if bwd_config is not None:
+            bwd_config = fit_bwd_to_block_mask(bwd_config, block_mask.block_size)
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q4, k4, v4):
         config = replace(config, use_tma=False)
-    o, _ = flash_attention_fwd(q4, k4, v4, causal="top_left" if is_causal else "none",
-                               attn_mask=mask4, block_mask=block_mask, scale=scale,
-                               config=config)
+    o = flash_attention(q4, k4, v4, causal="top_left" if is_causal else "none",
+                        attn_mask=mask4, block_mask=block_mask, scale=scale,
+                        fwd_config=config, bwd_config=bwd_config)
     return o.reshape(q.shape)
 
 
@@ -328,31 +332,40 @@ _BWD_CONFIGS: dict[tuple[object, ...], tuple[object, float]] = {}
 def _kernel_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      o: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from templates.base import Problem
-    from templates.device import current_device
     from templates.flash_bwd import flash_attention_bwd
-    from templates.flash_fwd import DTYPE_NAMES
-    from templates.registry import get_template
-    from tuner.lookup import resolve_config
 
     batch = math.prod(q.shape[:-3])
     heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
     seqlen_q, seqlen_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    causal = "top_left" if is_causal else "none"
-    key = (q.shape, k.shape, q.dtype, q.device, is_causal)
-    hit = _BWD_CONFIGS.get(key)
-    if hit is None or hit[1] <= _now():
-        problem = Problem(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
-                          seqlen_kv=seqlen_kv, head_dim=head_dim, dtype=DTYPE_NAMES[q.dtype],
-                          causal=causal)
-        device = current_device(q.device.index) if q.is_cuda else current_device()
-        resolved = resolve_config(get_template(BACKWARD_TEMPLATE_NAME), problem, device)
-        if len(_BWD_CONFIGS) >= MAX_PLANS:
-            _BWD_CONFIGS.clear()
-        hit = _BWD_CONFIGS[key] = (resolved.config, resolved.expires_at)
     q4 = (batch, heads_q, seqlen_q, head_dim)
     kv4 = (batch, heads_kv, seqlen_kv, head_dim)
     dq, dk, dv = flash_attention_bwd(
         grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
-        lse.reshape(q4[:-1]), causal=causal, scale=scale, config=hit[0])  # type: ignore[arg-type]
+        lse.reshape(q4[:-1]), causal="top_left" if is_causal else "none", scale=scale,
+        config=_backward_config(q, k, is_causal))  # type: ignore[arg-type]
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> object:
+    """The flash_bwd config for this problem (cache -> database -> service -> default),
+    remembered per shape until the resolver's answer expires."""
+    key = (q.shape, k.shape, q.dtype, q.device, is_causal)
+    hit = _BWD_CONFIGS.get(key)
+    if hit is not None and hit[1] > _now():
+        return hit[0]
+    from templates.base import Problem
+    from templates.device import current_device
+    from templates.flash_fwd import DTYPE_NAMES
+    from templates.registry import get_template
+    from tuner.lookup import resolve_config
+
+    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
+    problem = Problem(batch=math.prod(q.shape[:-3]), heads_q=heads_q, heads_kv=heads_kv,
+                      seqlen_q=q.shape[-2], seqlen_kv=k.shape[-2], head_dim=q.shape[-1],
+                      dtype=DTYPE_NAMES[q.dtype], causal="top_left" if is_causal else "none")
+    device = current_device(q.device.index) if q.is_cuda else current_device()
+    resolved = resolve_config(get_template(BACKWARD_TEMPLATE_NAME), problem, device)
+    if len(_BWD_CONFIGS) >= MAX_PLANS:
+        _BWD_CONFIGS.clear()
+    _BWD_CONFIGS[key] = (resolved.config, resolved.expires_at)
+    return resolved.config

@@ -6,10 +6,10 @@
 
 Registers ``tuner.attention`` in transformers' ``AttentionInterface`` under ``name``, and, for
 the masks transformers builds, the same mask function as its "sdpa" implementation: that one
-returns no mask at all for plain causal or bidirectional attention without padding, which is
-what the kernel runs. A padded batch (or a sliding-window layer) gets a real mask, and then the
-call raises ``NotImplementedError`` instead of silently dropping the mask: masks come with the
-block-sparse template.
+returns no mask at all for plain causal or bidirectional attention without padding (the kernel
+then runs its causal or dense path), and a boolean (B, 1, L, S) mask, causality included, for
+padded batches, sliding-window layers and prefills that continue a KV cache: the kernel reads
+it tile by tile as SDPA's ``attn_mask``. Query rows that see no key (left padding) give zeros.
 """
 
 from __future__ import annotations
@@ -30,16 +30,15 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, H, L, D) in, (B, L, H, D) out."""
     if attention_mask is not None:
-        raise NotImplementedError(
-            "attn_implementation='tuner' got an attention mask (padding or a sliding window): "
-            "masked attention is not supported yet; use unpadded batches, or "
-            "attn_implementation='sdpa' for this model")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # One query token (decoding) sees every cached key: causal masking would hide them all
-    # but the first under SDPA's top-left alignment.
-    causal = bool(causal) and query.shape[2] > 1
-    out = attention(query, key, value, dropout_p=dropout, is_causal=causal, scale=scaling,
-                    enable_gqa=query.shape[1] != key.shape[1])
+        # The mask already holds causality (as with transformers' own "sdpa" path).
+        causal = False
+    else:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # One query token (decoding) sees every cached key: causal masking would hide them
+        # all but the first under SDPA's top-left alignment.
+        causal = bool(causal) and query.shape[2] > 1
+    out = attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                    is_causal=causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

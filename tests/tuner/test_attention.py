@@ -145,10 +145,49 @@ def test_attn_mask_matches_sdpa(device: str, kind: str, lead: tuple[int, ...]) -
     assert rel_error(out, sdpa_reference(q, k, v, attn_mask=ref_mask)) <= TOL[torch.float16]
 
 
-def test_masked_gradients_raise_instead_of_a_wrong_answer() -> None:
+def _grads_of(fn: object, inputs: list[torch.Tensor], grad_out: torch.Tensor
+              ) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)  # type: ignore[operator]
+    out.backward(grad_out.to(out.dtype))
+    return [t.grad for t in leaves]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "block"])
+def test_masked_gradients_match_sdpa(device: str, mask_kind: str) -> None:
+    """Autograd through a masked call runs the masked backward kernels (GQA, causal)."""
+    torch.manual_seed(0)
+    q = rand(2, 4, 40, 16, dtype=torch.float32, device=device)
+    k, v = (rand(2, 2, 48, 16, dtype=torch.float32, device=device) for _ in range(2))
+    grad_out = torch.randn(2, 4, 40, 16, device=device)
+    sliding = tuner.BlockMask.from_mask_mod(lambda b, h, qi, ki: (qi - ki).abs() <= 12, None,
+                                            None, 40, 48, 16, device=device)
+    random_bool = torch.rand(2, 1, 40, 48, device=device) < 0.6
+    random_bool[..., 0] = True  # with causal, every row then sees a key (SDPA: NaN rows)
+    dense = {"bool": random_bool, "float": torch.randn(40, 48, device=device),
+             "block": sliding.to_dense()}[mask_kind]
+    kwargs = {"block_mask": sliding} if mask_kind == "block" else {"attn_mask": dense}
+
+    def mine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return tuner.attention(q, k, v, is_causal=True, enable_gqa=True, **kwargs)
+
+    causal = torch.ones(40, 48, dtype=torch.bool, device=device).tril()
+    ref_mask = (dense & causal) if dense.dtype == torch.bool else dense.double().masked_fill(
+        ~causal, float("-inf"))
+
+    def theirs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa_reference(q, k, v, attn_mask=ref_mask, enable_gqa=True)
+
+    for g_mine, g_ref in zip(_grads_of(mine, [q, k, v], grad_out),
+                             _grads_of(theirs, [q, k, v], grad_out), strict=True):
+        assert rel_error(g_mine, g_ref) <= TOL[torch.float32]
+
+
+def test_a_float_mask_that_requires_grad_raises() -> None:
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        tuner.attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    mask = torch.zeros(8, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
+        tuner.attention(q, q, q, attn_mask=mask)
 
 
 def test_block_mask_matches_sdpa_with_its_dense_mask(device: str) -> None:
