@@ -12,7 +12,17 @@ import sys
 
 import typer
 
-from tuner.cli import best, database, export, importing, listing, replay, serve, sweep
+from tuner.cli import (
+    best,
+    database,
+    export,
+    importing,
+    listing,
+    replay,
+    serve,
+    sweep,
+    verify,
+)
 from tuner.cli.common import err_console
 from tuner.errors import TunerError
 from tuner.settings import SettingsError
@@ -23,6 +33,7 @@ app = typer.Typer(name="tuner", no_args_is_help=True, add_completion=False,
                   help="Autotune Triton attention kernels and serve the best configs.")
 app.command("sweep")(sweep.sweep)
 app.command("best")(best.best)
+app.command("verify")(verify.verify)
 app.command("list")(listing.list_things)
 app.command("export")(export.export)
 app.command("import")(importing.import_bundle)

@@ -13,11 +13,13 @@ from tuner.errors import TunerError
 
 __all__ = [
     "DbOption",
+    "GpuLockDirOption",
     "JsonOption",
     "console",
     "database_url",
     "err_console",
     "fmt_tflops",
+    "gpu_lock_dir",
     "print_json",
     "problem_label",
 ]
@@ -29,6 +31,10 @@ DbOption = Annotated[str | None, typer.Option(
     "--db", help="SQLAlchemy database URL (default: TUNER_DATABASE_URL, else sqlite:///tuner.db)",
     show_default=False)]
 JsonOption = Annotated[bool, typer.Option("--json", help="print JSON for machines")]
+GpuLockDirOption = Annotated[str | None, typer.Option(
+    "--gpu-lock-dir", help="claim GPUs through locks in this folder, shared by the sweeps of one "
+                           "host, one GPU per worker (default: TUNER_GPU_LOCK_DIR; unset: use "
+                           "every visible GPU)", show_default=False)]
 
 INTERPRETER_WARNING = ("device cpu-interpreter: kernels ran under the Triton interpreter on the "
                        "CPU; these timings are NOT GPU timings (they only show that the "
@@ -45,6 +51,13 @@ def database_url(db: str | None) -> str:
         raise TunerError(str(exc), "pass --db sqlite:///tuner.db or "
                          "--db postgresql+psycopg://user@host/db") from None
     return settings.database_url
+
+
+def gpu_lock_dir(flag: str | None) -> str | None:
+    """``--gpu-lock-dir`` if given, else the settings' folder (TUNER_GPU_LOCK_DIR)."""
+    from tuner.settings import get_settings
+
+    return flag if flag is not None else get_settings().gpu_lock_dir
 
 
 def print_json(data: Any) -> None:

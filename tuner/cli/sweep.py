@@ -20,11 +20,13 @@ from rich.table import Table
 from tuner.cli.common import (
     INTERPRETER_WARNING,
     DbOption,
+    GpuLockDirOption,
     JsonOption,
     console,
     database_url,
     err_console,
     fmt_tflops,
+    gpu_lock_dir,
     print_json,
 )
 from tuner.errors import TunerError
@@ -67,10 +69,7 @@ def sweep(
         "--dtype", help="with --shape: float16, bfloat16, float32 (repeatable)")] = None,
     causal: Annotated[list[str] | None, typer.Option(
         "--causal", help="with --shape: none, top_left, bottom_right (repeatable)")] = None,
-    gpu_lock_dir: Annotated[str | None, typer.Option(
-        "--gpu-lock-dir", help="claim GPUs through locks in this folder, shared by the sweeps "
-                               "of one host, one GPU per worker (default: TUNER_GPU_LOCK_DIR; "
-                               "unset: use every visible GPU)", show_default=False)] = None,
+    lock_dir: GpuLockDirOption = None,
     db: DbOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -117,7 +116,7 @@ def sweep(
     display = None if json_out else SweepDisplay()
     claimed: list[str] = []
     try:
-        with gpus_for_sweep(_lock_dir(gpu_lock_dir), workers) as claimed:
+        with gpus_for_sweep(gpu_lock_dir(lock_dir), workers) as claimed:
             if claimed and not json_out:
                 console.print(f"claimed GPU(s) {', '.join(claimed)}")
             report = run_sweep(resolved, options, db_url=url,
@@ -144,12 +143,6 @@ def sweep(
         print_summary(report)
     if report.status == "interrupted":
         raise typer.Exit(130)
-
-
-def _lock_dir(flag: str | None) -> str | None:
-    from tuner.settings import get_settings
-
-    return flag if flag is not None else get_settings().gpu_lock_dir
 
 
 class SweepDisplay:

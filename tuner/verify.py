@@ -1,0 +1,204 @@
+"""Verify stored best configs: re-measure each in a fresh trial worker, compare the times.
+
+Issue 6's quality bar: the stored best of a problem, re-measured in a fresh process, lands
+within 3% of its stored time. A re-measurement is an ordinary trial (``tuner.runner``): fresh
+random inputs, the check against the template's reference, then ``do_bench`` (or wall-clock
+runs under the interpreter), in a worker process that did not run the sweep. With several
+repeats the median time counts. A config that fails its re-measurement (compile error, wrong
+result, ...) fails the verification.
+
+The stored best configs are selected per problem of a sweep spec (each must have one), or
+by filters over every stored best of the device, as ``tuner best`` lists them.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from templates.registry import all_templates, get_template
+from tuner.errors import TunerError
+from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
+from tuner.sweep import Task
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "StoredBest",
+    "Verified",
+    "VerifyOptions",
+    "stored_for_tasks",
+    "stored_matching",
+    "verify",
+]
+
+DEFAULT_TOLERANCE = 0.03  # issue 6: re-measured within 3% of the stored time
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    repeats: int = 1  # re-measurements per config; their median time counts
+    timeout_s: float = 300.0  # per re-measurement, compile included
+    tolerance: float = DEFAULT_TOLERANCE  # largest allowed |re-measured / stored time - 1|
+    seed: int | None = None  # seeds the inputs' seeds; None: fresh random inputs
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise TunerError(f"--repeats must be >= 1, but got {self.repeats}",
+                             "e.g. --repeats 3")
+        if not self.tolerance > 0:
+            raise TunerError(f"--tolerance must be > 0, but got {self.tolerance:g}",
+                             f"e.g. --tolerance {DEFAULT_TOLERANCE} (3%)")
+        if not self.timeout_s > 0:
+            raise TunerError(f"--timeout must be > 0 seconds, but got {self.timeout_s:g}",
+                             "e.g. --timeout 300")
+
+
+@dataclass(frozen=True)
+class StoredBest:
+    """What verification reads of one stored best config (a ``db.models.BestConfig`` row)."""
+
+    template: str
+    template_version: str
+    problem_key: str
+    problem: dict[str, Any]
+    config: dict[str, Any]
+    median_ms: float
+    tflops: float
+
+    @classmethod
+    def of_row(cls, row: Any) -> StoredBest:
+        return cls(template=row.template.name, template_version=row.template.version,
+                   problem_key=row.problem_key, problem=dict(row.problem),
+                   config=dict(row.config), median_ms=row.median_ms, tflops=row.tflops)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One stored best and its re-measurements (``repeats`` trials)."""
+
+    stored: StoredBest
+    runs: tuple[TrialOutcome, ...]
+    tolerance: float
+
+    @property
+    def failure(self) -> TrialOutcome | None:
+        """The first re-measurement that gave no time, if any."""
+        return next((r for r in self.runs if not r.ok or not r.median_ms), None)
+
+    @property
+    def measured_ms(self) -> float | None:
+        if self.failure is not None or not self.runs:
+            return None
+        return statistics.median(r.median_ms for r in self.runs if r.median_ms)
+
+    @property
+    def measured_tflops(self) -> float | None:
+        ms = self.measured_ms
+        first = self.runs[0] if self.runs else None
+        if ms is None or first is None or not first.tflops or not first.median_ms:
+            return None
+        # The problem's FLOPs over the median time, so the two columns agree for any repeats.
+        return first.tflops * first.median_ms / ms
+
+    @property
+    def ratio(self) -> float | None:
+        """Re-measured time / stored time: above 1 the config runs slower than stored."""
+        ms = self.measured_ms
+        return ms / self.stored.median_ms if ms is not None else None
+
+    @property
+    def within_tolerance(self) -> bool:
+        ratio = self.ratio
+        return ratio is not None and abs(ratio - 1.0) <= self.tolerance
+
+    def to_dict(self) -> dict[str, Any]:
+        failure = self.failure
+        ratio = self.ratio
+        return {"template": self.stored.template,
+                "template_version": self.stored.template_version,
+                "problem_key": self.stored.problem_key, "problem": self.stored.problem,
+                "config": self.stored.config, "stored_ms": self.stored.median_ms,
+                "stored_tflops": self.stored.tflops, "measured_ms": self.measured_ms,
+                "measured_tflops": self.measured_tflops, "ratio": ratio,
+                "deviation": None if ratio is None else ratio - 1.0,
+                "within_tolerance": self.within_tolerance,
+                "status": failure.status.value if failure else "ok",
+                "reason": failure.reason if failure else "",
+                "runs_ms": [r.median_ms for r in self.runs],
+                "gpu_timing": all(r.gpu_timing for r in self.runs) if self.runs else False}
+
+
+# ----------------------------------------------------------------------------- selection
+def stored_for_tasks(url: str, device_key: str, tasks: Sequence[Task]) -> list[StoredBest]:
+    """The stored best of each task's problem on ``device_key`` at the template's current
+    version; a TunerError naming every problem that has none."""
+    from db import crud
+    from db.session import session_scope
+
+    found: list[StoredBest] = []
+    missing: list[str] = []
+    with session_scope(url, write=False) as s:
+        for task in tasks:
+            row = crud.best_for(s, device_key=device_key, template_name=task.template.name,
+                                template_version=task.template.version(),
+                                problem_key=task.problem_key)
+            if row is None:
+                missing.append(task.label)
+            else:
+                found.append(StoredBest.of_row(row))
+    if missing:
+        device = device_key.split("|", 1)[0]
+        raise TunerError(f"no stored best config on {device} (of the current kernel versions, "
+                         f"in {url}) for: {'; '.join(missing)}",
+                         "run `tuner sweep` on these problems on this device first (the same "
+                         "spec or --shape flags, the same --db)")
+    return found
+
+
+def stored_matching(url: str, device_key: str, *, templates: Iterable[str] = (),
+                    dtypes: Iterable[str] = (), variant: str | None = None
+                    ) -> tuple[list[StoredBest], int]:
+    """Every stored best of ``device_key`` that the filters let through (an empty filter lets
+    everything through), of the registered templates at their current version; and how many
+    rows were left out for being of another kernel version or an unregistered template."""
+    from db import crud
+    from db.session import session_scope
+
+    wanted_templates, wanted_dtypes = set(templates), set(dtypes)
+    current = {t.name: t.version() for t in all_templates()}
+    with session_scope(url, write=False) as s:
+        total = crud.count_best(s, device=device_key, variant=variant)
+        rows = crud.list_best(s, device=device_key, variant=variant, limit=max(1, total))
+        stored = [StoredBest.of_row(r) for r in rows
+                  if (not wanted_templates or r.template.name in wanted_templates)
+                  and (not wanted_dtypes or r.dtype in wanted_dtypes)]
+    fresh = [b for b in stored if current.get(b.template) == b.template_version]
+    return fresh, len(stored) - len(fresh)
+
+
+# ----------------------------------------------------------------------------- measuring
+def verify(stored: Sequence[StoredBest], runner: Runner, options: VerifyOptions,
+           on_result: Callable[[Verified], None] | None = None) -> list[Verified]:
+    """Re-measure every stored best ``options.repeats`` times with ``runner``, each time on
+    fresh inputs."""
+    rng = random.Random(options.seed)
+    results: list[Verified] = []
+    for best in stored:
+        module = type(get_template(best.template)).__module__
+        runs: list[TrialOutcome] = []
+        for _ in range(options.repeats):
+            request = TrialRequest(template=best.template, template_module=module,
+                                   problem=best.problem, config=best.config,
+                                   seed=rng.randrange(2**31))
+            outcome = runner.measure(request, options.timeout_s)
+            runs.append(outcome)
+            if not outcome.ok:  # a config that fails once has failed its verification
+                break
+        result = Verified(best, tuple(runs), options.tolerance)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
