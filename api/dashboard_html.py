@@ -36,8 +36,9 @@ def charts_from_rows(rows: Iterable[Any]) -> list[Chart]:
         if seqlen <= 0:
             continue
         gqa = int(p.get("heads_q", 1)) // max(1, int(p.get("heads_kv", 1)))
-        key = (r.device.name, r.template.name, r.dtype, r.variant, f"d{p.get('head_dim')}",
-               f"gqa{gqa}" if gqa > 1 else "")
+        # Numbers stay numbers until the title: charts of d64 then d128, not "d128" < "d64".
+        key = (r.device.name, r.template.name, r.dtype, r.variant, int(p.get("head_dim", 0)),
+               gqa)
         tuned = groups[key]["tuned"]
         tuned[seqlen] = max(tuned.get(seqlen, 0.0), float(r.tflops))
         if r.default_tflops:
@@ -45,9 +46,10 @@ def charts_from_rows(rows: Iterable[Any]) -> list[Chart]:
             default[seqlen] = max(default.get(seqlen, 0.0), float(r.default_tflops))
     charts = []
     for key in sorted(groups):
+        device, template, dtype, variant, head_dim, gqa = key
         series = {name: sorted(points.items()) for name, points in groups[key].items()}
-        charts.append(Chart(f"{key[0]} · {key[1]}", " · ".join(k for k in key[2:] if k),
-                            series))
+        subtitle = [dtype, variant, f"d{head_dim}"] + ([f"gqa{gqa}"] if gqa > 1 else [])
+        charts.append(Chart(f"{device} · {template}", " · ".join(subtitle), series))
     return charts
 
 

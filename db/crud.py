@@ -311,16 +311,24 @@ def _check_page(offset: int, limit: int) -> None:
         raise ValueError(f"offset and limit must be >= 0, but got offset={offset}, limit={limit}")
 
 
+# The problem's numeric fields, outermost first: the sequence lengths vary fastest, as along the
+# dashboard's x axis. Ordering by the problem key (a string) put "q16384" before "q2048".
+_PROBLEM_ORDER = ("head_dim", "heads_q", "heads_kv", "batch", "seqlen_q", "seqlen_kv")
+
+
 def list_best(s: Session, *, device: str | None = None, template: str | None = None,
               dtype: str | None = None, variant: str | None = None, offset: int = 0,
               limit: int = 100) -> list[BestConfig]:
-    """Best configs, filtered, in a stable order (device, template, version, problem key).
+    """Best configs, filtered, in a stable order: device, template, version, dtype, variant,
+    then the problem's numbers (head dim, heads, batch, sequence lengths) compared as numbers.
 
     ``device`` matches a device's name or its key; ``template`` a template's name (any version).
     """
     _check_page(offset, limit)
     query = _filter_best(_best_joined(), device, template, dtype, variant)
+    numbers = [BestConfig.problem[name].as_integer() for name in _PROBLEM_ORDER]
     query = query.order_by(Device.name, Device.key, Template.name, Template.version,
+                           BestConfig.dtype, BestConfig.variant, *numbers,
                            BestConfig.problem_key, BestConfig.id)
     return list(s.scalars(query.offset(offset).limit(limit)))
 

@@ -244,7 +244,10 @@ def test_list_and_count_best_filter_and_page(db_url: str) -> None:
     with session_scope(db_url, write=False) as s:
         everything = crud.list_best(s)
         assert len(everything) == crud.count_best(s) == 16
-        order = [(b.device.name, b.template.name, b.problem_key) for b in everything]
+        # The problem's numbers compare as numbers ("q932" before "q2526"), sequence lengths last.
+        numbers = ("head_dim", "heads_q", "heads_kv", "batch", "seqlen_q", "seqlen_kv")
+        order = [(b.device.name, b.template.name, b.dtype, b.variant,
+                  *(int(b.problem[n]) for n in numbers)) for b in everything]
         assert order == sorted(order)
         # Pages tile the ordered list exactly.
         pages = [crud.list_best(s, offset=o, limit=5) for o in range(0, 20, 5)]
