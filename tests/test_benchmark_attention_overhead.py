@@ -1,0 +1,44 @@
+"""benchmarks/attention_overhead.py --smoke: the three paths run (on the CPU interpreter here),
+agree, and come out as the table's rows and the JSON's numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.benchmark_scripts import BENCHMARKS
+
+SCRIPT = BENCHMARKS / "attention_overhead.py"
+PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")
+
+
+def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    env = {**os.environ, "TUNER_DATABASE_URL": f"sqlite:///{tmp_path / 'none.db'}"}
+    env.pop("TUNER_URL", None)  # no service: the config is the default, resolved once
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for label in ("(a) launch plan", "(b) flash_attention_fwd", "(c) tuner.attention",
+                  "(b) - (a)", "(c) - (a)"):
+        assert any(line.startswith(label) for line in lines), (label, done.stdout)
+    assert "target (c) - (a) <= 10 us" in done.stdout
+
+    results = json.loads(out.read_text())
+    on_cpu = results["device"].startswith("cpu")  # real launches are timed on CUDA only
+    timings = ["host"] if on_cpu else ["host", "enqueue", "synced"]
+    assert list(results["us_per_call"]) == timings
+    for timing in timings:
+        row = results["us_per_call"][timing]
+        assert list(row) == list(PATHS) and all(x > 0 for x in row.values())
+        assert results["overhead_us"][timing] == {
+            name: round(row[name] - row["launch plan"], 3) for name in PATHS[1:]}
+        assert results["meets_target"][timing] == (
+            results["overhead_us"][timing]["tuner.attention"] <= results["target_us"])
+        assert all(len(runs) == results["rounds"]
+                   for runs in results["rounds_us"][timing].values())
+    assert results["config_source"] == "default" and results["target_us"] == 10.0
