@@ -447,14 +447,32 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         TypeError / ValueError naming the offending argument, the config field, or the
         constraint the config violates for this problem and device.
     """
+    plan = _cached_plan(q, k, v, causal, attn_mask, block_mask, scale, config)
+    if attn_mask is not None:
+        attn_mask = kernel.broadcast_attn_mask(attn_mask, q, k)
+    return plan(q, k, v, block_mask, attn_mask)
+
+
+def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                causal: bool | str = False, scale: float | None = None,
+                config: FwdConfig | Mapping[str, object] | None = None) -> kernel.LaunchPlan:
+    """What ``flash_attention_fwd`` (without masks) checks and works out for these arguments,
+    from its plan cache: calling the plan on tensors of the same shapes, strides, dtype, device
+    and 16-byte alignment launches the kernel with none of the checks (a caller that keys on
+    all of those, as ``tuner.attention`` does, skips this module's key and lookup too).
+
+    Raises what ``flash_attention_fwd`` raises for the same arguments."""
+    return _cached_plan(q, k, v, causal, None, None, scale, config)
+
+
+def _cached_plan(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: Any,
+                 scale: Any, config: Any) -> kernel.LaunchPlan:
     key = _plan_key(q, k, v, causal, attn_mask, block_mask, scale, config)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _validated_plan(q, k, v, causal, attn_mask, block_mask, scale, config)
         _PLANS.put(key, plan)
-    if attn_mask is not None:
-        attn_mask = kernel.broadcast_attn_mask(attn_mask, q, k)
-    return plan(q, k, v, block_mask, attn_mask)
+    return plan
 
 
 # Launch plans of flash_attention_fwd by _plan_key: a repeated call skips the checks and the

@@ -78,7 +78,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
              is_causal: bool = False, enable_gqa: bool = False) -> Resolved:
     """Which config ``attention`` runs for these inputs, and where it came from."""
-    return _plan(query, key, value, is_causal, enable_gqa).resolved
+    return _resolve(query, key, value, is_causal, enable_gqa)
 
 
 def clear_plans() -> None:
@@ -140,8 +140,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: 
 # ----------------------------------------------------------------------------- plans
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None],
-                  tuple[torch.Tensor, torch.Tensor]]
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     resolved: Resolved
     expires_at: float
 
@@ -152,63 +151,78 @@ _now = time.monotonic
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
              scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # The hot path: one tuple, one dict lookup, one clock read, then the kernel.
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-           is_causal, enable_gqa)
+    # The hot path: one tuple, one dict lookup, one clock read, then the kernel's launch plan.
+    # The key holds all that flash_fwd's launch plan depends on (strides, 16-byte alignment,
+    # scale, and its class: 1 is refused, True too, 1.0 accepted), so the plan calls the launch
+    # directly; going through flash_attention_fwd's own key and lookup cost 2.3 us per call
+    # more on the dev VM's CPU (benchmarks/attention_overhead.py).
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, k.device, v.device,
+           (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, is_causal, enable_gqa,
+           scale.__class__, scale)
     plan = _PLANS.get(key)
     if plan is None or plan.expires_at <= _now():
-        plan = _plan(q, k, v, is_causal, enable_gqa, key)
-    return plan.run(q, k, v, scale)
+        plan = _plan(q, k, v, is_causal, enable_gqa, scale, key)
+    return plan.run(q, k, v)
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-          enable_gqa: bool, key: tuple[object, ...] | None = None) -> _Plan:
+def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+             enable_gqa: bool) -> Resolved:
+    """Check the inputs; the config for their problem (cache -> database -> service ->
+    default)."""
     check_inputs(q, k, v, enable_gqa)
-    from templates import flash_fwd_kernel
     from templates.base import Problem
     from templates.device import current_device, interpreter_active
-    from templates.flash_fwd import DTYPE_NAMES, FwdConfig, flash_attention_fwd
+    from templates.flash_fwd import DTYPE_NAMES
     from templates.registry import get_template
     from tuner.lookup import resolve_config
 
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"tuner.attention runs on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
-    lead = tuple(q.shape[:-3])
-    batch = math.prod(lead)
     heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
-    seqlen_q, seqlen_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    causal = "top_left" if is_causal else "none"
-    problem = Problem(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
-                      seqlen_kv=seqlen_kv, head_dim=head_dim, dtype=DTYPE_NAMES[q.dtype],
-                      causal=causal)
-    template = get_template(TEMPLATE_NAME)
+    problem = Problem(batch=math.prod(q.shape[:-3]), heads_q=heads_q, heads_kv=heads_kv,
+                      seqlen_q=q.shape[-2], seqlen_kv=k.shape[-2], head_dim=q.shape[-1],
+                      dtype=DTYPE_NAMES[q.dtype], causal="top_left" if is_causal else "none")
     device = current_device(q.device.index) if q.is_cuda else current_device()
-    resolved = resolve_config(template, problem, device)
+    return resolve_config(get_template(TEMPLATE_NAME), problem, device)
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+          enable_gqa: bool, scale: float | None, key: tuple[object, ...]) -> _Plan:
+    """The resolved config's launch plan for inputs laid out like these, kept under ``key``."""
+    from templates import flash_fwd_kernel
+    from templates.flash_fwd import FwdConfig, launch_plan
+
+    resolved = _resolve(q, k, v, is_causal, enable_gqa)
     config = resolved.config
     assert isinstance(config, FwdConfig)
-    no_tma = replace(config, use_tma=False)
-    reshape = q.dim() != 4
-    q4, kv4 = (batch, heads_q, seqlen_q, head_dim), (batch, heads_kv, seqlen_kv, head_dim)
+    batch = math.prod(q.shape[:-3])
+    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
+    q4 = (batch, heads_q, q.shape[-2], q.shape[-1])
+    kv4 = (batch, heads_kv, k.shape[-2], k.shape[-1])
     out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
-    tma_problem = flash_fwd_kernel.tma_inputs_problem
+    reshape = q.dim() != 4
+    # Inputs laid out alike reshape to views laid out alike: one launch plan serves them all.
+    if reshape:
+        q, k, v = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
+    # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
+    if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
+        config = replace(config, use_tma=False)
+    launch = launch_plan(q, k, v, causal="top_left" if is_causal else "none", scale=scale,
+                         config=config)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
         if reshape:
-            q, k, v = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
-        # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
-        cfg = no_tma if config.use_tma and tma_problem(q, k, v) else config
-        o, lse = flash_attention_fwd(q, k, v, causal=causal, scale=scale, config=cfg)
-        if reshape:
+            o, lse = launch(q.reshape(q4), k.reshape(kv4), v.reshape(kv4))
             return o.reshape(out_shape), lse.reshape(lse_shape)
-        return o, lse
+        return launch(q, k, v)
 
     plan = _Plan(run, resolved, resolved.expires_at)
-    if key is not None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
     return plan
 
 
@@ -251,8 +265,7 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to {full}") from None
-    plan = _plan(q, k, v, is_causal, enable_gqa)
-    config = plan.resolved.config
+    config = _resolve(q, k, v, is_causal, enable_gqa).config
     assert isinstance(config, FwdConfig)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)

@@ -183,9 +183,9 @@ def test_masked_gradients_match_sdpa(device: str, mask_kind: str) -> None:
         assert rel_error(g_mine, g_ref) <= TOL[torch.float32]
 
 
-def test_a_float_mask_that_requires_grad_raises() -> None:
-    q = torch.randn(1, 2, 8, 16, requires_grad=True)
-    mask = torch.zeros(8, 8, requires_grad=True)
+def test_a_float_mask_that_requires_grad_raises(device: str) -> None:
+    q = torch.randn(1, 2, 8, 16, device=device, requires_grad=True)
+    mask = torch.zeros(8, 8, device=device, requires_grad=True)
     with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
         tuner.attention(q, q, q, attn_mask=mask)
 
