@@ -4,17 +4,24 @@ Follows ../shared/bench/PROTOCOL.md (decode rows): bf16, D=128, 32 query heads o
 heads, one query token; B=1 at 32k and 128k, B=8 at 32k, B=64 at 4k and with mixed lengths
 around 4k (``mixed`` over an 8k cache: lengths 128..8192, mean ~4.1k), contiguous and paged.
 Reports the bytes of K and V read per second (the cache's useful bytes, not GQA repeats)
-beside the time, for: the default config, the same config with num_splits=1, the best of a
-short sweep, and SDPA's FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION backends
-alone (GQA through enable_gqa, or K/V repeated where a backend refuses it; contiguous
-rows of one length only: SDPA has no per-sequence lengths). A device-to-device copy in
-the same process gives the bandwidth ceiling.
+beside the time, for: the default config, the same with combine="fused", the same with
+num_splits=1, the best of a short sweep (overall, and per combine mode), and SDPA's
+FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION backends alone (GQA through
+enable_gqa, or K/V repeated where a backend refuses it; contiguous rows of one length only:
+SDPA has no per-sequence lengths). A device-to-device copy in the same process gives the
+bandwidth ceiling.
+
+The sweep has two phases. First the tile, warps, stages and splits around the default (and
+the row's best config of an earlier result file, --seeds), nearest first, each in both
+combine modes one after the other, so a sweep cut off by its deadline still compares them.
+Then the two fastest of those with the cache hint (kv_load="evict_first") and whole_waves,
+alone and together, in both combine modes.
 
 Every output is checked against the float32 reference before its time counts. Timing:
 triton.testing.do_bench(warmup=25, rep=100, return_mode="median"). Bounded to about three
 minutes (the sweep stops at a deadline).
 
-    python benchmarks/decode_bench.py [--json out.json] [--budget-s 150]
+    python benchmarks/decode_bench.py [--json out.json] [--budget-s 150] [--rows b1-32k,...]
 """
 
 from __future__ import annotations
@@ -31,17 +38,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from templates.base import Problem, relative_error  # noqa: E402
-from templates.flash_decode import SPLIT_CHOICES, TEMPLATE, FlashDecodeConfig  # noqa: E402
-from templates.flash_decode_kernel import check_decode_inputs, launch_decode  # noqa: E402
+from templates.flash_decode import (  # noqa: E402
+    SPLIT_CHOICES,
+    TEMPLATE,
+    FlashDecodeConfig,
+    launch_with_config,
+)
+from templates.flash_decode_kernel import (  # noqa: E402
+    COMBINE_MODES,
+    check_decode_inputs,
+    rows_per_tile,
+    whole_wave_splits,
+)
 
 WARMUP_MS, REP_MS = 25, 100
 SWEEP_BLOCK_N = (32, 64, 128)
 SWEEP_WARPS = (4, 8)
 SWEEP_STAGES = (2, 3, 4)
+# Share of a row's sweep time for the first phase; the rest refines its two best.
+STRUCTURE_SHARE = 0.65
+REFINED_BASES = 2
+DEFAULT_SEEDS = Path(__file__).resolve().parent / "results" / "decode_h100.json"
 
 
 def decode(batch: int, seqlen: int, mask: str = "none") -> Problem:
@@ -50,7 +72,7 @@ def decode(batch: int, seqlen: int, mask: str = "none") -> Problem:
 
 # (name, problem, share of the sweep budget): the issue's headline row sweeps longest.
 ROWS: list[tuple[str, Problem, float]] = [
-    ("b1-32k", decode(1, 32768), 3.0),
+    ("b1-32k", decode(1, 32768), 4.0),
     ("b1-128k", decode(1, 131072), 1.0),
     ("b1-32k-paged16", decode(1, 32768, "paged:16"), 1.0),
     ("b8-32k", decode(8, 32768), 1.0),
@@ -120,25 +142,81 @@ def ours(inputs: dict[str, Any], cfg: FlashDecodeConfig) -> Callable[[], torch.T
                                 inputs["cache_seqlens"], inputs["block_table"])
 
     def call() -> torch.Tensor:
-        return launch_decode(inputs["q"], inputs["k_cache"], inputs["v_cache"],
-                             inputs["cache_seqlens"], inputs["block_table"], None, shape,
-                             num_splits=cfg.num_splits, block_n=cfg.block_n,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)[0]
+        return launch_with_config(inputs["q"], inputs["k_cache"], inputs["v_cache"],
+                                  inputs["cache_seqlens"], inputs["block_table"], None, shape,
+                                  cfg)[0]
     return call
 
 
-def sweep_configs(problem: Problem, default: FlashDecodeConfig, device: Any) -> list[FlashDecodeConfig]:
-    """A short sweep around the default, nearest first (so a cut-off sweep stays useful)."""
+def config_label(cfg: dict[str, Any] | None) -> str:
+    """Short text of a config: s<splits> bn<block_n> w<warps> st<stages> <combine>, then the
+    hints that are on."""
+    if not cfg:
+        return "-"
+    hints = [str(cfg["kv_load"])] if cfg.get("kv_load", "default") != "default" else []
+    hints += ["waves"] if cfg.get("whole_waves") else []
+    return " ".join([f"s{cfg['num_splits']} bn{cfg['block_n']} w{cfg['num_warps']} "
+                     f"st{cfg['num_stages']} {cfg.get('combine', 'separate')}", *hints])
+
+
+def structure_configs(problem: Problem, default: FlashDecodeConfig, seeds: list[FlashDecodeConfig],
+                      device: Any) -> list[FlashDecodeConfig]:
+    """Phase one: splits, tile, warps and stages around the default, the seeds first and then
+    nearest first (so a cut-off sweep stays useful), each in every combine mode in turn."""
     splits = [s for s in SPLIT_CHOICES
               if default.num_splits / 8 <= s <= default.num_splits * 4]
-    configs = {FlashDecodeConfig(num_splits=s, block_n=b, num_warps=w, num_stages=st)
-               for s in splits for b in SWEEP_BLOCK_N for w in SWEEP_WARPS for st in SWEEP_STAGES}
-    valid = [c for c in configs if TEMPLATE.constraint(problem, c, device) is None]
+    bases = {FlashDecodeConfig(num_splits=s, block_n=b, num_warps=w, num_stages=st)
+             for s in splits for b in SWEEP_BLOCK_N for w in SWEEP_WARPS for st in SWEEP_STAGES}
 
     def distance(c: FlashDecodeConfig) -> tuple[int, str]:
         differs = sum(getattr(c, k) != getattr(default, k) for k in default.to_dict())
         return differs, c.key()
-    return sorted(valid, key=distance)
+    seeded = [replace(c, combine="separate") for c in seeds]
+    ordered = seeded + sorted(bases - set(seeded), key=distance)
+    configs = [replace(c, combine=mode) for c in ordered for mode in COMBINE_MODES]
+    return unique_valid(problem, configs, device)
+
+
+def hint_configs(problem: Problem, bases: list[FlashDecodeConfig],
+                 device: Any) -> list[FlashDecodeConfig]:
+    """Phase two: the cache hint and whole waves, alone and together, on the given bases in
+    every combine mode."""
+    configs = [replace(base, combine=mode, kv_load=kv, whole_waves=waves)
+               for base in bases for mode in COMBINE_MODES
+               for kv, waves in (("evict_first", False), ("default", True), ("evict_first", True))]
+    return unique_valid(problem, configs, device)
+
+
+def unique_valid(problem: Problem, configs: list[FlashDecodeConfig],
+                 device: Any) -> list[FlashDecodeConfig]:
+    seen: set[FlashDecodeConfig] = set()
+    valid = []
+    for c in configs:
+        if c not in seen and TEMPLATE.constraint(problem, c, device) is None:
+            seen.add(c)
+            valid.append(c)
+    return valid
+
+
+def launched_splits(problem: Problem, cfg: FlashDecodeConfig, device: Any) -> int:
+    """What whole_waves makes of num_splits on this device (the launcher rounds it)."""
+    if not cfg.whole_waves:
+        return cfg.num_splits
+    programs = problem.batch * problem.heads_kv * triton.cdiv(
+        problem.gqa_ratio * problem.seqlen_q, rows_per_tile(problem.gqa_ratio, problem.seqlen_q))
+    return whole_wave_splits(programs, cfg.num_splits,
+                             triton.cdiv(problem.seqlen_kv, cfg.block_n), device.sm_count)
+
+
+def seed_configs(path: Path | None, row_name: str) -> list[FlashDecodeConfig]:
+    """The best config an earlier run of this benchmark found for the row, if any."""
+    if path is None or not path.exists():
+        return []
+    for row in json.loads(path.read_text()).get("rows", []):
+        for m in row.get("results", []) if row.get("name") == row_name else []:
+            if m.get("what") == "tuned" and m.get("config"):
+                return [FlashDecodeConfig.from_dict(m["config"])]
+    return []
 
 
 def sdpa_backends(inputs: dict[str, Any], row: RowResult, ref_o: torch.Tensor, tol: float) -> None:
@@ -165,31 +243,53 @@ def sdpa_backends(inputs: dict[str, Any], row: RowResult, ref_o: torch.Tensor, t
         row.results.append(result)
 
 
-def run_row(name: str, problem: Problem, device: Any, deadline: float) -> RowResult:
+def run_row(name: str, problem: Problem, device: Any, deadline: float,
+            seeds: list[FlashDecodeConfig]) -> RowResult:
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)
     ref_o = TEMPLATE.reference(inputs)[0]
     tol = TEMPLATE.tolerance(problem)
     row = RowResult(name, problem.to_dict(), TEMPLATE.kv_bytes(problem))
+
+    def timed(what: str, cfg: FlashDecodeConfig) -> Measurement:
+        splits = launched_splits(problem, cfg, device)
+        note = f"launched {splits} splits" if splits != cfg.num_splits else ""
+        return measure(what, ours(inputs, cfg), ref_o, tol, row.kv_bytes, cfg.to_dict(), note)
     default = TEMPLATE.default_config(problem, device)
-    row.results.append(measure("default", ours(inputs, default), ref_o, tol, row.kv_bytes,
-                               default.to_dict()))
-    one = replace(default, num_splits=1)
-    row.results.append(measure("one-split", ours(inputs, one), ref_o, tol, row.kv_bytes,
-                               one.to_dict()))
-    best = row.get("default")
-    tried = 0
-    for cfg in sweep_configs(problem, default, device):
+    row.results.append(timed("default", default))
+    fused = replace(default, combine="fused")
+    if TEMPLATE.constraint(problem, fused, device) is None:
+        row.results.append(timed("default-fused", fused))
+    row.results.append(timed("one-split", replace(default, num_splits=1)))
+
+    swept = [m for m in row.results if m.what != "one-split"]
+    phase_end = time.monotonic() + STRUCTURE_SHARE * max(0.0, deadline - time.monotonic())
+    for cfg in structure_configs(problem, default, seeds, device):
+        if time.monotonic() > phase_end:
+            break
+        if cfg not in (default, fused):  # timed above
+            swept.append(timed("tuned", cfg))
+    ranked = sorted((m for m in swept if m.us is not None), key=lambda m: m.us or 0.0)
+    bases: list[FlashDecodeConfig] = []
+    for m in ranked:
+        base = replace(FlashDecodeConfig.from_dict(m.config or {}), combine="separate")
+        if base not in bases and len(bases) < REFINED_BASES:
+            bases.append(base)
+    for cfg in hint_configs(problem, bases, device):
         if time.monotonic() > deadline:
             break
-        result = measure("tuned", ours(inputs, cfg), ref_o, tol, row.kv_bytes, cfg.to_dict())
-        tried += 1
-        if result.us is not None and (best is None or best.us is None or result.us < best.us):
-            best = result
-    if best is not None:
-        row.results.append(replace(best, what="tuned", note=f"best of {tried} swept"))
+        if not cfg.whole_waves or launched_splits(problem, cfg, device) != cfg.num_splits:
+            swept.append(timed("tuned", cfg))  # (whole waves that change nothing: skipped)
+    tried = len(swept)
+    for what, mode in (("tuned", None), *((f"tuned-{m}", m) for m in COMBINE_MODES)):
+        pool = [m for m in swept if m.us is not None and m.config
+                and (mode is None or m.config.get("combine") == mode)]
+        if pool:
+            best = min(pool, key=lambda m: m.us or 0.0)
+            row.results.append(replace(best, what=what, note=f"best of {len(pool)} of "
+                                                             f"{tried} swept {best.note}"))
     if problem.mask == "none":
         sdpa_backends(inputs, row, ref_o, tol)
-    del inputs
+    inputs.clear()  # free the caches before the next row
     torch.cuda.empty_cache()
     return row
 
@@ -220,8 +320,8 @@ def fmt(m: Measurement | None, copy_tb: float) -> str:
 
 def print_table(rows: list[RowResult], copy_tb: float) -> None:
     print(f"\nK+V bytes read per second; % of the measured copy bandwidth {copy_tb:.2f} TB/s")
-    head = (f"{'row':22} {'default':>26} {'x vs 1 split':>12} {'tuned':>26} "
-            f"{'sdpa-fa2':>8} {'sdpa-cudnn':>10}")
+    head = (f"{'row':22} {'default':>26} {'default fused':>26} {'x vs 1 split':>12} "
+            f"{'best separate':>26} {'best fused':>26} {'sdpa-fa2':>8} {'sdpa-cudnn':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -230,12 +330,14 @@ def print_table(rows: list[RowResult], copy_tb: float) -> None:
                    else f"{'-':>12}")
         sdpa = [r.get(n) for n in ("sdpa-fa2", "sdpa-cudnn")]
         sdpa_txt = [f"{m.tb_per_s:.2f}" if m and m.tb_per_s else "-" for m in sdpa]
-        print(f"{r.name:22} {fmt(default, copy_tb):>26} {speedup} "
-              f"{fmt(r.get('tuned'), copy_tb):>26} {sdpa_txt[0]:>8} {sdpa_txt[1]:>10}")
+        print(f"{r.name:22} {fmt(default, copy_tb):>26} {fmt(r.get('default-fused'), copy_tb):>26} "
+              f"{speedup} {fmt(r.get('tuned-separate'), copy_tb):>26} "
+              f"{fmt(r.get('tuned-fused'), copy_tb):>26} {sdpa_txt[0]:>8} {sdpa_txt[1]:>10}")
     for r in rows:
-        tuned = r.get("tuned")
-        if tuned and tuned.config:
-            print(f"  {r.name}: tuned {tuned.config} ({tuned.note})")
+        for what in ("default", "tuned-separate", "tuned-fused"):
+            m = r.get(what)
+            if m and m.config:
+                print(f"  {r.name:22} {what:15} {config_label(m.config):40} {m.note}")
 
 
 def main() -> int:
@@ -243,7 +345,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="wall-clock budget; the sweeps stop when it is spent")
+    parser.add_argument("--rows", help="comma-separated row names to run (default: all), e.g. "
+                        "b1-32k to spend the whole budget on the issue's row")
+    parser.add_argument("--seeds", type=Path, default=DEFAULT_SEEDS,
+                        help="an earlier result file whose best config per row the sweep "
+                             "tries first (default: %(default)s; a missing file: none)")
     args = parser.parse_args()
+    rows_run = [r for r in ROWS if args.rows is None or r[0] in args.rows.split(",")]
+    if not rows_run:
+        print(f"--rows names none of {[r[0] for r in ROWS]}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -256,17 +367,18 @@ def main() -> int:
     copy_tb = copy_bandwidth() / 1e12
     print(f"device-to-device copy: {copy_tb:.2f} TB/s (read + write)")
     rows: list[RowResult] = []
-    for i, (name, problem, share) in enumerate(ROWS):
+    for i, (name, problem, share) in enumerate(rows_run):
         # Share what is left of the budget among the rows still to run.
         left = args.budget_s - (time.monotonic() - start)
-        shares_left = sum(r[2] for r in ROWS[i:])
-        sweep_s = left * share / shares_left - ROW_FIXED_S * (len(ROWS) - i) * share / shares_left
+        shares_left = sum(r[2] for r in rows_run[i:])
+        sweep_s = (left * share / shares_left
+                   - ROW_FIXED_S * (len(rows_run) - i) * share / shares_left)
         deadline = time.monotonic() + max(0.0, sweep_s)
-        row = run_row(name, problem, device, deadline)
+        row = run_row(name, problem, device, deadline, seed_configs(args.seeds, name))
         rows.append(row)
         for m in row.results:
-            print(f"{name:22} {m.what:15} {fmt(m, copy_tb):>28} err={m.error} {m.config or ''} "
-                  f"{m.note}")
+            print(f"{name:22} {m.what:15} {fmt(m, copy_tb):>28} {config_label(m.config):40} "
+                  f"err={m.error} {m.note}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "copy_tb_per_s": copy_tb,

@@ -2,8 +2,9 @@
 
 The KV length of every sequence is split across ``num_splits`` programs; each computes a
 partial output and logsumexp over its chunk with an online softmax, and a small combine
-kernel merges the partials through their logsumexps. The result is exact: the same softmax
-as one pass over the whole cache, up to floating-point rounding.
+kernel merges the partials through their logsumexps (or, with ``combine="fused"``, the last
+split program of each row tile to finish merges them). The result is exact: the same
+softmax as one pass over the whole cache, up to floating-point rounding.
 
 The kernels and their launcher are in ``templates/flash_decode_kernel.py`` (torch and triton
 only, so ``standalone_source`` can export it); this module holds the template (search space,
@@ -51,6 +52,19 @@ Knobs (``FlashDecodeConfig``)
                 per SM
     num_stages  software-pipelining depth of the K/V loads: hides HBM latency at the cost
                 of shared memory
+    combine     "separate": a second kernel merges the partials; "fused": each split
+                program counts itself in on a per-row-tile atomic counter after storing its
+                partial, and the last one merges (no second launch, no wait for the whole
+                grid to drain before merging starts; costs an atomic per program and a
+                serial merge at the end of the last one). The counters are cached per
+                device and stream: see ``arrival_counters``
+    kv_load     L2 hint of the K/V loads: "evict_first" lets the streamed-once K/V leave L2
+                before the partials and q, which may shorten the merge's reads; "default"
+                leaves it to the hardware
+    whole_waves raise num_splits by up to an eighth so the grid is a multiple of the SM
+                count (e.g. 32 -> 33 splits for 8 KV heads on 132 SMs): every SM then gets
+                the same number of programs instead of a few SMs one fewer. The launcher
+                rounds with the device's SM count; on the interpreter it changes nothing
 """
 
 from __future__ import annotations
@@ -69,6 +83,8 @@ from templates import flash_decode_kernel
 from templates.base import KernelConfig, Problem, Template, knob, relative_error
 from templates.device import DeviceInfo, current_device
 from templates.flash_decode_kernel import (
+    COMBINE_MODES,
+    KV_EVICTION,
     MAX_HEAD_DIM,
     MAX_QUERY_TOKENS,
     DecodeShape,
@@ -107,6 +123,18 @@ class FlashDecodeConfig(KernelConfig):
     num_warps: int = knob(4, (1, 2, 4, 8), "warps per program: threads per tile vs programs per SM")
     num_stages: int = knob(2, (1, 2, 3, 4),
                            "K/V load pipelining depth: hides HBM latency, costs shared memory")
+    # "separate" stays the default until the fused merge is measured on a GPU.
+    combine: str = knob("separate", COMBINE_MODES,
+                        "merge of the splits' partials: a second kernel (separate), or the "
+                        "last split program of each row tile to finish, found by an atomic "
+                        "arrival counter (fused: no second launch and no grid-wide wait, at "
+                        "the cost of one atomic per program and a serial merge in the last)")
+    kv_load: str = knob("default", tuple(KV_EVICTION),
+                        "L2 hint of the K/V loads: evict_first lets the streamed-once K/V "
+                        "leave L2 first, which may keep the partials there for the merge")
+    whole_waves: bool = knob(False, (False, True),
+                             "raise num_splits by up to 1/8 so the grid is a multiple of the SM "
+                             "count: equal programs per SM instead of a few SMs one short")
 
 
 @dataclass(frozen=True)
@@ -251,6 +279,12 @@ class FlashDecodeTemplate(Template):
             return (f"num_splits={cfg.num_splits} exceeds the {tiles} tiles of block_n="
                     f"{cfg.block_n} in the longest sequence ({problem.seqlen_kv}): some "
                     f"splits would get no keys")
+        # Knobs that change nothing here: the same kernel as a config already in the space.
+        if cfg.num_splits == 1 and cfg.combine != "separate":
+            return "one split writes the output itself: there is no combine to fuse"
+        if cfg.whole_waves and cfg.num_splits < 8:
+            return (f"whole_waves adds at most an eighth of num_splits={cfg.num_splits}, "
+                    f"which is less than one split")
         return None
 
     def default_config(self, problem: Problem, device: DeviceInfo) -> FlashDecodeConfig:
@@ -369,9 +403,18 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         reason = template._resource_reason(problem, cfg, device)
         if reason:
             raise ValueError(f"config {cfg.key()} cannot run this problem: {reason}")
+    return launch_with_config(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape, cfg)
+
+
+def launch_with_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                       scale: float | None, shape: DecodeShape,
+                       cfg: FlashDecodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """launch_decode with the knobs of ``cfg``, on inputs check_decode_inputs passed."""
     return launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape,
-                          num_splits=cfg.num_splits, block_n=cfg.block_n,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         num_splits=cfg.num_splits, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, combine=cfg.combine, kv_load=cfg.kv_load,
+                         whole_waves=cfg.whole_waves)
 
 
 # ----------------------------------------------------------------------------- inputs & reference
@@ -464,6 +507,9 @@ NUM_SPLITS = {num_splits}
 BLOCK_N = {block_n}
 NUM_WARPS = {num_warps}
 NUM_STAGES = {num_stages}
+COMBINE = {combine!r}
+KV_LOAD = {kv_load!r}
+WHOLE_WAVES = {whole_waves}
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -474,7 +520,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                 check_contents=check_contents)
     return launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape,
                          num_splits=NUM_SPLITS, block_n=BLOCK_N, num_warps=NUM_WARPS,
-                         num_stages=NUM_STAGES)
+                         num_stages=NUM_STAGES, combine=COMBINE, kv_load=KV_LOAD,
+                         whole_waves=WHOLE_WAVES)
 '''
 
 

@@ -1,5 +1,9 @@
 """Flash-decoding kernels and their launcher: split-KV partials, then a logsumexp combine.
 
+The combine is either a second kernel ("separate") or done inside the split kernel by the
+last split program of each row tile to finish ("fused"): each program stores its partial,
+then counts itself in on an arrival counter, and the one that arrives last merges them all.
+
 This module needs only the standard library, torch and triton: ``standalone_source`` of the
 ``flash_decode`` template copies it whole into an exported module with a config baked in.
 The layouts and semantics are documented in ``templates/flash_decode.py``.
@@ -19,8 +23,14 @@ MAX_QUERY_TOKENS = 16  # beyond a few tokens a prefill kernel tiles the queries 
 MAX_HEAD_DIM = 256
 MAX_ROWS_PER_TILE = 64  # GQA heads x tokens per program before the group is split
 LOG2E = 1.4426950408889634
-# Partial-output elements the combine kernel loads per step: 32 per thread of 4 warps.
+# Partial-output elements the combine kernel loads per step: 32 per thread of 4 warps. The
+# fused combine keeps to the same 32 per thread, whatever its warps.
 COMBINE_TILE_ELEMS = 4096
+COMBINE_MODES = ("separate", "fused")
+# The K/V loads' L2 eviction policy by the kv_load knob's value. (No ".cg" choice: with
+# num_stages >= 2 Triton's cp.async of the K/V tiles is .cg already, in Triton 3.9's sm_90
+# PTX; there evict_first becomes an L2::cache_hint with an evict_first policy.)
+KV_EVICTION = {"default": "", "evict_first": "evict_first"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -30,7 +40,7 @@ def _attend_kv_tile(acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen
                     stride_btp, offs_n, offs_d, d_ok,
                     MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     TILE_IN_PAGE: tl.constexpr, EVEN_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_EVICT: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l_i, m_i) (log2 domain).
 
     MASKED tiles may reach past the sequence or into the causal tail of the new tokens;
@@ -57,14 +67,16 @@ def _attend_kv_tile(acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen
     kT_ptrs = K_head + (page * stride_k0 + slot * stride_kn)[None, :] + offs_d[:, None] * stride_kd
     v_ptrs = V_head + (page * stride_v0 + slot * stride_vn)[:, None] + offs_d[None, :] * stride_vd
     if MASKED:
-        kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+                     eviction_policy=KV_EVICT)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+                    eviction_policy=KV_EVICT)
     elif EVEN_D:
-        kT = tl.load(kT_ptrs)
-        v = tl.load(v_ptrs)
+        kT = tl.load(kT_ptrs, eviction_policy=KV_EVICT)
+        v = tl.load(v_ptrs, eviction_policy=KV_EVICT)
     else:
-        kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0, eviction_policy=KV_EVICT)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0, eviction_policy=KV_EVICT)
 
     qk = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
@@ -84,7 +96,7 @@ def _attend_kv_tile(acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PART,
+def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PART, ARRIVALS,
                          qk_scale, heads_kv, group, row_tiles, num_splits,
                          stride_qb, stride_qh, stride_qn, stride_qd,
                          stride_k0, stride_kh, stride_kn, stride_kd,
@@ -93,8 +105,13 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
                          N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         TILE_IN_PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One (sequence, KV head, row tile, split): a partial (o, lse) over the split's chunk."""
+                         TILE_IN_PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         KV_EVICT: tl.constexpr, FUSED_COMBINE: tl.constexpr, MERGE_SPLIT_TILE: tl.constexpr):
+    """One (sequence, KV head, row tile, split): a partial (o, lse) over the split's chunk.
+
+    With FUSED_COMBINE the last split program of the row tile to finish also merges the
+    partials into the output (ARRIVALS: one zeroed int32 per row tile, left at zero again).
+    """
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row_tile = pid % row_tiles
@@ -102,12 +119,18 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
     kvh = (pid // row_tiles) % heads_kv
 
     seqlen = tl.load(SEQLENS + b * stride_len)
-    # Whole tiles are dealt out evenly: split s takes tiles [s*T/S, (s+1)*T/S), so no split
-    # is empty while the sequence has at least num_splits tiles. num_splits is a run-time
+    # Whole tiles are dealt out evenly: split s takes tiles [s*T/S, (s+1)*T/S) of a sequence
+    # of T >= S tiles, and tile s alone of a shorter one, so the splits with keys are always
+    # the first min(T, S): the fused combine merges just those. num_splits is a run-time
     # value so that tuning it compiles nothing new.
     kv_tiles = tl.cdiv(seqlen, BLOCK_N)
-    start = (split * kv_tiles // num_splits) * BLOCK_N
-    end = tl.minimum(((split + 1) * kv_tiles // num_splits) * BLOCK_N, seqlen)
+    working_splits = tl.minimum(kv_tiles, num_splits)
+    dealt = kv_tiles >= num_splits
+    first_tile = tl.where(dealt, split * kv_tiles // num_splits, tl.minimum(split, kv_tiles))
+    last_tile = tl.where(dealt, (split + 1) * kv_tiles // num_splits,
+                         tl.minimum(split + 1, kv_tiles))
+    start = first_tile * BLOCK_N
+    end = tl.minimum(last_tile * BLOCK_N, seqlen)
     # Keys below seqlen - N_Q + 1 are visible to every query token: no mask needed there.
     seen_by_all = seqlen - N_Q + 1
     unmasked_end = start + (tl.maximum(tl.minimum(end, seen_by_all) - start, 0) // BLOCK_N) * BLOCK_N
@@ -136,13 +159,13 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
             acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen, row_limit, qk_scale,
             stride_k0, stride_kn, stride_kd, stride_v0, stride_vn, stride_vd, stride_btp,
             offs_n, offs_d, d_ok, False, PAGED, PAGE_SIZE, TILE_IN_PAGE, HEAD_DIM == BLOCK_D,
-            DOT_PRECISION)
+            DOT_PRECISION, KV_EVICT)
     for start_n in range(unmasked_end, end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, K_head, V_head, BT_row, b, start_n, seqlen, row_limit, qk_scale,
             stride_k0, stride_kn, stride_kd, stride_v0, stride_vn, stride_vd, stride_btp,
             offs_n, offs_d, d_ok, True, PAGED, PAGE_SIZE, TILE_IN_PAGE, HEAD_DIM == BLOCK_D,
-            DOT_PRECISION)
+            DOT_PRECISION, KV_EVICT)
 
     # Rows that saw no key: o = 0, lse = -inf (their acc is 0 and l is 0).
     seen = l_i > 0
@@ -151,47 +174,94 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
     lse2 = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     out_row = (b.to(tl.int64) * heads_kv * group + head) * N_Q + tok
     out_mask = row_ok[:, None] & d_ok[None, :]
+    out_ptrs = Out + out_row[:, None] * HEAD_DIM + offs_d[None, :]
+    part_row = out_row * num_splits + split
+    part_ptrs = O_PART + part_row[:, None] * HEAD_DIM + offs_d[None, :]
     if SINGLE_SPLIT:
-        tl.store(Out + out_row[:, None] * HEAD_DIM + offs_d[None, :],
-                 o.to(Out.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=out_mask)
         tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        part_row = out_row * num_splits + split
-        tl.store(O_PART + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+    elif not FUSED_COMBINE:
+        # The combine kernel reads every split's partial, an empty one's (o = 0, lse = -inf)
+        # included.
+        tl.store(part_ptrs, o, mask=out_mask)
         tl.store(LSE_PART + part_row, lse2, mask=row_ok)
+    elif working_splits <= 1:
+        # One split or none has keys: split 0 holds the whole answer (o = 0, lse = -inf for
+        # an empty sequence) and writes it; no partial, no arrival.
+        if split == 0:
+            tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=out_mask)
+            tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
+    elif split < working_splits:  # the empty splits take no part
+        tl.store(part_ptrs, o, mask=out_mask)
+        tl.store(LSE_PART + part_row, lse2, mask=row_ok)
+        # Every thread's partial stores come before the one thread's release (the atomic of
+        # a scalar runs on one thread): the barrier orders them within the program, the
+        # release (acq_rel at gpu scope) publishes them to whichever program acquires the
+        # counter after it. The interpreter runs programs one at a time, so the CPU tests
+        # check which program merges and what, not this ordering.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ARRIVALS + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == working_splits - 1:
+            # Last to arrive: the others are done with the counter, so a plain store leaves
+            # it at zero for the next launch on this stream (stream order makes it visible).
+            tl.store(ARRIVALS + pid, 0)
+            first_row = row_tile * BLOCK_M
+            tile_rows = tl.minimum(group * N_Q - first_row, BLOCK_M)
+            tile_out_row = (b.to(tl.int64) * heads_kv + kvh) * group * N_Q + first_row
+            for r in range(0, tile_rows):
+                # .cg: read the other programs' partials from L2, never from a stale L1 line
+                # (L1 is not coherent; an earlier launch may have left one on this SM).
+                _merge_row(O_PART, LSE_PART, Out, LSE, tile_out_row + r, working_splits,
+                           num_splits, HEAD_DIM, BLOCK_D, MERGE_SPLIT_TILE, ".cg")
 
 
 @triton.jit
 def _decode_combine_kernel(O_PART, LSE_PART, Out, LSE, num_splits,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr):
-    """One query row: merge its num_splits partials, weighting each by exp(lse_s - lse)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(LSE_PART + row * num_splits + offs_s, mask=offs_s < num_splits,
-                    other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)  # every split empty: keep weights at 0
-    total = tl.sum(tl.exp2(lse_s - m_ref), 0)
+                           SPLIT_TILE: tl.constexpr):
+    """One query row: merge its num_splits partials (the separate combine)."""
+    _merge_row(O_PART, LSE_PART, Out, LSE, tl.program_id(0).to(tl.int64), num_splits,
+               num_splits, HEAD_DIM, BLOCK_D, SPLIT_TILE, "")
+
+
+@triton.jit
+def _merge_row(O_PART, LSE_PART, Out, LSE, row, num_parts, num_splits,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_TILE: tl.constexpr,
+               LOAD_CACHE: tl.constexpr):
+    """Merge the first num_parts partials of output row ``row`` (at row * num_splits + s),
+    weighting each by exp(lse_s - lse), into Out and LSE.
+
+    An online softmax over the partials, SPLIT_TILE at a time with their lse loaded beside
+    them: one dependent load per tile (a first pass for the max would add one), and one
+    tile covers every split when the splits x head dim fit in 32 elements per thread.
+    """
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_t = tl.arange(0, SPLIT_TILE)
+    # The running max and sum as 1-element tensors: a loop-carried value keeps its type.
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    # SPLIT_TILE partials per step, loaded together: one load per split in turn would wait
-    # out the memory latency num_splits times.
-    for first in range(0, num_splits, SPLIT_TILE):
+    for first in range(0, num_parts, SPLIT_TILE):
         s = first + offs_t
-        s_ok = s < num_splits
-        weight = tl.exp2(tl.load(LSE_PART + row * num_splits + s, mask=s_ok,
-                                 other=float("-inf")) - m_ref)
-        o_s = tl.load(O_PART + (row * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(weight[:, None] * o_s, 0)
-    seen = total > 0
-    total_safe = tl.where(seen, total, 1.0)
-    tl.store(Out + row * HEAD_DIM + offs_d, (acc / total_safe).to(Out.dtype.element_ty), mask=d_ok)
-    lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + row, lse)
+        s_ok = s < num_parts
+        part = row * num_splits + s
+        lse_s = tl.load(LSE_PART + part, mask=s_ok, other=float("-inf"),
+                        cache_modifier=LOAD_CACHE)
+        o_s = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=LOAD_CACHE)
+        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
+        alpha = tl.exp2(m_i - m_ref)
+        weight = tl.exp2(lse_s - m_ref)
+        l_i = l_i * alpha + tl.sum(weight, 0)
+        acc = acc * alpha + tl.sum(weight[:, None] * o_s, 0)
+        m_i = m_new
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    tl.store(Out + row * HEAD_DIM + offs_d, (acc / l_safe).to(Out.dtype.element_ty), mask=d_ok)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + row + tl.arange(0, 1), lse)
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
@@ -312,17 +382,67 @@ def smem_bytes(block_n: int, head_dim: int, num_stages: int, elem_bytes: int, ro
     return (max(1, num_stages) * 2 * block_n + rows) * block_d * elem_bytes
 
 
+def whole_wave_splits(programs: int, num_splits: int, max_splits: int, sm_count: int) -> int:
+    """num_splits raised so that programs x splits is a multiple of the SM count, where that
+    takes at most an eighth more splits and no more than max_splits; else num_splits.
+
+    E.g. 8 KV heads at B=1 on 132 SMs: 32 splits -> 33 (264 programs, 2 per SM), 64 -> 66.
+    """
+    for splits in range(num_splits, min(max_splits, num_splits + num_splits // 8) + 1):
+        if programs * splits % sm_count == 0:
+            return splits
+    return num_splits
+
+
+def merge_split_tile(num_splits: int, block_d: int, num_warps: int) -> int:
+    """Partials a merge loads per step: all of them where 32 elements per thread allow (at
+    d=128 and 4 warps, 32: so 33 splits take two steps; 64 per thread would take 127
+    registers instead of 100 in the fused split kernel, Triton 3.9 sm_90)."""
+    return min(pow2_at_least(num_splits), max(1, COMBINE_TILE_ELEMS * num_warps // 4 // block_d))
+
+
+# Arrival counters of the fused combine, one int32 per (sequence, KV head, row tile), by
+# (device, stream). Zeroed once and left at zero by the last program of each row tile: a
+# memset per call would be one more launch, the very cost the fused combine removes. One set
+# per stream: launches on one stream run one after another and never share counts, two
+# launches running at once on two streams would. (A launch that dies mid-way leaves counts
+# behind; the device is unusable after that anyway. Under CUDA graph capture the counters
+# come from the graph's pool: warm up outside the capture, as for any Triton kernel.)
+_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < count:
+        # A larger set replaces a smaller one; the old one is freed in stream order, after
+        # the launches already queued on this stream that use it.
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _ARRIVALS[key] = counters
+    return counters
+
+
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                    scale: float | None, shape: DecodeShape, *, num_splits: int, block_n: int,
-                   num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the split kernel (and the combine kernel when num_splits > 1) on checked inputs."""
+                   num_warps: int, num_stages: int, combine: str = "separate",
+                   kv_load: str = "default",
+                   whole_waves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the split kernel (and the combine kernel when num_splits > 1 and the combine is
+    separate) on checked inputs. The keyword arguments are FlashDecodeConfig's knobs."""
     batch, heads_q, heads_kv, n_q, head_dim = shape[:5]
     group = heads_q // heads_kv
     block_m = rows_per_tile(group, n_q)
     row_tiles = triton.cdiv(group * n_q, block_m)
     block_d = pow2_at_least(head_dim, 16)
     sm_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if whole_waves and q.is_cuda:
+        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = whole_wave_splits(batch * heads_kv * row_tiles, num_splits,
+                                       max(num_splits, triton.cdiv(shape.capacity, block_n)),
+                                       sm_count)
+    fused = combine == "fused" and num_splits > 1
     o = torch.empty((batch, heads_q, n_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, n_q), dtype=torch.float32, device=q.device)
     if num_splits > 1:
@@ -345,21 +465,25 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         page_size = shape.page_size
         tile_in_page = page_size % block_n == 0
     grid = (batch * heads_kv * row_tiles, num_splits)
+    # Unused unless fused; a constant tile then, so that tuning num_splits compiles nothing
+    # new (the fused merge's tile follows it: one compile per power of two).
+    arrivals = arrival_counters(q.device, grid[0]) if fused else lse
+    fused_tile = merge_split_tile(num_splits, block_d, num_warps) if fused else 1
     # Triton launches on the current CUDA device: make it q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _decode_split_kernel[grid](
-            q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part, lse_part,
+            q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part, lse_part, arrivals,
             sm_scale * LOG2E, heads_kv, group, row_tiles, num_splits,
             *q.stride(), *k_strides, *v_strides, *table_strides, cache_seqlens.stride(0),
             N_Q=n_q, HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_D=block_d, PAGED=block_table is not None,
             PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            KV_EVICT=KV_EVICTION[kv_load], FUSED_COMBINE=fused,
+            MERGE_SPLIT_TILE=fused_tile,
             num_warps=num_warps, num_stages=num_stages)
-        if num_splits > 1:
-            block_s = pow2_at_least(num_splits)
+        if num_splits > 1 and not fused:
             _decode_combine_kernel[(batch * heads_q * n_q,)](
                 o_part, lse_part, o, lse, num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                BLOCK_S=block_s, SPLIT_TILE=min(block_s, COMBINE_TILE_ELEMS // block_d),
-                num_warps=4)
+                SPLIT_TILE=merge_split_tile(num_splits, block_d, 4), num_warps=4)
     return o, lse

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import templates
+from templates import flash_decode_kernel
 from templates.base import Problem
 from templates.device import CPU_INTERPRETER, DeviceInfo
 from templates.flash_decode import (
@@ -25,6 +27,7 @@ from templates.flash_decode import (
     parse_decode_mask,
     sequence_lengths,
 )
+from templates.flash_decode_kernel import check_decode_inputs, launch_decode, whole_wave_splits
 from templates.registry import get_template
 
 H100 = DeviceInfo(name="NVIDIA H100 80GB HBM3", compute_capability="9.0", sm_count=132,
@@ -154,6 +157,102 @@ def test_config_as_dict_and_bad_config() -> None:
     with pytest.raises(ValueError, match="block_n must be one of"):
         templates.flash_decode(*args, cache_seqlens=inputs["cache_seqlens"],
                                config={"block_n": 48})
+
+
+# ----------------------------------------------------------------------------- fused combine
+# Under the interpreter the programs run one after another, so these tests check the logic
+# (which program arrives last, what it merges, the counters left at zero), not the memory
+# ordering between programs running at once: the GPU tests below exercise that.
+FUSED_CASES = [
+    # (batch, heads_q, heads_kv, n_q, seqlen, head_dim, dtype, mask, num_splits, block_n)
+    (2, 8, 2, 3, 100, 64, "float16", "none", 4, 16),  # GQA 4 x 3 tokens in one row tile
+    (1, 32, 1, 3, 20, 32, "float16", "none", 2, 16),  # 96 rows: two row tiles, two counters
+    (3, 8, 2, 3, 100, 64, "float16", "paged:16+mixed", 8, 16),  # pages, mixed lengths
+    (1, 4, 1, 3, 100, 40, "float32", "paged:16", 2, 32),  # tile spans pages, padded head dim
+    (2, 4, 4, 1, 100, 64, "float32", "paged:32", 4, 16),  # tiles inside pages, GQA 1
+    (4, 4, 1, 1, 60, 64, "float16", "mixed", 4, 16),  # short sequences leave splits empty
+    (1, 2, 1, 1, 100, 256, "float32", "none", 32, 16),  # d=256: merged 16 splits per step
+    (2, 8, 2, 2, 50, 32, "float16", "none", 1, 16),  # one split: no combine in either mode
+]
+
+
+def run_both_combines(inputs: dict[str, Any], cfg: FlashDecodeConfig) -> list[Any]:
+    return [TEMPLATE.run(inputs, replace(cfg, combine=mode)) for mode in ("separate", "fused")]
+
+
+def assert_counters_at_zero() -> None:
+    for counters in flash_decode_kernel._ARRIVALS.values():
+        assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fused_combine_matches_separate_and_reference(case: tuple[Any, ...]) -> None:
+    batch, heads_q, heads_kv, n_q, seqlen, head_dim, dtype, mask, splits, block_n = case
+    problem = decode_problem(batch, heads_q, heads_kv, n_q, seqlen, head_dim, dtype=dtype,
+                             mask=mask)
+    inputs = TEMPLATE.make_inputs(problem, "cpu", seed=2)
+    ref = TEMPLATE.reference(inputs)
+    separate, fused = run_both_combines(inputs, FlashDecodeConfig(num_splits=splits,
+                                                                  block_n=block_n))
+    tol = TEMPLATE.tolerance(problem)
+    assert TEMPLATE.error(separate, ref) <= tol and TEMPLATE.error(fused, ref) <= tol
+    assert TEMPLATE.error(fused, separate) <= tol
+    assert_counters_at_zero()
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5, 8, 33])
+def test_fused_combine_with_empty_and_single_tile_sequences(splits: int) -> None:
+    # Lengths 0, 1, 16 (one tile), 17 (two), 40 and 100 (7 tiles) of 16-key tiles: with more
+    # splits than tiles the first T splits get a tile each and the rest are empty; with none
+    # or one the lone split writes the output itself. Odd split counts (as whole_waves makes)
+    # go through the launcher, which takes any count.
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(6, 4, 2, 32, generator=gen).half()
+    k = torch.randn(6, 2, 100, 32, generator=gen).half()
+    v = torch.randn(6, 2, 100, 32, generator=gen).half()
+    lens = torch.tensor([0, 1, 16, 17, 40, 100], dtype=torch.int32)
+    shape = check_decode_inputs(q, k, v, lens)
+    ref = decode_reference(q, k, v, cache_seqlens=lens)
+    for mode in ("separate", "fused"):
+        o, lse = launch_decode(q, k, v, lens, None, None, shape, num_splits=splits, block_n=16,
+                               num_warps=4, num_stages=1, combine=mode)
+        assert torch.isneginf(lse[0]).all() and torch.equal(o[0], torch.zeros_like(o[0]))
+        assert torch.isneginf(lse[1, :, 0]).all()  # token 0 of a 1-key sequence sees nothing
+        assert TEMPLATE.error((o, lse), ref) <= 2e-3, (mode, splits)
+    assert_counters_at_zero()
+
+
+def test_fused_combine_reuses_its_counters() -> None:
+    # Twice in a row, then a larger grid (a larger counter set), then the first again: the
+    # last program of each row tile leaves its counter at zero for the next call.
+    small = decode_problem(2, 8, 2, 1, 90, 64, mask="mixed")
+    large = decode_problem(5, 16, 4, 2, 90, 64, mask="paged:16+mixed")
+    cfg = FlashDecodeConfig(num_splits=4, block_n=16, combine="fused")
+    for problem in (small, small, large, small):
+        inputs = TEMPLATE.make_inputs(problem, "cpu", seed=problem.batch)
+        err = TEMPLATE.error(TEMPLATE.run(inputs, cfg), TEMPLATE.reference(inputs))
+        assert err <= TEMPLATE.tolerance(problem)
+        assert_counters_at_zero()
+
+
+def test_kv_load_hint_keeps_the_result() -> None:
+    problem = decode_problem(2, 8, 2, 2, 70, 64, mask="paged:16+mixed")
+    check_against_reference(problem, FlashDecodeConfig(num_splits=4, block_n=16,
+                                                       kv_load="evict_first"), "cpu")
+
+
+def test_whole_wave_splits() -> None:
+    # 8 KV heads at B=1 on 132 SMs: 264 programs are two per SM.
+    assert whole_wave_splits(8, 32, 1024, 132) == 33
+    assert whole_wave_splits(8, 64, 1024, 132) == 66
+    assert whole_wave_splits(8, 128, 1024, 132) == 132
+    assert whole_wave_splits(8, 16, 1024, 132) == 16  # 33 is more than an eighth more
+    assert whole_wave_splits(8, 32, 32, 132) == 32  # no more splits than tiles
+    assert whole_wave_splits(66, 8, 1024, 132) == 8  # already whole waves
+    # On the interpreter (no SM count) the knob changes nothing.
+    problem = decode_problem(1, 4, 1, 1, 100, 64)
+    check_against_reference(problem, FlashDecodeConfig(num_splits=8, block_n=16,
+                                                       whole_waves=True), "cpu")
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -317,6 +416,9 @@ def test_constraints_give_reasons() -> None:
         ("no keys", problem, FlashDecodeConfig(block_n=64, num_splits=32), H100),
         ("mostly masked", short, FlashDecodeConfig(block_n=256, num_splits=1, num_stages=1),
          H100),
+        ("no combine to fuse", problem, FlashDecodeConfig(num_splits=1, combine="fused"), H100),
+        ("less than one split", problem, FlashDecodeConfig(num_splits=4, whole_waves=True),
+         H100),
     ]
     for why, target, cfg, device in cases:
         reason = TEMPLATE.constraint(target, cfg, device)
@@ -324,6 +426,9 @@ def test_constraints_give_reasons() -> None:
     # The same tile fits a larger shared memory.
     assert TEMPLATE.constraint(problem, FlashDecodeConfig(block_n=128, num_stages=3), H100) is None
     assert TEMPLATE.constraint(problem, FlashDecodeConfig(block_n=64, num_splits=8), H100) is None
+    assert TEMPLATE.constraint(problem, FlashDecodeConfig(num_splits=8, combine="fused",
+                                                          whole_waves=True,
+                                                          kv_load="evict_first"), H100) is None
     bad = decode_problem(1, 4, 1, 32, 100, 64)
     assert "flash_attention_fwd" in (TEMPLATE.constraint(bad, FlashDecodeConfig(), H100) or "")
 
@@ -334,10 +439,12 @@ def test_version_covers_the_kernel_module() -> None:
 
 
 def test_standalone_module_runs_without_the_package(tmp_path: Path) -> None:
-    cfg = FlashDecodeConfig(num_splits=2, block_n=32, num_warps=2, num_stages=1)
+    cfg = FlashDecodeConfig(num_splits=2, block_n=32, num_warps=2, num_stages=1,
+                            combine="fused")
     source = TEMPLATE.standalone_source(cfg)
     assert "import templates" not in source and "from templates" not in source
     assert "NUM_SPLITS = 2" in source and "BLOCK_N = 32" in source
+    assert "COMBINE = 'fused'" in source
     path = tmp_path / "decode_export.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("decode_export", path)
@@ -385,9 +492,11 @@ def test_gpu_matches_reference(case: tuple[Any, ...]) -> None:
                              mask=mask)
     check_against_reference(problem, None, "cuda")
     for splits, block_n in ((1, 64), (16, 128), (128, 32)):
-        cfg = FlashDecodeConfig(num_splits=splits, block_n=block_n, num_warps=4, num_stages=2)
-        if TEMPLATE.constraint(problem, cfg, templates.current_device()) is None:
-            check_against_reference(problem, cfg, "cuda", seed=1)
+        for combine in ("separate", "fused"):
+            cfg = FlashDecodeConfig(num_splits=splits, block_n=block_n, num_warps=4,
+                                    num_stages=2, combine=combine)
+            if TEMPLATE.constraint(problem, cfg, templates.current_device()) is None:
+                check_against_reference(problem, cfg, "cuda", seed=1)
 
 
 @pytest.mark.gpu
@@ -409,3 +518,55 @@ def test_gpu_tiles_warps_and_stages_on_a_small_problem() -> None:
             assert err <= TEMPLATE.tolerance(problem), (cfg.key(), err)
             checked += 1
     assert checked >= 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["none", "paged:16", "paged:256+mixed"])
+def test_gpu_fused_combine_at_32k(mask: str) -> None:
+    # The row (B=1, 32k, 32 over 8 heads, bf16) with the fused merge, the hints and
+    # whole waves; then one config 50 times over: the merge order is fixed, so every call
+    # must give the same bits, and a merge that read a partial before it was visible would
+    # not.
+    problem = decode_problem(1, 32, 8, 1, 32768, 128, dtype="bfloat16", mask=mask)
+    device = templates.current_device()
+    inputs = TEMPLATE.make_inputs(problem, "cuda")
+    ref = TEMPLATE.reference(inputs)
+    configs = [FlashDecodeConfig(num_splits=s, block_n=b, num_warps=4, num_stages=3,
+                                 combine="fused", kv_load=kv, whole_waves=waves)
+               for s, b in ((32, 32), (64, 64), (128, 64)) for kv in ("default", "evict_first")
+               for waves in (False, True)]
+    for cfg in configs:
+        if TEMPLATE.constraint(problem, cfg, device) is None:
+            err = TEMPLATE.error(TEMPLATE.run(inputs, cfg), ref)
+            assert err <= TEMPLATE.tolerance(problem), (cfg.key(), err)
+    cfg = replace(configs[0], whole_waves=True)
+    first = TEMPLATE.run(inputs, cfg)
+    outs = [TEMPLATE.run(inputs, cfg) for _ in range(50)]
+    torch.cuda.synchronize()
+    for o, lse in outs:
+        assert torch.equal(o, first[0]) and torch.equal(lse, first[1])
+    assert_counters_at_zero()
+
+
+@pytest.mark.gpu
+def test_gpu_fused_combine_on_two_streams_at_once() -> None:
+    # Each stream has its own arrival counters: launches running at the same time on two
+    # streams must not count each other's programs.
+    problems = [decode_problem(1, 32, 8, 1, 16384, 128, dtype="bfloat16"),
+                decode_problem(16, 32, 4, 1, 4096, 128, dtype="bfloat16", mask="mixed")]
+    cfg = FlashDecodeConfig(num_splits=16, block_n=64, num_warps=4, num_stages=3,
+                            combine="fused")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    inputs = [TEMPLATE.make_inputs(p, "cuda", seed=i) for i, p in enumerate(problems)]
+    refs = [TEMPLATE.reference(x) for x in inputs]
+    torch.cuda.synchronize()
+    outs: list[list[Any]] = [[], []]
+    for _ in range(30):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outs[i].append(TEMPLATE.run(inputs[i], cfg))
+    torch.cuda.synchronize()
+    for problem, ref, results in zip(problems, refs, outs, strict=True):
+        for out in results:
+            assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
+    assert_counters_at_zero()
