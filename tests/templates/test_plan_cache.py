@@ -4,6 +4,7 @@ call that differs in anything the checks read never gets another call's plan."""
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from typing import Any
 
@@ -20,22 +21,26 @@ SMALL = FwdConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 TMA = FwdConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, use_tma=True)
 
 
+DEVICE = "cpu"  # the test device (the ``device`` fixture), set per test by fresh_plans
+
+
 @pytest.fixture(autouse=True)
-def fresh_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_plans(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
     """Each test starts with no plans (and poisoned outputs, as the other kernel tests)."""
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", device)
     monkeypatch.setattr(flash_fwd, "_PLANS", PlanCache(maxsize=64))
     monkeypatch.setattr(flash_fwd_kernel, "DEBUG_POISON", True)
 
 
 def qkv(shape: tuple[int, int, int, int] = (1, 2, 24, 16), n_kv: int = 24,
-        dtype: torch.dtype = torch.float16, device: str = "cpu", seed: int = 0
+        dtype: torch.dtype = torch.float16, seed: int = 0
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     b, h, n_q, d = shape
     q = torch.randn(b, h, n_q, d, generator=gen, dtype=dtype)
     k = torch.randn(b, h, n_kv, d, generator=gen, dtype=dtype)
     v = torch.randn(b, h, n_kv, d, generator=gen, dtype=dtype)
-    return q.to(device), k.to(device), v.to(device)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any = False,
@@ -139,14 +144,14 @@ def test_tma_plans_follow_the_layout_and_the_alignment() -> None:
     q2, k2, v2 = qkv((1, 2, 24, 32), seed=1)
     check(q2, k2, v2, config=TMA)  # rebuilt descriptors point at the new tensors
     # Same shapes and strides, q two bytes off a 16-byte boundary.
-    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
     shifted.copy_(q)
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
     with pytest.raises(ValueError, match="16-byte aligned address.*use_tma=False"):
         flash_attention_fwd(shifted, k, v, config=TMA)
     check(shifted, k, v, config=dict(TMA.to_dict(), use_tma=False))  # pointer loads take it
     # Rows of 36 halves (72 bytes) as k/v: slices of a wider tensor, strides TMA cannot take.
-    wide = torch.randn(1, 2, 24, 36, dtype=q.dtype)
+    wide = torch.randn(1, 2, 24, 36, dtype=q.dtype, device=q.device)
     with pytest.raises(ValueError, match="multiple of 16 bytes.*use_tma=False"):
         flash_attention_fwd(q, wide[..., :32], wide[..., 4:], config=TMA)
     check(q, wide[..., :32], wide[..., 4:], config=dict(TMA.to_dict(), use_tma=False))
@@ -163,9 +168,10 @@ def test_a_plan_keeps_no_tensor_of_its_first_call_alive() -> None:
 
 def test_masks_of_another_kind_or_geometry_get_their_own_plans() -> None:
     q, k, v = qkv((1, 2, 64, 16), n_kv=64)
-    allowed = torch.rand(1, 2, 64, 64, generator=torch.Generator().manual_seed(0)) < 0.7
+    gen = torch.Generator().manual_seed(0)
+    allowed = (torch.rand(1, 2, 64, 64, generator=gen) < 0.7).to(DEVICE)
     check(q, k, v, attn_mask=allowed, mask=allowed, config=SMALL)
-    bias = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(64, 64, generator=gen).to(DEVICE)
     check(q, k, v, attn_mask=bias.half(), mask=bias.half(), config=SMALL)  # float: added
     check(q, k, v, attn_mask=bias.half()[:1], mask=bias.half()[:1], config=SMALL)
     with pytest.raises(ValueError, match="does not broadcast"):
@@ -173,7 +179,7 @@ def test_masks_of_another_kind_or_geometry_get_their_own_plans() -> None:
     with pytest.raises(TypeError, match="attn_mask must be bool"):
         flash_attention_fwd(q, k, v, attn_mask=bias.double(), config=SMALL)
 
-    blocks = torch.rand(1, 1, 64, 64, generator=torch.Generator().manual_seed(2)) < 0.5
+    blocks = (torch.rand(1, 1, 64, 64, generator=gen) < 0.5).to(DEVICE)
     tile = FwdConfig(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     check(q, k, v, block_mask=BlockMask.from_dense(blocks, 64), mask=blocks, config=tile)
     check(q, k, v, block_mask=BlockMask.from_dense(blocks, 32), mask=blocks, config=tile)
