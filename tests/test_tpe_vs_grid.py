@@ -21,7 +21,7 @@ import pytest
 from db.models import TrialStatus
 from templates import DeviceInfo, Problem, get_template
 from tests.benchmark_scripts import load_benchmark_script
-from tuner.replay import ReplayResult, SamplerSummary
+from tuner.replay import ReplayResult, SamplerSummary, load_recorded_file, replay
 from tuner.search.space import check_restriction, problem_space, valid_configs
 from tuner.suites import load_spec_file
 
@@ -151,7 +151,7 @@ def test_a_quarter_of_the_grid_reports_median_worst_and_share_within(
     report = run(script, tmp_path, trials, "--seeds", "3")
     (problem,) = report["problems"]
     assert problem["budget"] == round(0.25 * problem["recorded_configs"])
-    assert set(problem["samplers"]) == {"tpe", "random"}
+    assert set(problem["samplers"]) == {"tpe", "random", "tpe-alone", "random-alone"}
     for stats in problem["samplers"].values():
         found = [r["best_found_tflops"] for r in stats["runs"]]
         assert len(found) == 3 and set(found) <= {BEST, REST}
@@ -192,3 +192,16 @@ def test_an_empty_recording_is_an_error(script: ModuleType, tmp_path: Path,
     assert script.main([str(trials), "--json", str(tmp_path / "r.json")]) == 2
     assert "holds no recorded problem" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_alone_the_sampler_does_not_get_the_default_measured_first(tmp_path: Path) -> None:
+    default = FWD.default_config(PROBLEM, H100).to_dict()
+    at_default = write(tmp_path, recording(PROBLEM, lambda c: BEST if c == default else REST))
+    (recorded,) = load_recorded_file(at_default)
+    space = load_spec_file(SPEC).space
+    as_swept = [replay(recorded, sampler="random", budget=1, seed=seed, space=space)
+                for seed in range(5)]
+    alone = [replay(recorded, sampler="random", budget=1, seed=seed, space=space,
+                    default_first=False) for seed in range(5)]
+    assert all(r.best_found_tflops == BEST for r in as_swept)  # one trial: the default
+    assert any(r.best_found_tflops == REST for r in alone)  # one trial: the sampler's pick

@@ -156,11 +156,12 @@ class ReplayResult:
 
 
 def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | None = None,
-           space: SpaceRestriction | None = None) -> ReplayResult:
+           space: SpaceRestriction | None = None, default_first: bool = True) -> ReplayResult:
     """Run the search on ``recorded`` as if on the GPU; see the module docstring.
 
     ``space`` narrows the search as the recorded sweep's spec did (its [space] table): a
-    grid recorded over a subset must be replayed over the same subset.
+    grid recorded over a subset must be replayed over the same subset. ``default_first=False``
+    leaves out the default and known good configs a sweep measures first: the sampler alone.
     """
     from tuner.sweep import device_from_dict
 
@@ -180,7 +181,8 @@ def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | 
     store = MemoryStore()
     search = ProblemSearch(template=template, problem=problem, device=device, study=study,
                            store=store, runner=runner, space=searched,
-                           settings=SearchSettings(budget=budget, timeout_s=1.0, seed=seed))
+                           settings=SearchSettings(budget=budget, timeout_s=1.0, seed=seed,
+                                                   default_first=default_first))
     stats = search.run()
     default_key = template.default_config(problem, device).key()
     default = recorded.trials.get(default_key)
@@ -219,11 +221,12 @@ class SamplerSummary:
 
 
 def compare_samplers(recorded: RecordedProblem, *, samplers: Sequence[str], budget: int,
-                     seeds: Sequence[int],
-                     space: SpaceRestriction | None = None) -> list[SamplerSummary]:
+                     seeds: Sequence[int], space: SpaceRestriction | None = None,
+                     default_first: bool = True) -> list[SamplerSummary]:
     return [SamplerSummary(recorded.problem_key, name, budget,
                            [replay(recorded, sampler=name, budget=budget, seed=seed,
-                                   space=space) for seed in seeds])
+                                   space=space, default_first=default_first)
+                            for seed in seeds])
             for name in samplers]
 
 

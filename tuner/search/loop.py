@@ -78,6 +78,9 @@ class SearchSettings:
     # How long to wait for another worker's just-asked trial to get its params (written
     # right after the trial is created, so milliseconds unless that worker died).
     params_wait_s: float = 2.0
+    # Enqueue the default and known good configs first (a sweep never ends worse than the
+    # default). False only to study a sampler on its own (benchmarks/tpe_vs_grid.py).
+    default_first: bool = True
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -187,7 +190,8 @@ class ProblemSearch:
         max_wait = self.settings.max_wait_s or 2 * self.settings.timeout_s + 60
         waiting_since: float | None = None
         known = self.known()
-        self._enqueue_first(known)
+        if self.settings.default_first:
+            self._enqueue_first(known)
         queue: deque[tuple[optuna.Trial, KernelConfig | None]] = deque()
         try:
             while not self.stop.is_set():
