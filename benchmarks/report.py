@@ -332,8 +332,13 @@ def bwd_config_text(cfg: dict[str, Any] | None) -> str:
 def decode_config_text(cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return "-"
-    return (f"splits {cfg.get('num_splits')} bn{cfg.get('block_n')} w{cfg.get('num_warps')} "
-            f"s{cfg.get('num_stages')}")
+    # Knobs at their defaults are left out, as in decode_bench's labels.
+    extras = [text for text, on in (("fused", cfg.get("combine") == "fused"),
+                                    (str(cfg.get("kv_load")), cfg.get("kv_load") not in
+                                     (None, "default")),
+                                    ("waves", bool(cfg.get("whole_waves")))) if on]
+    return " ".join([f"splits {cfg.get('num_splits')} bn{cfg.get('block_n')} "
+                     f"w{cfg.get('num_warps')} s{cfg.get('num_stages')}", *extras])
 
 
 # ----------------------------------------------------------------------------- loading
