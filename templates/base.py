@@ -327,8 +327,9 @@ class Template(ABC):
                 + entry.replace("CONFIG_LITERAL", repr(config.to_dict())))
 
 
-# A top-level ``from templates.<module> import ...`` line of a kernel module.
-_TEMPLATE_IMPORT = re.compile(r"^from (templates\.\w+) import [^\n]+$", re.MULTILINE)
+# A top-level ``from templates.<module> import ...`` of a kernel module, on one line or in
+# parentheses over several (no parenthesis in its comments).
+_TEMPLATE_IMPORT = re.compile(r"^from (templates\.\w+) import (?:\([^)]*\)|[^\n(]+)$", re.MULTILINE)
 
 
 def inline_template_imports(source: str) -> str:

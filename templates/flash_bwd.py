@@ -19,7 +19,7 @@ import torch
 from triton.runtime.jit import MockTensor
 
 from templates import flash_bwd_kernel as kernel
-from templates import listed_blocks
+from templates import kernel_common, listed_blocks
 from templates.attention_reference import FLOAT64_SCORE_LIMIT, attention_reference, visible_pairs
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
@@ -130,7 +130,7 @@ class FlashBwdTemplate(Template):
     config_cls = BwdConfig
 
     def source_modules(self) -> Sequence[str]:
-        return [kernel.__name__, listed_blocks.__name__, __name__]
+        return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:

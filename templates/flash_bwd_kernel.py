@@ -37,13 +37,18 @@ import torch
 import triton
 import triton.language as tl
 
+from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
+    CAUSAL_MODES,
+    LOG2_E,
+    block_d_for,
+    causal_offset,
+    normalize_causal,
+)
 from templates.listed_blocks import listed_block_step
 
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
 DQ_MODES = ("atomic", "separate")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-LOG2_E = 1.4426950408889634
 # Rows per preprocess program times the padded head dim: 8192 fp32 elements per operand
 # keeps the two loaded tiles of one program in registers at 4 warps.
 PREPROCESS_TILE_ELEMENTS = 8192
@@ -524,25 +529,6 @@ def _flash_bwd_preprocess_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
-def block_d_for(head_dim: int) -> int:
-    """The kernels' padded head dim: the next power of two, at least 16 (tl.dot's minimum K)."""
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def causal_offset(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
-    """Row i may see keys j <= i + offset: 0 top-left (SDPA), N_kv - N_q bottom-right (FA2)."""
-    return seqlen_kv - seqlen_q if mode == "bottom_right" else 0
-
-
-def normalize_causal(causal: bool | str) -> str:
-    """True means SDPA's top-left alignment; strings name the mode."""
-    if isinstance(causal, bool):
-        return "top_left" if causal else "none"
-    if isinstance(causal, str) and causal in CAUSAL_MODES:
-        return causal
-    raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got {causal!r}")
-
-
 def _check_tensor(name: str, t: object, dims: int, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from templates import flash_fwd_kernel as kernel
-from templates import listed_blocks
+from templates import kernel_common, listed_blocks
 from templates.attention_reference import attention_reference, lse_error, visible_pairs
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2, relative_error
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
@@ -127,7 +127,7 @@ class FlashFwdTemplate(Template):
     config_cls = FwdConfig
 
     def source_modules(self) -> Sequence[str]:
-        return [kernel.__name__, listed_blocks.__name__, __name__]
+        return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:

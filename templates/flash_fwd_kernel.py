@@ -32,6 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
+    CAUSAL_MODES,
+    LOG2_E,
+    block_d_for,
+    causal_offset,
+    normalize_causal,
+)
 from templates.listed_blocks import listed_block_step
 
 try:  # host-side TMA descriptors (triton >= 3.3 with a Hopper-or-newer GPU, or the interpreter)
@@ -39,11 +46,9 @@ try:  # host-side TMA descriptors (triton >= 3.3 with a Hopper-or-newer GPU, or 
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
 GRID_ORDERS = ("tiles_inner", "heads_inner")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
 # Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
@@ -309,25 +314,6 @@ def _flash_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
-def block_d_for(head_dim: int) -> int:
-    """The kernel's padded head dim: the next power of two, at least 16 (tl.dot's minimum K)."""
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def causal_offset(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
-    """Row i may see keys j <= i + offset: 0 top-left (SDPA), N_kv - N_q bottom-right (FA2)."""
-    return seqlen_kv - seqlen_q if mode == "bottom_right" else 0
-
-
-def normalize_causal(causal: bool | str) -> str:
-    """True means SDPA's top-left alignment; strings name the mode."""
-    if isinstance(causal, bool):
-        return "top_left" if causal else "none"
-    if isinstance(causal, str) and causal in CAUSAL_MODES:
-        return causal
-    raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got {causal!r}")
-
-
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     causal: bool | str, scale: float | None) -> tuple[str, float]:
     """Check shapes, dtypes and devices; return (causal mode, softmax scale)."""

@@ -407,7 +407,7 @@ def test_reference_in_chunks_equals_one_piece(monkeypatch: pytest.MonkeyPatch) -
 def test_template_is_registered_with_a_source_version() -> None:
     assert isinstance(TEMPLATE, FlashBwdTemplate)
     assert set(TEMPLATE.source_modules()) == {"templates.flash_bwd", "templates.flash_bwd_kernel",
-                                              "templates.listed_blocks"}
+                                              "templates.kernel_common", "templates.listed_blocks"}
     assert len(TEMPLATE.version()) == 16
     assert templates.flash_attention_bwd is flash_attention_bwd
     assert templates.flash_attention is flash_attention

@@ -1,0 +1,29 @@
+"""Host-side helpers the forward and backward kernel modules share.
+
+Imports only torch-free Python: the kernel modules are exported as standalone source, and
+``templates.base.inline_template_imports`` pastes this module into them there.
+"""
+
+from __future__ import annotations
+
+CAUSAL_MODES = ("none", "top_left", "bottom_right")
+LOG2_E = 1.4426950408889634
+
+
+def block_d_for(head_dim: int) -> int:
+    """The kernels' padded head dim: the next power of two, at least 16 (tl.dot's minimum K)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def causal_offset(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
+    """Row i may see keys j <= i + offset: 0 top-left (SDPA), N_kv - N_q bottom-right (FA2)."""
+    return seqlen_kv - seqlen_q if mode == "bottom_right" else 0
+
+
+def normalize_causal(causal: bool | str) -> str:
+    """True means SDPA's top-left alignment; strings name the mode."""
+    if isinstance(causal, bool):
+        return "top_left" if causal else "none"
+    if isinstance(causal, str) and causal in CAUSAL_MODES:
+        return causal
+    raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got {causal!r}")
