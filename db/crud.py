@@ -13,13 +13,15 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, or_, select, text
+from sqlalchemy import ColumnElement, Select, delete, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
+from db.finalists import Measured, choose_best
 from db.models import (
     BestConfig,
     Device,
+    Remeasurement,
     Sweep,
     SweepStatus,
     Template,
@@ -42,8 +44,10 @@ __all__ = [
     "list_sweeps",
     "list_templates",
     "problem_variant",
+    "record_remeasurement",
     "record_trial",
     "refresh_best",
+    "remeasurements_for",
     "trial_counts",
     "trials_for",
 ]
@@ -203,6 +207,35 @@ def trial_counts(s: Session, *, sweep_id: int | None = None) -> dict[str, int]:
     return counts
 
 
+# ----------------------------------------------------------------------------- re-measurements
+def record_remeasurement(s: Session, *, trial_id: int, status: TrialStatus, reason: str = "",
+                         median_ms: float | None = None, tflops: float | None = None,
+                         error: float | None = None, sweep_id: int | None = None,
+                         worker: str = "") -> Remeasurement:
+    """Store one more measurement of a trial's config (a finalist's, ``db.finalists``).
+
+    Unlike trials, every call adds a row: two workers that re-measure one finalist at once
+    both keep theirs, and its median takes both.
+    """
+    row = Remeasurement(trial_id=trial_id, status=TrialStatus(status), reason=reason,
+                        median_ms=median_ms, tflops=tflops, error=error, sweep_id=sweep_id,
+                        worker=worker, created_at=utcnow())
+    s.add(row)
+    s.flush()
+    return row
+
+
+def remeasurements_for(s: Session, *, device_id: int, template_id: int,
+                       problem_key: str) -> list[tuple[str, Remeasurement]]:
+    """(config key, re-measurement) of every re-measurement of one problem, oldest first."""
+    rows = s.execute(select(Trial.config_key, Remeasurement)
+                     .join(Trial, Remeasurement.trial_id == Trial.id)
+                     .where(Trial.device_id == device_id, Trial.template_id == template_id,
+                            Trial.problem_key == problem_key)
+                     .order_by(Remeasurement.id))
+    return [(key, row) for key, row in rows]
+
+
 # ----------------------------------------------------------------------------- best configs
 def problem_variant(problem: Mapping[str, object]) -> str:
     """The variant name of a problem dict, by the rule of ``templates.base.Problem.variant``.
@@ -233,39 +266,65 @@ def _lock_best_row(s: Session, device_id: int, template_id: int, problem_key: st
               {"key": int.from_bytes(digest, "big", signed=True)})
 
 
+def _measured(s: Session, of_key: tuple[ColumnElement[bool], ...]) -> list[Measured]:
+    """The OK trials of one problem with their re-measurements, for ``db.finalists``."""
+    remeasured: dict[int, list[float]] = {}
+    failed: dict[int, str] = {}
+    for trial_id, status, ms, reason in s.execute(
+            select(Remeasurement.trial_id, Remeasurement.status, Remeasurement.median_ms,
+                   Remeasurement.reason)
+            .join(Trial, Remeasurement.trial_id == Trial.id).where(*of_key)
+            .order_by(Remeasurement.id)):
+        if TrialStatus(status) == TrialStatus.OK and ms:
+            remeasured.setdefault(trial_id, []).append(ms)
+        else:
+            failed.setdefault(trial_id, f"{TrialStatus(status).value}: {reason}")
+    rows = s.execute(select(Trial.id, Trial.median_ms, Trial.tflops, Trial.is_default)
+                     .where(*of_key).order_by(Trial.id))
+    return [Measured(ref=trial_id, order=trial_id, first_ms=ms, first_tflops=tflops,
+                     is_default=bool(is_default),
+                     remeasured_ms=tuple(remeasured.get(trial_id, ())),
+                     failed=failed.get(trial_id))
+            for trial_id, ms, tflops, is_default in rows
+            if ms is not None and tflops is not None]  # filtered by of_key already
+
+
 def refresh_best(s: Session, *, device_id: int, template_id: int,
                  problem_key: str) -> BestConfig | None:
-    """Recompute the best config of one device x template x problem key from its trials.
+    """Recompute the best config of one device x template x problem key from its trials and
+    their re-measurements, by the rule of ``db.finalists``.
 
-    The OK trial with the highest TFLOP/s wins (ties: the faster median, then the earlier
-    trial); ``default_tflops`` is the OK default-config trial's and ``speedup`` the ratio.
-    Returns None, and writes nothing, while the key has no OK trial.
+    Before any re-measurement: the OK trial with the highest TFLOP/s (ties: the faster time,
+    then the earlier trial). After: the finalist with the fastest median of its readings,
+    ``median_ms`` and ``tflops`` being that median's. ``default_tflops`` is the OK default
+    config's (at its median when re-measured) and ``speedup`` the ratio. Returns None, and
+    leaves no row, while no config qualifies (none OK, or every OK one disqualified by a
+    failed re-measurement: a config that crashed or computed wrongly is not served).
     """
     _lock_best_row(s, device_id, template_id, problem_key)
+    key = {"device_id": device_id, "template_id": template_id, "problem_key": problem_key}
     of_key = (Trial.device_id == device_id, Trial.template_id == template_id,
               Trial.problem_key == problem_key, Trial.status == TrialStatus.OK,
               Trial.tflops.is_not(None), Trial.median_ms.is_not(None))
-    best = s.scalars(select(Trial).where(*of_key)
-                     .order_by(Trial.tflops.desc(), Trial.median_ms, Trial.id).limit(1)).first()
-    if best is None:
+    choice = choose_best(_measured(s, of_key))
+    if choice is None:
+        s.execute(delete(BestConfig).filter_by(**key))
         return None
-    default_tflops = s.scalars(select(Trial.tflops).where(*of_key, Trial.is_default.is_(True))
-                               .order_by(Trial.id).limit(1)).first()
-    assert best.tflops is not None and best.median_ms is not None  # filtered above
+    best = s.get_one(Trial, choice.best.ref)
+    default = choice.default
     values = {
         "problem": best.problem,
         "dtype": str(best.problem.get("dtype", _DEFAULT_DTYPE)),
         "variant": problem_variant(best.problem),
         "config": best.config,
-        "median_ms": best.median_ms,
-        "tflops": best.tflops,
-        "default_tflops": default_tflops,
-        "speedup": best.tflops / default_tflops if default_tflops else None,
+        "median_ms": choice.best.median_ms,
+        "tflops": choice.best.tflops,
+        "default_tflops": default.tflops if default else None,
+        "speedup": choice.speedup,
         "trial_id": best.id,
         "sweep_id": best.sweep_id,
         "updated_at": utcnow(),
     }
-    key = {"device_id": device_id, "template_id": template_id, "problem_key": problem_key}
     stmt = _insert(s, BestConfig).values(**key, **values)
     s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=values))
     return s.scalars(select(BestConfig).filter_by(**key)

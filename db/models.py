@@ -2,6 +2,7 @@
 
     Device ─┐
     Template ┼─< Trial >── Sweep
+             │     └──< Remeasurement >── Sweep   (a finalist measured again)
              └─< BestConfig ── Trial (the one it came from)
 
 Optuna's own tables (studies, trials, ...) live in the same database, created by Optuna's
@@ -162,3 +163,25 @@ class BestConfig(Base):
     device: Mapped[Device] = relationship()
     template: Mapped[Template] = relationship()
     trial: Mapped[Trial | None] = relationship()
+
+
+class Remeasurement(Base):
+    """One more measurement of a finalist, one of the few best configs of a problem, taken at
+    the end of a search (``db.finalists``). The trial keeps its first measurement; every
+    re-measurement is a row of its own, so nothing measured is lost or rewritten."""
+
+    __tablename__ = "remeasurements"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("tuning_trials.id"), index=True)
+    sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), index=True)
+    status: Mapped[TrialStatus] = mapped_column(
+        Enum(TrialStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    median_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    tflops: Mapped[float | None] = mapped_column(Float, default=None)
+    error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
+    worker: Mapped[str] = mapped_column(String(200), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    trial: Mapped[Trial] = relationship()

@@ -331,7 +331,9 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
                 "tflops": row.tflops, "median_ms": row.median_ms,
             }
             if default is not None and default.tflops:
-                item["default_tflops"] = default.tflops
+                # The stored number: the default's median where it was re-measured with the
+                # finalists, as the best's (db.finalists).
+                item["default_tflops"] = row.default_tflops or default.tflops
                 item["default_config"] = dict(default.config)
             if sweep is not None:
                 item["sweep"] = sweep.name

@@ -162,6 +162,9 @@ def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | 
     ``space`` narrows the search as the recorded sweep's spec did (its [space] table): a
     grid recorded over a subset must be replayed over the same subset. ``default_first=False``
     leaves out the default and known good configs a sweep measures first: the sampler alone.
+
+    No finalists: a recording holds one reading per config, so re-measuring would answer it
+    again and change no choice; it would only make ``repeated`` count them.
     """
     from tuner.sweep import device_from_dict
 
@@ -182,7 +185,7 @@ def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | 
     search = ProblemSearch(template=template, problem=problem, device=device, study=study,
                            store=store, runner=runner, space=searched,
                            settings=SearchSettings(budget=budget, timeout_s=1.0, seed=seed,
-                                                   default_first=default_first))
+                                                   default_first=default_first, finalists=0))
     stats = search.run()
     default_key = template.default_config(problem, device).key()
     default = recorded.trials.get(default_key)

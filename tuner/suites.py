@@ -11,6 +11,8 @@ A spec file::
     trials = 20                        # optional defaults for the flags of `tuner sweep`
     sampler = "tpe"
     timeout = 300
+    finalists = 3                      # configs measured again at the end (0: off)
+    final_repeats = 2                  # re-measurements of each
     template_modules = []              # modules to import that register extra templates
     shapes = [
       {B = 8, H = 16, N = 2048, D = 128},                   # H and N set both q and kv
@@ -56,7 +58,8 @@ __all__ = [
 ]
 
 SPEC_KEYS = ("name", "templates", "template", "shapes", "dtypes", "dtype", "causal", "masks",
-             "trials", "sampler", "timeout", "template_modules", "space")
+             "trials", "sampler", "timeout", "finalists", "final_repeats", "template_modules",
+             "space")
 SHAPE_ALIASES: dict[str, tuple[str, ...]] = {
     "B": ("batch",), "batch": ("batch",),
     "H": ("heads_q", "heads_kv"), "H_q": ("heads_q",), "heads_q": ("heads_q",),
@@ -79,6 +82,8 @@ class SweepSpec:
     trials: int | None = None
     sampler: str | None = None
     timeout_s: float | None = None
+    finalists: int | None = None
+    final_repeats: int | None = None
     template_modules: tuple[str, ...] = field(default_factory=tuple)
     # Knob -> allowed values or "default" (the [space] table); empty: every template's whole
     # space.
@@ -88,6 +93,7 @@ class SweepSpec:
         return {"name": self.name, "templates": list(self.templates),
                 "problems": [p.to_dict() for p in self.problems], "trials": self.trials,
                 "sampler": self.sampler, "timeout_s": self.timeout_s,
+                "finalists": self.finalists, "final_repeats": self.final_repeats,
                 "template_modules": list(self.template_modules),
                 "space": {k: v if isinstance(v, str) else list(v)
                           for k, v in self.space.items()}}
@@ -272,6 +278,18 @@ def _space(value: object, source: str) -> dict[str, tuple[Any, ...] | str]:
     return space
 
 
+def _count(data: Mapping[str, Any], key: str, source: str, *, least: int,
+           example: str) -> int | None:
+    """An optional integer setting of at least ``least``."""
+    value = data.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < least):
+        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise TunerError(f"{source}: {key!r} must be {kind}, but got {value!r}",
+                         f"e.g. {example}")
+    return value
+
+
 def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
     """Validate a spec mapping; every error names the key and the fix."""
     unknown = sorted(set(data) - set(SPEC_KEYS))
@@ -305,11 +323,10 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
                              f"invalid: {exc}", "fix that shape in the spec") from None
         if problem not in problems:
             problems.append(problem)
-    trials = data.get("trials")
-    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
-                               or trials < 1):
-        raise TunerError(f"{source}: 'trials' must be a positive integer, but got {trials!r}",
-                         "e.g. trials = 20")
+    trials = _count(data, "trials", source, least=1, example="trials = 20")
+    finalists = _count(data, "finalists", source, least=0,
+                       example="finalists = 3 (0: choose the best by its single reading)")
+    final_repeats = _count(data, "final_repeats", source, least=1, example="final_repeats = 2")
     timeout = data.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                 or timeout <= 0):
@@ -324,5 +341,6 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
     return SweepSpec(name=str(name), templates=tuple(templates), problems=tuple(problems),
                      trials=trials, sampler=sampler,
                      timeout_s=float(timeout) if timeout is not None else None,
+                     finalists=finalists, final_repeats=final_repeats,
                      template_modules=tuple(str(m) for m in modules),
                      space=_space(data.get("space", {}), source))

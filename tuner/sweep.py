@@ -6,7 +6,8 @@ robin over the visible GPUs) and walks the problems in order; all workers join t
 Optuna study per problem, so a problem's trials spread over them. More hosts join by
 running the same sweep against the same PostgreSQL URL. Everything measured is stored as it
 finishes; running a sweep again resumes it (stored configs are not run again), and a larger
-``--trials`` extends it.
+``--trials`` extends it. At the end of each problem's search its finalists are measured
+again and the best is chosen by their medians (``tuner.search.loop``, ``db.finalists``).
 
 The caller gets events (``on_event``, always called on the calling thread) to draw
 progress, and a :class:`SweepReport` at the end.
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from db.finalists import pick_finalists
 from db.models import SweepStatus, TrialStatus
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
@@ -36,10 +38,17 @@ from tuner.errors import TunerError
 from tuner.runner.compile_ahead import CompileAhead
 from tuner.runner.isolated import IsolatedRunner
 from tuner.runner.measure import describe_exception
-from tuner.search.loop import ProblemSearch, SearchSettings, SearchStats, TrialEvent
+from tuner.search.loop import (
+    DEFAULT_FINAL_REPEATS,
+    DEFAULT_FINALISTS,
+    ProblemSearch,
+    SearchSettings,
+    SearchStats,
+    TrialEvent,
+)
 from tuner.search.samplers import SAMPLERS, make_sampler
 from tuner.search.space import SpaceRestriction, check_restriction, problem_space
-from tuner.search.store import DbStore
+from tuner.search.store import DbStore, StoredRemeasurement, StoredResult, measured_configs
 from tuner.search.study import (
     HEARTBEAT_INTERVAL_S,
     HeartbeatKeeper,
@@ -80,6 +89,10 @@ class SweepOptions:
     # Seconds between the heartbeats of a worker's trials; a trial silent for 3x as long is
     # taken to be a dead worker's: failed and retried.
     heartbeat_s: int = HEARTBEAT_INTERVAL_S
+    # Per problem, after its search: configs measured again, and how many times each; the
+    # best is chosen by their medians (0 finalists: off).
+    finalists: int = DEFAULT_FINALISTS
+    final_repeats: int = DEFAULT_FINAL_REPEATS
 
     def __post_init__(self) -> None:
         if self.heartbeat_s < 1:
@@ -96,6 +109,14 @@ class SweepOptions:
         if self.sampler not in SAMPLERS:
             raise TunerError(f"unknown sampler {self.sampler!r}",
                              f"use one of {', '.join(SAMPLERS)}")
+        if self.finalists < 0:
+            raise TunerError(f"--finalists must be >= 0, but got {self.finalists}",
+                             f"e.g. --finalists {DEFAULT_FINALISTS}, or 0 to choose the best "
+                             "by its single reading")
+        if self.final_repeats < 1:
+            raise TunerError(f"--final-repeats must be >= 1, but got {self.final_repeats}",
+                             f"e.g. --final-repeats {DEFAULT_FINAL_REPEATS}; --finalists 0 "
+                             "turns the re-measurements off")
 
 
 @dataclass(frozen=True)
@@ -185,12 +206,21 @@ class ProblemReport:
     measured: int = 0  # configs run by this sweep
     reused: int = 0
     deferred: int = 0
+    # The stored best: with finalists, at the median of its readings (best_runs of them)
     best_tflops: float | None = None
     best_config: dict[str, Any] | None = None
-    default_tflops: float | None = None
+    best_median_ms: float | None = None
+    best_runs: int = 0
+    default_tflops: float | None = None  # at its median when it was re-measured
     speedup: float | None = None
-    wall_s: float = 0.0  # worker seconds spent on the problem by this sweep
+    wall_s: float = 0.0  # worker seconds spent on the problem's search by this sweep
     bench_s: float = 0.0  # of which timing the kernel
+    remeasured: int = 0  # configs of the problem measured again (finalists, any sweep)
+    disqualified: int = 0  # of which failed a re-measurement
+    remeasurements: int = 0  # re-measurements run by this sweep
+    final_s: float = 0.0  # worker seconds they took (not in wall_s)
+    # The current finalists: config, readings (the first, then the re-measurements), median
+    finalists: list[dict[str, Any]] = field(default_factory=list)
     skipped: str | None = None
 
     @property
@@ -413,7 +443,8 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
                          "the results measured so far are stored; fix the cause and run the "
                          "same command again to resume") from error
     device = devices.get(0) or next(iter(devices.values()), {})
-    problems = _problem_reports(db_url, device, tasks, shared.versions, stats, skipped)
+    problems = _problem_reports(db_url, device, tasks, shared.versions, stats, skipped,
+                                options.finalists)
     for index, reason in failures.items():
         problems[index].skipped = reason
     return SweepReport(sweep_id=sweep_id, name=spec.name, status=status.value, device=device,
@@ -475,7 +506,9 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
             runner=runner, space=space,
             settings=SearchSettings(budget=options.trials, timeout_s=options.timeout_s,
                                     lookahead=shared.lookahead, seed=seed,
-                                    stale_check_s=shared.stale_check_s),
+                                    stale_check_s=shared.stale_check_s,
+                                    finalists=options.finalists,
+                                    final_repeats=options.final_repeats),
             compile_ahead=shared.compile_ahead, heartbeats=shared.heartbeats,
             on_trial=functools.partial(_forward_trial, shared.events, worker, index),
             stop=shared.stop)
@@ -498,9 +531,29 @@ def _forward_trial(events: queue.Queue[Any], worker: int, index: int, event: Tri
     events.put(TrialDone(worker, index, event))
 
 
+def _report_finalists(report: ProblemReport, known: dict[str, StoredResult],
+                      remeasured: dict[str, list[StoredRemeasurement]], k: int) -> None:
+    """What the problem's re-measurements say: how many configs were re-measured, and the
+    finalists of ``k`` (this sweep's --finalists) with their readings."""
+    report.remeasured = len(remeasured)
+    report.disqualified = sum(any(not r.ok for r in runs) for runs in remeasured.values())
+    # The finalists as they stand (a disqualified one has given its place to the next), and
+    # every config re-measured by a sweep with more finalists than this one.
+    measured = measured_configs(known, remeasured)
+    picked = pick_finalists(measured, k)
+    shown = [m for m in measured if m in picked or m.ref in remeasured]
+    for m in sorted(shown, key=lambda m: (m.failed is not None, -m.tflops)):
+        key = str(m.ref)
+        report.finalists.append({
+            "config": known[key].config, "is_default": m.is_default,
+            "runs_ms": [m.first_ms, *(r.median_ms for r in remeasured.get(key, []))],
+            "median_ms": m.median_ms, "tflops": m.tflops,
+            "status": "disqualified" if m.failed else "ok", "reason": m.failed or ""})
+
+
 def _problem_reports(db_url: str, device: dict[str, Any], tasks: list[Task],
                      versions: dict[str, str], stats: dict[int, list[SearchStats]],
-                     skipped: list[tuple[str, str]]) -> list[ProblemReport]:
+                     skipped: list[tuple[str, str]], finalists: int) -> list[ProblemReport]:
     reports: list[ProblemReport] = []
     stores: dict[str, DbStore] = {}
     for index, task in enumerate(tasks):
@@ -514,6 +567,8 @@ def _problem_reports(db_url: str, device: dict[str, Any], tasks: list[Task],
             report.deferred += s.deferred
             report.wall_s += s.wall_s
             report.bench_s += s.bench_s
+            report.remeasurements += s.remeasured
+            report.final_s += s.final_s
         if device:
             store = stores.get(name)
             if store is None:
@@ -522,9 +577,12 @@ def _problem_reports(db_url: str, device: dict[str, Any], tasks: list[Task],
                                                space=task.template.config_cls.json_schema())
             known = store.known(task.problem_key)
             report.counts = dict(Counter(r.status.value for r in known.values()))
+            _report_finalists(report, known, store.remeasurements(task.problem_key),
+                              finalists)
             best = store.best(task.problem_key)
             if best is not None:
                 report.best_tflops, report.best_config = best.tflops, best.config
+                report.best_median_ms, report.best_runs = best.median_ms, best.runs
                 report.default_tflops, report.speedup = best.default_tflops, best.speedup
             else:
                 report.default_tflops = next((r.tflops for r in known.values()

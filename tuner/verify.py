@@ -5,7 +5,9 @@ within 3% of its stored time. A re-measurement is an ordinary trial (``tuner.run
 random inputs, the check against the template's reference, then ``do_bench`` (or wall-clock
 runs under the interpreter), in a worker process that did not run the sweep. With several
 repeats the median time counts. A config that fails its re-measurement (compile error, wrong
-result, ...) fails the verification.
+result, ...) fails the verification. The stored time of a sweep with finalists is already a
+median: of the best config's first reading and its re-measurements at the end of the search
+(``db.finalists``), so a lucky first reading no longer sets the bar.
 
 The stored best configs are selected per problem of a sweep spec (each must have one), or
 by filters over every stored best of the device, as ``tuner best`` lists them.

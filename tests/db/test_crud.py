@@ -285,3 +285,43 @@ def test_best_for_and_candidates(db_url: str) -> None:
             assert hit is not None and hit.id == b.id
         assert crud.best_for(s, device_key="gpu1|cc9.0", template_name="flash_fwd",
                              template_version="v1", problem_key="no-such-problem") is None
+
+
+def test_refresh_best_takes_the_finalist_with_the_fastest_median(target: Target) -> None:
+    rng = random.Random(21)
+    problem = _data.problem(rng)
+    key = _data.problem_key(problem)
+    ids = {"device_id": target.device_id, "template_id": target.template_id,
+           "problem_key": key}
+    with session_scope(target.url) as s:  # times are 1000 / TFLOP/s ms
+        lucky = _record(s, target, rng, problem=problem, config_key="lucky", tflops=200.0)
+        steady = _record(s, target, rng, problem=problem, config_key="steady", tflops=125.0)
+        default = _record(s, target, rng, problem=problem, config_key="default", tflops=100.0,
+                          is_default=True)
+        best = crud.refresh_best(s, **ids)
+        assert best is not None and best.trial_id == lucky  # single readings: the old rule
+    with session_scope(target.url) as s:
+        for trial_id, times in ((lucky, (10.5, 12.0)), (steady, (8.0, 8.2)),
+                                (default, (10.0, 10.0))):
+            for ms in times:
+                crud.record_remeasurement(s, trial_id=trial_id, status=TrialStatus.OK,
+                                          median_ms=ms, tflops=1000.0 / ms, worker="w")
+        best = crud.refresh_best(s, **ids)
+    assert best is not None and best.trial_id == steady
+    assert best.median_ms == 8.0 and best.tflops == pytest.approx(125.0)  # of 8, 8, 8.2
+    assert best.default_tflops == pytest.approx(100.0)  # at its median, 10 ms
+    assert best.speedup == pytest.approx(1.25)
+    with session_scope(target.url) as s:
+        crud.record_remeasurement(s, trial_id=steady, status=TrialStatus.WRONG_RESULT,
+                                  reason="relative error 0.4", error=0.4)
+        best = crud.refresh_best(s, **ids)
+        assert best is not None and best.trial_id == default  # 10 ms against lucky's 10.5
+        assert [(k, r.status) for k, r in crud.remeasurements_for(s, **ids)][-1] == (
+            "steady", TrialStatus.WRONG_RESULT)
+    with session_scope(target.url) as s:
+        for trial_id in (lucky, default):
+            crud.record_remeasurement(s, trial_id=trial_id, status=TrialStatus.TIMEOUT)
+        assert crud.refresh_best(s, **ids) is None  # every config disqualified: not served
+        assert crud.count_best(s) == 0
+        assert len(crud.trials_for(s, **ids)) == 3  # nothing measured is lost
+        assert len(crud.remeasurements_for(s, **ids)) == 9

@@ -1,4 +1,5 @@
-"""Migrations from an empty database, repeated calls, and Optuna's tables beside ours."""
+"""Migrations from an empty database, repeated calls, Optuna's tables beside ours, and
+0001 -> 0002 (the remeasurements table) up and down with data in place."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import optuna
+import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy.orm import Session
 
+from db import crud
 from db.migrate import (
     VERSION_TABLE,
     alembic_config,
@@ -18,10 +22,11 @@ from db.migrate import (
     head_revision,
     include_object,
 )
-from db.models import Base
-from db.session import dispose_engine, init_db, make_engine
+from db.models import Base, TrialStatus
+from db.session import dispose_engine, init_db, make_engine, session_scope
 
-OUR_TABLES = {"devices", "templates", "sweeps", "tuning_trials", "best_configs"}
+OUR_TABLES = {"devices", "templates", "sweeps", "tuning_trials", "best_configs",
+              "remeasurements"}
 
 
 @contextmanager
@@ -111,3 +116,48 @@ def test_init_db_adopts_tables_made_by_create_all(db_url: str) -> None:
     with engine.connect() as connection:
         assert current_revision(connection) == head_revision()
     assert set(sa.inspect(engine).get_table_names()) == OUR_TABLES | {VERSION_TABLE}
+
+
+def _migrate(engine: sa.Engine, revision: str, *, down: bool = False) -> None:
+    with engine.connect() as connection, connection.begin():
+        (command.downgrade if down else command.upgrade)(alembic_config(connection), revision)
+
+
+def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url: str) -> None:
+    engine = make_engine(db_url)
+    _migrate(engine, "0001")  # a database of the first release, with a trial and its best
+    assert "remeasurements" not in sa.inspect(engine).get_table_names()
+    with Session(engine) as s, s.begin():
+        device = crud.get_or_create_device(s, info={
+            "key": "gpu|1", "name": "gpu", "compute_capability": "9.0", "sm_count": 1,
+            "total_memory": 1, "driver_version": "1", "triton_version": "1",
+            "torch_version": "1", "cuda_version": "1"})
+        template = crud.get_or_create_template(s, name="t", version="v", space={})
+        trial = crud.record_trial(s, device_id=device.id, template_id=template.id,
+                                  problem_key="p", problem={"dtype": "float16"},
+                                  config_key="c", config={}, status=TrialStatus.OK,
+                                  median_ms=2.0, tflops=50.0)
+        ids = (device.id, template.id, trial.id)
+
+    init_db(db_url)  # what the next tuner or service start does
+    with engine.connect() as connection:
+        assert current_revision(connection) == head_revision() == "0002"
+    with session_scope(db_url) as s:
+        crud.record_remeasurement(s, trial_id=ids[2], status=TrialStatus.OK, median_ms=2.2,
+                                  tflops=45.0)
+        best = crud.refresh_best(s, device_id=ids[0], template_id=ids[1], problem_key="p")
+        assert best is not None and best.median_ms == pytest.approx(2.1)  # of 2.0 and 2.2
+    assert {i["name"] for i in sa.inspect(engine).get_indexes("remeasurements")} == {
+        "ix_remeasurements_trial_id", "ix_remeasurements_sweep_id"}
+
+    _migrate(engine, "0001", down=True)
+    tables = set(sa.inspect(engine).get_table_names())
+    assert tables == OUR_TABLES - {"remeasurements"} | {VERSION_TABLE}
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0001"
+        assert connection.scalar(sa.text("SELECT median_ms FROM tuning_trials")) == 2.0
+        assert connection.scalar(sa.text("SELECT median_ms FROM best_configs")) == (
+            pytest.approx(2.1))  # as the finalists left it
+    _migrate(engine, "head")
+    with engine.connect() as connection:
+        assert connection.scalar(sa.text("SELECT count(*) FROM remeasurements")) == 0

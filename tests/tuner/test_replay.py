@@ -84,7 +84,7 @@ def test_concurrent_searches_share_the_study_without_duplicates(
                                 sampler=make_sampler("tpe", template.config_cls, budget=budget,
                                                      seed=seed)),
         store=store, runner=runner, settings=SearchSettings(budget=budget, seed=seed,
-                                                            lookahead=1))
+                                                            lookahead=1, finalists=0))
         for seed in (0, 1)]
     threads = [threading.Thread(target=s.run) for s in searches]
     for t in threads:

@@ -90,7 +90,8 @@ def test_the_default_outside_the_space_is_never_asked(landscape: RecordedProblem
         template=template, problem=TOY_PROBLEM, device=current_device(),
         study=optuna.create_study(direction="maximize",
                                   sampler=make_sampler("tpe", space, budget=12, seed=1)),
-        store=MemoryStore(), runner=runner, settings=SearchSettings(budget=12, seed=1),
+        store=MemoryStore(), runner=runner,
+        settings=SearchSettings(budget=12, seed=1, finalists=0),
         space=space)
     assert search.run().measured == 12
     default = template.default_config(TOY_PROBLEM, current_device())

@@ -61,6 +61,14 @@ def sweep(
     heartbeat: Annotated[int, typer.Option(
         "--heartbeat", help="seconds between trial heartbeats; a trial silent 3x as long is "
                             "a dead worker's and is retried")] = 10,
+    finalists: Annotated[int | None, typer.Option(
+        "--finalists", help="per problem, the configs with the fastest first readings (and "
+                            "the default) measured again at the end; the best is chosen by "
+                            "their medians; 0: off (default: the spec's, else 3)",
+        show_default=False)] = None,
+    final_repeats: Annotated[int | None, typer.Option(
+        "--final-repeats", help="re-measurements of each finalist, on fresh inputs "
+                                "(default: the spec's, else 2)", show_default=False)] = None,
     template: Annotated[list[str] | None, typer.Option(
         "--template", help="with --shape: template(s) to tune (default flash_fwd)")] = None,
     shape: Annotated[list[str] | None, typer.Option(
@@ -82,6 +90,7 @@ def sweep(
 
     from templates.device import interpreter_active
     from tuner.gpus import gpus_for_sweep
+    from tuner.search.loop import DEFAULT_FINAL_REPEATS, DEFAULT_FINALISTS
     from tuner.suites import resolve_spec, spec_from_flags
     from tuner.sweep import SweepOptions, run_sweep
 
@@ -109,7 +118,11 @@ def sweep(
         budget = resolved.trials or DEFAULT_TRIALS
     options = SweepOptions(trials=budget, timeout_s=timeout or resolved.timeout_s or 300.0,
                            sampler=chosen_sampler, workers=workers, seed=seed,
-                           compile_ahead=compile_ahead, heartbeat_s=heartbeat)
+                           compile_ahead=compile_ahead, heartbeat_s=heartbeat,
+                           finalists=_first_given(finalists, resolved.finalists,
+                                                  DEFAULT_FINALISTS),
+                           final_repeats=_first_given(final_repeats, resolved.final_repeats,
+                                                      DEFAULT_FINAL_REPEATS))
     if note and not json_out:
         console.print(f"[yellow]{note}[/]")
     stop = threading.Event()
@@ -143,6 +156,11 @@ def sweep(
         print_summary(report)
     if report.status == "interrupted":
         raise typer.Exit(130)
+
+
+def _first_given(flag: int | None, spec: int | None, default: int) -> int:
+    """The flag's value, else the spec's, else the default (0 is a value: the flag is off)."""
+    return flag if flag is not None else spec if spec is not None else default
 
 
 class SweepDisplay:
@@ -190,6 +208,9 @@ class SweepDisplay:
                 fields: dict[str, Any] = {}
                 if ev.best_tflops is not None:
                     fields["best"] = f"{fmt_tflops(ev.best_tflops)} TFLOP/s"
+                if ev.source == "final":
+                    fields["description"] = (f"  {self._labels[event.index]}: re-measuring "
+                                             "finalists")
                 self.progress.update(task, completed=self._results[event.index], **fields)
             self._refresh_overall()
         elif isinstance(event, ProblemFinished):
@@ -231,9 +252,12 @@ class SweepDisplay:
             line = "no config ran correctly"
         else:
             line = f"best {fmt_tflops(best.tflops)} TFLOP/s"
+            notes = [f"median of {best.runs}"] if best.runs > 1 else []
             if best.default_tflops:
-                line += (f" (default {fmt_tflops(best.default_tflops)}, "
-                         f"{best.tflops / best.default_tflops:.2f}x)")
+                notes.append(f"default {fmt_tflops(best.default_tflops)}, "
+                             f"{best.tflops / best.default_tflops:.2f}x")
+            if notes:
+                line += f" ({'; '.join(notes)})"
         self.progress.console.print(f"  [green]done[/] {self._labels[event.index]}: {line}")
 
     def close(self) -> None:
@@ -242,39 +266,55 @@ class SweepDisplay:
             self._started = False
 
 
+def _remeasured(p: Any) -> str:
+    """Configs re-measured, and how many of them were disqualified."""
+    if not p.remeasured:
+        return "-"
+    return f"{p.remeasured}, {p.disqualified} out" if p.disqualified else str(p.remeasured)
+
+
 def print_summary(report: Any) -> None:
     templates = {p.template for p in report.problems if not p.skipped}
     table = Table(title=f"sweep {report.sweep_id} ({report.name}): {report.status}, "
                         f"sampler {report.sampler}, {report.workers} worker(s); TFLOP/s")
-    for column in ("problem", "best", "default", "speedup", "ok", "failed", "s/trial",
-                   "bench s"):
+    for column in ("problem", "best", "default", "speedup", "finals", "ok", "failed",
+                   "s/trial", "bench s"):
         table.add_column(column, justify="left" if column in ("problem", "failed")
                          else "right", overflow="fold")
-    measured = 0
-    wall = bench = 0.0
+    measured = remeasurements = 0
+    wall = bench = final = 0.0
     for p in report.problems:
         label = p.label if len(templates) > 1 else p.label.split(" ", 1)[-1]
         if p.skipped:
-            table.add_row(label, "-", "-", "-", "-", f"skipped: {p.skipped}", "-", "-")
+            table.add_row(label, "-", "-", "-", "-", "-", f"skipped: {p.skipped}", "-", "-")
             continue
         measured += p.measured
+        remeasurements += p.remeasurements
         wall += p.wall_s
         bench += p.bench_s
+        final += p.final_s
         failed = ", ".join(f"{n} {kind}" for kind, n in sorted(p.failed.items())) or "-"
         table.add_row(label, fmt_tflops(p.best_tflops), fmt_tflops(p.default_tflops),
-                      f"{p.speedup:.2f}x" if p.speedup else "-", str(p.ok), failed,
-                      f"{p.seconds_per_trial:.2f}" if p.seconds_per_trial else "-",
+                      f"{p.speedup:.2f}x" if p.speedup else "-", _remeasured(p), str(p.ok),
+                      failed, f"{p.seconds_per_trial:.2f}" if p.seconds_per_trial else "-",
                       f"{p.bench_seconds_per_trial:.2f}" if p.bench_seconds_per_trial else "-")
     console.print(table)
     if len(templates) == 1:
         console.print(f"template: {templates.pop()}; s/trial: worker seconds per measured "
                       "config; bench s: of which timing the kernel")
+    if any(p.remeasured for p in report.problems):
+        console.print("finals: configs measured again at the end (the finalists and the "
+                      "default; out: disqualified by a failed re-measurement); best, default: "
+                      "TFLOP/s at the median of their readings where re-measured")
     if measured:
         console.print(f"{measured} config(s) measured by this sweep in {report.wall_s:.0f} s: "
                       f"{wall / measured:.2f} s per trial of worker time, of which "
                       f"{bench / measured:.2f} s timing the kernel "
                       f"(compile-ahead processes: {report.compile_ahead})")
-    else:
+    if remeasurements:
+        console.print(f"{remeasurements} finalist re-measurement(s) by this sweep: "
+                      f"{final:.0f} s of worker time")
+    if not measured and not remeasurements:
         console.print("nothing new to measure: every problem already has its budget of "
                       "results (raise --trials to tune further)")
     if report.interpreter:

@@ -2,7 +2,9 @@
 
 The store is the measurement cache: a config with a stored result is never run again, by
 this worker or any other, in this sweep or a later one (the trial row is unique per device x
-template version x problem key x config).
+template version x problem key x config). The exception are the finalists, the few best
+configs measured again at the end of a search: each re-measurement is stored beside the
+trial, which keeps its first measurement, and the best is chosen by ``db.finalists``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from db.finalists import Measured, choose_best
 from db.models import TrialStatus
 from templates.base import KernelConfig, Problem
 from tuner.runner.outcome import TrialOutcome
 
-__all__ = ["DbStore", "MemoryStore", "ResultStore", "StoredBest", "StoredResult", "TrialRecord"]
+__all__ = [
+    "DbStore",
+    "MemoryStore",
+    "RemeasurementRecord",
+    "ResultStore",
+    "StoredBest",
+    "StoredRemeasurement",
+    "StoredResult",
+    "TrialRecord",
+    "measured_configs",
+]
 
 
 @dataclass(frozen=True)
@@ -38,12 +51,27 @@ class StoredResult:
 
 
 @dataclass(frozen=True)
+class StoredRemeasurement:
+    """One more measurement of a finalist (``db.models.Remeasurement``)."""
+
+    status: TrialStatus
+    reason: str = ""
+    median_ms: float | None = None
+    tflops: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == TrialStatus.OK and bool(self.median_ms)
+
+
+@dataclass(frozen=True)
 class StoredBest:
     config: dict[str, Any]
     tflops: float
     median_ms: float
     default_tflops: float | None
     speedup: float | None
+    runs: int = 1  # readings behind median_ms: the first and the finalist's re-measurements
 
 
 @dataclass(frozen=True)
@@ -59,6 +87,15 @@ class TrialRecord:
     trial_number: int | None = None
 
 
+@dataclass(frozen=True)
+class RemeasurementRecord:
+    """One re-measurement of a stored config (a finalist) to store."""
+
+    problem_key: str
+    config_key: str
+    outcome: TrialOutcome
+
+
 class ResultStore(Protocol):
     def known(self, problem_key: str) -> dict[str, StoredResult]:
         """Every stored result of ``problem_key``, by config key."""
@@ -71,6 +108,36 @@ class ResultStore(Protocol):
 
     def best(self, problem_key: str) -> StoredBest | None: ...
 
+    def remeasurements(self, problem_key: str) -> dict[str, list[StoredRemeasurement]]:
+        """Every re-measurement of ``problem_key``, by config key, oldest first."""
+
+    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+        """Store one re-measurement of a stored config (every one is kept) and refresh the
+        problem's best config, in one transaction; returns the best after it."""
+
+
+def measured_configs(known: Mapping[str, StoredResult],
+                     remeasured: Mapping[str, list[StoredRemeasurement]]) -> list[Measured]:
+    """The OK configs of a problem with their re-measurements, by config key, in the order they
+    were stored (ties of ``db.finalists`` go to the earlier)."""
+    measured: list[Measured] = []
+    for order, (key, r) in enumerate(known.items()):
+        if r.status != TrialStatus.OK or not r.tflops or not r.median_ms:
+            continue
+        again = remeasured.get(key, [])
+        failed = next((f"{m.status.value}: {m.reason}" for m in again if not m.ok), None)
+        measured.append(Measured(ref=key, order=order, first_ms=r.median_ms,
+                                 first_tflops=r.tflops, is_default=r.is_default,
+                                 remeasured_ms=tuple(m.median_ms for m in again
+                                                     if m.ok and m.median_ms),
+                                 failed=failed))
+    return measured
+
+
+def _not_stored(record: RemeasurementRecord) -> LookupError:
+    return LookupError(f"no stored trial of {record.config_key!r} for problem "
+                       f"{record.problem_key!r}: only stored configs are re-measured")
+
 
 def _result(row: Any) -> StoredResult:
     return StoredResult(config_key=row.config_key, config=dict(row.config),
@@ -79,11 +146,24 @@ def _result(row: Any) -> StoredResult:
                         error=row.error, is_default=bool(row.is_default))
 
 
-def _best(row: Any) -> StoredBest | None:
+def _best(row: Any, runs: int) -> StoredBest | None:
     if row is None:
         return None
     return StoredBest(config=dict(row.config), tflops=row.tflops, median_ms=row.median_ms,
-                      default_tflops=row.default_tflops, speedup=row.speedup)
+                      default_tflops=row.default_tflops, speedup=row.speedup, runs=runs)
+
+
+def _runs_of(s: Any, row: Any) -> int:
+    """Readings behind a best config row's time: its trial's and the OK re-measurements."""
+    from sqlalchemy import func, select
+
+    from db.models import Remeasurement
+
+    if row is None or row.trial_id is None:
+        return 1
+    again = s.scalar(select(func.count()).select_from(Remeasurement).where(
+        Remeasurement.trial_id == row.trial_id, Remeasurement.status == TrialStatus.OK))
+    return 1 + int(again or 0)
 
 
 class DbStore:
@@ -141,9 +221,45 @@ class DbStore:
                 is_default=record.is_default, sweep_id=self.sweep_id,
                 optuna_study=record.study, optuna_trial=record.trial_number,
                 worker=self.worker)
-            return _best(crud.refresh_best(s, device_id=self.device_id,
-                                           template_id=self.template_id,
-                                           problem_key=record.problem_key))
+            row = crud.refresh_best(s, device_id=self.device_id, template_id=self.template_id,
+                                    problem_key=record.problem_key)
+            return _best(row, _runs_of(s, row))
+
+        return run_in_transaction(self.url, write)
+
+    def remeasurements(self, problem_key: str) -> dict[str, list[StoredRemeasurement]]:
+        from db import crud
+        from db.session import session_scope
+
+        found: dict[str, list[StoredRemeasurement]] = {}
+        with session_scope(self.url, write=False) as s:
+            for key, row in crud.remeasurements_for(s, device_id=self.device_id,
+                                                    template_id=self.template_id,
+                                                    problem_key=problem_key):
+                found.setdefault(key, []).append(StoredRemeasurement(
+                    status=TrialStatus(row.status), reason=row.reason or "",
+                    median_ms=row.median_ms, tflops=row.tflops))
+        return found
+
+    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+        from db import crud
+        from db.session import run_in_transaction
+
+        outcome = record.outcome
+
+        def write(s: Any) -> StoredBest | None:
+            trial = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
+                                    problem_key=record.problem_key,
+                                    config_key=record.config_key)
+            if trial is None:
+                raise _not_stored(record)
+            crud.record_remeasurement(
+                s, trial_id=trial.id, status=outcome.status, reason=outcome.reason,
+                median_ms=outcome.median_ms, tflops=outcome.tflops, error=outcome.error,
+                sweep_id=self.sweep_id, worker=self.worker)
+            row = crud.refresh_best(s, device_id=self.device_id, template_id=self.template_id,
+                                    problem_key=record.problem_key)
+            return _best(row, _runs_of(s, row))
 
         return run_in_transaction(self.url, write)
 
@@ -157,7 +273,7 @@ class DbStore:
             row = s.scalars(select(BestConfig).filter_by(
                 device_id=self.device_id, template_id=self.template_id,
                 problem_key=problem_key)).one_or_none()
-            return _best(row)
+            return _best(row, _runs_of(s, row))
 
 
 class MemoryStore:
@@ -165,6 +281,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._rows: dict[str, dict[str, StoredResult]] = {}
+        self._again: dict[str, dict[str, list[StoredRemeasurement]]] = {}
         self._lock = threading.Lock()
 
     def known(self, problem_key: str) -> dict[str, StoredResult]:
@@ -185,14 +302,27 @@ class MemoryStore:
             self._rows.setdefault(record.problem_key, {}).setdefault(result.config_key, result)
         return self.best(record.problem_key)
 
+    def remeasurements(self, problem_key: str) -> dict[str, list[StoredRemeasurement]]:
+        with self._lock:
+            return {key: list(runs) for key, runs in self._again.get(problem_key, {}).items()}
+
+    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+        o = record.outcome
+        with self._lock:
+            if record.config_key not in self._rows.get(record.problem_key, {}):
+                raise _not_stored(record)
+            self._again.setdefault(record.problem_key, {}).setdefault(
+                record.config_key, []).append(StoredRemeasurement(
+                    status=o.status, reason=o.reason, median_ms=o.median_ms, tflops=o.tflops))
+        return self.best(record.problem_key)
+
     def best(self, problem_key: str) -> StoredBest | None:
-        rows = self.known(problem_key).values()
-        ok = [r for r in rows if r.status == TrialStatus.OK and r.tflops and r.median_ms]
-        if not ok:
+        known = self.known(problem_key)
+        choice = choose_best(measured_configs(known, self.remeasurements(problem_key)))
+        if choice is None:
             return None
-        top = max(ok, key=lambda r: (r.tflops or 0.0))
-        default = next((r.tflops for r in ok if r.is_default), None)
-        assert top.tflops is not None and top.median_ms is not None
-        return StoredBest(config=top.config, tflops=top.tflops, median_ms=top.median_ms,
-                          default_tflops=default,
-                          speedup=top.tflops / default if default else None)
+        best, default = choice.best, choice.default
+        return StoredBest(config=known[str(best.ref)].config, tflops=best.tflops,
+                          median_ms=best.median_ms,
+                          default_tflops=default.tflops if default else None,
+                          speedup=choice.speedup, runs=best.runs)

@@ -1,0 +1,111 @@
+"""How a problem's best config is chosen from its measurements, and which configs are its
+finalists (measured again at the end of a search).
+
+A search measures each config once, and the fastest of ~100 noisy single readings is biased
+to a lucky one: the winner's curse (issue 6: a stored best re-measured 5.5% slower on the
+H100). So the finalists -- the K configs with the fastest first readings, plus the default
+config -- are measured again, and compete by the median of all their readings.
+
+The best, among a problem's OK configs (a config whose re-measurement failed is disqualified):
+
+- while no config has re-measurements: the fastest single reading (the rule before finalists);
+- then: the fastest finalist by its median; a config measured once competes only if its single
+  reading is faster than every finalist's first reading (found after the finalists were
+  measured, by a longer sweep: single readings compete with single readings only), and stands
+  until it is re-measured in turn.
+
+The default config's number is its median when it was re-measured (with finalists on it always
+is), so the speedup over the default compares like with like: median with median.
+
+Plain data in, plain data out: the database (``db.crud.refresh_best``) and the in-memory
+store of replays and tests (``tuner.search.store.MemoryStore``) use the same rule.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["Choice", "Measured", "choose_best", "pick_finalists"]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One config of a problem whose first measurement was OK, and its re-measurements."""
+
+    ref: int | str  # what the caller knows the config by: a trial id, a config key
+    order: int  # ties go to the lower (the earlier trial)
+    first_ms: float
+    first_tflops: float
+    is_default: bool = False
+    remeasured_ms: tuple[float, ...] = ()  # the OK re-measurements
+    failed: str | None = None  # why a re-measurement failed: the config is disqualified
+
+    @property
+    def runs(self) -> int:
+        """Readings behind ``median_ms``."""
+        return 1 + len(self.remeasured_ms)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median((self.first_ms, *self.remeasured_ms))
+
+    @property
+    def tflops(self) -> float:
+        """TFLOP/s at the median time (the problem's FLOPs over it)."""
+        median = self.median_ms
+        if median == self.first_ms:
+            return self.first_tflops  # as stored: x * t / t may differ from x in the last bit
+        return self.first_tflops * self.first_ms / median
+
+
+@dataclass(frozen=True)
+class Choice:
+    best: Measured
+    default: Measured | None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.best.tflops / self.default.tflops if self.default else None
+
+
+def _fastest_first(config: Measured) -> tuple[float, float, int]:
+    return (-config.first_tflops, config.first_ms, config.order)
+
+
+def _fastest(config: Measured) -> tuple[float, float, int]:
+    return (-config.tflops, config.median_ms, config.order)
+
+
+def _default(configs: Iterable[Measured]) -> Measured | None:
+    return min((c for c in configs if c.is_default and c.failed is None),
+               key=lambda c: c.order, default=None)
+
+
+def choose_best(configs: Iterable[Measured]) -> Choice | None:
+    """The best config by the rule of the module docstring; None when none qualifies."""
+    configs = list(configs)
+    eligible = [c for c in configs if c.failed is None]
+    finalists = [c for c in eligible if c.remeasured_ms]
+    if finalists:
+        bar = max(c.first_tflops for c in finalists)
+        eligible = finalists + [c for c in eligible
+                                if not c.remeasured_ms and c.first_tflops > bar]
+    if not eligible:
+        return None
+    return Choice(best=min(eligible, key=_fastest), default=_default(configs))
+
+
+def pick_finalists(configs: Iterable[Measured], k: int) -> list[Measured]:
+    """The ``k`` configs with the fastest first readings, fastest first, then the default
+    config if it is not one of them; disqualified configs are passed over (the next one takes
+    the place)."""
+    if k <= 0:
+        return []
+    eligible = [c for c in configs if c.failed is None]
+    finalists = sorted(eligible, key=_fastest_first)[:k]
+    default = _default(eligible)
+    if default is not None and default not in finalists:
+        finalists.append(default)
+    return finalists
