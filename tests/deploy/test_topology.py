@@ -55,7 +55,10 @@ def _spec(tmp_path: Path) -> Path:
     spec = tmp_path / "sweep.toml"
     spec.write_text('name = "deploy-test"\ntemplates = ["toy_add"]\n'
                     'template_modules = ["tests.tuner.toy_templates"]\ndtypes = ["float16"]\n'
-                    f'trials = {TRIALS}\ntimeout = 30\n'
+                    # No finalist rounds: this test checks that each config is measured once
+                    # across the workers and that the best is the fastest reading; finalists
+                    # with several workers are tested in tests/tuner/test_resume_and_workers.py.
+                    f'trials = {TRIALS}\ntimeout = 30\nfinalists = 0\n'
                     f'shapes = [{", ".join(shape for _, shape in SHAPES)}]\n')
     return spec
 
