@@ -29,7 +29,9 @@ def test_workers_share_one_study_and_one_trials_table(db_url: str,
     storage = make_storage(db_url)
     heartbeats = HeartbeatKeeper(storage)
     name = study_name(device.key, template.name, template.version(), key)
-    runner = ReplayRunner(template, landscape.trials, delay_s=0.005)
+    # Long enough per trial that every worker thread gets some: a thread that starts after
+    # the others have taken all 16 has nothing to do (seen once on the 2-core CI machine).
+    runner = ReplayRunner(template, landscape.trials, delay_s=0.05)
     budget = 16
 
     def store_of(url: str, worker: str = "") -> DbStore:
