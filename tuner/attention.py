@@ -166,26 +166,44 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     return plan.run(q, k, v)
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-             enable_gqa: bool) -> Resolved:
-    """Check the inputs; the config for their problem (cache -> database -> service ->
-    default)."""
-    check_inputs(q, k, v, enable_gqa)
+def _shapes_4d(q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """The (B, H_q, L, E) and (B, H_kv, S, E) the kernels see of checked inputs with any
+    number of leading dims (folded into B; 2-D inputs are one head)."""
+    batch = math.prod(q.shape[:-3])
+    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
+    return ((batch, heads_q, q.shape[-2], q.shape[-1]),
+            (batch, heads_kv, k.shape[-2], k.shape[-1]))
+
+
+def _resolve_template(template_name: str, q: torch.Tensor, k: torch.Tensor,
+                      is_causal: bool) -> Resolved:
+    """The config of ``template_name`` for the problem of these (checked) inputs: cache ->
+    database -> service -> default."""
     from templates.base import Problem
-    from templates.device import current_device, interpreter_active
+    from templates.device import current_device
     from templates.flash_fwd import DTYPE_NAMES
     from templates.registry import get_template
     from tuner.lookup import resolve_config
 
+    (batch, heads_q, seqlen_q, head_dim), (_, heads_kv, seqlen_kv, _) = _shapes_4d(q, k)
+    problem = Problem(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                      seqlen_kv=seqlen_kv, head_dim=head_dim, dtype=DTYPE_NAMES[q.dtype],
+                      causal="top_left" if is_causal else "none")
+    device = current_device(q.device.index) if q.is_cuda else current_device()
+    return resolve_config(get_template(template_name), problem, device)
+
+
+def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+             enable_gqa: bool) -> Resolved:
+    """Check the inputs; the forward config for their problem."""
+    check_inputs(q, k, v, enable_gqa)
+    from templates.device import interpreter_active
+
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"tuner.attention runs on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
-    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
-    problem = Problem(batch=math.prod(q.shape[:-3]), heads_q=heads_q, heads_kv=heads_kv,
-                      seqlen_q=q.shape[-2], seqlen_kv=k.shape[-2], head_dim=q.shape[-1],
-                      dtype=DTYPE_NAMES[q.dtype], causal="top_left" if is_causal else "none")
-    device = current_device(q.device.index) if q.is_cuda else current_device()
-    return resolve_config(get_template(TEMPLATE_NAME), problem, device)
+    return _resolve_template(TEMPLATE_NAME, q, k, is_causal)
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
@@ -197,10 +215,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     resolved = _resolve(q, k, v, is_causal, enable_gqa)
     config = resolved.config
     assert isinstance(config, FwdConfig)
-    batch = math.prod(q.shape[:-3])
-    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
-    q4 = (batch, heads_q, q.shape[-2], q.shape[-1])
-    kv4 = (batch, heads_kv, k.shape[-2], k.shape[-1])
+    q4, kv4 = _shapes_4d(q, k)
     out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
     reshape = q.dim() != 4
     # Inputs laid out alike reshape to views laid out alike: one launch plan serves them all.
@@ -248,11 +263,8 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if q.dim() != 4:
             raise ValueError(f"block_mask needs 4-D (B, H, L, E) inputs, but query has shape "
                              f"{tuple(q.shape)}")
-    lead = tuple(q.shape[:-3])
-    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
-    q4 = q.reshape(math.prod(lead), heads_q, q.shape[-2], q.shape[-1])
-    k4 = k.reshape(math.prod(lead), heads_kv, k.shape[-2], k.shape[-1])
-    v4 = v.reshape(math.prod(lead), heads_kv, v.shape[-2], v.shape[-1])
+    q_shape, kv_shape = _shapes_4d(q, k)
+    q4, k4, v4 = q.reshape(q_shape), k.reshape(kv_shape), v.reshape(kv_shape)
     mask4 = None
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
@@ -347,11 +359,7 @@ def _kernel_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from templates.flash_bwd import flash_attention_bwd
 
-    batch = math.prod(q.shape[:-3])
-    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
-    seqlen_q, seqlen_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    q4 = (batch, heads_q, seqlen_q, head_dim)
-    kv4 = (batch, heads_kv, seqlen_kv, head_dim)
+    q4, kv4 = _shapes_4d(q, k)
     dq, dk, dv = flash_attention_bwd(
         grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
         lse.reshape(q4[:-1]), causal="top_left" if is_causal else "none", scale=scale,
@@ -366,18 +374,7 @@ def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> objec
     hit = _BWD_CONFIGS.get(key)
     if hit is not None and hit[1] > _now():
         return hit[0]
-    from templates.base import Problem
-    from templates.device import current_device
-    from templates.flash_fwd import DTYPE_NAMES
-    from templates.registry import get_template
-    from tuner.lookup import resolve_config
-
-    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
-    problem = Problem(batch=math.prod(q.shape[:-3]), heads_q=heads_q, heads_kv=heads_kv,
-                      seqlen_q=q.shape[-2], seqlen_kv=k.shape[-2], head_dim=q.shape[-1],
-                      dtype=DTYPE_NAMES[q.dtype], causal="top_left" if is_causal else "none")
-    device = current_device(q.device.index) if q.is_cuda else current_device()
-    resolved = resolve_config(get_template(BACKWARD_TEMPLATE_NAME), problem, device)
+    resolved = _resolve_template(BACKWARD_TEMPLATE_NAME, q, k, is_causal)
     if len(_BWD_CONFIGS) >= MAX_PLANS:
         _BWD_CONFIGS.clear()
     _BWD_CONFIGS[key] = (resolved.config, resolved.expires_at)
