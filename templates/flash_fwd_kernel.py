@@ -23,7 +23,6 @@ lse = -inf.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -369,29 +368,19 @@ def tma_layout_problem(shape: tuple[int, ...], strides: tuple[int, ...], data_pt
 
 
 def tma_inputs_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why q, k, v (and the contiguous output) cannot be read through TMA (None if they can)."""
-    layout = _tma_layout_problems(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-                                  q.element_size())
-    for name, t, reason in (("q", q, layout[0]), ("k", k, layout[1]), ("v", v, layout[2])):
+    """Why q, k, v (and the contiguous output) cannot be read through TMA (None if they can).
+
+    Callers check once per launch plan (``templates.flash_fwd``, ``tuner.attention``)."""
+    batch, heads, seqlen, head_dim = q.shape
+    o_strides = (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)  # o is contiguous
+    for name, shape, strides, ptr in (("q", q.shape, q.stride(), q.data_ptr()),
+                                      ("k", k.shape, k.stride(), k.data_ptr()),
+                                      ("v", v.shape, v.stride(), v.data_ptr()),
+                                      ("o", q.shape, o_strides, 0)):
+        reason = tma_layout_problem(tuple(shape), tuple(strides), ptr, q.element_size(), name)
         if reason:
             return reason
-        if t.data_ptr() % 16:
-            return f"TMA needs {name} to start at a 16-byte aligned address"
-    return layout[3]
-
-
-@functools.lru_cache(maxsize=256)
-def _tma_layout_problems(q_shape: tuple[int, ...], q_strides: tuple[int, ...],
-                         k_shape: tuple[int, ...], k_strides: tuple[int, ...],
-                         v_shape: tuple[int, ...], v_strides: tuple[int, ...],
-                         element_size: int) -> tuple[str | None, ...]:
-    """``tma_layout_problem`` of q, k, v and o, less the data pointers: remembered per layout,
-    as callers check every call (tuner.attention's hot path does)."""
-    _, heads, seqlen, head_dim = q_shape
-    o_strides = (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)  # o is contiguous
-    return tuple(tma_layout_problem(tuple(shape), tuple(strides), 0, element_size, name)
-                 for name, shape, strides in (("q", q_shape, q_strides), ("k", k_shape, k_strides),
-                                              ("v", v_shape, v_strides), ("o", q_shape, o_strides)))
+    return None
 
 
 def attn_mask_view(attn_mask: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
