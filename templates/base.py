@@ -33,6 +33,8 @@ from typing import Any, ClassVar, Self, cast
 from templates.device import DeviceInfo
 
 Scalar = int | bool | str
+# One kernel launch: (the @triton.jit function, grid, positional arguments, keyword options).
+KernelLaunch = tuple[Any, tuple[int, ...], list[Any], dict[str, Any]]
 
 DTYPES = ("float16", "bfloat16", "float32")
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
@@ -289,10 +291,28 @@ class Template(ABC):
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         """Launch the kernel; returns a tensor or a tuple of tensors."""
 
+    def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
+        """The launches ``run`` makes for ``problem``'s inputs, with stand-in tensors (dtype,
+        shape, strides, no memory) so that each ``kernel.warmup(*args, grid=grid, **options)``
+        compiles exactly the kernel a launch would load. None: not supported (this template,
+        or this kind of problem)."""
+        return None
+
     def precompile(self, problem: Problem, config: KernelConfig) -> bool:
-        """Compile the kernel for ``problem`` without launching it (compile-ahead workers warm
-        Triton's on-disk cache while the GPU times another config). False if not supported."""
-        return False
+        """Compile the kernels for ``problem`` without launching them (compile-ahead workers
+        warm Triton's on-disk cache while the GPU times another config). False if not
+        supported here: no GPU compiler (interpreter, no CUDA and no ``offline_target``) or
+        no ``kernel_launches``."""
+        from templates.offline_target import gpu_compiler_available
+
+        if not gpu_compiler_available():
+            return False
+        launches = self.kernel_launches(problem, self.config(config))
+        if launches is None:
+            return False
+        for kernel, grid, args, options in launches:
+            kernel.warmup(*args, grid=grid, **options)
+        return True
 
     @abstractmethod
     def reference(self, inputs: Mapping[str, Any]) -> Any:

@@ -16,16 +16,16 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from triton.runtime.jit import MockTensor
 
 from templates import flash_bwd_kernel as kernel
 from templates import kernel_common, listed_blocks
 from templates.attention_reference import FLOAT64_SCORE_LIMIT, attention_reference, visible_pairs
-from templates.base import KernelConfig, Problem, Template, knob, next_pow2
+from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo, current_device, interpreter_active
 from templates.mask_mods import pattern_problem
 from templates.registry import register
+from templates.standin_tensor import StandinTensor
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -221,11 +221,11 @@ class FlashBwdTemplate(Template):
                                    scale=inputs["scale"], config=cfg,
                                    block_mask=inputs.get("block_mask"))
 
-    def precompile(self, problem: Problem, config: KernelConfig) -> bool:
-        """Compile the kernels ``run`` would launch for ``problem``'s inputs, allocating nothing
-        (dense problems only: a block mask's tensors have no stand-ins)."""
-        if interpreter_active() or not torch.cuda.is_available() or problem.mask != "none":
-            return False
+    def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
+        """The launches ``run`` makes, in order (dense problems only: a block mask's tensors
+        have no stand-ins)."""
+        if problem.mask != "none":
+            return None
         cfg = self.config(config)
         assert isinstance(cfg, BwdConfig)
         dtype = TORCH_DTYPES[problem.dtype]
@@ -233,18 +233,15 @@ class FlashBwdTemplate(Template):
         kv_shape = (problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim)
         rows = q_shape[:3]
         dq_dtype = torch.float32 if cfg.dq_mode == "atomic" else dtype
-        calls = kernel.kernel_calls(
-            _TensorSpec(dtype, q_shape), _TensorSpec(dtype, q_shape),
-            _TensorSpec(dtype, kv_shape), _TensorSpec(dtype, kv_shape),
-            _TensorSpec(dtype, q_shape), _TensorSpec(torch.float32, rows),
-            _TensorSpec(torch.float32, rows), _TensorSpec(torch.float32, rows),
-            _TensorSpec(dq_dtype, q_shape), _TensorSpec(dtype, kv_shape),
-            _TensorSpec(dtype, kv_shape),
+        return kernel.kernel_calls(
+            StandinTensor(dtype, q_shape), StandinTensor(dtype, q_shape),
+            StandinTensor(dtype, kv_shape), StandinTensor(dtype, kv_shape),
+            StandinTensor(dtype, q_shape), StandinTensor(torch.float32, rows),
+            StandinTensor(torch.float32, rows), StandinTensor(torch.float32, rows),
+            StandinTensor(dq_dtype, q_shape), StandinTensor(dtype, kv_shape),
+            StandinTensor(dtype, kv_shape),
             causal_mode=problem.causal, scale=1.0 / math.sqrt(problem.head_dim),
             config=cfg.to_dict())
-        for fn, grid, args, options in calls:
-            fn.warmup(*args, grid=grid, **options)
-        return True
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         block_mask = inputs.get("block_mask")
@@ -278,25 +275,6 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
                   config=CONFIG)
 '''
-
-
-class _TensorSpec(MockTensor):
-    """A contiguous tensor's dtype and shape at a 16-byte aligned address: what a launch's
-    specialization depends on, so ``warmup`` compiles the kernel ``run`` will load.
-
-    triton's ``MockTensor`` with the strides of a contiguous tensor: its own ``stride()``
-    multiplies the sizes in the wrong order (e.g. (60, 12, 3, 1) for shape (2, 3, 4, 5)),
-    which can change the divisibility-by-16 specialization of the strides.
-    """
-
-    def __init__(self, dtype: torch.dtype, shape: Sequence[int]) -> None:
-        super().__init__(dtype, list(shape))
-
-    def stride(self) -> tuple[int, ...]:
-        strides = [1]
-        for size in reversed(self.shape[1:]):
-            strides.append(strides[-1] * size)
-        return tuple(reversed(strides))
 
 
 # ----------------------------------------------------------------------------- constraints

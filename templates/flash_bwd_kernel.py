@@ -632,7 +632,7 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, lse2: Any,
                  dq: Any, dk: Any, dv: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, object], block_mask: Any = None, attn_mask: Any = None
-                 ) -> list[tuple[Any, tuple[int], list[Any], dict[str, Any]]]:
+                 ) -> list[tuple[Any, tuple[int, ...], list[Any], dict[str, Any]]]:
     """(kernel, grid, positional arguments, options) of each launch, in launch order.
 
     ``delta``/``lse2`` are (B, H_q, N_q) float32 row buffers, ``dq`` the fp32 accumulator
@@ -660,7 +660,7 @@ def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, 
 
     pre_m = max(16, PREPROCESS_TILE_ELEMENTS // block_d)
     pre_tiles = triton.cdiv(seqlen_q, pre_m)
-    calls: list[tuple[Any, tuple[int], list[Any], dict[str, Any]]] = [(
+    calls: list[tuple[Any, tuple[int, ...], list[Any], dict[str, Any]]] = [(
         _flash_bwd_preprocess_kernel, (pre_tiles * batch * heads_q,),
         [o, do, lse, delta, lse2, *o.stride(), *do.stride(), *lse.stride(),
          seqlen_q, heads_q, pre_tiles],

@@ -18,12 +18,21 @@ import torch
 from templates import flash_fwd_kernel as kernel
 from templates import kernel_common, listed_blocks
 from templates.attention_reference import attention_reference, lse_error, visible_pairs
-from templates.base import KernelConfig, Problem, Template, knob, next_pow2, relative_error
+from templates.base import (
+    KernelConfig,
+    KernelLaunch,
+    Problem,
+    Template,
+    knob,
+    next_pow2,
+    relative_error,
+)
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo, current_device, interpreter_active
 from templates.mask_mods import pattern_block_mask, pattern_problem
 from templates.plan_cache import PlanCache
 from templates.registry import register
+from templates.standin_tensor import StandinTensor
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -251,13 +260,22 @@ class FlashFwdTemplate(Template):
                                    causal=inputs["causal"], scale=inputs["scale"], config=cfg,
                                    block_mask=inputs.get("block_mask"))
 
-    def precompile(self, problem: Problem, config: KernelConfig) -> bool:
-        """Compile what ``run`` would launch for ``problem``'s inputs, allocating nothing
-        (dense problems only: a block mask's tensors have no stand-ins)."""
-        if interpreter_active() or not torch.cuda.is_available() or problem.mask != "none":
-            return False
-        compile_for(problem, self.config(config))
-        return True
+    def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
+        """The one launch ``run`` makes (dense problems only: a block mask's tensors have no
+        stand-ins)."""
+        if problem.mask != "none":
+            return None
+        cfg = self.config(config)
+        dtype = TORCH_DTYPES[problem.dtype]
+        q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
+        kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
+        grid, args, options = kernel.kernel_call(
+            StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape),
+            StandinTensor(dtype, kv_shape), StandinTensor(dtype, q_shape),
+            StandinTensor(torch.float32, q_shape[:3]),
+            causal_mode=problem.causal, scale=1.0 / math.sqrt(problem.head_dim),
+            config=cfg.to_dict())
+        return [(kernel._flash_fwd_kernel, grid, args, options)]
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         block_mask = inputs.get("block_mask")
@@ -379,35 +397,13 @@ def _shrinking(cfg: FwdConfig) -> list[FwdConfig]:
 
 def compile_for(problem: Problem, config: KernelConfig) -> Any:
     """Triton's compiled kernel for ``problem``'s inputs (as ``make_inputs`` lays them out)
-    under ``config``, without allocating or launching anything (needs a CUDA device)."""
-    cfg = TEMPLATE.config(config)
-    dtype = TORCH_DTYPES[problem.dtype]
-    q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
-    kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
-    standin = _contiguous_standin_type()
-    grid, args, options = kernel.kernel_call(
-        standin(dtype, q_shape), standin(dtype, kv_shape), standin(dtype, kv_shape),
-        standin(dtype, q_shape), standin(torch.float32, q_shape[:3]),
-        causal_mode=problem.causal, scale=1.0 / math.sqrt(problem.head_dim),
-        config=cfg.to_dict())
-    return kernel._flash_fwd_kernel.warmup(*args, grid=grid, **options)
-
-
-def _contiguous_standin_type() -> type:
-    """Triton's ``MockTensor`` (a dtype and a shape at address 0, so 16-byte aligned like any
-    torch allocation) with the strides of a contiguous tensor: its own ``stride()`` multiplies
-    the sizes in the wrong order for rank > 2 (seen on triton 3.6, where precompiled kernels
-    then never matched a launch)."""
-    from triton.runtime.jit import MockTensor
-
-    class ContiguousStandin(MockTensor):  # type: ignore[misc]
-        def stride(self) -> tuple[int, ...]:
-            strides = [1]
-            for size in reversed(self.shape[1:]):
-                strides.append(strides[-1] * size)
-            return tuple(reversed(strides))
-
-    return ContiguousStandin
+    under ``config``, without allocating or launching anything (needs a CUDA device or an
+    ``offline_target``; dense problems only)."""
+    launches = TEMPLATE.kernel_launches(problem, config)
+    if launches is None:
+        raise ValueError(f"no stand-in launch for {problem.key()} (block masks have none)")
+    ((fn, grid, args, options),) = launches
+    return fn.warmup(*args, grid=grid, **options)
 
 
 # ----------------------------------------------------------------------------- entry point

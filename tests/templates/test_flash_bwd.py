@@ -26,7 +26,6 @@ from templates.flash_bwd import (
     MAX_REGISTERS_PER_THREAD,
     BwdConfig,
     FlashBwdTemplate,
-    _TensorSpec,
     flash_attention_bwd,
     reference_grads,
     registers_estimate,
@@ -411,11 +410,6 @@ def test_template_is_registered_with_a_source_version() -> None:
     assert len(TEMPLATE.version()) == 16
     assert templates.flash_attention_bwd is flash_attention_bwd
     assert templates.flash_attention is flash_attention
-
-
-def test_tensor_spec_strides_are_those_of_a_contiguous_tensor() -> None:
-    for shape in ((2, 3, 5, 7), (4, 1, 9), (16,)):
-        assert _TensorSpec(torch.float16, shape).stride() == torch.empty(shape).stride()
 
 
 def test_standalone_source_imports_and_matches_the_template(tmp_path: Path,

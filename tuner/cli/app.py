@@ -14,6 +14,7 @@ import typer
 
 from tuner.cli import (
     best,
+    compile_check,
     database,
     export,
     importing,
@@ -34,6 +35,7 @@ app = typer.Typer(name="tuner", no_args_is_help=True, add_completion=False,
 app.command("sweep")(sweep.sweep)
 app.command("best")(best.best)
 app.command("verify")(verify.verify)
+app.command("compile-check")(compile_check.compile_check)
 app.command("list")(listing.list_things)
 app.command("export")(export.export)
 app.command("import")(importing.import_bundle)

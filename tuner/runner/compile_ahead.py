@@ -32,7 +32,9 @@ _MAX_POOL_RESTARTS = 3
 
 
 def supports_precompile(template: Template) -> bool:
-    return type(template).precompile is not Template.precompile
+    cls = type(template)
+    return (cls.precompile is not Template.precompile
+            or cls.kernel_launches is not Template.kernel_launches)
 
 
 def _init_pool(env: dict[str, str]) -> None:

@@ -1,0 +1,149 @@
+"""Compile configs for a GPU target and report what each kernel uses: registers, stack
+(where spilled registers go), shared memory, compile seconds.
+
+Run as a module in a process without the interpreter; it reads a JSON request on stdin and
+prints one JSON report per line, so a compiler crash takes only this process down::
+
+    echo '{"target": "h100", "jobs": [{"template": "flash_fwd", "problem": {...},
+           "config": {...}}]}' | TRITON_INTERPRET=0 python -m templates.compile_report
+
+``tuner compile-check`` is the way people run it (``tuner/cli/compile_check.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from templates.base import KernelConfig, Problem, Template
+
+__all__ = ["CompileOutcome", "KernelResources", "compile_config", "main"]
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    kernel: str
+    registers: int | None  # per thread; None if cuobjdump is missing
+    stack_bytes: int | None  # per-thread stack frame: spilled registers live there
+    shared_bytes: int  # dynamic shared memory per program
+    seconds: float  # compile time (less on a hit in Triton's on-disk cache)
+
+
+@dataclass(frozen=True)
+class CompileOutcome:
+    template: str
+    problem: dict[str, Any]
+    config: dict[str, Any]
+    kernels: list[KernelResources]
+    error: str = ""  # the compiler's message when a kernel failed to compile
+    constraint: str = ""  # why the template's constraint rejects this config ("" if it does not)
+    skipped: str = ""  # why nothing was compiled (no stand-in launch for this problem)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compile_config(template: Template, problem: Problem, config: KernelConfig,
+                   constraint: str = "") -> CompileOutcome:
+    """Compile every launch of ``config`` for ``problem`` on the active target (a GPU or an
+    ``offline_target`` block). A compile error is reported, not raised."""
+    outcome = CompileOutcome(template.name, problem.to_dict(), config.to_dict(), [],
+                             constraint=constraint)
+    launches = template.kernel_launches(problem, config)
+    if launches is None:
+        return replace(outcome, skipped=f"{template.name} has no stand-in launch for this "
+                                        "problem")
+    kernels: list[KernelResources] = []
+    for fn, grid, args, options in launches:
+        start = time.perf_counter()
+        try:
+            compiled = fn.warmup(*args, grid=grid, **options)
+        except Exception as exc:  # noqa: BLE001  (the compiler raises many kinds)
+            message = f"{fn.__name__}: {type(exc).__name__}: {exc}"
+            return replace(outcome, kernels=kernels, error=message[:2000])
+        registers, stack = _cubin_resources(compiled.asm.get("cubin"))
+        kernels.append(KernelResources(kernel=fn.__name__, registers=registers,
+                                       stack_bytes=stack,
+                                       shared_bytes=int(compiled.metadata.shared),
+                                       seconds=round(time.perf_counter() - start, 3)))
+    return replace(outcome, kernels=kernels)
+
+
+def _cuobjdump() -> str | None:
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                           "cuobjdump")
+    if os.access(bundled, os.X_OK):
+        return bundled
+    from shutil import which
+
+    return which("cuobjdump")
+
+
+def _cubin_resources(cubin: bytes | None) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) per thread, read from the cubin by cuobjdump."""
+    tool = _cuobjdump()
+    if tool is None or not cubin:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=False).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", out)
+    if not found:
+        return None, None
+    return int(found.group(1)), int(found.group(2))
+
+
+def main() -> int:
+    """Read {"target", "jobs": [{"template", "problem", "config"}]} on stdin; print one JSON
+    ``CompileOutcome`` per job and line. Exit 2 on a bad request."""
+    from templates.device import interpreter_active
+    from templates.offline_target import offline_target
+    from templates.registry import get_template
+
+    if interpreter_active():
+        print("templates.compile_report needs TRITON_INTERPRET=0 in its environment",
+              file=sys.stderr)
+        return 2
+    try:
+        request = json.load(sys.stdin)
+        jobs = [(get_template(job["template"]), Problem.from_dict(job["problem"]), job["config"])
+                for job in request["jobs"]]
+        target = str(request["target"])
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"bad compile request: {exc}", file=sys.stderr)
+        return 2
+    with offline_target(target) as device:
+        for template, problem, config_data in jobs:
+            try:
+                config = template.config(config_data)
+            except ValueError as exc:
+                print(json.dumps({"template": template.name, "problem": problem.to_dict(),
+                                  "config": config_data, "kernels": [],
+                                  "error": f"bad config: {exc}", "constraint": "",
+                                  "skipped": ""}), flush=True)
+                continue
+            reason = template.constraint(problem, config, device) or ""
+            try:
+                outcome = compile_config(template, problem, config, reason)
+            except Exception:  # noqa: BLE001  (report the job, go on with the others)
+                outcome = CompileOutcome(template.name, problem.to_dict(), config.to_dict(),
+                                         [], error=traceback.format_exc(limit=3)[-2000:],
+                                         constraint=reason)
+            print(json.dumps(outcome.to_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
