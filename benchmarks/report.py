@@ -847,6 +847,8 @@ class Kind:
 
 # The first match wins; the order is the report's.
 KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-sweep", None),
+         Kind("compile_check", "compiler resources (`tuner compile-check`, no GPU)",
+              "tuner compile-check --json", None),
          Kind("sweep_quick_trials", "recorded sweep trials (`tuner replay` input)",
               "tuner sweep --record", None),
          Kind("fwd_quick", "forward", "fwd_quick.py", forward_section),
