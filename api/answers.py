@@ -66,6 +66,8 @@ class StoredBest:
     median_ms: float
     default_tflops: float | None
     speedup: float | None
+    readings: int
+    spread: float | None
     provenance: Provenance
 
 
@@ -153,10 +155,11 @@ class BestCache:
             device = device_info_from_row(row) if row else device_info_from_key(device_key)
         sweep_names = _names_of(session, {r.sweep_id for r in rows if r.sweep_id is not None})
         measured = _trial_dates(session, {r.trial_id for r in rows if r.trial_id is not None})
+        readings = crud.best_readings(session, rows)
         stored = [StoredBest(
             problem_key=r.problem_key, problem=dict(r.problem), config=dict(r.config),
             tflops=r.tflops, median_ms=r.median_ms, default_tflops=r.default_tflops,
-            speedup=r.speedup,
+            speedup=r.speedup, readings=readings[r.id].count, spread=readings[r.id].spread,
             provenance=Provenance(
                 sweep_id=r.sweep_id, sweep_name=sweep_names.get(r.sweep_id),
                 measured_at=measured.get(r.trial_id, r.updated_at),
@@ -211,4 +214,5 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
     return BestOut(**base, template_version=version, match=found.kind,
                    config=found.config.to_dict(), matched_problem=row.problem,
                    tflops=row.tflops, median_ms=row.median_ms, default_tflops=row.default_tflops,
-                   speedup=row.speedup, provenance=row.provenance)
+                   speedup=row.speedup, readings=row.readings, spread=row.spread,
+                   provenance=row.provenance)

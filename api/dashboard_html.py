@@ -12,7 +12,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tuner.wire import readings_text
+
+if TYPE_CHECKING:
+    from db.finalists import Readings
 
 SERIES_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
@@ -127,6 +132,12 @@ def _config_text(config: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(config.items()))
 
 
+def _readings_cell(readings: Readings | None) -> str:
+    if readings is None:
+        return "–"
+    return readings_text(readings.count, readings.spread)
+
+
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], empty: str) -> str:
     body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>"
                    for row in rows)
@@ -146,8 +157,11 @@ text-align:left}th{background:#f3f3f3}.charts{display:flex;flex-wrap:wrap;gap:16
 
 
 def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: Sequence[Any],
-                     total_rows: int, sweeps: Sequence[Any]) -> str:
-    """The whole page. ``rows`` are BestConfig rows with device and template loaded."""
+                     total_rows: int, sweeps: Sequence[Any],
+                     readings: Mapping[int, Readings] | None = None) -> str:
+    """The whole page. ``rows`` are BestConfig rows with device and template loaded;
+    ``readings`` what each rests on, by row id (``db.crud.best_readings``)."""
+    readings = readings or {}
     device_table = _table(
         ("name", "compute capability", "SMs", "triton", "torch", "CUDA", "key"),
         ((d.name, d.compute_capability, d.sm_count, d.triton_version, d.torch_version,
@@ -159,9 +173,9 @@ def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: 
         "No templates registered.")
     best_table = _table(
         ("device", "template", "dtype", "variant", "problem", "config", "TFLOP/s",
-         "default TFLOP/s", "speedup", "sweep"),
+         "readings (spread)", "default TFLOP/s", "speedup", "sweep"),
         ((r.device.name, r.template.name, r.dtype, r.variant, r.problem_key,
-          _config_text(r.config), f"{r.tflops:.1f}",
+          _config_text(r.config), f"{r.tflops:.1f}", _readings_cell(readings.get(r.id)),
           f"{r.default_tflops:.1f}" if r.default_tflops else "–",
           f"{r.speedup:.2f}x" if r.speedup else "–", r.sweep_id or "–") for r in rows),
         "No tuned configs stored yet.")

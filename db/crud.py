@@ -10,14 +10,14 @@ IntegrityError. The functions flush but never commit: the caller owns the transa
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, delete, func, or_, select, text
+from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
-from db.finalists import Measured, choose_best
+from db.finalists import Measured, Readings, choose_best
 from db.models import (
     BestConfig,
     Device,
@@ -33,6 +33,7 @@ from db.models import (
 __all__ = [
     "best_candidates",
     "best_for",
+    "best_readings",
     "count_best",
     "create_sweep",
     "find_trial",
@@ -329,6 +330,42 @@ def refresh_best(s: Session, *, device_id: int, template_id: int,
     s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=values))
     return s.scalars(select(BestConfig).filter_by(**key)
                      .execution_options(populate_existing=True)).one()
+
+
+# Trial ids per query of best_readings: far below every backend's limit on bound parameters
+# (SQLite's is 32766, older builds 999), so a list of any length takes a few queries, not one
+# per row.
+_READINGS_CHUNK = 500
+
+
+def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings]:
+    """The readings each stored best rests on, by best-config id: its trial's first time and
+    the OK re-measurements of that trial (failed ones give no time), oldest first.
+
+    One query per ``_READINGS_CHUNK`` bests. A best without a trial (or whose trial has no time)
+    rests on its stored time alone.
+    """
+    trial_ids = sorted({b.trial_id for b in bests if b.trial_id is not None})
+    times: dict[int, list[float]] = {}
+    for start in range(0, len(trial_ids), _READINGS_CHUNK):
+        chunk = trial_ids[start:start + _READINGS_CHUNK]
+        rows = s.execute(
+            select(Trial.id, Trial.median_ms, Remeasurement.median_ms)
+            .outerjoin(Remeasurement, and_(Remeasurement.trial_id == Trial.id,
+                                           Remeasurement.status == TrialStatus.OK,
+                                           Remeasurement.median_ms.is_not(None)))
+            .where(Trial.id.in_(chunk)).order_by(Trial.id, Remeasurement.id))
+        for trial_id, first_ms, again_ms in rows:
+            if first_ms is None:  # not OK: no best comes from it
+                continue
+            readings = times.setdefault(trial_id, [first_ms])
+            if again_ms is not None:
+                readings.append(again_ms)
+    out = {}
+    for best in bests:
+        found = times.get(best.trial_id) if best.trial_id is not None else None
+        out[best.id] = Readings(tuple(found) if found else (best.median_ms,))
+    return out
 
 
 def _best_joined() -> Select[Any]:

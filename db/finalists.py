@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Choice", "Measured", "choose_best", "pick_finalists"]
+__all__ = ["Choice", "Measured", "Readings", "choose_best", "pick_finalists"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,27 @@ class Measured:
         if median == self.first_ms:
             return self.first_tflops  # as stored: x * t / t may differ from x in the last bit
         return self.first_tflops * self.first_ms / median
+
+
+@dataclass(frozen=True)
+class Readings:
+    """The times a stored best rests on: its trial's first reading and its OK re-measurements
+    (a failed re-measurement gives no time). What a reader needs to judge a stored median: how
+    many readings it is the median of, and how far apart they lie."""
+
+    times_ms: tuple[float, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.times_ms)
+
+    @property
+    def spread(self) -> float | None:
+        """(slowest - fastest) / median of the readings; None with fewer than two (a single
+        reading shows no spread, which is not the same as none)."""
+        if len(self.times_ms) < 2:
+            return None
+        return (max(self.times_ms) - min(self.times_ms)) / statistics.median(self.times_ms)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,23 @@ def _as_utc(value: datetime) -> datetime:
 UtcDateTime = Annotated[datetime, AfterValidator(_as_utc)]
 
 
+# The fields came after the others: an answer of an older service has neither (None here).
+READINGS_DESCRIPTION = (
+    "how many timings median_ms is the median of: the config's first reading and its OK "
+    "re-measurements as a finalist (1: measured once)")
+SPREAD_DESCRIPTION = (
+    "(slowest - fastest) / median of those readings: the config's own run-to-run noise; "
+    "None with a single reading")
+
+
+def readings_text(readings: int | None, spread: float | None) -> str:
+    """A stored best's readings for a table cell: their count and, with two or more, their
+    spread, e.g. "3 (4.1%)"; "-" when unknown."""
+    if readings is None:
+        return "-"
+    return f"{readings} ({spread * 100:.1f}%)" if spread is not None else str(readings)
+
+
 class WireModel(BaseModel):
     # Answers from a newer service may carry fields this client does not know: ignore them.
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -78,6 +95,9 @@ class BestOut(WireModel):
     median_ms: float | None = None
     default_tflops: float | None = None
     speedup: float | None = Field(None, description="tuned over default config, same problem")
+    readings: int | None = Field(None, ge=1, description=READINGS_DESCRIPTION
+                                 + " (None for match default)")
+    spread: float | None = Field(None, ge=0, description=SPREAD_DESCRIPTION)
     provenance: Provenance | None = None
 
 
@@ -95,6 +115,8 @@ class ConfigRow(WireModel):
     median_ms: float
     default_tflops: float | None = None
     speedup: float | None = None
+    readings: int | None = Field(None, ge=1, description=READINGS_DESCRIPTION)
+    spread: float | None = Field(None, ge=0, description=SPREAD_DESCRIPTION)
     sweep_id: int | None = None
     updated_at: UtcDateTime | None = None
 

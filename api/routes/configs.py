@@ -26,6 +26,7 @@ def list_configs(
         "variant": query.variant,
     }
     rows = crud.list_best(session, **filters, offset=query.offset, limit=query.limit)
+    readings = crud.best_readings(session, rows)
     items = [
         ConfigRow(
             device=r.device.key,
@@ -41,6 +42,8 @@ def list_configs(
             median_ms=r.median_ms,
             default_tflops=r.default_tflops,
             speedup=r.speedup,
+            readings=readings[r.id].count,
+            spread=readings[r.id].spread,
             sweep_id=r.sweep_id,
             updated_at=r.updated_at,
         )

@@ -25,8 +25,9 @@ def dashboard(session: SessionDep) -> HTMLResponse:
     """Devices, templates, best configs and TFLOP/s charts, as one HTML page."""
     templates = [{"name": t.name, "version": template_version(t), "description": t.description,
                   "grid_size": t.config_cls.grid_size()} for t in all_templates()]
+    rows = crud.list_best(session, limit=DASHBOARD_ROWS)
     html = render_dashboard(
-        devices=crud.list_devices(session), templates=templates,
-        rows=crud.list_best(session, limit=DASHBOARD_ROWS), total_rows=crud.count_best(session),
-        sweeps=crud.list_sweeps(session, limit=20))
+        devices=crud.list_devices(session), templates=templates, rows=rows,
+        total_rows=crud.count_best(session), sweeps=crud.list_sweeps(session, limit=20),
+        readings=crud.best_readings(session, rows))
     return HTMLResponse(html)

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from db import crud
@@ -325,3 +326,55 @@ def test_refresh_best_takes_the_finalist_with_the_fastest_median(target: Target)
         assert crud.count_best(s) == 0
         assert len(crud.trials_for(s, **ids)) == 3  # nothing measured is lost
         assert len(crud.remeasurements_for(s, **ids)) == 9
+
+
+def test_best_readings_are_the_first_and_the_ok_remeasurements(target: Target) -> None:
+    rng = random.Random(22)
+    once, again = _data.problem(rng), _data.problem(rng, causal="top_left")
+    with session_scope(target.url) as s:  # times are 1000 / TFLOP/s ms
+        _record(s, target, rng, problem=once, config_key="a", tflops=100.0)  # 10 ms, only
+        steady = _record(s, target, rng, problem=again, config_key="b", tflops=125.0)  # 8 ms
+        default = _record(s, target, rng, problem=again, config_key="c", tflops=50.0,
+                          is_default=True)
+        for ms in (8.4, 7.6):
+            crud.record_remeasurement(s, trial_id=steady, status=TrialStatus.OK, median_ms=ms,
+                                      tflops=1000.0 / ms)
+        crud.record_remeasurement(s, trial_id=default, status=TrialStatus.OK, median_ms=9.0,
+                                  tflops=1000.0 / 9.0)  # another config's reading
+        for problem in (once, again):
+            crud.refresh_best(s, device_id=target.device_id, template_id=target.template_id,
+                              problem_key=_data.problem_key(problem))
+        # A failed re-measurement of the best's own trial (its best row not refreshed yet, as
+        # while another worker's round is in flight): no reading, even with a time on it.
+        crud.record_remeasurement(s, trial_id=steady, status=TrialStatus.WRONG_RESULT,
+                                  median_ms=1.0, reason="relative error 0.4")
+    with session_scope(target.url, write=False) as s:
+        bests = {b.trial_id: b for b in crud.list_best(s)}
+        readings = crud.best_readings(s, list(bests.values()))
+    by_trial = {trial_id: readings[b.id] for trial_id, b in bests.items()}
+    assert by_trial[steady].times_ms == (8.0, 8.4, 7.6) and by_trial[steady].count == 3
+    assert by_trial[steady].spread == pytest.approx((8.4 - 7.6) / 8.0)
+    (single,) = [r for trial_id, r in by_trial.items() if trial_id != steady]
+    assert single.times_ms == (10.0,) and single.count == 1 and single.spread is None
+
+
+def test_best_readings_of_many_bests_take_one_query(db_url: str) -> None:
+    _seed_bests(db_url, random.Random(23))
+    with session_scope(db_url, write=False) as s:
+        bests = crud.list_best(s)
+        statements: list[str] = []
+        engine = s.get_bind()
+
+        def count(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+            statements.append(statement)
+
+        sa.event.listen(engine, "before_cursor_execute", count)
+        try:
+            readings = crud.best_readings(s, bests)
+            assert crud.best_readings(s, []) == {}  # nothing to read: no query
+        finally:
+            sa.event.remove(engine, "before_cursor_execute", count)
+    assert len(bests) == 16 and len(statements) == 1
+    # Each rests on its one trial's reading (1.0 ms, as _seed_bests records them).
+    assert {b.id: (readings[b.id].times_ms, readings[b.id].spread) for b in bests} == {
+        b.id: ((1.0,), None) for b in bests}

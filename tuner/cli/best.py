@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -18,6 +18,10 @@ from tuner.cli.common import (
     problem_label,
 )
 from tuner.errors import TunerError
+from tuner.wire import readings_text
+
+if TYPE_CHECKING:
+    from db.finalists import Readings
 
 __all__ = ["best"]
 
@@ -60,7 +64,8 @@ def best(
                               variant=variant, limit=limit if problem_key is None else 100_000)
         if problem_key is not None:
             rows = [r for r in rows if r.problem_key == problem_key][:limit]
-        items = [_item(r, current) for r in rows]
+        readings = crud.best_readings(s, rows)
+        items = [_item(r, readings[r.id], current) for r in rows]
         others = 0
         if not items and device is None and not all_devices:
             others = crud.count_best(s, template=template, dtype=dtype, variant=variant)
@@ -82,13 +87,16 @@ def best(
     if len(names) == 1:
         title += f", template {next(iter(names))}"
     table = Table(title=title)
-    for column in (*columns, "problem", "TFLOP/s", "default", "speedup", "config"):
-        table.add_column(column, justify="right" if column in ("TFLOP/s", "default", "speedup")
-                         else "left", overflow="fold")
+    numbers = ("TFLOP/s", "readings (spread)", "default", "speedup")
+    for column in (*columns, "problem", *numbers, "config"):
+        # Names stay whole on a narrow terminal; the problem and config columns fold instead.
+        table.add_column(column, justify="right" if column in numbers else "left",
+                         overflow="fold", no_wrap=column in columns)
     for it in items:
         name = it["template"] + ("" if it["current_version"] else " (old kernel)")
         lead = [{"device": it["device_name"], "template": name}[c] for c in columns]
         table.add_row(*lead, problem_label(it["problem"]), fmt_tflops(it["tflops"]),
+                      readings_text(it["readings"], it["spread"]),
                       fmt_tflops(it["default_tflops"]),
                       f"{it['speedup']:.2f}x" if it["speedup"] else "-",
                       config_text(it["config"]))
@@ -113,12 +121,13 @@ def _bucket_of(template_name: str, shape: str, dtype: str, causal: str) -> str:
     return tpl.problem_key(problem)
 
 
-def _item(row: Any, current: dict[str, str]) -> dict[str, Any]:
+def _item(row: Any, readings: Readings, current: dict[str, str]) -> dict[str, Any]:
     return {"device": row.device.key, "device_name": row.device.name,
             "template": row.template.name, "template_version": row.template.version,
             "current_version": current.get(row.template.name) == row.template.version,
             "problem_key": row.problem_key, "problem": dict(row.problem),
             "dtype": row.dtype, "variant": row.variant, "config": dict(row.config),
             "tflops": row.tflops, "median_ms": row.median_ms,
+            "readings": readings.count, "spread": readings.spread,
             "default_tflops": row.default_tflops, "speedup": row.speedup,
             "sweep_id": row.sweep_id, "updated_at": row.updated_at}

@@ -1,0 +1,36 @@
+"""``tuner best`` says what each stored best rests on: how many readings its median is of (the
+first and the OK re-measurements) and their spread, in the table and in --json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from db.session import dispose_engine
+from tests.api.readings_data import SPREAD, seed_bests
+from tests.api.serving_data import FWD, H100
+from tests.tuner.test_sweep_cli import cli
+from tuner.cli.common import console
+
+
+def test_best_shows_the_readings_and_their_spread(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'tuner.db'}"
+    seeded = seed_bests(url)
+    code, out, err = cli("best", "--device", H100.key, "--db", url, "--json")
+    assert code == 0, err
+    items = {it["problem_key"]: it for it in json.loads(out)}
+    once = items[FWD.problem_key(seeded.once)]
+    assert once["readings"] == 1 and once["spread"] is None
+    again = items[FWD.problem_key(seeded.again)]
+    assert again["readings"] == 3 and again["spread"] == pytest.approx(SPREAD)
+
+    monkeypatch.setattr(console, "width", 250)  # one table row per problem, unwrapped
+    code, out, _ = cli("best", "--device", H100.key, "--db", url)
+    assert code == 0 and "readings (spread)" in out
+    rows = [line for line in out.splitlines() if "│" in line and "bfloat16" in line]
+    cells = [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]
+    assert sorted(c[2] for c in cells) == ["1", f"3 ({SPREAD * 100:.1f}%)"]
+    dispose_engine(url)
