@@ -49,6 +49,10 @@ DTYPE = torch.bfloat16
 # Backward configs around the defaults (GUESSES to map the space, not tuned results).
 GRID: dict[int, list[dict[str, Any]]] = {
     64: [
+        # The default's tiles with 8 warps: its dK/dV kernel then stops spilling (4 warps: 504
+        # / 712 stack bytes dense / causal; 8 warps, 4 stages: 0; triton 3.6 compiled offline,
+        # benchmarks/results/compile_check_sm90_triton36.json). Not timed yet.
+        dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=8, num_stages=4),
         dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=3),
         dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3),
         dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, num_warps=4, num_stages=3),
