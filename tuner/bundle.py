@@ -14,8 +14,18 @@
         "config": {"BLOCK_M": 128, ...},                               (the template's space)
         "tflops": 412.0, "median_ms": 1.33,
         "default_tflops": 301.0, "default_config": {...},              (optional)
-        "sweep": "h100-standard", "error": 0.0004                      (optional)
+        "sweep": "h100-standard", "error": 0.0004,                     (optional)
+        "measurements": {"first_ms": 1.31, "first_tflops": 419.0,     (version 2, optional)
+                         "remeasured": [{"status": "ok", "median_ms": 1.33,
+                                         "tflops": 412.0, "error": 0.0004}, ...]},
+        "default_measurements": {...}                                  (version 2, optional)
      }, ...]}
+
+Version 2 added the readings of a finalist (``db.finalists``): ``measurements`` are those of
+the item's config, whose ``median_ms`` is then the median of the first reading and the OK
+re-measurements; ``default_measurements`` the default config's. ``make_bundle`` writes version
+1 when no item has any (so hosts that read only version 1 still read it); every version-1
+bundle still imports, each config as measured once at its stored time.
 
 ``validate_bundle`` checks everything before anything is stored: every item's template must
 be registered here at exactly the item's version (a config tuned for other kernel source is
@@ -28,13 +38,22 @@ transaction, so a rejected upload stores nothing.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from db.models import Remeasurement, Trial, TrialStatus
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
@@ -43,7 +62,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 BUNDLE_FORMAT = "attention-tuner/bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # the newest, written when an item has readings; Bundle.version: all read
 DEFAULT_SWEEP_NAME = "bundle-import"
 
 # Largest problem size (batch, heads, sequence lengths) and head dim a bundle or a query of the
@@ -105,6 +124,48 @@ def _finite_positive(value: float | None) -> float | None:
     return value
 
 
+class BundleReading(_Strict):
+    """One re-measurement of a finalist (a ``db.models.Remeasurement``)."""
+
+    status: TrialStatus
+    median_ms: float | None = None
+    tflops: float | None = None
+    error: float | None = Field(None, ge=0)
+    reason: Text = Field("", max_length=10_000)
+
+    _positive = field_validator("median_ms", "tflops")(_finite_positive)
+
+    @model_validator(mode="after")
+    def _ok_has_a_time(self) -> Self:
+        if self.status == TrialStatus.OK and (self.median_ms is None or self.tflops is None):
+            raise ValueError("an ok re-measurement needs median_ms and tflops")
+        return self
+
+
+class BundleMeasurements(_Strict):
+    """A config's readings: its first measurement (its trial's) and its re-measurements."""
+
+    first_ms: float
+    first_tflops: float
+    remeasured: list[BundleReading] = Field(default_factory=list, max_length=1000)
+
+    _positive = field_validator("first_ms", "first_tflops")(_finite_positive)
+
+    @property
+    def median_ms(self) -> float:
+        """The median of the readings that gave a time, as ``db.finalists`` takes it."""
+        return statistics.median([self.first_ms, *(r.median_ms for r in self.remeasured
+                                                   if r.status == TrialStatus.OK
+                                                   and r.median_ms is not None)])
+
+
+def _measured_once(median_ms: float, tflops: float) -> BundleMeasurements:
+    # Built from numbers of an item already checked, not validated again: a time derived from
+    # an extreme (valid) TFLOP/s can round to 0 or inf, and is stored as it was before readings.
+    return BundleMeasurements.model_construct(first_ms=median_ms, first_tflops=tflops,
+                                              remeasured=[])
+
+
 class BundleItem(_Strict):
     device: BundleDevice
     template: Text = Field(min_length=1, max_length=100)
@@ -117,13 +178,19 @@ class BundleItem(_Strict):
     default_config: dict[str, Any] | None = None
     sweep: Text | None = Field(None, max_length=200)
     error: float | None = Field(None, ge=0)
+    measurements: BundleMeasurements | None = None  # version 2
+    default_measurements: BundleMeasurements | None = None  # version 2
 
     _positive = field_validator("tflops", "median_ms", "default_tflops")(_finite_positive)
+
+    def readings(self) -> BundleMeasurements:
+        """The config's readings; a version-1 item's config was measured once, at its time."""
+        return self.measurements or _measured_once(self.median_ms, self.tflops)
 
 
 class Bundle(_Strict):
     format: Literal["attention-tuner/bundle"]
-    version: Literal[1]
+    version: Literal[1, 2]
     host: Text | None = Field(None, max_length=200)
     exported_at: datetime | None = None
     items: list[dict[str, Any]] = Field(description="BundleItem objects")
@@ -159,14 +226,17 @@ def validate_bundle(data: object) -> list[ValidItem]:
     except ValidationError as exc:
         raise BundleError(None, _first_error(exc)) from None
     versions: dict[str, str] = {}
-    return [_validate_item(i, raw, versions) for i, raw in enumerate(bundle.items)]
+    return [_validate_item(i, raw, versions, bundle.version)
+            for i, raw in enumerate(bundle.items)]
 
 
-def _validate_item(index: int, raw: Mapping[str, Any], versions: dict[str, str]) -> ValidItem:
+def _validate_item(index: int, raw: Mapping[str, Any], versions: dict[str, str],
+                   bundle_version: int) -> ValidItem:
     try:
         item = BundleItem.model_validate(raw)
     except ValidationError as exc:
         raise BundleError(index, _first_error(exc)) from None
+    _check_measurements(index, item, bundle_version)
     try:
         template = get_template(item.template)
     except ValueError as exc:
@@ -204,6 +274,33 @@ def _validate_item(index: int, raw: Mapping[str, Any], versions: dict[str, str])
     return ValidItem(item, template, device, problem, config, default)
 
 
+def _check_measurements(index: int, item: BundleItem, bundle_version: int) -> None:
+    """The readings agree with the rest of the item: the import chooses the best from them
+    (``db.crud.refresh_best``), so an item that contradicts them would be stored otherwise
+    than it says."""
+    if bundle_version < 2 and (item.measurements or item.default_measurements):
+        raise BundleError(index, "measurements and default_measurements came with bundle "
+                                 f"version 2, but the bundle says version {bundle_version}")
+    if item.measurements is not None:
+        failed = [r.status.value for r in item.measurements.remeasured
+                  if r.status != TrialStatus.OK]
+        if failed:
+            raise BundleError(index, f"measurements: a re-measurement of the config failed "
+                                     f"({failed[0]}), which disqualifies it: it cannot be the "
+                                     "best config")
+        median = item.measurements.median_ms
+        if not math.isclose(median, item.median_ms, rel_tol=1e-9):
+            raise BundleError(index, f"measurements: the median of the readings is {median!r} "
+                                     f"ms, but median_ms is {item.median_ms!r}")
+    if item.default_measurements is not None:
+        if item.default_tflops is None:
+            raise BundleError(index, "default_measurements need default_tflops (the default "
+                                     "config's TFLOP/s)")
+        if item.default_config == item.config:
+            raise BundleError(index, "default_measurements: the default config is the item's "
+                                     "config; its readings go in measurements")
+
+
 _SIZE_LIMITS = {"batch": MAX_PROBLEM_SIZE, "heads_q": MAX_PROBLEM_SIZE,
                 "heads_kv": MAX_PROBLEM_SIZE, "seqlen_q": MAX_PROBLEM_SIZE,
                 "seqlen_kv": MAX_PROBLEM_SIZE, "head_dim": MAX_HEAD_DIM}
@@ -228,6 +325,7 @@ class StoreSummary:
     items: int
     trials: int  # trial rows written by this call (already-known measurements are kept)
     best_updated: int  # best-config rows created or changed
+    remeasurements: int = 0  # re-measurement rows written, beside the new trials
 
 
 def store_bundle(session: Session, items: Sequence[ValidItem], *, host: str | None = None
@@ -236,16 +334,18 @@ def store_bundle(session: Session, items: Sequence[ValidItem], *, host: str | No
 
     Runs in the caller's transaction and never commits: on any error the caller rolls back
     and nothing of the bundle stays. A measurement already stored (same device, template
-    version, bucket and config) is kept as it is.
+    version, bucket and config) is kept as it is, with its own re-measurements: a config's
+    re-measurements are written only with its new trial, so importing a bundle twice adds
+    nothing the second time.
     """
     from sqlalchemy import select
 
     from db import crud
-    from db.models import BestConfig, SweepStatus, TrialStatus
+    from db.models import BestConfig, SweepStatus
 
     sweeps: dict[str, int] = {}
     touched: dict[tuple[int, int, str], tuple[int | None, float | None]] = {}
-    trials = 0
+    trials = remeasurements = 0
     worker = f"bundle:{host}" if host else "bundle"
 
     def sweep_id(name: str | None) -> int:
@@ -270,29 +370,40 @@ def store_bundle(session: Session, items: Sequence[ValidItem], *, host: str | No
             old = session.scalars(select(BestConfig).filter_by(
                 device_id=device.id, template_id=template.id, problem_key=problem_key)).first()
             touched[ident] = (old.trial_id, old.tflops) if old else (None, None)
-        measured = [(valid.config, item.tflops, item.median_ms, item.error)]
+        measured = [(valid.config, item.readings(), item.error)]
         if valid.default_config is not None and item.default_tflops is not None:
-            # The bundle carries the default's TFLOP/s; its time follows from the FLOP count.
-            default_ms = valid.template.flops(valid.problem) / (item.default_tflops * 1e9)
-            measured.append((valid.default_config, item.default_tflops, default_ms, None))
-        for config, tflops, median_ms, error in measured:
+            default = item.default_measurements
+            if default is None:
+                # The default's TFLOP/s alone; its time follows from the FLOP count.
+                default_ms = valid.template.flops(valid.problem) / (item.default_tflops * 1e9)
+                default = _measured_once(default_ms, item.default_tflops)
+            measured.append((valid.default_config, default, None))
+        for config, readings, error in measured:
             if crud.find_trial(session, device_id=device.id, template_id=template.id,
                                problem_key=problem_key, config_key=config.key()) is not None:
                 continue
-            crud.record_trial(
+            trial = crud.record_trial(
                 session, device_id=device.id, template_id=template.id, problem_key=problem_key,
                 problem=valid.problem.to_dict(), config_key=config.key(),
-                config=config.to_dict(), status=TrialStatus.OK, median_ms=median_ms,
-                tflops=tflops, error=error, is_default=config == valid.default_config,
-                sweep_id=sweep_id(item.sweep), worker=worker)
+                config=config.to_dict(), status=TrialStatus.OK, median_ms=readings.first_ms,
+                tflops=readings.first_tflops, error=error,
+                is_default=config == valid.default_config, sweep_id=sweep_id(item.sweep),
+                worker=worker)
             trials += 1
+            for again in readings.remeasured:
+                crud.record_remeasurement(
+                    session, trial_id=trial.id, status=again.status, reason=again.reason,
+                    median_ms=again.median_ms, tflops=again.tflops, error=again.error,
+                    sweep_id=sweep_id(item.sweep), worker=worker)
+                remeasurements += 1
     updated = 0
     for (device_id, template_id, problem_key), before in touched.items():
         best = crud.refresh_best(session, device_id=device_id, template_id=template_id,
                                  problem_key=problem_key)
         if best is not None and (best.trial_id, best.tflops) != before:
             updated += 1
-    return StoreSummary(items=len(items), trials=trials, best_updated=updated)
+    return StoreSummary(items=len(items), trials=trials, best_updated=updated,
+                        remeasurements=remeasurements)
 
 
 # ----------------------------------------------------------------------------- exporting
@@ -304,7 +415,7 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
     from sqlalchemy import select
 
     from db import crud
-    from db.models import Sweep, Trial, TrialStatus
+    from db.models import Sweep
 
     items: list[dict[str, Any]] = []
     page = 500
@@ -312,11 +423,20 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
     while True:
         rows = crud.list_best(session, device=device, template=template, dtype=dtype,
                               variant=variant, offset=offset, limit=page)
+        defaults = {row.id: session.scalars(select(Trial).where(
+            Trial.device_id == row.device_id, Trial.template_id == row.template_id,
+            Trial.problem_key == row.problem_key, Trial.status == TrialStatus.OK,
+            Trial.is_default.is_(True)).order_by(Trial.id).limit(1)).first() for row in rows}
+        # The re-measurements of the page's best and default configs, in one query.
+        trial_ids = ({r.trial_id for r in rows if r.trial_id is not None}
+                     | {d.id for d in defaults.values() if d is not None})
+        again: dict[int, list[Remeasurement]] = {}
+        if trial_ids:
+            for remeasured in session.scalars(select(Remeasurement).where(
+                    Remeasurement.trial_id.in_(trial_ids)).order_by(Remeasurement.id)):
+                again.setdefault(remeasured.trial_id, []).append(remeasured)
         for row in rows:
-            default = session.scalars(select(Trial).where(
-                Trial.device_id == row.device_id, Trial.template_id == row.template_id,
-                Trial.problem_key == row.problem_key, Trial.status == TrialStatus.OK,
-                Trial.is_default.is_(True)).order_by(Trial.id).limit(1)).first()
+            default = defaults[row.id]
             sweep = session.get(Sweep, row.sweep_id) if row.sweep_id is not None else None
             dev = row.device
             item: dict[str, Any] = {
@@ -335,17 +455,46 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
                 # finalists, as the best's (db.finalists).
                 item["default_tflops"] = row.default_tflops or default.tflops
                 item["default_config"] = dict(default.config)
+                if default.id != row.trial_id and again.get(default.id):
+                    item["default_measurements"] = _measurements(default, again[default.id])
             if sweep is not None:
                 item["sweep"] = sweep.name
             if row.trial is not None and row.trial.error is not None:
                 item["error"] = row.trial.error
+            if row.trial is not None and again.get(row.trial.id):
+                item["measurements"] = _measurements(row.trial, again[row.trial.id])
             items.append(item)
         if len(rows) < page:
             break
         offset += page
-    bundle: dict[str, Any] = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "items": items}
+    # Version 1 while no item has readings: hosts that read only version 1 still read it.
+    readings = any("measurements" in it or "default_measurements" in it for it in items)
+    bundle: dict[str, Any] = {"format": BUNDLE_FORMAT,
+                              "version": BUNDLE_VERSION if readings else 1, "items": items}
     if host:
         bundle["host"] = host
     if exported_at is not None:
         bundle["exported_at"] = exported_at.isoformat()
     return bundle
+
+
+def _measurements(trial: Trial, remeasured: Sequence[Remeasurement]) -> dict[str, Any]:
+    """A trial's readings as a bundle's ``measurements``."""
+    return {"first_ms": trial.median_ms, "first_tflops": trial.tflops,
+            "remeasured": [_reading(r) for r in remeasured]}
+
+
+def _reading(row: Remeasurement) -> dict[str, Any]:
+    """One re-measurement row as a bundle's ``BundleReading``. Numbers that are no finite
+    positive time or TFLOP/s (none on an OK row) and a NaN error (a wrong result can measure
+    one) are left out: the status and reason say what went wrong, and JSON has no NaN."""
+    out: dict[str, Any] = {"status": TrialStatus(row.status).value}
+    for name in ("median_ms", "tflops"):
+        value = getattr(row, name)
+        if value is not None and math.isfinite(value) and value > 0:
+            out[name] = value
+    if row.error is not None and math.isfinite(row.error) and row.error >= 0:
+        out["error"] = row.error
+    if row.reason:
+        out["reason"] = row.reason
+    return out

@@ -13,7 +13,13 @@ JSON file written by ``tuner export --trials``::
      "problems": [{"template": "flash_fwd", "template_version": "...", "device": {...},
                    "problem": {...}, "problem_key": "...",
                    "trials": [{"config": {...}, "status": "ok", "tflops": 412.0,
-                               "median_ms": 1.3, "reason": ""}, ...]}]}
+                               "median_ms": 1.3, "reason": "",
+                               "remeasurements": [{"status": "ok", "median_ms": 1.32,
+                                                   ...}]}, ...]}]}
+
+``remeasurements`` (a finalist's further readings, oldest first; absent from older files) are
+carried for analysis; a replay runs no finalists and answers each config with its first
+reading.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import optuna
 
@@ -41,6 +47,9 @@ from tuner.search.loop import ProblemSearch, SearchSettings
 from tuner.search.samplers import make_sampler
 from tuner.search.space import SearchSpace, SpaceRestriction, problem_space
 from tuner.search.store import MemoryStore
+
+if TYPE_CHECKING:
+    from sqlalchemy import Select
 
 __all__ = [
     "TRIALS_FORMAT",
@@ -72,6 +81,8 @@ class RecordedProblem:
     problem_key: str
     trials: dict[str, TrialOutcome]  # by config key
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # by config key
+    # A finalist's re-measurements, oldest first, by config key (configs without: absent).
+    remeasurements: dict[str, tuple[TrialOutcome, ...]] = field(default_factory=dict)
 
     @property
     def best_tflops(self) -> float | None:
@@ -89,17 +100,26 @@ class RecordedProblem:
             return self
         keys = [key for key, config in self.configs.items()
                 if key in self.trials and space.contains(config)]
-        return dataclasses.replace(self, trials={k: self.trials[k] for k in keys},
-                                   configs={k: self.configs[k] for k in keys})
+        return dataclasses.replace(
+            self, trials={k: self.trials[k] for k in keys},
+            configs={k: self.configs[k] for k in keys},
+            remeasurements={k: v for k, v in self.remeasurements.items() if k in keys})
 
     def to_dict(self) -> dict[str, Any]:
+        trials = []
+        for key, o in self.trials.items():
+            row = {"config": self.configs.get(key, {}), **_reading(o), "compile_s": o.compile_s}
+            if self.remeasurements.get(key):
+                row["remeasurements"] = [_reading(r) for r in self.remeasurements[key]]
+            trials.append(row)
         return {"template": self.template, "template_version": self.template_version,
                 "device": self.device, "problem": self.problem,
-                "problem_key": self.problem_key,
-                "trials": [{"config": self.configs.get(key, {}), "status": o.status.value,
-                            "reason": o.reason, "tflops": o.tflops, "median_ms": o.median_ms,
-                            "compile_s": o.compile_s, "error": o.error}
-                           for key, o in self.trials.items()]}
+                "problem_key": self.problem_key, "trials": trials}
+
+
+def _reading(outcome: TrialOutcome) -> dict[str, Any]:
+    return {"status": outcome.status.value, "reason": outcome.reason, "tflops": outcome.tflops,
+            "median_ms": outcome.median_ms, "error": outcome.error}
 
 
 class ReplayRunner:
@@ -163,8 +183,9 @@ def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | 
     grid recorded over a subset must be replayed over the same subset. ``default_first=False``
     leaves out the default and known good configs a sweep measures first: the sampler alone.
 
-    No finalists: a recording holds one reading per config, so re-measuring would answer it
-    again and change no choice; it would only make ``repeated`` count them.
+    No finalists: the runner answers each config with its first reading (a recording's
+    re-measurements are not replayed), so re-measuring would answer it again and change no
+    choice; it would only make ``repeated`` count them.
     """
     from tuner.sweep import device_from_dict
 
@@ -262,25 +283,33 @@ def _outcome(*, status: str, **fields: Any) -> TrialOutcome:
                         compile_s=fields.get("compile_s"), error=fields.get("error"))
 
 
+_Query = TypeVar("_Query", bound="Select[*tuple[Any, ...]]")
+
+
 def load_recorded_from_db(url: str, *, template: str | None = None,
                           device: str | None = None) -> list[RecordedProblem]:
     """Every problem with trials in the database, filtered by template name and device name
     or key."""
     from sqlalchemy import select
 
-    from db.models import Device, Trial
+    from db.models import Device, Remeasurement, Trial
     from db.models import Template as TemplateRow
     from db.session import session_scope
     from tuner.lookup import device_info_from_row
 
-    groups: dict[tuple[int, int, str], RecordedProblem] = {}
-    with session_scope(url, write=False) as s:
-        query = select(Trial, Device, TemplateRow).join(Device, Trial.device_id == Device.id) \
-            .join(TemplateRow, Trial.template_id == TemplateRow.id).order_by(Trial.id)
+    def chosen(query: _Query) -> _Query:
+        query = query.join(Device, Trial.device_id == Device.id) \
+            .join(TemplateRow, Trial.template_id == TemplateRow.id)
         if template is not None:
             query = query.where(TemplateRow.name == template)
         if device is not None:
             query = query.where((Device.name == device) | (Device.key == device))
+        return query
+
+    groups: dict[tuple[int, int, str], RecordedProblem] = {}
+    of_trial: dict[int, tuple[RecordedProblem, str]] = {}  # trial id -> its group, config key
+    with session_scope(url, write=False) as s:
+        query = chosen(select(Trial, Device, TemplateRow)).order_by(Trial.id)
         for trial, dev, tpl in s.execute(query):
             ident = (dev.id, tpl.id, trial.problem_key)
             group = groups.get(ident)
@@ -294,6 +323,15 @@ def load_recorded_from_db(url: str, *, template: str | None = None,
                 status=TrialStatus(trial.status).value, reason=trial.reason, median_ms=trial.median_ms,
                 tflops=trial.tflops, compile_s=trial.compile_s, error=trial.error)
             group.configs[trial.config_key] = dict(trial.config)
+            of_trial[trial.id] = (group, trial.config_key)
+        again = chosen(select(Remeasurement).join(Trial, Remeasurement.trial_id == Trial.id))
+        for row in s.scalars(again.order_by(Remeasurement.id)):
+            if row.trial_id not in of_trial:  # its trial came after the first query
+                continue
+            group, key = of_trial[row.trial_id]
+            group.remeasurements[key] = (*group.remeasurements.get(key, ()), _outcome(
+                status=TrialStatus(row.status).value, reason=row.reason,
+                median_ms=row.median_ms, tflops=row.tflops, error=row.error))
     return list(groups.values())
 
 
@@ -316,14 +354,18 @@ def load_recorded_file(path: Path) -> list[RecordedProblem]:
             template = _template(item["template"])
             trials: dict[str, TrialOutcome] = {}
             configs: dict[str, dict[str, Any]] = {}
+            again: dict[str, tuple[TrialOutcome, ...]] = {}
             for row in item["trials"]:
                 key = template.config(row["config"]).key()
                 trials[key] = _outcome(**row)
                 configs[key] = dict(row["config"])
+                if row.get("remeasurements"):
+                    again[key] = tuple(_outcome(**r) for r in row["remeasurements"])
             problems.append(RecordedProblem(
                 template=item["template"], template_version=item["template_version"],
                 device=dict(item["device"]), problem=dict(item["problem"]),
-                problem_key=item["problem_key"], trials=trials, configs=configs))
+                problem_key=item["problem_key"], trials=trials, configs=configs,
+                remeasurements=again))
         except (KeyError, TypeError, ValueError) as exc:
             raise TunerError(f"{str(path)!r}: problems[{i}] is malformed: "
                              f"{type(exc).__name__}: {exc}",

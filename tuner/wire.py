@@ -132,6 +132,8 @@ class UploadResult(WireModel):
     items: int = Field(description="items in the bundle, all stored")
     trials: int = Field(description="trial rows written (default-config measurements included)")
     best_updated: int = Field(description="best-config rows created or changed")
+    remeasurements: int = Field(0, description="finalists' re-measurement rows written with "
+                                "the new trials (bundle version 2)")
 
 
 class HealthOut(WireModel):

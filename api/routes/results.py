@@ -41,4 +41,5 @@ def upload_results(
                                  lambda session: store_bundle(session, items, host=host))
     cache.invalidate()
     return UploadResult(items=summary.items, trials=summary.trials,
-                        best_updated=summary.best_updated)
+                        best_updated=summary.best_updated,
+                        remeasurements=summary.remeasurements)

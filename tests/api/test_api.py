@@ -69,7 +69,7 @@ def test_upload_then_list_and_page(client: TestClient, auth: dict[str, str]) -> 
     r = upload(client, auth, item(p1), item(p2, tflops=500.0), item(p3, default_tflops=None))
     assert r.status_code == 201, r.text
     # 3 tuned configs + 2 default-config measurements (p3 came without a default)
-    assert r.json() == {"items": 3, "trials": 5, "best_updated": 3}
+    assert r.json() == {"items": 3, "trials": 5, "best_updated": 3, "remeasurements": 0}
     [device] = client.get("/v1/devices").json()
     assert device["key"] == H100.key and device["sm_count"] == 132
     templates = {t["name"]: t for t in client.get("/v1/templates").json()}
@@ -88,7 +88,7 @@ def test_upload_then_list_and_page(client: TestClient, auth: dict[str, str]) -> 
 
     # The same bundle again stores nothing new; a faster config replaces the best.
     again = upload(client, auth, item(p1), item(p2, tflops=500.0), item(p3, default_tflops=None))
-    assert again.json() == {"items": 3, "trials": 0, "best_updated": 0}
+    assert again.json() == {"items": 3, "trials": 0, "best_updated": 0, "remeasurements": 0}
     known = {item(p1)["config"]["num_stages"], FWD.default_config(p1, H100).to_dict()["num_stages"]}
     third = next(cfg for n in (1, 2, 3, 4) if n not in known
                  for cfg in [{**item(p1)["config"], "num_stages": n}]
@@ -248,7 +248,7 @@ def test_a_body_that_is_not_json_text_is_400(client: TestClient, auth: dict[str,
     (b'{"format": "attention-tuner/bundle", "version": 1, "items": [', "json"),
     (b'[1, 2]', "dict"),
     (b'{"format": "zip", "version": 1, "items": []}', "format must be"),
-    (b'{"format": "attention-tuner/bundle", "version": 2, "items": []}', "version"),
+    (b'{"format": "attention-tuner/bundle", "version": 3, "items": []}', "version"),
     (b'{"format": "attention-tuner/bundle", "version": 1}', "items"),
 ])
 def test_malformed_bundles_are_422(client: TestClient, auth: dict[str, str], body: bytes,

@@ -26,6 +26,7 @@ from db.session import session_scope
 from templates import Problem, current_device, get_template
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, PRECOMPILE_DIR_ENV, measurements
 from tuner.cli.app import main
+from tuner.replay import load_recorded_file
 from tuner.search.study import study_name
 from tuner.suites import spec_from_mapping
 from tuner.sweep import SweepOptions, run_sweep
@@ -244,15 +245,19 @@ def test_export_then_import_moves_the_best_configs(swept: Swept, tmp_path: Path)
     code, out, err = cli("import", str(bundle), "--db", other, "--json")
     assert code == 0, err
     assert json.loads(out)["items"] == 2
+    # The finalists' readings of the best and default configs came along (bundle version 2).
+    assert json.loads(bundle.read_text())["version"] == 2
+    assert json.loads(out)["remeasurements"] > 0
     _, here, _ = cli("best", "--db", swept.db, "--json")
     _, there, _ = cli("best", "--db", other, "--json")
-    pick = [(it["template"], it["config"], it["tflops"], it["default_tflops"])
-            for it in json.loads(here)]
+    pick = [(it["template"], it["config"], it["tflops"], it["default_tflops"], it["readings"],
+             it["spread"]) for it in json.loads(here)]
     assert sorted(pick, key=str) == sorted(
-        [(it["template"], it["config"], it["tflops"], it["default_tflops"])
-         for it in json.loads(there)], key=str)
+        [(it["template"], it["config"], it["tflops"], it["default_tflops"], it["readings"],
+          it["spread"]) for it in json.loads(there)], key=str)
+    assert all(it["readings"] == 3 for it in json.loads(there))
     code, out, _ = cli("import", str(bundle), "--db", other, "--json")  # again: no change
-    assert code == 0 and json.loads(out)["trials"] == 0
+    assert code == 0 and json.loads(out)["trials"] == json.loads(out)["remeasurements"] == 0
 
 
 def test_a_bad_bundle_item_rejects_the_whole_import(swept: Swept, tmp_path: Path) -> None:
@@ -272,6 +277,15 @@ def test_a_bad_bundle_item_rejects_the_whole_import(swept: Swept, tmp_path: Path
 def test_replay_the_recorded_trials_offline(swept: Swept, tmp_path: Path) -> None:
     trials = tmp_path / "trials.json"
     assert cli("export", str(trials), "--trials", "--db", swept.db)[0] == 0
+    # Every trial's re-measurements are recorded beside it, and read back.
+    written = Counter({get_template(p["template"]).config(t["config"]).key():
+                       len(t["remeasurements"])
+                       for p in json.loads(trials.read_text())["problems"]
+                       for t in p["trials"] if "remeasurements" in t})
+    assert written == swept.remeasured() and written.total() > 0
+    read = Counter({key: len(again) for p in load_recorded_file(trials)
+                    for key, again in p.remeasurements.items()})
+    assert read == written
     code, out, err = cli("replay", "--from", str(trials), "--template", "toy_add",
                          "--sampler", "grid", "--budget", "100", "--seeds", "1", "--json")
     assert code == 0, err

@@ -24,14 +24,15 @@ def export(
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     variant: Annotated[str | None, typer.Option("--variant")] = None,
     trials: Annotated[bool, typer.Option(
-        "--trials", help="write every recorded trial (for `tuner replay`) instead of the "
-                         "best-config bundle")] = False,
+        "--trials", help="write every recorded trial and its re-measurements (for `tuner "
+                         "replay`) instead of the best-config bundle")] = False,
     db: DbOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Write the stored best configs as a JSON bundle for `tuner import`.
 
-    Each item: device, template name and version, problem, config, TFLOP/s, default TFLOP/s.
+    Each item: device, template name and version, problem, config, TFLOP/s, default TFLOP/s,
+    and the readings of the config and the default where they were re-measured as finalists.
     """
     from db.session import session_scope
     from tuner.bundle import make_bundle

@@ -46,9 +46,10 @@ def import_bundle(
     host = data.get("host") if isinstance(data.get("host"), str) else socket.gethostname()
     summary = run_in_transaction(url, lambda s: store_bundle(s, items, host=host))
     result = {"file": str(file), "items": summary.items, "trials": summary.trials,
-              "best_updated": summary.best_updated}
+              "remeasurements": summary.remeasurements, "best_updated": summary.best_updated}
     if json_out:
         print_json(result)
     else:
         console.print(f"imported {summary.items} item(s) from {file}: {summary.trials} trial "
-                      f"row(s) written, {summary.best_updated} best config(s) created or changed")
+                      f"row(s) and {summary.remeasurements} re-measurement(s) written, "
+                      f"{summary.best_updated} best config(s) created or changed")
