@@ -9,6 +9,7 @@ arithmetic is tested exactly with a runner that answers fixed times.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +18,15 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from db import crud
 from db.models import BestConfig, TrialStatus
 from db.session import session_scope
 from tests.tuner.test_sweep_cli import cli
 from tuner.cli.common import console, fmt_tflops
+from tuner.errors import TunerError
 from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.verify import StoredBest, VerifyOptions, verify
+from tuner.runner.timing import REP_MS
+from tuner.verify import StoredBest, VerifyOptions, parse_tolerance, verify
 
 SHAPE = "B=1,H=2,N=32,D=16"
 LABEL = "B1 H2 N32 D16 float16 dense"
@@ -43,7 +47,9 @@ def swept_db(tmp_path_factory: pytest.TempPathFactory) -> str:
 def stored_row(db: str) -> dict[str, Any]:
     with session_scope(db, write=False) as s:
         (row,) = s.scalars(select(BestConfig))
-        return {"median_ms": row.median_ms, "tflops": row.tflops, "config": dict(row.config)}
+        readings = crud.best_readings(s, [row])[row.id]
+        return {"median_ms": row.median_ms, "tflops": row.tflops, "config": dict(row.config),
+                "readings": readings.count, "spread": readings.spread}
 
 
 def test_verify_remeasures_the_stored_best_in_a_fresh_worker(swept_db: str) -> None:
@@ -95,11 +101,32 @@ def test_a_stored_time_far_off_fails_and_names_the_problem(
     (row,) = [line for line in out.splitlines() if LABEL in line and "│" in line]
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     assert cells[:3] == [LABEL, f"{stored['median_ms']:.4g}", fmt_tflops(stored["tflops"])]
-    assert float(cells[5]) > 100 and cells[6] == "NO"  # ratio: the stored time is 1000x off
+    assert float(cells[5]) > 100 and cells[7] == "NO"  # ratio: the stored time is 1000x off
     assert float(cells[3]) == pytest.approx(stored["median_ms"] * float(cells[5]), rel=2e-3)
+    # Next to the verdict, what the stored time rests on: the sweep's finalist readings.
+    assert stored["readings"] == 3
+    assert cells[6] == f"3 ({stored['spread'] * 100:.1f}%)"
     assert f"off: flash_fwd {LABEL}: re-measured" in out
     assert f"vs stored {stored['median_ms']:.4g} ms" in out
+    assert f"beyond the {stored['spread'] * 100:.1f}% spread of its 3 stored readings" in out
     assert "0 of 1 within 900%" in out
+
+
+def test_auto_tolerance_and_longer_timing_through_the_cli(swept_db: str) -> None:
+    stored = stored_row(swept_db)
+    code, out, err = cli("verify", "--shape", SHAPE, "--dtype", "float16", "--db", swept_db,
+                         "--tolerance", "auto", "--rep-ms", "250", "--json")
+    report = json.loads(out)
+    assert report["tolerance"] == "auto" and report["rep_ms"] == 250.0
+    (problem,) = report["problems"]
+    assert problem["stored_readings"] == stored["readings"] == 3
+    assert problem["stored_spread"] == pytest.approx(stored["spread"])
+    # The bar of this stored best: the larger of 3% and its own readings' spread.
+    assert problem["tolerance"] == pytest.approx(max(0.03, stored["spread"]))
+    deviation = abs(problem["deviation"])
+    assert problem["within_tolerance"] is (deviation <= problem["tolerance"])
+    assert problem["within_stored_spread"] is (deviation <= stored["spread"])
+    assert code == (0 if problem["within_tolerance"] else 1), err
 
 
 def test_nothing_stored_for_a_problem_is_an_error_naming_it(swept_db: str,
@@ -119,6 +146,9 @@ def test_nothing_stored_for_a_problem_is_an_error_naming_it(swept_db: str,
 def test_bad_flags_exit_2_before_measuring(swept_db: str) -> None:
     for flags, says in ((["--repeats", "0"], "--repeats must be >= 1"),
                         (["--tolerance", "0"], "--tolerance must be > 0"),
+                        (["--tolerance", "3%"], "--tolerance must be a number > 0 or 'auto'"),
+                        (["--rep-ms", "0"], "--rep-ms must be > 0"),
+                        (["--rep-ms", "nan"], "--rep-ms must be > 0"),
                         (["--causal", "top_left"], "--causal goes with --shape"),
                         (["cpu", "--shape", SHAPE], "not both")):
         code, _, err = cli("verify", *flags, "--db", swept_db)
@@ -176,3 +206,41 @@ def test_a_failed_remeasurement_fails_and_stops_the_repeats() -> None:
     assert result.within_tolerance is False
     data = result.to_dict()
     assert data["status"] == "wrong_result" and data["within_tolerance"] is False
+
+
+def test_the_timing_length_reaches_every_request() -> None:
+    runner = FixedRunner([2.0, 2.0])
+    verify([STORED], runner, VerifyOptions(repeats=2, rep_ms=500.0))
+    assert [r.rep_ms for r in runner.requests] == [500.0, 500.0]
+    runner = FixedRunner([2.0])
+    verify([STORED], runner, VerifyOptions())
+    assert [r.rep_ms for r in runner.requests] == [REP_MS] == [100]  # the sweep's protocol
+
+
+@pytest.mark.parametrize(("spread", "tolerance", "ok", "within_spread"), [
+    (0.07, 0.07, True, True),  # 5% off, within the config's own 7% spread: passes the auto bar
+    (0.01, 0.03, False, False),  # a tight config keeps the 3% floor
+    (None, 0.03, False, None),  # measured once: its noise is unknown
+])
+def test_auto_tolerance_is_the_larger_of_3_percent_and_the_stored_spread(
+        spread: float | None, tolerance: float, ok: bool, within_spread: bool | None) -> None:
+    stored = dataclasses.replace(STORED, readings=1 if spread is None else 3, spread=spread)
+    (fixed,) = verify([stored], FixedRunner([2.1]), VerifyOptions())
+    assert fixed.tolerance == 0.03 and fixed.within_tolerance is False  # the default bar
+    (auto,) = verify([stored], FixedRunner([2.1]), VerifyOptions(tolerance="auto"))
+    assert auto.tolerance == pytest.approx(tolerance) and auto.within_tolerance is ok
+    assert auto.within_stored_spread is within_spread
+    data = auto.to_dict()
+    assert (data["tolerance"], data["stored_readings"], data["stored_spread"]) == (
+        pytest.approx(tolerance), stored.readings, spread)
+    assert data["within_stored_spread"] is within_spread
+
+
+def test_bad_options_name_what_is_allowed() -> None:
+    assert parse_tolerance("AUTO") == "auto" and parse_tolerance("0.05") == 0.05
+    with pytest.raises(TunerError, match="--tolerance must be a number > 0 or 'auto'"):
+        parse_tolerance("three percent")
+    for bad in ({"tolerance": "loose"}, {"tolerance": -0.1}, {"rep_ms": 0.0},
+                {"rep_ms": float("inf")}):
+        with pytest.raises(TunerError, match="must be > 0"):
+            VerifyOptions(**bad)  # type: ignore[arg-type]

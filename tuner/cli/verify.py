@@ -21,7 +21,9 @@ from tuner.cli.common import (
     problem_label,
 )
 from tuner.errors import TunerError
-from tuner.verify import DEFAULT_TOLERANCE, VerifyOptions
+from tuner.runner.timing import REP_MS
+from tuner.verify import AUTO, DEFAULT_TOLERANCE, Verified, VerifyOptions, parse_tolerance
+from tuner.wire import readings_text
 
 __all__ = ["verify"]
 
@@ -35,10 +37,15 @@ def verify(
         help="verify every problem of a suite (quick, standard, cpu) or a .toml/.yaml spec "
              "file; or give --shape; or neither: every stored best of this device",
         show_default=False)] = None,
-    tolerance: Annotated[float, typer.Option(
-        "--tolerance", help="largest allowed |re-measured / stored time - 1|")] = DEFAULT_TOLERANCE,
+    tolerance: Annotated[str, typer.Option(
+        "--tolerance", help="largest allowed |re-measured / stored time - 1| (0.03: 3%), or "
+                            "'auto': per stored best, the larger of 3% and the spread of its own "
+                            "stored readings")] = str(DEFAULT_TOLERANCE),
     repeats: Annotated[int, typer.Option(
         "--repeats", "-r", help="re-measurements per config; their median time counts")] = 1,
+    rep_ms: Annotated[float, typer.Option(
+        "--rep-ms", help="milliseconds of timed runs per re-measurement on the GPU (do_bench's "
+                         "rep; sweeps time 100); longer lowers the noise")] = REP_MS,
     timeout: Annotated[float, typer.Option(
         "--timeout", help="seconds per re-measurement, compile included")] = 300.0,
     seed: Annotated[int | None, typer.Option(
@@ -67,7 +74,8 @@ def verify(
 
     Each re-measurement is a trial as in a sweep (fresh inputs, the reference check,
     do_bench); a config whose median time is off by more than --tolerance from its stored
-    time, or that fails, makes the command exit 1.
+    time, or that fails, makes the command exit 1. Each row also gives the stored best's own
+    readings and their spread: a deviation within it is within the config's measured noise.
     """
     from templates import current_device
     from templates.device import interpreter_active
@@ -78,7 +86,8 @@ def verify(
     from tuner.verify import stored_for_tasks, stored_matching
     from tuner.verify import verify as remeasure
 
-    options = VerifyOptions(repeats=repeats, timeout_s=timeout, tolerance=tolerance, seed=seed)
+    options = VerifyOptions(repeats=repeats, timeout_s=timeout,
+                            tolerance=parse_tolerance(tolerance), seed=seed, rep_ms=rep_ms)
     if spec is not None and shape:
         raise TunerError("give either a suite/spec file or --shape flags, not both",
                          "drop the SPEC argument or the --shape options")
@@ -131,7 +140,8 @@ def verify(
     interpreter = device.get("name") == "cpu-interpreter"
     if json_out:
         data: dict[str, Any] = {
-            "device": device, "tolerance": tolerance, "repeats": repeats,
+            "device": device, "tolerance": options.tolerance, "repeats": repeats,
+            "rep_ms": rep_ms,
             "verified": len(results) - len(failed), "failed": len(failed),
             "ok": not failed, "problems": [r.to_dict() for r in results]}
         if note:
@@ -140,22 +150,28 @@ def verify(
             data["warning"] = INTERPRETER_WARNING
         print_json(data)
     else:
-        _print_table(results, device, tolerance, repeats)
+        _print_table(results, device, options)
         if interpreter:
             console.print(f"[yellow]{INTERPRETER_WARNING}[/]")
     if failed:
         raise typer.Exit(EXIT_NOT_VERIFIED)
 
 
-def _print_table(results: list[Any], device: dict[str, Any], tolerance: float,
-                 repeats: int) -> None:
+def _print_table(results: list[Verified], device: dict[str, Any],
+                 options: VerifyOptions) -> None:
     templates = {r.stored.template for r in results}
     several = len(templates) > 1
+    auto = options.tolerance == AUTO
+    bar = _pct(options.tolerance) if isinstance(options.tolerance, float | int) else "the bar"
     table = Table(title=f"stored best configs re-measured on {device.get('name')}"
                         + ("" if several else f", template {next(iter(templates))}")
-                        + (f" (median of {repeats})" if repeats > 1 else ""))
+                        + (f" (median of {options.repeats})" if options.repeats > 1 else "")
+                        + (f", {options.rep_ms:g} ms timed" if options.rep_ms != REP_MS else ""))
+    # The stored readings sit next to the verdict: a deviation within their spread is within
+    # the config's own measured noise.
     columns = (*(("template",) if several else ()), "problem", "stored ms", "TFLOP/s",
-               "re-measured ms", "TFLOP/s", "ratio", f"within {_pct(tolerance)}")
+               "re-measured ms", "TFLOP/s", "ratio", "stored readings (spread)",
+               *(("bar",) if auto else ()), f"within {bar}")
     for column in columns:
         table.add_column(column, overflow="fold",
                          justify="left" if column in ("template", "problem") else "right")
@@ -168,22 +184,37 @@ def _print_table(results: list[Any], device: dict[str, Any], tolerance: float,
                       problem_label(r.stored.problem), _ms(r.stored.median_ms),
                       fmt_tflops(r.stored.tflops), _ms(r.measured_ms),
                       fmt_tflops(r.measured_tflops),
-                      f"{ratio:.3f}" if ratio is not None else "-", verdict)
+                      f"{ratio:.3f}" if ratio is not None else "-",
+                      readings_text(r.stored.readings, r.stored.spread),
+                      *((_pct(r.tolerance, 1),) if auto else ()), verdict)
     console.print(table)
     off = [r for r in results if not r.within_tolerance]
-    console.print(f"{len(results) - len(off)} of {len(results)} within {_pct(tolerance)} of the "
-                  "stored time (ratio: re-measured / stored time)")
+    what = (f"within their bar, max({_pct(DEFAULT_TOLERANCE)}, the spread of their stored "
+            "readings),") if auto else f"within {bar}"
+    console.print(f"{len(results) - len(off)} of {len(results)} {what} of the stored time "
+                  "(ratio: re-measured / stored time)")
     for r in off:
         label = f"{r.stored.template} {problem_label(r.stored.problem)}"
         failure = r.failure
         why = (f"re-measurement failed ({failure.status.value}): {failure.reason}" if failure
-               else f"re-measured {_ms(r.measured_ms)} ms vs stored {_ms(r.stored.median_ms)} ms")
+               else f"re-measured {_ms(r.measured_ms)} ms vs stored {_ms(r.stored.median_ms)} ms"
+               + _noise(r))
         console.print(f"[red]off:[/] {label}: {why}", highlight=False)
+
+
+def _noise(result: Verified) -> str:
+    """Whether an off result's deviation lies within its stored readings' spread."""
+    spread = result.stored.spread
+    if spread is None:
+        return " (stored from one reading: its noise is unknown)"
+    inside = "within" if result.within_stored_spread else "beyond"
+    return (f", {inside} the {_pct(spread, 1)} spread of its {result.stored.readings} stored "
+            "readings")
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def _pct(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
+def _pct(fraction: float, decimals: int | None = None) -> str:
+    return f"{fraction * 100:.{decimals}f}%" if decimals is not None else f"{fraction * 100:g}%"

@@ -20,7 +20,7 @@ from db.models import TrialStatus
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from tuner.runner.outcome import TrialOutcome
-from tuner.runner.timing import time_gpu, time_interpreter
+from tuner.runner.timing import REP_MS, time_gpu, time_interpreter
 
 __all__ = ["INTERPRETER_NOTE", "describe_exception", "is_compile_error", "measure"]
 
@@ -64,7 +64,7 @@ def cuda_context_lost(on_gpu: bool) -> bool:
 
 
 def measure(template: Template, problem: Problem, config: KernelConfig, *,
-            device: DeviceInfo, seed: int) -> TrialOutcome:
+            device: DeviceInfo, seed: int, rep_ms: float = REP_MS) -> TrialOutcome:
     on_gpu = not device.is_interpreter
     reason = template.constraint(problem, config, device)
     if reason:
@@ -99,17 +99,17 @@ def measure(template: Template, problem: Problem, config: KernelConfig, *,
                                    f"{tolerance:.3g} of {problem.dtype}",
                                    error=error, compile_s=compile_s)
     return _timed(template, problem, inputs, config, on_gpu=on_gpu, compile_s=compile_s,
-                  error=error)
+                  error=error, rep_ms=rep_ms)
 
 
 def _timed(template: Template, problem: Problem, inputs: dict[str, Any], config: KernelConfig,
-           *, on_gpu: bool, compile_s: float, error: float) -> TrialOutcome:
+           *, on_gpu: bool, compile_s: float, error: float, rep_ms: float) -> TrialOutcome:
     def launch() -> Any:
         return template.run(inputs, config)
 
     start = time.perf_counter()
     try:
-        median_ms = time_gpu(launch) if on_gpu else time_interpreter(launch)
+        median_ms = time_gpu(launch, rep_ms) if on_gpu else time_interpreter(launch)
         _synchronize(on_gpu)
     except Exception as exc:
         return TrialOutcome.failed(TrialStatus.RUNTIME_ERROR,

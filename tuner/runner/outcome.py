@@ -7,10 +7,12 @@ error, wrong result, timeout) is recorded with its reason so the sweep never ret
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from db.models import TrialStatus
+from tuner.runner.timing import REP_MS
 
 __all__ = ["Runner", "TrialOutcome", "TrialRequest"]
 
@@ -21,6 +23,8 @@ class TrialRequest:
 
     ``template_module`` is imported by the worker before it looks the template up, so
     templates that register themselves outside the ``templates`` package work too.
+    ``rep_ms``: milliseconds of timed runs on the GPU (``do_bench``'s ``rep``); sweeps keep the
+    protocol's 100, ``tuner verify --rep-ms`` may time longer. The interpreter ignores it.
     """
 
     template: str
@@ -28,6 +32,14 @@ class TrialRequest:
     problem: dict[str, Any]
     config: dict[str, Any]
     seed: int = 0
+    rep_ms: float = REP_MS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rep_ms, bool) or not (
+                isinstance(self.rep_ms, int | float) and math.isfinite(self.rep_ms)
+                and self.rep_ms > 0):
+            raise ValueError(f"rep_ms must be a finite number of milliseconds > 0, but got "
+                             f"{self.rep_ms!r} (the protocol's is {REP_MS})")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["INTERPRETER_RUNS", "time_gpu", "time_interpreter"]
+__all__ = ["INTERPRETER_RUNS", "REP_MS", "time_gpu", "time_interpreter"]
 
 # PROTOCOL.md: do_bench with 25 ms of warm-up and 100 ms of timed runs, median, L2 flushed
 # between runs by do_bench itself.
@@ -17,11 +17,13 @@ REP_MS = 100
 INTERPRETER_RUNS = 3
 
 
-def time_gpu(fn: Callable[[], Any]) -> float:
-    """Median milliseconds of ``fn`` on the GPU (triton.testing.do_bench)."""
+def time_gpu(fn: Callable[[], Any], rep_ms: float = REP_MS) -> float:
+    """Median milliseconds of ``fn`` on the GPU (triton.testing.do_bench), over about
+    ``rep_ms`` ms of timed runs: the protocol's 100 ms in sweeps; longer lowers the noise of a
+    re-measurement (``tuner verify --rep-ms``)."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
+    return float(do_bench(fn, warmup=WARMUP_MS, rep=rep_ms, return_mode="median"))
 
 
 def time_interpreter(fn: Callable[[], Any], runs: int = INTERPRETER_RUNS) -> float:

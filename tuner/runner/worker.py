@@ -115,6 +115,7 @@ def _answer(message: dict[str, Any], device: Any) -> dict[str, Any]:
         except ValueError as exc:
             outcome = TrialOutcome.failed(TrialStatus.INVALID, str(exc))
         else:
-            outcome = measure(template, problem, config, device=device, seed=request.seed)
+            outcome = measure(template, problem, config, device=device, seed=request.seed,
+                              rep_ms=request.rep_ms)
     outcome = dataclasses.replace(outcome, runner_s=time.perf_counter() - start)
     return outcome.to_dict()
