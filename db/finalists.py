@@ -43,13 +43,17 @@ class Measured:
     failed: str | None = None  # why a re-measurement failed: the config is disqualified
 
     @property
+    def readings(self) -> Readings:
+        return Readings((self.first_ms, *self.remeasured_ms))
+
+    @property
     def runs(self) -> int:
         """Readings behind ``median_ms``."""
-        return 1 + len(self.remeasured_ms)
+        return self.readings.count
 
     @property
     def median_ms(self) -> float:
-        return statistics.median((self.first_ms, *self.remeasured_ms))
+        return self.readings.median_ms
 
     @property
     def tflops(self) -> float:
@@ -73,12 +77,17 @@ class Readings:
         return len(self.times_ms)
 
     @property
+    def median_ms(self) -> float:
+        """The time a config is stored and chosen by."""
+        return statistics.median(self.times_ms)
+
+    @property
     def spread(self) -> float | None:
         """(slowest - fastest) / median of the readings; None with fewer than two (a single
         reading shows no spread, which is not the same as none)."""
         if len(self.times_ms) < 2:
             return None
-        return (max(self.times_ms) - min(self.times_ms)) / statistics.median(self.times_ms)
+        return (max(self.times_ms) - min(self.times_ms)) / self.median_ms
 
 
 @dataclass(frozen=True)

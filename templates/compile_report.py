@@ -12,6 +12,7 @@ prints one JSON report per line, so a compiler crash takes only this process dow
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -77,6 +78,7 @@ def compile_config(template: Template, problem: Problem, config: KernelConfig,
     return replace(outcome, kernels=kernels)
 
 
+@functools.cache
 def _cuobjdump() -> str | None:
     import triton
 
@@ -129,10 +131,9 @@ def main() -> int:
             try:
                 config = template.config(config_data)
             except ValueError as exc:
-                print(json.dumps({"template": template.name, "problem": problem.to_dict(),
-                                  "config": config_data, "kernels": [],
-                                  "error": f"bad config: {exc}", "constraint": "",
-                                  "skipped": ""}), flush=True)
+                bad = CompileOutcome(template.name, problem.to_dict(), dict(config_data), [],
+                                     error=f"bad config: {exc}")
+                print(json.dumps(bad.to_dict()), flush=True)
                 continue
             reason = template.constraint(problem, config, device) or ""
             try:

@@ -38,7 +38,6 @@ transaction, so a rejected upload stores nothing.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,6 +52,7 @@ from pydantic import (
     model_validator,
 )
 
+from db.finalists import Readings
 from db.models import Remeasurement, Trial, TrialStatus
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
@@ -154,9 +154,9 @@ class BundleMeasurements(_Strict):
     @property
     def median_ms(self) -> float:
         """The median of the readings that gave a time, as ``db.finalists`` takes it."""
-        return statistics.median([self.first_ms, *(r.median_ms for r in self.remeasured
-                                                   if r.status == TrialStatus.OK
-                                                   and r.median_ms is not None)])
+        return Readings((self.first_ms, *(r.median_ms for r in self.remeasured
+                                          if r.status == TrialStatus.OK
+                                          and r.median_ms is not None))).median_ms
 
 
 def _measured_once(median_ms: float, tflops: float) -> BundleMeasurements:

@@ -86,21 +86,27 @@ def _compile_in_child(request: dict[str, Any], timeout_s: float) -> list[dict[st
     except subprocess.TimeoutExpired:
         raise TunerError(f"compiling {len(request['jobs'])} configs took over {timeout_s:g} s",
                          "raise --timeout, or check fewer problems") from None
+    from templates.compile_report import CompileOutcome
+
     outcomes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or len(outcomes) < len(request["jobs"]):
-        compiled = {(o["template"], json.dumps(o["problem"], sort_keys=True),
-                     json.dumps(o["config"], sort_keys=True)) for o in outcomes}
-        lost = [job for job in request["jobs"]
-                if (job["template"], json.dumps(job["problem"], sort_keys=True),
-                    json.dumps(job["config"], sort_keys=True)) not in compiled]
+        compiled = {_job_key(o) for o in outcomes}
+        lost = [job for job in request["jobs"] if _job_key(job) not in compiled]
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         # The child died (a compiler abort): the job it was on, and those after, have no
         # outcome; report the first as failed with the child's last words.
-        outcomes += [{**job, "kernels": [], "constraint": "", "skipped": "",
-                      "error": f"the compiling process died ({why})" if i == 0 else
-                               "not compiled: the compiling process died before it"}
-                     for i, job in enumerate(lost)]
+        outcomes += [CompileOutcome(
+            job["template"], job["problem"], job["config"], [],
+            error=f"the compiling process died ({why})" if i == 0 else
+                  "not compiled: the compiling process died before it").to_dict()
+            for i, job in enumerate(lost)]
     return outcomes
+
+
+def _job_key(job: dict[str, Any]) -> tuple[str, str, str]:
+    """A job (or its outcome) by template, problem and config."""
+    return (job["template"], json.dumps(job["problem"], sort_keys=True),
+            json.dumps(job["config"], sort_keys=True))
 
 
 def _print_table(outcomes: list[dict[str, Any]], device_name: str) -> None:
