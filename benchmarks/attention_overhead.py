@@ -11,8 +11,12 @@ process, all in the steady state of a training or inference loop (the shape was 
     allocations, the argument list and Triton's launch. The floor.
 (b) ``flash_attention_fwd(q, k, v, causal=..., config=FwdConfig)`` with its plan cache warm:
     (a) plus the cache key and lookup.
-(c) ``tuner.attention(q, k, v, is_causal=True)`` on a config-cache hit: (b) plus its own
-    per-shape plan lookup.
+(c) ``tuner.attention(q, k, v, is_causal=True)`` on a config-cache hit, its ``flash``
+    implementation forced (``use_implementation``): (b) plus its own per-shape plan lookup.
+
+And, timed apart, what the dispatcher adds where it runs torch SDPA (an unmeasured problem):
+``torch SDPA`` called directly against ``tuner.attention -> SDPA`` on the same inputs
+(``sdpa_overhead_us``: the second minus the first, real calls on every machine).
 
 Each is timed as microseconds per call, in up to three ways:
 
@@ -54,9 +58,11 @@ from templates import flash_fwd_kernel  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
 from templates.flash_fwd import FwdConfig, flash_attention_fwd  # noqa: E402
 from tuner.attention import plan_for  # noqa: E402
+from tuner.dispatch import use_implementation  # noqa: E402
 
 TARGET_US = 10.0
 PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")
+SDPA_PATHS = ("torch SDPA", "tuner.attention -> SDPA")
 NO_TMA = "launch plan, no TMA"  # timed beside them when the config uses TMA
 Call = Callable[[], object]
 
@@ -113,7 +119,7 @@ def build_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 ) -> tuple[dict[str, Call], FwdConfig, str]:
     """The three calls on the same kernel and config, checked to give the same outputs."""
     tuner.attention(q, k, v, is_causal=True)  # resolves and keeps the config
-    resolved = plan_for(q, k, v, is_causal=True)
+    resolved = plan_for(q, k, v, is_causal=True)  # (called inside use_implementation("flash"))
     config = resolved.config
     assert isinstance(config, FwdConfig)
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
@@ -142,6 +148,22 @@ def build_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return calls, config, resolved.source
 
 
+def build_sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Call]:
+    """torch SDPA direct and through tuner.attention (unmeasured: it runs SDPA), checked equal."""
+    calls: dict[str, Call] = {
+        "torch SDPA": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True),
+        "tuner.attention -> SDPA": lambda: tuner.attention(q, k, v, is_causal=True),
+    }
+    if plan_for(q, k, v, is_causal=True).implementation.name != "sdpa":
+        raise AssertionError("tuner.attention does not run SDPA here: a measurement is stored "
+                             "for this shape (use an empty TUNER_DATABASE_URL)")
+    direct, dispatched = (fn() for fn in calls.values())
+    if not torch.equal(direct, dispatched):
+        raise AssertionError("tuner.attention -> SDPA gave other outputs than torch SDPA")
+    return calls
+
+
 def _output(result: object) -> torch.Tensor:
     o = result[0] if isinstance(result, tuple) else result  # (o, lse), or o alone
     assert isinstance(o, torch.Tensor)
@@ -154,9 +176,13 @@ def summarize(rounds: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
                 for timing, by_path in rounds.items()}
     overhead = {timing: {name: round(row[name] - row["launch plan"], 3) for name in PATHS[1:]}
                 for timing, row in per_call.items()}
-    return {"us_per_call": per_call, "overhead_us": overhead,
-            "meets_target": {timing: row["tuner.attention"] <= TARGET_US
-                             for timing, row in overhead.items()}}
+    out = {"us_per_call": per_call, "overhead_us": overhead,
+           "meets_target": {timing: row["tuner.attention"] <= TARGET_US
+                            for timing, row in overhead.items()}}
+    if all(SDPA_PATHS[0] in row for row in per_call.values()):
+        out["sdpa_overhead_us"] = {timing: round(row[SDPA_PATHS[1]] - row[SDPA_PATHS[0]], 3)
+                                   for timing, row in per_call.items()}
+    return out
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -170,6 +196,12 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"{'us per call':<30}" + "".join(f"{t:>10}" for t in timings))
     for label, values in rows:
         print(f"{label:<30}" + "".join(f"{x:>10.2f}" for x in values))
+    if "sdpa_overhead_us" in summary:
+        for name in SDPA_PATHS:
+            print(f"{name:<30}" + "".join(f"{summary['us_per_call'][t][name]:>10.2f}"
+                                          for t in timings))
+        print(f"{'dispatch over SDPA':<30}" + "".join(
+            f"{summary['sdpa_overhead_us'][t]:>10.2f}" for t in timings))
     verdicts = ", ".join(f"{t} {'met' if ok else 'MISSED'}"
                          for t, ok in summary["meets_target"].items())
     print(f"target (c) - (a) <= {TARGET_US:g} us: {verdicts}")
@@ -198,15 +230,23 @@ def main(argv: list[str] | None = None) -> None:
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype)
                for _ in range(3))
 
-    calls, config, source = build_calls(q, k, v)
+    with use_implementation("flash"):
+        calls, config, source = build_calls(q, k, v)
+    sdpa_calls = build_sdpa_calls(q, k, v)
     rounds: dict[str, dict[str, list[float]]] = {}
-    with launches_skipped():
+    with use_implementation("flash"), launches_skipped():
         rounds["host"] = alternated_rounds(calls, args.reps, args.rounds, None, lambda: None)
+    # SDPA has no launch to skip: its "host" rounds are real calls (on a GPU, enqueue time).
+    rounds["host"].update(alternated_rounds(sdpa_calls, args.reps, args.rounds, None,
+                                            lambda: None))
     if on_gpu:
         sync = torch.cuda.synchronize
-        # Enqueue: start each round on an idle GPU, stop the clock before waiting for it.
-        rounds["enqueue"] = alternated_rounds(calls, args.reps, args.rounds, None, sync)
-        rounds["synced"] = alternated_rounds(calls, args.reps, args.rounds, sync, sync)
+        for timing, wait in (("enqueue", None), ("synced", sync)):
+            # Enqueue: start each round on an idle GPU, stop the clock before waiting for it.
+            with use_implementation("flash"):
+                rounds[timing] = alternated_rounds(calls, args.reps, args.rounds, wait, sync)
+            rounds[timing].update(alternated_rounds(sdpa_calls, args.reps, args.rounds, wait,
+                                                    sync))
     summary = summarize(rounds)
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1): "

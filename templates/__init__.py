@@ -29,6 +29,7 @@ from templates.flash_bwd import flash_attention_bwd  # noqa: E402
 from templates.flash_decode import flash_decode  # noqa: E402
 from templates.flash_fwd import flash_attention_fwd  # noqa: E402
 from templates.registry import all_templates, get_template, register  # noqa: E402
+from templates.torch_sdpa import sdpa  # noqa: E402
 
 __all__ = [
     "BlockMask",
@@ -45,4 +46,5 @@ __all__ = [
     "flash_decode",
     "get_template",
     "register",
+    "sdpa",
 ]

@@ -13,6 +13,7 @@ from tests.benchmark_scripts import BENCHMARKS
 
 SCRIPT = BENCHMARKS / "attention_overhead.py"
 PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")
+SDPA_PATHS = ("torch SDPA", "tuner.attention -> SDPA")
 
 
 def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) -> None:
@@ -24,7 +25,7 @@ def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     for label in ("(a) launch plan", "(b) flash_attention_fwd", "(c) tuner.attention",
-                  "(b) - (a)", "(c) - (a)"):
+                  "(b) - (a)", "(c) - (a)", *SDPA_PATHS, "dispatch over SDPA"):
         assert any(line.startswith(label) for line in lines), (label, done.stdout)
     assert "target (c) - (a) <= 10 us" in done.stdout
 
@@ -34,7 +35,9 @@ def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) ->
     assert list(results["us_per_call"]) == timings
     for timing in timings:
         row = results["us_per_call"][timing]
-        assert list(row) == list(PATHS) and all(x > 0 for x in row.values())
+        assert list(row) == [*PATHS, *SDPA_PATHS] and all(x > 0 for x in row.values())
+        assert results["sdpa_overhead_us"][timing] == round(
+            row[SDPA_PATHS[1]] - row[SDPA_PATHS[0]], 3)
         assert results["overhead_us"][timing] == {
             name: round(row[name] - row["launch plan"], 3) for name in PATHS[1:]}
         assert results["meets_target"][timing] == (

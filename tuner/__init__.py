@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 # (triton): about 0.5 s over torch alone.
 from templates.block_mask import BlockMask
 from tuner.attention import attention
+from tuner.decode import decode
+from tuner.dispatch import use_implementation
 
 if TYPE_CHECKING:
     from tuner.client import TunerClient
 
-__all__: list[str] = ["BlockMask", "TunerClient", "attention"]
+__all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "use_implementation"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,30 +1,34 @@
 """``tuner.attention``: a drop-in for ``torch.nn.functional.scaled_dot_product_attention``
-that runs the project's Triton kernel with the config tuned for this GPU and problem.
+that runs, for each call, the fastest implementation measured on this GPU for its problem.
 
     import tuner
     out = tuner.attention(q, k, v, is_causal=True, enable_gqa=True)
 
-Semantics follow SDPA: ``q`` (..., H_q, L, E), ``k`` (..., H_kv, S, E), ``v`` (..., H_kv, S, E)
+Semantics follow SDPA: ``q`` (..., H_q, L, E), ``k`` (..., H_kv, S, E), ``v`` (..., H_kv, S, Ev)
 with equal leading batch dims; ``is_causal`` masks top-left (query i sees keys j <= i);
 ``scale`` defaults to 1/sqrt(E); H_q != H_kv only with ``enable_gqa=True`` and H_q a multiple
-of H_kv. ``attn_mask`` (bool, True = attend, or float added to the scores) and ``block_mask``
-(a ``tuner.BlockMask``: only its blocks are computed) run the masked kernels, both ways, and
-eagerly under ``torch.compile``; a row that sees no key gives zeros (SDPA gives NaN). Not (yet)
-supported, each raising ``NotImplementedError`` rather than silently running a slow path:
-a gradient for a float ``attn_mask`` itself, ``dropout_p > 0``, and a value head dim different
-from the query's.
+of H_kv; ``attn_mask`` with ``is_causal=True`` does what this torch's SDPA does with them
+(combines them, or raises, depending on the torch version): it runs torch SDPA.
+
+Which implementation runs is ``tuner.dispatch``'s choice (docs/DISPATCH.md): torch SDPA (its
+best measured backend), our Triton flash kernels, or the split-KV decode kernel for one query
+token against a long KV. Nothing but a stored measurement on this device makes ours run: an
+unmeasured problem runs torch SDPA exactly as the user's code would have. Calls no kernel of
+ours takes (``dropout_p > 0``, a value head dim other than the query's, float64) and calls
+with an elementwise ``attn_mask`` (no measurement can price an arbitrary mask) run torch SDPA
+too; ``use_implementation("flash")`` forces ours where it can run (masks included).
+``block_mask`` (a ``tuner.BlockMask``) always runs our block-sparse kernels: only its blocks
+are computed, which SDPA cannot do; rows that see no key give zeros.
 
 How a call runs:
 
-* eager, no grad needed: a per-shape plan (validated shapes, resolved config) from a dict,
-  then the kernel; the first call of a shape resolves its config through ``tuner.lookup``
-  (cache -> local database -> service -> default). This is the hot path: keep it tiny.
-* under ``torch.compile``, or when an input requires grad: through the custom op
-  ``tuner::attention_fwd`` (``torch.library``), which Dynamo keeps in the graph (a fake impl
-  gives output shapes) and whose backward is the op ``tuner::attention_bwd``.
-
-The backward runs the ``flash_bwd`` template (from the forward's o and logsumexp) with its
-config resolved like the forward's. The op's logsumexp output is not differentiable.
+* eager, no grad needed: a per-layout plan (checked shapes, the choice, a launch function)
+  from a dict, then its launch. This is the hot path: keep it tiny.
+* a gradient needed: the choice per layout; torch SDPA is called as such (torch's autograd),
+  ours through the custom op ``tuner::attention_fwd`` (``torch.library``), whose backward is
+  the op ``tuner::attention_bwd`` running the ``flash_bwd`` template.
+* under ``torch.compile``: the choice is made at trace time (``assume_constant_result``); SDPA
+  is traced as SDPA, ours as the custom op (which Dynamo keeps in the graph).
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,13 +45,19 @@ import torch
 # that first, triton.language's own jit helpers (tl.zeros, ...) would be compiled-mode objects
 # and every interpreted launch would fail.
 import templates  # noqa: F401
-
-if TYPE_CHECKING:
-    from tuner.lookup import Resolved
+from templates.base import Problem
+from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.flash_fwd import DTYPE_NAMES
+from templates.registry import get_template
+from templates.torch_sdpa import SdpaConfig, sdpa
+from tuner import implementations
+from tuner.decode import clear_decode_plans
+from tuner.dispatch import Call, Choice, choose, forced
+from tuner.implementations import shapes_4d
+from tuner.lookup import Resolved, resolve_config
 
 __all__ = ["attention", "clear_plans", "plan_for"]
 
-TEMPLATE_NAME = "flash_fwd"
 BACKWARD_TEMPLATE_NAME = "flash_bwd"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Plans are per exact shape; a decode loop makes one per step. Past this many, start over
@@ -61,24 +70,36 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
               *, block_mask: object | None = None) -> torch.Tensor:
-    """Scaled dot-product attention with the tuned Triton kernel (see the module docstring)."""
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"tuner.attention has no dropout: dropout_p must be 0.0, "
-                                  f"but got {dropout_p}")
-    if attn_mask is not None or block_mask is not None:
-        return _masked_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                 block_mask)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or value.requires_grad)):
-        check_inputs(query, key, value, enable_gqa)  # errors at trace time, not in the op
+    """Scaled dot-product attention by the fastest measured implementation (module docstring)."""
+    if attn_mask is None and block_mask is None and dropout_p == 0.0:
+        needs_grad = torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad)
+        compiling = torch.compiler.is_compiling()
+        if not (needs_grad or compiling):  # the hot path: inference, eager
+            return _forward(query, key, value, is_causal, scale, enable_gqa)
+        if not _kernel_scope(query, key, value):
+            return _outside_kernel_scope(query, key, value, None, 0.0, is_causal, scale,
+                                         enable_gqa)
+        if compiling:
+            return _traced(query, key, value, is_causal, scale, enable_gqa, needs_grad)
+        choice = _choose(query, key, value, is_causal, enable_gqa, needs_grad=True)
+        if choice.implementation.name == "sdpa":
+            return _sdpa_with(choice, query, key, value, is_causal, scale, enable_gqa)
         return torch.ops.tuner.attention_fwd(query, key, value, is_causal, scale, enable_gqa)[0]
-    return _forward(query, key, value, is_causal, scale, enable_gqa)[0]
+    if block_mask is not None:
+        if attn_mask is not None:
+            raise ValueError("pass attn_mask or block_mask, not both")
+        return _masked_attention(query, key, value, None, is_causal, scale, enable_gqa,
+                                 block_mask)
+    return _outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                 enable_gqa)
 
 
 def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-             is_causal: bool = False, enable_gqa: bool = False) -> Resolved:
-    """Which config ``attention`` runs for these inputs, and where it came from."""
-    return _resolve(query, key, value, is_causal, enable_gqa)
+             is_causal: bool = False, enable_gqa: bool = False,
+             needs_grad: bool = False) -> Choice:
+    """Which implementation and config ``attention`` runs for these inputs, and why."""
+    return _choose(query, key, value, is_causal, enable_gqa, needs_grad)
 
 
 def clear_plans() -> None:
@@ -86,18 +107,20 @@ def clear_plans() -> None:
     from tuner.lookup import get_resolver
 
     _PLANS.clear()
+    _FLASH_PLANS.clear()
     _BWD_CONFIGS.clear()
+    clear_decode_plans()
     get_resolver().clear()
 
 
 # ----------------------------------------------------------------------------- checks
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> None:
-    """SDPA's rules for shapes, dtypes and devices, plus what the kernel cannot do."""
+    """SDPA's rules for shapes, dtypes and devices, with messages that say what to change."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, but got {t.dtype}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, but got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key and value must share one dtype, but got {q.dtype}, "
                         f"{k.dtype}, {v.dtype}")
@@ -113,9 +136,6 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: 
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"key and value must have the same sequence length S, but got "
                          f"{k.shape[-2]} and {v.shape[-2]}")
-    if v.shape[-1] != q.shape[-1]:
-        raise NotImplementedError(f"the flash_fwd kernel needs value's head dim equal to "
-                                  f"query's, but got {v.shape[-1]} and {q.shape[-1]}")
     if q.dim() >= 3:
         if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
             raise ValueError(f"query, key and value must have the same batch dims, but got "
@@ -137,108 +157,161 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: 
                          f"and {tuple(k.shape)}")
 
 
+def _kernel_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether any kernel of ours could take these inputs (if not, torch SDPA runs them):
+    float16/bfloat16/float32, and a value head dim equal to the query's."""
+    return (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dtype in _DTYPES and q.shape[-1:] == v.shape[-1:])
+
+
+def _outside_kernel_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
+                          scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Dropout, an elementwise mask, or inputs no kernel of ours takes: torch SDPA, as the
+    user's code ran it; forced to ``flash``, our masked kernels (or an error saying why not)."""
+    if forced() != "flash":
+        check_inputs(q, k, v, enable_gqa)
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"the flash kernels have no dropout: dropout_p must be 0.0, "
+                                  f"but got {dropout_p}")
+    if not _kernel_scope(q, k, v):
+        check_inputs(q, k, v, enable_gqa)
+        raise NotImplementedError(f"the flash kernels take float16, bfloat16 or float32 with the "
+                                  f"value head dim equal to the query's, but got {q.dtype}, "
+                                  f"query head dim {q.shape[-1]}, value head dim {v.shape[-1]}")
+    return _masked_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa, None)
+
+
+# ----------------------------------------------------------------------------- choices
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+          enable_gqa: bool, needs_grad: bool) -> Call:
+    """Check the inputs; the problem they pose, on their device."""
+    check_inputs(q, k, v, enable_gqa)
+    device = current_device(q.device.index) if q.is_cuda else current_device()
+    return _call_of(tuple(q.shape), tuple(k.shape), q.dtype, is_causal, needs_grad, device)
+
+
+def _call_of(shape_q: tuple[int, ...], shape_k: tuple[int, ...], dtype: torch.dtype,
+             is_causal: bool, needs_grad: bool, device: DeviceInfo) -> Call:
+    batch = math.prod(shape_q[:-3])
+    heads_q, heads_kv = (shape_q[-3], shape_k[-3]) if len(shape_q) >= 3 else (1, 1)
+    problem = Problem(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=shape_q[-2],
+                      seqlen_kv=shape_k[-2], head_dim=shape_q[-1], dtype=DTYPE_NAMES[dtype],
+                      causal="top_left" if is_causal else "none")
+    return Call(problem, needs_grad, device)
+
+
+def _choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+            enable_gqa: bool, needs_grad: bool) -> Choice:
+    return choose(_call(q, k, v, is_causal, enable_gqa, needs_grad))
+
+
+def _sdpa_with(choice: Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    config = choice.config
+    assert isinstance(config, SdpaConfig)
+    return sdpa(q, k, v, backend=config.backend, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
+
+
+@torch.compiler.assume_constant_result
+def _traced_choice(shape_q: str, shape_k: str, dtype: str, device: str, is_causal: bool,
+                   needs_grad: bool) -> str:
+    """Under torch.compile: the chosen implementation (and SDPA backend), fixed at trace time
+    as a constant; arguments are scalars and strings, as Dynamo requires."""
+    dev = torch.device(device)
+    info = current_device(dev.index) if dev.type == "cuda" else current_device()
+    choice = choose(_call_of(tuple(int(n) for n in shape_q.split(",")),
+                             tuple(int(n) for n in shape_k.split(",")), getattr(torch, dtype),
+                             is_causal, needs_grad, info))
+    config = choice.config
+    return (f"sdpa:{config.backend}" if isinstance(config, SdpaConfig)
+            else choice.implementation.name)
+
+
+def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+            scale: float | None, enable_gqa: bool, needs_grad: bool) -> torch.Tensor:
+    check_inputs(q, k, v, enable_gqa)  # errors at trace time, not in the op
+    name = _traced_choice(",".join(str(n) for n in q.shape), ",".join(str(n) for n in k.shape),
+                          str(q.dtype).removeprefix("torch."), str(q.device), is_causal,
+                          needs_grad)
+    if name.startswith("sdpa:"):
+        return sdpa(q, k, v, backend=name.removeprefix("sdpa:"), is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+    # Ours runs as the custom op: the flash kernels (decode has no op yet, see DISPATCH.md).
+    return torch.ops.tuner.attention_fwd(q, k, v, is_causal, scale, enable_gqa)[0]
+
+
 # ----------------------------------------------------------------------------- plans
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    resolved: Resolved
+    run: Callable[..., object]
+    choice: Choice | Resolved
     expires_at: float
 
 
-_PLANS: dict[tuple[object, ...], _Plan] = {}
+_PLANS: dict[tuple[object, ...], _Plan] = {}  # inference: the chosen implementation's o
+_FLASH_PLANS: dict[tuple[object, ...], _Plan] = {}  # the custom op: flash's (o, lse)
 _now = time.monotonic
 
 
+def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                scale: float | None, enable_gqa: bool) -> tuple[object, ...]:
+    # All that a launch plan depends on: strides, 16-byte alignment, scale and its class (1 is
+    # refused, True too, 1.0 accepted), and a forced implementation.
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, is_causal, enable_gqa,
+            scale.__class__, scale, forced())
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-             scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # The hot path: one tuple, one dict lookup, one clock read, then the kernel's launch plan.
-    # The key holds all that flash_fwd's launch plan depends on (strides, 16-byte alignment,
-    # scale, and its class: 1 is refused, True too, 1.0 accepted), so the plan calls the launch
-    # directly; going through flash_attention_fwd's own key and lookup cost 2.3 us per call
-    # more on the dev VM's CPU (benchmarks/attention_overhead.py).
-    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-           v.dtype, q.device, k.device, v.device,
-           (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, is_causal, enable_gqa,
-           scale.__class__, scale)
+             scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    # The hot path: one tuple, one dict lookup, one clock read, then the plan's launch.
+    key = _layout_key(q, k, v, is_causal, scale, enable_gqa)
     plan = _PLANS.get(key)
     if plan is None or plan.expires_at <= _now():
-        plan = _plan(q, k, v, is_causal, enable_gqa, scale, key)
-    return plan.run(q, k, v)
+        if not _kernel_scope(q, k, v):  # float64, another value head dim: never kept
+            return _outside_kernel_scope(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
+        choice = _choose(q, k, v, is_causal, enable_gqa, needs_grad=False)
+        run = choice.implementation.build(q, k, v, is_causal, scale, enable_gqa, choice)
+        plan = _keep(_PLANS, key, _Plan(run, choice, choice.expires_at))
+    return plan.run(q, k, v)  # type: ignore[return-value]
 
 
-def _shapes_4d(q: torch.Tensor, k: torch.Tensor
-               ) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-    """The (B, H_q, L, E) and (B, H_kv, S, E) the kernels see of checked inputs with any
-    number of leading dims (folded into B; 2-D inputs are one head)."""
-    batch = math.prod(q.shape[:-3])
-    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
-    return ((batch, heads_q, q.shape[-2], q.shape[-1]),
-            (batch, heads_kv, k.shape[-2], k.shape[-1]))
+def _keep(plans: dict[tuple[object, ...], _Plan], key: tuple[object, ...], plan: _Plan
+          ) -> _Plan:
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
 
 
 def _resolve_template(template_name: str, q: torch.Tensor, k: torch.Tensor,
                       is_causal: bool) -> Resolved:
     """The config of ``template_name`` for the problem of these (checked) inputs: cache ->
     database -> service -> default."""
-    from templates.base import Problem
-    from templates.device import current_device
-    from templates.flash_fwd import DTYPE_NAMES
-    from templates.registry import get_template
-    from tuner.lookup import resolve_config
-
-    (batch, heads_q, seqlen_q, head_dim), (_, heads_kv, seqlen_kv, _) = _shapes_4d(q, k)
-    problem = Problem(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
-                      seqlen_kv=seqlen_kv, head_dim=head_dim, dtype=DTYPE_NAMES[q.dtype],
-                      causal="top_left" if is_causal else "none")
-    device = current_device(q.device.index) if q.is_cuda else current_device()
-    return resolve_config(get_template(template_name), problem, device)
+    call = _call(q, k, k, is_causal, q.shape[-3:-2] != k.shape[-3:-2], needs_grad=False)
+    return resolve_config(get_template(template_name), call.problem, call.device)
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-             enable_gqa: bool) -> Resolved:
-    """Check the inputs; the forward config for their problem."""
-    check_inputs(q, k, v, enable_gqa)
-    from templates.device import interpreter_active
-
-    if q.device.type != "cuda" and not interpreter_active():
-        raise ValueError(f"tuner.attention runs on CUDA tensors (or CPU tensors under "
-                         f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
-    return _resolve_template(TEMPLATE_NAME, q, k, is_causal)
-
-
-def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-          enable_gqa: bool, scale: float | None, key: tuple[object, ...]) -> _Plan:
-    """The resolved config's launch plan for inputs laid out like these, kept under ``key``."""
-    from templates import flash_fwd_kernel
-    from templates.flash_fwd import FwdConfig, launch_plan
-
-    resolved = _resolve(q, k, v, is_causal, enable_gqa)
-    config = resolved.config
-    assert isinstance(config, FwdConfig)
-    q4, kv4 = _shapes_4d(q, k)
-    out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
-    reshape = q.dim() != 4
-    # Inputs laid out alike reshape to views laid out alike: one launch plan serves them all.
-    if reshape:
-        q, k, v = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
-    # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
-    if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
-        config = replace(config, use_tma=False)
-    launch = launch_plan(q, k, v, causal="top_left" if is_causal else "none", scale=scale,
-                         config=config)
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        if reshape:
-            o, lse = launch(q.reshape(q4), k.reshape(kv4), v.reshape(kv4))
-            return o.reshape(out_shape), lse.reshape(lse_shape)
-        return launch(q, k, v)
-
-    plan = _Plan(run, resolved, resolved.expires_at)
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) by the flash kernel with its resolved config (the custom op's forward)."""
+    key = _layout_key(q, k, v, is_causal, scale, enable_gqa)
+    plan = _FLASH_PLANS.get(key)
+    if plan is None or plan.expires_at <= _now():
+        check_inputs(q, k, v, enable_gqa)
+        if q.device.type != "cuda" and not interpreter_active():
+            raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
+                             f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
+        resolved = _resolve_template("flash_fwd", q, k, is_causal)
+        run = implementations.build_flash(q, k, v, is_causal, scale, enable_gqa,
+                                          Choice(implementations.FLASH, (resolved,), "op"))
+        plan = _keep(_FLASH_PLANS, key, _Plan(run, resolved, resolved.expires_at))
+    return plan.run(q, k, v)  # type: ignore[return-value]
 
 
 @torch.compiler.disable  # runs eagerly under torch.compile (one graph break per call)
@@ -263,7 +336,7 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if q.dim() != 4:
             raise ValueError(f"block_mask needs 4-D (B, H, L, E) inputs, but query has shape "
                              f"{tuple(q.shape)}")
-    q_shape, kv_shape = _shapes_4d(q, k)
+    q_shape, kv_shape = shapes_4d(q, k)
     q4, k4, v4 = q.reshape(q_shape), k.reshape(kv_shape), v.reshape(kv_shape)
     mask4 = None
     if attn_mask is not None:
@@ -277,7 +350,10 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to {full}") from None
-    config = _resolve(q, k, v, is_causal, enable_gqa).config
+    if q.device.type != "cuda" and not interpreter_active():
+        raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
+                         f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
+    config = _resolve_template("flash_fwd", q, k, is_causal).config
     assert isinstance(config, FwdConfig)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
@@ -300,7 +376,7 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o like q (value's head dim), lse (..., H_q, L) float32 natural log."""
-    return _forward(q, k, v, is_causal, scale, enable_gqa)
+    return _flash_forward(q, k, v, is_causal, scale, enable_gqa)
 
 
 @_attention_fwd.register_fake
@@ -359,7 +435,7 @@ def _kernel_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from templates.flash_bwd import flash_attention_bwd
 
-    q4, kv4 = _shapes_4d(q, k)
+    q4, kv4 = shapes_4d(q, k)
     dq, dk, dv = flash_attention_bwd(
         grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
         lse.reshape(q4[:-1]), causal="top_left" if is_causal else "none", scale=scale,

@@ -205,6 +205,14 @@ class Resolved:
     match: MatchKind
     source: str  # "database", "service" or "default"
     expires_at: float = math.inf  # time.monotonic() after which to ask again
+    # TFLOP/s measured for the matched stored best (None: nothing measured, the default).
+    # The dispatcher compares implementations by it, so only exact and bucket matches count.
+    tflops: float | None = None
+
+    @property
+    def measured(self) -> bool:
+        """A measurement of this problem's own bucket on this device backs the config."""
+        return self.match in ("exact", "bucket") and self.tflops is not None
 
 
 CacheKey = tuple[str, str, str, str]  # device key, template, version, bucket key
@@ -271,12 +279,14 @@ class ConfigResolver:
         untuned_until = now + self.untuned_ttl_s
         local = self._from_database(template, version, problem, device)
         if local is not None and local.kind in ("exact", "bucket"):
-            return Resolved(local.config, local.kind, "database")
+            return Resolved(local.config, local.kind, "database",
+                            tflops=_tflops_of(local.candidate))
         remote = self._from_service(template, version, problem, device)
         if remote is not None and remote.match in ("exact", "bucket"):
             return remote
         if local is not None:
-            return Resolved(local.config, local.kind, "database", untuned_until)
+            return Resolved(local.config, local.kind, "database", untuned_until,
+                            tflops=_tflops_of(local.candidate))
         if remote is not None:
             return Resolved(remote.config, remote.match, "service", untuned_until)
         return Resolved(template.default_config(problem, device), "default", "default",
@@ -400,7 +410,12 @@ def _validated(template: Template, version: str, problem: Problem, device: Devic
     if why is not None:
         log.warning("config service sent a config this device cannot run (%s): ignored", why)
         return None
-    return Resolved(config, answer.match, "service")
+    return Resolved(config, answer.match, "service", tflops=answer.tflops)
+
+
+def _tflops_of(row: Any) -> float | None:
+    value = getattr(row, "tflops", None)
+    return float(value) if value is not None else None
 
 
 _resolver: ConfigResolver | None = None

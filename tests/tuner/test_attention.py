@@ -1,4 +1,6 @@
-"""tuner.attention against torch SDPA (tiny shapes, under the interpreter without a GPU)."""
+"""tuner.attention's flash path against torch SDPA (tiny shapes, under the interpreter without a
+GPU). Every test here forces the ``flash`` implementation: unmeasured calls would otherwise run
+torch SDPA itself (tests/tuner/test_dispatch.py tests that choice)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def isolated_lookup(tmp_path: Path) -> Iterator[None]:
     set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
                                               url=None)))
     clear_plans()
-    yield
+    with tuner.use_implementation("flash"):
+        yield
     clear_plans()
     set_resolver(None)
 
@@ -166,14 +169,17 @@ def test_masked_gradients_match_sdpa(device: str, mask_kind: str) -> None:
     random_bool[..., 0] = True  # with causal, every row then sees a key (SDPA: NaN rows)
     dense = {"bool": random_bool, "float": torch.randn(40, 48, device=device),
              "block": sliding.to_dense()}[mask_kind]
-    kwargs = {"block_mask": sliding} if mask_kind == "block" else {"attn_mask": dense}
-
-    def mine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return tuner.attention(q, k, v, is_causal=True, enable_gqa=True, **kwargs)
-
     causal = torch.ones(40, 48, dtype=torch.bool, device=device).tril()
     ref_mask = (dense & causal) if dense.dtype == torch.bool else dense.double().masked_fill(
         ~causal, float("-inf"))
+    # As with SDPA, an attn_mask carries the causal part itself (is_causal=True with it is an
+    # error); a block mask combines with is_causal.
+    kwargs: dict[str, object] = ({"block_mask": sliding, "is_causal": True}
+                                 if mask_kind == "block" else
+                                 {"attn_mask": ref_mask.to(dense.dtype)})
+
+    def mine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return tuner.attention(q, k, v, enable_gqa=True, **kwargs)  # type: ignore[arg-type]
 
     def theirs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return sdpa_reference(q, k, v, attn_mask=ref_mask, enable_gqa=True)
@@ -181,6 +187,24 @@ def test_masked_gradients_match_sdpa(device: str, mask_kind: str) -> None:
     for g_mine, g_ref in zip(_grads_of(mine, [q, k, v], grad_out),
                              _grads_of(theirs, [q, k, v], grad_out), strict=True):
         assert rel_error(g_mine, g_ref) <= TOL[torch.float32]
+
+
+def test_attn_mask_with_is_causal_does_what_this_torchs_sdpa_does(device: str) -> None:
+    # torch versions differ (older ones raise, 2.13 on the CPU combines both): a drop-in
+    # follows the torch at hand, so outside use_implementation("flash") SDPA itself runs it.
+    q = torch.randn(1, 2, 8, 16, device=device)
+    mask = torch.rand(8, 8, device=device) < 0.7
+    try:
+        ref = F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=True)
+    except RuntimeError as exc:
+        ref = exc
+    with tuner.use_implementation(None):
+        if isinstance(ref, RuntimeError):
+            with pytest.raises(RuntimeError):
+                tuner.attention(q, q, q, attn_mask=mask, is_causal=True)
+        else:
+            torch.testing.assert_close(tuner.attention(q, q, q, attn_mask=mask, is_causal=True),
+                                       ref, rtol=0, atol=0)
 
 
 def test_a_float_mask_that_requires_grad_raises(device: str) -> None:

@@ -10,8 +10,16 @@ import torch
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed here (the GPU host has it)")
 
+import tuner  # noqa: E402
 from tuner.attention import _PLANS  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def flash_kernels() -> Any:
+    """Our kernels, not the SDPA that unmeasured calls fall back to (else nothing is tested)."""
+    with tuner.use_implementation("flash"):
+        yield
 
 
 def tiny_llama(attn: str, device: str) -> Any:

@@ -1,0 +1,179 @@
+"""torch's own attention as tuning candidates: ``torch_sdpa`` (forward) and ``torch_sdpa_train``
+(forward + backward), one config per SDPA backend.
+
+What a user's code runs before switching to ``tuner.attention`` is
+``torch.nn.functional.scaled_dot_product_attention`` with torch's default backend choice (cuDNN
+on an H100 with torch 2.11). For the dispatcher to promise "never slower than what it
+replaces", that must be measured like any of our kernels: in the same trial worker, against the
+same reference, with the same timer, stored in the same tables. These templates make it so; a
+sweep then answers "which implementation, and which config" (docs/DISPATCH.md).
+
+The one knob is the backend. ``default`` is torch's own choice (what the user had); the others
+force one backend through ``torch.nn.attention.sdpa_kernel``. A backend that cannot take a
+problem fails its trial (torch raises "No available kernel"), which the tuner stores as a
+failed config, not an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from templates.attention_reference import attention_reference, visible_pairs
+from templates.base import KernelConfig, Problem, Template, knob
+from templates.device import DeviceInfo
+from templates.flash_bwd import reference_grads
+from templates.registry import register
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# torch's backends by knob value; "default" leaves the choice to torch.
+BACKENDS: dict[str, SDPBackend | None] = {
+    "default": None,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+@dataclass(frozen=True)
+class SdpaConfig(KernelConfig):
+    """Which backend of ``torch.nn.functional.scaled_dot_product_attention`` runs."""
+
+    backend: str = knob(
+        "default", tuple(BACKENDS),
+        "default: torch's own choice for these inputs (what a user's SDPA call runs); cudnn, "
+        "flash (FlashAttention-2), efficient (memory-efficient): that backend forced. The "
+        "math backend is left out: it materializes the score matrix and never wins.")
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "default",
+         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+         is_causal: bool = False, scale: float | None = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """torch SDPA with ``backend`` forced (``default``: torch's choice, no context manager)."""
+    chosen = BACKENDS[backend]
+    if chosen is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    with sdpa_kernel([chosen]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+def dense_pairs(problem: Problem) -> float:
+    """Visible (query, key) pairs, counted as the flash templates count them (PROTOCOL.md)."""
+    if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
+        return problem.seqlen_q * problem.seqlen_kv / 2
+    return float(visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv))
+
+
+class _SdpaTemplate(Template):
+    """What the forward and the training templates share: problems SDPA takes, the space."""
+
+    config_cls = SdpaConfig
+
+    def unsupported(self, problem: Problem) -> str | None:
+        if problem.mask != "none":
+            return (f"torch_sdpa takes dense problems; block-sparse pattern {problem.mask!r} "
+                    f"is for the block-mask kernels")
+        if problem.causal == "bottom_right" and problem.seqlen_q != problem.seqlen_kv:
+            return ("SDPA's is_causal is top-left aligned; a bottom-right causal problem with "
+                    "seqlen_q != seqlen_kv needs an explicit mask")
+        return None
+
+    def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo
+                   ) -> str | None:
+        cfg = self.config(config)
+        assert isinstance(cfg, SdpaConfig)
+        if cfg.backend != "default" and device.is_interpreter:
+            return f"SDPA backend {cfg.backend!r} needs a CUDA GPU"
+        if cfg.backend in ("cudnn", "flash") and problem.dtype == "float32":
+            return f"SDPA backend {cfg.backend!r} takes float16/bfloat16, not float32"
+        return None
+
+    def default_config(self, problem: Problem, device: DeviceInfo) -> SdpaConfig:
+        return SdpaConfig()
+
+    def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dtype = DTYPES[problem.dtype]
+
+        def randn(heads: int, seqlen: int) -> torch.Tensor:
+            shape = (problem.batch, heads, seqlen, problem.head_dim)
+            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+        return {"q": randn(problem.heads_q, problem.seqlen_q),
+                "k": randn(problem.heads_kv, problem.seqlen_kv),
+                "v": randn(problem.heads_kv, problem.seqlen_kv),
+                "do": randn(problem.heads_q, problem.seqlen_q),
+                "causal": problem.causal, "scale": 1.0 / math.sqrt(problem.head_dim)}
+
+    def _call(self, inputs: Mapping[str, Any], config: KernelConfig, q: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cfg = self.config(config)
+        assert isinstance(cfg, SdpaConfig)
+        return sdpa(q, k, v, backend=cfg.backend, is_causal=inputs["causal"] != "none",
+                    scale=inputs["scale"], enable_gqa=q.shape[1] != k.shape[1])
+
+    def _bytes(self, problem: Problem) -> float:
+        esize = 4 if problem.dtype == "float32" else 2
+        q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim
+        k_or_v = problem.batch * problem.heads_kv * problem.seqlen_kv * problem.head_dim
+        return float(esize * (2 * q_or_o + 2 * k_or_v))
+
+
+class TorchSdpaTemplate(_SdpaTemplate):
+    name = "torch_sdpa"
+    description = ("torch.nn.functional.scaled_dot_product_attention forward, one config per "
+                   "backend (default dispatch, cuDNN, FlashAttention-2, memory-efficient): the "
+                   "baseline every kernel of ours must beat to be chosen.")
+
+    def flops(self, problem: Problem) -> float:
+        return 4.0 * problem.batch * problem.heads_q * problem.head_dim * dense_pairs(problem)
+
+    def bytes_moved(self, problem: Problem) -> float:
+        return self._bytes(problem)
+
+    def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
+        return self._call(inputs, config, inputs["q"], inputs["k"], inputs["v"])
+
+    def reference(self, inputs: Mapping[str, Any]) -> Any:
+        return attention_reference(inputs["q"], inputs["k"], inputs["v"],
+                                   causal=inputs["causal"], scale=inputs["scale"])[0]
+
+
+class TorchSdpaTrainTemplate(_SdpaTemplate):
+    name = "torch_sdpa_train"
+    description = ("torch SDPA forward + backward (a training step's attention), one config per "
+                   "backend; compared with flash_fwd + flash_bwd by the dispatcher.")
+
+    def flops(self, problem: Problem) -> float:
+        # Forward + backward = 3.5 x forward (PROTOCOL.md).
+        return 3.5 * 4.0 * problem.batch * problem.heads_q * problem.head_dim * dense_pairs(
+            problem)
+
+    def bytes_moved(self, problem: Problem) -> float:
+        return 2.0 * self._bytes(problem)
+
+    def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
+        q, k, v = (inputs[name].detach().requires_grad_() for name in ("q", "k", "v"))
+        with torch.enable_grad():
+            o = self._call(inputs, config, q, k, v)
+            return torch.autograd.grad(o, (q, k, v), inputs["do"])
+
+    def reference(self, inputs: Mapping[str, Any]) -> Any:
+        return reference_grads(inputs["q"], inputs["k"], inputs["v"], inputs["do"],
+                               causal=inputs["causal"], scale=inputs["scale"])
+
+
+TORCH_SDPA = register(TorchSdpaTemplate())
+TORCH_SDPA_TRAIN = register(TorchSdpaTrainTemplate())

@@ -1,0 +1,203 @@
+"""Which implementation runs a call: chosen by measurement, never by assumption.
+
+An *implementation* is a way to compute a call of ``tuner.attention``: torch's own SDPA
+(``sdpa``), our Triton FlashAttention kernels (``flash``), the split-KV decode kernel
+(``decode``). Each names the templates whose stored measurements price it: the forward
+template for inference, the templates whose times add up to a training step when a gradient
+is needed. An implementation that cannot take the call says why (``serves``).
+
+The rule (docs/DISPATCH.md):
+
+* Each implementation that serves the call is priced from its templates' stored bests for
+  this device and the call's problem (exact or same shape bucket; a nearest shape or a default
+  is no measurement). Estimated time = the problem's FLOPs over the stored TFLOP/s, summed.
+* If torch SDPA is priced, the fastest priced implementation runs, with its tuned config.
+* If torch SDPA is not priced, torch SDPA runs as the user's code would have run it (torch's
+  default backend): ours must be measured faster to be chosen.
+* ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
+
+New implementations (the Gluon kernels, FlexAttention, another backend) register here with
+``register_implementation`` and need no change to the public entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from templates.base import KernelConfig, Problem
+from templates.device import DeviceInfo
+from templates.registry import get_template
+from tuner.lookup import Resolved, resolve_config
+
+__all__ = ["Call", "Choice", "Implementation", "choose", "implementations",
+           "register_implementation", "use_implementation"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the choice depends on: the problem, whether a gradient is needed, the device."""
+
+    problem: Problem
+    needs_grad: bool
+    device: DeviceInfo
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to run a call, priced by the stored bests of its templates.
+
+    ``forward``: the template priced for inference (its config is the one that runs);
+    ``training``: the templates whose times add up to forward + backward (empty: no backward,
+    so calls that need a gradient are not served); ``serves``: why a call cannot run here
+    (None: it can); ``build``: the inference plan for inputs of one layout, (q, k, v,
+    is_causal, scale, enable_gqa, choice) -> a function of (q, k, v) returning the output.
+    """
+
+    name: str
+    forward: str
+    training: tuple[str, ...]
+    serves: Callable[[Call], str | None]
+    build: Callable[..., Callable[..., Any]]
+    description: str = ""
+
+    def templates_for(self, call: Call) -> tuple[str, ...]:
+        return self.training if call.needs_grad else (self.forward,)
+
+    def why_not(self, call: Call) -> str | None:
+        if call.needs_grad and not self.training:
+            return f"{self.name} has no backward"
+        for name in self.templates_for(call):
+            reason = get_template(name).unsupported(call.problem)
+            if reason:
+                return reason
+        return self.serves(call)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One implementation's price for a call: resolved configs and the time they add up to."""
+
+    implementation: str
+    resolved: tuple[Resolved, ...]  # one per template of ``templates_for``
+    ms: float | None  # None: some template has no measurement for this problem
+
+    def to_dict(self) -> dict[str, object]:
+        return {"implementation": self.implementation, "ms": self.ms,
+                "matches": [r.match for r in self.resolved]}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The implementation that runs, its configs, why, and the prices it was chosen among."""
+
+    implementation: Implementation
+    resolved: tuple[Resolved, ...]
+    why: str
+    estimates: tuple[Estimate, ...] = field(default=())
+
+    @property
+    def config(self) -> KernelConfig:
+        """The forward template's config (the first resolved)."""
+        return self.resolved[0].config
+
+    @property
+    def match(self) -> str:
+        return self.resolved[0].match
+
+    @property
+    def source(self) -> str:
+        return self.resolved[0].source
+
+    @property
+    def expires_at(self) -> float:
+        """Ask again once any resolved config may change (an untuned answer expires)."""
+        return min((r.expires_at for r in self.resolved), default=math.inf)
+
+
+_IMPLEMENTATIONS: dict[str, Implementation] = {}
+_FORCED: ContextVar[str | None] = ContextVar("tuner_forced_implementation", default=None)
+BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when unmeasured
+
+
+def register_implementation(impl: Implementation) -> Implementation:
+    if impl.name in _IMPLEMENTATIONS:
+        raise ValueError(f"an implementation named {impl.name!r} is already registered")
+    _IMPLEMENTATIONS[impl.name] = impl
+    return impl
+
+
+def implementations() -> list[Implementation]:
+    return list(_IMPLEMENTATIONS.values())
+
+
+def get_implementation(name: str) -> Implementation:
+    try:
+        return _IMPLEMENTATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown implementation {name!r}; known: "
+                         f"{sorted(_IMPLEMENTATIONS)}") from None
+
+
+@contextlib.contextmanager
+def use_implementation(name: str | None) -> Iterator[None]:
+    """Run every ``tuner.attention`` call in this context with implementation ``name`` (its
+    tuned config, or its default), whatever was measured; None restores the choice by
+    measurement. A call the implementation cannot take raises ValueError saying why."""
+    if name is not None:
+        get_implementation(name)  # unknown names fail here, not at the first call
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def forced() -> str | None:
+    return _FORCED.get()
+
+
+def price(impl: Implementation, call: Call) -> Estimate:
+    resolved = tuple(resolve_config(get_template(name), call.problem, call.device)
+                     for name in impl.templates_for(call))
+    total = 0.0
+    for name, r in zip(impl.templates_for(call), resolved, strict=True):
+        if not r.measured:
+            return Estimate(impl.name, resolved, None)
+        assert r.tflops is not None
+        total += get_template(name).flops(call.problem) / (r.tflops * 1e9)  # ms
+    return Estimate(impl.name, resolved, total)
+
+
+def choose(call: Call) -> Choice:
+    """The implementation and configs for ``call`` (see the module docstring)."""
+    name = forced()
+    if name is not None:
+        impl = get_implementation(name)
+        reason = impl.why_not(call)
+        if reason:
+            raise ValueError(f"implementation {name!r} was forced but cannot run "
+                             f"{call.problem.key()}: {reason}")
+        estimate = price(impl, call)
+        return Choice(impl, estimate.resolved, "forced by use_implementation", (estimate,))
+    estimates = tuple(price(impl, call) for impl in _IMPLEMENTATIONS.values()
+                      if impl.why_not(call) is None)
+    by_name = {e.implementation: e for e in estimates}
+    baseline = by_name.get(BASELINE)
+    if baseline is None:  # torch SDPA cannot take it (cannot happen for SDPA's own calls)
+        raise ValueError(f"torch SDPA cannot run {call.problem.key()}: "
+                         f"{_IMPLEMENTATIONS[BASELINE].why_not(call)}")
+    if baseline.ms is None:
+        return Choice(_IMPLEMENTATIONS[BASELINE], baseline.resolved,
+                      "torch SDPA not measured for this problem on this device: running what "
+                      "SDPA would run", estimates)
+    priced = [e for e in estimates if e.ms is not None]
+    best = min(priced, key=lambda e: e.ms)  # type: ignore[arg-type, return-value]
+    others = ", ".join(f"{e.implementation} {e.ms:.4g} ms" for e in priced if e is not best)
+    return Choice(_IMPLEMENTATIONS[best.implementation], best.resolved,
+                  f"fastest measured ({best.ms:.4g} ms; {others or 'no other measured'})",
+                  estimates)

@@ -1,0 +1,139 @@
+"""The implementations ``tuner.attention`` chooses among, and how each runs a call.
+
+Each registers with ``tuner.dispatch`` (what it serves, which templates price it) and brings a
+plan builder: given checked inputs of one layout and the chosen configs, a function of
+(q, k, v) that returns the output. Plans are kept per layout by ``tuner.attention``, so a
+builder may do its checks once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from templates import flash_fwd_kernel
+from templates.device import interpreter_active
+from templates.flash_decode import FlashDecodeConfig, launch_with_config
+from templates.flash_decode_kernel import MAX_QUERY_TOKENS, check_decode_inputs
+from templates.flash_fwd import FwdConfig, launch_plan
+from templates.torch_sdpa import SdpaConfig, sdpa
+from tuner.dispatch import Call, Choice, Implementation, register_implementation
+
+Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shapes_4d(q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """The (B, H_q, L, E) and (B, H_kv, S, E) the kernels see of checked inputs with any
+    number of leading dims (folded into B; 2-D inputs are one head)."""
+    batch = math.prod(q.shape[:-3])
+    heads_q, heads_kv = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
+    return ((batch, heads_q, q.shape[-2], q.shape[-1]),
+            (batch, heads_kv, k.shape[-2], k.shape[-1]))
+
+
+def _runs_triton(call: Call) -> str | None:
+    if call.device.is_interpreter and not interpreter_active():
+        return "Triton kernels need a CUDA GPU or TRITON_INTERPRET=1"
+    return None
+
+
+# ----------------------------------------------------------------------------- torch SDPA
+def build_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+               scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+    config = choice.config
+    assert isinstance(config, SdpaConfig)
+    backend = config.backend
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k, v, backend=backend, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+    return run
+
+
+SDPA = register_implementation(Implementation(
+    name="sdpa", forward="torch_sdpa", training=("torch_sdpa_train",),
+    serves=lambda call: None, build=build_sdpa,
+    description="torch.nn.functional.scaled_dot_product_attention, its best measured backend "
+                "(or torch's own choice where nothing is measured)"))
+
+
+# ----------------------------------------------------------------------------- Triton flash
+def build_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                scale: float | None, enable_gqa: bool, choice: Choice
+                ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                              tuple[torch.Tensor, torch.Tensor]]:
+    """The flash_fwd launch plan for inputs laid out like these: (o, lse) in the inputs' shape."""
+    config = choice.config
+    assert isinstance(config, FwdConfig)
+    q4, kv4 = shapes_4d(q, k)
+    out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
+    reshape = q.dim() != 4
+    # Inputs laid out alike reshape to views laid out alike: one launch plan serves them all.
+    if reshape:
+        q, k, v = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
+    # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
+    if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
+        config = replace(config, use_tma=False)
+    launch = launch_plan(q, k, v, causal="top_left" if is_causal else "none", scale=scale,
+                         config=config)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        if reshape:
+            o, lse = launch(q.reshape(q4), k.reshape(kv4), v.reshape(kv4))
+            return o.reshape(out_shape), lse.reshape(lse_shape)
+        return launch(q, k, v)
+
+    return run
+
+
+def _output_only(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                               tuple[torch.Tensor, torch.Tensor]]) -> Run:
+    return lambda q, k, v: run(q, k, v)[0]
+
+
+FLASH = register_implementation(Implementation(
+    name="flash", forward="flash_fwd", training=("flash_fwd", "flash_bwd"),
+    serves=_runs_triton, build=lambda *args: _output_only(build_flash(*args)),
+    description="the project's Triton FlashAttention forward (and backward)"))
+
+
+# ----------------------------------------------------------------------------- decode
+def _serves_decode(call: Call) -> str | None:
+    p = call.problem
+    if p.seqlen_q != 1 or p.causal != "none":
+        return (f"decode takes one query token without causal masking (SDPA's top-left "
+                f"is_causal hides every key but the first from it), but got seqlen_q="
+                f"{p.seqlen_q}, causal={p.causal!r}")
+    return _runs_triton(call)
+
+
+def build_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                 scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+    """flash_decode over a contiguous cache that every sequence fills: (B, H, 1, D) queries."""
+    config = choice.config
+    assert isinstance(config, FlashDecodeConfig)
+    q4, kv4 = shapes_4d(q, k)
+    out_shape = tuple(q.shape)
+    lengths = torch.full((q4[0],), kv4[2], dtype=torch.int32, device=q.device)
+    shape = check_decode_inputs(q.reshape(q4), k.reshape(kv4), v.reshape(kv4), lengths,
+                                check_contents=False)  # the lengths are ours: all full
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o, _ = launch_with_config(q.reshape(q4), k.reshape(kv4), v.reshape(kv4), lengths, None,
+                                  scale, shape, config)
+        return o.reshape(out_shape)
+
+    return run
+
+
+DECODE = register_implementation(Implementation(
+    name="decode", forward="flash_decode", training=(),
+    serves=_serves_decode, build=build_decode,
+    description=f"the split-KV flash-decoding kernel, for one query token (of at most "
+                f"{MAX_QUERY_TOKENS}) against a long KV"))
