@@ -1,0 +1,427 @@
+"""The Gluon forward template (Hopper only): its search space, constraints, defaults and entry.
+
+The kernel and its launcher live in ``templates.gluon_fwd_kernel`` (torch + triton only, so it
+can be emitted as standalone source); this module adds what the tuner and users need around
+it. Written for triton 3.6's Gluon; on a triton without Gluon the template imports but
+rejects every problem (``unsupported`` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from templates.attention_reference import attention_reference, lse_error, visible_pairs
+from templates.base import (
+    KernelConfig,
+    KernelLaunch,
+    Problem,
+    Template,
+    knob,
+    relative_error,
+)
+from templates.device import DeviceInfo, current_device
+from templates.plan_cache import PlanCache
+from templates.registry import register
+from templates.standin_tensor import StandinTensor
+
+try:
+    from templates import gluon_fwd_kernel as _kernel_module
+    kernel: ModuleType | None = _kernel_module
+    GLUON_MISSING = ""
+except ImportError as exc:  # pragma: no cover - a triton without Gluon
+    kernel = None
+    GLUON_MISSING = f"triton.experimental.gluon is not usable here ({exc})"
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+HEAD_DIMS = (64, 128, 256)
+DTYPE_BYTES = 2
+# Shared memory Triton adds to the tiles: the mbarriers and the warp-specialize state.
+BARRIER_BYTES = 512
+# Registers a consumer thread needs beyond its tiles (addresses, softmax temporaries, loop
+# state): a config fits when its tiles (``live_per_thread``) stay this far under the
+# consumer's register budget. Calibrated by compiling the space offline for sm_90 (triton
+# 3.6, docs/gluon_notes.md): with 240 registers (ping-pong, 1 program per SM) tiles of 176
+# compiled without spills and tiles of 224 spilled 128-1344 bytes; with 255 (no producer
+# warp) 176 compiled in 216-227 registers and 224 spilled.
+REGISTER_HEADROOM = 64
+# Shared memory of one SM (H100: 228 KiB), and what the system reserves per program.
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_PROGRAM = 1024
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig(KernelConfig):
+    """One point of the Gluon forward kernel's search space."""
+
+    BLOCK_M: int = knob(
+        128, (64, 128, 256),
+        "Query rows per program, split evenly over the consumer warpgroups (64 or 128 rows "
+        "each). More rows reuse each K/V block more but hold a larger accumulator.")
+    BLOCK_N: int = knob(
+        128, (64, 128),
+        "Keys per KV block (one TMA load, one QK^T and one PV GEMM). Larger blocks amortize "
+        "the per-block softmax bookkeeping and barriers but hold more score registers and "
+        "shared memory per stage.")
+    kv_stages: int = knob(
+        2, (1, 2, 3, 4),
+        "K/V blocks the shared-memory ring holds: loads run this many blocks ahead of the "
+        "GEMMs. Deeper hides more memory latency, costs 2 x BLOCK_N x D x 2 bytes per stage.")
+    consumers: int = knob(
+        2, (1, 2),
+        "Consumer warpgroups per program (4 warps each) sharing every K/V block.")
+    warp_specialize: bool = knob(
+        True, (False, True),
+        "One producer warp issues every TMA load (gl.warp_specialize, its registers given to "
+        "the consumers by setmaxnreg); otherwise the consumer warps issue the loads between "
+        "their GEMMs.")
+    pingpong: bool = knob(
+        True, (False, True),
+        "Two consumer warpgroups in separate partitions take turns issuing GEMMs, so one's "
+        "softmax runs under the other's GEMMs (FA3 ping-pong); without it they form one "
+        "partition and run in step. Needs warp_specialize and consumers=2.")
+    longest_first: bool = knob(
+        False, (False, True),
+        "Causal only: launch the query tiles that see the most keys first, so the longest "
+        "programs do not end up alone in the last wave.")
+    p_from_smem: bool = knob(
+        False, (False, True),
+        "The PV GEMM reads P from shared memory (written there after the softmax) instead of "
+        "from registers: frees P's registers and lets the GEMM read both operands from shared "
+        "memory, at the cost of a store, a fence and a warpgroup barrier per block.")
+    ctas_per_sm: int = knob(
+        1, (1, 2),
+        "Programs meant to share an SM: the register budget (maxnreg) is split between them "
+        "and their shared memory must fit together. Two programs overlap one's softmax with "
+        "the other's GEMMs without any explicit scheduling, at the cost of half the "
+        "registers and shared memory each.")
+
+
+def rows_per_consumer(config: GluonFwdConfig) -> int:
+    return config.BLOCK_M // config.consumers
+
+
+def shared_memory_estimate(problem: Problem, config: GluonFwdConfig) -> int:
+    """Bytes of shared memory: the Q tile (reused for O), the K and V rings, P when it goes
+    through shared memory, the barriers."""
+    d = problem.head_dim
+    q_tile = config.BLOCK_M * d * DTYPE_BYTES
+    kv = 2 * config.kv_stages * config.BLOCK_N * d * DTYPE_BYTES
+    p_tile = config.BLOCK_M * config.BLOCK_N * DTYPE_BYTES if config.p_from_smem else 0
+    return q_tile + kv + p_tile + BARRIER_BYTES
+
+
+def consumer_registers(config: GluonFwdConfig) -> int:
+    """Registers per consumer thread under the config's register budget."""
+    assert kernel is not None
+    return kernel.register_budget(config.to_dict())[1]
+
+
+def live_per_thread(problem: Problem, config: GluonFwdConfig) -> int:
+    """fp32-equivalent registers of a consumer thread's tiles (see REGISTER_HEADROOM)."""
+    rows = rows_per_consumer(config)
+    p_regs = 0 if config.p_from_smem else config.BLOCK_N // 2
+    return rows * (problem.head_dim + config.BLOCK_N + p_regs) // 128
+
+
+class GluonFwdTemplate(Template):
+    name = "gluon_fwd"
+    description = ("FlashAttention-3-style forward for Hopper in Gluon: TMA loads through an "
+                   "mbarrier ring, async wgmma with softmax under the PV GEMM, optional "
+                   "producer warp and ping-pong consumer warpgroups; dense, causal top-left "
+                   "or bottom-right, GQA/MQA, head dim 64/128/256, fp16/bf16; returns "
+                   "(o, lse).")
+    config_cls = GluonFwdConfig
+
+    def source_modules(self) -> Sequence[str]:
+        mods = [__name__]
+        if kernel is not None:
+            mods.insert(0, kernel.__name__)
+        return mods
+
+    # -- the problem --------------------------------------------------------------------------
+    def unsupported(self, problem: Problem) -> str | None:
+        if GLUON_MISSING:
+            return GLUON_MISSING
+        if problem.mask != "none":
+            return "gluon_fwd has no block masks yet (dense and causal only)"
+        if problem.dtype not in TORCH_DTYPES:
+            return f"gluon_fwd takes float16 or bfloat16, but got {problem.dtype}"
+        if problem.head_dim not in HEAD_DIMS:
+            return (f"gluon_fwd takes head_dim in {list(HEAD_DIMS)} (one TMA box and wgmma "
+                    f"tile), but got {problem.head_dim}")
+        return None
+
+    def flops(self, problem: Problem) -> float:
+        # As flash_fwd (PROTOCOL.md): equal lengths count causal as half of dense, otherwise
+        # the visible (query, key) pairs exactly.
+        if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
+            pairs = problem.seqlen_q * problem.seqlen_kv / 2
+        else:
+            pairs = visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv)
+        return 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
+
+    def bytes_moved(self, problem: Problem) -> float:
+        q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim
+        k_or_v = problem.batch * problem.heads_kv * problem.seqlen_kv * problem.head_dim
+        lse = problem.batch * problem.heads_q * problem.seqlen_q
+        return float(DTYPE_BYTES * (2 * q_or_o + 2 * k_or_v) + 4 * lse)
+
+    # -- the space ----------------------------------------------------------------------------
+    def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonFwdConfig)
+        reason = self.unsupported(problem)
+        if reason:
+            return reason
+        if device.family != "hopper":
+            return (f"gluon_fwd needs a Hopper GPU (wgmma, compute capability 9.x), but "
+                    f"{device.name} is {device.family}")
+        if cfg.pingpong and not (cfg.warp_specialize and cfg.consumers == 2):
+            return "pingpong needs warp_specialize=True and consumers=2"
+        rows = rows_per_consumer(cfg)
+        if rows not in (64, 128):
+            return (f"each consumer warpgroup takes 64 or 128 query rows, but BLOCK_M "
+                    f"{cfg.BLOCK_M} over {cfg.consumers} consumer(s) gives {rows}")
+        if cfg.longest_first and problem.causal == "none":
+            return ("longest_first only reorders causal launches (every non-causal tile has "
+                    "the same work); use longest_first=False")
+        smem = shared_memory_estimate(problem, cfg)
+        if smem > device.smem_per_block:
+            return (f"needs about {smem // 1024} KiB of shared memory (Q {cfg.BLOCK_M}x"
+                    f"{problem.head_dim} + {cfg.kv_stages} stage(s) of K and V {cfg.BLOCK_N}x"
+                    f"{problem.head_dim}), more than the {device.smem_per_block // 1024} KiB "
+                    f"a program may use on {device.name}")
+        if cfg.ctas_per_sm * (smem + SMEM_RESERVED_PER_PROGRAM) > SMEM_PER_SM:
+            return (f"{cfg.ctas_per_sm} programs of about {smem // 1024} KiB of shared memory "
+                    f"each do not fit in an SM's {SMEM_PER_SM // 1024} KiB")
+        live = live_per_thread(problem, cfg)
+        budget = consumer_registers(cfg)
+        if live > budget - REGISTER_HEADROOM:
+            return (f"each consumer thread would hold about {live} registers of tiles "
+                    f"({rows} rows x (D {problem.head_dim} + scores {cfg.BLOCK_N} + P "
+                    f"{cfg.BLOCK_N // 2})) within a budget of {budget} registers "
+                    f"({cfg.ctas_per_sm} program(s) per SM): registers would spill; use fewer "
+                    f"rows per consumer, smaller blocks or one program per SM")
+        return None
+
+    def default_config(self, problem: Problem, device: DeviceInfo) -> GluonFwdConfig:
+        start = _heuristic(problem)
+        for candidate in _shrinking(start):
+            if self.constraint(problem, candidate, device) is None:
+                return candidate
+        raise RuntimeError(f"no gluon_fwd config fits {problem.key()} on {device.name}")
+
+    # -- running and checking -----------------------------------------------------------------
+    def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dtype = TORCH_DTYPES[problem.dtype]
+
+        def randn(heads: int, seqlen: int) -> torch.Tensor:
+            shape = (problem.batch, heads, seqlen, problem.head_dim)
+            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+        return {"q": randn(problem.heads_q, problem.seqlen_q),
+                "k": randn(problem.heads_kv, problem.seqlen_kv),
+                "v": randn(problem.heads_kv, problem.seqlen_kv),
+                "causal": problem.causal, "scale": 1.0 / math.sqrt(problem.head_dim)}
+
+    def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonFwdConfig)
+        return gluon_attention_fwd(inputs["q"], inputs["k"], inputs["v"],
+                                   causal=inputs["causal"], scale=inputs["scale"], config=cfg)
+
+    def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
+        """The one launch ``run`` makes, over stand-in tensors."""
+        if kernel is None or self.unsupported(problem):
+            return None
+        cfg = self.config(config)
+        dtype = TORCH_DTYPES[problem.dtype]
+        q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
+        kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
+        q, o = StandinTensor(dtype, q_shape), StandinTensor(dtype, q_shape)
+        k, v = StandinTensor(dtype, kv_shape), StandinTensor(dtype, kv_shape)
+        lse = StandinTensor(torch.float32, q_shape[:3])
+        plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
+                                 scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict())
+        return [(kernel._gluon_fwd_kernel, plan.grid, plan.args(q, k, v, o, lse),
+                 dict(plan.options))]
+
+    def reference(self, inputs: Mapping[str, Any]) -> Any:
+        return attention_reference(inputs["q"], inputs["k"], inputs["v"],
+                                   causal=inputs["causal"], scale=inputs["scale"])
+
+    def error(self, out: Any, ref: Any) -> float:
+        """Largest of the relative errors of o and of lse (its -inf rows must match exactly)."""
+        (o, lse), (o_ref, lse_ref) = out, ref
+        return max(relative_error(o, o_ref), lse_error(lse, lse_ref))
+
+    # -- code generation ----------------------------------------------------------------------
+    def standalone_source(self, config: KernelConfig) -> str:
+        if kernel is None:
+            raise NotImplementedError(GLUON_MISSING)
+        return self._kernel_module_with_config(kernel, _STANDALONE_ENTRY, config)
+
+
+_STANDALONE_ENTRY = '''
+
+# ----------------------------------------------------------------------------- baked-in config
+CONFIG: dict[str, object] = CONFIG_LITERAL
+
+
+def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool | str = False, scale: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of softmax(scale * q k^T) v with the config above baked in (Hopper GPUs).
+
+    q: (B, H_q, N_q, D); k, v: (B, H_kv, N_kv, D), float16 or bfloat16, D in 64/128/256;
+    causal: False, True (= "top_left"), "none", "top_left" or "bottom_right"; scale
+    defaults to 1/sqrt(D). Layouts TMA cannot read are copied to contiguous first.
+    """
+    causal_mode, softmax_scale = validate_inputs(q, k, v, causal, scale)
+    return launch(q, k, v, causal_mode=causal_mode, scale=softmax_scale, config=CONFIG)
+'''
+
+
+def _heuristic(problem: Problem) -> GluonFwdConfig:
+    """Starting point per head dim, before fitting it to the constraints. UNMEASURED until
+    the first H100 run (docs/gluon_notes.md): FA3's shapes (two ping-pong consumers of 64
+    rows, a producer warp, 128-key blocks at D <= 128, 64-key blocks at D = 256)."""
+    causal = problem.causal != "none"
+    block_n = 64 if problem.head_dim > 128 else 128
+    return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,
+                          warp_specialize=True, pingpong=True, longest_first=causal)
+
+
+def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
+    """``cfg``, then cheaper variants: fewer stages, smaller key blocks, one consumer."""
+    out = [cfg]
+    for stages in range(cfg.kv_stages - 1, 0, -1):
+        out.append(dataclasses.replace(out[-1], kv_stages=stages))
+    if out[-1].BLOCK_N > 64:
+        out.append(dataclasses.replace(out[-1], BLOCK_N=64, kv_stages=cfg.kv_stages))
+        for stages in range(cfg.kv_stages - 1, 0, -1):
+            out.append(dataclasses.replace(out[-1], kv_stages=stages))
+    out.append(dataclasses.replace(out[-1], BLOCK_M=64, consumers=1, pingpong=False))
+    return out
+
+
+def compile_for(problem: Problem, config: KernelConfig) -> Any:
+    """Triton's compiled kernel for ``problem``'s inputs under ``config``, without allocating
+    or launching anything (needs a Hopper GPU or an ``offline_target``)."""
+    launches = TEMPLATE.kernel_launches(problem, config)
+    if launches is None:
+        raise ValueError(f"no stand-in launch for {problem.key()}: "
+                         f"{TEMPLATE.unsupported(problem)}")
+    ((fn, grid, args, options),) = launches
+    return fn.warmup(*args, grid=grid, **options)
+
+
+# ----------------------------------------------------------------------------- entry point
+def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
+    return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
+                   seqlen_q=q.shape[2], seqlen_kv=k.shape[2], head_dim=q.shape[3],
+                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode)
+
+
+def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool | str = False, scale: float | None = None,
+                        config: GluonFwdConfig | Mapping[str, object] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on a Hopper GPU: (o, lse) of softmax(scale * q k^T [causal]) v.
+
+    Args:
+        q: (B, H_q, N_q, D) float16 or bfloat16 on a CUDA device of compute capability 9.x,
+            D in 64, 128, 256; any strides (layouts TMA cannot read are copied first).
+        k, v: (B, H_kv, N_kv, D), same dtype and device; H_q a multiple of H_kv (GQA/MQA).
+        causal: False / "none"; True / "top_left" (query i sees keys j <= i, as torch SDPA);
+            "bottom_right" (j <= i + N_kv - N_q, as FlashAttention-2 with a KV cache).
+        scale: softmax scale (> 0), default 1/sqrt(D).
+        config: a ``GluonFwdConfig`` or a mapping of its fields; None takes the template's
+            default for this problem.
+
+    Returns:
+        o (B, H_q, N_q, D) in q's dtype, contiguous; lse (B, H_q, N_q) float32, the natural
+        logsumexp of the scaled scores (-inf, with o = 0, for rows that see no key).
+
+    Raises:
+        TypeError / ValueError naming the offending argument or the constraint the config
+        violates; RuntimeError where Gluon is missing.
+    """
+    if kernel is None:
+        raise RuntimeError(GLUON_MISSING)
+    key = _plan_key(q, k, v, causal, scale, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _validated_plan(q, k, v, causal, scale, config)
+        _PLANS.put(key, plan)
+    if plan.copy_inputs:
+        q, k, v = kernel.tma_ready(q), kernel.tma_ready(k), kernel.tma_ready(v)
+    return plan(q, k, v)
+
+
+_PLANS: PlanCache[Any] = PlanCache(maxsize=1024)
+
+
+def _plan_key(q: Any, k: Any, v: Any, causal: Any, scale: Any, config: Any
+              ) -> tuple[object, ...] | None:
+    """What ``_validated_plan`` reads from its arguments (shapes, strides, dtype, device,
+    16-byte alignment, causal, scale, config), or None where no plan is kept."""
+    if config is not None and not isinstance(config, GluonFwdConfig):
+        if not isinstance(config, Mapping):
+            return None
+        try:
+            config = TEMPLATE.config(config)
+        except (TypeError, ValueError):
+            return None
+    try:
+        return (q.__class__, k.__class__, v.__class__, q.shape, k.shape, v.shape,
+                q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
+                causal.__class__, causal, scale.__class__, scale, config)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | str,
+                    scale: float | None, config: GluonFwdConfig | Mapping[str, object] | None
+                    ) -> Any:
+    assert kernel is not None
+    causal_mode, softmax_scale = kernel.validate_inputs(q, k, v, causal, scale)
+    if softmax_scale <= 0:
+        raise ValueError(f"scale must be positive (the unmasked softmax takes the row max "
+                         f"before scaling), but got {softmax_scale}")
+    if config is not None and not isinstance(config, GluonFwdConfig | Mapping):
+        raise TypeError(f"config must be a GluonFwdConfig, a mapping of its fields or None, "
+                        f"but got {type(config).__name__}")
+    if q.device.type != "cuda":
+        raise ValueError(f"gluon_fwd runs on CUDA tensors, but q is on {q.device}")
+    problem = problem_of(q, k, causal_mode)
+    device = current_device(q.device.index)
+    if config is None:
+        cfg = TEMPLATE.default_config(problem, device)
+    else:
+        chosen = TEMPLATE.config(config)
+        assert isinstance(chosen, GluonFwdConfig)
+        cfg = chosen
+        reason = TEMPLATE.constraint(problem, cfg, device)
+        if reason:
+            raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on "
+                             f"{device.name}: {reason}")
+    plan = kernel.LaunchPlan(q, k, causal_mode=causal_mode, scale=softmax_scale,
+                             config=cfg.to_dict())
+    plan.copy_inputs = any(kernel.tma_layout_problem(t, name) is not None
+                           for name, t in (("q", q), ("k", k), ("v", v)))
+    return plan
+
+
+TEMPLATE = GluonFwdTemplate()
+register(TEMPLATE)

@@ -1,0 +1,718 @@
+"""FlashAttention-3-style forward for Hopper (sm_90), written in Gluon.
+
+This module imports only torch and triton (``GluonFwdTemplate.standalone_source`` emits it
+verbatim with a config appended). Gluon (``triton.experimental.gluon``) is Triton's
+lower-level language: layouts, shared memory, mbarriers, TMA and wgmma are explicit. Written
+for triton 3.6's Gluon API (the GPU machines' wheel).
+
+One kernel, specialized by constexprs:
+  * K/V tiles arrive by TMA (rank-4 descriptors over (B, H, N, D), so strided views need no
+    copy and rows past N read as zeros) into a ring of ``KV_STAGES`` shared buffers, each with
+    a *ready* mbarrier (the copy landed) and, when warp-specialized, an *empty* one (every
+    consumer is done with it);
+  * QK^T and PV run on asynchronous wgmma: S_j = Q K_j^T is issued together with
+    O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM of block j-1 is
+    still on the tensor cores (FA3's intra-warpgroup overlap); P stays in registers as the A
+    operand of the PV GEMM;
+  * online softmax in the log2 domain: exp2 with ``scale * log2(e)`` folded into one multiply
+    (``qk_scale``), the running max and sum in fp32;
+  * masking only where needed: KV blocks below the causal diagonal and inside N_kv run the
+    unmasked softmax, the diagonal blocks and the N_kv tail the masked one (a uniform
+    run-time branch per block), blocks above the diagonal are never loaded;
+  * ``WARP_SPECIALIZE``: one producer warp issues every TMA load (``gl.warp_specialize``) and
+    the consumer warpgroups only compute; otherwise the consumer warps issue the loads
+    themselves, ``KV_STAGES`` blocks ahead;
+  * ``PINGPONG`` (warp-specialized, two consumer warpgroups): each warpgroup owns half of the
+    query tile in its own partition, and a pair of mbarriers lets only one of them issue
+    GEMMs at a time, so one warpgroup's softmax runs under the other's GEMMs (FA3's
+    ping-pong). Without it, the consumer warpgroups form one partition that runs in step;
+  * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
+  * causal top-left (SDPA) or bottom-right (FA2 with a KV cache) through ``causal_offset``.
+
+Outputs: ``o`` (B, H_q, N_q, D) in the input dtype, contiguous, and ``lse`` (B, H_q, N_q)
+float32, the natural-log logsumexp of the scaled scores; a row that sees no key gets o = 0 and
+lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Names that moved between triton versions. TMA copies: triton 3.6 names them async_copy_global_to_shared / async_copy_shared_to_global,
+# later versions async_load / async_store (the old names raise there).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# A barrier among the warps of the calling partition: thread_barrier in 3.6, barrier later.
+_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+CAUSAL_MODES = ("none", "top_left", "bottom_right")
+LOG2_E = 1.4426950408889634
+# Registers per thread of the producer warp's partition (setmaxnreg: multiples of 8, >= 24):
+# it only computes coordinates and issues TMA copies.
+PRODUCER_REGS = 24
+# Register file per SM (65536 32-bit registers), split over the programs meant to share an
+# SM (the ``ctas_per_sm`` knob).
+REGISTER_FILE = 65536
+
+# Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
+# so an element the kernel forgets to write shows up as NaN instead of stale memory.
+DEBUG_POISON = False
+
+
+# ----------------------------------------------------------------------------- layouts
+@gluon.constexpr_function
+def _mma_layout(num_warps, n):
+    """wgmma accumulator layout of an (M, n) fp32 tile over ``num_warps`` warps stacked along M
+    (each warpgroup owns 64 consecutive rows per repetition)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 16])
+
+
+# ----------------------------------------------------------------------------- softmax
+@gluon.jit
+def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset,
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                   DIAG: gl.constexpr):
+    """One online-softmax step on the raw scores ``s`` (rows x BLOCK_N, fp32): returns
+    (p, m_new, l_new, alpha) with p = exp2(s * qk_scale - m_new) and alpha the factor that
+    rescales what was accumulated before. MASKED blocks hide keys past N_kv and, for causal,
+    keys past each row's diagonal; a row with no visible key so far keeps m = -inf, and
+    shifts by 0 instead so that p and alpha are exactly 0, never NaN.
+
+    ``DIAG`` (timing experiments only, wrong results): 1 drops the exponentials of the
+    unmasked step (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s)."""
+    if MASKED:
+        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        visible = gl.expand_dims(keys < N_KV, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(keys, 0)
+                                 <= gl.expand_dims(offs_m + causal_offset, 1))
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+        alpha = gl.exp2(m_i - m_shift)
+        l_new = l_i * alpha + gl.sum(p, 1)
+    elif DIAG == 2:
+        p = s
+        m_new = m_i
+        alpha = l_i * 0.0 + 1.0
+        l_new = l_i
+    elif DIAG == 1:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = s * qk_scale - gl.expand_dims(m_new, 1)
+        alpha = m_i - m_new
+        l_new = l_i * alpha + gl.sum(p, 1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_new, alpha
+
+
+# ----------------------------------------------------------------------------- loads
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, j,
+             KV_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, pred):
+    """Issue the TMA copies of K and V block j into ring slot j % KV_STAGES (``pred`` False:
+    nothing is issued)."""
+    slot = j % KV_STAGES
+    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes, pred=pred)
+    _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot),
+                                    k_bufs.index(slot), pred=pred)
+    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes, pred=pred)
+    _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot),
+                                    v_bufs.index(slot), pred=pred)
+
+
+@gluon.jit
+def _refill(desc, bufs, ready, slot, b, kv_h, j, n_blocks, BLOCK_N: gl.constexpr):
+    """Non-warp-specialized programs: load block j (if there is one) into ring ``slot``."""
+    pred = j < n_blocks
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
+    _tma_load(desc, [b, kv_h, j * BLOCK_N, 0], ready.index(slot),
+                                    bufs.index(slot), pred=pred)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+              k_empty, v_empty, b, h, kv_h, q_row0, n_blocks,
+              Q_LOADS: gl.constexpr, Q_ROWS: gl.constexpr, KV_STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """The producer warp: the query rows of each consumer once, then K and V block by block,
+    each into its ring slot once every consumer released the block that held it (empty
+    barriers start in phase 0, so the first pass through the ring waits for nothing)."""
+    for c in gl.static_range(Q_LOADS):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, q_row0 + c * Q_ROWS, 0],
+                                        q_ready.index(c), q_bufs.index(c))
+    for j in range(n_blocks):
+        slot = j % KV_STAGES
+        phase = ((j // KV_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_bufs.index(slot))
+
+
+# ----------------------------------------------------------------------------- consumer
+@gluon.jit
+def _stage_p(p, p_op, p_smem, P_SMEM: gl.constexpr):
+    """P (fp32, the scores' layout) as the next PV GEMM's A operand: in registers, in the
+    wgmma operand layout (returned), or stored to ``p_smem`` for a shared-memory operand (the
+    placeholder ``p_op`` is returned unchanged)."""
+    if P_SMEM:
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        _warps_barrier()
+        out = p_op
+    else:
+        out = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)
+    return out
+
+
+@gluon.jit
+def _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM: gl.constexpr):
+    """O += P V, asynchronously, with P from registers or from shared memory."""
+    if P_SMEM:
+        tok = warpgroup_mma(p_smem, v_smem, acc, is_async=True)
+    else:
+        tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _wait_pv(o_tok, p_op, P_SMEM: gl.constexpr):
+    """Wait for every GEMM in flight; keeps the register operand P alive until then."""
+    if P_SMEM:
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    else:
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+    return acc
+
+
+@gluon.jit
+def _kv_steps(acc, p_op, m_i, l_i, alpha, lo, hi, n_blocks, q_smem, p_smem, k_desc, v_desc,
+              k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m, N_KV,
+              causal_offset, qk_scale,
+              ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              KV_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+              WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
+              DIAG: gl.constexpr):
+    """KV blocks j in [lo, hi), j >= 1: S_j = Q K_j^T is issued together with
+    O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
+    tensor cores. MASKED picks the softmax of the whole range (one loop per kind, so the hot
+    loop holds no masking code). Carries (acc, P_{j-1} as the A operand in registers (or a
+    placeholder when P_SMEM keeps it in ``p_smem``), m, l, alpha)."""
+    s_layout: gl.constexpr = offs_m.type.layout.parent
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_zero = gl.zeros([offs_m.shape[0], BLOCK_N], gl.float32, s_layout)
+    for j in range(lo, hi):
+        slot = j % KV_STAGES
+        phase = (j // KV_STAGES) & 1
+        prev = (j - 1) % KV_STAGES
+        prev_phase = ((j - 1) // KV_STAGES) & 1
+        if PINGPONG:
+            mbarrier.wait(turns.index(ME), j & 1)
+        mbarrier.wait(k_ready.index(slot), phase)
+        k_smem = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(prev), prev_phase)
+        v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - ME), count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        if WARP_SPECIALIZE:
+            mbarrier.arrive(k_empty.index(slot), count=1)
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, N_KV,
+                                            causal_offset, MASKED, CAUSAL, BLOCK_N, DIAG)
+        acc = _wait_pv(o_tok, p_op, P_SMEM)
+        p_op = _stage_p(p, p_op, p_smem, P_SMEM)
+        if WARP_SPECIALIZE:
+            mbarrier.arrive(v_empty.index(prev), count=1)
+        else:
+            # Every warp is done with K_j and V_{j-1}: refill their slots.
+            _warps_barrier()
+            _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, n_blocks, BLOCK_N)
+            _refill(v_desc, v_bufs, v_ready, prev, b, kv_h, j - 1 + KV_STAGES, n_blocks,
+                    BLOCK_N)
+    return acc, p_op, m_i, l_i, alpha
+
+
+@gluon.jit
+def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
+              q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
+              turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV, causal_offset,
+              qk_scale,
+              ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr,
+              P_SMEM: gl.constexpr, DIAG: gl.constexpr):
+    """One consumer: ``ROWS`` query rows (from row ``q_row0 + ME * ROWS`` of the head) over
+    ``NUM_WARPS`` warps, against every KV block of the tile's range; writes its rows of O
+    and LSE. Without WARP_SPECIALIZE it also issues the loads (ring refills).
+
+    Pingpong: each consumer takes turns[ME] before issuing its GEMMs of a block and hands
+    turns[1 - ME] over right after, so the two consumers' GEMMs alternate on the tensor cores
+    and each one's softmax runs under the other's GEMMs. Every consumer issues n_blocks + 1
+    GEMM batches (S_0; S_j with PV_{j-1}; PV_last), the k-th waiting on phase k & 1."""
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m0 = q_row0 + ME * ROWS
+    offs_m = m0 + gl.arange(0, ROWS, layout=row_s)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+    q_smem = q_bufs.index(ME).reshape([ROWS, HEAD_DIM])
+    p_smem = p_bufs.index(ME)
+    # P's registers (a placeholder when P lives in p_smem).
+    p_op = gl.to_tensor(0) if P_SMEM else gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+    mbarrier.wait(q_ready.index(ME), 0)
+    if PINGPONG and ME == 1:
+        # Consumer 1 hands the first turn to consumer 0.
+        mbarrier.arrive(turns.index(0), count=1)
+
+    if n_blocks > 0:
+        # -- block 0: S_0 alone.
+        if PINGPONG:
+            mbarrier.wait(turns.index(ME), 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        k_smem = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                              is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - ME), count=1)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        if WARP_SPECIALIZE:
+            mbarrier.arrive(k_empty.index(0), count=1)
+        if n_full > 0:
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, 0, N_KV,
+                                                causal_offset, False, CAUSAL, BLOCK_N, DIAG)
+        else:
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, 0, N_KV,
+                                                causal_offset, True, CAUSAL, BLOCK_N, DIAG)
+        # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
+        # in shared memory.
+        p_op = _stage_p(p, p_op, p_smem, P_SMEM)
+        if not WARP_SPECIALIZE:
+            # Every warp is done with K_0: refill its slot (V_0 is read in the next step).
+            _warps_barrier()
+            _refill(k_desc, k_bufs, k_ready, 0, b, kv_h, KV_STAGES, n_blocks, BLOCK_N)
+
+        # -- blocks 1.. : the unmasked ones, then the masked ones (causal diagonal, N_kv
+        # tail); n_full <= n_blocks.
+        mid = gl.maximum(n_full, 1)
+        acc, p_op, m_i, l_i, alpha = _kv_steps(
+            acc, p_op, m_i, l_i, alpha, 1, mid, n_blocks, q_smem, p_smem, k_desc, v_desc,
+            k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m, N_KV,
+            causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, False, CAUSAL,
+            WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG)
+        acc, p_op, m_i, l_i, alpha = _kv_steps(
+            acc, p_op, m_i, l_i, alpha, mid, n_blocks, n_blocks, q_smem, p_smem, k_desc,
+            v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m,
+            N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, True, CAUSAL,
+            WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG)
+
+        # -- the last PV GEMM.
+        last = n_blocks - 1
+        slot = last % KV_STAGES
+        if PINGPONG:
+            mbarrier.wait(turns.index(ME), n_blocks & 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
+        v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - ME), count=1)
+        acc = _wait_pv(o_tok, p_op, P_SMEM)
+        if WARP_SPECIALIZE:
+            mbarrier.arrive(v_empty.index(slot), count=1)
+
+    # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
+    l_o = gl.convert_layout(l_i, row_o)
+    m_o = gl.convert_layout(m_i, row_o)
+    seen = l_o > 0.0
+    l_safe = gl.where(seen, l_o, 1.0)
+    o = acc / gl.expand_dims(l_safe, 1)
+    lse = gl.where(seen, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    rows = m0 + gl.arange(0, ROWS, layout=row_o)
+    gl.store(LSE + bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
+    # O leaves through this consumer's Q buffer (every GEMM that read Q has completed) and a
+    # TMA store, which drops the rows past N_q.
+    q_smem.store(o.to(dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [b, h, m0, 0], q_bufs.index(ME))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_default(q_desc, k_desc, v_desc, o_desc, LSE,
+                      q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
+                      v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV,
+                      causal_offset, qk_scale,
+                      NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
+    """The default partition of a warp-specialized program: consumer 0."""
+    _consumer(q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs, q_ready,
+              k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks,
+              n_full, N_Q, N_KV, causal_offset, qk_scale, 0, NUM_WARPS, ROWS, HEAD_DIM,
+              BLOCK_N, KV_STAGES, CAUSAL, True, PINGPONG, P_SMEM, DIAG)
+
+
+@gluon.jit
+def _consumer_second(q_desc, k_desc, v_desc, o_desc, LSE,
+                     q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
+                     v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV,
+                     causal_offset, qk_scale,
+                     NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
+    """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
+    _consumer(q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs, q_ready,
+              k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks,
+              n_full, N_Q, N_KV, causal_offset, qk_scale, 1, NUM_WARPS, ROWS, HEAD_DIM,
+              BLOCK_N, KV_STAGES, CAUSAL, True, PINGPONG, P_SMEM, DIAG)
+
+
+@gluon.jit
+def _producer_partition(q_desc, k_desc, v_desc, o_desc, LSE,
+                        q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
+                        v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV,
+                        causal_offset, qk_scale,
+                        NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
+    """The producer partition (one warp), with the workers' common signature."""
+    if PINGPONG:
+        _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+                  k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, 2, ROWS, KV_STAGES, BLOCK_N)
+    else:
+        _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+                  k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, 1, ROWS, KV_STAGES, BLOCK_N)
+
+
+# ----------------------------------------------------------------------------- kernel
+@gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "GROUP", "n_q_tiles"])
+def _gluon_fwd_kernel(
+    q_desc, k_desc, v_desc, o_desc, LSE,
+    N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # -- which (batch, head, query tile) this program owns: the tiles of one head run
+    # together (its K/V stay in L2); causal programs start with the tiles that see most keys.
+    pid = gl.program_id(0)
+    tile = pid % n_q_tiles
+    bh = pid // n_q_tiles
+    if LONGEST_FIRST:
+        tile = n_q_tiles - 1 - tile
+    b = bh // H_Q
+    h = bh % H_Q
+    kv_h = h // GROUP
+    m0 = tile * BLOCK_M
+
+    # The KV range of this tile: blocks [0, n_full) need no mask, [n_full, n_blocks) do.
+    if CAUSAL:
+        # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
+        kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
+        first_row_sees = gl.maximum(m0 + causal_offset + 1, 0)
+        n_full = gl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N)
+    else:
+        kv_end = N_KV
+        n_full = N_KV // BLOCK_N
+    n_blocks = gl.cdiv(kv_end, BLOCK_N)
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_block: gl.constexpr = q_desc.block_type.shape
+    kv_block: gl.constexpr = k_desc.block_type.shape
+    Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
+    ROWS: gl.constexpr = BLOCK_M // Q_LOADS
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_LOADS] + q_block, q_desc.layout)
+    if P_SMEM:
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)
+        p_bufs = gl.allocate_shared_memory(dtype, [Q_LOADS, ROWS, BLOCK_N], p_layout)
+    else:  # unused
+        p_bufs = gl.allocate_shared_memory(dtype, [Q_LOADS, 8, 8],
+                                           gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
+    k_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv_block, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv_block, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_LOADS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(Q_LOADS):
+        mbarrier.init(q_ready.index(c), count=1)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # One arrival per consumer partition releases a slot.
+        mbarrier.init(k_empty.index(i), count=Q_LOADS)
+        mbarrier.init(v_empty.index(i), count=Q_LOADS)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    fence_async_shared()
+
+    if WARP_SPECIALIZE:
+        # Worker partitions take scalars, descriptors and constexpr objects, no tensors and no
+        # plain Python numbers.
+        WG_WARPS: gl.constexpr = 4
+        PRODUCER_WARPS: gl.constexpr = 1
+        if PINGPONG:
+            gl.warp_specialize([
+                (_consumer_default, (
+                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
+                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
+                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                (_consumer_second, (
+                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
+                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
+                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                (_producer_partition, (
+                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
+                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS, ROWS,
+                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+            ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer_default, (
+                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
+                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, num_warps, ROWS,
+                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                (_producer_partition, (
+                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
+                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS, ROWS,
+                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    else:
+        # The consumer warps load for themselves: Q, then the first KV_STAGES blocks.
+        mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0, 0], q_ready.index(0),
+                                        q_bufs.index(0))
+        for i in gl.static_range(KV_STAGES):
+            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, i, KV_STAGES,
+                     BLOCK_N, i < n_blocks)
+        _consumer(q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs, q_ready,
+                  k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0, n_blocks,
+                  n_full, N_Q, N_KV, causal_offset, qk_scale, 0, num_warps, ROWS, HEAD_DIM,
+                  BLOCK_N, KV_STAGES, CAUSAL, False, False, P_SMEM, DIAG)
+
+
+# ----------------------------------------------------------------------------- host side
+def consumer_warps(config: Mapping[str, Any]) -> int:
+    """Warps of the kernel's own (default) partition: one warpgroup per consumer, or one
+    warpgroup when the consumers ping-pong in separate partitions."""
+    return 4 if config["pingpong"] else 4 * int(config["consumers"])
+
+
+def register_budget(config: Mapping[str, Any]) -> tuple[int, int]:
+    """(maxnreg, consumer registers per thread): the register file split over
+    ``ctas_per_sm`` programs; warp-specialized programs give the producer warp's
+    warpgroup PRODUCER_REGS and the rest to the consumers (setmaxnreg, multiples of 8)."""
+    ws = bool(config["warp_specialize"])
+    warpgroups = int(config["consumers"]) + (1 if ws else 0)
+    per_thread = REGISTER_FILE // (int(config["ctas_per_sm"]) * warpgroups * 128)
+    maxnreg = min(255, per_thread - per_thread % 8)
+    if not ws:
+        return maxnreg, maxnreg
+    consumer = min(256, (maxnreg * warpgroups - PRODUCER_REGS) // (warpgroups - 1))
+    return maxnreg, consumer - consumer % 8
+
+
+def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
+                   diag: int = 0) -> dict[str, Any]:
+    """The kernel's constexprs and launch options for a config (``diag``: timing
+    experiments only, see ``_softmax_block``)."""
+    ws = bool(config["warp_specialize"])
+    maxnreg, consumer_regs = register_budget(config)
+    options: dict[str, Any] = dict(
+        HEAD_DIM=head_dim, BLOCK_M=int(config["BLOCK_M"]), BLOCK_N=int(config["BLOCK_N"]),
+        KV_STAGES=int(config["kv_stages"]), CAUSAL=causal,
+        LONGEST_FIRST=bool(config["longest_first"]) and causal,
+        WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]), DIAG=diag,
+        num_warps=consumer_warps(config),
+    )
+    if ws or int(config["ctas_per_sm"]) > 1:
+        options["maxnreg"] = maxnreg
+    return options
+
+
+def q_rows_per_load(config: Mapping[str, Any]) -> int:
+    """Rows of one Q (and O) TMA block: half the tile when two consumers ping-pong."""
+    return int(config["BLOCK_M"]) // (2 if config["pingpong"] else 1)
+
+
+class LaunchPlan:
+    """One launch of ``_gluon_fwd_kernel`` less its tensors: grid, constexprs and scalars,
+    worked out once from the inputs' shapes, dtype, causal mode, scale and config. Calling it
+    launches on tensors laid out like the ones it was made from."""
+
+    # Set by the entry point: these inputs' layout needs a contiguous copy before TMA.
+    copy_inputs = False
+
+    def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
+                 config: Mapping[str, Any], diag: int = 0) -> None:
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        heads_kv, seqlen_kv = k.shape[1], k.shape[2]
+        block_m = int(config["BLOCK_M"])
+        causal = causal_mode != "none"
+        n_q_tiles = -(-seqlen_q // block_m)
+        self.grid = (n_q_tiles * batch * heads_q,)
+        self.out_shape = (batch, heads_q, seqlen_q, head_dim)
+        self.lse_shape = (batch, heads_q, seqlen_q)
+        offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
+        self.scalars = [seqlen_q, seqlen_kv, offset, heads_q, heads_q // heads_kv, n_q_tiles,
+                        scale * LOG2_E]
+        bits = 16
+        q_block = [1, 1, q_rows_per_load(config), head_dim]
+        kv_block = [1, 1, int(config["BLOCK_N"]), head_dim]
+        self.q_block, self.kv_block = q_block, kv_block
+        self.kv_layout = _host_smem_layout(kv_block, bits)
+        self.q_layout = _host_smem_layout(q_block, bits)
+        self.options = launch_options(head_dim, causal, config, diag)
+
+    def descriptors(self, q: Any, k: Any, v: Any, o: Any) -> list[Any]:
+        return [_descriptor(q, self.q_block, self.q_layout),
+                _descriptor(k, self.kv_block, self.kv_layout),
+                _descriptor(v, self.kv_block, self.kv_layout),
+                _descriptor(o, self.q_block, self.q_layout)]
+
+    def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any) -> list[Any]:
+        return [*self.descriptors(q, k, v, o), lse, *self.scalars]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if DEBUG_POISON:
+            o = torch.full(self.out_shape, float("nan"), device=q.device, dtype=q.dtype)
+            lse = torch.full(self.lse_shape, float("nan"), device=q.device, dtype=torch.float32)
+        else:
+            o = q.new_empty(self.out_shape)
+            lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        with torch.cuda.device(q.device):
+            _gluon_fwd_kernel[self.grid](*self.args(q, k, v, o, lse), **self.options)
+        return o, lse
+
+
+def _host_smem_layout(block_shape: list[int], bitwidth: int) -> Any:
+    row_bytes = block_shape[-1] * bitwidth // 8
+    swizzle = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bitwidth,
+                                rank=len(block_shape))
+
+
+def _descriptor(t: Any, block: list[int], layout: Any) -> Any:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def tma_layout_problem(t: torch.Tensor, name: str) -> str | None:
+    """Why a rank-4 TMA descriptor cannot cover ``t`` (None if it can)."""
+    strides = t.stride()
+    if strides[-1] != 1:
+        return f"TMA needs {name}'s last dimension contiguous, but its strides are {strides}"
+    for dim, (size, stride) in enumerate(zip(t.shape[:-1], strides[:-1], strict=True)):
+        if size > 1 and (stride <= 0 or (stride * t.element_size()) % 16):
+            return (f"TMA needs every stride of {name} to be a positive multiple of 16 bytes, "
+                    f"but dim {dim} has stride {stride}")
+    if t.data_ptr() % 16:
+        return f"TMA needs {name} to start at a 16-byte aligned address"
+    return None
+
+
+def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    causal: bool | str, scale: float | None) -> tuple[str, float]:
+    """Check shapes, dtypes and devices; return (causal mode, softmax scale)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seqlen, head_dim), "
+                             f"but got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, but got {t.dtype}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} must not be empty, but got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, but got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, but got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, but got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must share batch and head_dim, but got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of heads of k/v "
+                         f"({k.shape[1]})")
+    if q.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)}, but got {q.shape[3]}")
+    if isinstance(causal, bool):
+        mode = "top_left" if causal else "none"
+    elif causal in CAUSAL_MODES:
+        mode = causal
+    else:
+        raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got "
+                         f"{causal!r}")
+    if scale is None:
+        return mode, 1.0 / math.sqrt(q.shape[3])
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None, but got {scale!r}")
+    return mode, float(scale)
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if TMA can read it, else a contiguous copy."""
+    return t if tma_layout_problem(t, "t") is None else t.contiguous()
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: str,
+           scale: float, config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on validated CUDA inputs with a config given as a plain mapping."""
+    q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
+    return LaunchPlan(q, k, causal_mode=causal_mode, scale=scale, config=config)(q, k, v)
+

@@ -1,0 +1,255 @@
+"""The Gluon forward template (templates.gluon_fwd): its space and constraints on the CPU, an
+offline sm_90 compile of its default configs (registers, spills, shared memory) in a child
+process without the interpreter, and numerics on a Hopper GPU (``gpu`` marker).
+
+Gluon kernels do not run under Triton's interpreter, so the CPU cannot check their numbers;
+the compile is the CPU's check, the GPU tests the numerics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from templates.base import Problem
+from templates.device import DeviceInfo
+from templates.flash_fwd import TEMPLATE as FLASH_FWD
+from templates.gluon_fwd import (
+    GLUON_MISSING,
+    TEMPLATE,
+    GluonFwdConfig,
+    live_per_thread,
+    shared_memory_estimate,
+)
+from templates.offline_target import TARGETS
+
+H100 = TARGETS["h100"]
+needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
+
+
+def protocol_problems() -> list[Problem]:
+    out = []
+    for d in (64, 128, 256):
+        for n in (4096, 16384):
+            for causal in ("none", "top_left"):
+                out.append(Problem(16384 // n, 2048 // d, 2048 // d, n, n, d, "bfloat16",
+                                   causal))
+    return out
+
+
+# ----------------------------------------------------------------------------- the space
+@needs_gluon
+def test_default_configs_fit_every_protocol_problem_and_odd_ones() -> None:
+    odd = [Problem(1, 3, 1, 77, 1100, 64, "float16", "bottom_right"),
+           Problem(2, 8, 2, 1000, 1000, 128, "bfloat16", "top_left"),
+           Problem(1, 2, 2, 513, 513, 256, "float16", "none")]
+    for problem in protocol_problems() + odd:
+        cfg = TEMPLATE.default_config(problem, H100)
+        assert TEMPLATE.constraint(problem, cfg, H100) is None, (problem.key(), cfg.key())
+        assert cfg.longest_first == (problem.causal != "none")
+        assert shared_memory_estimate(problem, cfg) <= H100.smem_per_block
+
+
+@needs_gluon
+def test_constraints_name_what_is_wrong() -> None:
+    problem = Problem(1, 2, 2, 1024, 1024, 128, "bfloat16", "none")
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(warp_specialize=False), H100)
+    assert reason is not None and "pingpong needs warp_specialize" in reason
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(BLOCK_M=64), H100)
+    assert reason is not None and "64 or 128 query rows" in reason  # 32 rows per consumer
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(kv_stages=4), H100)
+    assert reason is not None and "shared memory" in reason
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(longest_first=True), H100)
+    assert reason is not None and "longest_first" in reason
+    # 128 rows per consumer at D=128: accumulator and scores do not fit in registers.
+    cfg = GluonFwdConfig(BLOCK_M=256, BLOCK_N=64)
+    assert live_per_thread(problem, cfg) == 224
+    reason = TEMPLATE.constraint(problem, cfg, H100)
+    assert reason is not None and "spill" in reason
+    # Two programs per SM halve the shared memory each may take.
+    two = GluonFwdConfig(BLOCK_M=64, consumers=1, pingpong=False, ctas_per_sm=2)
+    reason = TEMPLATE.constraint(problem, two, H100)
+    assert reason is not None and "do not fit in an SM" in reason
+    assert TEMPLATE.constraint(problem, dataclasses.replace(two, BLOCK_N=64), H100) is None
+    a100 = TARGETS["a100"]
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(), a100)
+    assert reason is not None and "Hopper" in reason
+    b200 = TARGETS["b200"]
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(), b200)
+    assert reason is not None and "Hopper" in reason
+
+
+def test_unsupported_problems() -> None:
+    assert "float16 or bfloat16" in str(TEMPLATE.unsupported(
+        Problem(1, 2, 2, 64, 64, 64, "float32")))
+    assert "head_dim" in str(TEMPLATE.unsupported(Problem(1, 2, 2, 64, 64, 96)))
+    assert "block masks" in str(TEMPLATE.unsupported(
+        Problem(1, 2, 2, 256, 256, 64, mask="sliding:128")))
+    if not GLUON_MISSING:
+        assert TEMPLATE.unsupported(Problem(1, 4, 1, 300, 700, 256, "float16",
+                                            "bottom_right")) is None
+    assert TEMPLATE.kernel_launches(Problem(1, 2, 2, 64, 64, 96), GluonFwdConfig()) is None
+
+
+def test_flops_and_bytes_match_the_triton_forward() -> None:
+    for problem in protocol_problems() + [Problem(1, 4, 2, 300, 1100, 64, "float16",
+                                                  "bottom_right")]:
+        assert TEMPLATE.flops(problem) == FLASH_FWD.flops(problem)
+        assert TEMPLATE.bytes_moved(problem) == FLASH_FWD.bytes_moved(problem)
+    dense = Problem(4, 16, 16, 4096, 4096, 128)
+    assert TEMPLATE.flops(dense) == 4 * 4 * 16 * 4096 * 4096 * 128
+
+
+def test_config_round_trip_and_grid() -> None:
+    cfg = GluonFwdConfig(BLOCK_N=64, kv_stages=3, longest_first=True)
+    assert GluonFwdConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="kv_stages"):
+        GluonFwdConfig(kv_stages=5)
+    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2
+
+
+@needs_gluon
+def test_standalone_source_needs_only_torch_and_triton() -> None:
+    source = TEMPLATE.standalone_source(TEMPLATE.default_config(
+        Problem(1, 2, 2, 4096, 4096, 128), H100))
+    compile(source, "gluon_fwd_standalone.py", "exec")
+    assert "from templates" not in source and "import templates" not in source
+    assert "@gluon.jit" in source and "def gluon_attention_fwd(" in source
+    assert "'pingpong': True" in source
+
+
+# ----------------------------------------------------------------------------- offline compile
+COMPILE_JOBS = [
+    Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "none"),
+    Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left"),
+    Problem(4, 32, 32, 4096, 4096, 64, "float16", "none"),
+    Problem(1, 8, 2, 3000, 5000, 256, "bfloat16", "bottom_right"),
+]
+
+
+def _compile(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    code = ("import sys, templates.gluon_fwd; from templates.compile_report import main; "
+            "sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", code],
+                          input=json.dumps({"target": "h100", "jobs": jobs}),
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@needs_gluon
+def test_default_configs_compile_for_the_h100_without_spills() -> None:
+    jobs = [{"template": "gluon_fwd", "problem": p.to_dict(),
+             "config": TEMPLATE.default_config(p, H100).to_dict()} for p in COMPILE_JOBS]
+    # One variant without the producer warp, loads issued by the consumers.
+    plain = GluonFwdConfig(BLOCK_M=64, consumers=1, warp_specialize=False, pingpong=False)
+    jobs.append({"template": "gluon_fwd", "problem": COMPILE_JOBS[0].to_dict(),
+                 "config": plain.to_dict()})
+    outcomes = _compile(jobs)
+    assert len(outcomes) == len(jobs)
+    for job, out in zip(jobs, outcomes, strict=True):
+        assert out["error"] == "" and out["constraint"] == "", out
+        (kernel,) = out["kernels"]
+        assert kernel["kernel"] == "_gluon_fwd_kernel"
+        assert 32 < kernel["registers"] <= 255, out
+        assert kernel["stack_bytes"] == 0, f"registers spilled: {out}"
+        problem = Problem.from_dict(job["problem"])
+        cfg = GluonFwdConfig.from_dict(job["config"])
+        estimate = shared_memory_estimate(problem, cfg)
+        # The estimate is an upper bound within 1 KiB (the barriers' share is rounded up).
+        assert 0 <= estimate - kernel["shared_bytes"] <= 1024, (estimate, kernel)
+        assert kernel["shared_bytes"] <= H100.smem_per_block
+
+
+# ----------------------------------------------------------------------------- GPU numerics
+VARIANTS = {
+    "default": None,
+    "pingpong-n64": dict(BLOCK_M=128, BLOCK_N=64, kv_stages=4, consumers=2,
+                         warp_specialize=True, pingpong=True),
+    "ws-in-step": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2,
+                       warp_specialize=True, pingpong=False),
+    "no-ws": dict(BLOCK_M=64, BLOCK_N=128, kv_stages=2, consumers=1, warp_specialize=False,
+                  pingpong=False),
+    "two-per-sm": dict(BLOCK_M=64, BLOCK_N=64, kv_stages=2, consumers=1,
+                       warp_specialize=True, pingpong=False, ctas_per_sm=2),
+}
+GPU_CASES = [
+    (1, 2, 2, 77, 77, 128, "bfloat16", "none"),
+    (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left"),
+    (1, 3, 1, 300, 1100, 64, "bfloat16", "bottom_right"),
+    (1, 2, 2, 1100, 300, 128, "float16", "bottom_right"),  # 800 rows see no key
+    (1, 2, 2, 700, 200, 128, "bfloat16", "top_left"),
+    (2, 2, 2, 513, 513, 256, "float16", "top_left"),
+    (1, 2, 2, 3333, 3333, 64, "float16", "none"),
+]
+
+
+def _config_for(variant: str, problem: Problem, device: DeviceInfo) -> GluonFwdConfig | None:
+    data = VARIANTS[variant]
+    if data is None:
+        return TEMPLATE.default_config(problem, device)
+    cfg = GluonFwdConfig(**data, longest_first=problem.causal != "none")
+    for candidate in (cfg, dataclasses.replace(cfg, BLOCK_N=64),
+                      dataclasses.replace(cfg, BLOCK_N=64, kv_stages=1)):
+        if TEMPLATE.constraint(problem, candidate, device) is None:
+            return candidate
+    return None
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: Problem(*c).key())
+def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _is_hopper():
+        pytest.skip("gluon_fwd needs a Hopper GPU")
+    from templates import gluon_fwd_kernel
+    from templates.device import current_device
+
+    monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
+    problem = Problem(*case)
+    cfg = _config_for(variant, problem, current_device())
+    if cfg is None:
+        pytest.skip(f"no {variant} config fits {problem.key()}")
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+    ref = TEMPLATE.reference(inputs)
+    runs = [TEMPLATE.run(inputs, cfg) for _ in range(3)]
+    err = TEMPLATE.error(runs[0], ref)
+    assert err <= TEMPLATE.tolerance(problem), (cfg.key(), err)
+    for o, lse in runs[1:]:  # a result that moves between runs is a race
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+    if problem.causal == "bottom_right" and problem.seqlen_q > problem.seqlen_kv:
+        blind = problem.seqlen_q - problem.seqlen_kv
+        assert torch.all(runs[0][1][..., :blind] == -math.inf)
+        assert torch.all(runs[0][0][..., :blind, :] == 0)
+
+
+@pytest.mark.gpu
+def test_strided_inputs_and_errors_on_the_gpu() -> None:
+    if not _is_hopper():
+        pytest.skip("gluon_fwd needs a Hopper GPU")
+    from templates.gluon_fwd import gluon_attention_fwd
+
+    problem = Problem(2, 4, 4, 500, 500, 64, "bfloat16", "top_left")
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=5)
+    # (B, N, H, D) memory seen as (B, H, N, D): TMA reads it without a copy.
+    q = inputs["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    o, lse = gluon_attention_fwd(q, inputs["k"], inputs["v"], causal=True)
+    ref = TEMPLATE.reference(inputs)
+    assert TEMPLATE.error((o, lse), ref) <= TEMPLATE.tolerance(problem)
+    with pytest.raises(ValueError, match="pingpong needs"):
+        gluon_attention_fwd(q, inputs["k"], inputs["v"], config={"warp_specialize": False})
+    with pytest.raises(ValueError, match="scale must be positive"):
+        gluon_attention_fwd(q, inputs["k"], inputs["v"], scale=-1.0)
