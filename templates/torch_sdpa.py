@@ -69,6 +69,23 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "d
                                               enable_gqa=enable_gqa)
 
 
+_BACKEND_OF_CHOICE = {int(b): name for name, b in BACKENDS.items() if b is not None}
+
+
+def default_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> str | None:
+    """The backend torch's own choice picks for these inputs (None: another one, e.g. math,
+    or this torch does not say). A tuned backend equal to it runs as ``default``: the
+    ``sdpa_kernel`` context manager costs host time and changes nothing then."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return _BACKEND_OF_CHOICE.get(int(choice))
+
+
 def dense_pairs(problem: Problem) -> float:
     """Visible (query, key) pairs, counted as the flash templates count them (PROTOCOL.md)."""
     if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:

@@ -210,9 +210,8 @@ def _choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 
 def _sdpa_with(choice: Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    config = choice.config
-    assert isinstance(config, SdpaConfig)
-    return sdpa(q, k, v, backend=config.backend, is_causal=is_causal, scale=scale,
+    backend = implementations.sdpa_backend(choice, q, k, v, is_causal, scale, enable_gqa)
+    return sdpa(q, k, v, backend=backend, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
 
 
@@ -247,9 +246,10 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 # ----------------------------------------------------------------------------- plans
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    run: Callable[..., object]
+    run: Callable[..., object] | None  # None: one run per layout, in ``layouts``
     choice: Choice | Resolved
     expires_at: float
+    layouts: dict[tuple[object, ...], Callable[..., object]] | None = None
 
 
 _PLANS: dict[tuple[object, ...], _Plan] = {}  # inference: the chosen implementation's o
@@ -257,28 +257,43 @@ _FLASH_PLANS: dict[tuple[object, ...], _Plan] = {}  # the custom op: flash's (o,
 _now = time.monotonic
 
 
-def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                scale: float | None, enable_gqa: bool) -> tuple[object, ...]:
-    # All that a launch plan depends on: strides, 16-byte alignment, scale and its class (1 is
+def _problem_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                 scale: float | None, enable_gqa: bool) -> tuple[object, ...]:
+    # All that the choice depends on: shapes, dtypes, devices, scale and its class (1 is
     # refused, True too, 1.0 accepted), and a forced implementation.
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, k.device, v.device,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, is_causal, enable_gqa,
-            scale.__class__, scale, forced())
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+            v.device, is_causal, enable_gqa, scale.__class__, scale, forced())
+
+
+def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[object, ...]:
+    # What a kernel's launch plan depends on beyond the problem: strides, 16-byte alignment.
+    return (q.stride(), k.stride(), v.stride(),
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
              scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    # The hot path: one tuple, one dict lookup, one clock read, then the plan's launch.
-    key = _layout_key(q, k, v, is_causal, scale, enable_gqa)
+    # The hot path: one tuple, one dict lookup, one clock read, then the plan's launch (torch
+    # SDPA takes any layout; a kernel of ours has a launch plan per layout).
+    key = _problem_key(q, k, v, is_causal, scale, enable_gqa)
     plan = _PLANS.get(key)
     if plan is None or plan.expires_at <= _now():
         if not _kernel_scope(q, k, v):  # float64, another value head dim: never kept
             return _outside_kernel_scope(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
         choice = _choose(q, k, v, is_causal, enable_gqa, needs_grad=False)
-        run = choice.implementation.build(q, k, v, is_causal, scale, enable_gqa, choice)
-        plan = _keep(_PLANS, key, _Plan(run, choice, choice.expires_at))
-    return plan.run(q, k, v)  # type: ignore[return-value]
+        impl = choice.implementation
+        plan = _keep(_PLANS, key, _Plan(
+            impl.build(q, k, v, is_causal, scale, enable_gqa, choice) if impl.layout_free
+            else None, choice, choice.expires_at, None if impl.layout_free else {}))
+    if plan.run is not None:
+        return plan.run(q, k, v)  # type: ignore[return-value]
+    assert plan.layouts is not None and isinstance(plan.choice, Choice)
+    layout = _layout_key(q, k, v)
+    run = plan.layouts.get(layout)
+    if run is None:
+        run = plan.layouts[layout] = plan.choice.implementation.build(
+            q, k, v, is_causal, scale, enable_gqa, plan.choice)
+    return run(q, k, v)  # type: ignore[return-value]
 
 
 def _keep(plans: dict[tuple[object, ...], _Plan], key: tuple[object, ...], plan: _Plan
@@ -300,7 +315,7 @@ def _resolve_template(template_name: str, q: torch.Tensor, k: torch.Tensor,
 def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) by the flash kernel with its resolved config (the custom op's forward)."""
-    key = _layout_key(q, k, v, is_causal, scale, enable_gqa)
+    key = (*_problem_key(q, k, v, is_causal, scale, enable_gqa), *_layout_key(q, k, v))
     plan = _FLASH_PLANS.get(key)
     if plan is None or plan.expires_at <= _now():
         check_inputs(q, k, v, enable_gqa)
@@ -311,6 +326,7 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         run = implementations.build_flash(q, k, v, is_causal, scale, enable_gqa,
                                           Choice(implementations.FLASH, (resolved,), "op"))
         plan = _keep(_FLASH_PLANS, key, _Plan(run, resolved, resolved.expires_at))
+    assert plan.run is not None
     return plan.run(q, k, v)  # type: ignore[return-value]
 
 

@@ -54,8 +54,9 @@ class Implementation:
     ``forward``: the template priced for inference (its config is the one that runs);
     ``training``: the templates whose times add up to forward + backward (empty: no backward,
     so calls that need a gradient are not served); ``serves``: why a call cannot run here
-    (None: it can); ``build``: the inference plan for inputs of one layout, (q, k, v,
-    is_causal, scale, enable_gqa, choice) -> a function of (q, k, v) returning the output.
+    (None: it can); ``build``: the inference plan for inputs of one layout (or of any, with
+    ``layout_free``), (q, k, v, is_causal, scale, enable_gqa, choice) -> a function of
+    (q, k, v) returning the output.
     """
 
     name: str
@@ -64,6 +65,7 @@ class Implementation:
     serves: Callable[[Call], str | None]
     build: Callable[..., Callable[..., Any]]
     description: str = ""
+    layout_free: bool = False  # one built plan serves inputs of any strides and alignment
 
     def templates_for(self, call: Call) -> tuple[str, ...]:
         return self.training if call.needs_grad else (self.forward,)

@@ -19,7 +19,7 @@ from templates.device import interpreter_active
 from templates.flash_decode import FlashDecodeConfig, launch_with_config
 from templates.flash_decode_kernel import MAX_QUERY_TOKENS, check_decode_inputs
 from templates.flash_fwd import FwdConfig, launch_plan
-from templates.torch_sdpa import SdpaConfig, sdpa
+from templates.torch_sdpa import SdpaConfig, default_backend, sdpa
 from tuner.dispatch import Call, Choice, Implementation, register_implementation
 
 Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,11 +42,21 @@ def _runs_triton(call: Call) -> str | None:
 
 
 # ----------------------------------------------------------------------------- torch SDPA
-def build_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-               scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+def sdpa_backend(choice: Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 is_causal: bool, scale: float | None, enable_gqa: bool) -> str:
+    """The chosen SDPA backend, as ``default`` where torch picks it anyway (then no
+    ``sdpa_kernel`` context manager runs on every call)."""
     config = choice.config
     assert isinstance(config, SdpaConfig)
-    backend = config.backend
+    if config.backend != "default" and config.backend == default_backend(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa):
+        return "default"
+    return config.backend
+
+
+def build_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+               scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+    backend = sdpa_backend(choice, q, k, v, is_causal, scale, enable_gqa)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return sdpa(q, k, v, backend=backend, is_causal=is_causal, scale=scale,
@@ -57,7 +67,7 @@ def build_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
 
 SDPA = register_implementation(Implementation(
     name="sdpa", forward="torch_sdpa", training=("torch_sdpa_train",),
-    serves=lambda call: None, build=build_sdpa,
+    serves=lambda call: None, build=build_sdpa, layout_free=True,
     description="torch.nn.functional.scaled_dot_product_attention, its best measured backend "
                 "(or torch's own choice where nothing is measured)"))
 

@@ -1,0 +1,296 @@
+"""Is ``tuner.attention`` ever slower than the torch SDPA it replaces? Side by side, one process.
+
+    python benchmarks/dispatch_bench.py --db sqlite:///tuner.db --json dispatch.json
+    python benchmarks/dispatch_bench.py --smoke      # tiny rows on the CPU interpreter (CI)
+
+For every row (a problem of ``benchmarks/specs/dispatch_*.toml``: the standard forward shapes,
+a Llama-3-8B prefill, decode rows with one query token against 4k-128k of KV, training rows)
+it times, with fresh random inputs and after checking each output against a float32 reference:
+
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` as a user's code calls it
+  (torch's own backend choice: cuDNN on an H100 with torch 2.11): what ``tuner.attention``
+  replaces,
+* each SDPA backend forced (cudnn, flash, efficient),
+* ``flash`` (our Triton kernels, default config) and, on decode rows, ``decode`` (flash_decode,
+  default config), both forced through ``tuner.use_implementation``,
+* ``sdpa again``: the same call as ``sdpa``, timed as another candidate: the noise floor,
+* ``tuner.attention``: the dispatcher's choice for this device with the database ``--db`` (a
+  sweep of the same specs stored there; none: every row runs SDPA).
+
+Training rows time forward + backward (``out.backward(do)``) and check dq, dk, dv.
+Verdicts per row: ``vs sdpa`` = sdpa time / tuner time (>= 1.00 means never slower) and
+``vs best`` = the fastest single candidate's time / tuner time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
+from templates.base import Problem, relative_error  # noqa: E402
+from templates.device import interpreter_active  # noqa: E402
+from templates.torch_sdpa import sdpa  # noqa: E402
+from tuner.attention import clear_plans, plan_for  # noqa: E402
+from tuner.lookup import ConfigResolver, set_resolver  # noqa: E402
+from tuner.settings import load_settings  # noqa: E402
+from tuner.suites import load_spec_file  # noqa: E402
+
+SPECS = Path(__file__).resolve().parent / "specs"
+TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-3}  # o and grads vs fp32
+BACKENDS = ("cudnn", "flash", "efficient")
+
+
+@dataclass
+class Row:
+    problem: dict[str, Any]
+    training: bool
+    label: str
+    ms: dict[str, float | None] = field(default_factory=dict)  # candidate -> median ms
+    errors: dict[str, str] = field(default_factory=dict)  # candidate -> why not timed
+    spread: dict[str, float] = field(default_factory=dict)  # (max - min) / median of rounds
+    chosen: str = ""
+    why: str = ""
+
+    def verdicts(self) -> dict[str, float | None]:
+        mine = self.ms.get("tuner.attention")
+        base, again = self.ms.get("sdpa"), self.ms.get("sdpa again")
+        singles = [t for name, t in self.ms.items()
+                   if name not in ("tuner.attention", "sdpa again") and t]
+        return {"vs_sdpa": base / mine if base and mine else None,
+                "vs_best": min(singles) / mine if singles and mine else None,
+                "sdpa_vs_itself": base / again if base and again else None}
+
+
+def rows_of(spec_names: list[str], smoke: bool) -> list[tuple[Problem, bool]]:
+    """(problem, training) of every row; the training spec's rows time forward + backward."""
+    if smoke:
+        tiny = dict(batch=1, heads_q=4, heads_kv=2, head_dim=16, dtype="float16")
+        return [(Problem(seqlen_q=48, seqlen_kv=48, causal="top_left", **tiny), False),
+                (Problem(seqlen_q=1, seqlen_kv=300, **tiny), False),
+                (Problem(seqlen_q=40, seqlen_kv=40, **tiny), True)]
+    out: list[tuple[Problem, bool]] = []
+    for name in spec_names:
+        spec = load_spec_file(SPECS / f"dispatch_{name}.toml")
+        out += [(p, name == "train") for p in spec.problems]
+    return out
+
+
+def inputs_for(p: Problem, device: str, training: bool) -> dict[str, Any]:
+    dtype = getattr(torch, p.dtype)
+    shape_q = (p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+    shape_kv = (p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)
+    q, k, v = (torch.randn(s, device=device, dtype=dtype).requires_grad_(training)
+               for s in (shape_q, shape_kv, shape_kv))
+    kw = {"is_causal": p.causal != "none", "enable_gqa": p.heads_q != p.heads_kv}
+    return {"q": q, "k": k, "v": v, "do": torch.randn(shape_q, device=device, dtype=dtype),
+            "kw": kw}
+
+
+def reference(t: dict[str, Any], training: bool) -> tuple[torch.Tensor, ...]:
+    """float32 outputs (and grads) by SDPA on upcast inputs: memory-efficient on a GPU (no
+    score matrix; it takes no GQA, so K/V heads are repeated here), math on the CPU."""
+    q, k, v = (t[n].detach().float().requires_grad_(training) for n in ("q", "k", "v"))
+    backend = "efficient" if q.is_cuda else "default"
+    group = q.shape[1] // k.shape[1]
+    with torch.enable_grad():
+        o = sdpa(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                 backend=backend, is_causal=t["kw"]["is_causal"])
+        if not training:
+            return (o.detach(),)
+        return (o.detach(), *torch.autograd.grad(o, (q, k, v), t["do"].float()))
+
+
+def candidates(p: Problem, on_gpu: bool) -> dict[str, Callable[..., torch.Tensor]]:
+    def user_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+
+    # "sdpa again" is the same call timed as a second candidate: the row's noise floor (two
+    # timings of one kernel differ by this much, so smaller gaps say nothing).
+    out: dict[str, Callable[..., torch.Tensor]] = {"sdpa": user_sdpa, "sdpa again": user_sdpa}
+    if on_gpu:
+        for backend in BACKENDS:
+            out[f"sdpa {backend}"] = (lambda b: lambda q, k, v, **kw: sdpa(q, k, v, backend=b,
+                                                                             **kw))(backend)
+    forced = ["flash"] + (["decode"] if p.seqlen_q == 1 and p.causal == "none" else [])
+    for name in forced:
+        out[name] = (lambda n: lambda q, k, v, **kw: _forced(n, q, k, v, **kw))(name)
+    out["tuner.attention"] = tuner.attention
+    return out
+
+
+def _forced(name: str, *args: Any, **kw: Any) -> torch.Tensor:
+    with tuner.use_implementation(name):
+        return tuner.attention(*args, **kw)
+
+
+def checked_call(fn: Callable[..., torch.Tensor], t: dict[str, Any], training: bool,
+                 ref: tuple[torch.Tensor, ...], tol: float
+                 ) -> tuple[Callable[[], tuple[torch.Tensor, ...]] | None, str]:
+    """The timed call of ``fn``, once its outputs passed the check (else None and why)."""
+    q, k, v = t["q"], t["k"], t["v"]
+
+    def call() -> tuple[torch.Tensor, ...]:
+        o = fn(q, k, v, **t["kw"])
+        if not training:
+            return (o,)
+        grads = torch.autograd.grad(o, (q, k, v), t["do"])
+        return (o.detach(), *grads)
+
+    try:
+        outs = call()
+    except Exception as exc:  # a backend that cannot take the problem: a result, not a crash
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    err = max(relative_error(o, r) for o, r in zip(outs, ref, strict=True))
+    if not err <= tol:
+        return None, f"error {err:.3g} > {tol:g}"
+    return call, ""
+
+
+def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[..., float],
+             rounds: int) -> list[Row]:
+    """Each row's candidates checked, then timed in ``rounds`` alternated rounds (a, b, c, a,
+    b, c, ...); a candidate's time is the median of its rounds, so a clock or thermal drift
+    during the row falls on every candidate alike."""
+    on_gpu = device == "cuda"
+    out = []
+    for p, training in rows:
+        torch.manual_seed(0)
+        t = inputs_for(p, device, training)
+        ref = reference(t, training)
+        row = Row(p.to_dict(), training, f"{'train ' if training else ''}{p.key()}")
+        choice = plan_for(t["q"], t["k"], t["v"], needs_grad=training, **t["kw"])
+        row.chosen = f"{choice.implementation.name} {choice.config.key()}"
+        row.why = choice.why
+        calls = {}
+        for name, fn in candidates(p, on_gpu).items():
+            if training and name == "decode":
+                continue
+            call, why = checked_call(fn, t, training, ref, TOLERANCE[p.dtype])
+            if call is None:
+                row.ms[name], row.errors[name] = None, why
+            else:
+                calls[name] = call
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, call in calls.items():
+                times[name].append(bench(call))
+        row.ms.update({name: statistics.median(ts) for name, ts in times.items()})
+        row.spread = {name: (max(ts) - min(ts)) / statistics.median(ts)
+                      for name, ts in times.items()}
+        out.append(row)
+        del t, ref, calls
+        if on_gpu:
+            torch.cuda.empty_cache()
+        print(_line(row), flush=True)
+    return out
+
+
+def _line(row: Row) -> str:
+    v = row.verdicts()
+    cells = "  ".join(f"{n}={_ms(t)}" for n, t in row.ms.items())
+    return (f"{row.label:<58} vs sdpa {_x(v['vs_sdpa'])} vs best {_x(v['vs_best'])}  "
+            f"[{row.chosen.split(' ')[0]}]  {cells}")
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t:.4g}"
+
+
+def _x(r: float | None) -> str:
+    return "  -  " if r is None else f"{r:.2f}x"
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"\n{'row':<58} {'sdpa ms':>9} {'best single':>22} {'tuner ms':>9} {'chosen':>7} "
+          f"{'vs sdpa':>8} {'vs best':>8} {'noise':>6}")
+    for row in rows:
+        singles = {n: t for n, t in row.ms.items()
+                   if n not in ("tuner.attention", "sdpa again") and t}
+        best = min(singles, key=singles.__getitem__) if singles else "-"
+        v = row.verdicts()
+        print(f"{row.label:<58} {_ms(row.ms.get('sdpa')):>9} "
+              f"{best + ' ' + _ms(singles.get(best)):>22} {_ms(row.ms.get('tuner.attention')):>9} "
+              f"{row.chosen.split(' ')[0]:>7} {_x(v['vs_sdpa']):>8} {_x(v['vs_best']):>8} "
+              f"{_x(v['sdpa_vs_itself']):>6}")
+    ratios = [r.verdicts()["vs_sdpa"] for r in rows]
+    noise = [abs(1 - x) for r in rows if (x := r.verdicts()["sdpa_vs_itself"])]
+    worst = min((x for x in ratios if x), default=None)
+    print(f"worst vs sdpa: {_x(worst)}; rows slower than sdpa (< 0.98x): "
+          f"{sum(1 for x in ratios if x and x < 0.98)} of {len(rows)}; 'noise' = sdpa timed "
+          f"twice (largest gap {max(noise, default=0):.1%}): the same kernel's run-to-run spread")
+    geo = [x for x in ratios if x]
+    if geo:
+        print(f"geomean vs sdpa: {math.prod(geo) ** (1 / len(geo)):.3f}x over {len(geo)} rows")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--db", help="database with the sweep's bests (default: none, "
+                                     "so every row runs SDPA through tuner.attention)")
+    parser.add_argument("--specs", default="fwd,decode,train",
+                        help="which benchmarks/specs/dispatch_<name>.toml rows to run")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternated timing rounds per row (median kept)")
+    parser.add_argument("--smoke", action="store_true", help="tiny rows, CPU interpreter")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not interpreter_active()
+    if not on_gpu and not args.smoke:
+        parser.error("needs a CUDA GPU (or --smoke for tiny rows under the interpreter)")
+    url = args.db or f"sqlite:///{Path(os.devnull)}"
+    set_resolver(ConfigResolver(load_settings(database_url=url, url=None)))
+    clear_plans()
+    if on_gpu:
+        import triton.testing
+
+        def bench(fn: Callable[[], Any]) -> float:
+            return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms,
+                                                 return_mode="median"))
+    else:
+        import time
+
+        def bench(fn: Callable[[], Any]) -> float:  # interpreter: proves it runs, nothing more
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+
+    rows = run_rows(rows_of([s for s in args.specs.split(",") if s], args.smoke),
+                    "cuda" if on_gpu else "cpu", bench, max(1, args.rounds))
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1)",
+            "torch": torch.__version__, "triton": _triton_version(),
+            "cudnn": torch.backends.cudnn.version() if on_gpu else None,
+            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+            "command": " ".join(["python", "benchmarks/dispatch_bench.py",
+                                 *(sys.argv[1:] if argv is None else argv)]),
+            "db": args.db, "timings_are_gpu_timings": on_gpu,
+            "rows": [{**asdict(r), **r.verdicts()} for r in rows]}, indent=2) + "\n")
+    return 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return str(triton.__version__)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""benchmarks/dispatch_bench.py --smoke: every row's candidates are checked and timed (on the
+CPU interpreter here: the numbers mean nothing), and the JSON says what ran and was chosen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.benchmark_scripts import BENCHMARKS
+
+
+def test_smoke_rows_time_every_candidate_and_record_the_choice(tmp_path: Path) -> None:
+    out = tmp_path / "dispatch.json"
+    env = {k: v for k, v in os.environ.items() if k != "TUNER_URL"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "dispatch_bench.py"), "--smoke",
+                           "--rounds", "2", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worst vs sdpa" in done.stdout and "geomean vs sdpa" in done.stdout
+    results = json.loads(out.read_text())
+    assert results["timings_are_gpu_timings"] is False
+    rows = results["rows"]
+    assert [r["training"] for r in rows] == [False, False, True]
+    for row in rows:
+        assert not row["errors"], row["errors"]  # every candidate passed its check
+        assert row["chosen"].startswith("sdpa ")  # no database: torch SDPA, as the user had it
+        names = set(row["ms"])
+        assert {"sdpa", "sdpa again", "flash", "tuner.attention"} <= names
+        assert all(t > 0 for t in row["ms"].values())
+        assert row["vs_sdpa"] == row["ms"]["sdpa"] / row["ms"]["tuner.attention"]
+    assert "decode" in rows[1]["ms"] and "decode" not in rows[2]["ms"]
