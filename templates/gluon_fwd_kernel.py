@@ -203,33 +203,35 @@ def _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _wait_pv(o_tok, p_op, P_SMEM: gl.constexpr):
-    """Wait for every GEMM in flight; keeps the register operand P alive until then."""
+def _wait_pv(o_tok, p_op, p, P_SMEM: gl.constexpr):
+    """Wait for every GEMM in flight, after the softmax: returns (acc, p). The register
+    operand P_{j-1} stays alive until then; the new p goes through the wait too, which keeps
+    LLVM from moving the softmax below it (ptxas sees the dependency only as a comment: the
+    caller puts a barrier between them for ptxas)."""
     if P_SMEM:
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     else:
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-    return acc
+        acc, p_op, p = warpgroup_mma_wait(0, deps=(o_tok, p_op, p))
+    return acc, p
 
 
 @gluon.jit
-def _kv_steps(acc, p_op, m_i, l_i, alpha, lo, hi, n_blocks, q_smem, p_smem, k_desc, v_desc,
+def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, q_smem, p_smem, k_desc, v_desc,
               k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m, N_KV,
               causal_offset, qk_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              KV_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-              WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-              DIAG: gl.constexpr):
-    """KV blocks j in [lo, hi), j >= 1: S_j = Q K_j^T is issued together with
+              KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+              PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
+    """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
-    tensor cores. MASKED picks the softmax of the whole range (one loop per kind, so the hot
-    loop holds no masking code). Carries (acc, P_{j-1} as the A operand in registers (or a
-    placeholder when P_SMEM keeps it in ``p_smem``), m, l, alpha)."""
+    tensor cores; blocks from n_full on take the masked softmax (causal diagonal, N_kv tail).
+    Carries (acc, P_{j-1} as the A operand in registers (or a placeholder when P_SMEM keeps
+    it in ``p_smem``), m, l, alpha)."""
     s_layout: gl.constexpr = offs_m.type.layout.parent
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([offs_m.shape[0], BLOCK_N], gl.float32, s_layout)
-    for j in range(lo, hi):
+    for j in range(1, n_blocks):
         slot = j % KV_STAGES
         phase = (j // KV_STAGES) & 1
         prev = (j - 1) % KV_STAGES
@@ -247,18 +249,29 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, lo, hi, n_blocks, q_smem, p_smem, k_de
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
+        # The softmax sits in basic blocks of their own (the branch between the masked and the
+        # unmasked step): in straight-line code ptxas moved the PV wait above the
+        # exponentials (seen in the SASS), so the softmax no longer ran under the PV GEMM.
+        if j >= n_full:
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N,
+                                                N_KV, causal_offset, True, CAUSAL, BLOCK_N,
+                                                DIAG)
+        else:
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N,
+                                                N_KV, causal_offset, False, CAUSAL, BLOCK_N,
+                                                DIAG)
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, N_KV,
-                                            causal_offset, MASKED, CAUSAL, BLOCK_N, DIAG)
-        acc = _wait_pv(o_tok, p_op, P_SMEM)
+        else:
+            _warps_barrier()
+            _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, n_blocks, BLOCK_N)
+        acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
         if WARP_SPECIALIZE:
             mbarrier.arrive(v_empty.index(prev), count=1)
         else:
-            # Every warp is done with K_j and V_{j-1}: refill their slots.
+            # Every warp is done with V_{j-1}: refill its slot.
             _warps_barrier()
-            _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, n_blocks, BLOCK_N)
             _refill(v_desc, v_bufs, v_ready, prev, b, kv_h, j - 1 + KV_STAGES, n_blocks,
                     BLOCK_N)
     return acc, p_op, m_i, l_i, alpha
@@ -331,18 +344,11 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
             _warps_barrier()
             _refill(k_desc, k_bufs, k_ready, 0, b, kv_h, KV_STAGES, n_blocks, BLOCK_N)
 
-        # -- blocks 1.. : the unmasked ones, then the masked ones (causal diagonal, N_kv
-        # tail); n_full <= n_blocks.
-        mid = gl.maximum(n_full, 1)
+        # -- blocks 1..n_blocks-1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
-            acc, p_op, m_i, l_i, alpha, 1, mid, n_blocks, q_smem, p_smem, k_desc, v_desc,
+            acc, p_op, m_i, l_i, alpha, n_full, n_blocks, q_smem, p_smem, k_desc, v_desc,
             k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m, N_KV,
-            causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, False, CAUSAL,
-            WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG)
-        acc, p_op, m_i, l_i, alpha = _kv_steps(
-            acc, p_op, m_i, l_i, alpha, mid, n_blocks, n_blocks, q_smem, p_smem, k_desc,
-            v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m,
-            N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, True, CAUSAL,
+            causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
             WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG)
 
         # -- the last PV GEMM.
@@ -356,7 +362,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
-        acc = _wait_pv(o_tok, p_op, P_SMEM)
+        acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         if WARP_SPECIALIZE:
             mbarrier.arrive(v_empty.index(slot), count=1)
 

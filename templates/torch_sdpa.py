@@ -69,7 +69,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "d
                                               enable_gqa=enable_gqa)
 
 
-_BACKEND_OF_CHOICE = {int(b): name for name, b in BACKENDS.items() if b is not None}
+_BACKEND_OF_CHOICE = {int(b): name for name, b in BACKENDS.items()  # type: ignore[call-overload]
+                      if b is not None}
 
 
 def default_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
