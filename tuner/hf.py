@@ -10,14 +10,23 @@ returns no mask at all for plain causal or bidirectional attention without paddi
 then runs its causal or dense path), and a boolean (B, 1, L, S) mask, causality included, for
 padded batches, sliding-window layers and prefills that continue a KV cache: the kernel reads
 it tile by tile as SDPA's ``attn_mask``. Query rows that see no key (left padding) give zeros.
+
+Sliding-window layers (Mistral, Gemma, ...): transformers hands every layer a dense boolean
+(B, 1, L, S) mask, so SDPA computes all L x S scores and masks most of them away. When that
+mask is exactly the causal sliding window (no padding, a prefill from an empty cache), the
+layer runs as a block mask instead, and only the tiles inside the window are computed. The
+check reads the mask once per mask tensor (transformers passes one tensor to every layer of a
+forward): one device-to-host sync per forward, not per layer.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
 
+from templates.block_mask import BlockMask
 from tuner.attention import attention
 
 DEFAULT_NAME = "tuner"
@@ -29,6 +38,16 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             is_causal: bool | None = None, **kwargs: Any
                             ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, H, L, D) in, (B, L, H, D) out."""
+    window = kwargs.get("sliding_window")
+    if (window and isinstance(attention_mask, torch.Tensor)
+            and is_sliding_causal(attention_mask, int(window))):
+        # A window as long as the sequence is plain causal attention: the dispatcher's
+        # (measured) choice, e.g. cuDNN's causal kernel, without any mask.
+        block_mask = (None if window >= query.shape[2] else
+                      sliding_block_mask(query.shape[2], int(window), query.device))
+        out = attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
+                        enable_gqa=query.shape[1] != key.shape[1], block_mask=block_mask)
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         # The mask already holds causality (as with transformers' own "sdpa" path).
         causal = False
@@ -40,6 +59,38 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     out = attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                     is_causal=causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+_CHECKED: dict[tuple[object, ...], bool] = {}
+
+
+def is_sliding_causal(mask: torch.Tensor, window: int) -> bool:
+    """Whether ``mask`` (B, 1, L, S) is the causal sliding window itself: L == S (no cached
+    prefix), every batch row alike (no padding), key j visible to query i iff
+    i - window < j <= i (transformers' rule). Remembered per tensor and version."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    key = (mask.data_ptr(), mask._version, tuple(mask.shape), tuple(mask.stride()), window,
+           mask.device)
+    hit = _CHECKED.get(key)
+    if hit is None:
+        n = mask.shape[-1]
+        rows = torch.arange(n, device=mask.device)[:, None]
+        cols = torch.arange(n, device=mask.device)[None, :]
+        expected = (cols <= rows) & (cols > rows - window)
+        hit = bool(torch.equal(mask, expected.expand_as(mask)))
+        if len(_CHECKED) > 64:  # a few masks per forward; the tensors of old ones are gone
+            _CHECKED.clear()
+        _CHECKED[key] = hit
+    return hit
+
+
+@lru_cache(maxsize=16)
+def sliding_block_mask(seqlen: int, window: int, device: torch.device) -> BlockMask:
+    """The tiles a causal sliding window of ``window`` keys touches (combined with
+    ``is_causal=True`` in the kernel)."""
+    return BlockMask.from_mask_mod(lambda b, h, q, k: q - k < window, None, None, seqlen,
+                                   seqlen, device=device)
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:

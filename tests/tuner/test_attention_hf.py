@@ -73,3 +73,59 @@ def test_padded_batch_matches_sdpa_on_the_real_tokens(device: str) -> None:
         got = ours(ids, attention_mask=mask).logits
     real = mask.bool()  # padded positions are garbage in both (SDPA may even give NaN)
     torch.testing.assert_close(got[real], expected[real], rtol=1e-3, atol=1e-3)
+
+
+def tiny_mistral(attn: str, device: str, window: int) -> Any:
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=window)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    return model.to(device).eval()
+
+
+@pytest.mark.parametrize("seqlen", [40, 6])
+def test_a_sliding_window_runs_as_a_block_mask_and_matches_sdpa(
+        device: str, seqlen: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers hands a dense (B, 1, L, L) mask; the hook sees that it is the sliding
+    window itself and runs a block mask (or, when the window covers the sequence, plain
+    causal attention)."""
+    import tuner.hf
+
+    name = register_transformers()
+    sdpa = tiny_mistral("sdpa", device, window=8)
+    ours = tiny_mistral(name, device, window=8)
+    ours.load_state_dict(sdpa.state_dict())
+    seen: list[object] = []
+    real = tuner.hf.attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs.get("block_mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuner.hf, "attention", spy)
+    ids = torch.randint(0, 64, (2, seqlen), device=device)
+    with torch.no_grad():
+        expected = sdpa(ids).logits
+        got = ours(ids).logits
+    assert len(seen) == 2  # one call per layer
+    if seqlen > 8:
+        assert all(isinstance(m, tuner.BlockMask) for m in seen)
+    else:
+        assert seen == [None, None]  # the window covers it: causal, no mask
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_a_padded_sliding_window_mask_is_not_mistaken_for_the_window(device: str) -> None:
+    from tuner.hf import is_sliding_causal
+
+    n, window = 12, 4
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    exact = ((cols <= rows) & (cols > rows - window)).to(device)[None, None].expand(2, 1, n, n)
+    assert is_sliding_causal(exact.clone(), window)
+    assert not is_sliding_causal(exact.clone(), window + 1)
+    padded = exact.clone()
+    padded[0, :, :, :3] = False  # left padding of the first sequence
+    assert not is_sliding_causal(padded, window)
+    assert not is_sliding_causal(exact[..., :-1].contiguous(), window)  # a cached prefix

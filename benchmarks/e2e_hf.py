@@ -1,0 +1,204 @@
+"""A real client: a transformers model with ``attn_implementation="sdpa"`` against ``"tuner"``,
+side by side in one process (PROTOCOL.md's end-to-end protocol).
+
+    pip install -e '.[hf]'
+    python benchmarks/e2e_hf.py --json e2e.json                 # database: TUNER_DATABASE_URL
+    python benchmarks/e2e_hf.py --tune --db sqlite:///e2e.db    # sweep the model's shapes first
+    python benchmarks/e2e_hf.py --smoke                         # tiny model on the CPU (CI)
+
+The model is built from a config with random weights (no download): Llama-3-8B attention
+(hidden 4096, 32 query heads, 8 KV heads, head dim 128), 4 layers, intermediate 4096, vocab
+32000, bf16; the sliding-window rows use the same model as Mistral with a window of 4096 on
+every layer (transformers hands SDPA a dense boolean mask there). Rows:
+
+* prefill: B1 x 8k tokens, no grad;
+* decode: greedy ``generate`` of 64 tokens after a 2k prompt, ms per new token (generate time
+  minus the prompt's forward);
+* train: B2 x 4k (sliding: B1 x 8k), loss backward;
+
+each the best of 3 wall times after a warm-up, synchronized. Logits of a 1k prefill are
+compared with an fp32 eager model for both implementations (greedy tokens of a random model
+diverge at near-ties, so token equality is not the check). Ratio = tuner time / sdpa time
+(<= 1.00: the switch costs nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
+from templates.device import interpreter_active  # noqa: E402
+from tuner.hf import register_transformers  # noqa: E402
+
+LLAMA = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+             num_hidden_layers=4, intermediate_size=4096, vocab_size=32000,
+             max_position_embeddings=16384)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=2, intermediate_size=128, vocab_size=64,
+            max_position_embeddings=256)
+
+
+def build(kind: str, attn: str, dims: dict[str, Any], window: int, dtype: torch.dtype,
+          device: str) -> Any:
+    import transformers
+
+    if kind == "llama":
+        config = transformers.LlamaConfig(**dims)
+    else:
+        config = transformers.MistralConfig(**dims, sliding_window=window)
+    torch.manual_seed(0)  # same weights for every implementation
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    return model.to(device=device, dtype=dtype)
+
+
+def best_of(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> float:
+    fn()  # warm-up: plans, compiles, cuDNN graphs
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
+
+
+def rows_for(model: Any, kind: str, sizes: dict[str, int], device: str,
+             sync: Callable[[], None]) -> dict[str, float]:
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device=device).manual_seed(1)
+    out: dict[str, float] = {}
+    prefill = torch.randint(0, vocab, (1, sizes["prefill"]), device=device, generator=gen)
+    model.eval()
+    with torch.no_grad():
+        out["prefill ms"] = best_of(lambda: model(prefill), sync)
+    if kind == "llama":
+        prompt = torch.randint(0, vocab, (1, sizes["prompt"]), device=device, generator=gen)
+        new = sizes["new_tokens"]
+        with torch.no_grad():
+            prompt_ms = best_of(lambda: model(prompt), sync)
+            gen_ms = best_of(lambda: model.generate(prompt, max_new_tokens=new,
+                                                    min_new_tokens=new, do_sample=False,
+                                                    pad_token_id=0), sync)
+        out["decode ms/token"] = (gen_ms - prompt_ms) / new
+    batch, seqlen = sizes["train_batch"], sizes["train_len"]
+    ids = torch.randint(0, vocab, (batch, seqlen), device=device, generator=gen)
+    model.train()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+
+    out["train step ms"] = best_of(step, sync)
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return out
+
+
+def logits_error(model: Any, reference: Any, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        got = model(ids).logits.double()
+        ref = reference(ids).logits.double()
+    return float((got - ref).norm() / ref.norm())
+
+
+def tune(db: str, sizes: dict[str, int], budget_s: int) -> None:
+    """Sweep the model's own attention problems (prefill, decode steps, training) into db."""
+    spec = Path(os.environ.get("TMPDIR", "/tmp")) / "e2e_hf_spec.toml"
+    shapes = [f"{{B = 1, H_q = 32, H_kv = 8, N = {sizes['prefill']}, D = 128}}",
+              f"{{B = {sizes['train_batch']}, H_q = 32, H_kv = 8, N = {sizes['train_len']}, "
+              f"D = 128}}"]
+    shapes += [f"{{B = 1, H_q = 32, H_kv = 8, N_q = 1, N_kv = {n}, D = 128}}"
+               for n in (sizes["prompt"], 2 * sizes["prompt"])]
+    spec.write_text(
+        'templates = ["torch_sdpa", "flash_fwd", "flash_decode", "torch_sdpa_train", '
+        '"flash_bwd"]\ndtypes = ["bfloat16"]\ncausal = ["top_left"]\ntrials = 8\n'
+        f"shapes = [{', '.join(shapes)}]\n")
+    subprocess.run([sys.executable, "-m", "tuner.cli.app", "sweep", str(spec), "--db", db],
+                   timeout=budget_s, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--db", help="database of tuned configs (default: TUNER_DATABASE_URL)")
+    parser.add_argument("--tune", action="store_true", help="sweep the model's shapes first")
+    parser.add_argument("--tune-s", type=int, default=240, help="seconds the sweep may take")
+    parser.add_argument("--rows", default="llama,sliding", help="llama and/or sliding")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, CPU interpreter")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not interpreter_active()
+    if not on_gpu and not args.smoke:
+        parser.error("needs a CUDA GPU (or --smoke)")
+    if args.db:
+        os.environ["TUNER_DATABASE_URL"] = args.db
+        from tuner.lookup import set_resolver
+
+        set_resolver(None)
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    dims = TINY if args.smoke else LLAMA
+    sizes = (dict(prefill=64, prompt=16, new_tokens=4, train_batch=2, train_len=32,
+                  window=24, logits=32) if args.smoke else
+             dict(prefill=8192, prompt=2048, new_tokens=64, train_batch=2, train_len=4096,
+                  window=4096, logits=1024))
+    if args.tune and args.db:
+        tune(args.db, sizes, args.tune_s)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    name = register_transformers()
+    results: dict[str, Any] = {}
+    for kind in args.rows.split(","):
+        window = sizes["window"]
+        kind_sizes = dict(sizes)
+        if kind == "sliding":  # one batch of the window's twice for training
+            kind_sizes.update(train_batch=1, train_len=2 * window)
+        gen = torch.Generator(device=device).manual_seed(2)
+        ids = torch.randint(0, dims["vocab_size"], (1, sizes["logits"]), device=device,
+                            generator=gen)
+        reference = build(kind, "eager", dims, window, torch.float32, device).eval()
+        row: dict[str, Any] = {}
+        for attn in ("sdpa", name):
+            model = build(kind, attn, dims, window, dtype, device)
+            row[attn] = rows_for(model, kind, kind_sizes, device, sync)
+            row[attn]["logits error vs fp32"] = logits_error(model.eval(), reference, ids)
+            del model
+            if on_gpu:
+                torch.cuda.empty_cache()
+        del reference
+        row["ratio"] = {k: row[name][k] / row["sdpa"][k] for k in row["sdpa"]
+                        if k.endswith("ms") or k.endswith("token")}
+        results[kind] = row
+    print(f"\n{'row':<28} {'sdpa':>10} {'tuner':>10} {'tuner/sdpa':>11}")
+    for kind, row in results.items():
+        for k, ratio in row["ratio"].items():
+            print(f"{kind + ' ' + k:<28} {row['sdpa'][k]:>10.3f} {row[name][k]:>10.3f} "
+                  f"{ratio:>10.2f}x")
+        print(f"{kind + ' logits err vs fp32':<28} {row['sdpa']['logits error vs fp32']:>10.2e} "
+              f"{row[name]['logits error vs fp32']:>10.2e}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "transformers": __import__("transformers").__version__,
+            "date": datetime.date.today().isoformat(), "db": args.db,
+            "command": " ".join(["python", "benchmarks/e2e_hf.py",
+                                 *(sys.argv[1:] if argv is None else argv)]),
+            "sizes": sizes, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
