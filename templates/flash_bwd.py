@@ -23,6 +23,7 @@ from templates.attention_reference import FLOAT64_SCORE_LIMIT, attention_referen
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.mask_mods import pattern_problem
 from templates.registry import register
 from templates.standin_tensor import StandinTensor
@@ -587,6 +588,13 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     device = current_device(q.device.index) if q.is_cuda else current_device()
     cfg = resolve_config(config, problem, device,
                          None if block_mask is None else block_mask.block_size)
+    if runs_in_float32(q.dtype):  # bf16 under the interpreter (templates.interpreter_dtype)
+        do32, q32, k32, v32, o32 = as_float32(do, q, k, v, o)
+        grads = kernel.launch(do32, q32, k32, v32, o32, lse, causal_mode=causal_mode,
+                              scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
+                              attn_mask=mask_view)
+        dq, dk, dv = (g.to(q.dtype) for g in grads)
+        return dq, dk, dv
     return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
                          config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
 

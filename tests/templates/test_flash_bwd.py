@@ -1,7 +1,8 @@
 """The backward FlashAttention template and the autograd Function against torch autograd
 through the plain-torch reference.
 
-Under the CPU interpreter: small shapes, fp16/fp32 (the interpreter gets bf16 wrong).
+Under the CPU interpreter: small shapes, fp16/fp32 (bf16 runs there through float32 copies:
+test_interpreter_dtype.py).
 ``-m gpu`` runs the GPU matrix on a CUDA device (every combination in bf16, a diagonal in fp16:
 tests/templates/gpu_matrix.py).
 """
