@@ -22,7 +22,12 @@ from templates import kernel_common, listed_blocks
 from templates.attention_reference import FLOAT64_SCORE_LIMIT, attention_reference, visible_pairs
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
-from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.device import (
+    DeviceInfo,
+    check_interpreter_usable,
+    current_device,
+    interpreter_active,
+)
 from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.mask_mods import pattern_problem
 from templates.registry import register
@@ -578,6 +583,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the kernels run on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
+    check_interpreter_usable()
     from templates.flash_fwd import check_block_mask
     from templates.flash_fwd_kernel import attn_mask_view
 

@@ -81,7 +81,7 @@ import triton
 
 from templates import flash_decode_kernel
 from templates.base import KernelConfig, Problem, Template, knob, relative_error
-from templates.device import DeviceInfo, current_device
+from templates.device import DeviceInfo, check_interpreter_usable, current_device
 from templates.flash_decode_kernel import (
     COMBINE_MODES,
     KV_EVICTION,
@@ -392,6 +392,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """
     shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
                                 check_contents=check_contents)
+    check_interpreter_usable()
     template = TEMPLATE
     device = current_device(q.device.index) if q.is_cuda else current_device()
     problem = problem_of(q, shape)

@@ -28,7 +28,12 @@ from templates.base import (
     relative_error,
 )
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
-from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.device import (
+    DeviceInfo,
+    check_interpreter_usable,
+    current_device,
+    interpreter_active,
+)
 from templates.interpreter_dtype import Float32Plan, as_float32, runs_in_float32
 from templates.mask_mods import pattern_block_mask, pattern_problem
 from templates.plan_cache import PlanCache
@@ -526,6 +531,7 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the kernel runs on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
+    check_interpreter_usable()
     if block_mask is not None:
         check_block_mask(block_mask, q, k)
     mask_view = None if attn_mask is None else kernel.attn_mask_view(attn_mask, q, k)
