@@ -594,15 +594,14 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     device = current_device(q.device.index) if q.is_cuda else current_device()
     cfg = resolve_config(config, problem, device,
                          None if block_mask is None else block_mask.block_size)
-    if runs_in_float32(q.dtype):  # bf16 under the interpreter (templates.interpreter_dtype)
-        do32, q32, k32, v32, o32 = as_float32(do, q, k, v, o)
-        grads = kernel.launch(do32, q32, k32, v32, o32, lse, causal_mode=causal_mode,
-                              scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
-                              attn_mask=mask_view)
-        dq, dk, dv = (g.to(q.dtype) for g in grads)
-        return dq, dk, dv
-    return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
-                         config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
+    # bf16 under the interpreter runs on float32 copies (templates.interpreter_dtype); the
+    # gradients come back in the inputs' dtype (.to is a no-op otherwise).
+    ldo, lq, lk, lv, lo = (as_float32(do, q, k, v, o) if runs_in_float32(q.dtype)
+                           else (do, q, k, v, o))
+    dq, dk, dv = kernel.launch(ldo, lq, lk, lv, lo, lse, causal_mode=causal_mode,
+                               scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
+                               attn_mask=mask_view)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 TEMPLATE: FlashBwdTemplate = register(FlashBwdTemplate())

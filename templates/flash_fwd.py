@@ -557,13 +557,12 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                                                                         block_mask.block_size)
         if reason:
             raise ValueError(f"config {cfg.key()}: {reason}")
-    if runs_in_float32(q.dtype):  # bf16 under the interpreter (templates.interpreter_dtype)
-        q32, k32, v32 = as_float32(q, k, v)
-        return Float32Plan(kernel.LaunchPlan(q32, k32, v32, causal_mode=causal_mode,
-                                             scale=softmax_scale, config=cfg.to_dict(),
-                                             block_mask=block_mask, attn_mask=mask_view))
-    return kernel.LaunchPlan(q, k, v, causal_mode=causal_mode, scale=softmax_scale,
-                             config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
+    upcast = runs_in_float32(q.dtype)  # bf16 under the interpreter (templates.interpreter_dtype)
+    planned_q, planned_k, planned_v = as_float32(q, k, v) if upcast else (q, k, v)
+    plan = kernel.LaunchPlan(planned_q, planned_k, planned_v, causal_mode=causal_mode,
+                             scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
+                             attn_mask=mask_view)
+    return Float32Plan(plan) if upcast else plan
 
 
 def block_mask_tile_reason(config: FwdConfig, block_size: tuple[int, int]) -> str | None:
