@@ -26,6 +26,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+gpu-check:  # on a CUDA host; see scripts/gpu_check.sh for --tests-only, --group, --workers
+	bash scripts/gpu_check.sh
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

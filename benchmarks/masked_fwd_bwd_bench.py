@@ -117,8 +117,10 @@ GPU = Setup(device="cuda", dtype=torch.bfloat16, block=128,
             shapes=[(128, 16384), (128, 4096), (64, 16384)],
             patterns=["sliding-causal:1024", "document-causal:1024", "random:0.1"],
             grid=GRID, batch_heads=None, baselines=True, timer=bench_ms)
-# bf16 is wrong under the Triton interpreter here (triton 3.9: exp2 overflows, errors ~1e9),
-# so the smoke run uses fp16; mask block 32 so that N=128 has 4x4 blocks to skip.
+# The Triton interpreter's bf16 arithmetic is wrong (triton 3.9: errors ~1e9); our launchers
+# run bf16 there on float32 copies (templates/interpreter_dtype.py), which would not smoke-test
+# a 16-bit kernel, so the smoke run uses fp16; mask block 32 so that N=128 has 4x4 blocks to
+# skip.
 SMOKE = Setup(device="cpu", dtype=torch.float16, block=32, shapes=[(32, 128)],
               patterns=["sliding-causal:40", "document-causal:48", "random:0.3"],
               grid={32: [dict(BLOCK_M1=32, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=32, num_warps=4,

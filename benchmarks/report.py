@@ -7,6 +7,9 @@ only the targets' thresholds are written here):
                            configs and their variants, SDPA FA2 / cuDNN / EFF, per problem;
 - ``fwd_bwd*.json``        benchmarks/fwd_bwd_bench.py: forward + backward, our defaults and a
                            backward grid, SDPA FA2 / cuDNN, FlexAttention;
+- ``masked_fwd_bwd*.json`` benchmarks/masked_fwd_bwd_bench.py: forward and forward + backward
+                           with a BlockMask, ours (defaults, a backward grid) against
+                           FlexAttention and SDPA with the mask materialized, per mask;
 - ``decode*.json``         benchmarks/decode_bench.py: flash-decoding, bandwidth;
 - ``blocksparse*.json``    benchmarks/blocksparse_bench.py: block-sparse forward against our
                            dense kernel and FlexAttention, per mask pattern;
@@ -137,6 +140,36 @@ class FwdBwdRow:
     @property
     def name(self) -> str:
         return f"d{self.head_dim} N{_n(self.seqlen)} {'causal' if self.causal else 'dense'}"
+
+
+@dataclass
+class Timed:
+    """The fastest timed call of one implementation and step of a masked row."""
+
+    ms: float
+    tflops: float | None
+    impl: str
+    config: dict[str, Any] | None = None
+
+
+@dataclass
+class MaskedRow:
+    pattern: str
+    head_dim: int
+    seqlen: int
+    batch: int
+    heads: int
+    visible: float | None  # fraction of (query, key) pairs the mask lets through
+    timed: dict[tuple[str, str], Timed] = field(default_factory=dict)  # (impl, step) ->
+    grid: int = 0  # backward configs of the grid that were timed
+
+    @property
+    def name(self) -> str:
+        return f"d{self.head_dim} N{_n(self.seqlen)} {self.pattern}"
+
+    def fastest(self, impls: Sequence[str], step: str) -> Timed | None:
+        found = [t for impl in impls if (t := self.timed.get((impl, step))) is not None]
+        return min(found, key=lambda t: t.ms, default=None)
 
 
 @dataclass
@@ -474,6 +507,35 @@ def decode_rows(data: dict[str, Any]) -> list[DecodeRow]:
     return rows
 
 
+MASKED_SDPA = ("sdpa-cudnn", "sdpa-efficient")  # the backend that took the mask
+
+
+def masked_rows(data: dict[str, Any]) -> tuple[list[MaskedRow], list[str]]:
+    """Per row (in the file's order) the fastest timed call of each implementation and step,
+    and a line for every call that was not timed (failed its check or raised)."""
+    rows, failures = [], []
+    for r in data["rows"]:
+        try:
+            row = MaskedRow(str(r["pattern"]), int(r["head_dim"]), int(r["seqlen"]),
+                            int(r["batch"]), int(r["heads"]), _num(r.get("visible_fraction")))
+            results = list(r["results"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"a row without {exc}: {str(r)[:120]}") from exc
+        for m in results:
+            impl, step, ms = str(m.get("impl")), str(m.get("step")), _num(m.get("ms"))
+            if m.get("status") != "timed" or ms is None:
+                failures.append(f"{row.name} {impl} {step} ({m.get('status')}): "
+                                f"{_first_sentence(str(m.get('note') or 'no note'))}")
+                continue
+            row.grid += impl == "ours-grid"
+            known = row.timed.get((impl, step))
+            if known is None or ms < known.ms:
+                row.timed[(impl, step)] = Timed(ms, _num(m.get("tflops")), impl,
+                                                m.get("config"))
+        rows.append(row)
+    return rows, failures
+
+
 # ----------------------------------------------------------------------------- sections
 def forward_section(src: Source, data: dict[str, Any]) -> Section:
     rows = fwd_rows(data)
@@ -574,6 +636,69 @@ def fwd_bwd_section(src: Source, data: dict[str, Any]) -> Section:
                    (lambda path: plot_tflops(path, fwd_like, f"{src.gpu}: forward + backward, "
                                                              "bf16")) if rows else None,
                    f"{src.path.stem}.png")
+
+
+def masked_section(src: Source, data: dict[str, Any]) -> Section:
+    rows, failures = masked_rows(data)
+
+    def tf(t: Timed | None) -> str:
+        return _tf(t.tflops if t else None)
+
+    def flex_over(ours: Timed | None, flex: Timed | None) -> float | None:
+        """Flex's time over ours: > 1 where ours is faster (a row shares one FLOP count)."""
+        return _ratio(flex.ms if flex else None, ours.ms if ours else None)
+
+    header = ["D", "N", "mask", "visible", "ours fwd", "Flex fwd", "fwd ours/Flex",
+              "ours f+b default", "ours f+b best (config, of n grid)", "Flex f+b",
+              "f+b best/Flex", "f+b default/Flex", "SDPA fwd", "SDPA f+b"]
+    cells = []
+    fwd_ratios: list[tuple[str, float]] = []
+    best_ratios: list[tuple[str, float]] = []
+    default_ratios: list[tuple[str, float]] = []
+    for r in rows:
+        ours_fwd, flex_fwd = r.fastest(["ours"], "fwd"), r.fastest(["flex"], "fwd")
+        default = r.fastest(["ours"], "fwd+bwd")
+        best = r.fastest(["ours", "ours-grid"], "fwd+bwd")
+        flex = r.fastest(["flex"], "fwd+bwd")
+        sdpa_fwd, sdpa = r.fastest(MASKED_SDPA, "fwd"), r.fastest(MASKED_SDPA, "fwd+bwd")
+        ratios = (flex_over(ours_fwd, flex_fwd), flex_over(best, flex), flex_over(default, flex))
+        for into, ratio in zip((fwd_ratios, best_ratios, default_ratios), ratios, strict=True):
+            if ratio is not None:
+                into.append((r.name, ratio))
+        label = ("-" if best is None else "default" if best.impl == "ours"
+                 else bwd_config_text(best.config))
+        cells.append([str(r.head_dim), _n(r.seqlen), f"`{r.pattern}`",
+                      "-" if r.visible is None else f"{r.visible:.3f}", tf(ours_fwd),
+                      tf(flex_fwd), _x(ratios[0]), tf(default),
+                      f"{tf(best)} ({label}, of {r.grid})", tf(flex), _x(ratios[1]),
+                      _x(ratios[2]), tf(sdpa_fwd),
+                      f"{tf(sdpa)} ({sdpa.impl.removeprefix('sdpa-')})" if sdpa else "-"])
+
+    def span(ratios: list[tuple[str, float]]) -> str:
+        if not ratios:
+            return "not measured"
+        (low_name, low), (high_name, high) = (min(ratios, key=lambda x: x[1]),
+                                              max(ratios, key=lambda x: x[1]))
+        slower = [n for n, x in ratios if x < 1]
+        return (f"{low:.2f}x ({low_name}) to {high:.2f}x ({high_name}) over {len(ratios)} "
+                f"rows, ours slower on {len(slower)}" + (f" ({', '.join(slower)})"
+                                                          if slower else ""))
+
+    md = [f"### Masked forward + backward: `{src.path.name}`", "",
+          "TFLOP/s of the visible work only (forward = 4 B H D x visible pairs; forward + "
+          "backward = 3.5 x forward), so the ratios of a row are time ratios. *visible*: the "
+          "fraction of (query, key) pairs the mask lets through. *ours*: `flash_attention` "
+          "with the `BlockMask`, default configs; *best*: the fastest of the default and the "
+          "backward grid; *Flex*: compiled FlexAttention with the same mask_mod; *SDPA*: the "
+          "mask materialized as a dense `attn_mask` (the backend that took it). *ours/Flex*: "
+          "Flex's time over ours (above 1: ours is faster).", "",
+          *_table(header, cells), "",
+          f"- Forward, ours/Flex: {span(fwd_ratios)}.",
+          f"- Forward + backward, best/Flex: {span(best_ratios)}.",
+          f"- Forward + backward, default configs/Flex: {span(default_ratios)}.", ""]
+    if failures:
+        md += ["Not timed:", "", *(f"- {f}" for f in failures), ""]
+    return Section(src, md, [])
 
 
 def decode_section(src: Source, data: dict[str, Any]) -> Section:
@@ -853,6 +978,8 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
               "tuner sweep --record", None),
          Kind("fwd_quick", "forward", "fwd_quick.py", forward_section),
          Kind("fwd_bwd", "forward + backward", "fwd_bwd_bench.py", fwd_bwd_section),
+         Kind("masked_fwd_bwd", "masked forward + backward", "masked_fwd_bwd_bench.py",
+              masked_section),
          Kind("decode", "decode", "decode_bench.py", decode_section),
          Kind("blocksparse", "block-sparse", "blocksparse_bench.py", blocksparse_section),
          Kind("sweep", "tuner sweep", "tuner sweep --json", sweep_section, "problems")]

@@ -31,12 +31,13 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 __all__ = [
     "SQLITE_BEGIN_OPTION",
     "SQLITE_BUSY_TIMEOUT_S",
+    "DatabaseUnavailableError",
     "dispose_engine",
     "get_sessionmaker",
     "init_db",
@@ -66,12 +67,24 @@ _sessionmakers: dict[tuple[str, bool], sessionmaker[Session]] = {}
 _migrated: set[str] = set()
 
 
+class DatabaseUnavailableError(RuntimeError):
+    """The database of a URL cannot be used at all: a SQLite file in a folder that does not
+    exist, or a first connection that failed (server down, wrong host, refused login).
+    ``message`` names the URL (never its password) and the reason; ``fix`` what to do."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(f"{message} ({fix})")
+        self.message = message
+        self.fix = fix
+
+
 # ----------------------------------------------------------------------------- engines
 def make_engine(url: str) -> Engine:
     """The engine of ``url``, created once per process (SQLite or PostgreSQL).
 
     A plain ``postgresql://`` URL gets the psycopg (3) driver, the one the project installs.
-    The parent folder of a SQLite file is created if missing.
+    A SQLite file's folder must exist: a mistyped path is refused rather than created
+    (``DatabaseUnavailableError``).
     """
     with _lock:
         engine = _engines.get(url)
@@ -84,7 +97,7 @@ def _create_engine(url: str) -> Engine:
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        _ensure_sqlite_folder(parsed)
+        _check_sqlite_folder(parsed)
         engine = create_engine(parsed, pool_pre_ping=True,
                                connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
         event.listen(engine, "connect", _on_sqlite_connect)
@@ -98,10 +111,34 @@ def _create_engine(url: str) -> Engine:
                      f"in {parsed.render_as_string(hide_password=True)}")
 
 
-def _ensure_sqlite_folder(url: URL) -> None:
+def _check_sqlite_folder(url: URL) -> None:
     database = url.database or ""
-    if database and database != ":memory:" and not database.startswith("file:"):
-        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    folder = Path(database).expanduser().parent
+    if not folder.is_dir():
+        raise DatabaseUnavailableError(
+            f"the SQLite database {database} is in a folder that does not exist ({folder})",
+            f"create the folder first (mkdir -p {folder}), or name a file in an existing "
+            "folder (--db, or TUNER_DATABASE_URL)")
+
+
+def _check_connection(engine: Engine) -> None:
+    """Open one connection, so that a database that cannot be reached says so by name (the
+    driver's own error is a long traceback deep inside the first query)."""
+    try:
+        engine.connect().close()
+    except OperationalError as exc:
+        shown = engine.url.render_as_string(hide_password=True)
+        reason = " ".join(str(exc.orig).split())
+        if engine.dialect.name == "postgresql":
+            fix = ("start the PostgreSQL server, or name one that runs (--db, or "
+                   "TUNER_DATABASE_URL: postgresql+psycopg://user@host:port/database)")
+        else:
+            fix = ("check that the file can be created and written there (permissions, free "
+                   "space), or name another file (--db, or TUNER_DATABASE_URL)")
+        raise DatabaseUnavailableError(f"cannot open the database {shown}: {reason}",
+                                       fix) from exc
 
 
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -165,6 +202,7 @@ def init_db(url: str) -> Engine:
         if url not in _migrated:
             from db.migrate import upgrade_to_head  # alembic is imported only when needed
 
+            _check_connection(engine)
             upgrade_to_head(engine)
             _migrated.add(url)
     return engine

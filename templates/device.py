@@ -53,6 +53,31 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_interpreter_usable() -> None:
+    """Raise RuntimeError, saying what to set, if the kernels are interpreted but triton's own
+    jit functions (``tl.zeros``, ``tl.max``, ...) are not: triton was imported (by the user,
+    or by ``torch._inductor``) before ``templates`` turned the interpreter on for a machine
+    without CUDA, and an interpreted kernel cannot call them ("Cannot call @triton.jit'd
+    outside of the scope of a kernel", issue 20)."""
+    if interpreter_active() and _triton_built_for_a_compiler():
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its own functions "
+            "(tl.zeros, tl.max, ...) were built for a GPU compiler, and this machine has no "
+            "CUDA GPU: the kernels run under Triton's interpreter, which cannot call them. "
+            "Set TRITON_INTERPRET=1 in the environment before Python starts "
+            "(TRITON_INTERPRET=1 python train.py), or import tuner (or templates) before "
+            "triton and torch._inductor")
+
+
+@lru_cache(maxsize=1)
+def _triton_built_for_a_compiler() -> bool:
+    # Fixed once triton.language is imported: jit decides at definition time.
+    import triton.language.standard as standard
+    from triton.runtime.jit import JITFunction
+
+    return any(isinstance(value, JITFunction) for value in vars(standard).values())
+
+
 @lru_cache(maxsize=8)
 def current_device(index: int | None = None) -> DeviceInfo:
     """Describe the CUDA device ``index`` (default: current), or the CPU interpreter."""

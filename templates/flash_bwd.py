@@ -22,7 +22,13 @@ from templates import kernel_common, listed_blocks
 from templates.attention_reference import FLOAT64_SCORE_LIMIT, attention_reference, visible_pairs
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
-from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.device import (
+    DeviceInfo,
+    check_interpreter_usable,
+    current_device,
+    interpreter_active,
+)
+from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.mask_mods import pattern_problem
 from templates.registry import register
 from templates.standin_tensor import StandinTensor
@@ -577,6 +583,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the kernels run on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
+    check_interpreter_usable()
     from templates.flash_fwd import check_block_mask
     from templates.flash_fwd_kernel import attn_mask_view
 
@@ -587,8 +594,14 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     device = current_device(q.device.index) if q.is_cuda else current_device()
     cfg = resolve_config(config, problem, device,
                          None if block_mask is None else block_mask.block_size)
-    return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
-                         config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
+    # bf16 under the interpreter runs on float32 copies (templates.interpreter_dtype); the
+    # gradients come back in the inputs' dtype (.to is a no-op otherwise).
+    ldo, lq, lk, lv, lo = (as_float32(do, q, k, v, o) if runs_in_float32(q.dtype)
+                           else (do, q, k, v, o))
+    dq, dk, dv = kernel.launch(ldo, lq, lk, lv, lo, lse, causal_mode=causal_mode,
+                               scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
+                               attn_mask=mask_view)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 TEMPLATE: FlashBwdTemplate = register(FlashBwdTemplate())

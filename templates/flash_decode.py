@@ -81,7 +81,7 @@ import triton
 
 from templates import flash_decode_kernel
 from templates.base import KernelConfig, Problem, Template, knob, relative_error
-from templates.device import DeviceInfo, current_device
+from templates.device import DeviceInfo, check_interpreter_usable, current_device
 from templates.flash_decode_kernel import (
     COMBINE_MODES,
     KV_EVICTION,
@@ -94,6 +94,7 @@ from templates.flash_decode_kernel import (
     rows_per_tile,
     smem_bytes,
 )
+from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.registry import register
 
 # ----------------------------------------------------------------------------- the space
@@ -391,6 +392,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """
     shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
                                 check_contents=check_contents)
+    check_interpreter_usable()
     template = TEMPLATE
     device = current_device(q.device.index) if q.is_cuda else current_device()
     problem = problem_of(q, shape)
@@ -411,10 +413,15 @@ def launch_with_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        scale: float | None, shape: DecodeShape,
                        cfg: FlashDecodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """launch_decode with the knobs of ``cfg``, on inputs check_decode_inputs passed."""
-    return launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape,
-                         num_splits=cfg.num_splits, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, combine=cfg.combine, kv_load=cfg.kv_load,
-                         whole_waves=cfg.whole_waves)
+    dtype = q.dtype
+    if runs_in_float32(dtype):  # bf16 under the interpreter (templates.interpreter_dtype)
+        q, k_cache, v_cache = as_float32(q, k_cache, v_cache)
+    o, lse = launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape,
+                           num_splits=cfg.num_splits, block_n=cfg.block_n,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                           combine=cfg.combine, kv_load=cfg.kv_load,
+                           whole_waves=cfg.whole_waves)
+    return o.to(dtype), lse
 
 
 # ----------------------------------------------------------------------------- inputs & reference

@@ -28,7 +28,13 @@ from templates.base import (
     relative_error,
 )
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
-from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.device import (
+    DeviceInfo,
+    check_interpreter_usable,
+    current_device,
+    interpreter_active,
+)
+from templates.interpreter_dtype import Float32Plan, as_float32, runs_in_float32
 from templates.mask_mods import pattern_block_mask, pattern_problem
 from templates.plan_cache import PlanCache
 from templates.registry import register
@@ -451,7 +457,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 causal: bool | str = False, scale: float | None = None,
-                config: FwdConfig | Mapping[str, object] | None = None) -> kernel.LaunchPlan:
+                config: FwdConfig | Mapping[str, object] | None = None) -> ForwardPlan:
     """What ``flash_attention_fwd`` (without masks) checks and works out for these arguments,
     from its plan cache: calling the plan on tensors of the same shapes, strides, dtype, device
     and 16-byte alignment launches the kernel with none of the checks (a caller that keys on
@@ -462,7 +468,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def _cached_plan(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: Any,
-                 scale: Any, config: Any) -> kernel.LaunchPlan:
+                 scale: Any, config: Any) -> ForwardPlan:
     key = _plan_key(q, k, v, causal, attn_mask, block_mask, scale, config)
     plan = _PLANS.get(key)
     if plan is None:
@@ -471,10 +477,13 @@ def _cached_plan(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask
     return plan
 
 
+# What a forward plan is called as: plan(q, k, v, block_mask, attn_mask) -> (o, lse).
+ForwardPlan = kernel.LaunchPlan | Float32Plan
+
 # Launch plans of flash_attention_fwd by _plan_key: a repeated call skips the checks and the
 # config choice (150-300 us of host time per call on the H100 before, at any shape). A decode
 # loop makes one per step, so the bound is generous; a plan is a few hundred bytes.
-_PLANS: PlanCache[kernel.LaunchPlan] = PlanCache(maxsize=1024)
+_PLANS: PlanCache[ForwardPlan] = PlanCache(maxsize=1024)
 
 
 def _plan_key(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: Any, scale: Any,
@@ -511,7 +520,7 @@ def _plan_key(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: A
 def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | str,
                     attn_mask: torch.Tensor | None, block_mask: BlockMask | None,
                     scale: float | None, config: FwdConfig | Mapping[str, object] | None
-                    ) -> kernel.LaunchPlan:
+                    ) -> ForwardPlan:
     """Check the arguments, choose or check the config, and plan the launch (see
     ``flash_attention_fwd`` for the errors)."""
     causal_mode, softmax_scale = kernel.validate_inputs(q, k, v, causal, scale)
@@ -522,6 +531,7 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the kernel runs on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
+    check_interpreter_usable()
     if block_mask is not None:
         check_block_mask(block_mask, q, k)
     mask_view = None if attn_mask is None else kernel.attn_mask_view(attn_mask, q, k)
@@ -547,8 +557,12 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                                                                         block_mask.block_size)
         if reason:
             raise ValueError(f"config {cfg.key()}: {reason}")
-    return kernel.LaunchPlan(q, k, v, causal_mode=causal_mode, scale=softmax_scale,
-                             config=cfg.to_dict(), block_mask=block_mask, attn_mask=mask_view)
+    upcast = runs_in_float32(q.dtype)  # bf16 under the interpreter (templates.interpreter_dtype)
+    planned_q, planned_k, planned_v = as_float32(q, k, v) if upcast else (q, k, v)
+    plan = kernel.LaunchPlan(planned_q, planned_k, planned_v, causal_mode=causal_mode,
+                             scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
+                             attn_mask=mask_view)
+    return Float32Plan(plan) if upcast else plan
 
 
 def block_mask_tile_reason(config: FwdConfig, block_size: tuple[int, int]) -> str | None:

@@ -126,6 +126,41 @@ def blocksparse_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def masked_result(impl: str, step: str, ms: float | None, config: dict[str, Any] | None = None,
+                  status: str = "timed", note: str = "") -> dict[str, Any]:
+    # fwd_flops = 1e12 per call and fwd+bwd counts 3.5x: TFLOP/s = 1000 (or 3500) / ms.
+    flops = 1e12 * (3.5 if step == "fwd+bwd" else 1.0)
+    return {"impl": impl, "step": step, "status": status, "ms": ms,
+            "tflops": None if ms is None else flops / ms / 1e9, "errors": {"o": 0.002},
+            "config": config, "note": note}
+
+
+def masked_rows() -> list[dict[str, Any]]:
+    """masked_fwd_bwd_bench.py rows: ours faster than Flex forward in the first, slower in the
+    second; the grid wins one backward; one of our calls failed its check."""
+    def row(pattern: str, head_dim: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"pattern": pattern, "head_dim": head_dim, "seqlen": 4096, "batch": 4,
+                "heads": 2048 // head_dim, "visible_pairs": 1, "visible_fraction": 0.125,
+                "block_density": 0.14, "fwd_flops": 1e12, "results": results}
+
+    return [
+        row("random:0.1", 128, [
+            masked_result("ours", "fwd", 2.0), masked_result("ours", "fwd+bwd", 10.0),
+            masked_result("flex", "fwd", 3.0), masked_result("flex", "fwd+bwd", 8.0),
+            masked_result("sdpa-cudnn", "fwd", 20.0),
+            masked_result("sdpa-cudnn", "fwd+bwd", 70.0),
+            masked_result("ours-grid", "fwd+bwd", 7.0, {**BWD, "num_stages": 2}),
+            masked_result("ours-grid", "fwd+bwd", 9.0, BWD),
+            masked_result("ours-grid", "fwd+bwd", None, {**BWD, "num_warps": 8},
+                          status="wrong", note="dq: relative error 0.3 > 0.01. More text")]),
+        row("sliding-causal:1024", 64, [
+            masked_result("ours", "fwd", 2.5), masked_result("ours", "fwd+bwd", 5.0),
+            masked_result("flex", "fwd", 2.0), masked_result("flex", "fwd+bwd", 5.5),
+            masked_result("sdpa-efficient", "fwd", 25.0),
+            masked_result("sdpa-efficient", "fwd+bwd", 80.0)]),
+    ]
+
+
 def sweep_problem(label: str, best: float, default: float, counts: dict[str, int],
                   wall_s: float, bench_s: float) -> dict[str, Any]:
     """One problem of ``tuner sweep NAME --json``, budget 4."""
@@ -173,6 +208,11 @@ def write_results(directory: Path) -> Path:
                 decode_result("default", 200.0, 1.0), decode_result("one-split", 210.0, 0.9),
                 decode_result("tuned", 200.0, 1.0)]),
         ]}))
+    (directory / "masked_fwd_bwd_syn.json").write_text(json.dumps({
+        "environment": env("python benchmarks/masked_fwd_bwd_bench.py --synthetic"),
+        "dtype": "torch.bfloat16", "block_size": 128, "tolerance": 0.01,
+        "fwd_bwd_flops_factor": 3.5, "rows": masked_rows()}))
+    (directory / "masked_fwd_bwd_broken.json").write_text(json.dumps({"rows": [{"x": 1}]}))
     (directory / "fwd_compile_sweep_syn.json").write_text(json.dumps({"rows": []}))
     (directory / "blocksparse_syn.json").write_text(json.dumps({
         "device": {"name": "Synthetic GPU", "torch_version": "9.8.0", "triton_version": "9.9.0",
@@ -263,6 +303,24 @@ def test_tables_and_targets(report: ModuleType, tmp_path: Path) -> None:
     assert ("| 128 | 16k | yes | 1 x 16 | 480 | 480 | 32/128/128/32 w4 s3 separate (default, of 1) "
             "| 320 | 500 | - | 0.96x | 1.50x | 1.00x |") in md
     assert "- d128 N16k causal flex: OutOfMemoryError: CUDA out of memory" in md
+    # masked: TFLOP/s, Flex's time over ours, best of default and grid, SDPA's backend
+    assert ("| `masked_fwd_bwd_syn.json` | masked forward + backward | Synthetic GPU | 999.1 | "
+            "9.8.0+cu77 | 9.9.0 | 77.0 | 2030-01-02 03:04 UTC | "
+            "`python benchmarks/masked_fwd_bwd_bench.py --synthetic` |") in md
+    assert ("| 128 | 4k | `random:0.1` | 0.125 | 500 | 333 | 1.50x | 350 | "
+            "500 (32/128/128/32 w4 s2 separate, of 2) | 438 | 1.14x | 0.80x | 50 | "
+            "50 (cudnn) |") in md
+    assert ("| 64 | 4k | `sliding-causal:1024` | 0.125 | 400 | 500 | 0.80x | 700 | "
+            "700 (default, of 0) | 636 | 1.10x | 1.10x | 40 | 44 (efficient) |") in md
+    assert ("- Forward, ours/Flex: 0.80x (d64 N4k sliding-causal:1024) to 1.50x (d128 N4k "
+            "random:0.1) over 2 rows, ours slower on 1 (d64 N4k sliding-causal:1024).") in md
+    assert ("- Forward + backward, best/Flex: 1.10x (d64 N4k sliding-causal:1024) to 1.14x "
+            "(d128 N4k random:0.1) over 2 rows, ours slower on 0.") in md
+    assert ("- Forward + backward, default configs/Flex: 0.80x (d128 N4k random:0.1) to 1.10x "
+            "(d64 N4k sliding-causal:1024) over 2 rows, ours slower on 1 (d128 N4k "
+            "random:0.1).") in md
+    assert "- d128 N4k random:0.1 ours-grid fwd+bwd (wrong): dq: relative error 0.3 > 0.01" in md
+    assert "`masked_fwd_bwd_broken.json`: not a masked_fwd_bwd_bench.py result (" in md
     # block-sparse: default, best (of the timed; failed and uncompiled counted apart), Flex
     assert ("| `random:0.1` | 0.100 | 0.800 | 0.500 | 128x64 w4 s2 tma (grid, of 2, 2 failed) | "
             "0.700 | 1.40x | 0.125x | 4000 |") in md

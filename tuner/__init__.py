@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import TYPE_CHECKING, Any
 
 # Imported eagerly: a lazily imported submodule named `attention` would replace this function
@@ -14,6 +16,22 @@ from tuner.dispatch import use_implementation
 
 if TYPE_CHECKING:
     from tuner.client import TunerClient
+
+
+def _log_level_from_environment() -> None:
+    # Only when asked for: a library leaves logging to its application (tuner/logs.py).
+    if "TUNER_LOG_LEVEL" not in os.environ:
+        return
+    from tuner.logs import configure_logging
+    from tuner.settings import SettingsError, load_log_settings
+
+    # A bad value is reported where the settings are read whole, with the variable's name:
+    # the `tuner` command's start, and the first config lookup of tuner.attention.
+    with contextlib.suppress(SettingsError):
+        configure_logging(load_log_settings().log_level)
+
+
+_log_level_from_environment()
 
 __all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "use_implementation"]
 

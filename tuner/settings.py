@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,16 +29,39 @@ PLACEHOLDER_TOKENS = frozenset({"changeme", "change-me", "secret", "token", "pas
 
 
 class SettingsError(ValueError):
-    """A TUNER_* setting has a value the program cannot use."""
+    """A TUNER_* setting has a value the program cannot use; ``variables`` names them."""
+
+    def __init__(self, message: str, variables: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.variables = variables
 
 
-class Settings(BaseSettings):
+class LogSettings(BaseSettings):
+    """The logging part of the settings, readable alone: a command configures logging before
+    it knows (or whatever else is wrong with) its database URL."""
+
     model_config = SettingsConfigDict(env_prefix="TUNER_", env_file=".env", extra="ignore")
 
+    log_level: str = Field("WARNING", description="one of " + ", ".join(LOG_LEVELS))
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        upper = value.upper()
+        if upper not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, but got {value!r}")
+        return upper
+
+    @property
+    def log_level_set(self) -> bool:
+        """Whether TUNER_LOG_LEVEL was given (environment or .env), not defaulted."""
+        return "log_level" in self.model_fields_set
+
+
+class Settings(LogSettings):
     database_url: str = Field(DEFAULT_DATABASE_URL, description="SQLAlchemy database URL")
     url: str | None = Field(None, description="config service base URL, e.g. http://host:8000")
     token: str | None = Field(None, description="bearer token for writes to the service")
-    log_level: str = Field("WARNING", description="one of " + ", ".join(LOG_LEVELS))
     lookup_timeout: float = Field(0.5, gt=0, le=60, description="seconds to wait for the service")
     cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="largest request body")
@@ -68,14 +92,6 @@ class Settings(BaseSettings):
             raise ValueError(f"must start with http:// or https://, but got {value!r}")
         return value.rstrip("/")
 
-    @field_validator("log_level")
-    @classmethod
-    def _check_log_level(cls, value: str) -> str:
-        upper = value.upper()
-        if upper not in LOG_LEVELS:
-            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, but got {value!r}")
-        return upper
-
     def require_write_token(self) -> str:
         """The token a service needs to accept writes; refuses unset or placeholder values."""
         if not self.token:
@@ -88,14 +104,28 @@ class Settings(BaseSettings):
 
 def load_settings(**overrides: object) -> Settings:
     """Read the settings; a bad value raises SettingsError naming the variable and the fix."""
+    return _load(Settings, overrides)
+
+
+def load_log_settings() -> LogSettings:
+    """Read TUNER_LOG_LEVEL alone (SettingsError if it is bad)."""
+    return _load(LogSettings, {})
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+def _load(cls: type[SettingsT], overrides: dict[str, object]) -> SettingsT:
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        return cls(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        problems = []
+        problems, variables = [], []
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"]) or "?"
-            problems.append(f"TUNER_{field.upper()}: {err['msg']}")
-        raise SettingsError("bad configuration: " + "; ".join(problems)) from None
+            variables.append(f"TUNER_{field.upper()}")
+            problems.append(f"{variables[-1]}: {err['msg']}")
+        raise SettingsError("bad configuration: " + "; ".join(problems),
+                            tuple(variables)) from None
 
 
 @lru_cache(maxsize=1)

@@ -5,7 +5,8 @@ A spec file::
 
     name = "my-sweep"                  # optional; the file's stem otherwise
     templates = ["flash_fwd"]
-    dtypes = ["bfloat16"]              # float16, bfloat16, float32
+    dtypes = ["bfloat16"]              # float16, bfloat16, float32 (default: bfloat16 on a
+                                       # GPU, float16 under the CPU interpreter)
     causal = ["none", "top_left"]      # none, top_left, bottom_right (true = top_left)
     masks = ["none"]                   # block-sparse patterns, e.g. "random:0.10"
     trials = 20                        # optional defaults for the flags of `tuner sweep`
@@ -33,6 +34,7 @@ and values are checked against each template when the sweep starts.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import itertools
 import tomllib
@@ -50,6 +52,7 @@ from tuner.search.space import PROBLEM_DEFAULT, SpaceRestriction
 __all__ = [
     "BUILTIN_SUITES",
     "SweepSpec",
+    "default_dtype",
     "load_spec_file",
     "parse_shape",
     "resolve_spec",
@@ -70,6 +73,24 @@ SHAPE_ALIASES: dict[str, tuple[str, ...]] = {
 }
 SPEC_FIX = ("see docs/TUNING.md for the spec format, e.g. "
             "shapes = [{B = 8, H = 16, N = 2048, D = 128}]")
+
+
+def _unknown_keys(keys: Iterable[str], known: Sequence[str]) -> str:
+    """``'tempaltes' (did you mean 'templates'?), 'colour'``: each unknown key with the
+    nearest known one, where one is near."""
+    parts = []
+    for key in keys:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        parts.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return ", ".join(parts)
+
+
+def default_dtype(interpreter: bool) -> str:
+    """The dtype of a spec or ``--shape`` sweep that names none: bfloat16, what GPUs train in;
+    float16 under the CPU interpreter, which cannot run bf16 arithmetic and so computes bf16
+    inputs in float32 (templates.interpreter_dtype): a bf16 sweep there would tune the
+    float32 kernel."""
+    return "float16" if interpreter else "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -135,8 +156,9 @@ def standard_suite() -> SweepSpec:
 
 
 def cpu_suite() -> SweepSpec:
-    """Tiny shapes the Triton interpreter runs in a minute or two (fp16: the interpreter
-    computes bf16 wrongly). Proves the pipeline; its timings are not GPU timings."""
+    """Tiny shapes the Triton interpreter runs in a minute or two (fp16: the interpreter runs
+    bf16 inputs through float32, see default_dtype). Proves the pipeline; its timings are not
+    GPU timings."""
     shapes = [{"B": 1, "H": 2, "N": 64, "D": 32}, {"B": 1, "H": 2, "N": 128, "D": 64}]
     return _suite("cpu", shapes, ["float16"], ["none", "top_left"], trials=6)
 
@@ -152,7 +174,7 @@ def resolve_spec(arg: str, *, interpreter: bool) -> tuple[SweepSpec, str | None]
     """
     path = Path(arg)
     if path.suffix.lower() in (".toml", ".yaml", ".yml", ".json") or path.is_file():
-        return load_spec_file(path), None
+        return load_spec_file(path, dtype=default_dtype(interpreter)), None
     if arg not in BUILTIN_SUITES:
         raise TunerError(f"unknown suite {arg!r} and no spec file of that name",
                          f"use one of {', '.join(BUILTIN_SUITES)}, or the path of a "
@@ -168,7 +190,8 @@ def resolve_spec(arg: str, *, interpreter: bool) -> tuple[SweepSpec, str | None]
 
 
 # ----------------------------------------------------------------------------- parsing
-def load_spec_file(path: Path) -> SweepSpec:
+def load_spec_file(path: Path, *, dtype: str = "bfloat16") -> SweepSpec:
+    """The spec in ``path``; ``dtype`` where it names no dtypes."""
     if not path.is_file():
         raise TunerError(f"spec file {str(path)!r} does not exist",
                          "give the path of a .toml or .yaml spec, or a suite name "
@@ -188,16 +211,17 @@ def load_spec_file(path: Path) -> SweepSpec:
                          f"but holds a {type(data).__name__}", SPEC_FIX)
     data = dict(data)
     data.setdefault("name", path.stem)
-    return spec_from_mapping(data, source=f"spec file {str(path)!r}")
+    return spec_from_mapping(data, source=f"spec file {str(path)!r}", dtype=dtype)
 
 
 def spec_from_flags(*, templates: Sequence[str], shapes: Sequence[str], dtypes: Sequence[str],
                     causal: Sequence[str], masks: Sequence[str] = ("none",),
-                    name: str = "flags") -> SweepSpec:
-    """A spec from ``--template/--shape/--dtype/--causal`` flags (shapes as ``B=8,H=16,...``)."""
+                    name: str = "flags", interpreter: bool = False) -> SweepSpec:
+    """A spec from ``--template/--shape/--dtype/--causal`` flags (shapes as ``B=8,H=16,...``);
+    without ``--dtype``, :func:`default_dtype`."""
     return spec_from_mapping({"name": name, "templates": list(templates) or ["flash_fwd"],
                               "shapes": [parse_shape(s) for s in shapes],
-                              "dtypes": list(dtypes) or ["bfloat16"],
+                              "dtypes": list(dtypes) or [default_dtype(interpreter)],
                               "causal": list(causal) or ["none"], "masks": list(masks)},
                              source="the command-line flags")
 
@@ -229,7 +253,8 @@ def _shape_fields(shape: object, index: int, source: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for key, value in shape.items():
         if key not in SHAPE_ALIASES:
-            raise TunerError(f"{source}: shapes[{index}] has an unknown key {key!r}",
+            raise TunerError(f"{source}: shapes[{index}] has an unknown key "
+                             f"{_unknown_keys([str(key)], list(SHAPE_ALIASES))}",
                              f"use the keys {', '.join(SHAPE_ALIASES)}")
         if isinstance(value, bool) or not isinstance(value, int):
             raise TunerError(f"{source}: shapes[{index}].{key} must be an integer, "
@@ -265,6 +290,11 @@ def _space(value: object, source: str) -> dict[str, tuple[Any, ...] | str]:
     if not isinstance(value, Mapping):
         raise TunerError(f"{source}: 'space' must be a table of knob = [allowed values], "
                          f"but got {value!r}", example)
+    misplaced = [k for k in value if k in SPEC_KEYS]
+    if misplaced:
+        # In TOML every key after the [space] header belongs to that table.
+        raise TunerError(f"{source}: {misplaced} under [space] are spec keys, not knobs",
+                         f"move {', '.join(misplaced)} above the [space] table")
     space: dict[str, tuple[Any, ...] | str] = {}
     for knob, allowed in value.items():
         if allowed == PROBLEM_DEFAULT:
@@ -290,11 +320,13 @@ def _count(data: Mapping[str, Any], key: str, source: str, *, least: int,
     return value
 
 
-def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
-    """Validate a spec mapping; every error names the key and the fix."""
+def spec_from_mapping(data: Mapping[str, Any], *, source: str,
+                      dtype: str = "bfloat16") -> SweepSpec:
+    """Validate a spec mapping (``dtype`` where it names no dtypes); every error names the key
+    and the fix."""
     unknown = sorted(set(data) - set(SPEC_KEYS))
     if unknown:
-        raise TunerError(f"{source}: unknown key(s) {unknown}",
+        raise TunerError(f"{source}: unknown key(s) {_unknown_keys(unknown, SPEC_KEYS)}",
                          f"the keys are {', '.join(k for k in SPEC_KEYS if k != 'template')}")
     templates = _as_list(data.get("templates", data.get("template", ["flash_fwd"])),
                          "templates", source)
@@ -307,7 +339,7 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str) -> SweepSpec:
               for i, s in enumerate(_as_list(data["shapes"], "shapes", source))]
     if not shapes:
         raise TunerError(f"{source}: 'shapes' is empty", SPEC_FIX)
-    dtypes = _as_list(data.get("dtypes", data.get("dtype", ["bfloat16"])), "dtypes", source)
+    dtypes = _as_list(data.get("dtypes", data.get("dtype", [dtype])), "dtypes", source)
     for dtype in dtypes:
         if dtype not in DTYPES:
             raise TunerError(f"{source}: dtype {dtype!r} is unknown", f"use {', '.join(DTYPES)}")

@@ -14,8 +14,10 @@ from db import crud
 from db.models import Device, Template
 from db.session import (
     SQLITE_BUSY_TIMEOUT_S,
+    DatabaseUnavailableError,
     dispose_engine,
     get_sessionmaker,
+    init_db,
     is_retryable_error,
     make_engine,
     run_in_transaction,
@@ -25,7 +27,8 @@ from tests.db import _data
 
 
 def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'nested' / 'folder' / 'tuner.db'}"  # folder made on demand
+    (tmp_path / "nested" / "folder").mkdir(parents=True)
+    url = f"sqlite:///{tmp_path / 'nested' / 'folder' / 'tuner.db'}"
     try:
         engine = make_engine(url)
         assert make_engine(url) is engine  # one engine per URL
@@ -35,6 +38,31 @@ def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path: Path
             assert pragma("PRAGMA foreign_keys").scalar() == 1
             assert pragma("PRAGMA busy_timeout").scalar() == int(SQLITE_BUSY_TIMEOUT_S * 1000)
         assert (tmp_path / "nested" / "folder" / "tuner.db").exists()
+    finally:
+        dispose_engine(url)
+
+
+def test_a_sqlite_file_in_a_missing_folder_is_refused_not_created(tmp_path: Path) -> None:
+    # A mistyped path must not silently start an empty database somewhere new (issue 20).
+    url = f"sqlite:///{tmp_path / 'nested' / 'tuner.db'}"
+    with pytest.raises(DatabaseUnavailableError) as err:
+        make_engine(url)
+    assert err.value.message == (f"the SQLite database {tmp_path / 'nested' / 'tuner.db'} is in "
+                                 f"a folder that does not exist ({tmp_path / 'nested'})")
+    assert f"mkdir -p {tmp_path / 'nested'}" in err.value.fix
+    assert not (tmp_path / "nested").exists()
+
+
+def test_a_server_that_does_not_answer_is_named_without_its_password() -> None:
+    url = "postgresql+psycopg://tuner:s3cret-pass@127.0.0.1:1/tuner"  # port 1: refused
+    try:
+        with pytest.raises(DatabaseUnavailableError) as err:
+            init_db(url)
+        assert err.value.message.startswith(
+            "cannot open the database postgresql+psycopg://tuner:***@127.0.0.1:1/tuner: ")
+        assert "s3cret-pass" not in str(err.value)
+        assert err.value.fix.startswith("start the PostgreSQL server")
+        assert isinstance(err.value.__cause__, OperationalError)
     finally:
         dispose_engine(url)
 

@@ -1,8 +1,10 @@
 """The backward FlashAttention template and the autograd Function against torch autograd
 through the plain-torch reference.
 
-Under the CPU interpreter: small shapes, fp16/fp32 (the interpreter gets bf16 wrong).
-``-m gpu`` runs the full matrix on a CUDA device.
+Under the CPU interpreter: small shapes, fp16/fp32 (bf16 runs there through float32 copies:
+test_interpreter_dtype.py).
+``-m gpu`` runs the GPU matrix on a CUDA device (every combination in bf16, a diagonal in fp16:
+tests/templates/gpu_matrix.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from templates.flash_bwd import (
     registers_estimate,
 )
 from templates.registry import get_template
+from tests.templates.gpu_matrix import bf16_product_fp16_diagonal
 
 TEMPLATE = get_template("flash_bwd")
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -462,9 +465,9 @@ def gpu_configs(head_dim: int) -> dict[str, dict[str, Any] | None]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "head_dim", "causal"),
+                         bf16_product_fp16_diagonal((64, 128, 256),
+                                                    ("none", "top_left", "bottom_right")))
 def test_gpu_matrix(dtype: torch.dtype, head_dim: int, causal: str) -> None:
     tol = TOLERANCE[DTYPE_NAMES[dtype]]
     names = ["default", "atomic", "separate"]

@@ -1,7 +1,9 @@
 """The forward FlashAttention template against the plain-torch reference.
 
-Under the CPU interpreter: small shapes, fp16/fp32 (the interpreter gets bf16 wrong).
-``-m gpu`` runs the full matrix on a CUDA device.
+Under the CPU interpreter: small shapes, fp16/fp32 (bf16 runs there through float32 copies:
+test_interpreter_dtype.py).
+``-m gpu`` runs the GPU matrix on a CUDA device (every combination in bf16, a diagonal in fp16:
+tests/templates/gpu_matrix.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from templates.flash_fwd import (
     shared_memory_estimate,
 )
 from templates.registry import get_template
+from tests.templates.gpu_matrix import bf16_product_fp16_diagonal
 
 TEMPLATE = get_template("flash_fwd")
 ON_GPU = torch.cuda.is_available() and not templates.current_device().is_interpreter
@@ -393,10 +396,10 @@ def gpu_configs(head_dim: int) -> dict[str, dict[str, Any] | None]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config_name", ["default", "pointer", "tma"])
-@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "head_dim", "causal", "config_name"),
+                         bf16_product_fp16_diagonal((64, 128, 256),
+                                                    ("none", "top_left", "bottom_right"),
+                                                    ("default", "pointer", "tma")))
 def test_gpu_matrix(dtype: torch.dtype, head_dim: int, causal: str, config_name: str) -> None:
     config = gpu_configs(head_dim)[config_name]
     tol = TOLERANCE["float16" if dtype == torch.float16 else "bfloat16"]

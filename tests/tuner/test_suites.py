@@ -39,7 +39,7 @@ def test_quick_runs_as_cpu_without_a_gpu_and_standard_is_refused() -> None:
     assert {p.head_dim for p in gpu_quick.problems} == {64, 128}
     cpu, note = resolve_spec("quick", interpreter=True)
     assert cpu.name == "cpu" and note is not None and "interpreter" in note
-    # Tiny fp16 shapes: the interpreter computes bf16 wrongly.
+    # Tiny fp16 shapes: the interpreter runs bf16 through float32 (suites.default_dtype).
     assert all(p.dtype == "float16" and p.seqlen_q <= 128 and p.batch == 1 for p in cpu.problems)
     with pytest.raises(TunerError, match="needs a CUDA GPU") as err:
         resolve_spec("standard", interpreter=True)
@@ -153,3 +153,55 @@ def test_bad_files_are_reported_with_their_name(tmp_path: Path) -> None:
         resolve_spec(str(tmp_path / "missing.toml"), interpreter=True)
     with pytest.raises(TunerError, match="not KEY=INTEGER"):
         parse_shape("B=1,H")
+
+
+def test_without_dtypes_a_spec_takes_the_machines_dtype(tmp_path: Path) -> None:
+    # The interpreter runs bf16 through float32 copies: a CPU sweep names float16 instead.
+    spec_file = tmp_path / "plain.toml"
+    spec_file.write_text("shapes = [{B = 1, H = 2, N = 64, D = 32}]\n")
+    for interpreter, dtype in ((True, "float16"), (False, "bfloat16")):
+        spec, _ = resolve_spec(str(spec_file), interpreter=interpreter)
+        assert {p.dtype for p in spec.problems} == {dtype}
+        flags = spec_from_flags(templates=[], shapes=["B=1,H=2,N=64,D=32"], dtypes=[],
+                                causal=[], interpreter=interpreter)
+        assert {p.dtype for p in flags.problems} == {dtype}
+    named = spec_from_flags(templates=[], shapes=["B=1,H=2,N=64,D=32"], dtypes=["bfloat16"],
+                            causal=[], interpreter=True)
+    assert {p.dtype for p in named.problems} == {"bfloat16"}
+
+
+SHAPE = {"B": 1, "H": 2, "N": 64, "D": 32}
+
+
+def test_a_misspelled_key_names_the_nearest_known_one() -> None:
+    with pytest.raises(TunerError) as err:
+        spec_from_mapping({"tempaltes": ["flash_fwd"], "shapes": [SHAPE], "colour": "red"},
+                          source="spec file 'x.toml'")
+    assert "'colour', 'tempaltes' (did you mean 'templates'?)" in err.value.message
+    with pytest.raises(TunerError, match=r"unknown key 'N_qv' \(did you mean 'N_q'\?\)"):
+        spec_from_mapping({"shapes": [{**SHAPE, "N_qv": 64}]}, source="x")
+    # The singular spellings are aliases, not ignored.
+    spec = spec_from_mapping({"template": ["flash_bwd"], "dtype": "float16", "shapes": [SHAPE]},
+                             source="x")
+    assert spec.templates == ("flash_bwd",) and {p.dtype for p in spec.problems} == {"float16"}
+
+
+def test_spec_keys_written_under_space_are_refused(tmp_path: Path) -> None:
+    # In TOML every key after [space] belongs to that table: the templates would be lost.
+    spec_file = tmp_path / "late.toml"
+    spec_file.write_text('shapes = [{B = 1, H = 2, N = 64, D = 32}]\n[space]\nBLOCK_M = [32]\n'
+                         'templates = ["flash_bwd"]\n')
+    with pytest.raises(TunerError, match=r"\['templates'\] under \[space\] are spec keys") as err:
+        load_spec_file(spec_file)
+    assert err.value.fix == "move templates above the [space] table"
+
+
+def test_the_sweep_command_stops_on_a_misspelled_key(tmp_path: Path) -> None:
+    from tests.tuner.test_sweep_cli import cli
+
+    spec_file = tmp_path / "typo.toml"
+    spec_file.write_text('tempaltes = ["flash_bwd"]\nshapes = [{B = 1, H = 2, N = 64, D = 32}]\n')
+    code, _, err = cli("sweep", str(spec_file), "--db", f"sqlite:///{tmp_path / 't.db'}")
+    assert code == 2
+    assert "error:" in err and "(did you mean 'templates'?)" in err and "fix:" in err
+    assert not (tmp_path / "t.db").exists()  # refused before anything ran

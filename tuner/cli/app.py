@@ -1,8 +1,10 @@
 """The ``tuner`` command: assembles the commands and owns the one error path.
 
 Every command raises ``TunerError`` (what is wrong, and the fix) for problems the user can
-fix; ``main`` prints it (as JSON with ``--json``) and exits 2. Other exceptions are bugs and
-keep their traceback.
+fix; ``main`` prints it (as JSON with ``--json``) and exits 2, and so it does with the two
+errors of the layers below that a user fixes too: a bad ``TUNER_*`` setting
+(``SettingsError``) and a database that cannot be opened (``DatabaseUnavailableError``).
+Other exceptions are bugs and keep their traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 
 import typer
 
+from db.session import DatabaseUnavailableError
 from tuner.cli import (
     best,
     compile_check,
@@ -24,9 +27,10 @@ from tuner.cli import (
     sweep,
     verify,
 )
-from tuner.cli.common import err_console
+from tuner.cli.common import err_console, setting_fix
 from tuner.errors import TunerError
-from tuner.settings import SettingsError
+from tuner.logs import configure_logging
+from tuner.settings import SettingsError, load_log_settings
 
 __all__ = ["app", "main"]
 
@@ -49,10 +53,13 @@ EXIT_USER_ERROR = 2
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     try:
+        logs = load_log_settings()
+        if logs.log_level_set:
+            configure_logging(logs.log_level)
         app(args=args, prog_name="tuner")
-    except (TunerError, SettingsError) as exc:
-        message = exc.message if isinstance(exc, TunerError) else str(exc)
-        fix = exc.fix if isinstance(exc, TunerError) else "fix the TUNER_* setting named"
+    except (TunerError, DatabaseUnavailableError, SettingsError) as exc:
+        message = str(exc) if isinstance(exc, SettingsError) else exc.message
+        fix = setting_fix(exc) if isinstance(exc, SettingsError) else exc.fix
         if "--json" in args:
             sys.stdout.write(json.dumps({"error": message, "fix": fix}) + "\n")
         else:

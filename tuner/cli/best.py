@@ -37,7 +37,7 @@ def best(
         "--variant", help="dense, causal-top_left, ... (as stored)")] = None,
     shape: Annotated[str | None, typer.Option(
         "--shape", help="only the best for this shape's bucket, e.g. B=8,H=16,N=2048,D=128 "
-                        "(with --template, default flash_fwd; --dtype, default bfloat16; "
+                        "(with --template, default flash_fwd; --dtype, default every dtype; "
                         "--causal)", show_default=False)] = None,
     causal: Annotated[str, typer.Option("--causal", help="with --shape")] = "none",
     limit: Annotated[int, typer.Option("--limit", help="most rows to show")] = 1000,
@@ -48,35 +48,37 @@ def best(
     from db import crud
     from db.session import session_scope
     from templates import all_templates, current_device
+    from templates.base import DTYPES
 
     if limit < 1:
         raise TunerError(f"--limit must be >= 1, but got {limit}", "e.g. --limit 100")
     url = database_url(db)
     device_filter = None if all_devices else (device or current_device().key)
-    problem_key = None
+    problem_keys = None
     if shape is not None:
         template = template or "flash_fwd"
-        dtype = dtype or "bfloat16"
-        problem_key = _bucket_of(template, shape, dtype, causal)
+        # The bucket of the shape in the dtype asked for, else in each dtype.
+        problem_keys = {_bucket_of(template, shape, d, causal) for d in ([dtype] if dtype
+                                                                          else DTYPES)}
     current = {t.name: t.version() for t in all_templates()}
     with session_scope(url, write=False) as s:
         rows = crud.list_best(s, device=device_filter, template=template, dtype=dtype,
-                              variant=variant, limit=limit if problem_key is None else 100_000)
-        if problem_key is not None:
-            rows = [r for r in rows if r.problem_key == problem_key][:limit]
+                              variant=variant, limit=limit if problem_keys is None else 100_000)
+        if problem_keys is not None:
+            rows = [r for r in rows if r.problem_key in problem_keys][:limit]
         readings = crud.best_readings(s, rows)
         items = [_item(r, readings[r.id], current) for r in rows]
-        others = 0
-        if not items and device is None and not all_devices:
-            others = crud.count_best(s, template=template, dtype=dtype, variant=variant)
+        hint = ""
+        if not items and device_filter is not None:
+            hint = _why_empty(s, device_filter, problem_keys, template=template, dtype=dtype,
+                              variant=variant)
     if json_out:
         print_json(items)
         return
     if not items:
+        what = "best configs" if problem_keys is None else "best config for the --shape bucket"
         where = f"device {device_filter!r}" if device_filter else "any device"
-        console.print(f"no best configs stored for {where} in {url}" +
-                      (f" ({others} for other devices: add --all)" if others else
-                       " (run `tuner sweep` first)"))
+        console.print(f"no {what} stored for {where} in {url} ({hint or 'run `tuner sweep` first'})")
         return
     devices = {it["device_name"] for it in items}
     names = {it["template"] for it in items}
@@ -104,6 +106,30 @@ def best(
     if any(it["device_name"] == "cpu-interpreter" for it in items):
         console.print("[yellow]cpu-interpreter rows: Triton interpreter timings, NOT GPU "
                       "timings[/]")
+
+
+def _why_empty(s: Any, device_filter: str, problem_keys: set[str] | None, *,
+               template: str | None, dtype: str | None, variant: str | None) -> str:
+    """What the database holds near an empty answer: the same rows on other devices, or this
+    device's rows for other shapes ("" when neither)."""
+    from db import crud
+
+    def matches(row: Any) -> bool:
+        return problem_keys is None or row.problem_key in problem_keys
+
+    elsewhere = [r for r in crud.list_best(s, template=template, dtype=dtype, variant=variant,
+                                           limit=100_000)
+                 if device_filter not in (r.device.key, r.device.name) and matches(r)]
+    if elsewhere:
+        names = sorted({r.device.name for r in elsewhere})
+        return f"{len(elsewhere)} on other devices ({', '.join(names)}): add --all"
+    if problem_keys is not None:
+        here = crud.count_best(s, device=device_filter, template=template, dtype=dtype,
+                               variant=variant)
+        if here:
+            return (f"{here} stored on this device for other shapes: drop --shape to list "
+                    "them")
+    return ""
 
 
 def _bucket_of(template_name: str, shape: str, dtype: str, causal: str) -> str:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from tuner.errors import TunerError
+from tuner.settings import SettingsError
+
+if TYPE_CHECKING:
+    from tuner.settings import Settings
 
 __all__ = [
     "DbOption",
@@ -22,10 +26,15 @@ __all__ = [
     "gpu_lock_dir",
     "print_json",
     "problem_label",
+    "setting_fix",
+    "settings_with",
 ]
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (not a terminal) is read by scripts and grep: rich's default of 80 columns there
+# split a config's text over lines ("use_tma=Fals" / "e"), so it gets room for whole lines.
+PIPED_WIDTH = 10_000
+console = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else PIPED_WIDTH)
 
 DbOption = Annotated[str | None, typer.Option(
     "--db", help="SQLAlchemy database URL (default: TUNER_DATABASE_URL, else sqlite:///tuner.db)",
@@ -43,14 +52,28 @@ INTERPRETER_WARNING = ("device cpu-interpreter: kernels ran under the Triton int
 
 def database_url(db: str | None) -> str:
     """``--db`` if given, else the settings' URL (TUNER_DATABASE_URL)."""
-    from tuner.settings import SettingsError, get_settings, load_settings
+    return settings_with(db).database_url
+
+
+def settings_with(db: str | None) -> Settings:
+    """The settings, with ``--db`` in place of TUNER_DATABASE_URL where given; a bad value is
+    a TunerError whose fix names what to change."""
+    from tuner.settings import get_settings, load_settings
 
     try:
-        settings = load_settings(database_url=db) if db else get_settings()
+        return load_settings(database_url=db) if db else get_settings()
     except SettingsError as exc:
-        raise TunerError(str(exc), "pass --db sqlite:///tuner.db or "
-                         "--db postgresql+psycopg://user@host/db") from None
-    return settings.database_url
+        if "TUNER_DATABASE_URL" in exc.variables:
+            fix = "pass --db sqlite:///tuner.db or --db postgresql+psycopg://user@host/db"
+        else:
+            fix = setting_fix(exc)
+        raise TunerError(str(exc), fix) from None
+
+
+def setting_fix(exc: SettingsError) -> str:
+    """What to do about TUNER_* variables that hold bad values."""
+    names = ", ".join(exc.variables) or "the TUNER_* variable named"
+    return f"correct or unset {names} (in the environment or in .env); README.md lists them"
 
 
 def gpu_lock_dir(flag: str | None) -> str | None:

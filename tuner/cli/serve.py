@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from tuner.cli.common import DbOption
+from tuner.cli.common import DbOption, settings_with
 from tuner.errors import TunerError
 
 __all__ = ["serve"]
@@ -20,14 +20,9 @@ def serve(
     """Serve the stored best configs over HTTP (the API the client asks)."""
     import uvicorn
 
-    from tuner.settings import SettingsError, get_settings, load_settings
-
     if not 0 < port < 65536:
         raise TunerError(f"--port must be 1..65535, but got {port}", "e.g. --port 8000")
-    try:
-        settings = load_settings(database_url=db) if db else get_settings()
-    except SettingsError as exc:
-        raise TunerError(str(exc), "fix the TUNER_* variable or pass --db") from None
+    settings = settings_with(db)
     from api.main import create_app
 
     app = create_app(settings)

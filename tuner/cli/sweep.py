@@ -74,7 +74,8 @@ def sweep(
     shape: Annotated[list[str] | None, typer.Option(
         "--shape", help="a problem shape, e.g. B=8,H=16,N=2048,D=128 (repeatable)")] = None,
     dtype: Annotated[list[str] | None, typer.Option(
-        "--dtype", help="with --shape: float16, bfloat16, float32 (repeatable)")] = None,
+        "--dtype", help="with --shape: float16, bfloat16, float32 (repeatable; default bfloat16, "
+                        "float16 under the CPU interpreter)")] = None,
     causal: Annotated[list[str] | None, typer.Option(
         "--causal", help="with --shape: none, top_left, bottom_right (repeatable)")] = None,
     lock_dir: GpuLockDirOption = None,
@@ -105,7 +106,7 @@ def sweep(
         resolved, note = resolve_spec(spec, interpreter=interpreter)
     elif shape:
         resolved = spec_from_flags(templates=template or [], shapes=shape, dtypes=dtype or [],
-                                   causal=causal or [])
+                                   causal=causal or [], interpreter=interpreter)
     else:
         raise TunerError("nothing to tune", "give a suite (`tuner sweep quick`), a spec file "
                          "(`tuner sweep my.toml`) or shapes (`--shape B=8,H=16,N=2048,D=128`)")

@@ -58,7 +58,8 @@ def verify(
         "--shape", help="a problem shape, e.g. B=8,H=16,N=2048,D=128 (repeatable)",
         show_default=False)] = None,
     dtype: Annotated[list[str] | None, typer.Option(
-        "--dtype", help="only this dtype (repeatable); with --shape: default bfloat16",
+        "--dtype", help="only this dtype (repeatable); with --shape: default bfloat16 (float16 "
+                        "under the CPU interpreter)",
         show_default=False)] = None,
     causal: Annotated[list[str] | None, typer.Option(
         "--causal", help="with --shape: none, top_left, bottom_right (repeatable)",
@@ -106,7 +107,8 @@ def verify(
             resolved, note = resolve_spec(spec, interpreter=interpreter_active())
         else:
             resolved = spec_from_flags(templates=template or [], shapes=shape or [],
-                                       dtypes=dtype or [], causal=causal or [])
+                                       dtypes=dtype or [], causal=causal or [],
+                                       interpreter=interpreter_active())
         tasks, _ = expand_tasks(resolved)
         stored = stored_for_tasks(url, device_key, tasks)
     else:
