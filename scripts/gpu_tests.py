@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # GPU-marked test belongs to one (tests/test_gpu_tests.py checks it); "all" runs tests/ whole,
 # so a GPU test in a file named nowhere here still runs, and counts as "other".
 GROUPS: dict[str, tuple[str, ...]] = {
-    "fwd": ("tests/templates/test_flash_fwd.py", "tests/templates/test_block_sparse.py"),
+    "fwd": ("tests/templates/test_flash_fwd.py", "tests/templates/test_block_sparse.py",
+            "tests/templates/test_gluon_fwd.py"),
     "bwd": ("tests/templates/test_flash_bwd.py", "tests/templates/test_block_sparse_bwd.py"),
     "decode": ("tests/templates/test_flash_decode.py",),
     "tuner": ("tests/tuner",),
