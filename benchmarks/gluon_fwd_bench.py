@@ -74,6 +74,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ping-pong with P through shared memory (both PV operands from shared memory)
     "pp-ps": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2, warp_specialize=True,
                   pingpong=True, p_from_smem=True),
+    # ping-pong, persistent: one program per SM walks the tiles
+    "pp-pers": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2, warp_specialize=True,
+                    pingpong=True, persistent=True),
+    "pp-s3-pers": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=3, consumers=2,
+                       warp_specialize=True, pingpong=True, persistent=True),
 }
 START = time.monotonic()
 
@@ -94,6 +99,11 @@ CHECKS: list[tuple[int, int, int, int, int, int, str, str]] = [
     (1, 2, 2, 1, 1, 128, "bfloat16", "top_left"),
     (1, 2, 1, 4096, 4096, 128, "bfloat16", "top_left"),          # many blocks, ring wraps
     (1, 2, 2, 3333, 3333, 128, "float16", "none"),
+    # more tiles than SMs: persistent programs walk several tiles (ring, turn and Q phases
+    # carried across them; tiles with no visible key among them)
+    (4, 16, 4, 1000, 1000, 128, "bfloat16", "top_left"),
+    (2, 16, 16, 1100, 300, 128, "float16", "bottom_right"),
+    (1, 32, 32, 2048, 2048, 64, "bfloat16", "none"),
 ]
 
 
@@ -286,7 +296,13 @@ def bench_ms(fn: Any) -> float:
 
 
 def time_problem(problem: Problem, names: list[str], device: Any,
-                 diag_names: list[str] = ()) -> list[dict[str, Any]]:
+                 diag_names: tuple[str, ...] | list[str] = (), rounds: int = 1
+                 ) -> list[dict[str, Any]]:
+    """Every candidate on one problem: its output checked against the fp32 reference, then
+    ``rounds`` readings each, taken in rotation (so slow drifts of the GPU touch every
+    candidate alike); a row's time is the median of its readings."""
+    import statistics
+
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -298,9 +314,11 @@ def time_problem(problem: Problem, names: list[str], device: Any,
     ref = reference_fp32(q, k, v, causal)
     flops = TEMPLATE.flops(problem)
     rows: list[dict[str, Any]] = []
+    timed: list[tuple[dict[str, Any], Any]] = []
 
-    def measure(what: str, fn: Any, config: str = "") -> None:
-        row: dict[str, Any] = {"problem": problem.key(), "what": what, "config": config}
+    def check(what: str, fn: Any, config: str = "") -> None:
+        row: dict[str, Any] = {"problem": problem.key(), "what": what, "config": config,
+                               "readings_ms": []}
         try:
             out = fn()
             o = out[0] if isinstance(out, tuple) else out
@@ -309,29 +327,38 @@ def time_problem(problem: Problem, names: list[str], device: Any,
             if not row["error"] <= TOLERANCE["bfloat16"]:
                 row["failed"] = f"error {row['error']:.2e} vs fp32 SDPA"
             else:
-                ms = bench_ms(fn)
-                row["ms"] = ms
-                row["tflops"] = flops / ms / 1e9
+                timed.append((row, fn))
         except Exception as exc:  # noqa: BLE001
             row["failed"] = f"{type(exc).__name__}: {exc}"[:500]
         rows.append(row)
-        print(f"{stamp()} time {problem.key():50s} {what:12s} "
-              f"{row.get('tflops', float('nan')):7.1f} TFLOP/s "
-              f"{row.get('failed', '')[:160]}", flush=True)
 
     for what, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("sdpa-fa2", SDPBackend.FLASH_ATTENTION)):
         def sdpa(backend: Any = backend) -> torch.Tensor:
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        measure(what, sdpa)
+        check(what, sdpa)
     triton_cfg = TRITON_FWD.default_config(problem, device)
-    measure("triton-fwd", lambda: TRITON_FWD.run(inputs, triton_cfg), triton_cfg.key())
+    check("triton-fwd", lambda: TRITON_FWD.run(inputs, triton_cfg), triton_cfg.key())
     for name in names:
         cfg = fitted(VARIANTS[name], problem, device)
         if cfg is None:
             continue
-        measure(f"gluon-{name}", lambda cfg=cfg: TEMPLATE.run(inputs, cfg), cfg.key())
+        check(f"gluon-{name}", lambda cfg=cfg: TEMPLATE.run(inputs, cfg), cfg.key())
+    for _ in range(rounds):
+        for row, fn in timed:
+            try:
+                row["readings_ms"].append(bench_ms(fn))
+            except Exception as exc:  # noqa: BLE001
+                row["failed"] = f"{type(exc).__name__}: {exc}"[:500]
+    for row in rows:
+        if row["readings_ms"] and "failed" not in row:
+            row["ms"] = statistics.median(row["readings_ms"])
+            row["tflops"] = flops / row["ms"] / 1e9
+            row["tflops_readings"] = [round(flops / ms / 1e9, 1) for ms in row["readings_ms"]]
+        print(f"{stamp()} time {problem.key():50s} {row['what']:14s} "
+              f"{row.get('tflops', float('nan')):7.1f} TFLOP/s "
+              f"{row.get('tflops_readings', '')} {row.get('failed', '')[:160]}", flush=True)
     # Diagnostics (wrong results by design, never checked nor reported as speed): the same
     # kernel without the exponentials (diag1) or without the softmax (diag2), to see what
     # the softmax costs beside the GEMMs.
@@ -397,7 +424,8 @@ def compile_only(names: list[str]) -> list[dict[str, Any]]:
                     continue
                 out = compile_config(TEMPLATE, problem, cfg)
                 k = out.kernels[0] if out.kernels else None
-                row = {"problem": problem.key(), "variant": name, "config": cfg.key(),
+                row: dict[str, Any] = {"problem": problem.key(), "variant": name,
+                                       "config": cfg.key(),
                        "registers": k and k.registers, "stack_bytes": k and k.stack_bytes,
                        "shared_bytes": k and k.shared_bytes, "error": out.error[:300]}
                 rows.append(row)
@@ -439,6 +467,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="stop starting timings after this many seconds")
     parser.add_argument("--check-timeout-s", type=float, default=150.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="readings per candidate and problem (median reported)")
     parser.add_argument("--diag", default="",
                         help="variants to time without exp / without softmax (dense D=128)")
     args = parser.parse_args()
@@ -484,7 +514,7 @@ def main() -> int:
                 break
             diag = ([n for n in args.diag.split(",") if n] if problem.head_dim == 128
                     and problem.causal == "none" else [])
-            rows.extend(time_problem(problem, passed, device, diag))
+            rows.extend(time_problem(problem, passed, device, diag, args.rounds))
             save()
         print_table(rows)
     save()

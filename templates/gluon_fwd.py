@@ -96,6 +96,12 @@ class GluonFwdConfig(KernelConfig):
         "The PV GEMM reads P from shared memory (written there after the softmax) instead of "
         "from registers: frees P's registers and lets the GEMM read both operands from shared "
         "memory, at the cost of a store, a fence and a warpgroup barrier per block.")
+    persistent: bool = knob(
+        False, (False, True),
+        "One program per SM walks a grid-stride list of tiles: the producer loads the next "
+        "tile's Q and K/V while the consumers finish the current one (no per-program launch, "
+        "prologue or tail), at the cost of static tile assignment (uneven for causal). Needs "
+        "warp_specialize.")
     ctas_per_sm: int = knob(
         1, (1, 2),
         "Programs meant to share an SM: the register budget (maxnreg) is split between them "
@@ -186,6 +192,14 @@ class GluonFwdTemplate(Template):
                     f"{device.name} is {device.family}")
         if cfg.pingpong and not (cfg.warp_specialize and cfg.consumers == 2):
             return "pingpong needs warp_specialize=True and consumers=2"
+        if cfg.persistent and not cfg.warp_specialize:
+            return "persistent needs warp_specialize=True (the producer warp walks the tiles)"
+        if cfg.persistent and cfg.ctas_per_sm > 1:
+            return "persistent programs take a whole SM each; use ctas_per_sm=1"
+        if cfg.persistent and problem.causal != "none":
+            return ("persistent is not tried on causal problems: its static grid-stride tile "
+                    "assignment left SMs idle, 0.70-0.94x the non-persistent kernel on the "
+                    "H100 (docs/gluon_notes.md, run 3)")
         rows = rows_per_consumer(cfg)
         if rows not in (64, 128):
             return (f"each consumer warpgroup takes 64 or 128 query rows, but BLOCK_M "
@@ -292,9 +306,14 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def _heuristic(problem: Problem) -> GluonFwdConfig:
-    """Starting point per head dim, before fitting it to the constraints. UNMEASURED until
-    the first H100 run (docs/gluon_notes.md): FA3's shapes (two ping-pong consumers of 64
-    rows, a producer warp, 128-key blocks at D <= 128, 64-key blocks at D = 256)."""
+    """Starting point per head dim, before fitting it to the constraints: FA3's shape (two
+    ping-pong consumer warpgroups of 64 rows, a producer warp, 128-key blocks; 64-key blocks
+    at D = 256, where 128 would spill), 2 stages. Measured on H100 (bf16, PROTOCOL shapes,
+    docs/gluon_notes.md, run 3, medians of 3 readings, x cuDNN in the same process): d128
+    0.99 / 1.01 dense 4k / 16k, 1.00 / 1.08 causal; d64 0.97 / 0.99, 0.91 / 1.04; d256
+    0.99 / 0.98, 1.00 / 1.08. Within noise (~5%) of it: 3 stages and, dense only, the
+    persistent grid; clearly behind: 64-key blocks at D <= 128, P through shared memory,
+    two programs per SM, no producer warp, consumers in step (runs 1-3)."""
     causal = problem.causal != "none"
     block_n = 64 if problem.head_dim > 128 else 128
     return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,

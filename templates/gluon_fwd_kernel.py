@@ -135,11 +135,11 @@ def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, j,
     nothing is issued)."""
     slot = j % KV_STAGES
     mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes, pred=pred)
-    _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot),
-                                    k_bufs.index(slot), pred=pred)
+    _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot),
+              pred=pred)
     mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes, pred=pred)
-    _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot),
-                                    v_bufs.index(slot), pred=pred)
+    _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot),
+              pred=pred)
 
 
 @gluon.jit
@@ -147,33 +147,62 @@ def _refill(desc, bufs, ready, slot, b, kv_h, j, n_blocks, BLOCK_N: gl.constexpr
     """Non-warp-specialized programs: load block j (if there is one) into ring ``slot``."""
     pred = j < n_blocks
     mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
-    _tma_load(desc, [b, kv_h, j * BLOCK_N, 0], ready.index(slot),
-                                    bufs.index(slot), pred=pred)
+    _tma_load(desc, [b, kv_h, j * BLOCK_N, 0], ready.index(slot), bufs.index(slot),
+              pred=pred)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-              k_empty, v_empty, b, h, kv_h, q_row0, n_blocks,
-              Q_LOADS: gl.constexpr, Q_ROWS: gl.constexpr, KV_STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr):
-    """The producer warp: the query rows of each consumer once, then K and V block by block,
-    each into its ring slot once every consumer released the block that held it (empty
-    barriers start in phase 0, so the first pass through the ring waits for nothing)."""
+def _tile_coords(t, n_q_tiles, H_Q, GROUP, N_KV, causal_offset,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                 LONGEST_FIRST: gl.constexpr):
+    """(b, h, kv_h, bh, m0, n_blocks, n_full) of tile t. Tiles of one head are consecutive
+    (its K/V stay in L2 while they run); causal programs start with the tiles that see most
+    keys. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks."""
+    tile = t % n_q_tiles
+    bh = t // n_q_tiles
+    if LONGEST_FIRST:
+        tile = n_q_tiles - 1 - tile
+    b = bh // H_Q
+    h = bh % H_Q
+    kv_h = h // GROUP
+    m0 = tile * BLOCK_M
+    if CAUSAL:
+        # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
+        kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
+        first_row_sees = gl.maximum(m0 + causal_offset + 1, 0)
+        n_full = gl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N)
+    else:
+        kv_end = N_KV
+        n_full = N_KV // BLOCK_N
+    n_blocks = gl.cdiv(kv_end, BLOCK_N)
+    return b, h, kv_h, bh, m0, n_blocks, n_full
+
+
+@gluon.jit
+def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                   v_ready, k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, it0, q_phase,
+                   Q_LOADS: gl.constexpr, Q_ROWS: gl.constexpr, KV_STAGES: gl.constexpr,
+                   BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer warp, one tile: the query rows of each consumer (in a persistent program,
+    once that consumer released the previous tile's), then K and V block by block, each into
+    its ring slot once every consumer released the block that held it. ``it0`` counts the
+    blocks of earlier tiles (ring position and phase); empty barriers start in phase 0, so
+    the first pass through the ring waits for nothing."""
     for c in gl.static_range(Q_LOADS):
+        if PERSISTENT:
+            mbarrier.wait(q_empty.index(c), q_phase ^ 1)
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, q_row0 + c * Q_ROWS, 0],
-                                        q_ready.index(c), q_bufs.index(c))
+        _tma_load(q_desc, [b, h, q_row0 + c * Q_ROWS, 0], q_ready.index(c), q_bufs.index(c))
     for j in range(n_blocks):
-        slot = j % KV_STAGES
-        phase = ((j // KV_STAGES) & 1) ^ 1
+        g = it0 + j
+        slot = g % KV_STAGES
+        phase = ((g // KV_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot),
-                                        k_bufs.index(slot))
+        _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot),
-                                        v_bufs.index(slot))
+        _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
 # ----------------------------------------------------------------------------- consumer
@@ -207,7 +236,7 @@ def _wait_pv(o_tok, p_op, p, P_SMEM: gl.constexpr):
     """Wait for every GEMM in flight, after the softmax: returns (acc, p). The register
     operand P_{j-1} stays alive until then; the new p goes through the wait too, which keeps
     LLVM from moving the softmax below it (ptxas sees the dependency only as a comment: the
-    caller puts a barrier between them for ptxas)."""
+    caller keeps the softmax in a basic block of its own for ptxas)."""
     if P_SMEM:
         acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     else:
@@ -216,28 +245,30 @@ def _wait_pv(o_tok, p_op, p, P_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, q_smem, p_smem, k_desc, v_desc,
-              k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m, N_KV,
-              causal_offset, qk_scale,
+def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_smem, k_desc,
+              v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h,
+              offs_m, N_KV, causal_offset, qk_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
               PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
     """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
     tensor cores; blocks from n_full on take the masked softmax (causal diagonal, N_kv tail).
-    Carries (acc, P_{j-1} as the A operand in registers (or a placeholder when P_SMEM keeps
-    it in ``p_smem``), m, l, alpha)."""
+    Ring positions count from ``it0``, ping-pong turns from ``ev0`` (earlier tiles of a
+    persistent program). Carries (acc, P_{j-1} as the A operand in registers (or a
+    placeholder when P_SMEM keeps it in ``p_smem``), m, l, alpha)."""
     s_layout: gl.constexpr = offs_m.type.layout.parent
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([offs_m.shape[0], BLOCK_N], gl.float32, s_layout)
     for j in range(1, n_blocks):
-        slot = j % KV_STAGES
-        phase = (j // KV_STAGES) & 1
-        prev = (j - 1) % KV_STAGES
-        prev_phase = ((j - 1) // KV_STAGES) & 1
+        g = it0 + j
+        slot = g % KV_STAGES
+        phase = (g // KV_STAGES) & 1
+        prev = (g - 1) % KV_STAGES
+        prev_phase = ((g - 1) // KV_STAGES) & 1
         if PINGPONG:
-            mbarrier.wait(turns.index(ME), j & 1)
+            mbarrier.wait(turns.index(ME), (ev0 + j) & 1)
         mbarrier.wait(k_ready.index(slot), phase)
         k_smem = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False,
@@ -263,6 +294,8 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, q_smem, p_smem, k_de
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
         else:
+            # Every warp is done with K_j: refill its slot (programs without the producer
+            # warp are never persistent, so it0 = 0 and j is the block index).
             _warps_barrier()
             _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, n_blocks, BLOCK_N)
         acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
@@ -278,28 +311,38 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, q_smem, p_smem, k_de
 
 
 @gluon.jit
-def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
-              q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
-              turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV, causal_offset,
-              qk_scale,
-              ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr,
-              P_SMEM: gl.constexpr, DIAG: gl.constexpr):
-    """One consumer: ``ROWS`` query rows (from row ``q_row0 + ME * ROWS`` of the head) over
-    ``NUM_WARPS`` warps, against every KV block of the tile's range; writes its rows of O
-    and LSE. Without WARP_SPECIALIZE it also issues the loads (ring refills).
+def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
+                   q_bufs, p_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                   k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q,
+                   N_KV, causal_offset, qk_scale, it0, ev0, q_phase,
+                   ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+                   PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+                   DIAG: gl.constexpr):
+    """One consumer, one tile: ``ROWS`` query rows (from row ``q_row0 + ME * ROWS`` of the
+    head) over ``NUM_WARPS`` warps, against every KV block of the tile's range; writes its
+    rows of O and LSE. Without WARP_SPECIALIZE it also issues the loads.
 
     Pingpong: each consumer takes turns[ME] before issuing its GEMMs of a block and hands
     turns[1 - ME] over right after, so the two consumers' GEMMs alternate on the tensor cores
     and each one's softmax runs under the other's GEMMs. Every consumer issues n_blocks + 1
-    GEMM batches (S_0; S_j with PV_{j-1}; PV_last), the k-th waiting on phase k & 1."""
+    GEMM batches per tile (S_0; S_j with PV_{j-1}; PV_last), the k-th of the program waiting
+    on phase k & 1 (``ev0`` batches came before this tile)."""
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    if not WARP_SPECIALIZE:
+        # The consumer warps load for themselves: Q, then the first KV_STAGES blocks.
+        mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, q_row0, 0], q_ready.index(0), q_bufs.index(0))
+        for i in gl.static_range(KV_STAGES):
+            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, i, KV_STAGES,
+                     BLOCK_N, i < n_blocks)
 
     m0 = q_row0 + ME * ROWS
     offs_m = m0 + gl.arange(0, ROWS, layout=row_s)
@@ -311,17 +354,15 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
     p_smem = p_bufs.index(ME)
     # P's registers (a placeholder when P lives in p_smem).
     p_op = gl.to_tensor(0) if P_SMEM else gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-    mbarrier.wait(q_ready.index(ME), 0)
-    if PINGPONG and ME == 1:
-        # Consumer 1 hands the first turn to consumer 0.
-        mbarrier.arrive(turns.index(0), count=1)
+    mbarrier.wait(q_ready.index(ME), q_phase)
 
     if n_blocks > 0:
         # -- block 0: S_0 alone.
+        slot0 = it0 % KV_STAGES
         if PINGPONG:
-            mbarrier.wait(turns.index(ME), 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        k_smem = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(turns.index(ME), ev0 & 1)
+        mbarrier.wait(k_ready.index(slot0), (it0 // KV_STAGES) & 1)
+        k_smem = k_bufs.index(slot0).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
@@ -329,7 +370,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
             mbarrier.arrive(turns.index(1 - ME), count=1)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         if WARP_SPECIALIZE:
-            mbarrier.arrive(k_empty.index(0), count=1)
+            mbarrier.arrive(k_empty.index(slot0), count=1)
         if n_full > 0:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, 0, N_KV,
                                                 causal_offset, False, CAUSAL, BLOCK_N, DIAG)
@@ -346,16 +387,19 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
 
         # -- blocks 1..n_blocks-1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
-            acc, p_op, m_i, l_i, alpha, n_full, n_blocks, q_smem, p_smem, k_desc, v_desc,
-            k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h, offs_m, N_KV,
-            causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
+            acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_smem, k_desc,
+            v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h,
+            offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
             WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG)
+        if PERSISTENT:
+            # Every GEMM that reads Q has completed: the producer may load the next tile's.
+            mbarrier.arrive(q_empty.index(ME), count=1)
 
         # -- the last PV GEMM.
-        last = n_blocks - 1
+        last = it0 + n_blocks - 1
         slot = last % KV_STAGES
         if PINGPONG:
-            mbarrier.wait(turns.index(ME), n_blocks & 1)
+            mbarrier.wait(turns.index(ME), (ev0 + n_blocks) & 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
         v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
@@ -365,6 +409,9 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
         acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         if WARP_SPECIALIZE:
             mbarrier.arrive(v_empty.index(slot), count=1)
+    else:
+        if PERSISTENT:
+            mbarrier.arrive(q_empty.index(ME), count=1)
 
     # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
     l_o = gl.convert_layout(l_i, row_o)
@@ -374,96 +421,162 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, LSE,
     o = acc / gl.expand_dims(l_safe, 1)
     lse = gl.where(seen, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     rows = m0 + gl.arange(0, ROWS, layout=row_o)
-    gl.store(LSE + bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
-    # O leaves through this consumer's Q buffer (every GEMM that read Q has completed) and a
-    # TMA store, which drops the rows past N_q.
-    q_smem.store(o.to(dtype))
-    fence_async_shared()
-    _tma_store(o_desc, [b, h, m0, 0], q_bufs.index(ME))
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _consumer_default(q_desc, k_desc, v_desc, o_desc, LSE,
-                      q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
-                      v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV,
-                      causal_offset, qk_scale,
-                      NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
-    """The default partition of a warp-specialized program: consumer 0."""
-    _consumer(q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs, q_ready,
-              k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks,
-              n_full, N_Q, N_KV, causal_offset, qk_scale, 0, NUM_WARPS, ROWS, HEAD_DIM,
-              BLOCK_N, KV_STAGES, CAUSAL, True, PINGPONG, P_SMEM, DIAG)
-
-
-@gluon.jit
-def _consumer_second(q_desc, k_desc, v_desc, o_desc, LSE,
-                     q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
-                     v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV,
-                     causal_offset, qk_scale,
-                     NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
-    """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
-    _consumer(q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs, q_ready,
-              k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks,
-              n_full, N_Q, N_KV, causal_offset, qk_scale, 1, NUM_WARPS, ROWS, HEAD_DIM,
-              BLOCK_N, KV_STAGES, CAUSAL, True, PINGPONG, P_SMEM, DIAG)
-
-
-@gluon.jit
-def _producer_partition(q_desc, k_desc, v_desc, o_desc, LSE,
-                        q_bufs, p_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
-                        v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q, N_KV,
-                        causal_offset, qk_scale,
-                        NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
-    """The producer partition (one warp), with the workers' common signature."""
-    if PINGPONG:
-        _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-                  k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, 2, ROWS, KV_STAGES, BLOCK_N)
+    row_ok = rows < N_Q
+    gl.store(LSE + bh.to(gl.int64) * N_Q + rows, lse, mask=row_ok)
+    if PERSISTENT:
+        # The Q buffer already holds the next tile's rows: O goes out from registers
+        # (contiguous (B, H, N_q, D)).
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        offs = ((bh.to(gl.int64) * N_Q + gl.expand_dims(rows, 1)) * HEAD_DIM
+                + gl.expand_dims(cols, 0))
+        gl.store(Out + offs, o.to(dtype), mask=gl.expand_dims(row_ok, 1))
     else:
-        _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-                  k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, 1, ROWS, KV_STAGES, BLOCK_N)
+        # O leaves through this consumer's Q buffer (every GEMM that read Q has completed)
+        # and a TMA store, which drops the rows past N_q.
+        q_smem.store(o.to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, m0, 0], q_bufs.index(ME))
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
+              H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+              ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+              WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
+              PERSISTENT: gl.constexpr, DIAG: gl.constexpr):
+    """A consumer over its program's tiles: one (tile = program id), or, persistent, every
+    grid-stride tile from the program id on, with ring, turn and Q-buffer phases carried
+    across tiles."""
+    if PINGPONG and ME == 1:
+        # Consumer 1 hands the first turn to consumer 0.
+        mbarrier.arrive(turns.index(0), count=1)
+    if PERSISTENT:
+        it0 = 0
+        ev0 = 0
+        q_phase = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
+                t, n_q_tiles, H_Q, GROUP, N_KV, causal_offset, BLOCK_M, BLOCK_N, CAUSAL,
+                LONGEST_FIRST)
+            _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
+                           v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+                           b, h, kv_h, bh, m0, n_blocks, n_full, N_Q, N_KV, causal_offset,
+                           qk_scale, it0, ev0, q_phase, ME, NUM_WARPS, ROWS, HEAD_DIM,
+                           BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
+                           PERSISTENT, DIAG)
+            it0 += n_blocks
+            if n_blocks > 0:
+                ev0 += n_blocks + 1
+            q_phase ^= 1
+    else:
+        b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
+            gl.program_id(0), n_q_tiles, H_Q, GROUP, N_KV, causal_offset, BLOCK_M, BLOCK_N,
+            CAUSAL, LONGEST_FIRST)
+        _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
+                       v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, b,
+                       h, kv_h, bh, m0, n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale,
+                       0, 0, 0, ME, NUM_WARPS, ROWS, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
+                       WARP_SPECIALIZE, PINGPONG, P_SMEM, PERSISTENT, DIAG)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+              v_ready, k_empty, v_empty, n_tiles, n_q_tiles, H_Q, GROUP, N_KV, causal_offset,
+              Q_LOADS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer warp over its program's tiles (the consumers' sequence)."""
+    if PERSISTENT:
+        it0 = 0
+        q_phase = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
+                t, n_q_tiles, H_Q, GROUP, N_KV, causal_offset, BLOCK_M, BLOCK_N, CAUSAL,
+                LONGEST_FIRST)
+            _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
+                           k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks, it0,
+                           q_phase, Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT)
+            it0 += n_blocks
+            q_phase ^= 1
+    else:
+        b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
+            gl.program_id(0), n_q_tiles, H_Q, GROUP, N_KV, causal_offset, BLOCK_M, BLOCK_N,
+            CAUSAL, LONGEST_FIRST)
+        _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
+                       k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks, 0, 0,
+                       Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT)
+
+
+# Every partition of a warp-specialized program takes the same arguments (worker partitions
+# take scalars, descriptors and constexpr objects, no tensors and no plain Python numbers).
+@gluon.jit
+def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                      q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                      n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                      NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+                      DIAG: gl.constexpr):
+    """The default partition of a warp-specialized program: consumer 0."""
+    _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
+              H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 0, NUM_WARPS, ROWS, HEAD_DIM,
+              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
+              PERSISTENT, DIAG)
+
+
+@gluon.jit
+def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                     n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                     NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+                     PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+                     DIAG: gl.constexpr):
+    """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
+    _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
+              H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 1, NUM_WARPS, ROWS, HEAD_DIM,
+              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
+              PERSISTENT, DIAG)
+
+
+@gluon.jit
+def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
+                        v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+                        n_tiles, n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                        NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
+                        P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, DIAG: gl.constexpr):
+    """The producer partition (one warp)."""
+    Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
+    _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+              v_ready, k_empty, v_empty, n_tiles, n_q_tiles, H_Q, GROUP, N_KV, causal_offset,
+              Q_LOADS, ROWS, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PERSISTENT)
 
 
 # ----------------------------------------------------------------------------- kernel
-@gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "GROUP", "n_q_tiles"])
+@gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "GROUP", "n_q_tiles",
+                              "n_tiles"])
 def _gluon_fwd_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE,
-    N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, qk_scale,
+    q_desc, k_desc, v_desc, o_desc, Out, LSE,
+    N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr,
-    num_warps: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+    DIAG: gl.constexpr, num_warps: gl.constexpr,
 ):
-    # -- which (batch, head, query tile) this program owns: the tiles of one head run
-    # together (its K/V stay in L2); causal programs start with the tiles that see most keys.
-    pid = gl.program_id(0)
-    tile = pid % n_q_tiles
-    bh = pid // n_q_tiles
-    if LONGEST_FIRST:
-        tile = n_q_tiles - 1 - tile
-    b = bh // H_Q
-    h = bh % H_Q
-    kv_h = h // GROUP
-    m0 = tile * BLOCK_M
-
-    # The KV range of this tile: blocks [0, n_full) need no mask, [n_full, n_blocks) do.
-    if CAUSAL:
-        # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
-        kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
-        first_row_sees = gl.maximum(m0 + causal_offset + 1, 0)
-        n_full = gl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N)
-    else:
-        kv_end = N_KV
-        n_full = N_KV // BLOCK_N
-    n_blocks = gl.cdiv(kv_end, BLOCK_N)
-
+    # Program p owns tile p (tiles_inner order, see _tile_coords) or, persistent, the tiles
+    # p, p + grid, p + 2 grid, ...
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -479,6 +592,7 @@ def _gluon_fwd_kernel(
     k_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv_block, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv_block, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_LOADS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_LOADS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
@@ -486,6 +600,7 @@ def _gluon_fwd_kernel(
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(Q_LOADS):
         mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
     for i in gl.static_range(KV_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -497,53 +612,50 @@ def _gluon_fwd_kernel(
     fence_async_shared()
 
     if WARP_SPECIALIZE:
-        # Worker partitions take scalars, descriptors and constexpr objects, no tensors and no
-        # plain Python numbers.
         WG_WARPS: gl.constexpr = 4
         PRODUCER_WARPS: gl.constexpr = 1
         if PINGPONG:
             gl.warp_specialize([
                 (_consumer_default, (
-                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
-                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                    n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
+                    P_SMEM, PERSISTENT, DIAG)),
                 (_consumer_second, (
-                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
-                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                    n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
+                    P_SMEM, PERSISTENT, DIAG)),
                 (_producer_partition, (
-                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
-                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                    n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
+                    PINGPONG, P_SMEM, PERSISTENT, DIAG)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_default, (
-                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
-                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, num_warps, ROWS,
-                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                    n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, num_warps,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
+                    PINGPONG, P_SMEM, PERSISTENT, DIAG)),
                 (_producer_partition, (
-                    q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0,
-                    n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, PINGPONG, P_SMEM, DIAG)),
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                    n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
+                    PINGPONG, P_SMEM, PERSISTENT, DIAG)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
-        # The consumer warps load for themselves: Q, then the first KV_STAGES blocks.
-        mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m0, 0], q_ready.index(0),
-                                        q_bufs.index(0))
-        for i in gl.static_range(KV_STAGES):
-            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, i, KV_STAGES,
-                     BLOCK_N, i < n_blocks)
-        _consumer(q_desc, k_desc, v_desc, o_desc, LSE, q_bufs, p_bufs, k_bufs, v_bufs, q_ready,
-                  k_ready, v_ready, k_empty, v_empty, turns, b, h, kv_h, bh, m0, n_blocks,
-                  n_full, N_Q, N_KV, causal_offset, qk_scale, 0, num_warps, ROWS, HEAD_DIM,
-                  BLOCK_N, KV_STAGES, CAUSAL, False, False, P_SMEM, DIAG)
+        _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                  q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                  n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 0, num_warps,
+                  ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, False,
+                  False, P_SMEM, False, DIAG)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -578,8 +690,8 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         KV_STAGES=int(config["kv_stages"]), CAUSAL=causal,
         LONGEST_FIRST=bool(config["longest_first"]) and causal,
         WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]), DIAG=diag,
-        num_warps=consumer_warps(config),
+        PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
+        PERSISTENT=bool(config["persistent"]), DIAG=diag, num_warps=consumer_warps(config),
     )
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg
@@ -600,18 +712,28 @@ class LaunchPlan:
     copy_inputs = False
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
-                 config: Mapping[str, Any], diag: int = 0) -> None:
+                 config: Mapping[str, Any], diag: int = 0, sm_count: int | None = None
+                 ) -> None:
+        """``sm_count`` sizes a persistent grid: q's GPU's multiprocessor count by default
+        (132, an H100's, for stand-in tensors)."""
         batch, heads_q, seqlen_q, head_dim = q.shape
         heads_kv, seqlen_kv = k.shape[1], k.shape[2]
         block_m = int(config["BLOCK_M"])
         causal = causal_mode != "none"
         n_q_tiles = -(-seqlen_q // block_m)
-        self.grid = (n_q_tiles * batch * heads_q,)
+        n_tiles = n_q_tiles * batch * heads_q
+        if config["persistent"]:
+            if sm_count is None:
+                sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                            if isinstance(q, torch.Tensor) and q.is_cuda else 132)
+            self.grid = (min(n_tiles, sm_count),)
+        else:
+            self.grid = (n_tiles,)
         self.out_shape = (batch, heads_q, seqlen_q, head_dim)
         self.lse_shape = (batch, heads_q, seqlen_q)
         offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
         self.scalars = [seqlen_q, seqlen_kv, offset, heads_q, heads_q // heads_kv, n_q_tiles,
-                        scale * LOG2_E]
+                        n_tiles, scale * LOG2_E]
         bits = 16
         q_block = [1, 1, q_rows_per_load(config), head_dim]
         kv_block = [1, 1, int(config["BLOCK_N"]), head_dim]
@@ -627,7 +749,8 @@ class LaunchPlan:
                 _descriptor(o, self.q_block, self.q_layout)]
 
     def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any) -> list[Any]:
-        return [*self.descriptors(q, k, v, o), lse, *self.scalars]
+        """The kernel's arguments (``o`` contiguous, as the launcher allocates it)."""
+        return [*self.descriptors(q, k, v, o), o, lse, *self.scalars]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,6 +79,14 @@ def test_constraints_name_what_is_wrong() -> None:
     reason = TEMPLATE.constraint(problem, two, H100)
     assert reason is not None and "do not fit in an SM" in reason
     assert TEMPLATE.constraint(problem, dataclasses.replace(two, BLOCK_N=64), H100) is None
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(warp_specialize=False,
+                                                         pingpong=False, persistent=True), H100)
+    assert reason is not None and "persistent needs warp_specialize" in reason
+    causal = dataclasses.replace(problem, causal="top_left")
+    reason = TEMPLATE.constraint(causal, GluonFwdConfig(persistent=True, longest_first=True),
+                                 H100)
+    assert reason is not None and "not tried on causal" in reason
+    assert TEMPLATE.constraint(problem, GluonFwdConfig(persistent=True), H100) is None
     a100 = TARGETS["a100"]
     reason = TEMPLATE.constraint(problem, GluonFwdConfig(), a100)
     assert reason is not None and "Hopper" in reason
@@ -113,7 +121,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonFwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="kv_stages"):
         GluonFwdConfig(kv_stages=5)
-    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2
 
 
 @needs_gluon
@@ -136,6 +144,7 @@ COMPILE_JOBS = [
 
 
 def _compile(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The compile report of each job, from a child process without the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     code = ("import sys, templates.gluon_fwd; from templates.compile_report import main; "
             "sys.exit(main())")
@@ -148,12 +157,16 @@ def _compile(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @needs_gluon
 def test_default_configs_compile_for_the_h100_without_spills() -> None:
-    jobs = [{"template": "gluon_fwd", "problem": p.to_dict(),
-             "config": TEMPLATE.default_config(p, H100).to_dict()} for p in COMPILE_JOBS]
+    jobs: list[dict[str, Any]] = [
+        {"template": "gluon_fwd", "problem": p.to_dict(),
+         "config": TEMPLATE.default_config(p, H100).to_dict()} for p in COMPILE_JOBS]
     # One variant without the producer warp, loads issued by the consumers.
     plain = GluonFwdConfig(BLOCK_M=64, consumers=1, warp_specialize=False, pingpong=False)
     jobs.append({"template": "gluon_fwd", "problem": COMPILE_JOBS[0].to_dict(),
                  "config": plain.to_dict()})
+    # The persistent variant (grid-stride tiles, phases carried across them).
+    jobs.append({"template": "gluon_fwd", "problem": COMPILE_JOBS[0].to_dict(),
+                 "config": GluonFwdConfig(persistent=True).to_dict()})
     outcomes = _compile(jobs)
     assert len(outcomes) == len(jobs)
     for job, out in zip(jobs, outcomes, strict=True):
@@ -174,7 +187,7 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
 
 
 # ----------------------------------------------------------------------------- GPU numerics
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
     "pingpong-n64": dict(BLOCK_M=128, BLOCK_N=64, kv_stages=4, consumers=2,
                          warp_specialize=True, pingpong=True),
@@ -184,6 +197,8 @@ VARIANTS = {
                   pingpong=False),
     "two-per-sm": dict(BLOCK_M=64, BLOCK_N=64, kv_stages=2, consumers=1,
                        warp_specialize=True, pingpong=False, ctas_per_sm=2),
+    "persistent": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2,
+                       warp_specialize=True, pingpong=True, persistent=True),
 }
 GPU_CASES = [
     (1, 2, 2, 77, 77, 128, "bfloat16", "none"),
@@ -193,6 +208,7 @@ GPU_CASES = [
     (1, 2, 2, 700, 200, 128, "bfloat16", "top_left"),
     (2, 2, 2, 513, 513, 256, "float16", "top_left"),
     (1, 2, 2, 3333, 3333, 64, "float16", "none"),
+    (4, 16, 4, 1000, 1000, 128, "bfloat16", "top_left"),  # more tiles than SMs
 ]
 
 
