@@ -11,8 +11,9 @@ it times, with fresh random inputs and after checking each output against a floa
   (torch's own backend choice: cuDNN on an H100 with torch 2.11): what ``tuner.attention``
   replaces,
 * each SDPA backend forced (cudnn, flash, efficient),
-* ``flash`` (our Triton kernels, default config) and, on decode rows, ``decode`` (flash_decode,
-  default config), both forced through ``tuner.use_implementation``,
+* ``flash`` (our Triton kernels), ``gluon`` (the Hopper Gluon forward) and, on decode rows,
+  ``decode`` (flash_decode), each forced through ``tuner.use_implementation`` with its tuned
+  config (or default),
 * ``sdpa again``: the same call as ``sdpa``, timed as another candidate: the noise floor,
 * ``tuner.attention``: the dispatcher's choice for this device with the database ``--db`` (a
   sweep of the same specs stored there; none: every row runs SDPA).
@@ -126,7 +127,8 @@ def candidates(p: Problem, on_gpu: bool) -> dict[str, Callable[..., torch.Tensor
         for backend in BACKENDS:
             out[f"sdpa {backend}"] = (lambda b: lambda q, k, v, **kw: sdpa(q, k, v, backend=b,
                                                                              **kw))(backend)
-    forced = ["flash"] + (["decode"] if p.seqlen_q == 1 and p.causal == "none" else [])
+    forced = ["flash", "gluon"] + (["decode"] if p.seqlen_q == 1 and p.causal == "none"
+                                   else [])
     for name in forced:
         out[name] = (lambda n: lambda q, k, v, **kw: _forced(n, q, k, v, **kw))(name)
     out["tuner.attention"] = tuner.attention
@@ -178,7 +180,7 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
         row.why = choice.why
         calls = {}
         for name, fn in candidates(p, on_gpu).items():
-            if training and name == "decode":
+            if training and name in ("decode", "gluon"):  # no backward
                 continue
             call, why = checked_call(fn, t, training, ref, TOLERANCE[p.dtype])
             if call is None:

@@ -19,6 +19,7 @@ from templates.device import interpreter_active
 from templates.flash_decode import FlashDecodeConfig, launch_with_config
 from templates.flash_decode_kernel import MAX_QUERY_TOKENS, check_decode_inputs
 from templates.flash_fwd import FwdConfig, launch_plan
+from templates.gluon_fwd import GluonFwdConfig, gluon_attention_fwd
 from templates.torch_sdpa import SdpaConfig, default_backend, sdpa
 from tuner.dispatch import Call, Choice, Implementation, register_implementation
 
@@ -147,3 +148,34 @@ DECODE = register_implementation(Implementation(
     serves=_serves_decode, build=build_decode,
     description=f"the split-KV flash-decoding kernel, for one query token (of at most "
                 f"{MAX_QUERY_TOKENS}) against a long KV"))
+
+
+# ----------------------------------------------------------------------------- Gluon (Hopper)
+def _serves_gluon(call: Call) -> str | None:
+    if not call.device.compute_capability.startswith("9."):
+        return (f"the Gluon kernels are written for Hopper (compute capability 9.x), but the "
+                f"device is {call.device.name} ({call.device.compute_capability or 'no GPU'})")
+    return None
+
+
+def build_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+    config = choice.config
+    assert isinstance(config, GluonFwdConfig)
+    q4, kv4 = shapes_4d(q, k)
+    out_shape = tuple(q.shape)
+    causal = "top_left" if is_causal else "none"
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o, _ = gluon_attention_fwd(q.reshape(q4), k.reshape(kv4), v.reshape(kv4),
+                                   causal=causal, scale=scale, config=config)
+        return o.reshape(out_shape)
+
+    return run
+
+
+GLUON = register_implementation(Implementation(
+    name="gluon", forward="gluon_fwd", training=(),
+    serves=_serves_gluon, build=build_gluon,
+    description="the project's warp-specialized Gluon forward for Hopper (FA3-style ping-pong "
+                "consumer warpgroups, TMA producer warp); inference only for now"))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,19 @@ def test_decode_does_not_serve_causal_or_longer_queries_or_gradients(device: str
     assert "no backward" in (decode.why_not(Call(problem_of(q[:, :, :1], k), True, dev)) or "")
     with use_implementation("decode"), pytest.raises(ValueError, match="cannot run"):
         tuner.attention(q, k, v, enable_gqa=True)
+
+
+def test_gluon_serves_hopper_inference_only(device: str) -> None:
+    [gluon] = [i for i in implementations() if i.name == "gluon"]
+    p = Problem(batch=1, heads_q=4, heads_kv=2, seqlen_q=64, seqlen_kv=64, head_dim=64,
+                dtype="bfloat16")
+    hopper = dataclasses.replace(current_device(), name="NVIDIA H100 80GB HBM3",
+                                 compute_capability="9.0")
+    ampere = dataclasses.replace(hopper, name="NVIDIA A100", compute_capability="8.0")
+    assert "no backward" in (gluon.why_not(Call(p, True, hopper)) or "")
+    assert "Hopper" in (gluon.why_not(Call(p, False, ampere)) or "")
+    if not current_device().compute_capability.startswith("9."):
+        assert gluon.why_not(Call(p, False, current_device())) is not None
 
 
 def test_a_forced_implementation_runs_whatever_was_measured(tmp_path: Path, device: str) -> None:
