@@ -91,12 +91,21 @@ def rows_of(spec_names: list[str], smoke: bool) -> list[tuple[Problem, bool]]:
     return out
 
 
-def inputs_for(p: Problem, device: str, training: bool) -> dict[str, Any]:
+def inputs_for(p: Problem, device: str, training: bool, layout: str = "bhsd"
+               ) -> dict[str, Any]:
+    """q, k, v (B, H, S, D); ``layout`` "bshd": views of (B, S, H, D) memory, as a model's
+    projections hand them over (Hugging Face transposes (B, S, H, D) to (B, H, S, D))."""
     dtype = getattr(torch, p.dtype)
     shape_q = (p.batch, p.heads_q, p.seqlen_q, p.head_dim)
     shape_kv = (p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)
-    q, k, v = (torch.randn(s, device=device, dtype=dtype).requires_grad_(training)
-               for s in (shape_q, shape_kv, shape_kv))
+
+    def randn(shape: tuple[int, int, int, int]) -> torch.Tensor:
+        if layout == "bhsd":
+            return torch.randn(shape, device=device, dtype=dtype)
+        b, h, n, d = shape
+        return torch.randn((b, n, h, d), device=device, dtype=dtype).transpose(1, 2)
+
+    q, k, v = (randn(s).requires_grad_(training) for s in (shape_q, shape_kv, shape_kv))
     kw = {"is_causal": p.causal != "none", "enable_gqa": p.heads_q != p.heads_kv}
     return {"q": q, "k": k, "v": v, "do": torch.randn(shape_q, device=device, dtype=dtype),
             "kw": kw}
@@ -164,7 +173,7 @@ def checked_call(fn: Callable[..., torch.Tensor], t: dict[str, Any], training: b
 
 
 def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[..., float],
-             rounds: int) -> list[Row]:
+             rounds: int, layout: str = "bhsd") -> list[Row]:
     """Each row's candidates checked, then timed in ``rounds`` alternated rounds (a, b, c, a,
     b, c, ...); a candidate's time is the median of its rounds, so a clock or thermal drift
     during the row falls on every candidate alike."""
@@ -172,7 +181,7 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
     out = []
     for p, training in rows:
         torch.manual_seed(0)
-        t = inputs_for(p, device, training)
+        t = inputs_for(p, device, training, layout)
         ref = reference(t, training)
         row = Row(p.to_dict(), training, f"{'train ' if training else ''}{p.key()}")
         choice = plan_for(t["q"], t["k"], t["v"], needs_grad=training, **t["kw"])
@@ -249,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternated timing rounds per row (median kept)")
+    parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                        help="bshd: q, k, v as transposed views of (B, S, H, D), as models "
+                             "hand them over")
     parser.add_argument("--smoke", action="store_true", help="tiny rows, CPU interpreter")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
@@ -273,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             return (time.perf_counter() - start) * 1e3
 
     rows = run_rows(rows_of([s for s in args.specs.split(",") if s], args.smoke),
-                    "cuda" if on_gpu else "cpu", bench, max(1, args.rounds))
+                    "cuda" if on_gpu else "cpu", bench, max(1, args.rounds), args.layout)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "date": datetime.date.today().isoformat(),
             "command": " ".join(["python", "benchmarks/dispatch_bench.py",
                                  *(sys.argv[1:] if argv is None else argv)]),
-            "db": args.db, "timings_are_gpu_timings": on_gpu,
+            "db": args.db, "layout": args.layout, "timings_are_gpu_timings": on_gpu,
             "rows": [{**asdict(r), **r.verdicts()} for r in rows]}, indent=2) + "\n")
     return 0
 
