@@ -34,6 +34,7 @@ and values are checked against each template when the sweep starts.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import itertools
@@ -136,17 +137,31 @@ def _standard_shapes(seqlens: Iterable[int], head_dims: Iterable[int]) -> list[d
             for d in head_dims for n in seqlens]
 
 
+# On a GPU the built-in suites tune torch's own SDPA beside our kernels: without a torch_sdpa
+# measurement the dispatcher never runs ours (docs/DISPATCH.md).
+GPU_TEMPLATES = ("torch_sdpa", "flash_fwd", "gluon_fwd")
+# Decode rows of `quick` (one query token, Llama-3-8B heads; PROTOCOL.md's decode rows).
+QUICK_DECODE_SHAPES = [{"B": 1, "H_q": 32, "H_kv": 8, "N_q": 1, "N_kv": 32768, "D": 128},
+                       {"B": 8, "H_q": 32, "H_kv": 8, "N_q": 1, "N_kv": 32768, "D": 128}]
+
+
 def _suite(name: str, shapes: list[dict[str, int]], dtypes: Sequence[str],
-           causal: Sequence[str], trials: int) -> SweepSpec:
-    return spec_from_mapping({"name": name, "templates": ["flash_fwd"], "shapes": shapes,
+           causal: Sequence[str], trials: int,
+           templates: Sequence[str] = GPU_TEMPLATES) -> SweepSpec:
+    return spec_from_mapping({"name": name, "templates": list(templates), "shapes": shapes,
                               "dtypes": list(dtypes), "causal": list(causal),
                               "trials": trials}, source=f"built-in suite {name!r}")
 
 
 def quick_suite() -> SweepSpec:
-    """Minutes on one GPU: the standard layout at N = 1k and 4k, d = 64 and 128."""
-    return _suite("quick", _standard_shapes((1024, 4096), (64, 128)), ["bfloat16"],
-                  ["none", "top_left"], trials=16)
+    """Minutes on one GPU: the standard layout at N = 1k and 4k, d = 64 and 128, and two decode
+    rows (one query token against 32k keys), each by torch SDPA and by our kernels."""
+    prefill = _suite("quick", _standard_shapes((1024, 4096), (64, 128)), ["bfloat16"],
+                     ["none", "top_left"], trials=16)
+    decode = _suite("quick", QUICK_DECODE_SHAPES, ["bfloat16"], ["none"], trials=16,
+                    templates=("torch_sdpa", "flash_decode"))
+    return dataclasses.replace(prefill, templates=prefill.templates + ("flash_decode",),
+                               problems=prefill.problems + decode.problems)
 
 
 def standard_suite() -> SweepSpec:
@@ -160,7 +175,8 @@ def cpu_suite() -> SweepSpec:
     bf16 inputs through float32, see default_dtype). Proves the pipeline; its timings are not
     GPU timings."""
     shapes = [{"B": 1, "H": 2, "N": 64, "D": 32}, {"B": 1, "H": 2, "N": 128, "D": 64}]
-    return _suite("cpu", shapes, ["float16"], ["none", "top_left"], trials=6)
+    return _suite("cpu", shapes, ["float16"], ["none", "top_left"], trials=6,
+                  templates=("flash_fwd",))
 
 
 BUILTIN_SUITES = {"quick": quick_suite, "standard": standard_suite, "cpu": cpu_suite}

@@ -21,7 +21,7 @@ from tuner.suites import (
 def test_standard_suite_follows_the_protocol() -> None:
     spec, note = resolve_spec("standard", interpreter=False)
     assert note is None
-    assert spec.templates == ("flash_fwd",)
+    assert spec.templates == ("torch_sdpa", "flash_fwd", "gluon_fwd")
     seqlens = sorted({p.seqlen_q for p in spec.problems})
     assert seqlens == [512, 1024, 2048, 4096, 8192, 16384]
     assert {p.head_dim for p in spec.problems} == {64, 128}
@@ -37,6 +37,10 @@ def test_quick_runs_as_cpu_without_a_gpu_and_standard_is_refused() -> None:
     gpu_quick, _ = resolve_spec("quick", interpreter=False)
     assert {p.dtype for p in gpu_quick.problems} == {"bfloat16"}
     assert {p.head_dim for p in gpu_quick.problems} == {64, 128}
+    # torch SDPA is tuned beside ours (the dispatcher's baseline), and two decode rows.
+    assert gpu_quick.templates[0] == "torch_sdpa" and "flash_decode" in gpu_quick.templates
+    assert [(p.batch, p.seqlen_q, p.seqlen_kv) for p in gpu_quick.problems
+            if p.seqlen_q == 1] == [(1, 1, 32768), (8, 1, 32768)]
     cpu, note = resolve_spec("quick", interpreter=True)
     assert cpu.name == "cpu" and note is not None and "interpreter" in note
     # Tiny fp16 shapes: the interpreter runs bf16 through float32 (suites.default_dtype).
