@@ -7,8 +7,12 @@ under test. GQA repeats K/V here only; the kernels never do.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from templates.base import Problem
 
 # Above this many score elements a float64 reference on a GPU gets slow (float64 matmul runs
 # at a small fraction of the float32 rate); float32 is then plenty to check 16-bit kernels.
@@ -41,6 +45,17 @@ def visible_pairs(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
     full = min(seqlen_q, max(first, seqlen_kv - offset - 1))
     ramp = sum_range(first + offset + 1, full + offset + 1)
     return ramp + (seqlen_q - full) * seqlen_kv
+
+
+def forward_flops(problem: Problem) -> float:
+    """4 * B * H_q * D * pairs: PROTOCOL.md's forward FLOPs. Equal lengths follow the
+    FlashAttention papers' convention (causal = half of dense), so TFLOP/s compare with
+    published numbers; otherwise the visible (query, key) pairs are counted exactly."""
+    if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
+        pairs: float = problem.seqlen_q * problem.seqlen_kv / 2
+    else:
+        pairs = visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv)
+    return 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
 
 
 def sum_range(lo: int, hi: int) -> int:

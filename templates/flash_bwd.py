@@ -19,7 +19,11 @@ import torch
 
 from templates import flash_bwd_kernel as kernel
 from templates import kernel_common, listed_blocks
-from templates.attention_reference import FLOAT64_SCORE_LIMIT, attention_reference, visible_pairs
+from templates.attention_reference import (
+    FLOAT64_SCORE_LIMIT,
+    attention_reference,
+    forward_flops,
+)
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import (
@@ -151,11 +155,7 @@ class FlashBwdTemplate(Template):
 
     def flops(self, problem: Problem) -> float:
         """2.5 x the forward's FLOPs (the FlashAttention papers' convention, PROTOCOL.md)."""
-        if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
-            pairs = problem.seqlen_q * problem.seqlen_kv / 2
-        else:
-            pairs = visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv)
-        return 2.5 * 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
+        return 2.5 * forward_flops(problem)
 
     def bytes_moved(self, problem: Problem) -> float:
         """Read q, k, v, o, do and lse once; write dq, dk, dv."""

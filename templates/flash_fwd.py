@@ -17,7 +17,11 @@ import torch
 
 from templates import flash_fwd_kernel as kernel
 from templates import kernel_common, listed_blocks
-from templates.attention_reference import attention_reference, lse_error, visible_pairs
+from templates.attention_reference import (
+    attention_reference,
+    forward_flops,
+    lse_error,
+)
 from templates.base import (
     KernelConfig,
     KernelLaunch,
@@ -158,13 +162,7 @@ class FlashFwdTemplate(Template):
     def flops(self, problem: Problem) -> float:
         # Block-sparse problems count the dense-equivalent FLOPs (PROTOCOL.md), so TFLOP/s
         # compare with the dense kernel's and the density is reported beside them.
-        # Equal lengths follow the FlashAttention papers' convention (causal = half of dense);
-        # otherwise count the visible (query, key) pairs exactly.
-        if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
-            pairs = problem.seqlen_q * problem.seqlen_kv / 2
-        else:
-            pairs = visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv)
-        return 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
+        return forward_flops(problem)
 
     def bytes_moved(self, problem: Problem) -> float:
         esize = DTYPE_BYTES[problem.dtype]

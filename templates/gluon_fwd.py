@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 
-from templates.attention_reference import attention_reference, lse_error, visible_pairs
+from templates.attention_reference import (
+    attention_reference,
+    forward_flops,
+    lse_error,
+)
 from templates.base import (
     KernelConfig,
     KernelLaunch,
@@ -166,13 +170,7 @@ class GluonFwdTemplate(Template):
         return None
 
     def flops(self, problem: Problem) -> float:
-        # As flash_fwd (PROTOCOL.md): equal lengths count causal as half of dense, otherwise
-        # the visible (query, key) pairs exactly.
-        if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
-            pairs = problem.seqlen_q * problem.seqlen_kv / 2
-        else:
-            pairs = visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv)
-        return 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
+        return forward_flops(problem)  # as flash_fwd's (PROTOCOL.md)
 
     def bytes_moved(self, problem: Problem) -> float:
         q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from templates.attention_reference import attention_reference, visible_pairs
+from templates.attention_reference import attention_reference, forward_flops
 from templates.base import KernelConfig, Problem, Template, knob
 from templates.device import DeviceInfo
 from templates.flash_bwd import reference_grads
@@ -85,13 +85,6 @@ def default_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     except (AttributeError, RuntimeError, TypeError):
         return None
     return _BACKEND_OF_CHOICE.get(int(choice))
-
-
-def dense_pairs(problem: Problem) -> float:
-    """Visible (query, key) pairs, counted as the flash templates count them (PROTOCOL.md)."""
-    if problem.causal != "none" and problem.seqlen_q == problem.seqlen_kv:
-        return problem.seqlen_q * problem.seqlen_kv / 2
-    return float(visible_pairs(problem.causal, problem.seqlen_q, problem.seqlen_kv))
 
 
 class _SdpaTemplate(Template):
@@ -156,7 +149,7 @@ class TorchSdpaTemplate(_SdpaTemplate):
                    "baseline every kernel of ours must beat to be chosen.")
 
     def flops(self, problem: Problem) -> float:
-        return 4.0 * problem.batch * problem.heads_q * problem.head_dim * dense_pairs(problem)
+        return forward_flops(problem)
 
     def bytes_moved(self, problem: Problem) -> float:
         return self._bytes(problem)
@@ -176,8 +169,7 @@ class TorchSdpaTrainTemplate(_SdpaTemplate):
 
     def flops(self, problem: Problem) -> float:
         # Forward + backward = 3.5 x forward (PROTOCOL.md).
-        return 3.5 * 4.0 * problem.batch * problem.heads_q * problem.head_dim * dense_pairs(
-            problem)
+        return 3.5 * forward_flops(problem)
 
     def bytes_moved(self, problem: Problem) -> float:
         return 2.0 * self._bytes(problem)
