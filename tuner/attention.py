@@ -236,11 +236,12 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     name = _traced_choice(",".join(str(n) for n in q.shape), ",".join(str(n) for n in k.shape),
                           str(q.dtype).removeprefix("torch."), str(q.device), is_causal,
                           needs_grad)
-    if name.startswith("sdpa:"):
-        return sdpa(q, k, v, backend=name.removeprefix("sdpa:"), is_causal=is_causal,
-                    scale=scale, enable_gqa=enable_gqa)
-    # Ours runs as the custom op: the flash kernels (decode has no op yet, see DISPATCH.md).
-    return torch.ops.tuner.attention_fwd(q, k, v, is_causal, scale, enable_gqa)[0]
+    if name == "flash":  # ours runs as the custom op, which Dynamo keeps in the graph
+        return torch.ops.tuner.attention_fwd(q, k, v, is_causal, scale, enable_gqa)[0]
+    # decode and gluon have no custom op yet (DISPATCH.md): there, what SDPA would run.
+    backend = name.removeprefix("sdpa:") if name.startswith("sdpa:") else "default"
+    return sdpa(q, k, v, backend=backend, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
 
 
 # ----------------------------------------------------------------------------- plans

@@ -255,3 +255,18 @@ def test_choose_names_the_problem_when_sdpa_itself_cannot_run_it() -> None:
                 causal="bottom_right")
     with pytest.raises(ValueError, match="torch SDPA cannot run"):
         choose(Call(p, False, current_device()))
+
+
+def test_under_torch_compile_a_choice_without_a_custom_op_runs_sdpa(
+        tmp_path: Path, device: str) -> None:
+    q, k, v = qkv(device, lq=1, lk=300, heads=8, heads_kv=2)
+    p = problem_of(q, k)
+    store(tmp_path, measured("torch_sdpa", p, 10.0), measured("flash_decode", p, 20.0))
+    assert plan_for(q, k, v, enable_gqa=True).implementation.name == "decode"
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return tuner.attention(q, k, v, enable_gqa=True) * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True) * 2
+    torch.testing.assert_close(compiled(q, k, v), expected, rtol=0, atol=0)
