@@ -56,13 +56,16 @@ async def require_write_token(
     request: Request, settings: SettingsDep,
     _documented: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
 ) -> None:
-    """Writes need ``Authorization: Bearer <TUNER_TOKEN>``; without a configured token, none pass."""
+    """Writes need ``Authorization: Bearer <TUNER_TOKEN>``; without a configured token, none pass.
+
+    Only headers are read: a route that writes takes no body parameter, so this runs before
+    its body is received, and a refused request is answered without reading it (issue 19).
+    """
     try:
         expected = settings.require_write_token()
     except SettingsError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
-                            detail=f"writes are disabled until TUNER_TOKEN is set on the "
-                                   f"service: {exc}") from None
+                            detail=f"writes are disabled on this service: {exc}") from None
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise HTTPException(status.HTTP_401_UNAUTHORIZED,

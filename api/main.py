@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -11,12 +12,15 @@ from api.answers import BestCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.routes import best, configs, dashboard, devices, health, kernels, results, templates
 from db.session import init_db
-from tuner.settings import Settings, SettingsError, load_settings
+from tuner.settings import TOKEN_FIX, Settings, SettingsError, load_settings, write_token_problem
+
+log = logging.getLogger("api")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The app for ``settings`` (default: read from TUNER_* variables); migrates the database."""
     settings = settings if settings is not None else load_settings()
+    check_write_token(settings)
     import_template_modules(settings.template_modules)
     init_db(settings.database_url)
     app = FastAPI(title="attention-tuner", version="1",
@@ -32,6 +36,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, devices, templates, best, configs, results, kernels, dashboard):
         app.include_router(module.router)
     return app
+
+
+def check_write_token(settings: Settings) -> None:
+    """Refuse to start with a token the service would refuse for every write; without one,
+    start for reads only (writes answer 503) and say so."""
+    if settings.token is None:
+        log.warning("TUNER_TOKEN is not set: serving reads only, every write answers 503")
+        return
+    problem = write_token_problem(settings.token)
+    if problem is not None:
+        raise SettingsError(f"{problem}; {TOKEN_FIX}")
 
 
 def import_template_modules(modules: list[str]) -> None:
