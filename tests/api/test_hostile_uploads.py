@@ -31,8 +31,10 @@ from tuner.bundle import (
 from tuner.settings import SettingsError, load_settings
 
 
-def _post_without_reading(app: Any, headers: list[tuple[bytes, bytes]]) -> tuple[int, int]:
-    """POST /v1/results to the ASGI app directly; returns (status, body messages read)."""
+def _post_without_reading(app: Any, headers: list[tuple[bytes, bytes]], length: int = 8_000_000
+                          ) -> tuple[int, int, dict[bytes, bytes]]:
+    """POST /v1/results to the ASGI app directly; returns (status, body messages read, the
+    answer's headers)."""
     reads = 0
     sent: list[dict[str, Any]] = []
 
@@ -50,9 +52,9 @@ def _post_without_reading(app: Any, headers: list[tuple[bytes, bytes]]) -> tuple
              "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
              "server": ("127.0.0.1", 8000),
              "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", b"8000000"), *headers]}
+                         (b"content-length", str(length).encode()), *headers]}
     asyncio.run(app(scope, receive, send))
-    return sent[0]["status"], reads
+    return sent[0]["status"], reads, dict(sent[0]["headers"])
 
 
 @pytest.mark.parametrize(("token", "headers", "status"), [
@@ -63,7 +65,14 @@ def _post_without_reading(app: Any, headers: list[tuple[bytes, bytes]]) -> tuple
 def test_a_write_that_will_be_refused_is_refused_before_its_body_is_read(
         db_url: str, token: str | None, headers: list[tuple[bytes, bytes]], status: int) -> None:
     app = create_app(load_settings(database_url=db_url, token=token))
-    assert _post_without_reading(app, headers) == (status, 0)
+    answered, reads, sent = _post_without_reading(app, headers)
+    assert (answered, reads) == (status, 0)
+    # Not received at all: the connection closes after the answer...
+    assert sent.get(b"connection") == b"close"
+    # ... unless the body is small: then it is received (and dropped), so that its sender
+    # reads the answer instead of a reset.
+    answered, reads, sent = _post_without_reading(app, headers, length=1000)
+    assert (answered, reads) == (status, 0) and b"connection" not in sent
 
 
 def test_the_4m_integer_bundle_is_refused_at_its_first_item(
