@@ -10,10 +10,11 @@ IntegrityError. The functions flush but never commit: the caller owns the transa
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text
+from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
@@ -22,6 +23,7 @@ from db.models import (
     BestConfig,
     Device,
     Remeasurement,
+    RemeasurementClaim,
     Sweep,
     SweepStatus,
     Template,
@@ -37,8 +39,10 @@ __all__ = [
     "best_readings",
     "best_versions",
     "catalog_fingerprint",
+    "claim_remeasurement",
     "count_best",
     "create_sweep",
+    "drop_remeasurement_claim",
     "find_trial",
     "finish_sweep",
     "get_or_create_device",
@@ -55,6 +59,7 @@ __all__ = [
     "refresh_best",
     "refresh_bests",
     "remeasurements_for",
+    "renew_remeasurement_claim",
     "stored_trial_identities",
     "sweep_names",
     "template_versions",
@@ -312,6 +317,55 @@ def insert_remeasurements(s: Session, *, rows: Sequence[Mapping[str, Any]]) -> i
               for row in rows]
     s.connection().execute(_insert(s, Remeasurement), values)  # Core executemany
     return len(values)
+
+
+def claim_remeasurement(s: Session, *, trial_id: int, wanted: int, worker: str,
+                        is_stale: Callable[[str, datetime], bool]) -> int | None:
+    """Claim one more re-measurement of a trial for ``worker``: granted while its stored
+    re-measurements and live claims are fewer than ``wanted``. Returns the claim's id (hand
+    it to ``renew_remeasurement_claim`` while measuring and ``drop_remeasurement_claim`` with
+    the result), or None when the trial has enough.
+
+    Claims for which ``is_stale(worker, beat_at)`` is true (their worker died, or stopped
+    renewing them) are dropped first, so a dead worker's share is taken over. Two claims of
+    one trial are serialized: by SQLite's write lock (a write transaction), by a row lock on
+    the trial on PostgreSQL.
+    """
+    if wanted < 1:
+        raise ValueError(f"wanted must be >= 1, but got {wanted}")
+    s.execute(select(Trial.id).where(Trial.id == trial_id).with_for_update())
+    claims = s.execute(select(RemeasurementClaim.id, RemeasurementClaim.worker,
+                              RemeasurementClaim.beat_at)
+                       .where(RemeasurementClaim.trial_id == trial_id)).all()
+    stale = [claim_id for claim_id, holder, beat_at in claims
+             if is_stale(holder, _utc(beat_at))]
+    if stale:
+        s.execute(delete(RemeasurementClaim).where(RemeasurementClaim.id.in_(stale)))
+    done = s.scalar(select(func.count()).select_from(Remeasurement)
+                    .where(Remeasurement.trial_id == trial_id)) or 0
+    if done + len(claims) - len(stale) >= wanted:
+        return None
+    claim = RemeasurementClaim(trial_id=trial_id, worker=worker, beat_at=utcnow())
+    s.add(claim)
+    s.flush()
+    return claim.id
+
+
+def renew_remeasurement_claim(s: Session, *, claim_id: int) -> bool:
+    """Mark a claim alive now; False when it is gone (taken over as stale)."""
+    result = s.execute(update(RemeasurementClaim).where(RemeasurementClaim.id == claim_id)
+                       .values(beat_at=utcnow()))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def drop_remeasurement_claim(s: Session, *, claim_id: int) -> None:
+    """Drop a claim: its re-measurement is stored, or will not be taken."""
+    s.execute(delete(RemeasurementClaim).where(RemeasurementClaim.id == claim_id))
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands times back without their offset; they are stored as UTC (models.utcnow).
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 
 
 def remeasurements_for(s: Session, *, device_id: int, template_id: int,

@@ -486,3 +486,68 @@ def test_best_readings_of_many_bests_take_one_query(db_url: str) -> None:
     # Each rests on its one trial's reading (1.0 ms, as _seed_bests records them).
     assert {b.id: (readings[b.id].times_ms, readings[b.id].spread) for b in bests} == {
         b.id: ((1.0,), None) for b in bests}
+
+
+# ----------------------------------------------------------------------------- re-measurement claims
+def test_claims_grant_exactly_the_missing_remeasurements(target: Target) -> None:
+    rng = random.Random(22)
+    never_stale = lambda *_: False  # noqa: E731
+    with session_scope(target.url) as s:
+        trial_id = _record(s, target, rng, problem=_data.problem(rng), config_key="c",
+                           tflops=10.0)
+
+    def claim(worker: str, stale: object = never_stale) -> int | None:
+        with session_scope(target.url) as s:
+            return crud.claim_remeasurement(s, trial_id=trial_id, wanted=2, worker=worker,
+                                            is_stale=stale)  # type: ignore[arg-type]
+
+    a, b = claim("a"), claim("b")
+    assert a is not None and b is not None and claim("c") is None  # two wanted, two held
+    with session_scope(target.url) as s:  # a's re-measurement lands, its claim goes
+        crud.record_remeasurement(s, trial_id=trial_id, status=TrialStatus.OK, median_ms=1.0,
+                                  tflops=10.0)
+        crud.drop_remeasurement_claim(s, claim_id=a)
+    assert claim("c") is None  # one stored, one in flight: enough
+    seen: list[tuple[str, object]] = []
+
+    def b_is_dead(worker: str, renewed_at: object) -> bool:
+        seen.append((worker, renewed_at))
+        return worker == "b"
+
+    d = claim("d", b_is_dead)  # b died: its share is taken over
+    assert d is not None and [w for w, _ in seen] == ["b"]
+    assert getattr(seen[0][1], "tzinfo", None) is not None  # compared in UTC, on both backends
+    with session_scope(target.url) as s:
+        assert crud.renew_remeasurement_claim(s, claim_id=d)
+        assert not crud.renew_remeasurement_claim(s, claim_id=b)  # gone
+        crud.drop_remeasurement_claim(s, claim_id=d)  # given up, nothing stored
+    assert claim("e") is not None
+    with session_scope(target.url) as s, pytest.raises(ValueError, match="wanted must be >= 1"):
+        crud.claim_remeasurement(s, trial_id=trial_id, wanted=0, worker="x",
+                                 is_stale=never_stale)
+
+
+def test_racing_claims_are_granted_no_more_than_wanted(target: Target) -> None:
+    """Eight workers claim at the same moment; three re-measurements are wanted: three win."""
+    import threading
+
+    from db.session import run_in_transaction
+
+    rng = random.Random(23)
+    with session_scope(target.url) as s:
+        trial_id = _record(s, target, rng, problem=_data.problem(rng), config_key="c",
+                           tflops=10.0)
+    start = threading.Barrier(8)
+    granted: list[int | None] = []
+
+    def worker(n: int) -> None:
+        start.wait(timeout=30)
+        granted.append(run_in_transaction(target.url, lambda s: crud.claim_remeasurement(
+            s, trial_id=trial_id, wanted=3, worker=f"w{n}", is_stale=lambda *_: False)))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(granted) == 8 and sum(g is not None for g in granted) == 3
