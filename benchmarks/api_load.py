@@ -156,6 +156,21 @@ def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
     return queries
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` and its children (uvicorn's workers), from
+    /proc; 0 where there is no /proc."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1]: the parent
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def start_server(url: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_TOKEN": TOKEN,
            "TUNER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
@@ -460,7 +475,12 @@ def main() -> None:
         port = free_port()
         server = start_server(url, port, args.workers)
         try:
+            # CPU used during the load, by the service and by this load generator: on a small
+            # machine the generator's share is taken from the service.
+            server_cpu, own = cpu_seconds(server.pid), time.process_time()
             result = asyncio.run(run_load(port, queries, args, upload_bodies))
+            result["cpu_s"] = {"service": round(cpu_seconds(server.pid) - server_cpu, 2),
+                               "load_generator": round(time.process_time() - own, 2)}
         finally:
             server.terminate()
             server.wait(timeout=30)
