@@ -6,33 +6,48 @@ answer is the template's default for the device: the stored device when the serv
 key, else the hardware the key names (``tuner.lookup.device_info_from_key``: an unknown or bare
 name is taken as an H100).
 
-The best configs of one device and template version are read and parsed once and kept in a
-``BestCache`` snapshot, re-checked every ``ttl_s`` seconds with one small query (an upload
-through this service drops them at once): parsing every stored row on every request cost
-~10 ms, most of a lookup's time.
+``BestCache`` keeps in memory what answers need, so a lookup costs no database query:
+
+* the catalog: every stored device (key, name, hardware) and template version. A device or
+  version it does not hold has nothing tuned, and is answered from it alone: made-up device
+  keys cost no query and take no room (issue 19: each random key cost a database load and
+  flushed the whole cache);
+* per device x template version with stored results, their best configs, parsed once
+  (parsing every stored row on every request cost ~10 ms, most of a lookup's time), at most
+  ``max_entries`` of them, the least recently used evicted one at a time.
+
+Every entry is re-checked against the database with one small query once it is ``ttl_s / 2``
+old, in the background while requests keep answering from it; an entry ``ttl_s`` old is not
+answered from until it is checked (a request waits for that query, ~1 ms). So an answer
+reflects the database as it was at most ``ttl_s`` ago, even the first one after an idle
+spell (issue 20: the first answer 20 s after a sweep wrote was stale). A check that finds
+changes re-reads and re-parses only the best configs that changed. An upload through the
+service refreshes the entries it changed before it answers, while requests keep answering from
+the previous ones (issue 19: an upload used to drop every entry, and all requests waited on
+full reloads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from datetime import datetime
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Generic, TypeVar
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from db import crud
-from db.models import BestConfig, Device, Sweep, Trial
-from db.models import Template as TemplateRow
 from db.session import get_sessionmaker
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
+from templates.registry import get_template
 from tuner.lookup import (
     Candidate,
     device_info_from_key,
@@ -55,6 +70,51 @@ def template_version(template: Template) -> str:
     return version
 
 
+# Candidates listed in the answer to an ambiguous device; the rest are counted.
+MAX_LISTED_DEVICES = 20
+
+
+class AmbiguousDevice(ValueError):
+    """A device name or key prefix that matches several stored devices."""
+
+    def __init__(self, given: str, keys: list[str], how: str) -> None:
+        self.given = given
+        self.candidates = keys[:MAX_LISTED_DEVICES]
+        more = len(keys) - len(self.candidates)
+        super().__init__(
+            f"device {given!r} is the {how} of {len(keys)} stored devices; ask with one of "
+            f"their keys{f' (the first {len(self.candidates)} listed, {more} more)' if more else ''}")
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """The stored devices and template versions (what has tuned results at all)."""
+
+    devices: dict[str, DeviceInfo]  # by key
+    keys_by_name: dict[str, list[str]]
+    sorted_keys: list[str]  # for key prefixes
+    template_versions: frozenset[tuple[str, str]]
+    fingerprint: tuple[Any, ...]
+
+    def resolve(self, given: str) -> str | None:
+        """The key of the stored device that ``given`` names: its key, its name, or a prefix of
+        its key, in that order (None: no stored device); raises ``AmbiguousDevice`` when a
+        name or prefix fits several."""
+        if given in self.devices:
+            return given
+        named = self.keys_by_name.get(given, [])
+        if len(named) > 1:
+            raise AmbiguousDevice(given, named, "name")
+        if named:
+            return named[0]
+        start = bisect.bisect_left(self.sorted_keys, given)
+        matches = list(itertools.takewhile(lambda k: k.startswith(given),
+                                           self.sorted_keys[start:]))
+        if len(matches) > 1:
+            raise AmbiguousDevice(given, matches, "key prefix")
+        return matches[0] if matches else None
+
+
 @dataclass(frozen=True)
 class StoredBest:
     """What an answer needs of a best-config row, detached from its session."""
@@ -73,143 +133,208 @@ class StoredBest:
 
 @dataclass(frozen=True)
 class Snapshot:
-    device: DeviceInfo
-    candidates: list[Candidate]
-    expires_at: float
-    fingerprint: tuple[Any, ...]  # changes whenever a best row is added or updated
+    """The parsed best configs of one device x template version."""
+
+    candidates: list[Candidate]  # ordered by problem key, as the rows were before
+    by_key: dict[str, Candidate]
+    versions: dict[str, tuple[int, Any]]  # problem key -> (id, updated_at), see crud
+    fingerprint: tuple[Any, ...]
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Kept(Generic[T]):
+    """One cached value, when the database was last checked for it, and its refresh."""
+
+    value: T | None = None
+    checked_at: float = float("-inf")  # clock at the start of the load that gave value
+    seq: int = -1  # loads are numbered as they start: a newer load's value is never replaced
+    loading: asyncio.Future[tuple[T, float, int]] | None = field(default=None, repr=False)
+
+
+SnapshotKey = tuple[str, str, str]  # device key, template name, template version
 
 
 class BestCache:
-    """Parsed best configs per (device key, template, version), refreshed every ``ttl_s`` s.
+    """The catalog and best configs of the database at ``database_url``, kept in memory and
+    re-checked every ``ttl_s`` seconds (see the module docstring).
 
-    One load per key at a time, in a worker thread; while a key refreshes, requests keep
-    answering from its previous snapshot (stale by at most one load). Without that, every
-    request in flight when a snapshot expired reloaded it at once: a 0.5 s stall every ttl_s
-    at 500 req/s (benchmarks/api_load.py).
+    Everything but the loads runs on the event loop; a load (a few queries and parsing) runs
+    in a worker thread and hands its result back to the loop, one load per entry at a time.
     """
 
-    # Device keys come from callers: bound the entries so random keys cannot grow memory.
-    MAX_ENTRIES = 1024
-
     def __init__(self, database_url: str, ttl_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_entries: int = 1024) -> None:
+        if ttl_s <= 0 or max_entries < 1:
+            raise ValueError(f"ttl_s must be > 0 and max_entries >= 1, but got ttl_s={ttl_s}, "
+                             f"max_entries={max_entries}")
         self.database_url = database_url
         self.ttl_s = ttl_s
+        self.max_entries = max_entries
         self._clock = clock
-        self._entries: dict[tuple[str, str, str], Snapshot] = {}
-        self._loading: dict[tuple[str, str, str], asyncio.Future[Snapshot]] = {}
-        self._generation = 0  # bumped by invalidate(): loads begun before it are not kept
-        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._catalog: _Kept[Catalog] = _Kept()
+        self._snapshots: OrderedDict[SnapshotKey, _Kept[Snapshot]] = OrderedDict()
 
-    def invalidate(self) -> None:
-        with self._lock:
-            self._generation += 1
-            self._entries.clear()
+    # -- reading ----------------------------------------------------------------------------
+    async def catalog(self) -> Catalog:
+        return await self._fresh(self._catalog, self._load_catalog)
 
     async def snapshot(self, template: Template, version: str, device_key: str) -> Snapshot:
         key = (device_key, template.name, version)
-        hit = self._entries.get(key)
-        if hit is not None and hit.expires_at > self._clock():
-            return hit
-        loading = self._loading.get(key)
-        if loading is None:
-            loading = asyncio.ensure_future(run_in_threadpool(
-                self._load_and_keep, key, template, version, device_key))
-            self._loading[key] = loading
-            loading.add_done_callback(lambda done: self._loaded(key, done))
-        if hit is not None:
-            return hit
-        return await asyncio.shield(loading)
-
-    def _loaded(self, key: tuple[str, str, str], done: asyncio.Future[Snapshot]) -> None:
-        self._loading.pop(key, None)
-        if not done.cancelled() and done.exception() is not None:  # retrieved: logged, not lost
-            log.warning("reloading best configs of %s failed: %s", key, done.exception())
-
-    def _load_and_keep(self, key: tuple[str, str, str], template: Template, version: str,
-                       device_key: str) -> Snapshot:
-        generation = self._generation
-        old = self._entries.get(key)
-        with get_sessionmaker(self.database_url, write=False)() as session:
-            mark = _fingerprint(session, template.name, version, device_key)
-            if old is not None and old.fingerprint == mark:
-                # Nothing changed: keep the parsed candidates (a reload parses every row).
-                snapshot = replace(old, expires_at=self._clock() + self.ttl_s)
-            else:
-                snapshot = self._load(session, template, version, device_key, mark)
-        with self._lock:
-            if generation == self._generation:
-                if len(self._entries) >= self.MAX_ENTRIES:
-                    self._entries.clear()
-                self._entries[key] = snapshot
-        return snapshot
-
-    def _load(self, session: Session, template: Template, version: str, device_key: str,
-              fingerprint: tuple[Any, ...]) -> Snapshot:
-        rows = crud.best_candidates(session, device_key=device_key, template_name=template.name,
-                                    template_version=version)
-        if rows:
-            device = device_info_from_row(rows[0].device)
+        kept = self._snapshots.get(key)
+        if kept is None:
+            kept = self._snapshots[key] = _Kept()
+            while len(self._snapshots) > self.max_entries:
+                self._snapshots.popitem(last=False)  # the least recently used
         else:
-            row = session.scalars(select(Device).where(Device.key == device_key)).one_or_none()
-            device = device_info_from_row(row) if row else device_info_from_key(device_key)
-        sweep_names = _names_of(session, {r.sweep_id for r in rows if r.sweep_id is not None})
-        measured = _trial_dates(session, {r.trial_id for r in rows if r.trial_id is not None})
-        readings = crud.best_readings(session, rows)
-        stored = [StoredBest(
-            problem_key=r.problem_key, problem=dict(r.problem), config=dict(r.config),
-            tflops=r.tflops, median_ms=r.median_ms, default_tflops=r.default_tflops,
-            speedup=r.speedup, readings=readings[r.id].count, spread=readings[r.id].spread,
-            provenance=Provenance(
-                sweep_id=r.sweep_id, sweep_name=sweep_names.get(r.sweep_id),
-                measured_at=measured.get(r.trial_id, r.updated_at),
-                triton_version=r.device.triton_version, torch_version=r.device.torch_version))
-            for r in rows]
-        return Snapshot(device, parse_candidates(template, stored), self._clock() + self.ttl_s,
-                        fingerprint)
+            self._snapshots.move_to_end(key)
+        return await self._fresh(kept, partial(self._load_snapshot, key))
+
+    def __len__(self) -> int:
+        """Snapshots held (the catalog not counted)."""
+        return len(self._snapshots)
+
+    async def refresh(self, changed: Iterable[SnapshotKey]) -> None:
+        """Re-read the catalog and the held snapshots of ``changed`` now (after an upload
+        through this service: its uploader's next lookup sees what it stored), while requests
+        keep answering from the entries as they are until each new one is in place."""
+        loads: list[asyncio.Future[Any]] = [
+            self._start(self._catalog, self._load_catalog, force=True)]
+        for key in set(changed):
+            kept = self._snapshots.get(key)
+            if kept is not None:
+                loads.append(self._start(kept, partial(self._load_snapshot, key), force=True))
+        await asyncio.gather(*(asyncio.shield(load) for load in loads))
+
+    async def _fresh(self, kept: _Kept[T], load: Callable[[T | None], T]) -> T:
+        age = self._clock() - kept.checked_at
+        if kept.value is not None and age < self.ttl_s:
+            if age >= self.ttl_s / 2:
+                self._start(kept, load)  # checked in the background; answered from as it is
+            return kept.value
+        try:
+            value, _, _ = await asyncio.shield(self._start(kept, load))
+        except Exception:
+            if kept.value is None:
+                raise
+            # The database failed: an old answer serves better than none (logged by _loaded).
+            return kept.value
+        return value
+
+    def _start(self, kept: _Kept[T], load: Callable[[T | None], T], *,
+               force: bool = False) -> asyncio.Future[tuple[T, float, int]]:
+        if kept.loading is not None and not force:
+            return kept.loading
+        seq, started = next(self._seq), self._clock()
+
+        def run() -> tuple[T, float, int]:
+            return load(kept.value), started, seq
+
+        loading = asyncio.ensure_future(run_in_threadpool(run))
+        loading.add_done_callback(partial(self._loaded, kept))
+        kept.loading = loading
+        return loading
+
+    def _loaded(self, kept: _Kept[T], done: asyncio.Future[tuple[T, float, int]]) -> None:
+        if kept.loading is done:
+            kept.loading = None
+        if done.cancelled():
+            return
+        if done.exception() is not None:  # retrieved: logged, not lost
+            log.warning("reloading cached answers failed: %s", done.exception())
+            return
+        value, started, seq = done.result()
+        if seq > kept.seq:  # a load that started earlier but ended later is older: dropped
+            kept.value, kept.checked_at, kept.seq = value, started, seq
+
+    # -- loading (worker threads) -----------------------------------------------------------
+    def _session(self) -> Session:
+        return get_sessionmaker(self.database_url, write=False)()
+
+    def _load_catalog(self, old: Catalog | None) -> Catalog:
+        with self._session() as session:
+            mark = crud.catalog_fingerprint(session)
+            if old is not None and old.fingerprint == mark:
+                return old
+            devices = {row.key: device_info_from_row(row) for row in crud.list_devices(session)}
+            versions = frozenset(crud.template_versions(session))
+        names: dict[str, list[str]] = {}
+        for key in sorted(devices):
+            names.setdefault(devices[key].name, []).append(key)
+        return Catalog(devices, names, sorted(devices), versions, mark)
+
+    def _load_snapshot(self, key: SnapshotKey, old: Snapshot | None) -> Snapshot:
+        device_key, template_name, version = key
+        of_key = {"device_key": device_key, "template_name": template_name,
+                  "template_version": version}
+        with self._session() as session:
+            mark = crud.best_fingerprint(session, **of_key)
+            if old is not None and old.fingerprint == mark:
+                return old
+            versions = crud.best_versions(session, **of_key)
+            old_versions = old.versions if old is not None else {}
+            stale = [k for k, v in versions.items() if old_versions.get(k) != v]
+            rows = crud.best_candidates(session, **of_key, problem_keys=stale) if stale else []
+            fresh = _parsed(session, get_template(template_name), rows)
+        kept = {k: c for k, c in (old.by_key.items() if old is not None else ())
+                if k in versions and k not in fresh and old_versions.get(k) == versions[k]}
+        by_key = {**kept, **fresh}
+        return Snapshot(candidates=[by_key[k] for k in sorted(by_key)], by_key=by_key,
+                        versions=versions, fingerprint=mark)
 
 
-def _fingerprint(session: Session, template_name: str, version: str,
-                 device_key: str) -> tuple[Any, ...]:
-    """Row count, newest update and largest id of one key's best configs (one indexed query)."""
-    row = session.execute(
-        select(func.count(BestConfig.id), func.max(BestConfig.updated_at), func.max(BestConfig.id))
-        .join(BestConfig.device).join(BestConfig.template)
-        .where(Device.key == device_key, TemplateRow.name == template_name,
-               TemplateRow.version == version)).one()
-    return tuple(row)
-
-
-def _names_of(session: Session, sweep_ids: set[int]) -> dict[int | None, str]:
-    if not sweep_ids:
+def _parsed(session: Session, template: Template, rows: list[Any]) -> dict[str, Candidate]:
+    """``rows`` (best configs of one device and template version) as candidates, by problem
+    key; a row whose problem or config no longer validates is left out."""
+    if not rows:
         return {}
-    return dict(session.execute(select(Sweep.id, Sweep.name).where(Sweep.id.in_(sweep_ids)))
-                .tuples().all())
-
-
-def _trial_dates(session: Session, trial_ids: set[int]) -> dict[int | None, datetime]:
-    if not trial_ids:
-        return {}
-    return dict(session.execute(select(Trial.id, Trial.created_at)
-                                .where(Trial.id.in_(trial_ids))).tuples().all())
+    names = crud.sweep_names(session, sweep_ids={r.sweep_id for r in rows
+                                                  if r.sweep_id is not None})
+    measured = crud.trial_dates(session, trial_ids={r.trial_id for r in rows
+                                                    if r.trial_id is not None})
+    readings = crud.best_readings(session, rows)
+    stored = [StoredBest(
+        problem_key=r.problem_key, problem=dict(r.problem), config=dict(r.config),
+        tflops=r.tflops, median_ms=r.median_ms, default_tflops=r.default_tflops,
+        speedup=r.speedup, readings=readings[r.id].count, spread=readings[r.id].spread,
+        provenance=Provenance(
+            sweep_id=r.sweep_id, sweep_name=names.get(r.sweep_id) if r.sweep_id else None,
+            measured_at=measured.get(r.trial_id, r.updated_at) if r.trial_id else r.updated_at,
+            triton_version=r.device.triton_version, torch_version=r.device.torch_version))
+        for r in rows]
+    return {c.problem_key: c for c in parse_candidates(template, stored)}
 
 
 async def best_answer(cache: BestCache, *, template: Template, version: str | None,
-                      problem: Problem, device_key: str) -> BestOut:
-    """Answer on the event loop; only loading a snapshot goes to a worker thread.
+                      problem: Problem, device: str) -> BestOut:
+    """Answer on the event loop; only loading from the database goes to a worker thread.
 
+    ``device`` is a stored device's key, name or unique key prefix (``AmbiguousDevice`` when
+    it fits several), or any other key, answered with the default for the hardware it names.
     Matching a cached snapshot takes ~0.1 ms; two thread-pool hops per request (a plain `def`
     endpoint and its response serialization) cost more than that under load.
     """
     current = template_version(template)
     version = version or current
-    snapshot = await cache.snapshot(template, version, device_key)
-    found = match_candidates(template, problem, snapshot.device, snapshot.candidates)
-    base: dict[str, Any] = {"template": template.name, "device": device_key, "problem": problem.to_dict(),
-            "problem_key": template.problem_key(problem)}
+    catalog = await cache.catalog()
+    device_key = catalog.resolve(device)
+    found = None
+    if device_key is None:  # nothing stored for it: no query, no cache entry
+        device_key, info = device, device_info_from_key(device)
+    else:
+        info = catalog.devices[device_key]
+        if (template.name, version) in catalog.template_versions:
+            snapshot = await cache.snapshot(template, version, device_key)
+            found = match_candidates(template, problem, info, snapshot.candidates)
+    base: dict[str, Any] = {"template": template.name, "device": device_key,
+                            "problem": problem.to_dict(),
+                            "problem_key": template.problem_key(problem)}
     if found is None:
         return BestOut(**base, template_version=current, match="default",
-                       config=template.default_config(problem, snapshot.device).to_dict())
+                       config=template.default_config(problem, info).to_dict())
     row: StoredBest = found.candidate
     return BestOut(**base, template_version=version, match=found.kind,
                    config=found.config.to_dict(), matched_problem=row.problem,

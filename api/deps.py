@@ -52,25 +52,43 @@ bearer_scheme = HTTPBearer(auto_error=False, scheme_name="bearer",
                            description="TUNER_TOKEN of the service; needed for writes")
 
 
+# A refused write's body is never read. After the answer the server would still receive and
+# discard the rest of it; for a large (or unannounced) body, closing the connection stops that
+# (at the cost that a client still sending may see a reset instead of the answer). A small one
+# is received whole: its sender then reads the answer reliably.
+DRAIN_AT_MOST = 64 * 1024
+
+
+def _refusal_headers(request: Request) -> dict[str, str]:
+    declared = request.headers.get("content-length", "")
+    small = declared.isdigit() and int(declared) <= DRAIN_AT_MOST
+    return {} if small else {"Connection": "close"}
+
+
 async def require_write_token(
     request: Request, settings: SettingsDep,
     _documented: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
 ) -> None:
-    """Writes need ``Authorization: Bearer <TUNER_TOKEN>``; without a configured token, none pass."""
+    """Writes need ``Authorization: Bearer <TUNER_TOKEN>``; without a configured token, none pass.
+
+    Only headers are read: a route that writes takes no body parameter, so this runs before
+    its body is received, and a refused request is answered without reading it (issue 19).
+    """
     try:
         expected = settings.require_write_token()
     except SettingsError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
-                            detail=f"writes are disabled until TUNER_TOKEN is set on the "
-                                   f"service: {exc}") from None
+                            detail=f"writes are disabled on this service: {exc}",
+                            headers=_refusal_headers(request)) from None
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise HTTPException(status.HTTP_401_UNAUTHORIZED,
                             detail="this endpoint needs the header 'Authorization: Bearer <token>'",
-                            headers={"WWW-Authenticate": "Bearer"})
+                            headers={"WWW-Authenticate": "Bearer", **_refusal_headers(request)})
     # Constant time: the comparison must not reveal how many leading characters matched.
     if not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, detail="the bearer token is not valid")
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail="the bearer token is not valid",
+                            headers=_refusal_headers(request))
 
 
 WriteAuth = Depends(require_write_token)

@@ -9,6 +9,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.answers import AmbiguousDevice
+
 log = logging.getLogger("api")
 
 
@@ -69,6 +71,11 @@ async def _no_receive() -> Message:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(AmbiguousDevice)
+    async def ambiguous_device(_request: Request, exc: AmbiguousDevice) -> JSONResponse:
+        return JSONResponse({"detail": {"reason": str(exc), "candidates": exc.candidates}},
+                            status_code=422)
+
     @app.exception_handler(OperationalError)
     async def database_unavailable(_request: Request, exc: OperationalError) -> JSONResponse:
         log.error("database error: %s", exc)

@@ -77,8 +77,10 @@ class ProblemQuery(BaseModel):
 class KernelSourceQuery(ProblemQuery):
     # NO_NUL on strings the database compares: PostgreSQL refuses NUL characters outright.
     device: str = Field(min_length=1, max_length=400, pattern=NO_NUL,
-                        description="device key (see /v1/devices); unknown keys get the "
-                                    "default config of the family the key names")
+                        description="a stored device's key (see /v1/devices), name or unique "
+                                    "key prefix (one that fits several is a 422 listing "
+                                    "them); other keys get the default config of the family "
+                                    "the key names")
 
 
 class BestQuery(KernelSourceQuery):

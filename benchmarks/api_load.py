@@ -1,16 +1,28 @@
-"""Load test of GET /v1/best: latency at a fixed request rate against uvicorn + SQLite.
+"""Load test of GET /v1/best: read latency at a fixed rate, alone or beside writers and probes.
 
-    python benchmarks/api_load.py                       # 500 req/s for 10 s
-    python benchmarks/api_load.py --rate 1000 --duration 5 --json load.json
+    python benchmarks/api_load.py                       # 500 req/s for 10 s, reads only
+    python benchmarks/api_load.py --rate 500 --duration 5 --uploads 1 --unauth-clients 16 \
+        --random-devices 300                            # the hostile mix of issue 19
+    python benchmarks/api_load.py --huge-bundle         # one 4M-integer bundle mid-run
+    python benchmarks/api_load.py --big-upload 8000     # one 8,000-item upload mid-run
 
-Starts the service as its own process (``uvicorn --factory api.main:create_app``, one worker)
-on a free loopback port, over a fresh SQLite file holding ``--configs`` tuned best configs of
+Starts the service as its own process (``tuner serve``, ``--workers`` processes) on a free
+loopback port, over a fresh SQLite file holding ``--configs`` tuned best configs of
 ``flash_fwd``, then sends best-config lookups at ``--rate`` per second, open loop: request i is
 sent at start + i / rate whether or not earlier ones have finished, and its latency counts from
 that planned moment, so a stalled server shows up in the tail instead of slowing the sender
 down (no coordinated omission). The lookups cycle through exact, same-bucket, nearest-shape and
-untuned (default) problems. Loopback only; bounded by --duration, --max-requests and a
-per-request timeout. Target (issue 7): p99 <= 5 ms at 500 req/s.
+untuned (default) problems.
+
+Beside the readers, each optional and measured on its own: ``--uploads`` authenticated uploads
+per second of ``--upload-items`` new best configs of the readers' device (each changes what
+the readers' device has tuned); ``--unauth-clients`` clients that keep sending 8 MB bodies
+without a token (timed to the answer's status line, not to the end of the body: the service
+should refuse before reading it); ``--random-devices`` lookups per second for made-up device
+keys; ``--huge-bundle``, one authenticated bundle of 4,000,000 integers as items;
+``--big-upload N``, one authenticated upload of N valid items. Loopback only; bounded by
+--duration, --max-requests and a per-request timeout. Targets (issues 7 and 19): reads p99 <= 5
+ms at 500 req/s, with or without the others.
 """
 
 from __future__ import annotations
@@ -20,14 +32,17 @@ import asyncio
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -35,51 +50,100 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TOKEN = "load-test-token-5d1e9a"
+HOST = "127.0.0.1"
+UNAUTH_BODY_BYTES = 8 * 1024 * 1024
+HUGE_BUNDLE_INTEGERS = 4_000_000
 
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((HOST, 0))
         return int(s.getsockname()[1])
 
 
-def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
-    """Store ``n_configs`` best configs; return the lookup queries to cycle through."""
-    from db.session import dispose_engine, session_scope
-    from templates.base import Problem
+def h100() -> Any:
     from templates.device import DeviceInfo
-    from templates.registry import get_template
-    from tuner.bundle import BUNDLE_FORMAT, BundleDevice, store_bundle, validate_bundle
 
-    fwd = get_template("flash_fwd")
-    h100 = DeviceInfo(name="NVIDIA H100 80GB HBM3", compute_capability="9.0", sm_count=132,
+    return DeviceInfo(name="NVIDIA H100 80GB HBM3", compute_capability="9.0", sm_count=132,
                       total_memory=85_520_809_984, smem_per_block=232_448,
                       driver_version="570.86", triton_version="3.6.0", torch_version="2.11.0",
                       cuda_version="12.8")
+
+
+def reader_problems(n: int) -> list[Any]:
+    """The ``n`` problems the readers look up (at most 48: the standard suite's shapes)."""
+    from templates.base import Problem
+
     problems = []
     for head_dim in (64, 128):
         for causal in ("none", "top_left"):
             for dtype in ("bfloat16", "float16"):
                 for exp in range(9, 15):  # 512 .. 16k, the standard suite's tokens per batch
-                    n = 1 << exp
-                    problems.append(Problem(batch=max(1, 16384 // n), heads_q=2048 // head_dim,
-                                            heads_kv=2048 // head_dim, seqlen_q=n, seqlen_kv=n,
+                    s = 1 << exp
+                    problems.append(Problem(batch=max(1, 16384 // s), heads_q=2048 // head_dim,
+                                            heads_kv=2048 // head_dim, seqlen_q=s, seqlen_kv=s,
                                             head_dim=head_dim, dtype=dtype, causal=causal))
-    problems = problems[:n_configs]
-    items = []
-    for p in problems:
-        config = fwd.default_config(p, h100)
-        items.append({"device": BundleDevice.of(h100).model_dump(), "template": fwd.name,
-                      "template_version": fwd.version(), "problem": p.to_dict(),
-                      "config": config.to_dict(), "tflops": 400.0,
-                      "median_ms": fwd.flops(p) / 400e9, "default_tflops": 300.0})
+    return problems[:n]
+
+
+def writer_problems(n: int, taken: set[str]) -> list[Any]:
+    """``n`` problems of other buckets than ``taken``: what uploads bring that is new."""
+    from templates.base import Problem
+
+    out: list[Any] = []
+    if n == 0:
+        return out
+    for heads in range(1, 4096):
+        for head_dim in (64, 128):
+            for causal in ("none", "top_left"):
+                for dtype in ("bfloat16", "float16"):
+                    for exp in range(7, 15):
+                        p = Problem(batch=1, heads_q=heads, heads_kv=heads, seqlen_q=1 << exp,
+                                    seqlen_kv=1 << exp, head_dim=head_dim, dtype=dtype,
+                                    causal=causal)
+                        if p.bucket_key() not in taken:
+                            taken.add(p.bucket_key())
+                            out.append(p)
+                            if len(out) == n:
+                                return out
+    raise ValueError(f"cannot make {n} distinct problems")
+
+
+def items_for(problems: list[Any], tflops: float = 400.0) -> list[dict[str, Any]]:
+    from templates.registry import get_template
+    from tuner.bundle import BundleDevice
+
+    fwd, dev = get_template("flash_fwd"), h100()
+    device = BundleDevice.of(dev).model_dump()
+    version = fwd.version()
+    return [{"device": device, "template": fwd.name, "template_version": version,
+             "problem": p.to_dict(), "config": fwd.default_config(p, dev).to_dict(),
+             "tflops": tflops, "median_ms": fwd.flops(p) / (tflops * 1e9),
+             "default_tflops": 300.0} for p in problems]
+
+
+def bundle_bytes(items: list[Any]) -> bytes:
+    from tuner.bundle import BUNDLE_FORMAT
+
+    return json.dumps({"format": BUNDLE_FORMAT, "version": 1, "host": "load",
+                       "items": items}).encode()
+
+
+def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
+    """Store ``n_configs`` best configs; return the lookup queries to cycle through."""
+    from db.session import dispose_engine, session_scope
+    from templates.registry import get_template
+    from tuner.bundle import store_bundle, validate_bundle
+
+    fwd, dev = get_template("flash_fwd"), h100()
+    problems = reader_problems(n_configs)
     with session_scope(url) as s:
-        store_bundle(s, validate_bundle({"format": BUNDLE_FORMAT, "version": 1, "items": items}))
+        store_bundle(s, validate_bundle(json.loads(bundle_bytes(items_for(problems)))))
     dispose_engine(url)
 
     queries = []
     for i, p in enumerate(problems):
-        q = {"device": h100.key, "template": fwd.name, **p.to_dict()}
+        q = {"device": dev.key, "template": fwd.name, **p.to_dict()}
         kind = i % 4
         if kind == 1:  # same bucket, other exact shape
             q["seqlen_q"] = q["seqlen_kv"] = p.seqlen_q - 7
@@ -92,19 +156,35 @@ def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
     return queries
 
 
-def start_server(url: str, port: int) -> subprocess.Popen[bytes]:
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` and its children (uvicorn's workers), from
+    /proc; 0 where there is no /proc."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1]: the parent
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def start_server(url: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_TOKEN": TOKEN,
            "TUNER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     env.pop("TUNER_URL", None)
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app", "--host",
-           "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log"]
+    cmd = [sys.executable, "-m", "tuner.cli.app", "serve", "--host", HOST, "--port", str(port)]
+    if workers != 1:
+        cmd += ["--workers", str(workers)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the service exited with {proc.returncode} before answering")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+            if httpx.get(f"http://{HOST}:{port}/healthz", timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
@@ -114,37 +194,44 @@ def start_server(url: str, port: int) -> subprocess.Popen[bytes]:
 
 
 class Connection:
-    """One keep-alive HTTP/1.1 connection speaking just enough protocol for GETs.
+    """One keep-alive HTTP/1.1 connection speaking just enough protocol for these requests.
 
     httpx's async client spends ~1-2 ms of CPU per request on this class of machine, as much
     as the server it measures; on a 2-core box the load generator then starves the server.
     Raw streams cost tens of microseconds per request.
     """
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, port: int) -> None:
+        self.port = port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def get(self, target: str, timeout: float) -> tuple[int, bytes]:
+    async def request(self, method: str, target: str, timeout: float, body: bytes = b"",
+                      headers: str = "") -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), timeout)
+                asyncio.open_connection(HOST, self.port), timeout)
         assert self.reader is not None and self.writer is not None
-        self.writer.write(f"GET {target} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+        length = f"Content-Length: {len(body)}\r\n" if method == "POST" else ""
+        self.writer.write(f"{method} {target} HTTP/1.1\r\nHost: {HOST}\r\n{headers}{length}"
+                          "\r\n".encode() + body)
         try:
             head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), timeout)
             status = int(head.split(b" ", 2)[1])
-            length = 0
+            size, close = 0, False
             for line in head.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")
                 if name.strip().lower() == b"content-length":
-                    length = int(value)
-            body = await asyncio.wait_for(self.reader.readexactly(length), timeout)
+                    size = int(value)
+                if name.strip().lower() == b"connection" and b"close" in value.lower():
+                    close = True
+            answer = await asyncio.wait_for(self.reader.readexactly(size), timeout)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             self.close()
             raise
-        return status, body
+        if close:
+            self.close()
+        return status, answer
 
     def close(self) -> None:
         if self.writer is not None:
@@ -152,40 +239,48 @@ class Connection:
         self.reader = self.writer = None
 
 
-async def run_load(base: str, queries: list[dict[str, Any]], rate: float, duration: float,
-                   max_requests: int, timeout: float, connections: int) -> dict[str, Any]:
-    from urllib.parse import urlencode, urlsplit
+class Stats:
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.statuses: dict[str, int] = {}
 
-    parts = urlsplit(base)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    targets = [f"/v1/best?{urlencode(q)}" for q in queries]
-    total = min(max_requests, int(rate * duration))
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    matches: dict[str, int] = {}
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    def summary(self, elapsed: float) -> dict[str, Any]:
+        ms = sorted(x * 1e3 for x in self.latencies)
+
+        def pct(p: float) -> float:
+            return round(ms[min(len(ms) - 1, int(p / 100 * len(ms)))], 3) if ms else float("nan")
+
+        return {"completed": len(ms), "rate": round(len(ms) / elapsed, 1),
+                "errors": self.errors, "statuses": self.statuses, "p50_ms": pct(50),
+                "p90_ms": pct(90), "p99_ms": pct(99),
+                "max_ms": round(ms[-1], 3) if ms else None,
+                "mean_ms": round(statistics.fmean(ms), 3) if ms else None}
+
+
+async def open_loop(port: int, rate: float, total: int, next_target: Callable[[int], str],
+                    connections: int, timeout: float, stats: Stats,
+                    matches: dict[str, int] | None = None) -> None:
+    """``total`` GETs at ``rate`` per second over ``connections`` keep-alive connections."""
     queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
 
     async def worker() -> None:
-        conn = Connection(host, port)
+        conn = Connection(port)
         while (job := await queue.get()) is not None:
             i, planned = job
             try:
-                status, body = await conn.get(targets[i % len(targets)], timeout)
-                latencies.append(time.perf_counter() - planned)
-                if status != 200:
-                    errors[str(status)] = errors.get(str(status), 0) + 1
-                else:
-                    m = json.loads(body)["match"]
+                status, answer = await conn.request("GET", next_target(i), timeout)
+                stats.latencies.append(time.perf_counter() - planned)
+                stats.statuses[str(status)] = stats.statuses.get(str(status), 0) + 1
+                if status == 200 and matches is not None:
+                    m = json.loads(answer)["match"]
                     matches[m] = matches.get(m, 0) + 1
             except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
-                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                stats.error(type(exc).__name__)
         conn.close()
-
-    # Warm the server's caches (not measured).
-    warm = Connection(host, port)
-    for target in targets[:20]:
-        await warm.get(target, timeout)
-    warm.close()
 
     workers = [asyncio.create_task(worker()) for _ in range(connections)]
     start = time.perf_counter()
@@ -198,46 +293,202 @@ async def run_load(base: str, queries: list[dict[str, Any]], rate: float, durati
     for _ in workers:
         queue.put_nowait(None)
     await asyncio.gather(*workers)
+
+
+async def post_once(port: int, body: bytes, timeout: float, stats: Stats,
+                    answers: list[str]) -> None:
+    """One authenticated upload, timed from its first byte to the end of its answer."""
+    conn = Connection(port)
+    start = time.perf_counter()
+    try:
+        status, answer = await conn.request(
+            "POST", "/v1/results", timeout, body,
+            f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n")
+        stats.latencies.append(time.perf_counter() - start)
+        stats.statuses[str(status)] = stats.statuses.get(str(status), 0) + 1
+        answers.append(answer[:300].decode(errors="replace"))
+    except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+        stats.error(type(exc).__name__)
+    finally:
+        conn.close()
+
+
+async def uploads(port: int, rate: float, bodies: list[bytes], timeout: float, stats: Stats,
+                  answers: list[str]) -> None:
+    start = time.perf_counter()
+    tasks = []
+    for i, body in enumerate(bodies):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(post_once(port, body, timeout, stats, answers)))
+    await asyncio.gather(*tasks)
+
+
+async def unauth_client(port: int, body: bytes, until: float, timeout: float,
+                        stats: Stats) -> None:
+    """Keeps sending ``body`` without a token; times each to its answer's status line."""
+    head = (f"POST /v1/results HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    chunk = 64 * 1024
+    while time.perf_counter() < until:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), timeout)
+        except (TimeoutError, OSError) as exc:
+            stats.error(type(exc).__name__)
+            await asyncio.sleep(0.1)
+            continue
+        start = time.perf_counter()
+
+        async def send(writer: asyncio.StreamWriter) -> None:
+            writer.write(head)
+            for i in range(0, len(body), chunk):
+                writer.write(body[i:i + chunk])
+                await writer.drain()
+
+        sender = asyncio.create_task(send(writer))
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout)
+            if line:
+                stats.latencies.append(time.perf_counter() - start)
+                status = line.split(b" ", 2)[1].decode()
+                stats.statuses[status] = stats.statuses.get(status, 0) + 1
+            else:
+                stats.error("closed without an answer")
+        except (ConnectionResetError, BrokenPipeError):
+            # Closed by the service while the body was still coming: refused unread too.
+            stats.latencies.append(time.perf_counter() - start)
+            stats.statuses["reset"] = stats.statuses.get("reset", 0) + 1
+        except (TimeoutError, OSError) as exc:
+            stats.error(type(exc).__name__)
+        finally:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+            writer.close()
+        await asyncio.sleep(0.05)
+
+
+async def run_load(port: int, queries: list[dict[str, Any]], args: argparse.Namespace,
+                   upload_bodies: list[bytes]) -> dict[str, Any]:
+    targets = [f"/v1/best?{urlencode(q)}" for q in queries]
+    total = min(args.max_requests, int(args.rate * args.duration))
+    reads, matches = Stats(), {}  # type: ignore[var-annotated]
+    out: dict[str, Any] = {}
+
+    # Warm the server's caches (not measured).
+    warm = Connection(port)
+    for target in targets[:20]:
+        await warm.request("GET", target, args.timeout)
+    warm.close()
+
+    jobs = [open_loop(port, args.rate, total, lambda i: targets[i % len(targets)],
+                      args.connections, args.timeout, reads, matches)]
+    probes = Stats()
+    if args.random_devices:
+        rng = random.Random(0)
+        base = {k: v for k, v in queries[0].items() if k != "device"}
+
+        def random_device(_i: int) -> str:
+            return f"/v1/best?{urlencode({**base, 'device': f'rand-{rng.getrandbits(48):012x}'})}"
+
+        jobs.append(open_loop(port, args.random_devices,
+                              int(args.random_devices * args.duration), random_device,
+                              args.connections, args.timeout, probes))
+    ups, up_answers = Stats(), []  # type: ignore[var-annotated]
+    if upload_bodies:
+        jobs.append(uploads(port, args.uploads, upload_bodies, args.timeout * 30, ups,
+                            up_answers))
+    unauth = Stats()
+    start = time.perf_counter()
+    if args.unauth_clients:
+        body = b'{"format": "attention-tuner/bundle", "version": 1, "items": [' + b",".join(
+            [b"1"] * (UNAUTH_BODY_BYTES // 2 - 40)) + b"]}"
+        jobs += [unauth_client(port, body, start + args.duration, args.timeout * 10, unauth)
+                 for _ in range(args.unauth_clients)]
+    single, single_answers = Stats(), []  # type: ignore[var-annotated]
+    if args.huge_bundle or args.big_upload:
+        if args.huge_bundle:
+            body = (b'{"format": "attention-tuner/bundle", "version": 1, "items": ['
+                    + b",".join([b"1"] * HUGE_BUNDLE_INTEGERS) + b"]}")
+        else:
+            body = bundle_bytes(items_for(writer_problems(args.big_upload, {
+                p.bucket_key() for p in reader_problems(args.configs)}), tflops=450.0))
+        out["single_upload_bytes"] = len(body)
+
+        async def later() -> None:
+            await asyncio.sleep(min(1.0, args.duration / 4))
+            await post_once(port, body, 600.0, single, single_answers)
+
+        jobs.append(later())
+    await asyncio.gather(*jobs)
     elapsed = time.perf_counter() - start
-    ms = sorted(x * 1e3 for x in latencies)
-
-    def pct(p: float) -> float:
-        return round(ms[min(len(ms) - 1, int(p / 100 * len(ms)))], 3) if ms else float("nan")
-
-    return {"requests": total, "completed": len(latencies), "elapsed_s": round(elapsed, 3),
-            "achieved_rate": round(len(latencies) / elapsed, 1), "errors": errors,
-            "matches": matches, "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99),
-            "max_ms": round(ms[-1], 3) if ms else None,
-            "mean_ms": round(statistics.fmean(ms), 3) if ms else None}
+    out["reads"] = {**reads.summary(elapsed), "matches": matches}
+    if args.random_devices:
+        out["random_devices"] = probes.summary(elapsed)
+    if upload_bodies:
+        out["uploads"] = {**ups.summary(elapsed), "last_answer": up_answers[-1:]}
+    if args.unauth_clients:
+        out["unauth_8mb"] = unauth.summary(elapsed)
+    if args.huge_bundle or args.big_upload:
+        out["single_upload"] = {**single.summary(elapsed), "answer": single_answers}
+    out["elapsed_s"] = round(elapsed, 3)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=500.0, help="requests per second")
+    parser.add_argument("--rate", type=float, default=500.0, help="reads per second")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load")
     parser.add_argument("--max-requests", type=int, default=20_000)
-    parser.add_argument("--configs", type=int, default=48, help="best configs stored")
+    parser.add_argument("--configs", type=int, default=48, help="best configs stored (<= 48)")
     parser.add_argument("--timeout", type=float, default=2.0, help="per-request timeout (s)")
     parser.add_argument("--connections", type=int, default=16,
-                        help="keep-alive connections (a request waits for a free one)")
+                        help="keep-alive connections per stream (a request waits for one)")
+    parser.add_argument("--workers", type=int, default=1, help="tuner serve --workers")
+    parser.add_argument("--uploads", type=float, default=0.0,
+                        help="authenticated uploads per second beside the reads")
+    parser.add_argument("--upload-items", type=int, default=20, help="new items per upload")
+    parser.add_argument("--unauth-clients", type=int, default=0,
+                        help="clients sending 8 MB bodies without a token, one after another")
+    parser.add_argument("--random-devices", type=float, default=0.0,
+                        help="lookups per second for made-up device keys")
+    parser.add_argument("--huge-bundle", action="store_true",
+                        help="one authenticated bundle of 4,000,000 integers as items")
+    parser.add_argument("--big-upload", type=int, default=0,
+                        help="one authenticated upload of this many valid items")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if not (0 < args.rate <= 5000 and 0 < args.duration <= 120):
         parser.error("keep --rate in (0, 5000] and --duration in (0, 120]")
+    if not 1 <= args.configs <= 48:
+        parser.error(f"--configs must be 1..48, but got {args.configs}")
 
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{Path(tmp) / 'load.db'}"
         queries = populate(url, args.configs)
+        n_uploads = int(args.uploads * args.duration)
+        fresh = writer_problems(n_uploads * args.upload_items,
+                                {p.bucket_key() for p in reader_problems(args.configs)})
+        upload_bodies = [bundle_bytes(items_for(fresh[i * args.upload_items:
+                                                     (i + 1) * args.upload_items]))
+                         for i in range(n_uploads)]
         port = free_port()
-        server = start_server(url, port)
+        server = start_server(url, port, args.workers)
         try:
-            result = asyncio.run(run_load(f"http://127.0.0.1:{port}", queries, args.rate,
-                                          args.duration, args.max_requests, args.timeout,
-                                          args.connections))
+            # CPU used during the load, by the service and by this load generator: on a small
+            # machine the generator's share is taken from the service.
+            server_cpu, own = cpu_seconds(server.pid), time.process_time()
+            result = asyncio.run(run_load(port, queries, args, upload_bodies))
+            result["cpu_s"] = {"service": round(cpu_seconds(server.pid) - server_cpu, 2),
+                               "load_generator": round(time.process_time() - own, 2)}
         finally:
             server.terminate()
             server.wait(timeout=30)
-    result.update({"rate": args.rate, "connections": args.connections, "duration_s": args.duration, "configs": args.configs,
+    result.update({"rate": args.rate, "connections": args.connections,
+                   "duration_s": args.duration, "configs": args.configs,
+                   "workers": args.workers, "uploads_per_s": args.uploads,
+                   "upload_items": args.upload_items, "unauth_clients": args.unauth_clients,
+                   "random_devices_per_s": args.random_devices,
                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                    "python": platform.python_version(),
                    "date": time.strftime("%Y-%m-%d", time.gmtime())})

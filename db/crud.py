@@ -10,10 +10,11 @@ IntegrityError. The functions flush but never commit: the caller owns the transa
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text
+from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
@@ -22,6 +23,7 @@ from db.models import (
     BestConfig,
     Device,
     Remeasurement,
+    RemeasurementClaim,
     Sweep,
     SweepStatus,
     Template,
@@ -32,14 +34,21 @@ from db.models import (
 
 __all__ = [
     "best_candidates",
+    "best_fingerprint",
     "best_for",
     "best_readings",
+    "best_versions",
+    "catalog_fingerprint",
+    "claim_remeasurement",
     "count_best",
     "create_sweep",
+    "drop_remeasurement_claim",
     "find_trial",
     "finish_sweep",
     "get_or_create_device",
     "get_or_create_template",
+    "insert_new_trials",
+    "insert_remeasurements",
     "list_best",
     "list_devices",
     "list_sweeps",
@@ -48,8 +57,14 @@ __all__ = [
     "record_remeasurement",
     "record_trial",
     "refresh_best",
+    "refresh_bests",
     "remeasurements_for",
+    "renew_remeasurement_claim",
+    "stored_trial_identities",
+    "sweep_names",
+    "template_versions",
     "trial_counts",
+    "trial_dates",
     "trials_for",
 ]
 
@@ -58,6 +73,11 @@ __all__ = [
 _DEVICE_FIELDS = ("key", "name", "compute_capability", "sm_count", "total_memory",
                   "driver_version", "triton_version", "torch_version", "cuda_version")
 _DEFAULT_DTYPE = "bfloat16"  # templates.base.Problem's default
+
+
+# Ids or keys per IN (...) list: far below every backend's limit on bound parameters (SQLite's
+# is 32766, older builds 999), so a list of any length takes a few queries, not one per row.
+_KEYS_CHUNK = 500
 
 
 # ----------------------------------------------------------------------------- upserts
@@ -190,6 +210,63 @@ def record_trial(s: Session, *, device_id: int, template_id: int, problem_key: s
     return s.scalars(select(Trial).where(*identity)).one()
 
 
+def stored_trial_identities(s: Session, *, identities: Sequence[tuple[int, int, str, str]]
+                            ) -> set[tuple[int, int, str, str]]:
+    """Which of ``identities`` (device_id, template_id, problem_key, config_key) have a stored
+    trial: a few queries, by device, template and ``_KEYS_CHUNK`` problem keys."""
+    wanted: dict[tuple[int, int], set[str]] = {}
+    for device_id, template_id, problem_key, _ in identities:
+        wanted.setdefault((device_id, template_id), set()).add(problem_key)
+    stored: set[tuple[int, int, str, str]] = set()
+    for (device_id, template_id), keys in wanted.items():
+        ordered = sorted(keys)
+        for start in range(0, len(ordered), _KEYS_CHUNK):
+            stored.update((device_id, template_id, problem_key, config_key)
+                          for problem_key, config_key in s.execute(
+                              select(Trial.problem_key, Trial.config_key).where(
+                                  Trial.device_id == device_id, Trial.template_id == template_id,
+                                  Trial.problem_key.in_(ordered[start:start + _KEYS_CHUNK]))))
+    return stored & set(identities)
+
+
+# Columns a row of insert_new_trials must give (the rest take their defaults).
+_NEW_TRIAL_FIELDS = ("device_id", "template_id", "problem_key", "problem", "config_key",
+                     "config", "status", "median_ms", "tflops", "error", "is_default",
+                     "sweep_id", "worker")
+
+
+def insert_new_trials(s: Session, *, rows: Sequence[Mapping[str, Any]]
+                      ) -> dict[tuple[int, int, str, str], int]:
+    """Store many trials at once, each unless one of the same identity is stored (as
+    ``record_trial``: the first measurement stays); returns the id of each trial this call
+    stored, by identity (device_id, template_id, problem_key, config_key).
+
+    One multi-row INSERT ... ON CONFLICT DO NOTHING RETURNING: a row that conflicts, with a
+    stored trial or an earlier row of ``rows``, is skipped and returns nothing, so a trial
+    another process stores at the same moment is never counted twice.
+    """
+    if not rows:
+        return {}
+    now = utcnow()
+    values = []
+    for row in rows:
+        missing = [f for f in _NEW_TRIAL_FIELDS if f not in row]
+        if missing:
+            raise ValueError(f"a new trial needs the fields {list(_NEW_TRIAL_FIELDS)}, but "
+                             f"{missing} are missing (got {sorted(row)})")
+        values.append({**{f: row[f] for f in _NEW_TRIAL_FIELDS},
+                       "status": TrialStatus(row["status"]), "reason": row.get("reason", ""),
+                       "created_at": now})
+    stmt = (_insert(s, Trial)
+            .on_conflict_do_nothing(index_elements=["device_id", "template_id", "problem_key",
+                                                    "config_key"])
+            .returning(Trial.id, Trial.device_id, Trial.template_id, Trial.problem_key,
+                       Trial.config_key))
+    inserted = s.connection().execute(stmt, values)  # Core: multi-row VALUES, not row by row
+    return {(device_id, template_id, problem_key, config_key): trial_id
+            for trial_id, device_id, template_id, problem_key, config_key in inserted}
+
+
 def trials_for(s: Session, *, device_id: int, template_id: int,
                problem_key: str) -> list[Trial]:
     return list(s.scalars(select(Trial).where(
@@ -224,6 +301,71 @@ def record_remeasurement(s: Session, *, trial_id: int, status: TrialStatus, reas
     s.add(row)
     s.flush()
     return row
+
+
+def insert_remeasurements(s: Session, *, rows: Sequence[Mapping[str, Any]]) -> int:
+    """``record_remeasurement`` for many rows at once (one multi-row INSERT); returns how many.
+    Each row gives trial_id and status, and any of reason, median_ms, tflops, error, sweep_id
+    and worker."""
+    if not rows:
+        return 0
+    now = utcnow()
+    fields = ("reason", "median_ms", "tflops", "error", "sweep_id", "worker")
+    defaults: dict[str, Any] = {"reason": "", "worker": ""}
+    values = [{"trial_id": row["trial_id"], "status": TrialStatus(row["status"]),
+               "created_at": now, **{f: row.get(f, defaults.get(f)) for f in fields}}
+              for row in rows]
+    s.connection().execute(_insert(s, Remeasurement), values)  # Core executemany
+    return len(values)
+
+
+def claim_remeasurement(s: Session, *, trial_id: int, wanted: int, worker: str,
+                        is_stale: Callable[[str, datetime], bool]) -> int | None:
+    """Claim one more re-measurement of a trial for ``worker``: granted while its stored
+    re-measurements and live claims are fewer than ``wanted``. Returns the claim's id (hand
+    it to ``renew_remeasurement_claim`` while measuring and ``drop_remeasurement_claim`` with
+    the result), or None when the trial has enough.
+
+    Claims for which ``is_stale(worker, beat_at)`` is true (their worker died, or stopped
+    renewing them) are dropped first, so a dead worker's share is taken over. Two claims of
+    one trial are serialized: by SQLite's write lock (a write transaction), by a row lock on
+    the trial on PostgreSQL.
+    """
+    if wanted < 1:
+        raise ValueError(f"wanted must be >= 1, but got {wanted}")
+    s.execute(select(Trial.id).where(Trial.id == trial_id).with_for_update())
+    claims = s.execute(select(RemeasurementClaim.id, RemeasurementClaim.worker,
+                              RemeasurementClaim.beat_at)
+                       .where(RemeasurementClaim.trial_id == trial_id)).all()
+    stale = [claim_id for claim_id, holder, beat_at in claims
+             if is_stale(holder, _utc(beat_at))]
+    if stale:
+        s.execute(delete(RemeasurementClaim).where(RemeasurementClaim.id.in_(stale)))
+    done = s.scalar(select(func.count()).select_from(Remeasurement)
+                    .where(Remeasurement.trial_id == trial_id)) or 0
+    if done + len(claims) - len(stale) >= wanted:
+        return None
+    claim = RemeasurementClaim(trial_id=trial_id, worker=worker, beat_at=utcnow())
+    s.add(claim)
+    s.flush()
+    return claim.id
+
+
+def renew_remeasurement_claim(s: Session, *, claim_id: int) -> bool:
+    """Mark a claim alive now; False when it is gone (taken over as stale)."""
+    result = s.execute(update(RemeasurementClaim).where(RemeasurementClaim.id == claim_id)
+                       .values(beat_at=utcnow()))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def drop_remeasurement_claim(s: Session, *, claim_id: int) -> None:
+    """Drop a claim: its re-measurement is stored, or will not be taken."""
+    s.execute(delete(RemeasurementClaim).where(RemeasurementClaim.id == claim_id))
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands times back without their offset; they are stored as UTC (models.utcnow).
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 
 
 def remeasurements_for(s: Session, *, device_id: int, template_id: int,
@@ -267,27 +409,43 @@ def _lock_best_row(s: Session, device_id: int, template_id: int, problem_key: st
               {"key": int.from_bytes(digest, "big", signed=True)})
 
 
-def _measured(s: Session, of_key: tuple[ColumnElement[bool], ...]) -> list[Measured]:
-    """The OK trials of one problem with their re-measurements, for ``db.finalists``."""
+def _measured_by_key(s: Session, device_id: int, template_id: int,
+                     problem_keys: Sequence[str]) -> dict[str, list[Measured]]:
+    """The OK trials of some problems with their re-measurements, for ``db.finalists``: two
+    queries per ``_KEYS_CHUNK`` problems, whatever their number."""
     remeasured: dict[int, list[float]] = {}
     failed: dict[int, str] = {}
-    for trial_id, status, ms, reason in s.execute(
-            select(Remeasurement.trial_id, Remeasurement.status, Remeasurement.median_ms,
-                   Remeasurement.reason)
-            .join(Trial, Remeasurement.trial_id == Trial.id).where(*of_key)
-            .order_by(Remeasurement.id)):
-        if TrialStatus(status) == TrialStatus.OK and ms:
-            remeasured.setdefault(trial_id, []).append(ms)
-        else:
-            failed.setdefault(trial_id, f"{TrialStatus(status).value}: {reason}")
-    rows = s.execute(select(Trial.id, Trial.median_ms, Trial.tflops, Trial.is_default)
-                     .where(*of_key).order_by(Trial.id))
-    return [Measured(ref=trial_id, order=trial_id, first_ms=ms, first_tflops=tflops,
-                     is_default=bool(is_default),
-                     remeasured_ms=tuple(remeasured.get(trial_id, ())),
-                     failed=failed.get(trial_id))
-            for trial_id, ms, tflops, is_default in rows
-            if ms is not None and tflops is not None]  # filtered by of_key already
+    out: dict[str, list[Measured]] = {key: [] for key in problem_keys}
+    for start in range(0, len(problem_keys), _KEYS_CHUNK):
+        chunk = problem_keys[start:start + _KEYS_CHUNK]
+        of_keys = (Trial.device_id == device_id, Trial.template_id == template_id,
+                   Trial.problem_key.in_(chunk), Trial.status == TrialStatus.OK,
+                   Trial.tflops.is_not(None), Trial.median_ms.is_not(None))
+        for trial_id, status, ms, reason in s.execute(
+                select(Remeasurement.trial_id, Remeasurement.status, Remeasurement.median_ms,
+                       Remeasurement.reason)
+                .join(Trial, Remeasurement.trial_id == Trial.id).where(*of_keys)
+                .order_by(Remeasurement.id)):
+            if TrialStatus(status) == TrialStatus.OK and ms:
+                remeasured.setdefault(trial_id, []).append(ms)
+            else:
+                failed.setdefault(trial_id, f"{TrialStatus(status).value}: {reason}")
+        for trial_id, key, ms, tflops, is_default in s.execute(
+                select(Trial.id, Trial.problem_key, Trial.median_ms, Trial.tflops,
+                       Trial.is_default).where(*of_keys).order_by(Trial.id)):
+            if ms is None or tflops is None:  # excluded by of_keys already
+                continue
+            out[key].append(Measured(ref=trial_id, order=trial_id, first_ms=ms,
+                                     first_tflops=tflops, is_default=bool(is_default),
+                                     remeasured_ms=tuple(remeasured.get(trial_id, ())),
+                                     failed=failed.get(trial_id)))
+    return out
+
+
+# What a best row says; a refresh that would write the same is no change and writes nothing
+# (its updated_at stays, so readers that watch it reload nothing).
+_BEST_FIELDS = ("problem", "dtype", "variant", "config", "median_ms", "tflops",
+                "default_tflops", "speedup", "trial_id", "sweep_id")
 
 
 def refresh_best(s: Session, *, device_id: int, template_id: int,
@@ -300,55 +458,90 @@ def refresh_best(s: Session, *, device_id: int, template_id: int,
     ``median_ms`` and ``tflops`` being that median's. ``default_tflops`` is the OK default
     config's (at its median when re-measured) and ``speedup`` the ratio. Returns None, and
     leaves no row, while no config qualifies (none OK, or every OK one disqualified by a
-    failed re-measurement: a config that crashed or computed wrongly is not served).
+    failed re-measurement: a config that crashed or computed wrongly is not served). A row
+    that would not change is not written (see ``refresh_bests``).
     """
-    _lock_best_row(s, device_id, template_id, problem_key)
-    key = {"device_id": device_id, "template_id": template_id, "problem_key": problem_key}
-    of_key = (Trial.device_id == device_id, Trial.template_id == template_id,
-              Trial.problem_key == problem_key, Trial.status == TrialStatus.OK,
-              Trial.tflops.is_not(None), Trial.median_ms.is_not(None))
-    choice = choose_best(_measured(s, of_key))
-    if choice is None:
-        s.execute(delete(BestConfig).filter_by(**key))
-        return None
-    best = s.get_one(Trial, choice.best.ref)
-    default = choice.default
-    values = {
-        "problem": best.problem,
-        "dtype": str(best.problem.get("dtype", _DEFAULT_DTYPE)),
-        "variant": problem_variant(best.problem),
-        "config": best.config,
-        "median_ms": choice.best.median_ms,
-        "tflops": choice.best.tflops,
-        "default_tflops": default.tflops if default else None,
-        "speedup": choice.speedup,
-        "trial_id": best.id,
-        "sweep_id": best.sweep_id,
-        "updated_at": utcnow(),
-    }
-    stmt = _insert(s, BestConfig).values(**key, **values)
-    s.execute(stmt.on_conflict_do_update(index_elements=list(key), set_=values))
-    return s.scalars(select(BestConfig).filter_by(**key)
-                     .execution_options(populate_existing=True)).one()
+    refresh_bests(s, device_id=device_id, template_id=template_id, problem_keys=[problem_key])
+    return s.scalars(select(BestConfig).filter_by(
+        device_id=device_id, template_id=template_id, problem_key=problem_key)
+        .execution_options(populate_existing=True)).one_or_none()
 
 
-# Trial ids per query of best_readings: far below every backend's limit on bound parameters
-# (SQLite's is 32766, older builds 999), so a list of any length takes a few queries, not one
-# per row.
-_READINGS_CHUNK = 500
+def refresh_bests(s: Session, *, device_id: int, template_id: int,
+                  problem_keys: Sequence[str]) -> list[str]:
+    """``refresh_best`` for many problem keys of one device and template at once (a few
+    queries, not a few per key); returns the keys whose best row was created, changed or
+    deleted. A row whose recomputed values equal the stored ones is left alone, ``updated_at``
+    included: an upload that changes nothing must not look like a change to the service's
+    cache (issue 19)."""
+    keys = sorted(set(problem_keys))
+    for key in keys:  # in one order everywhere: two refreshers cannot deadlock on the locks
+        _lock_best_row(s, device_id, template_id, key)
+    measured = _measured_by_key(s, device_id, template_id, keys)
+    stored: dict[str, BestConfig] = {}
+    for start in range(0, len(keys), _KEYS_CHUNK):
+        stored.update((row.problem_key, row) for row in s.scalars(
+            select(BestConfig).where(BestConfig.device_id == device_id,
+                                     BestConfig.template_id == template_id,
+                                     BestConfig.problem_key.in_(keys[start:start + _KEYS_CHUNK]))
+            .execution_options(populate_existing=True)))
+    choices = {key: choose_best(measured[key]) for key in keys}
+    winners = sorted({int(c.best.ref) for c in choices.values() if c is not None})
+    trials = {t.id: t for start in range(0, len(winners), _KEYS_CHUNK)
+              for t in s.scalars(select(Trial).where(
+                  Trial.id.in_(winners[start:start + _KEYS_CHUNK])))}
+    changed, gone, upserts = [], [], []
+    for key in keys:
+        choice, row = choices[key], stored.get(key)
+        if choice is None:
+            if row is not None:
+                gone.append(key)
+            continue
+        best = trials[int(choice.best.ref)]
+        values: dict[str, Any] = {
+            "problem": best.problem,
+            "dtype": str(best.problem.get("dtype", _DEFAULT_DTYPE)),
+            "variant": problem_variant(best.problem),
+            "config": best.config,
+            "median_ms": choice.best.median_ms,
+            "tflops": choice.best.tflops,
+            "default_tflops": choice.default.tflops if choice.default else None,
+            "speedup": choice.speedup,
+            "trial_id": best.id,
+            "sweep_id": best.sweep_id,
+        }
+        if row is not None and all(getattr(row, f) == values[f] for f in _BEST_FIELDS):
+            continue
+        upserts.append({"device_id": device_id, "template_id": template_id, "problem_key": key,
+                        **values, "updated_at": utcnow()})
+        changed.append(key)
+    for start in range(0, len(gone), _KEYS_CHUNK):
+        s.execute(delete(BestConfig).where(
+            BestConfig.device_id == device_id, BestConfig.template_id == template_id,
+            BestConfig.problem_key.in_(gone[start:start + _KEYS_CHUNK])))
+    if upserts:
+        # One statement for every row (Core executemany; the ORM ran it row by row): building
+        # one statement per row cost ~2 ms each.
+        stmt = _insert(s, BestConfig)
+        s.connection().execute(stmt.on_conflict_do_update(
+            index_elements=["device_id", "template_id", "problem_key"],
+            set_={f: stmt.excluded[f] for f in (*_BEST_FIELDS, "updated_at")}), upserts)
+    return sorted(changed + gone)
+
+
 
 
 def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings]:
     """The readings each stored best rests on, by best-config id: its trial's first time and
     the OK re-measurements of that trial (failed ones give no time), oldest first.
 
-    One query per ``_READINGS_CHUNK`` bests. A best without a trial (or whose trial has no time)
+    One query per ``_KEYS_CHUNK`` bests. A best without a trial (or whose trial has no time)
     rests on its stored time alone.
     """
     trial_ids = sorted({b.trial_id for b in bests if b.trial_id is not None})
     times: dict[int, list[float]] = {}
-    for start in range(0, len(trial_ids), _READINGS_CHUNK):
-        chunk = trial_ids[start:start + _READINGS_CHUNK]
+    for start in range(0, len(trial_ids), _KEYS_CHUNK):
+        chunk = trial_ids[start:start + _KEYS_CHUNK]
         rows = s.execute(
             select(Trial.id, Trial.median_ms, Remeasurement.median_ms)
             .outerjoin(Remeasurement, and_(Remeasurement.trial_id == Trial.id,
@@ -381,12 +574,79 @@ def best_for(s: Session, *, device_key: str, template_name: str, template_versio
         BestConfig.problem_key == problem_key)).one_or_none()
 
 
-def best_candidates(s: Session, *, device_key: str, template_name: str,
-                    template_version: str) -> list[BestConfig]:
-    """Every best config of one device and template version (for nearest-shape lookups)."""
-    return list(s.scalars(_best_joined().where(
-        Device.key == device_key, Template.name == template_name,
-        Template.version == template_version).order_by(BestConfig.problem_key)))
+def _best_of(device_key: str, template_name: str,
+             template_version: str) -> tuple[ColumnElement[bool], ...]:
+    return (Device.key == device_key, Template.name == template_name,
+            Template.version == template_version)
+
+
+def best_candidates(s: Session, *, device_key: str, template_name: str, template_version: str,
+                    problem_keys: Sequence[str] | None = None) -> list[BestConfig]:
+    """Every best config of one device and template version (for nearest-shape lookups), or
+    those of ``problem_keys`` only."""
+    of_key = _best_of(device_key, template_name, template_version)
+    if problem_keys is None:
+        return list(s.scalars(_best_joined().where(*of_key).order_by(BestConfig.problem_key)))
+    keys = sorted(set(problem_keys))
+    return [row for start in range(0, len(keys), _KEYS_CHUNK)
+            for row in s.scalars(_best_joined().where(
+                *of_key, BestConfig.problem_key.in_(keys[start:start + _KEYS_CHUNK]))
+                .order_by(BestConfig.problem_key))]
+
+
+def best_fingerprint(s: Session, *, device_key: str, template_name: str,
+                     template_version: str) -> tuple[Any, ...]:
+    """A value that changes whenever a best config of one device and template version is
+    added, changed or deleted (one indexed query): row count, newest update, largest id, and
+    sums of trial ids and TFLOP/s, which move even when a change commits with an older
+    ``updated_at`` than one already seen (PostgreSQL commits concurrent writers in any order)."""
+    row = s.execute(
+        select(func.count(BestConfig.id), func.max(BestConfig.updated_at),
+               func.max(BestConfig.id), func.sum(BestConfig.trial_id),
+               func.sum(BestConfig.tflops))
+        .join(BestConfig.device).join(BestConfig.template)
+        .where(*_best_of(device_key, template_name, template_version))).one()
+    return tuple(row)
+
+
+def best_versions(s: Session, *, device_key: str, template_name: str,
+                  template_version: str) -> dict[str, tuple[int, Any]]:
+    """(id, updated_at) of every best config of one device and template version, by problem
+    key: a row whose pair is unchanged holds what it held (``refresh_bests`` stamps every
+    change)."""
+    rows = s.execute(select(BestConfig.problem_key, BestConfig.id, BestConfig.updated_at)
+                     .join(BestConfig.device).join(BestConfig.template)
+                     .where(*_best_of(device_key, template_name, template_version)))
+    return {key: (row_id, updated_at) for key, row_id, updated_at in rows}
+
+
+def sweep_names(s: Session, *, sweep_ids: Collection[int]) -> dict[int, str]:
+    ids = sorted(sweep_ids)
+    return {sweep_id: name for start in range(0, len(ids), _KEYS_CHUNK)
+            for sweep_id, name in s.execute(select(Sweep.id, Sweep.name).where(
+                Sweep.id.in_(ids[start:start + _KEYS_CHUNK])))}
+
+
+def trial_dates(s: Session, *, trial_ids: Collection[int]) -> dict[int, Any]:
+    """When each trial was measured (its ``created_at``), by id."""
+    ids = sorted(trial_ids)
+    return {trial_id: created for start in range(0, len(ids), _KEYS_CHUNK)
+            for trial_id, created in s.execute(select(Trial.id, Trial.created_at).where(
+                Trial.id.in_(ids[start:start + _KEYS_CHUNK])))}
+
+
+def catalog_fingerprint(s: Session) -> tuple[Any, ...]:
+    """A value that changes whenever a device or a template version is added (rows of both
+    are never changed nor deleted): their counts and largest ids."""
+    devices = s.execute(select(func.count(Device.id), func.max(Device.id))).one()
+    templates = s.execute(select(func.count(Template.id), func.max(Template.id))).one()
+    return (*devices, *templates)
+
+
+def template_versions(s: Session) -> list[tuple[str, str]]:
+    """(name, version) of every stored template version."""
+    return [(name, version) for name, version in s.execute(
+        select(Template.name, Template.version).order_by(Template.name, Template.version))]
 
 
 def _filter_best(query: Select[Any], device: str | None, template: str | None,

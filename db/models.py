@@ -185,3 +185,19 @@ class Remeasurement(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     trial: Mapped[Trial] = relationship()
+
+
+class RemeasurementClaim(Base):
+    """A worker's claim on one re-measurement of a finalist while it measures it: taken before
+    measuring, only while the finalist's re-measurements and live claims are fewer than it
+    needs, and dropped with the re-measurement it stands for. Workers that finish a search
+    together then share the finalists' re-measurements instead of each taking them all
+    (issue 19: 2x the requested count). ``beat_at`` is renewed while the worker measures; a
+    claim whose worker stopped renewing it (or died) is taken over."""
+
+    __tablename__ = "remeasurement_claims"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("tuning_trials.id"), index=True)
+    worker: Mapped[str] = mapped_column(String(200))
+    beat_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -30,12 +30,30 @@ def test_bad_values_name_the_variable(
         load_settings()
 
 
-def test_write_token_refuses_placeholders() -> None:
-    with pytest.raises(SettingsError, match="placeholder"):
-        load_settings(token="changeme").require_write_token()
-    with pytest.raises(SettingsError, match="not set"):
-        load_settings(token=None).require_write_token()
-    assert load_settings(token="a" * 24).require_write_token() == "a" * 24
+@pytest.mark.parametrize(("token", "needle"), [
+    (None, "not set"),
+    ("", "not set"),  # docker-compose passes an unset variable on as ""
+    ("            ", "not set"),  # stripped: twelve spaces are no token
+    ("changeme", "at least 16"),
+    ("changeme1234567890", "placeholder 'changeme'"),
+    ("${TUNER_TOKEN}", "cannot carry"),
+    ("<your-token-here>", "cannot carry"),
+    ("correct horse battery staple", "cannot carry"),
+    ("aaaaaaaaaaaaaaaaaaaaaaaa", "1 distinct"),
+    ("abcdefabcdefabcdefab", "repeats a pattern of 6"),
+    ("my-password-is-9f8e7d", "placeholder 'password'"),
+])
+def test_write_token_refuses_what_protects_nothing(token: str | None, needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle):
+        load_settings(token=token).require_write_token()
+
+
+def test_write_token_is_stripped_and_random_ones_pass() -> None:
+    # Configured with a trailing space (a .env file, a YAML value): the same token as sent.
+    assert load_settings(token=" 3f9c2a7e1b5d8c04a6e2 \n").require_write_token() == \
+        "3f9c2a7e1b5d8c04a6e2"
+    for token in ("3f9c2a7e1b5d8c04", "dGhpcyBpcyBhIHRva2VuIQ==", "Xk_9-aB.c~d+e/f0g1h2"):
+        assert load_settings(token=token).require_write_token() == token
 
 
 def test_a_bad_value_lists_its_variables(monkeypatch: pytest.MonkeyPatch) -> None:

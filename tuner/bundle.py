@@ -37,18 +37,21 @@ transaction, so a rejected upload stores nothing.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-from collections.abc import Mapping, Sequence
+import re
+import time
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -60,6 +63,8 @@ from templates.registry import get_template
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+T = TypeVar("T")
 
 BUNDLE_FORMAT = "attention-tuner/bundle"
 BUNDLE_VERSION = 2  # the newest, written when an item has readings; Bundle.version: all read
@@ -74,6 +79,19 @@ MAX_HEAD_DIM = 4096
 # strings that are stored or compared in the database are refused with the bundle instead.
 NO_NUL = r"^[^\x00]*$"
 Text = Annotated[str, Field(pattern=NO_NUL)]
+# Numbers are JSON numbers, never strings or booleans ("400", true), and finite (no NaN or
+# Infinity, which Python's json reads): pydantic's lax mode took all of those (issue 19).
+# Upper limits far above any real kernel (an H100 peaks near 1,000 TFLOP/s), so that no
+# product or ratio of them overflows.
+MAX_TFLOPS = 1e6
+MAX_MS = 1e9  # ~12 days
+Tflops = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=MAX_TFLOPS)]
+Millis = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=MAX_MS)]
+RelError = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
+# Items per bundle: an export of every best config of a large database is a few thousand; more
+# is refused before any of them is validated (issue 19: 4,000,000 integers as items took 34 s to
+# refuse). Bodies are capped too (TUNER_MAX_BODY_BYTES, 8 MiB: ~9,000 items).
+MAX_BUNDLE_ITEMS = 10_000
 
 
 class BundleError(ValueError):
@@ -95,9 +113,10 @@ class BundleDevice(_Strict):
     key: Text = Field(min_length=1, max_length=400)
     name: Text = Field(min_length=1, max_length=200)
     compute_capability: Text = Field(max_length=16)
-    sm_count: int = Field(ge=1, le=(1 << 31) - 1)  # the database's INTEGER and BIGINT columns
-    total_memory: int = Field(ge=0, le=(1 << 63) - 1)
-    smem_per_block: int | None = Field(None, ge=0, le=(1 << 31) - 1)
+    # The database's INTEGER and BIGINT columns.
+    sm_count: int = Field(strict=True, ge=1, le=(1 << 31) - 1)
+    total_memory: int = Field(strict=True, ge=0, le=(1 << 63) - 1)
+    smem_per_block: int | None = Field(None, strict=True, ge=0, le=(1 << 31) - 1)
     driver_version: Text = Field(max_length=64)
     triton_version: Text = Field(max_length=64)
     torch_version: Text = Field(max_length=64)
@@ -118,22 +137,14 @@ class BundleDevice(_Strict):
         return cls.model_validate({"key": info.key, **info.to_dict()})
 
 
-def _finite_positive(value: float | None) -> float | None:
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise ValueError(f"must be a finite number > 0, but got {value!r}")
-    return value
-
-
 class BundleReading(_Strict):
     """One re-measurement of a finalist (a ``db.models.Remeasurement``)."""
 
     status: TrialStatus
-    median_ms: float | None = None
-    tflops: float | None = None
-    error: float | None = Field(None, ge=0)
+    median_ms: Millis | None = None
+    tflops: Tflops | None = None
+    error: RelError | None = None
     reason: Text = Field("", max_length=10_000)
-
-    _positive = field_validator("median_ms", "tflops")(_finite_positive)
 
     @model_validator(mode="after")
     def _ok_has_a_time(self) -> Self:
@@ -145,11 +156,9 @@ class BundleReading(_Strict):
 class BundleMeasurements(_Strict):
     """A config's readings: its first measurement (its trial's) and its re-measurements."""
 
-    first_ms: float
-    first_tflops: float
+    first_ms: Millis
+    first_tflops: Tflops
     remeasured: list[BundleReading] = Field(default_factory=list, max_length=1000)
-
-    _positive = field_validator("first_ms", "first_tflops")(_finite_positive)
 
     @property
     def median_ms(self) -> float:
@@ -172,16 +181,14 @@ class BundleItem(_Strict):
     template_version: Text = Field(min_length=1, max_length=64)
     problem: dict[str, Any]
     config: dict[str, Any]
-    tflops: float
-    median_ms: float
-    default_tflops: float | None = None
+    tflops: Tflops
+    median_ms: Millis
+    default_tflops: Tflops | None = None
     default_config: dict[str, Any] | None = None
     sweep: Text | None = Field(None, max_length=200)
-    error: float | None = Field(None, ge=0)
+    error: RelError | None = None
     measurements: BundleMeasurements | None = None  # version 2
     default_measurements: BundleMeasurements | None = None  # version 2
-
-    _positive = field_validator("tflops", "median_ms", "default_tflops")(_finite_positive)
 
     def readings(self) -> BundleMeasurements:
         """The config's readings; a version-1 item's config was measured once, at its time."""
@@ -193,7 +200,8 @@ class Bundle(_Strict):
     version: Literal[1, 2]
     host: Text | None = Field(None, max_length=200)
     exported_at: datetime | None = None
-    items: list[dict[str, Any]] = Field(description="BundleItem objects")
+    items: list[Any] = Field(description="BundleItem objects, each validated on its own",
+                             max_length=MAX_BUNDLE_ITEMS)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -210,24 +218,182 @@ class ValidItem:
 
 
 def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
+    # Only ever called on bounded input (a header, one item): errors() builds every error.
+    err = exc.errors(include_url=False)[0]
     where = ".".join(str(p) for p in err["loc"])
     return f"{where}: {err['msg']}" if where else str(err["msg"])
 
 
+class BundleTextError(BundleError):
+    """A body that is not text at all (not UTF-8): no JSON to speak of."""
+
+
+@dataclass(frozen=True)
+class ReadBundle:
+    bundle: Bundle  # the header; its items are in ``items``, checked
+    items: list[ValidItem]
+
+
 def validate_bundle(data: object) -> list[ValidItem]:
     """Every item of ``data`` checked and typed; the first bad one raises ``BundleError``."""
+    return drain(_validated(data)).items
+
+
+def read_bundle(body: bytes) -> Generator[None, None, ReadBundle]:
+    """A bundle's JSON text parsed and validated, a piece at a time: the generator yields
+    between pieces (an item parsed, an item checked) and returns the result (``drain`` runs it
+    at once). A service runs it on its event loop a few milliseconds at a time, so requests
+    beside a large upload are not held up by it (issue 19). Raises ``BundleTextError`` for a
+    body that is not UTF-8 and ``BundleError`` for anything else that is wrong, as soon as it
+    is found: a bundle of too many items is refused before the rest of it is parsed."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BundleTextError(None, f"the body is not UTF-8 text ({exc})") from None
+    data = yield from _parsed_object(text)
+    return (yield from _validated(data))
+
+
+def drain(steps: Generator[None, None, T]) -> T:
+    """Run a generator of ``read_bundle``'s kind to its end, and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def _validated(data: object) -> Generator[None, None, ReadBundle]:
     if not isinstance(data, Mapping):
-        raise BundleError(None, f"a bundle must be a JSON object, but got {type(data).__name__}")
+        raise BundleError(None, f"a bundle must be a JSON object (a dict), but got "
+                                f"{type(data).__name__}")
     if data.get("format") != BUNDLE_FORMAT:
         raise BundleError(None, f"format must be {BUNDLE_FORMAT!r}, but got {data.get('format')!r}")
+    items = data.get("items")
+    if isinstance(items, list) and len(items) > MAX_BUNDLE_ITEMS:
+        raise BundleError(None, f"items: a bundle holds at most {MAX_BUNDLE_ITEMS} items, but "
+                                f"got {len(items)}; split it (tuner export takes filters)")
     try:
-        bundle = Bundle.model_validate(data)
+        # The header alone: each item is validated on its own, and the first bad one stops.
+        bundle = Bundle.model_validate({**data, "items": []} if isinstance(items, list) else data)
     except ValidationError as exc:
         raise BundleError(None, _first_error(exc)) from None
     versions: dict[str, str] = {}
-    return [_validate_item(i, raw, versions, bundle.version)
-            for i, raw in enumerate(bundle.items)]
+    valid = []
+    for i, raw in enumerate(items or ()):
+        valid.append(_validate_item(i, raw, versions, bundle.version))
+        yield
+    return ReadBundle(bundle, valid)
+
+
+# ----------------------------------------------------------------------------- JSON, piecewise
+# A bundle's text is parsed member by member and item by item (json's own decoder for each):
+# one json.loads of an 8 MB body holds the interpreter for ~0.2 s in one call, and a service
+# answering other requests meanwhile must not be held that long. A member other than the
+# header's scalars and "items" is refused before its value is parsed.
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_JSON_KINDS = {"{": "an object", "[": "an array", '"': "a string", "t": "a boolean",
+               "f": "a boolean", "n": "null"}
+_HEADER_FIELDS = ("format", "version", "host", "exported_at")
+
+
+class _Text:
+    """A cursor over JSON text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+        self._decoder = json.JSONDecoder()
+
+    def peek(self) -> str:
+        self.pos = _WHITESPACE.match(self.text, self.pos).end()  # type: ignore[union-attr]
+        return self.text[self.pos:self.pos + 1]
+
+    def kind(self) -> str:
+        first = self.peek()
+        return _JSON_KINDS.get(first, "a number" if first else "empty")
+
+    def take(self, allowed: str, where: str) -> str:
+        char = self.peek()
+        if not char or char not in allowed:
+            got = repr(char) if char else "the end of the text"
+            raise BundleError(None, f"the body is not valid JSON: expected one of "
+                                    f"{' '.join(repr(c) for c in allowed)} {where} at "
+                                    f"character {self.pos}, but got {got}")
+        self.pos += 1
+        return char
+
+    def value(self) -> Any:
+        self.peek()
+        try:
+            value, self.pos = self._decoder.raw_decode(self.text, self.pos)
+        except json.JSONDecodeError as exc:
+            raise BundleError(None, f"the body is not valid JSON: {exc}") from None
+        return value
+
+    def end(self) -> None:
+        if self.peek():
+            raise BundleError(None, f"the body is not valid JSON: extra data at character "
+                                    f"{self.pos} after the bundle")
+
+
+def _parsed_object(text: str) -> Generator[None, None, dict[str, Any]]:
+    cursor = _Text(text)
+    if cursor.peek() != "{":
+        raise BundleError(None, f"a bundle must be a JSON object (a dict), but the body is "
+                                f"{cursor.kind()}")
+    cursor.take("{", "")
+    data: dict[str, Any] = {}
+    if cursor.peek() == "}":
+        cursor.take("}", "")
+    else:
+        while True:
+            if cursor.peek() != '"':
+                cursor.take('"', "(a member name)")
+            name = cursor.value()
+            cursor.take(":", f"after {name!r}")
+            if name in data:
+                raise BundleError(None, f"{name!r} appears twice in the bundle")
+            if name == "items":
+                data[name] = yield from _parsed_items(cursor)
+            elif name in _HEADER_FIELDS:
+                if cursor.peek() in ("{", "["):
+                    raise BundleError(None, f"{name}: must be a string or a number, but got "
+                                            f"{cursor.kind()}")
+                data[name] = cursor.value()
+            else:
+                raise BundleError(None, f"{name}: not a field of a bundle (Extra inputs are "
+                                        f"not permitted); the fields are "
+                                        f"{[*_HEADER_FIELDS, 'items']}")
+            if cursor.take(",}", "between the bundle's members") == "}":
+                break
+    cursor.end()
+    return data
+
+
+def _parsed_items(cursor: _Text) -> Generator[None, None, Any]:
+    if cursor.peek() == "{":  # refused before it is parsed, as any value that is no list
+        raise BundleError(None, f"items: must be an array of items, but got {cursor.kind()}")
+    if cursor.peek() != "[":
+        return cursor.value()  # a scalar: the header's validation says what is wrong
+    cursor.take("[", "")
+    items: list[Any] = []
+    if cursor.peek() == "]":
+        cursor.take("]", "")
+        return items
+    while True:
+        if not cursor.peek():
+            raise BundleError(None, "the body is not valid JSON: it ends inside 'items'")
+        if len(items) == MAX_BUNDLE_ITEMS:
+            raise BundleError(None, f"items: a bundle holds at most {MAX_BUNDLE_ITEMS} items, "
+                                    "but got more; split it (tuner export takes filters)")
+        if cursor.peek() != "{":  # refused now, before the rest is parsed
+            raise BundleError(len(items), f"an item must be a JSON object, but got "
+                                          f"{cursor.kind()}")
+        items.append(cursor.value())
+        yield
+        if cursor.take(",]", "between items") == "]":
+            return items
 
 
 def _validate_item(index: int, raw: Mapping[str, Any], versions: dict[str, str],
@@ -320,12 +486,73 @@ def _checked_config(index: int, field: str, template: Template, problem: Problem
 
 
 # ----------------------------------------------------------------------------- storing
+# Items per transaction of store_bundle_in_batches. On SQLite a write transaction holds the one
+# write lock for its whole length, and a sweep writing to the same file waits for it: 100 items
+# take ~0.1-0.3 s to store on the 2-core development VM (benchmarks/api_load.py --big-upload).
+STORE_BATCH_ITEMS = 100
+# Pause after each batch on SQLite: a writer that found the lock taken polls with sleeps of up
+# to 100 ms (SQLite's busy handler), so without a pause the next batch would take the lock
+# again before a waiting sweep wakes up.
+SQLITE_BATCH_PAUSE_S = 0.1
+
+
 @dataclass(frozen=True)
 class StoreSummary:
     items: int
     trials: int  # trial rows written by this call (already-known measurements are kept)
     best_updated: int  # best-config rows created or changed
     remeasurements: int = 0  # re-measurement rows written, beside the new trials
+    # (device key, template name, template version) of every best config created or changed:
+    # the answers a cache of best configs must refresh.
+    changed: frozenset[tuple[str, str, str]] = frozenset()
+
+    def __add__(self, other: StoreSummary) -> StoreSummary:
+        return StoreSummary(items=self.items + other.items, trials=self.trials + other.trials,
+                            best_updated=self.best_updated + other.best_updated,
+                            remeasurements=self.remeasurements + other.remeasurements,
+                            changed=self.changed | other.changed)
+
+
+@dataclass
+class _Rows:
+    """Ids of the rows that items refer to: devices and templates, made before the items are
+    stored; sweeps, made with the first trial that names them."""
+
+    devices: dict[str, int]
+    templates: dict[tuple[str, str], int]
+    sweeps: dict[str, int]
+    host: str | None
+
+    @classmethod
+    def of(cls, session: Session, items: Sequence[ValidItem], host: str | None) -> _Rows:
+        from db import crud
+
+        devices: dict[str, int] = {}
+        templates: dict[tuple[str, str], int] = {}
+        for valid in items:
+            if valid.device.key not in devices:
+                devices[valid.device.key] = crud.get_or_create_device(
+                    session, info={**valid.device.to_dict(), "key": valid.device.key}).id
+            ident = (valid.template.name, valid.item.template_version)
+            if ident not in templates:
+                templates[ident] = crud.get_or_create_template(
+                    session, name=ident[0], version=ident[1],
+                    space=valid.template.config_cls.json_schema()).id
+        return cls(devices, templates, {}, host)
+
+    def sweep_id(self, session: Session, name: str | None) -> int:
+        """The sweep row of ``name``, created in ``session`` when this upload first needs it
+        (an upload that stores nothing creates none)."""
+        from db import crud
+        from db.models import SweepStatus
+
+        name = name or DEFAULT_SWEEP_NAME
+        if name not in self.sweeps:
+            sweep = crud.create_sweep(session, name=name, host=self.host or "unknown",
+                                      spec={"source": "bundle", "host": self.host})
+            crud.finish_sweep(session, sweep_id=sweep.id, status=SweepStatus.DONE)
+            self.sweeps[name] = sweep.id
+        return self.sweeps[name]
 
 
 def store_bundle(session: Session, items: Sequence[ValidItem], *, host: str | None = None
@@ -338,38 +565,52 @@ def store_bundle(session: Session, items: Sequence[ValidItem], *, host: str | No
     re-measurements are written only with its new trial, so importing a bundle twice adds
     nothing the second time.
     """
-    from sqlalchemy import select
+    return _store_items(session, items, _Rows.of(session, items, host))
 
+
+def store_bundle_in_batches(database_url: str, items: Sequence[ValidItem], *,
+                            host: str | None = None, batch_items: int = STORE_BATCH_ITEMS
+                            ) -> StoreSummary:
+    """``store_bundle`` in transactions of ``batch_items`` items each, so that a large upload
+    never holds SQLite's write lock for long (a sweep on the same file writes between the
+    batches). Items are validated before, so a bad bundle stores nothing; a failure of the
+    database midway leaves the batches before it stored, and storing the same bundle again
+    completes it (what is stored already is kept, not stored twice)."""
+    from db.session import run_in_transaction
+
+    if batch_items < 1:
+        raise ValueError(f"batch_items must be >= 1, but got {batch_items}")
+    rows = run_in_transaction(database_url, lambda s: _Rows.of(s, items, host))
+    pause = SQLITE_BATCH_PAUSE_S if database_url.startswith("sqlite") else 0.0
+    summary = StoreSummary(items=0, trials=0, best_updated=0)
+    for start in range(0, len(items), batch_items):
+        if start and pause:
+            time.sleep(pause)
+        batch = items[start:start + batch_items]
+
+        def store(session: Session, batch: Sequence[ValidItem] = batch) -> tuple[
+                StoreSummary, dict[str, int]]:
+            # A retried transaction must not reuse sweeps created by the rolled-back attempt.
+            attempt = dataclasses.replace(rows, sweeps=dict(rows.sweeps))
+            return _store_items(session, batch, attempt), attempt.sweeps
+
+        stored, rows.sweeps = run_in_transaction(database_url, store)
+        summary += stored
+    return summary
+
+
+def _store_items(session: Session, items: Sequence[ValidItem], rows: _Rows) -> StoreSummary:
     from db import crud
-    from db.models import BestConfig, SweepStatus
 
-    sweeps: dict[str, int] = {}
-    touched: dict[tuple[int, int, str], tuple[int | None, float | None]] = {}
-    trials = remeasurements = 0
-    worker = f"bundle:{host}" if host else "bundle"
-
-    def sweep_id(name: str | None) -> int:
-        name = name or DEFAULT_SWEEP_NAME
-        if name not in sweeps:
-            sweep = crud.create_sweep(session, name=name, host=host or "unknown",
-                                      spec={"source": "bundle", "host": host})
-            crud.finish_sweep(session, sweep_id=sweep.id, status=SweepStatus.DONE)
-            sweeps[name] = sweep.id
-        return sweeps[name]
-
+    worker = f"bundle:{rows.host}" if rows.host else "bundle"
+    new: dict[tuple[int, int, str, str], dict[str, Any]] = {}  # identity -> trial row
+    readings: dict[tuple[int, int, str, str], BundleMeasurements] = {}
+    sweep_names: dict[tuple[int, int, str, str], str | None] = {}
     for valid in items:
         item = valid.item
-        device = crud.get_or_create_device(session, info={**valid.device.to_dict(),
-                                                          "key": valid.device.key})
-        template = crud.get_or_create_template(
-            session, name=valid.template.name, version=item.template_version,
-            space=valid.template.config_cls.json_schema())
+        device_id = rows.devices[valid.device.key]
+        template_id = rows.templates[(valid.template.name, item.template_version)]
         problem_key = valid.template.problem_key(valid.problem)
-        ident = (device.id, template.id, problem_key)
-        if ident not in touched:
-            old = session.scalars(select(BestConfig).filter_by(
-                device_id=device.id, template_id=template.id, problem_key=problem_key)).first()
-            touched[ident] = (old.trial_id, old.tflops) if old else (None, None)
         measured = [(valid.config, item.readings(), item.error)]
         if valid.default_config is not None and item.default_tflops is not None:
             default = item.default_measurements
@@ -378,32 +619,45 @@ def store_bundle(session: Session, items: Sequence[ValidItem], *, host: str | No
                 default_ms = valid.template.flops(valid.problem) / (item.default_tflops * 1e9)
                 default = _measured_once(default_ms, item.default_tflops)
             measured.append((valid.default_config, default, None))
-        for config, readings, error in measured:
-            if crud.find_trial(session, device_id=device.id, template_id=template.id,
-                               problem_key=problem_key, config_key=config.key()) is not None:
+        for config, reading, error in measured:
+            ident = (device_id, template_id, problem_key, config.key())
+            if ident in new:  # the first item that measured a config wins, as in the database
                 continue
-            trial = crud.record_trial(
-                session, device_id=device.id, template_id=template.id, problem_key=problem_key,
-                problem=valid.problem.to_dict(), config_key=config.key(),
-                config=config.to_dict(), status=TrialStatus.OK, median_ms=readings.first_ms,
-                tflops=readings.first_tflops, error=error,
-                is_default=config == valid.default_config, sweep_id=sweep_id(item.sweep),
-                worker=worker)
-            trials += 1
-            for again in readings.remeasured:
-                crud.record_remeasurement(
-                    session, trial_id=trial.id, status=again.status, reason=again.reason,
-                    median_ms=again.median_ms, tflops=again.tflops, error=again.error,
-                    sweep_id=sweep_id(item.sweep), worker=worker)
-                remeasurements += 1
+            new[ident] = {
+                "device_id": device_id, "template_id": template_id, "problem_key": problem_key,
+                "problem": valid.problem.to_dict(), "config_key": ident[3],
+                "config": config.to_dict(), "status": TrialStatus.OK,
+                "median_ms": reading.first_ms, "tflops": reading.first_tflops, "error": error,
+                "is_default": config == valid.default_config, "sweep_id": None,
+                "worker": worker}
+            readings[ident] = reading
+            sweep_names[ident] = item.sweep
+    known = crud.stored_trial_identities(session, identities=list(new))
+    for ident in known:
+        del new[ident]
+    for ident, row in new.items():
+        row["sweep_id"] = rows.sweep_id(session, sweep_names[ident])
+    stored = crud.insert_new_trials(session, rows=list(new.values()))
+    again = [{"trial_id": trial_id, "status": r.status, "reason": r.reason,
+              "median_ms": r.median_ms, "tflops": r.tflops, "error": r.error,
+              "sweep_id": new[ident]["sweep_id"], "worker": worker}
+             for ident, trial_id in stored.items() for r in readings[ident].remeasured]
+    remeasurements = crud.insert_remeasurements(session, rows=again)
+    touched: dict[tuple[int, int], set[str]] = {}
+    for device_id, template_id, problem_key, _ in stored:
+        touched.setdefault((device_id, template_id), set()).add(problem_key)
+    names = {device_id: key for key, device_id in rows.devices.items()}
+    templates = {template_id: ident for ident, template_id in rows.templates.items()}
     updated = 0
-    for (device_id, template_id, problem_key), before in touched.items():
-        best = crud.refresh_best(session, device_id=device_id, template_id=template_id,
-                                 problem_key=problem_key)
-        if best is not None and (best.trial_id, best.tflops) != before:
-            updated += 1
-    return StoreSummary(items=len(items), trials=trials, best_updated=updated,
-                        remeasurements=remeasurements)
+    changed: set[tuple[str, str, str]] = set()
+    for (device_id, template_id), keys in touched.items():
+        refreshed = crud.refresh_bests(session, device_id=device_id, template_id=template_id,
+                                       problem_keys=sorted(keys))
+        updated += len(refreshed)
+        if refreshed:
+            changed.add((names[device_id], *templates[template_id]))
+    return StoreSummary(items=len(items), trials=len(stored), best_updated=updated,
+                        remeasurements=remeasurements, changed=frozenset(changed))
 
 
 # ----------------------------------------------------------------------------- exporting

@@ -50,7 +50,8 @@ class TunerError(RuntimeError):
 
 
 class TunerClient:
-    """Client of one service. ``url``/``token`` default to ``TUNER_URL``/``TUNER_TOKEN``."""
+    """Client of one service. ``url``/``token`` default to ``TUNER_URL``/``TUNER_TOKEN``; the
+    token is sent with uploads only."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *,
                  timeout: float = 10.0, retries: int = 3, backoff_s: float = 0.2,
@@ -72,9 +73,12 @@ class TunerClient:
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # Sent with writes only: a read needs no token, and the write token must not travel
+        # with every lookup (to a service, a proxy or a log that has no use for it; issue 19).
+        token = token.strip() if token else None
+        self._write_headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout),
-                                  headers=headers, transport=transport)
+                                  transport=transport)
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -126,7 +130,8 @@ class TunerClient:
 
     def upload(self, bundle: Mapping[str, Any]) -> UploadResult:
         """Store a bundle (``tuner.bundle``'s format); needs the write token."""
-        response = self._request("POST", "/v1/results", json=dict(bundle))
+        response = self._request("POST", "/v1/results", json=dict(bundle),
+                                 headers=self._write_headers)
         return _parse(response, UploadResult)
 
     def kernel_source(self, template: str, problem: Problem | Mapping[str, Any], *,

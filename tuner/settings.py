@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import TypeVar
 
@@ -24,8 +25,50 @@ from sqlalchemy.exc import ArgumentError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
-# Tokens that look set but protect nothing; the service refuses to start with one of them.
-PLACEHOLDER_TOKENS = frozenset({"changeme", "change-me", "secret", "token", "password", "test"})
+
+# The write token's policy, one rule for the service's start and its every write
+# (``write_token_problem``): a token that looks set but protects nothing is refused.
+MIN_TOKEN_LENGTH = 16  # `openssl rand -hex 8`, 64 random bits
+# A random token of 16 hex digits has ~10 distinct characters, fewer than 5 with probability
+# 4e-7; "aaaa..." or "abab..." have 1 or 2.
+MIN_TOKEN_DISTINCT = 5
+# RFC 6750's b64token: what an Authorization: Bearer header can carry. It also refuses the
+# unexpanded templates people paste ("${TUNER_TOKEN}", "<your-token-here>") and inner spaces.
+_BEARER_TOKEN = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+# Words of example and template values; a token containing one was typed, not generated.
+PLACEHOLDER_WORDS = ("changeme", "change-me", "change_me", "replaceme", "replace-me",
+                     "placeholder", "example", "yourtoken", "your-token", "your_token",
+                     "tokenhere", "token-here", "password", "secret", "insert")
+
+
+def write_token_problem(token: str | None) -> str | None:
+    """Why ``token`` cannot be the service's write token (None: it can)."""
+    if not token:
+        return "TUNER_TOKEN is not set"
+    if not _BEARER_TOKEN.match(token):
+        bad = sorted({c for c in token if not _BEARER_TOKEN.match(c + "a")} - {"="})
+        return (f"TUNER_TOKEN has characters a bearer token cannot carry ({bad or ['=']}; "
+                "allowed: letters, digits and - . _ ~ + /, = only at the end): an unexpanded "
+                "template or a phrase?")
+    if len(token) < MIN_TOKEN_LENGTH:
+        return f"TUNER_TOKEN must be at least {MIN_TOKEN_LENGTH} characters, but has {len(token)}"
+    lowered = token.lower()
+    word = next((w for w in PLACEHOLDER_WORDS if w in lowered), None)
+    if word is not None:
+        return f"TUNER_TOKEN contains the placeholder {word!r}"
+    distinct = len(set(token))
+    if distinct < MIN_TOKEN_DISTINCT:
+        return (f"TUNER_TOKEN has {distinct} distinct characters, fewer than the "
+                f"{MIN_TOKEN_DISTINCT} of any random token of its length: it is guessable")
+    period = next((p for p in range(1, len(token) // 2 + 1)
+                   if all(token[i] == token[i % p] for i in range(len(token)))), None)
+    if period is not None:
+        return f"TUNER_TOKEN repeats a pattern of {period} characters: it is guessable"
+    return None
+
+
+TOKEN_FIX = ("set TUNER_TOKEN to a random secret (e.g. `openssl rand -hex 24`), or unset it to "
+             "serve reads only")
 
 
 class SettingsError(ValueError):
@@ -92,13 +135,22 @@ class Settings(LogSettings):
             raise ValueError(f"must start with http:// or https://, but got {value!r}")
         return value.rstrip("/")
 
+    @field_validator("token")
+    @classmethod
+    def _strip_token(cls, value: str | None) -> str | None:
+        # Stripped here, on the side that checks and on the side that sends: a configured
+        # "abc " could never match the presented token, which HTTP strips (issue 19). Empty
+        # is unset: docker-compose passes an unset variable on as "" (docker-compose.yml).
+        value = value.strip() if value is not None else None
+        return value or None
+
     def require_write_token(self) -> str:
-        """The token a service needs to accept writes; refuses unset or placeholder values."""
-        if not self.token:
-            raise SettingsError("TUNER_TOKEN is not set: the service needs a token for writes")
-        if self.token.lower() in PLACEHOLDER_TOKENS or len(self.token) < 12:
-            raise SettingsError("TUNER_TOKEN is a placeholder or shorter than 12 characters; "
-                                "set a random secret (e.g. `openssl rand -hex 24`)")
+        """The token a service needs to accept writes; refuses unset or guessable values
+        (``write_token_problem``)."""
+        problem = write_token_problem(self.token)
+        if problem is not None:
+            raise SettingsError(problem)
+        assert self.token is not None  # write_token_problem refuses None
         return self.token
 
 

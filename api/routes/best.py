@@ -41,7 +41,7 @@ async def best(
         template=template,
         version=query.template_version,
         problem=problem,
-        device_key=query.device,
+        device=query.device,
     )
     # Serialized here: the answer is already a validated BestOut, and FastAPI's response_model
     # pass would validate it a second time.

@@ -16,7 +16,7 @@ from api.answers import BestCache
 from api.main import create_app
 from db.session import session_scope
 from tests.api.serving_data import FWD, H100, TOKEN, bundle, item, problem
-from tuner.bundle import store_bundle, validate_bundle
+from tuner.bundle import MAX_TFLOPS, store_bundle, validate_bundle
 from tuner.lookup import device_info_from_key
 from tuner.settings import load_settings
 
@@ -173,11 +173,11 @@ def test_writes_need_the_bearer_token(client: TestClient, db_url: str) -> None:
     assert "not valid" in assert_json_error(wrong, 403)
     assert client.get("/v1/configs").json()["total"] == 0
 
-    for token in (None, "changeme"):
-        no_token = create_app(load_settings(database_url=db_url, token=token))
-        with TestClient(no_token) as c:
-            r = c.post("/v1/results", json=body, headers={"Authorization": f"Bearer {token}"})
-            assert "writes are disabled until TUNER_TOKEN is set" in assert_json_error(r, 503)
+    no_token = create_app(load_settings(database_url=db_url, token=None))
+    with TestClient(no_token) as c:
+        r = c.post("/v1/results", json=body, headers={"Authorization": "Bearer None"})
+        assert assert_json_error(r, 503) == ("writes are disabled on this service: "
+                                             "TUNER_TOKEN is not set")
 
 
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -209,8 +209,20 @@ def _too_big_for_h100(it: dict[str, Any]) -> dict[str, Any]:
     (_too_big_for_h100, "shared memory"),
     (_set("problem.heads_kv", 5), "multiple of heads_kv"),
     (_set("problem.mask", "sliding:wide"), "cannot run it"),
-    (_set("tflops", -1.0), "finite number > 0"),
-    (_set("median_ms", float("inf")), "finite number > 0"),
+    (_set("tflops", -1.0), "tflops: Input should be greater than 0"),
+    (_set("median_ms", float("inf")), "median_ms: Input should be a finite number"),
+    # Strict numbers (issue 19): no booleans, strings, non-finite or absurd values.
+    (_set("tflops", True), "tflops: Input should be a valid number"),
+    (_set("tflops", "400"), "tflops: Input should be a valid number"),
+    (_set("tflops", 1e308), "tflops: Input should be less than or equal to 1000000"),
+    (_set("error", float("inf")), "error: Input should be a finite number"),
+    (_set("error", float("nan")), "error: Input should be a finite number"),
+    (_set("default_tflops", float("nan")), "default_tflops: Input should be a finite number"),
+    (_set("device.sm_count", "132"), "device.sm_count: Input should be a valid integer"),
+    (_set("device.sm_count", 132.0), "device.sm_count: Input should be a valid integer"),
+    (_set("device.total_memory", True), "device.total_memory: Input should be a valid integer"),
+    (_set("problem.batch", True), "positive integer"),
+    (_set("problem.batch", "4"), "positive integer"),
     (_set("device.key", "forged"), "does not match"),
     (_set("surprise", 1), "Extra inputs"),
     # Beyond the database's columns or float range: these were 500s (OverflowError, DataError).
@@ -342,10 +354,10 @@ def test_dashboard_shows_devices_templates_configs_and_charts(client: TestClient
     assert "4k" in html  # sequence-length tick labels
 
 
-@pytest.mark.parametrize("tflops", [1e308, 5e-324])
+@pytest.mark.parametrize("tflops", [MAX_TFLOPS, 5e-324])
 def test_dashboard_charts_extreme_tflops(client: TestClient, auth: dict[str, str],
                                          tflops: float) -> None:
-    # Finite and positive, so accepted; the chart's axis once overflowed (or divided by zero).
+    # The extremes an upload may carry; the chart's axis once overflowed (or divided by zero).
     r = upload(client, auth, item(problem(1024), tflops=tflops, median_ms=1.0))
     assert r.status_code == 201, r.text
     r = client.get("/dashboard")

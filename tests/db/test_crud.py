@@ -215,6 +215,114 @@ def test_refresh_best_updates_the_row_when_a_faster_trial_arrives(target: Target
         assert crud.count_best(s) == 1
 
 
+def test_refresh_best_that_changes_nothing_writes_nothing(target: Target) -> None:
+    """A refresh that finds the same best leaves the row as it was, updated_at included: the
+    service reloads what changed, and an upload storing nothing must not look like a change
+    (issue 19)."""
+    rng = random.Random(19)
+    problem = _data.problem(rng)
+    key = _data.problem_key(problem)
+    ids = {"device_id": target.device_id, "template_id": target.template_id}
+    with session_scope(target.url) as s:
+        _record(s, target, rng, problem=problem, config_key="a", tflops=50.0)
+        assert crud.refresh_bests(s, **ids, problem_keys=[key]) == [key]
+        first = crud.refresh_best(s, **ids, problem_key=key)
+        assert first is not None
+        stamp = first.updated_at
+    with session_scope(target.url) as s:
+        _record(s, target, rng, problem=problem, config_key="slower", tflops=20.0)
+        assert crud.refresh_bests(s, **ids, problem_keys=[key]) == []
+        again = crud.refresh_best(s, **ids, problem_key=key)
+        assert again is not None and again.updated_at == stamp and again.tflops == 50.0
+    with session_scope(target.url) as s:
+        _record(s, target, rng, problem=problem, config_key="faster", tflops=70.0)
+        assert crud.refresh_bests(s, **ids, problem_keys=[key]) == [key]
+        faster = crud.refresh_best(s, **ids, problem_key=key)
+        assert faster is not None and faster.tflops == 70.0 and faster.updated_at > stamp
+
+
+def test_refresh_bests_of_many_keys_matches_one_by_one(target: Target) -> None:
+    """The bulk refresh chooses as refresh_best does, key by key, in a few queries: created,
+    changed and deleted rows are reported, untouched ones are not."""
+    rng = random.Random(20)
+    ids = {"device_id": target.device_id, "template_id": target.template_id}
+    problems = [_data.problem(rng) for _ in range(30)]
+    keys = sorted({_data.problem_key(p) for p in problems})
+    with session_scope(target.url) as s:
+        for n, p in enumerate(problems):
+            _record(s, target, rng, problem=p, config_key=f"c{n}", tflops=rng.uniform(1, 99))
+            if n % 3 == 0:
+                _record(s, target, rng, problem=p, config_key=f"d{n}", tflops=rng.uniform(1, 99),
+                        is_default=True)
+        one_by_one = {k: crud.refresh_best(s, **ids, problem_key=k) for k in keys}
+        expected = {k: (b.trial_id, b.tflops, b.default_tflops) for k, b in one_by_one.items()
+                    if b is not None}
+        s.execute(sa.delete(crud.BestConfig))
+        queries: list[str] = []
+
+        def count(*args: object) -> None:
+            queries.append(str(args[2]))
+
+        engine = s.get_bind()
+        sa.event.listen(engine, "before_cursor_execute", count)
+        try:
+            assert crud.refresh_bests(s, **ids, problem_keys=keys) == keys
+        finally:
+            sa.event.remove(engine, "before_cursor_execute", count)
+        # Not one query per key (PostgreSQL takes each key's advisory lock on its own).
+        locks = [q for q in queries if "pg_advisory_xact_lock" in q]
+        assert len(locks) in (0, len(keys))
+        assert len(queries) - len(locks) <= 5, [q[:60] for q in queries]
+        again = {k: crud.refresh_best(s, **ids, problem_key=k) for k in keys}
+        assert {k: (b.trial_id, b.tflops, b.default_tflops)
+                for k, b in again.items() if b is not None} == expected
+        assert crud.refresh_bests(s, **ids, problem_keys=keys) == []
+        # Every OK trial of one key disqualified: its best row goes, and that is a change.
+        gone = keys[0]
+        for trial in crud.trials_for(s, **ids, problem_key=gone):
+            crud.record_remeasurement(s, trial_id=trial.id, status=TrialStatus.RUNTIME_ERROR,
+                                      reason="crashed")
+        assert crud.refresh_bests(s, **ids, problem_keys=keys) == [gone]
+        assert crud.refresh_best(s, **ids, problem_key=gone) is None
+
+
+def test_insert_new_trials_stores_each_identity_once(target: Target) -> None:
+    rng = random.Random(21)
+    problem = _data.problem(rng)
+    key = _data.problem_key(problem)
+
+    def row(config_key: str, tflops: float) -> dict[str, object]:
+        return {"device_id": target.device_id, "template_id": target.template_id,
+                "problem_key": key, "problem": problem, "config_key": config_key,
+                "config": _data.config(rng), "status": TrialStatus.OK, "median_ms": 1.0,
+                "tflops": tflops, "error": None, "is_default": False, "sweep_id": None,
+                "worker": "w"}
+
+    with session_scope(target.url) as s:
+        stored_id = _record(s, target, rng, problem=problem, config_key="old", tflops=5.0)
+        ident = (target.device_id, target.template_id, key)
+        assert crud.stored_trial_identities(s, identities=[(*ident, "old"), (*ident, "a")]) \
+            == {(*ident, "old")}
+        new = crud.insert_new_trials(s, rows=[row("old", 99.0), row("a", 10.0),
+                                              row("b", 20.0), row("a", 30.0)])
+        assert sorted(new) == [(*ident, "a"), (*ident, "b")]
+        assert crud.insert_remeasurements(s, rows=[
+            {"trial_id": new[(*ident, "a")], "status": TrialStatus.OK, "median_ms": 0.9,
+             "tflops": 11.0},
+            {"trial_id": new[(*ident, "b")], "status": "timeout", "reason": "slow"}]) == 2
+        with pytest.raises(ValueError, match="missing"):
+            crud.insert_new_trials(s, rows=[{"device_id": target.device_id}])
+    with session_scope(target.url, write=False) as s:
+        trials = {t.config_key: t for t in crud.trials_for(
+            s, device_id=target.device_id, template_id=target.template_id, problem_key=key)}
+        assert trials["old"].id == stored_id and trials["old"].tflops == 5.0  # the first stays
+        assert trials["a"].tflops == 10.0  # the first row of the same identity wins
+        again = crud.remeasurements_for(s, device_id=target.device_id,
+                                        template_id=target.template_id, problem_key=key)
+        assert [(k, r.status, r.reason) for k, r in again] == [
+            ("a", TrialStatus.OK, ""), ("b", TrialStatus.TIMEOUT, "slow")]
+
+
 def _seed_bests(url: str, rng: random.Random) -> list[tuple[str, str, str, str]]:
     """Bests on two devices x two templates with mixed dtypes and variants."""
     rows = []
@@ -378,3 +486,68 @@ def test_best_readings_of_many_bests_take_one_query(db_url: str) -> None:
     # Each rests on its one trial's reading (1.0 ms, as _seed_bests records them).
     assert {b.id: (readings[b.id].times_ms, readings[b.id].spread) for b in bests} == {
         b.id: ((1.0,), None) for b in bests}
+
+
+# ----------------------------------------------------------------------------- re-measurement claims
+def test_claims_grant_exactly_the_missing_remeasurements(target: Target) -> None:
+    rng = random.Random(22)
+    never_stale = lambda *_: False  # noqa: E731
+    with session_scope(target.url) as s:
+        trial_id = _record(s, target, rng, problem=_data.problem(rng), config_key="c",
+                           tflops=10.0)
+
+    def claim(worker: str, stale: object = never_stale) -> int | None:
+        with session_scope(target.url) as s:
+            return crud.claim_remeasurement(s, trial_id=trial_id, wanted=2, worker=worker,
+                                            is_stale=stale)  # type: ignore[arg-type]
+
+    a, b = claim("a"), claim("b")
+    assert a is not None and b is not None and claim("c") is None  # two wanted, two held
+    with session_scope(target.url) as s:  # a's re-measurement lands, its claim goes
+        crud.record_remeasurement(s, trial_id=trial_id, status=TrialStatus.OK, median_ms=1.0,
+                                  tflops=10.0)
+        crud.drop_remeasurement_claim(s, claim_id=a)
+    assert claim("c") is None  # one stored, one in flight: enough
+    seen: list[tuple[str, object]] = []
+
+    def b_is_dead(worker: str, renewed_at: object) -> bool:
+        seen.append((worker, renewed_at))
+        return worker == "b"
+
+    d = claim("d", b_is_dead)  # b died: its share is taken over
+    assert d is not None and [w for w, _ in seen] == ["b"]
+    assert getattr(seen[0][1], "tzinfo", None) is not None  # compared in UTC, on both backends
+    with session_scope(target.url) as s:
+        assert crud.renew_remeasurement_claim(s, claim_id=d)
+        assert not crud.renew_remeasurement_claim(s, claim_id=b)  # gone
+        crud.drop_remeasurement_claim(s, claim_id=d)  # given up, nothing stored
+    assert claim("e") is not None
+    with session_scope(target.url) as s, pytest.raises(ValueError, match="wanted must be >= 1"):
+        crud.claim_remeasurement(s, trial_id=trial_id, wanted=0, worker="x",
+                                 is_stale=never_stale)
+
+
+def test_racing_claims_are_granted_no_more_than_wanted(target: Target) -> None:
+    """Eight workers claim at the same moment; three re-measurements are wanted: three win."""
+    import threading
+
+    from db.session import run_in_transaction
+
+    rng = random.Random(23)
+    with session_scope(target.url) as s:
+        trial_id = _record(s, target, rng, problem=_data.problem(rng), config_key="c",
+                           tflops=10.0)
+    start = threading.Barrier(8)
+    granted: list[int | None] = []
+
+    def worker(n: int) -> None:
+        start.wait(timeout=30)
+        granted.append(run_in_transaction(target.url, lambda s: crud.claim_remeasurement(
+            s, trial_id=trial_id, wanted=3, worker=f"w{n}", is_stale=lambda *_: False)))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(granted) == 8 and sum(g is not None for g in granted) == 3

@@ -1,5 +1,6 @@
-"""Migrations from an empty database, repeated calls, Optuna's tables beside ours, and
-0001 -> 0002 (the remeasurements table) up and down with data in place."""
+"""Migrations from an empty database, repeated calls, Optuna's tables beside ours, 0001 -> 0002
+(the remeasurements table) and 0002 -> 0003 (remeasurement_claims) up and down with data in
+place."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from db.models import Base, TrialStatus
 from db.session import dispose_engine, init_db, make_engine, session_scope
 
 OUR_TABLES = {"devices", "templates", "sweeps", "tuning_trials", "best_configs",
-              "remeasurements"}
+              "remeasurements", "remeasurement_claims"}
 
 
 @contextmanager
@@ -123,10 +124,8 @@ def _migrate(engine: sa.Engine, revision: str, *, down: bool = False) -> None:
         (command.downgrade if down else command.upgrade)(alembic_config(connection), revision)
 
 
-def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url: str) -> None:
-    engine = make_engine(db_url)
-    _migrate(engine, "0001")  # a database of the first release, with a trial and its best
-    assert "remeasurements" not in sa.inspect(engine).get_table_names()
+def _one_trial(engine: sa.Engine) -> tuple[int, int, int]:
+    """A device, a template and one OK trial, written through the schema as it is; their ids."""
     with Session(engine) as s, s.begin():
         device = crud.get_or_create_device(s, info={
             "key": "gpu|1", "name": "gpu", "compute_capability": "9.0", "sm_count": 1,
@@ -137,11 +136,18 @@ def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url:
                                   problem_key="p", problem={"dtype": "float16"},
                                   config_key="c", config={}, status=TrialStatus.OK,
                                   median_ms=2.0, tflops=50.0)
-        ids = (device.id, template.id, trial.id)
+        return device.id, template.id, trial.id
+
+
+def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url: str) -> None:
+    engine = make_engine(db_url)
+    _migrate(engine, "0001")  # a database of the first release, with a trial and its best
+    assert "remeasurements" not in sa.inspect(engine).get_table_names()
+    ids = _one_trial(engine)
 
     init_db(db_url)  # what the next tuner or service start does
     with engine.connect() as connection:
-        assert current_revision(connection) == head_revision() == "0002"
+        assert current_revision(connection) == head_revision() == "0003"
     with session_scope(db_url) as s:
         crud.record_remeasurement(s, trial_id=ids[2], status=TrialStatus.OK, median_ms=2.2,
                                   tflops=45.0)
@@ -152,7 +158,7 @@ def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url:
 
     _migrate(engine, "0001", down=True)
     tables = set(sa.inspect(engine).get_table_names())
-    assert tables == OUR_TABLES - {"remeasurements"} | {VERSION_TABLE}
+    assert tables == OUR_TABLES - {"remeasurements", "remeasurement_claims"} | {VERSION_TABLE}
     with engine.connect() as connection:
         assert current_revision(connection) == "0001"
         assert connection.scalar(sa.text("SELECT median_ms FROM tuning_trials")) == 2.0
@@ -161,3 +167,33 @@ def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url:
     _migrate(engine, "head")
     with engine.connect() as connection:
         assert connection.scalar(sa.text("SELECT count(*) FROM remeasurements")) == 0
+
+
+def test_0003_adds_remeasurement_claims_to_a_0002_database_and_downgrades_back(
+        db_url: str) -> None:
+    engine = make_engine(db_url)
+    _migrate(engine, "0002")
+    assert "remeasurement_claims" not in sa.inspect(engine).get_table_names()
+    trial_id = _one_trial(engine)[2]
+    with Session(engine) as s, s.begin():
+        crud.record_remeasurement(s, trial_id=trial_id, status=TrialStatus.OK, median_ms=2.2,
+                                  tflops=45.0)
+
+    init_db(db_url)
+    with engine.connect() as connection:
+        assert current_revision(connection) == head_revision() == "0003"
+    with session_scope(db_url) as s:
+        claim = crud.claim_remeasurement(s, trial_id=trial_id, wanted=2, worker="w",
+                                         is_stale=lambda *_: False)
+        assert claim is not None
+    assert {i["name"] for i in sa.inspect(engine).get_indexes("remeasurement_claims")} == {
+        "ix_remeasurement_claims_trial_id"}
+
+    _migrate(engine, "0002", down=True)
+    assert "remeasurement_claims" not in sa.inspect(engine).get_table_names()
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0002"
+        assert connection.scalar(sa.text("SELECT count(*) FROM remeasurements")) == 1
+    _migrate(engine, "head")
+    with engine.connect() as connection:
+        assert connection.scalar(sa.text("SELECT count(*) FROM remeasurement_claims")) == 0

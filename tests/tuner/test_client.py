@@ -106,3 +106,25 @@ def test_answers_that_are_not_the_promised_shape_are_errors() -> None:
 def test_urls_need_a_scheme(url: str) -> None:
     with pytest.raises(ValueError, match="http"):
         TunerClient(url)
+
+
+def test_the_write_token_travels_with_uploads_only() -> None:
+    """Reads carry no Authorization header, whatever token the client holds (issue 19: every
+    lookup of tuner.attention sent the write token); an upload carries it, stripped."""
+    import httpx
+
+    seen: list[tuple[str, str | None]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers.get("authorization")))
+        if request.url.path == "/v1/results":
+            return httpx.Response(201, json={"items": 0, "trials": 0, "best_updated": 0})
+        return httpx.Response(200, json=[])
+
+    with TunerClient("http://tuner.test", token=f" {TOKEN}\n", retries=0,
+                     transport=httpx.MockTransport(answer)) as client:
+        client.devices()
+        client.templates()
+        client.upload(bundle())
+    assert seen == [("/v1/devices", None), ("/v1/templates", None),
+                    ("/v1/results", f"Bearer {TOKEN}")]

@@ -354,11 +354,14 @@ def test_serve_runs_the_api_app_on_the_database(monkeypatch: pytest.MonkeyPatch,
 
     served: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)  # serve sets it for its workers
     db = f"sqlite:///{tmp_path / 'api.db'}"
     code, _, err = cli("serve", "--db", db, "--host", "0.0.0.0", "--port", "8123")
     assert code == 0, err
     assert served["host"] == "0.0.0.0" and served["port"] == 8123
-    assert served["app"].state.settings.database_url == db
+    # The app factory by import string (each worker builds its own), on --db's database.
+    assert served["app"] == "api.main:create_app" and served["factory"] is True
+    assert os.environ["TUNER_DATABASE_URL"] == db
     code, _, err = cli("serve", "--db", db, "--port", "0")
     assert code == 2 and "--port" in err
 

@@ -30,22 +30,36 @@ reason logged and stored; its first measurement stays) and the next config takes
 Every re-measurement is stored as it finishes, and which finalist still lacks some is read
 from the store before each one: a search resumed after a kill runs only the missing ones, and
 a search that ends with its budget already met (a rerun) completes them. Each worker that
-ends a problem's search runs this round; workers that end together may re-measure one
-finalist at once, so it gets up to ``workers - 1`` readings more than asked, all kept (the
-median takes them all). The round is skipped when the search was stopped.
+ends a problem's search runs this round, claiming each re-measurement before it measures
+(``ResultStore.claim_remeasurement``): a claim is granted while the finalist's stored
+re-measurements and live claims are fewer than asked, so workers that end together share
+the re-measurements and each finalist gets exactly ``final_repeats``. A claim is renewed
+while its worker measures; one of a dead worker (its process gone, on this host, or silent
+for three renewal intervals) is taken over. The round is skipped when the search was
+stopped.
+
+Several workers on one problem measure at most ``budget`` configs in all: a config is not
+measured while the results and the configs other workers hold ahead of it (RUNNING trials
+with lower numbers, without results yet) already make up the budget; its trial is released,
+and the worker waits while the configs of others are in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import random
+import socket
 import threading
 import time
+import uuid
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import optuna
@@ -85,6 +99,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# How often a worker renews its claim on the re-measurement it runs, when it keeps no Optuna
+# heartbeats (then their interval); a claim silent for 3x as long is a dead worker's.
+CLAIM_RENEW_S = 10.0
 
 # Finalists per problem and the re-measurements of each: with the first reading, a median of 3.
 # Issue 6: of 4 H100 bests measured once, one re-measured 5.5% slower (1.066 vs 1.011 ms).
@@ -199,6 +217,10 @@ class ProblemSearch:
         self._valid_keys: list[str] = []  # config.key() is not free: computed once
         self._budget: int | None = None
         self._last_stale_check = 0.0
+        # Who holds this search's claims on re-measurements: host and process first, so that a
+        # worker on the same host can tell a dead holder's claims at once.
+        self._claimant = f"{socket.gethostname()}|{os.getpid()}|{uuid.uuid4().hex[:8]}"
+        self._claim_renew_s = heartbeats.interval_s if heartbeats is not None else CLAIM_RENEW_S
 
     def effective_budget(self) -> int:
         """The budget, capped by the number of configs of the space that the constraints let
@@ -254,7 +276,9 @@ class ProblemSearch:
                 if results >= budget or self._exhausted(known):
                     break
                 self._fail_stale()
-                if not queue and self._rest_held_elsewhere(known):
+                in_flight = self._in_flight_elsewhere(known)
+                if not queue and (results + in_flight >= budget
+                                  or self._rest_held_elsewhere(known)):
                     waiting_since = waiting_since or time.monotonic()
                     if time.monotonic() - waiting_since > max_wait:
                         log.warning("%s: configs held by other workers for %.0f s; leaving "
@@ -263,7 +287,7 @@ class ProblemSearch:
                     self.stop.wait(self.settings.wait_poll_s)
                     continue
                 waiting_since = None
-                want = min(1 + self.settings.lookahead, budget - results)
+                want = min(1 + self.settings.lookahead, budget - results - in_flight)
                 while len(queue) < want and self.stats.asks < max_asks:
                     queue.append(self._ask())
                 if not queue:
@@ -382,6 +406,12 @@ class ProblemSearch:
             self._emit("stored", key, stored.status.value, stored.tflops, results, budget)
             return
         reason = self._constraint(config)
+        if not reason and self._budget_taken_ahead_of(trial, budget):
+            # Released, not measured: the worker waits in _search for the others' results.
+            self.stats.deferred += 1
+            self._tell(trial, None, state=TrialState.FAIL, source="over-budget")
+            self._emit("over-budget", key, None, None, results, budget)
+            return
         if reason:
             self.stats.invalid += 1
             outcome = TrialOutcome.failed(TrialStatus.INVALID, reason)
@@ -423,22 +453,66 @@ class ProblemSearch:
         finally:
             self.stats.final_s += time.monotonic() - start
 
-    def _next_finalist(self) -> StoredResult | None:
-        """The first finalist, fastest first, still short of re-measurements; read afresh
-        each time, as other workers may be re-measuring too."""
+    def _next_finalist(self) -> tuple[StoredResult, int] | None:
+        """The first finalist, fastest first, still short of re-measurements that this worker
+        could claim one more of, and the claim; read afresh each time, as other workers may be
+        re-measuring too (a finalist whose missing re-measurements they all hold is passed)."""
         known = self.store.known(self.problem_key)  # the problem's, whatever space found them
         again = self.store.remeasurements(self.problem_key)
         for finalist in pick_finalists(measured_configs(known, again), self.settings.finalists):
-            if len(finalist.remeasured_ms) < self.settings.final_repeats:
-                return known[str(finalist.ref)]
+            if len(finalist.remeasured_ms) >= self.settings.final_repeats:
+                continue
+            claim = self.store.claim_remeasurement(
+                self.problem_key, str(finalist.ref), wanted=self.settings.final_repeats,
+                worker=self._claimant, is_stale=self._claim_is_stale)
+            if claim is not None:
+                return known[str(finalist.ref)], claim
         return None
 
-    def _remeasure(self, finalist: StoredResult, results: int, budget: int) -> bool:
-        """Measure ``finalist`` once more and store it; False when interrupted (nothing
-        stored)."""
+    def _claim_is_stale(self, holder: str, renewed_at: datetime) -> bool:
+        """Whether another worker's claim is abandoned: not renewed for three intervals, or
+        held by a process of this host that is gone (a killed sweep's claims are taken over
+        at once by the next run on its host)."""
+        if datetime.now(UTC) - renewed_at > timedelta(seconds=3 * self._claim_renew_s):
+            return True
+        host, _, rest = holder.partition("|")
+        pid = rest.partition("|")[0]
+        return host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))
+
+    @contextlib.contextmanager
+    def _claim_renewed(self, claim: int) -> Iterator[None]:
+        """Renew ``claim`` every interval while the block runs (a measurement may take
+        minutes)."""
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(self._claim_renew_s):
+                try:
+                    self.store.renew_claim(claim)
+                except Exception as exc:  # a missed renewal is tried again next interval
+                    log.debug("renewing claim %d failed: %s", claim, exc)
+
+        thread = threading.Thread(target=renew, name="claim-renewal", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(timeout=5)
+
+    def _remeasure(self, picked: tuple[StoredResult, int], results: int, budget: int) -> bool:
+        """Measure a finalist once more under its claim and store it; False when interrupted
+        (nothing stored, the claim given up)."""
+        finalist, claim = picked
         config = self.template.config(finalist.config)
-        outcome = self.runner.measure(self._request(config), self.settings.timeout_s)
+        try:
+            with self._claim_renewed(claim):
+                outcome = self.runner.measure(self._request(config), self.settings.timeout_s)
+        except BaseException:
+            self.store.drop_claim(claim)
+            raise
         if self.stop.is_set() and not outcome.ok:
+            self.store.drop_claim(claim)
             return False  # the runner was torn down under it, as in _handle
         self.stats.remeasured += 1
         if not outcome.ok:
@@ -447,7 +521,8 @@ class ProblemSearch:
                         "first measurement stays stored", self.problem_key, finalist.config_key,
                         outcome.status.value, outcome.reason)
         best = self.store.record_remeasurement(RemeasurementRecord(
-            problem_key=self.problem_key, config_key=finalist.config_key, outcome=outcome))
+            problem_key=self.problem_key, config_key=finalist.config_key, outcome=outcome,
+            claim=claim))
         self._emit("final", finalist.config_key, outcome.status.value, outcome.tflops, results,
                    budget, best.tflops if best else None, outcome.reason)
         return True
@@ -460,6 +535,30 @@ class ProblemSearch:
             if other.number not in self._mine and key is not None:
                 held[key] = min(other.number, held.get(key, other.number))
         return held
+
+    def _in_flight_elsewhere(self, known: dict[str, Any], *,
+                             before: int | None = None) -> int:
+        """Configs that other workers hold without a result yet (RUNNING trials not this
+        loop's, with numbers below ``before`` if given): each will be a result. A trial whose
+        params are not written yet counts too."""
+        held: set[str | int] = set()
+        for other in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if other.number in self._mine or (before is not None and other.number >= before):
+                continue
+            if not self._dists.keys() <= other.params.keys():
+                held.add(other.number)
+                continue
+            key = self._key_of(other.params)
+            if key is not None and key not in known:
+                held.add(key)
+        return len(held)
+
+    def _budget_taken_ahead_of(self, trial: optuna.Trial, budget: int) -> bool:
+        """Whether the results and the configs other workers hold ahead of ``trial`` (lower
+        numbers: of two workers that draw at once, the first runs) make up the budget."""
+        known = self.known()
+        return self.results(known) + self._in_flight_elsewhere(
+            known, before=trial.number) >= budget
 
     def _rest_held_elsewhere(self, known: dict[str, Any]) -> bool:
         """True when every valid config without a result is held by another worker: asking
@@ -544,3 +643,14 @@ class ProblemSearch:
         self.on_trial(TrialEvent(problem_key=self.problem_key, source=source, config_key=key,
                                  status=status, tflops=tflops, results=results, budget=budget,
                                  best_tflops=best_tflops, reason=reason))
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this host with ``pid`` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: it exists
+        return True
+    return True

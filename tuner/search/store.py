@@ -9,9 +9,11 @@ trial, which keeps its first measurement, and the best is chosen by ``db.finalis
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from db.finalists import Measured, choose_best
@@ -94,6 +96,11 @@ class RemeasurementRecord:
     problem_key: str
     config_key: str
     outcome: TrialOutcome
+    claim: int | None = None  # the claim it was measured under, dropped as it is stored
+
+
+# (claiming worker, last renewed, UTC) -> whether the claim is abandoned
+StaleClaim = Callable[[str, datetime], bool]
 
 
 class ResultStore(Protocol):
@@ -115,6 +122,18 @@ class ResultStore(Protocol):
         """Store one re-measurement of a stored config (every one is kept) and refresh the
         problem's best config, in one transaction; returns the best after it."""
 
+    def claim_remeasurement(self, problem_key: str, config_key: str, *, wanted: int,
+                            worker: str, is_stale: StaleClaim) -> int | None:
+        """Claim one more re-measurement of a stored config while its re-measurements and live
+        claims are fewer than ``wanted`` (``db.crud.claim_remeasurement``); the claim, or
+        None when it has enough."""
+
+    def renew_claim(self, claim: int) -> bool:
+        """Keep a claim alive while measuring; False when it was taken over."""
+
+    def drop_claim(self, claim: int) -> None:
+        """Give a claim up without storing a re-measurement (an interrupted one)."""
+
 
 def measured_configs(known: Mapping[str, StoredResult],
                      remeasured: Mapping[str, list[StoredRemeasurement]]) -> list[Measured]:
@@ -134,9 +153,9 @@ def measured_configs(known: Mapping[str, StoredResult],
     return measured
 
 
-def _not_stored(record: RemeasurementRecord) -> LookupError:
-    return LookupError(f"no stored trial of {record.config_key!r} for problem "
-                       f"{record.problem_key!r}: only stored configs are re-measured")
+def _not_stored(problem_key: str, config_key: str) -> LookupError:
+    return LookupError(f"no stored trial of {config_key!r} for problem {problem_key!r}: only "
+                       "stored configs are re-measured")
 
 
 def _result(row: Any) -> StoredResult:
@@ -252,16 +271,46 @@ class DbStore:
                                     problem_key=record.problem_key,
                                     config_key=record.config_key)
             if trial is None:
-                raise _not_stored(record)
+                raise _not_stored(record.problem_key, record.config_key)
             crud.record_remeasurement(
                 s, trial_id=trial.id, status=outcome.status, reason=outcome.reason,
                 median_ms=outcome.median_ms, tflops=outcome.tflops, error=outcome.error,
                 sweep_id=self.sweep_id, worker=self.worker)
+            if record.claim is not None:
+                crud.drop_remeasurement_claim(s, claim_id=record.claim)
             row = crud.refresh_best(s, device_id=self.device_id, template_id=self.template_id,
                                     problem_key=record.problem_key)
             return _best(row, _runs_of(s, row))
 
         return run_in_transaction(self.url, write)
+
+    def claim_remeasurement(self, problem_key: str, config_key: str, *, wanted: int,
+                            worker: str, is_stale: StaleClaim) -> int | None:
+        from db import crud
+        from db.session import run_in_transaction
+
+        def claim(s: Any) -> int | None:
+            trial = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
+                                    problem_key=problem_key, config_key=config_key)
+            if trial is None:
+                raise _not_stored(problem_key, config_key)
+            return crud.claim_remeasurement(s, trial_id=trial.id, wanted=wanted, worker=worker,
+                                            is_stale=is_stale)
+
+        return run_in_transaction(self.url, claim)
+
+    def renew_claim(self, claim: int) -> bool:
+        from db import crud
+        from db.session import run_in_transaction
+
+        return run_in_transaction(
+            self.url, lambda s: crud.renew_remeasurement_claim(s, claim_id=claim))
+
+    def drop_claim(self, claim: int) -> None:
+        from db import crud
+        from db.session import run_in_transaction
+
+        run_in_transaction(self.url, lambda s: crud.drop_remeasurement_claim(s, claim_id=claim))
 
     def best(self, problem_key: str) -> StoredBest | None:
         from sqlalchemy import select
@@ -282,6 +331,9 @@ class MemoryStore:
     def __init__(self) -> None:
         self._rows: dict[str, dict[str, StoredResult]] = {}
         self._again: dict[str, dict[str, list[StoredRemeasurement]]] = {}
+        # claim id -> (problem key, config key, worker, last renewed)
+        self._claims: dict[int, tuple[str, str, str, datetime]] = {}
+        self._claim_ids = itertools.count(1)
         self._lock = threading.Lock()
 
     def known(self, problem_key: str) -> dict[str, StoredResult]:
@@ -310,11 +362,41 @@ class MemoryStore:
         o = record.outcome
         with self._lock:
             if record.config_key not in self._rows.get(record.problem_key, {}):
-                raise _not_stored(record)
+                raise _not_stored(record.problem_key, record.config_key)
             self._again.setdefault(record.problem_key, {}).setdefault(
                 record.config_key, []).append(StoredRemeasurement(
                     status=o.status, reason=o.reason, median_ms=o.median_ms, tflops=o.tflops))
+            if record.claim is not None:
+                self._claims.pop(record.claim, None)
         return self.best(record.problem_key)
+
+    def claim_remeasurement(self, problem_key: str, config_key: str, *, wanted: int,
+                            worker: str, is_stale: StaleClaim) -> int | None:
+        with self._lock:
+            if config_key not in self._rows.get(problem_key, {}):
+                raise _not_stored(problem_key, config_key)
+            mine = {i: c for i, c in self._claims.items() if c[:2] == (problem_key, config_key)}
+            for claim_id, (_, _, holder, beat_at) in mine.items():
+                if is_stale(holder, beat_at):
+                    del self._claims[claim_id]
+            live = sum(1 for i in mine if i in self._claims)
+            done = len(self._again.get(problem_key, {}).get(config_key, []))
+            if done + live >= wanted:
+                return None
+            claim_id = next(self._claim_ids)
+            self._claims[claim_id] = (problem_key, config_key, worker, datetime.now(UTC))
+            return claim_id
+
+    def renew_claim(self, claim: int) -> bool:
+        with self._lock:
+            if claim not in self._claims:
+                return False
+            self._claims[claim] = (*self._claims[claim][:3], datetime.now(UTC))
+            return True
+
+    def drop_claim(self, claim: int) -> None:
+        with self._lock:
+            self._claims.pop(claim, None)
 
     def best(self, problem_key: str) -> StoredBest | None:
         known = self.known(problem_key)

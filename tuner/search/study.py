@@ -214,6 +214,11 @@ class HeartbeatKeeper:
         self._thread = threading.Thread(target=self._loop, name="optuna-heartbeat", daemon=True)
         self._thread.start()
 
+    @property
+    def interval_s(self) -> float:
+        """Seconds between two beats; a holder silent for 3x as long is taken for dead."""
+        return self._interval
+
     def hold(self, trial_id: int) -> None:
         with self._lock:
             self._trials.add(trial_id)

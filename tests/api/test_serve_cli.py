@@ -1,0 +1,62 @@
+"""``tuner serve``: workers, and what it refuses before starting any (issue 19)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from tests.api.serving_data import TOKEN
+from tuner.cli.app import main
+from tuner.settings import get_settings
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch
+            ) -> Iterator[list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    monkeypatch.setenv("TUNER_TOKEN", TOKEN)
+    get_settings.cache_clear()  # read from this test's environment
+    yield calls
+    get_settings.cache_clear()
+
+
+def test_serve_starts_n_workers_from_the_app_factory(
+        started: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'served.db'}"
+    with pytest.raises(SystemExit) as exited:  # typer's exit once the command returns
+        main(["serve", "--workers", "3", "--port", "8123", "--db", url])
+    assert exited.value.code == 0
+    [(args, kwargs)] = started
+    # By import string: each worker process builds its own app from the environment.
+    assert args == ("api.main:create_app",)
+    assert kwargs["factory"] is True and kwargs["workers"] == 3 and kwargs["port"] == 8123
+    assert kwargs["access_log"] is False  # TUNER_LOG_LEVEL WARNING: no line per request
+    assert os.environ["TUNER_DATABASE_URL"] == url
+    assert (tmp_path / "served.db").exists()  # migrated once, before the workers start
+
+
+@pytest.mark.parametrize(("argv", "env", "needle"), [
+    (["serve", "--workers", "0"], {}, "--workers must be >= 1, but got 0"),
+    (["serve"], {"TUNER_TOKEN": "changeme"}, "refusing to serve: TUNER_TOKEN must be at least"),
+    (["serve"], {"TUNER_TOKEN": "${TUNER_TOKEN}"}, "cannot carry"),
+    (["serve", "--db", "postgresql+psycopg://nobody@127.0.0.1:1/x"], {},
+     "cannot open the database postgresql+psycopg://nobody@127.0.0.1:1/x"),
+])
+def test_serve_refuses_before_starting(
+        started: list[Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        argv: list[str], env: dict[str, str], needle: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert needle in err and "fix:" in err
+    assert started == []
