@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("tuner.lookup")
 
 RETRY_AFTER_S = 60.0
+# An untuned answer (default, nearest) is asked again after this long: a sweep or an upload
+# that lands while a job runs reaches it within about this (the service's own answers are at
+# most 5 s old, docs/SERVING.md). A re-ask is one query per template and shape bucket.
+UNTUNED_TTL_S = 5.0
 
 
 # ----------------------------------------------------------------------------- matching
@@ -222,14 +226,14 @@ class ConfigResolver:
     """Resolves configs in the documented order; one per process is enough (``get_resolver``)."""
 
     def __init__(self, settings: Settings | None = None, *, retry_after_s: float = RETRY_AFTER_S,
-                 untuned_ttl_s: float = RETRY_AFTER_S,
+                 untuned_ttl_s: float = UNTUNED_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         from tuner.settings import load_settings
 
         self.settings = settings if settings is not None else load_settings()
         self.retry_after_s = retry_after_s
         # Answers that are not tuned (default, nearest) are asked again after this long, so a
-        # config uploaded while the process runs is picked up within a minute.
+        # config uploaded while the process runs is picked up within seconds.
         self.untuned_ttl_s = untuned_ttl_s
         self._clock = clock
         self._cache: dict[CacheKey, Resolved] = {}
@@ -298,8 +302,8 @@ class ConfigResolver:
             return None
         engine = self._local_engine()
         if engine is None:
-            # No database (yet): look again after a while, a sweep may create one.
-            self._database_down_until = self._clock() + self.retry_after_s
+            # No database (yet): look again soon (a file check), a sweep may create one.
+            self._database_down_until = self._clock() + self.untuned_ttl_s
             return None
         from sqlalchemy.exc import SQLAlchemyError
         from sqlalchemy.orm import Session

@@ -233,3 +233,20 @@ def test_a_served_config_outside_the_space_is_never_run(tmp_path: Path,
         assert len(server.requests) == 1
         assert (got.source, got.config) == ("default", FWD.default_config(TINY, interpreter()))
         assert not r.service_down  # the service works; its answer was just unusable
+
+
+def test_a_best_stored_while_the_process_runs_is_picked_up_within_5_s(tmp_path: Path) -> None:
+    """Issue 20, item 2: a default answer is asked again after UNTUNED_TTL_S (5 s), also when
+    the database file did not exist yet at the first lookup."""
+    dev, clock = interpreter(), Clock()
+    path = tmp_path / "later.db"
+    r = resolver(f"sqlite:///{path}", clock=clock)
+    first = r.resolve(FWD, TINY, dev)
+    assert first.source == "default" and first.expires_at == clock.now + 5.0
+    config = tuned_config(TINY, dev)
+    stored_db(path, item(TINY, device=dev, config=config))  # a sweep writes meanwhile
+    clock.now += 4.9
+    assert r.resolve(FWD, TINY, dev) is first  # still cached
+    clock.now += 0.2
+    got = r.resolve(FWD, TINY, dev)
+    assert (got.source, got.match, got.config.to_dict()) == ("database", "exact", config)
