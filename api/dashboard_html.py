@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING, Any
 
+from templates.device import CPU_INTERPRETER
 from tuner.wire import readings_text
 
 if TYPE_CHECKING:
@@ -52,8 +53,13 @@ def charts_from_rows(rows: Iterable[Any]) -> list[Chart]:
     charts = []
     for key in sorted(groups):
         device, template, dtype, variant, head_dim, gqa = key
-        series = {name: sorted(points.items()) for name, points in groups[key].items()}
+        # The default drawn first, the tuned line over it: where tuning found nothing better
+        # the two coincide, and the tuned points must stay visible.
+        series = {name: sorted(groups[key][name].items())
+                  for name in ("default config", "tuned") if name in groups[key]}
         subtitle = [dtype, variant, f"d{head_dim}"] + ([f"gqa{gqa}"] if gqa > 1 else [])
+        if device == CPU_INTERPRETER:
+            subtitle.append("Triton interpreter timings, NOT GPU timings")
         charts.append(Chart(f"{device} · {template}", " · ".join(subtitle), series))
     return charts
 

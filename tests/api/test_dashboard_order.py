@@ -35,3 +35,19 @@ def test_charts_are_ordered_by_head_dim_as_a_number(client: TestClient) -> None:
     html = client.get("/dashboard").text
     subtitles = re.findall(r'font-size="11">([^<]*)</text>', html)
     assert subtitles == ["bfloat16 · dense · d64", "bfloat16 · dense · d128"]
+
+
+def test_interpreter_charts_say_they_are_not_gpu_timings_and_tuned_is_drawn_last(
+        client: TestClient) -> None:
+    from tests.api.serving_data import interpreter
+
+    p = problem(64, batch=1, heads=2, head_dim=16, dtype="float16")
+    r = client.post("/v1/results", json=bundle(item(p, device=interpreter(), tflops=0.001,
+                                                    default_tflops=0.001)),
+                    headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 201, r.text
+    html = client.get("/dashboard").text
+    assert "float16 · dense · d16 · Triton interpreter timings, NOT GPU timings" in html
+    # Tuned equal to the default: the tuned line is drawn after (over) the default one.
+    legend = re.findall(r'font-size="10">(tuned|default config)</text>', html)
+    assert legend == ["default config", "tuned"]
