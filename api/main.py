@@ -13,7 +13,17 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from api.answers import BestCache
 from api.errors import BodySizeLimit, install_error_handlers
-from api.routes import best, configs, dashboard, devices, health, kernels, results, templates
+from api.routes import (
+    best,
+    configs,
+    dashboard,
+    devices,
+    health,
+    kernels,
+    reference,
+    results,
+    templates,
+)
 from db.session import init_db
 from tuner.settings import TOKEN_FIX, Settings, SettingsError, load_settings, write_token_problem
 
@@ -26,7 +36,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     check_write_token(settings)
     import_template_modules(settings.template_modules)
     init_db(settings.database_url)
-    app = FastAPI(title="attention-tuner", version="1", lifespan=_lifespan,
+    # docs_url=None: /docs is api/routes/reference.py, which needs no CDN (Swagger UI does).
+    app = FastAPI(title="attention-tuner", version="1", lifespan=_lifespan, docs_url=None,
                   description="Tuned Triton attention configs per GPU and problem shape.")
     app.state.settings = settings
     app.state.best_cache = BestCache(settings.database_url)
@@ -36,7 +47,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     install_error_handlers(app)
-    for module in (health, devices, templates, best, configs, results, kernels, dashboard):
+    for module in (health, devices, templates, best, configs, results, kernels, dashboard,
+                   reference):
         app.include_router(module.router)
     return app
 

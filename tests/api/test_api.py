@@ -367,3 +367,14 @@ def test_dashboard_charts_extreme_tflops(client: TestClient, auth: dict[str, str
 def test_dashboard_renders_an_empty_database(client: TestClient) -> None:
     html = client.get("/dashboard").text
     assert "No tuned configs stored yet" in html and "<svg" not in html
+
+
+def test_docs_need_nothing_from_the_internet(client: TestClient) -> None:
+    """/docs is plain HTML from the OpenAPI schema (Swagger UI, from a CDN, is /docs/swagger)."""
+    page = client.get("/docs")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    html = page.text
+    assert "<script" not in html and "http://" not in html and "https://" not in html
+    for route in ("GET /v1/best", "POST /v1/results", "GET /healthz"):
+        assert route in html
+    assert "cdn" in client.get("/docs/swagger").text.lower()
