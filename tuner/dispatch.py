@@ -23,6 +23,7 @@ New implementations (the Gluon kernels, FlexAttention, another backend) register
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -121,6 +122,8 @@ class Choice:
         return min((r.expires_at for r in self.resolved), default=math.inf)
 
 
+log = logging.getLogger("tuner.dispatch")
+
 _IMPLEMENTATIONS: dict[str, Implementation] = {}
 _FORCED: ContextVar[str | None] = ContextVar("tuner_forced_implementation", default=None)
 BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when unmeasured
@@ -176,7 +179,17 @@ def price(impl: Implementation, call: Call) -> Estimate:
 
 
 def choose(call: Call) -> Choice:
-    """The implementation and configs for ``call`` (see the module docstring)."""
+    """The implementation and configs for ``call`` (see the module docstring); logged at
+    DEBUG (``TUNER_LOG_LEVEL=DEBUG``): once per problem and plan, not per call."""
+    choice = _choose(call)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s%s: %s %s (%s, from %s): %s", call.problem.key(),
+                  " with grad" if call.needs_grad else "", choice.implementation.name,
+                  choice.config.key(), choice.match, choice.source, choice.why)
+    return choice
+
+
+def _choose(call: Call) -> Choice:
     name = forced()
     if name is not None:
         impl = get_implementation(name)

@@ -270,3 +270,13 @@ def test_under_torch_compile_a_choice_without_a_custom_op_runs_sdpa(
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True) * 2
     torch.testing.assert_close(compiled(q, k, v), expected, rtol=0, atol=0)
+
+
+def test_each_choice_is_logged_at_debug(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    q, k, v = qkv(device)
+    with caplog.at_level("DEBUG", logger="tuner.dispatch"):
+        tuner.attention(q, k, v, enable_gqa=True)
+        tuner.attention(q, k, v, enable_gqa=True)  # the kept plan: no second line
+    [line] = [r.getMessage() for r in caplog.records if r.name == "tuner.dispatch"]
+    assert line.startswith(problem_of(q, k).key()) and "sdpa backend=default" in line
+    assert "not measured" in line
