@@ -55,8 +55,9 @@ def charts_from_rows(rows: Iterable[Any]) -> list[Chart]:
         device, template, dtype, variant, head_dim, gqa = key
         # The default drawn first, the tuned line over it: where tuning found nothing better
         # the two coincide, and the tuned points must stay visible.
-        series = {name: sorted(groups[key][name].items())
-                  for name in ("default config", "tuned") if name in groups[key]}
+        series: dict[str, list[tuple[int, float]]] = {
+            name: sorted(groups[key][name].items())
+            for name in ("default config", "tuned") if name in groups[key]}
         subtitle = [dtype, variant, f"d{head_dim}"] + ([f"gqa{gqa}"] if gqa > 1 else [])
         if device == CPU_INTERPRETER:
             subtitle.append("Triton interpreter timings, NOT GPU timings")
