@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import pytest
 from api.main import create_app
 from db.session import dispose_engine, session_scope
 from templates.base import Problem
-from templates.device import DeviceInfo
+from templates.device import CPU_INTERPRETER, DeviceInfo
 from tests.api.serving_data import (
     FWD,
     H100,
@@ -96,7 +97,9 @@ def test_device_info_from_key_reads_keys_and_falls_back_to_hopper() -> None:
     assert info.key == a100.key
     bare = device_info_from_key("mystery accelerator")
     assert bare.family == "hopper" and bare.name == "mystery accelerator"
-    assert device_info_from_key(interpreter().key).is_interpreter
+    # The interpreter's key, also on a GPU host (where interpreter() is the GPU).
+    cpu = dataclasses.replace(interpreter(), name=CPU_INTERPRETER, compute_capability="")
+    assert device_info_from_key(cpu.key).is_interpreter
 
 
 # ----------------------------------------------------------------------------- the chain
