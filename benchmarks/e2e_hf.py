@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
+import tuner  # noqa: E402, F401  (imports templates first: TRITON_INTERPRET is set without CUDA)
 from templates.device import interpreter_active  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 

@@ -58,6 +58,27 @@ def forward_flops(problem: Problem) -> float:
     return 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
 
 
+def random_inputs(problem: Problem, device: str, seed: int = 0, *, grad_out: bool = False
+                  ) -> dict[str, object]:
+    """Fresh random q, k, v (B, H, N, D) of ``problem`` (never zeros), with its causal mode and
+    1/sqrt(D) scale; with ``grad_out``, also ``do``, an output gradient like q (drawn after v,
+    so q, k, v are the same tensors either way)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, problem.dtype)
+
+    def randn(heads: int, seqlen: int) -> torch.Tensor:
+        shape = (problem.batch, heads, seqlen, problem.head_dim)
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    inputs: dict[str, object] = {"q": randn(problem.heads_q, problem.seqlen_q),
+                                 "k": randn(problem.heads_kv, problem.seqlen_kv),
+                                 "v": randn(problem.heads_kv, problem.seqlen_kv)}
+    if grad_out:
+        inputs["do"] = randn(problem.heads_q, problem.seqlen_q)
+    inputs.update(causal=problem.causal, scale=1.0 / math.sqrt(problem.head_dim))
+    return inputs
+
+
 def sum_range(lo: int, hi: int) -> int:
     """lo + (lo + 1) + ... + (hi - 1); 0 when hi <= lo."""
     return (hi - lo) * (lo + hi - 1) // 2 if hi > lo else 0

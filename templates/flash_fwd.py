@@ -21,6 +21,7 @@ from templates.attention_reference import (
     attention_reference,
     forward_flops,
     lse_error,
+    random_inputs,
 )
 from templates.base import (
     KernelConfig,
@@ -241,17 +242,7 @@ class FlashFwdTemplate(Template):
 
     # -- running and checking -----------------------------------------------------------------
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        dtype = TORCH_DTYPES[problem.dtype]
-
-        def randn(heads: int, seqlen: int) -> torch.Tensor:
-            shape = (problem.batch, heads, seqlen, problem.head_dim)
-            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
-
-        inputs = {"q": randn(problem.heads_q, problem.seqlen_q),
-                  "k": randn(problem.heads_kv, problem.seqlen_kv),
-                  "v": randn(problem.heads_kv, problem.seqlen_kv),
-                  "causal": problem.causal, "scale": 1.0 / math.sqrt(problem.head_dim)}
+        inputs = random_inputs(problem, device, seed)
         if problem.mask != "none":
             inputs["block_mask"] = _pattern_mask(problem.mask, problem.seqlen_q,
                                                  problem.seqlen_kv, str(device))

@@ -16,7 +16,6 @@ failed config, not an error.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,13 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from templates.attention_reference import attention_reference, forward_flops
+from templates.attention_reference import attention_reference, forward_flops, random_inputs
 from templates.base import KernelConfig, Problem, Template, knob
 from templates.device import DeviceInfo
 from templates.flash_bwd import reference_grads
 from templates.registry import register
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # torch's backends by knob value; "default" leaves the choice to torch.
 BACKENDS: dict[str, SDPBackend | None] = {
@@ -115,18 +112,7 @@ class _SdpaTemplate(Template):
         return SdpaConfig()
 
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        dtype = DTYPES[problem.dtype]
-
-        def randn(heads: int, seqlen: int) -> torch.Tensor:
-            shape = (problem.batch, heads, seqlen, problem.head_dim)
-            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
-
-        return {"q": randn(problem.heads_q, problem.seqlen_q),
-                "k": randn(problem.heads_kv, problem.seqlen_kv),
-                "v": randn(problem.heads_kv, problem.seqlen_kv),
-                "do": randn(problem.heads_q, problem.seqlen_q),
-                "causal": problem.causal, "scale": 1.0 / math.sqrt(problem.head_dim)}
+        return random_inputs(problem, device, seed, grad_out=True)
 
     def _call(self, inputs: Mapping[str, Any], config: KernelConfig, q: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
