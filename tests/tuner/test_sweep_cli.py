@@ -260,6 +260,28 @@ def test_export_then_import_moves_the_best_configs(swept: Swept, tmp_path: Path)
     assert code == 0 and json.loads(out)["trials"] == json.loads(out)["remeasurements"] == 0
 
 
+def test_import_stores_in_batches_as_the_service_does(swept: Swept, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large file never holds SQLite's write lock for long (issue 19, item 5)."""
+    import tuner.bundle
+
+    bundle = tmp_path / "bundle.json"
+    assert cli("export", str(bundle), "--db", swept.db)[0] == 0
+    real, batches = tuner.bundle.store_bundle_in_batches, []
+
+    def one_item_batches(url: str, items: Any, **kw: Any) -> Any:
+        batches.append(len(items))
+        return real(url, items, **{**kw, "batch_items": 1})
+
+    monkeypatch.setattr(tuner.bundle, "store_bundle_in_batches", one_item_batches)
+    other = f"sqlite:///{tmp_path / 'batched.db'}"
+    code, out, err = cli("import", str(bundle), "--db", other, "--json")
+    assert code == 0, err
+    assert batches == [2] and json.loads(out)["items"] == 2
+    _, there, _ = cli("best", "--db", other, "--json")
+    assert len(json.loads(there)) == 2
+
+
 def test_a_bad_bundle_item_rejects_the_whole_import(swept: Swept, tmp_path: Path) -> None:
     bundle = tmp_path / "bundle.json"
     cli("export", str(bundle), "--db", swept.db)
