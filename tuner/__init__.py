@@ -13,6 +13,7 @@ from templates.block_mask import BlockMask
 from tuner.attention import attention
 from tuner.decode import decode
 from tuner.dispatch import use_implementation
+from tuner.record import record, record_from_environment
 
 if TYPE_CHECKING:
     from tuner.client import TunerClient
@@ -33,7 +34,10 @@ def _log_level_from_environment() -> None:
 
 _log_level_from_environment()
 
-__all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "use_implementation"]
+__all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "record",
+                       "use_implementation"]
+
+record_from_environment()  # TUNER_RECORD=path: this process's problems, written at exit
 
 
 def __getattr__(name: str) -> Any:

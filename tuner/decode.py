@@ -22,6 +22,7 @@ from templates.device import current_device
 from templates.flash_decode import TEMPLATE, FlashDecodeConfig, launch_with_config, problem_of
 from templates.flash_decode_kernel import DecodeShape, check_decode_inputs
 from tuner.lookup import Resolved, resolve_config
+from tuner.record import note, recording
 
 __all__ = ["decode", "decode_plan_for"]
 
@@ -72,6 +73,8 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
                                 check_contents=False)
     plan = (shape, _resolve(q, shape))
+    if recording():
+        note(problem_of(q, shape), [TEMPLATE.name])
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
     _PLANS[key] = plan

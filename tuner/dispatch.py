@@ -34,6 +34,7 @@ from templates.base import KernelConfig, Problem
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.lookup import Resolved, resolve_config
+from tuner.record import note, recording
 
 __all__ = ["Call", "Choice", "Implementation", "choose", "implementations",
            "register_implementation", "use_implementation"]
@@ -182,6 +183,9 @@ def choose(call: Call) -> Choice:
     """The implementation and configs for ``call`` (see the module docstring); logged at
     DEBUG (``TUNER_LOG_LEVEL=DEBUG``): once per problem and plan, not per call."""
     choice = _choose(call)
+    if recording():  # tuner.record: the templates of every implementation that could run it
+        note(call.problem, [name for impl in _IMPLEMENTATIONS.values()
+                            if impl.why_not(call) is None for name in impl.templates_for(call)])
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s%s: %s %s (%s, from %s): %s", call.problem.key(),
                   " with grad" if call.needs_grad else "", choice.implementation.name,

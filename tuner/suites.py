@@ -26,7 +26,10 @@ A spec file::
     longest_first = "default"          # the problem's default config's value
 
 Shape keys: ``B``/``batch``, ``H``, ``H_q``/``heads_q``, ``H_kv``/``heads_kv``, ``N``,
-``N_q``/``seqlen_q``, ``N_kv``/``seqlen_kv``, ``D``/``head_dim``. Problems that fall into one
+``N_q``/``seqlen_q``, ``N_kv``/``seqlen_kv``, ``D``/``head_dim``; and, to pin one problem
+instead of crossing the shape with the spec's lists, ``dtype``, ``causal``, ``mask`` (as in
+``{B = 1, H = 32, N = 8192, D = 128, dtype = "bfloat16", causal = "top_left"}``; what
+``tuner.record`` writes). Problems that fall into one
 shape bucket (``Problem.bucketed``) are tuned once: one stored config serves the bucket.
 ``[space]`` applies to every template of the spec (``tuner.search.space``); its knob names
 and values are checked against each template when the sweep starts.
@@ -262,16 +265,28 @@ def _as_list(value: object, key: str, source: str) -> list[Any]:
     raise TunerError(f"{source}: {key!r} must be a list, but got {type(value).__name__}", SPEC_FIX)
 
 
-def _shape_fields(shape: object, index: int, source: str) -> dict[str, int]:
+# Keys a shape may carry to pin its own dtype, causal mode or mask instead of the spec's
+# lists (what `tuner.record` writes: each recorded problem exactly, no cross product).
+SHAPE_OVERRIDES = ("dtype", "causal", "mask")
+
+
+def _shape_fields(shape: object, index: int, source: str
+                  ) -> tuple[dict[str, int], dict[str, object]]:
+    """A shape's dimensions, and the overrides (``SHAPE_OVERRIDES``) it pins."""
     if not isinstance(shape, Mapping):
         raise TunerError(f"{source}: shapes[{index}] must be a mapping like "
                          f"{{B = 8, H = 16, N = 2048, D = 128}}, but got {shape!r}", SPEC_FIX)
     out: dict[str, int] = {}
+    overrides: dict[str, object] = {}
     for key, value in shape.items():
+        if key in SHAPE_OVERRIDES:
+            overrides[key] = value
+            continue
         if key not in SHAPE_ALIASES:
+            known = [*SHAPE_ALIASES, *SHAPE_OVERRIDES]
             raise TunerError(f"{source}: shapes[{index}] has an unknown key "
-                             f"{_unknown_keys([str(key)], list(SHAPE_ALIASES))}",
-                             f"use the keys {', '.join(SHAPE_ALIASES)}")
+                             f"{_unknown_keys([str(key)], known)}",
+                             f"use the keys {', '.join(known)}")
         if isinstance(value, bool) or not isinstance(value, int):
             raise TunerError(f"{source}: shapes[{index}].{key} must be an integer, "
                              f"but got {value!r}", SPEC_FIX)
@@ -285,7 +300,7 @@ def _shape_fields(shape: object, index: int, source: str) -> dict[str, int]:
                          "every shape needs B, H (or H_q), N (or N_q) and D")
     out.setdefault("heads_kv", out["heads_q"])
     out.setdefault("seqlen_kv", out["seqlen_q"])
-    return out
+    return out, overrides
 
 
 def _causal_mode(value: object, source: str) -> str:
@@ -363,7 +378,14 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str,
                                                          "causal", source)]
     masks = [str(m) for m in _as_list(data.get("masks", ["none"]), "masks", source)]
     problems: list[Problem] = []
-    for i, (shape, dtype, mode, mask) in enumerate(itertools.product(shapes, dtypes, causal, masks)):
+    combos = ((shape, dtype, mode, mask) for shape, pinned in shapes
+              for dtype, mode, mask in itertools.product(
+                  [pinned["dtype"]] if "dtype" in pinned else dtypes,
+                  [_causal_mode(pinned["causal"], source)] if "causal" in pinned else causal,
+                  [str(pinned["mask"])] if "mask" in pinned else masks))
+    for i, (shape, dtype, mode, mask) in enumerate(combos):
+        if dtype not in DTYPES:
+            raise TunerError(f"{source}: dtype {dtype!r} is unknown", f"use {', '.join(DTYPES)}")
         try:
             problem = Problem(**shape, dtype=dtype, causal=mode, mask=mask)
         except ValueError as exc:
