@@ -26,6 +26,7 @@ from tuner.cli import (
     serve,
     sweep,
     verify,
+    winners,
 )
 from tuner.cli.common import err_console, setting_fix
 from tuner.errors import TunerError
@@ -45,6 +46,7 @@ app.command("export")(export.export)
 app.command("import")(importing.import_bundle)
 app.command("replay")(replay.replay)
 app.command("serve")(serve.serve)
+app.command("winners")(winners.winners)
 app.add_typer(database.app, name="db")
 
 EXIT_USER_ERROR = 2
