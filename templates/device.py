@@ -78,6 +78,20 @@ def _triton_built_for_a_compiler() -> bool:
     return any(isinstance(value, JITFunction) for value in vars(standard).values())
 
 
+@lru_cache(maxsize=1)
+def cpu_device() -> DeviceInfo:
+    """The CPU, where kernels run under Triton's interpreter (``cpu-interpreter``); also what
+    CPU tensors run on in a process that has a GPU."""
+    import torch
+    import triton
+
+    return DeviceInfo(
+        name=CPU_INTERPRETER, compute_capability="", sm_count=os.cpu_count() or 1,
+        total_memory=0, smem_per_block=228 * 1024, driver_version=platform.machine(),
+        triton_version=triton.__version__, torch_version=torch.__version__.split("+")[0],
+        cuda_version="")
+
+
 @lru_cache(maxsize=8)
 def current_device(index: int | None = None) -> DeviceInfo:
     """Describe the CUDA device ``index`` (default: current), or the CPU interpreter."""
@@ -85,11 +99,7 @@ def current_device(index: int | None = None) -> DeviceInfo:
     import triton
 
     if interpreter_active() or not torch.cuda.is_available():
-        return DeviceInfo(
-            name=CPU_INTERPRETER, compute_capability="", sm_count=os.cpu_count() or 1,
-            total_memory=0, smem_per_block=228 * 1024, driver_version=platform.machine(),
-            triton_version=triton.__version__, torch_version=torch.__version__.split("+")[0],
-            cuda_version="")
+        return cpu_device()
     idx = torch.cuda.current_device() if index is None else index
     props = torch.cuda.get_device_properties(idx)
     smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)

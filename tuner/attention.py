@@ -46,7 +46,7 @@ import torch
 # and every interpreted launch would fail.
 import templates  # noqa: F401
 from templates.base import Problem
-from templates.device import DeviceInfo, current_device, interpreter_active
+from templates.device import DeviceInfo, cpu_device, current_device, interpreter_active
 from templates.flash_fwd import DTYPE_NAMES
 from templates.registry import get_template
 from templates.torch_sdpa import SdpaConfig, sdpa
@@ -189,7 +189,9 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
           enable_gqa: bool, needs_grad: bool) -> Call:
     """Check the inputs; the problem they pose, on their device."""
     check_inputs(q, k, v, enable_gqa)
-    device = current_device(q.device.index) if q.is_cuda else current_device()
+    # CPU tensors run on the CPU also in a process with a GPU: there only torch SDPA (and,
+    # under the interpreter, our kernels) can take them, whatever is stored for the GPU.
+    device = current_device(q.device.index) if q.is_cuda else cpu_device()
     return _call_of(tuple(q.shape), tuple(k.shape), q.dtype, is_causal, needs_grad, device)
 
 
@@ -221,7 +223,7 @@ def _traced_choice(shape_q: str, shape_k: str, dtype: str, device: str, is_causa
     """Under torch.compile: the chosen implementation (and SDPA backend), fixed at trace time
     as a constant; arguments are scalars and strings, as Dynamo requires."""
     dev = torch.device(device)
-    info = current_device(dev.index) if dev.type == "cuda" else current_device()
+    info = current_device(dev.index) if dev.type == "cuda" else cpu_device()
     choice = choose(_call_of(tuple(int(n) for n in shape_q.split(",")),
                              tuple(int(n) for n in shape_k.split(",")), getattr(torch, dtype),
                              is_causal, needs_grad, info))

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from templates.device import current_device
+from templates.device import cpu_device, current_device
 from templates.flash_decode import TEMPLATE, FlashDecodeConfig, launch_with_config, problem_of
 from templates.flash_decode_kernel import DecodeShape, check_decode_inputs
 from tuner.lookup import Resolved, resolve_config
@@ -63,7 +63,7 @@ def clear_decode_plans() -> None:
 
 
 def _resolve(q: torch.Tensor, shape: DecodeShape) -> Resolved:
-    device = current_device(q.device.index) if q.is_cuda else current_device()
+    device = current_device(q.device.index) if q.is_cuda else cpu_device()
     return resolve_config(TEMPLATE, problem_of(q, shape), device)
 
 

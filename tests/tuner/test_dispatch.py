@@ -280,3 +280,19 @@ def test_each_choice_is_logged_at_debug(device: str, caplog: pytest.LogCaptureFi
     [line] = [r.getMessage() for r in caplog.records if r.name == "tuner.dispatch"]
     assert line.startswith(problem_of(q, k).key()) and "sdpa backend=default" in line
     assert "not measured" in line
+
+
+def test_cpu_tensors_without_the_interpreter_never_reach_a_triton_kernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a process with a GPU: CPU tensors run torch SDPA, whatever ours measured."""
+    q, k, v = qkv("cpu")
+    p = problem_of(q, k)
+    store(tmp_path, measured("torch_sdpa", p, 1.0), measured("flash_fwd", p, 1000.0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    choice = plan_for(q, k, v, enable_gqa=True)
+    assert choice.implementation.name == "sdpa"
+    torch.testing.assert_close(tuner.attention(q, k, v, enable_gqa=True),
+                               F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                               rtol=0, atol=0)
+    with use_implementation("flash"), pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        tuner.attention(q, k, v, enable_gqa=True)
