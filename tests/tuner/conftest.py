@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import tests.tuner.toy_templates  # noqa: F401  (registers toy_add, toy_faulty, toy_tiles)
 from db.models import TrialStatus
 from templates import Problem, current_device, get_template
+from tuner.attention import clear_plans
+from tuner.lookup import ConfigResolver, set_resolver
 from tuner.replay import RecordedProblem
 from tuner.runner.outcome import TrialOutcome
 
 TOY_PROBLEM = Problem(1, 1, 1, 16, 16, 16, "float16")
+
+
+@pytest.fixture
+def no_tuned_configs(tmp_path: Path) -> Iterator[None]:
+    """No database, no service, no kept plan: whatever the environment says, unless a test
+    stores one (tests of tuner.attention, the dispatcher and recording)."""
+    from tuner.settings import load_settings
+
+    set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
+                                              url=None)))
+    clear_plans()
+    yield
+    clear_plans()
+    set_resolver(None)
 
 
 def tiles_landscape() -> RecordedProblem:

@@ -27,15 +27,10 @@ TOL = {torch.float16: 2e-3, torch.float32: 1e-4}
 
 
 @pytest.fixture(autouse=True)
-def isolated_lookup(tmp_path: Path) -> Iterator[None]:
-    """No database, no service: whatever the environment says, unless a test stores one."""
-    set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
-                                              url=None)))
-    clear_plans()
+def flash_kernels(no_tuned_configs: None) -> Iterator[None]:
+    """Our kernels, with nothing tuned (unmeasured calls would run torch SDPA)."""
     with tuner.use_implementation("flash"):
         yield
-    clear_plans()
-    set_resolver(None)
 
 
 def rand(*shape: int, dtype: torch.dtype, device: str, grad: bool = False) -> torch.Tensor:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,7 @@ from tuner.dispatch import Call, choose, implementations, use_implementation
 from tuner.lookup import ConfigResolver, set_resolver
 from tuner.settings import load_settings
 
-
-@pytest.fixture(autouse=True)
-def isolated_lookup(tmp_path: Path) -> Iterator[None]:
-    set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
-                                              url=None)))
-    clear_plans()
-    yield
-    clear_plans()
-    set_resolver(None)
+pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 
 
 def problem_of(q: torch.Tensor, k: torch.Tensor, *, causal: str = "none") -> Problem:

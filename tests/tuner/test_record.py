@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,21 +14,10 @@ import torch
 import tuner
 from templates.base import Problem
 from tests.tuner.test_sweep_cli import cli
-from tuner.attention import clear_plans
 from tuner.errors import TunerError
-from tuner.lookup import ConfigResolver, set_resolver
-from tuner.settings import load_settings
 from tuner.suites import load_spec_file
 
-
-@pytest.fixture(autouse=True)
-def isolated_lookup(tmp_path: Path) -> Iterator[None]:
-    set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
-                                              url=None)))
-    clear_plans()
-    yield
-    clear_plans()
-    set_resolver(None)
+pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 
 
 def run_a_tiny_job(device: str) -> None:
