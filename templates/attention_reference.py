@@ -58,6 +58,16 @@ def forward_flops(problem: Problem) -> float:
     return 4.0 * problem.batch * problem.heads_q * problem.head_dim * pairs
 
 
+def forward_bytes(problem: Problem, *, lse: bool = True) -> float:
+    """Fewest bytes a forward moves: q, k, v read once, o written once, and (``lse``) the
+    float32 logsumexp written."""
+    esize = torch.empty((), dtype=getattr(torch, problem.dtype)).element_size()
+    q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim
+    k_or_v = problem.batch * problem.heads_kv * problem.seqlen_kv * problem.head_dim
+    rows = problem.batch * problem.heads_q * problem.seqlen_q if lse else 0
+    return float(esize * (2 * q_or_o + 2 * k_or_v) + 4 * rows)
+
+
 def random_inputs(problem: Problem, device: str, seed: int = 0, *, grad_out: bool = False
                   ) -> dict[str, object]:
     """Fresh random q, k, v (B, H, N, D) of ``problem`` (never zeros), with its causal mode and

@@ -19,6 +19,7 @@ from templates import flash_fwd_kernel as kernel
 from templates import kernel_common, listed_blocks
 from templates.attention_reference import (
     attention_reference,
+    forward_bytes,
     forward_flops,
     lse_error,
     random_inputs,
@@ -166,11 +167,7 @@ class FlashFwdTemplate(Template):
         return forward_flops(problem)
 
     def bytes_moved(self, problem: Problem) -> float:
-        esize = DTYPE_BYTES[problem.dtype]
-        q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim
-        k_or_v = problem.batch * problem.heads_kv * problem.seqlen_kv * problem.head_dim
-        lse = problem.batch * problem.heads_q * problem.seqlen_q
-        return float(esize * (2 * q_or_o + 2 * k_or_v) + 4 * lse)
+        return forward_bytes(problem)
 
     # -- the space ----------------------------------------------------------------------------
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:

@@ -19,6 +19,7 @@ import torch
 
 from templates.attention_reference import (
     attention_reference,
+    forward_bytes,
     forward_flops,
     lse_error,
     random_inputs,
@@ -174,10 +175,7 @@ class GluonFwdTemplate(Template):
         return forward_flops(problem)  # as flash_fwd's (PROTOCOL.md)
 
     def bytes_moved(self, problem: Problem) -> float:
-        q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim
-        k_or_v = problem.batch * problem.heads_kv * problem.seqlen_kv * problem.head_dim
-        lse = problem.batch * problem.heads_q * problem.seqlen_q
-        return float(DTYPE_BYTES * (2 * q_or_o + 2 * k_or_v) + 4 * lse)
+        return forward_bytes(problem)
 
     # -- the space ----------------------------------------------------------------------------
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:

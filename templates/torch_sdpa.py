@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from templates.attention_reference import attention_reference, forward_flops, random_inputs
+from templates.attention_reference import (
+    attention_reference,
+    forward_bytes,
+    forward_flops,
+    random_inputs,
+)
 from templates.base import KernelConfig, Problem, Template, knob
 from templates.device import DeviceInfo
 from templates.flash_bwd import reference_grads
@@ -121,12 +126,6 @@ class _SdpaTemplate(Template):
         return sdpa(q, k, v, backend=cfg.backend, is_causal=inputs["causal"] != "none",
                     scale=inputs["scale"], enable_gqa=q.shape[1] != k.shape[1])
 
-    def _bytes(self, problem: Problem) -> float:
-        esize = 4 if problem.dtype == "float32" else 2
-        q_or_o = problem.batch * problem.heads_q * problem.seqlen_q * problem.head_dim
-        k_or_v = problem.batch * problem.heads_kv * problem.seqlen_kv * problem.head_dim
-        return float(esize * (2 * q_or_o + 2 * k_or_v))
-
 
 class TorchSdpaTemplate(_SdpaTemplate):
     name = "torch_sdpa"
@@ -138,7 +137,7 @@ class TorchSdpaTemplate(_SdpaTemplate):
         return forward_flops(problem)
 
     def bytes_moved(self, problem: Problem) -> float:
-        return self._bytes(problem)
+        return forward_bytes(problem, lse=False)
 
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         return self._call(inputs, config, inputs["q"], inputs["k"], inputs["v"])
@@ -158,7 +157,7 @@ class TorchSdpaTrainTemplate(_SdpaTemplate):
         return 3.5 * forward_flops(problem)
 
     def bytes_moved(self, problem: Problem) -> float:
-        return 2.0 * self._bytes(problem)
+        return 2.0 * forward_bytes(problem, lse=False)
 
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         q, k, v = (inputs[name].detach().requires_grad_() for name in ("q", "k", "v"))
