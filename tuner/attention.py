@@ -309,8 +309,11 @@ def _keep(plans: dict[tuple[object, ...], _Plan], key: tuple[object, ...], plan:
 
 def _resolve_template(template_name: str, q: torch.Tensor, k: torch.Tensor,
                       is_causal: bool) -> Resolved:
-    """The config of ``template_name`` for the problem of these (checked) inputs: cache ->
-    database -> service -> default."""
+    """The config of ``template_name`` (one of our Triton templates) for the problem of these
+    inputs: cache -> database -> service -> default."""
+    if q.device.type != "cuda" and not interpreter_active():
+        raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
+                         f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
     call = _call(q, k, k, is_causal, q.shape[-3:-2] != k.shape[-3:-2], needs_grad=False)
     return resolve_config(get_template(template_name), call.problem, call.device)
 
@@ -322,9 +325,6 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     plan = _FLASH_PLANS.get(key)
     if plan is None or plan.expires_at <= _now():
         check_inputs(q, k, v, enable_gqa)
-        if q.device.type != "cuda" and not interpreter_active():
-            raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
-                             f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
         resolved = _resolve_template("flash_fwd", q, k, is_causal)
         run = implementations.build_flash(q, k, v, is_causal, scale, enable_gqa,
                                           Choice(implementations.FLASH, (resolved,), "op"))
@@ -369,9 +369,6 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to {full}") from None
-    if q.device.type != "cuda" and not interpreter_active():
-        raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
-                         f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
     config = _resolve_template("flash_fwd", q, k, is_causal).config
     assert isinstance(config, FwdConfig)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
