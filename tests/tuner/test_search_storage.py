@@ -13,10 +13,27 @@ from db.models import BestConfig, Remeasurement, Trial, TrialStatus
 from db.session import init_db, session_scope
 from templates import Problem, current_device, get_template
 from tuner.replay import RecordedProblem, ReplayRunner
+from tuner.runner.outcome import TrialOutcome, TrialRequest
 from tuner.search.loop import ProblemSearch, SearchSettings
 from tuner.search.samplers import make_sampler
 from tuner.search.store import DbStore, measured_configs
 from tuner.search.study import HeartbeatKeeper, make_storage, open_study, study_name
+
+
+class FirstTrialsTogether(ReplayRunner):
+    """A replay runner whose first measurement in each thread waits until every worker's has
+    begun, so the concurrent workers all get a share of the budget whatever the scheduler."""
+
+    def __init__(self, *args: object, workers: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._all_started = threading.Barrier(workers, timeout=60)
+        self._seen = threading.local()
+
+    def measure(self, request: TrialRequest, timeout_s: float) -> TrialOutcome:
+        if not getattr(self._seen, "first", False):
+            self._seen.first = True
+            self._all_started.wait()
+        return super().measure(request, timeout_s)
 
 
 def test_workers_share_one_study_and_one_trials_table(db_url: str,
@@ -29,9 +46,11 @@ def test_workers_share_one_study_and_one_trials_table(db_url: str,
     storage = make_storage(db_url)
     heartbeats = HeartbeatKeeper(storage)
     name = study_name(device.key, template.name, template.version(), key)
-    # Long enough per trial that every worker thread gets some: a thread that starts after
-    # the others have taken all 16 has nothing to do (seen once on the 2-core CI machine).
-    runner = ReplayRunner(template, landscape.trials, delay_s=0.05)
+    seeds = (0, 1, 2)
+    # Every worker must get trials, but a thread that starts after the others have taken the
+    # whole budget has nothing to do (seen twice on the loaded 2-core CI machine, even with a
+    # 50 ms trial): no first trial finishes before each worker is measuring one.
+    runner = FirstTrialsTogether(template, landscape.trials, workers=len(seeds), delay_s=0.01)
     budget = 16
 
     def store_of(url: str, worker: str = "") -> DbStore:
@@ -48,7 +67,6 @@ def test_workers_share_one_study_and_one_trials_table(db_url: str,
                       settings=SearchSettings(budget=budget, seed=seed, finalists=3,
                                               final_repeats=2)).run()
 
-    seeds = (0, 1, 2)
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in seeds]
     for t in threads:
         t.start()
