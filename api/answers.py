@@ -16,15 +16,17 @@ name is taken as an H100).
   (parsing every stored row on every request cost ~10 ms, most of a lookup's time), at most
   ``max_entries`` of them, the least recently used evicted one at a time.
 
-Every entry is re-checked against the database with one small query once it is ``ttl_s / 2``
-old, in the background while requests keep answering from it; an entry ``ttl_s`` old is not
-answered from until it is checked (a request waits for that query, ~1 ms). So an answer
-reflects the database as it was at most ``ttl_s`` ago, even the first one after an idle
-spell (issue 20: the first answer 20 s after a sweep wrote was stale). A check that finds
-changes re-reads and re-parses only the best configs that changed. An upload through the
-service refreshes the entries it changed before it answers, while requests keep answering from
-the previous ones (issue 19: an upload used to drop every entry, and all requests waited on
-full reloads).
+A change of the database by another process (a sweep, an import, another worker of the
+service) is noticed at the next lookup (``api.changes``: SQLite's data version, PostgreSQL
+notifications), and every entry is re-checked before it answers again (a request waits for
+that query, ~1 ms): the first answer after a change is not a stale one (issue 18: it said
+``default`` for up to ``ttl_s`` after a sweep wrote). Besides, every entry is re-checked with
+one small query once it is ``ttl_s / 2`` old, in the background while requests keep answering
+from it, and an entry ``ttl_s`` old is not answered from until it is checked: where changes
+cannot be watched (a notification lost), an answer reflects the database as it was at most
+``ttl_s`` ago. A check that finds changes re-reads and re-parses only the best configs that
+changed (issue 19: an upload used to drop every entry, and all requests waited on full
+reloads). An upload through the service refreshes the entries it changed before it answers.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from api.changes import Changes, watch_changes
 from db import crud
 from db.session import get_sessionmaker
 from templates.base import Problem, Template
@@ -68,6 +71,11 @@ def template_version(template: Template) -> str:
     if version is None:
         version = _versions[template.name] = template.version()
     return version
+
+
+def template_version_of(name: str) -> str:
+    """``template_version`` of the registered template ``name``."""
+    return template_version(get_template(name))
 
 
 # Candidates listed in the answer to an ambiguous device; the rest are counted.
@@ -151,10 +159,13 @@ class _Kept(Generic[T]):
     value: T | None = None
     checked_at: float = float("-inf")  # clock at the start of the load that gave value
     seq: int = -1  # loads are numbered as they start: a newer load's value is never replaced
-    loading: asyncio.Future[tuple[T, float, int]] | None = field(default=None, repr=False)
+    generation: int = -1  # the cache's generation (database changes seen) when value loaded
+    loading: asyncio.Future[Loaded[T]] | None = field(default=None, repr=False)
+    loading_generation: int = -1
 
 
 SnapshotKey = tuple[str, str, str]  # device key, template name, template version
+Loaded = tuple[T, float, int, int]  # value, clock at its start, seq, generation
 
 
 class BestCache:
@@ -166,7 +177,8 @@ class BestCache:
     """
 
     def __init__(self, database_url: str, ttl_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, max_entries: int = 1024) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_entries: int = 1024,
+                 watch: bool = True) -> None:
         if ttl_s <= 0 or max_entries < 1:
             raise ValueError(f"ttl_s must be > 0 and max_entries >= 1, but got ttl_s={ttl_s}, "
                              f"max_entries={max_entries}")
@@ -177,6 +189,34 @@ class BestCache:
         self._seq = itertools.count()
         self._catalog: _Kept[Catalog] = _Kept()
         self._snapshots: OrderedDict[SnapshotKey, _Kept[Snapshot]] = OrderedDict()
+        # watch=False: only the ttl bounds how stale an answer gets (the fallback where
+        # changes cannot be watched, e.g. a PostgreSQL notification lost).
+        self._watch = watch
+        self._changes: Changes | None = None
+        self._last_change: int | None = None
+        self._generation = 0  # database changes seen so far
+
+    def close(self) -> None:
+        """Stop watching the database for changes (the service's shutdown)."""
+        if self._changes is not None:
+            self._changes.close()
+            self._changes = None
+
+    def _notice_changes(self) -> None:
+        """A new generation if the database changed since the last lookup: every entry then
+        loaded before is re-checked before it answers again."""
+        if not self._watch:
+            return
+        if self._changes is None:
+            self._changes = watch_changes(self.database_url)
+            if self._changes is None:
+                self._watch = False
+                return
+        count = self._changes.count()
+        if count != self._last_change:
+            if self._last_change is not None:
+                self._generation += 1
+            self._last_change = count
 
     # -- reading ----------------------------------------------------------------------------
     async def catalog(self) -> Catalog:
@@ -201,6 +241,7 @@ class BestCache:
         """Re-read the catalog and the held snapshots of ``changed`` now (after an upload
         through this service: its uploader's next lookup sees what it stored), while requests
         keep answering from the entries as they are until each new one is in place."""
+        self._notice_changes()  # its own write: the loads below are of the new generation
         loads: list[asyncio.Future[Any]] = [
             self._start(self._catalog, self._load_catalog, force=True)]
         for key in set(changed):
@@ -210,13 +251,17 @@ class BestCache:
         await asyncio.gather(*(asyncio.shield(load) for load in loads))
 
     async def _fresh(self, kept: _Kept[T], load: Callable[[T | None], T]) -> T:
+        self._notice_changes()
         age = self._clock() - kept.checked_at
-        if kept.value is not None and age < self.ttl_s:
+        if kept.value is not None and age < self.ttl_s and kept.generation == self._generation:
             if age >= self.ttl_s / 2:
                 self._start(kept, load)  # checked in the background; answered from as it is
             return kept.value
+        # A load that began before the change was seen may have read the database before it:
+        # not waited for, another one starts.
+        older = kept.loading is not None and kept.loading_generation != self._generation
         try:
-            value, _, _ = await asyncio.shield(self._start(kept, load))
+            value, _, _, _ = await asyncio.shield(self._start(kept, load, force=older))
         except Exception:
             if kept.value is None:
                 raise
@@ -225,20 +270,20 @@ class BestCache:
         return value
 
     def _start(self, kept: _Kept[T], load: Callable[[T | None], T], *,
-               force: bool = False) -> asyncio.Future[tuple[T, float, int]]:
+               force: bool = False) -> asyncio.Future[Loaded[T]]:
         if kept.loading is not None and not force:
             return kept.loading
-        seq, started = next(self._seq), self._clock()
+        seq, started, generation = next(self._seq), self._clock(), self._generation
 
-        def run() -> tuple[T, float, int]:
-            return load(kept.value), started, seq
+        def run() -> Loaded[T]:
+            return load(kept.value), started, seq, generation
 
         loading = asyncio.ensure_future(run_in_threadpool(run))
         loading.add_done_callback(partial(self._loaded, kept))
-        kept.loading = loading
+        kept.loading, kept.loading_generation = loading, generation
         return loading
 
-    def _loaded(self, kept: _Kept[T], done: asyncio.Future[tuple[T, float, int]]) -> None:
+    def _loaded(self, kept: _Kept[T], done: asyncio.Future[Loaded[T]]) -> None:
         if kept.loading is done:
             kept.loading = None
         if done.cancelled():
@@ -246,9 +291,10 @@ class BestCache:
         if done.exception() is not None:  # retrieved: logged, not lost
             log.warning("reloading cached answers failed: %s", done.exception())
             return
-        value, started, seq = done.result()
+        value, started, seq, generation = done.result()
         if seq > kept.seq:  # a load that started earlier but ended later is older: dropped
             kept.value, kept.checked_at, kept.seq = value, started, seq
+            kept.generation = generation
 
     # -- loading (worker threads) -----------------------------------------------------------
     def _session(self) -> Session:

@@ -19,6 +19,7 @@ from tuner.wire import readings_text
 
 if TYPE_CHECKING:
     from db.finalists import Readings
+    from tuner.wire import WinnersOut
 
 SERIES_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
@@ -154,6 +155,28 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], empty: str) ->
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
+    """Per stored problem of each device: the implementation ``tuner.attention`` runs, the
+    runner-up and margin, and each implementation's TFLOP/s (at most ``limit`` rows)."""
+    names: list[str] = []
+    for found in winners:
+        for it in found.items:
+            names.extend(n for n in it.tflops if n not in names)
+    rows = [(found.device_name, it.problem_key, it.winner,
+             f"{it.margin:.2f}x {it.runner_up}" if it.margin else it.why,
+             *(f"{it.tflops[n]:.1f}" if n in it.tflops else "–" for n in names))
+            for found in winners for it in found.items]
+    table = _table(("device", "problem", "runs", "margin over the runner-up", *names),
+                   rows[:limit], "No problem measured for any implementation yet: put "
+                   "torch_sdpa beside flash_fwd (or gluon_fwd, flash_decode) in a sweep.")
+    shown = (f"<p>Showing {limit} of {len(rows)} problems "
+             "(<code>/v1/winners?device=...</code> lists a device's all).</p>"
+             if len(rows) > limit else "")
+    return (f"{shown}{table}<p>TFLOP/s of each implementation's stored best at this service's "
+            "kernel versions; the winner is what <code>tuner.attention</code> runs "
+            "(docs/DISPATCH.md).</p>")
+
+
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ccc}
@@ -165,14 +188,18 @@ text-align:left}th{background:#f3f3f3}.charts{display:flex;flex-wrap:wrap;gap:16
 
 def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: Sequence[Any],
                      total_rows: int, sweeps: Sequence[Any],
-                     readings: Mapping[int, Readings] | None = None) -> str:
+                     readings: Mapping[int, Readings] | None = None,
+                     winners: Sequence[WinnersOut] = (), winners_limit: int = 500,
+                     demand_html: str = "") -> str:
     """The whole page. ``rows`` are BestConfig rows with device and template loaded;
-    ``readings`` what each rests on, by row id (``db.crud.best_readings``)."""
+    ``readings`` what each rests on, by row id (``db.crud.best_readings``); ``winners`` the
+    implementations' ranking per device (``tuner.winners``), at most ``winners_limit`` rows;
+    ``demand_html`` the demand sections (``api.dashboard_demand``), HTML already escaped."""
     readings = readings or {}
     device_table = _table(
-        ("name", "compute capability", "SMs", "triton", "torch", "CUDA", "key"),
+        ("name", "compute capability", "SMs", "triton", "torch", "CUDA", "cuDNN", "key"),
         ((d.name, d.compute_capability, d.sm_count, d.triton_version, d.torch_version,
-          d.cuda_version, d.key) for d in devices),
+          d.cuda_version, d.cudnn_version or "–", d.key) for d in devices),
         "No device has stored results yet: run `tuner sweep`, or upload a bundle.")
     template_table = _table(
         ("name", "version", "configs in space", "description"),
@@ -205,7 +232,10 @@ def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: 
         "<a href=\"/healthz\">/healthz</a></p>"
         f"<h2>TFLOP/s by sequence length: tuned vs default config</h2>"
         f"<div class=\"charts\">{chart_html}</div>"
+        f"<h2>Which implementation runs each problem</h2>"
+        f"{winners_table(winners, winners_limit)}"
         f"<h2>Best configs</h2>{shown}{best_table}"
+        f"{demand_html}"
         f"<h2>Devices</h2>{device_table}"
         f"<h2>Templates</h2>{template_table}"
         f"<h2>Recent sweeps</h2>{sweep_table}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.responses import JSONResponse
@@ -16,26 +17,35 @@ log = logging.getLogger("api")
 
 class BodyTooLarge(HTTPException):
     # An HTTPException, so FastAPI's body parsing passes it on instead of answering 400.
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, which: str = "TUNER_MAX_BODY_BYTES") -> None:
         super().__init__(413,
                          detail=f"request body larger than the limit of {limit} bytes "
-                                "(TUNER_MAX_BODY_BYTES)")
+                                f"({which})")
 
 
 class BodySizeLimit:
-    """Rejects request bodies over ``max_bytes``: by Content-Length at once, else while reading."""
+    """Rejects request bodies over ``max_bytes``: by Content-Length at once, else while reading.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    ``path_limits`` sets smaller limits for some paths (path -> bytes), such as the demand
+    reports that jobs send without a token."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 path_limits: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path_limit = self.path_limits.get(scope["path"])
+        limit, which = ((path_limit, f"set for {scope['path']}")
+                        if path_limit is not None and path_limit < self.max_bytes
+                        else (self.max_bytes, "TUNER_MAX_BODY_BYTES"))
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._reject(send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await _reject(send, limit, which)
             return
         seen = 0
         started = False
@@ -45,8 +55,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:  # chunked uploads carry no Content-Length
-                    raise BodyTooLarge(self.max_bytes)
+                if seen > limit:  # chunked uploads carry no Content-Length
+                    raise BodyTooLarge(limit, which)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -58,12 +68,12 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._reject(send)
+                await _reject(send, limit, which)
 
-    async def _reject(self, send: Send) -> None:
-        response = JSONResponse({"detail": BodyTooLarge(self.max_bytes).detail},
-                                status_code=413)
-        await response({"type": "http"}, _no_receive, send)
+
+async def _reject(send: Send, limit: int, which: str) -> None:
+    response = JSONResponse({"detail": BodyTooLarge(limit, which).detail}, status_code=413)
+    await response({"type": "http"}, _no_receive, send)
 
 
 async def _no_receive() -> Message:

@@ -12,17 +12,23 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from api.answers import BestCache
+from api.demand_buffer import DemandBuffer
+from api.demand_check import DemandChecker
 from api.errors import BodySizeLimit, install_error_handlers
+from api.rate_limit import TokenBuckets
 from api.routes import (
     best,
     configs,
     dashboard,
+    demand,
     devices,
     health,
     kernels,
     reference,
     results,
+    snapshots,
     templates,
+    winners,
 )
 from db.session import init_db
 from tuner.settings import TOKEN_FIX, Settings, SettingsError, load_settings, write_token_problem
@@ -41,21 +47,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Tuned Triton attention configs per GPU and problem shape.")
     app.state.settings = settings
     app.state.best_cache = BestCache(settings.database_url)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.state.demand_checker = DemandChecker()
+    app.state.demand_buffer = DemandBuffer(settings.database_url)
+    # Bursts of two seconds' worth: a job's ranks on one host report at about the same time.
+    app.state.demand_limiter = TokenBuckets(settings.demand_rate_limit,
+                                            max(1.0, 2 * settings.demand_rate_limit))
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       path_limits={"/v1/demand": demand.MAX_BODY_BYTES})
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     install_error_handlers(app)
-    for module in (health, devices, templates, best, configs, results, kernels, dashboard,
-                   reference):
+    for module in (health, devices, templates, best, winners, configs, results, snapshots,
+                   demand, kernels, dashboard, reference):
         app.include_router(module.router)
     return app
 
 
 @asynccontextmanager
-async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
-    """Keep what start-up allocated (torch, triton, the templates: ~400,000 objects) out of the
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Store the demand counts still held when the app stops (api.demand_buffer), and close
+    the best cache's change watch.
+
+    Keep what start-up allocated (torch, triton, the templates: ~400,000 objects) out of the
     garbage collector's full collections while the app serves. Each full collection traversed
     them all and stopped every request for ~220 ms, which a large upload triggers every few
     seconds (2-core VM: 8,000-item upload, event-loop lag 220 ms; frozen, 12-35 ms). Unfrozen
@@ -66,7 +81,9 @@ async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
         gc.freeze()
     try:
         yield
+        await app.state.demand_buffer.flush()
     finally:
+        app.state.best_cache.close()
         if froze:
             gc.unfreeze()
 

@@ -7,7 +7,7 @@ query models here. Problem fields come as query parameters and are checked by
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,12 +17,20 @@ from tuner.wire import (
     BestOut,
     ConfigPage,
     ConfigRow,
+    DemandAccepted,
+    DemandPage,
+    DemandRow,
+    DemandStatusName,
     DeviceOut,
     ErrorOut,
     HealthOut,
     Provenance,
+    SnapshotCreated,
+    SnapshotList,
+    SnapshotOut,
     TemplateOut,
     UploadResult,
+    WinnersOut,
 )
 
 __all__ = [
@@ -31,14 +39,27 @@ __all__ = [
     "ConfigPage",
     "ConfigRow",
     "ConfigsQuery",
+    "DemandAccepted",
+    "DemandItemIn",
+    "DemandPage",
+    "DemandQuery",
+    "DemandReportIn",
+    "DemandRow",
     "DeviceOut",
     "ErrorOut",
     "HealthOut",
     "KernelSourceQuery",
     "ProblemQuery",
     "Provenance",
+    "SnapshotCreated",
+    "SnapshotList",
+    "SnapshotOut",
+    "SnapshotsQuery",
+    "SnapshotFilters",
     "TemplateOut",
     "UploadResult",
+    "WinnersOut",
+    "WinnersQuery",
 ]
 
 # Larger than any real attention problem, small enough that products of sizes stay exact (the
@@ -99,5 +120,75 @@ class ConfigsQuery(BaseModel):
     dtype: Literal["float16", "bfloat16", "float32"] | None = None
     variant: str | None = Field(None, max_length=100, pattern=NO_NUL,
                                 description="e.g. dense, causal-top_left")
+    offset: int = Field(0, ge=0, le=10_000_000)
+    limit: int = Field(100, ge=1, le=1000)
+
+
+class WinnersQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field(min_length=1, max_length=400, pattern=NO_NUL,
+                        description="a stored device's key (see /v1/devices), name or unique key "
+                                    "prefix (one that fits several is a 422 listing them)")
+    dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
+        None, description="only problems of this dtype (default: every dtype)")
+
+
+class SnapshotFilters(BaseModel):
+    """Which best configs ``POST /v1/snapshots`` freezes (none given: all of them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str | None = Field(None, min_length=1, max_length=400, pattern=NO_NUL,
+                               description="device name or key")
+    template: str | None = Field(None, min_length=1, max_length=100, pattern=NO_NUL)
+    dtype: Literal["float16", "bfloat16", "float32"] | None = None
+    variant: str | None = Field(None, min_length=1, max_length=100, pattern=NO_NUL,
+                                description="e.g. dense, causal-top_left")
+
+
+class SnapshotsQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    offset: int = Field(0, ge=0, le=10_000_000)
+    limit: int = Field(100, ge=1, le=1000)
+
+
+# A device key as templates.device.DeviceInfo.key writes it:
+# name|cc<cc>|triton<v>|torch<v>|cuda<v>, then |cudnn<v> where the device has cuDNN.
+DEVICE_KEY = (r"^[^|\x00]+\|cc[0-9.]*\|triton[^|\x00]*\|torch[^|\x00]*\|cuda[^|\x00]*"
+              r"(\|cudnn[^|\x00]*)?$")
+MAX_DEMAND_ITEMS = 500  # per report; a client sends at most tuner.demand.BATCH_ITEMS
+MAX_DEMAND_COUNT = 1_000_000  # per item: far above what one process notes between reports
+
+
+class DemandItemIn(BaseModel):
+    """One problem a job ran without a tuned config, and how often since its last report."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    template: str = Field(min_length=1, max_length=100, pattern=NO_NUL)
+    template_version: str = Field(min_length=1, max_length=64, pattern=NO_NUL,
+                                  description="the version the job runs: the service's own")
+    device: str = Field(min_length=1, max_length=400, pattern=DEVICE_KEY,
+                        description="the job's device key (DeviceInfo.key)")
+    problem: dict[str, Any] = Field(description="the problem's fields, as /v1/best takes them "
+                                                "(batch, heads_q, ..., checked per item)")
+    count: int = Field(strict=True, ge=1, le=MAX_DEMAND_COUNT,
+                       description="how often it ran untuned since the last report")
+
+
+class DemandReportIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[DemandItemIn] = Field(min_length=1, max_length=MAX_DEMAND_ITEMS)
+
+
+class DemandQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str | None = Field(None, max_length=400, pattern=NO_NUL, description="device key")
+    template: str | None = Field(None, max_length=100, pattern=NO_NUL)
+    status: DemandStatusName | None = None
     offset: int = Field(0, ge=0, le=10_000_000)
     limit: int = Field(100, ge=1, le=1000)

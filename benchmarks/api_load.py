@@ -5,6 +5,7 @@
         --random-devices 300                            # the hostile mix of issue 19
     python benchmarks/api_load.py --huge-bundle         # one 4M-integer bundle mid-run
     python benchmarks/api_load.py --big-upload 8000     # one 8,000-item upload mid-run
+    python benchmarks/api_load.py --demand-clients 8    # 10,000 demand reports/s beside the reads
 
 Starts the service as its own process (``tuner serve``, ``--workers`` processes) on a free
 loopback port, over a fresh SQLite file holding ``--configs`` tuned best configs of
@@ -20,9 +21,17 @@ the readers' device has tuned); ``--unauth-clients`` clients that keep sending 8
 without a token (timed to the answer's status line, not to the end of the body: the service
 should refuse before reading it); ``--random-devices`` lookups per second for made-up device
 keys; ``--huge-bundle``, one authenticated bundle of 4,000,000 integers as items;
-``--big-upload N``, one authenticated upload of N valid items. Loopback only; bounded by
---duration, --max-requests and a per-request timeout. Targets (issues 7 and 19): reads p99 <= 5
-ms at 500 req/s, with or without the others.
+``--big-upload N``, one authenticated upload of N valid items; ``--demand-clients N``, N
+jobs reporting demand (``POST /v1/demand``, no token), each from a loopback address of its
+own (127.0.0.2, 127.0.0.3, ...: the service rate-limits per address), ``--demand-rate``
+requests per second each, ``--demand-items`` items per request drawn from
+``--demand-problems`` distinct problems (jobs report the same shapes again and again), each
+item carrying ``--demand-count`` reports; with the defaults 8 x 5 x 250 x 1 = 10,000 reports a
+second, every one an item of its own (``tuner.demand`` adds up repeats: ``--demand-rate 1
+--demand-items 50 --demand-count 25`` is 10,000 reports a second as it sends them). Loopback only; bounded by --duration,
+--max-requests and a per-request timeout. Targets (issues 7, 18 and 19): reads p99 <= 5 ms at
+500 req/s, with or without the others; beside 10,000 demand reports/s, unchanged within the
+noise.
 """
 
 from __future__ import annotations
@@ -171,9 +180,58 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def start_server(url: str, port: int, workers: int) -> subprocess.Popen[bytes]:
+def demand_bodies(n_problems: int, per_request: int, count: int = 1,
+                  bodies: int = 64) -> list[bytes]:
+    """``bodies`` report bodies of ``per_request`` items each, drawn from ``n_problems``
+    distinct flash_fwd problems (a few of its buckets, on a few device keys), each item
+    carrying ``count`` reports (a client adds up repeats of a problem into one item)."""
+    from dataclasses import replace
+
+    from templates.base import Problem
+    from templates.registry import get_template
+
+    fwd = get_template("flash_fwd")
+    version = fwd.version()
+    devices = [replace(h100(), name=f"NVIDIA H100 80GB HBM3 #{i}").key for i in range(4)]
+    pool = []
+    for i in range(n_problems):
+        p = Problem(batch=1 + i % 8, heads_q=16, heads_kv=16, seqlen_q=512 + 64 * (i // 8),
+                    seqlen_kv=512 + 64 * (i // 8), head_dim=128, dtype="bfloat16")
+        pool.append({"template": fwd.name, "template_version": version,
+                     "device": devices[i % len(devices)], "problem": p.to_dict(),
+                     "count": count})
+    rng = random.Random(1)
+    return [json.dumps({"items": rng.sample(pool, min(per_request, len(pool)))}).encode()
+            for _ in range(bodies)]
+
+
+async def demand_client(port: int, source: str, rate: float, bodies: list[bytes], until: float,
+                        timeout: float, stats: Stats) -> None:
+    """One job's reports at ``rate`` a second from the address ``source``, open loop."""
+    conn = Connection(port, local_host=source)
+    start = time.perf_counter()
+    i = 0
+    while (planned := start + i / rate) < until:
+        delay = planned - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        try:
+            status, _ = await conn.request("POST", "/v1/demand", timeout, bodies[i % len(bodies)],
+                                           "Content-Type: application/json\r\n")
+            stats.latencies.append(time.perf_counter() - planned)
+            stats.statuses[str(status)] = stats.statuses.get(str(status), 0) + 1
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            stats.error(type(exc).__name__)
+        i += 1
+    conn.close()
+
+
+def start_server(url: str, port: int, workers: int,
+                 demand_rate_limit: float | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_TOKEN": TOKEN,
            "TUNER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    if demand_rate_limit is not None:
+        env["TUNER_DEMAND_RATE_LIMIT"] = str(demand_rate_limit)
     env.pop("TUNER_URL", None)
     cmd = [sys.executable, "-m", "tuner.cli.app", "serve", "--host", HOST, "--port", str(port)]
     if workers != 1:
@@ -201,16 +259,18 @@ class Connection:
     Raw streams cost tens of microseconds per request.
     """
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, local_host: str | None = None) -> None:
         self.port = port
+        self.local_host = local_host  # the client's own address (any 127.x.y.z on Linux)
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
     async def request(self, method: str, target: str, timeout: float, body: bytes = b"",
                       headers: str = "") -> tuple[int, bytes]:
         if self.writer is None:
-            self.reader, self.writer = await asyncio.wait_for(
-                asyncio.open_connection(HOST, self.port), timeout)
+            self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(
+                HOST, self.port, local_addr=(self.local_host, 0) if self.local_host else None),
+                timeout)
         assert self.reader is not None and self.writer is not None
         length = f"Content-Length: {len(body)}\r\n" if method == "POST" else ""
         self.writer.write(f"{method} {target} HTTP/1.1\r\nHost: {HOST}\r\n{headers}{length}"
@@ -405,6 +465,12 @@ async def run_load(port: int, queries: list[dict[str, Any]], args: argparse.Name
             [b"1"] * (UNAUTH_BODY_BYTES // 2 - 40)) + b"]}"
         jobs += [unauth_client(port, body, start + args.duration, args.timeout * 10, unauth)
                  for _ in range(args.unauth_clients)]
+    reports = Stats()
+    if args.demand_clients:
+        bodies = demand_bodies(args.demand_problems, args.demand_items, args.demand_count)
+        jobs += [demand_client(port, f"127.0.0.{2 + i}", args.demand_rate, bodies,
+                               start + args.duration, args.timeout, reports)
+                 for i in range(args.demand_clients)]
     single, single_answers = Stats(), []  # type: ignore[var-annotated]
     if args.huge_bundle or args.big_upload:
         if args.huge_bundle:
@@ -429,6 +495,12 @@ async def run_load(port: int, queries: list[dict[str, Any]], args: argparse.Name
         out["uploads"] = {**ups.summary(elapsed), "last_answer": up_answers[-1:]}
     if args.unauth_clients:
         out["unauth_8mb"] = unauth.summary(elapsed)
+    if args.demand_clients:
+        posted = reports.statuses.get("202", 0)
+        out["demand"] = {**reports.summary(elapsed),
+                         "items_per_s": round(posted * args.demand_items / elapsed),
+                         "reports_per_s": round(posted * args.demand_items
+                                                * args.demand_count / elapsed)}
     if args.huge_bundle or args.big_upload:
         out["single_upload"] = {**single.summary(elapsed), "answer": single_answers}
     out["elapsed_s"] = round(elapsed, 3)
@@ -456,12 +528,30 @@ def main() -> None:
                         help="one authenticated bundle of 4,000,000 integers as items")
     parser.add_argument("--big-upload", type=int, default=0,
                         help="one authenticated upload of this many valid items")
+    parser.add_argument("--demand-clients", type=int, default=0,
+                        help="jobs reporting demand, each from its own loopback address")
+    parser.add_argument("--demand-rate", type=float, default=5.0,
+                        help="demand reports (requests) per second per job")
+    parser.add_argument("--demand-items", type=int, default=250,
+                        help="problems per demand report (the client sends at most 250)")
+    parser.add_argument("--demand-count", type=int, default=1,
+                        help="reports per item (a client adds up the repeats of a problem)")
+    parser.add_argument("--demand-problems", type=int, default=2000,
+                        help="distinct problems the jobs report")
+    parser.add_argument("--demand-rate-limit", type=float, default=None,
+                        help="TUNER_DEMAND_RATE_LIMIT of the service (default: its own, 20)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if not (0 < args.rate <= 5000 and 0 < args.duration <= 120):
         parser.error("keep --rate in (0, 5000] and --duration in (0, 120]")
     if not 1 <= args.configs <= 48:
         parser.error(f"--configs must be 1..48, but got {args.configs}")
+    if not (0 <= args.demand_clients <= 250 and 0 < args.demand_rate <= 1000
+            and 1 <= args.demand_items <= 500 and args.demand_problems >= 1
+            and 1 <= args.demand_count <= 1_000_000):
+        parser.error("keep --demand-clients in 0..250, --demand-rate in (0, 1000], "
+                     "--demand-items in 1..500 (the service's limit), --demand-count in "
+                     "1..1,000,000 and --demand-problems >= 1")
 
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{Path(tmp) / 'load.db'}"
@@ -473,7 +563,7 @@ def main() -> None:
                                                      (i + 1) * args.upload_items]))
                          for i in range(n_uploads)]
         port = free_port()
-        server = start_server(url, port, args.workers)
+        server = start_server(url, port, args.workers, args.demand_rate_limit)
         try:
             # CPU used during the load, by the service and by this load generator: on a small
             # machine the generator's share is taken from the service.
@@ -489,6 +579,9 @@ def main() -> None:
                    "workers": args.workers, "uploads_per_s": args.uploads,
                    "upload_items": args.upload_items, "unauth_clients": args.unauth_clients,
                    "random_devices_per_s": args.random_devices,
+                   "demand_clients": args.demand_clients, "demand_rate": args.demand_rate,
+                   "demand_items": args.demand_items, "demand_count": args.demand_count,
+                   "demand_problems": args.demand_problems,
                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                    "python": platform.python_version(),
                    "date": time.strftime("%Y-%m-%d", time.gmtime())})

@@ -174,9 +174,9 @@ def checked_call(fn: Callable[..., torch.Tensor], t: dict[str, Any], training: b
 
 def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[..., float],
              rounds: int, layout: str = "bhsd") -> list[Row]:
-    """Each row's candidates checked, then timed in ``rounds`` alternated rounds (a, b, c, a,
-    b, c, ...); a candidate's time is the median of its rounds, so a clock or thermal drift
-    during the row falls on every candidate alike."""
+    """Each row's candidates checked, then timed in ``rounds`` alternated rounds, each
+    rotated by one (a, b, c, b, c, a, c, a, b, ...); a candidate's time is the median of its
+    rounds, so a clock or thermal drift during the row falls on every candidate alike."""
     on_gpu = device == "cuda"
     out = []
     for p, training in rows:
@@ -197,9 +197,14 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
             else:
                 calls[name] = call
         times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, call in calls.items():
-                times[name].append(bench(call))
+        names = list(calls)
+        for r in range(rounds):
+            # Each round starts one candidate later: a kernel that runs the GPU hot (power,
+            # clocks) slows whatever is timed right after it, and in a fixed order that would
+            # always be the same candidate (tuner.attention after gluon read 10% slow on the
+            # H100, 2026-11-24, where the same kernel alone read the same as sdpa).
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(bench(calls[name]))
         row.ms.update({name: statistics.median(ts) for name, ts in times.items()})
         row.spread = {name: (max(ts) - min(ts)) / statistics.median(ts)
                       for name, ts in times.items()}

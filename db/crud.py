@@ -24,6 +24,7 @@ from db.models import (
     Device,
     Remeasurement,
     RemeasurementClaim,
+    Snapshot,
     Sweep,
     SweepStatus,
     Template,
@@ -41,16 +42,20 @@ __all__ = [
     "catalog_fingerprint",
     "claim_remeasurement",
     "count_best",
+    "count_snapshots",
+    "create_snapshot",
     "create_sweep",
     "drop_remeasurement_claim",
     "find_trial",
     "finish_sweep",
     "get_or_create_device",
     "get_or_create_template",
+    "get_snapshot",
     "insert_new_trials",
     "insert_remeasurements",
     "list_best",
     "list_devices",
+    "list_snapshots",
     "list_sweeps",
     "list_templates",
     "problem_variant",
@@ -69,11 +74,16 @@ __all__ = [
 ]
 
 # Columns of a device row that come from DeviceInfo (plus its key); other info keys, such as
-# smem_per_block, describe the chip but are not stored.
+# smem_per_block, describe the chip but are not stored. cudnn_version may be absent (info
+# written before it was recorded): the device has none.
 _DEVICE_FIELDS = ("key", "name", "compute_capability", "sm_count", "total_memory",
                   "driver_version", "triton_version", "torch_version", "cuda_version")
+_OPTIONAL_DEVICE_FIELDS = ("cudnn_version",)
 _DEFAULT_DTYPE = "bfloat16"  # templates.base.Problem's default
 
+
+# PostgreSQL channel notified in every transaction that changes a best config.
+BEST_CHANGES_CHANNEL = "tuner_best_configs"
 
 # Ids or keys per IN (...) list: far below every backend's limit on bound parameters (SQLite's
 # is 32766, older builds 999), so a list of any length takes a few queries, not one per row.
@@ -104,7 +114,8 @@ def get_or_create_device(s: Session, *, info: Mapping[str, object]) -> Device:
     if missing:
         raise ValueError(f"device info must have the fields {list(_DEVICE_FIELDS)}, "
                          f"but {missing} are missing (got {sorted(info)})")
-    values = {f: info[f] for f in _DEVICE_FIELDS}
+    values = {f: info[f] for f in _DEVICE_FIELDS} | {
+        f: info.get(f) for f in _OPTIONAL_DEVICE_FIELDS}
     if not isinstance(values["key"], str) or not values["key"]:
         raise ValueError(f"device info 'key' must be a non-empty string, got {values['key']!r}")
     device = s.scalars(select(Device).where(Device.key == values["key"])).one_or_none()
@@ -526,6 +537,10 @@ def refresh_bests(s: Session, *, device_id: int, template_id: int,
         s.connection().execute(stmt.on_conflict_do_update(
             index_elements=["device_id", "template_id", "problem_key"],
             set_={f: stmt.excluded[f] for f in (*_BEST_FIELDS, "updated_at")}), upserts)
+    if (changed or gone) and s.get_bind().dialect.name == "postgresql":
+        # Delivered when the transaction commits, to every service listening (api/changes.py):
+        # their caches re-check before the next answer instead of answering stale.
+        s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": BEST_CHANGES_CHANNEL})
     return sorted(changed + gone)
 
 
@@ -650,11 +665,14 @@ def template_versions(s: Session) -> list[tuple[str, str]]:
 
 
 def _filter_best(query: Select[Any], device: str | None, template: str | None,
-                 dtype: str | None, variant: str | None) -> Select[Any]:
+                 dtype: str | None, variant: str | None,
+                 templates: Collection[str] | None = None) -> Select[Any]:
     if device is not None:
         query = query.where(or_(Device.name == device, Device.key == device))
     if template is not None:
         query = query.where(Template.name == template)
+    if templates is not None:
+        query = query.where(Template.name.in_(list(templates)))
     if dtype is not None:
         query = query.where(BestConfig.dtype == dtype)
     if variant is not None:
@@ -674,14 +692,15 @@ _PROBLEM_ORDER = ("head_dim", "heads_q", "heads_kv", "batch", "seqlen_q", "seqle
 
 def list_best(s: Session, *, device: str | None = None, template: str | None = None,
               dtype: str | None = None, variant: str | None = None, offset: int = 0,
-              limit: int = 100) -> list[BestConfig]:
+              limit: int = 100, templates: Collection[str] | None = None) -> list[BestConfig]:
     """Best configs, filtered, in a stable order: device, template, version, dtype, variant,
     then the problem's numbers (head dim, heads, batch, sequence lengths) compared as numbers.
 
-    ``device`` matches a device's name or its key; ``template`` a template's name (any version).
+    ``device`` matches a device's name or its key; ``template`` a template's name (any version);
+    ``templates`` any of these names.
     """
     _check_page(offset, limit)
-    query = _filter_best(_best_joined(), device, template, dtype, variant)
+    query = _filter_best(_best_joined(), device, template, dtype, variant, templates)
     numbers = [BestConfig.problem[name].as_integer() for name in _PROBLEM_ORDER]
     query = query.order_by(Device.name, Device.key, Template.name, Template.version,
                            BestConfig.dtype, BestConfig.variant, *numbers,
@@ -696,3 +715,39 @@ def count_best(s: Session, *, device: str | None = None, template: str | None = 
              .join(BestConfig.device).join(BestConfig.template))
     return int(s.scalar(_filter_best(query, device, template, dtype, variant)) or 0)
 
+
+
+# ----------------------------------------------------------------------------- snapshots
+def create_snapshot(s: Session, *, snapshot_id: str, content: str, items: int
+                    ) -> tuple[Snapshot, bool]:
+    """The snapshot row of ``snapshot_id``, inserted if new, and whether this call inserted it.
+
+    A row is never updated: ``snapshot_id`` is the hash of ``content`` (``tuner.snapshot``),
+    so a row that exists already holds the same content; two processes creating it at once
+    both get the one row."""
+    existing = s.get(Snapshot, snapshot_id)
+    if existing is not None:
+        return existing, False
+    result = s.execute(_insert(s, Snapshot).values(
+        id=snapshot_id, content=content, items=items, created_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["id"]))
+    row = s.get(Snapshot, snapshot_id)
+    assert row is not None  # inserted now or by the winner of a race
+    return row, bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def get_snapshot(s: Session, *, snapshot_id: str) -> Snapshot | None:
+    return s.get(Snapshot, snapshot_id)
+
+
+def list_snapshots(s: Session, *, offset: int = 0, limit: int = 100
+                   ) -> list[tuple[str, int, datetime]]:
+    """(id, items, created_at) of stored snapshots, newest first (their content not read)."""
+    _check_page(offset, limit)
+    return [(sid, items, created) for sid, items, created in s.execute(
+        select(Snapshot.id, Snapshot.items, Snapshot.created_at)
+        .order_by(Snapshot.created_at.desc(), Snapshot.id).offset(offset).limit(limit))]
+
+
+def count_snapshots(s: Session) -> int:
+    return int(s.scalar(select(func.count(Snapshot.id))) or 0)

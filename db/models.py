@@ -5,6 +5,10 @@
              │     └──< Remeasurement >── Sweep   (a finalist measured again)
              └─< BestConfig ── Trial (the one it came from)
 
+    Snapshot (best configs frozen as a bundle, named by the hash of its content)
+    Demand   (what jobs ran untuned, by device key, template version and shape bucket;
+              keyed by strings: a job's device need not have any stored row)
+
 Optuna's own tables (studies, trials, ...) live in the same database, created by Optuna's
 RDB storage, so ``optuna-dashboard <database url>`` shows every sweep.
 """
@@ -22,6 +26,7 @@ from sqlalchemy import (
     Enum,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -54,6 +59,13 @@ class SweepStatus(enum.StrEnum):
     INTERRUPTED = "interrupted"
 
 
+class DemandStatus(enum.StrEnum):
+    OPEN = "open"  # waiting for a worker
+    CLAIMED = "claimed"  # a worker tunes it while its lease lasts
+    DONE = "done"  # tuned: a best config is stored
+    FAILED = "failed"  # the worker could not tune it (the note says why); not retried
+
+
 class Device(Base):
     """A tuning target: the chip and the software versions that change which config wins."""
 
@@ -69,6 +81,9 @@ class Device(Base):
     triton_version: Mapped[str] = mapped_column(String(64))
     torch_version: Mapped[str] = mapped_column(String(64))
     cuda_version: Mapped[str] = mapped_column(String(64))
+    # NULL: no cuDNN (the CPU), or a device stored before the cuDNN version was recorded
+    # (migration 0004); either way its key has no cuDNN part.
+    cudnn_version: Mapped[str | None] = mapped_column(String(64), default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -201,3 +216,53 @@ class RemeasurementClaim(Base):
     trial_id: Mapped[int] = mapped_column(ForeignKey("tuning_trials.id"), index=True)
     worker: Mapped[str] = mapped_column(String(200))
     beat_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Snapshot(Base):
+    """Best configs frozen at one moment: a bundle's canonical JSON text, named by its SHA-256
+    (``tuner.snapshot``). Rows are only ever inserted: the same content is the same row, and
+    a row's content never changes (a reader re-hashes it against its id)."""
+
+    __tablename__ = "snapshots"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # sha256 hex of content
+    content: Mapped[str] = mapped_column(Text)  # canonical JSON of the bundle
+    items: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class Demand(Base):
+    """How often jobs ran one shape bucket of one template version on one device without a
+    tuned config (``tuner.demand`` counts them, ``POST /v1/demand`` stores them), and who
+    tunes it (``tuner worker``). One row per bucket: a sweep tunes one problem per bucket and
+    its config serves them all; ``problem`` is the first one reported, the one a worker tunes.
+
+    A worker claims an open row (or one whose ``lease_until`` has passed: its worker died)
+    and renews the lease while it tunes; ``attempts`` counts the claims, so a problem that
+    kills every worker that takes it is given up after a few."""
+
+    __tablename__ = "demand"
+    __table_args__ = (
+        UniqueConstraint("device_key", "template", "template_version", "problem_key"),
+        # The claim's query: one device's rows by status, most reported first.
+        Index("ix_demand_device_status", "device_key", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    device_key: Mapped[str] = mapped_column(String(400))
+    template: Mapped[str] = mapped_column(String(100))
+    template_version: Mapped[str] = mapped_column(String(64))
+    problem_key: Mapped[str] = mapped_column(String(300))
+    problem: Mapped[dict[str, Any]] = mapped_column()
+    reports: Mapped[int] = mapped_column(BigInteger, default=0)
+    status: Mapped[DemandStatus] = mapped_column(
+        Enum(DemandStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]),
+        default=DemandStatus.OPEN)
+    worker: Mapped[str] = mapped_column(String(200), default="")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    claimed_at: Mapped[datetime | None] = mapped_column(default=None)
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    note: Mapped[str] = mapped_column(Text, default="")
+    first_seen: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow)

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 # Above this many score elements a float64 reference on a GPU gets slow (float64 matmul runs
 # at a small fraction of the float32 rate); float32 is then plenty to check 16-bit kernels.
 FLOAT64_SCORE_LIMIT = 1 << 24
+# Score elements the reference holds at once (1 GiB in float32; the softmax keeps a few such
+# tensors alive): larger problems are computed a chunk of query rows at a time.
+REFERENCE_CHUNK_SCORES = 1 << 28
 
 
 def causal_offset(mode: str, seqlen_q: int, seqlen_kv: int) -> int:
@@ -113,19 +116,32 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     qc = q.to(compute_dtype)
     kc = k.to(compute_dtype).repeat_interleave(group, dim=1)
     vc = v.to(compute_dtype).repeat_interleave(group, dim=1)
-    s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     causal_mask = visible_mask(causal, q.shape[2], k.shape[2], q.device)
-    if causal_mask is not None:
-        s = s.masked_fill(~causal_mask, float("-inf"))
-    if mask is not None and mask.dtype == torch.bool:
-        s = s.masked_fill(~mask.to(s.device), float("-inf"))
-    elif mask is not None:
-        s = s + mask.to(s.device, compute_dtype)
-    lse = torch.logsumexp(s, dim=-1)
-    seen = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])
-    p = torch.where(seen[..., None], p, 0.0)
-    return torch.matmul(p, vc), lse
+    # The scores of a chunk of query rows at a time: all of them at once is B*H*N_q*N_kv
+    # elements, 32 GiB in float32 at B1 H32 16k (twice over with the softmax), which no GPU
+    # of ours holds beside the kernel's own tensors.
+    rows = max(1, REFERENCE_CHUNK_SCORES // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
+    outs, lses = [], []
+    for first in range(0, q.shape[2], rows):
+        chunk = slice(first, min(first + rows, q.shape[2]))
+        s = torch.matmul(qc[:, :, chunk], kc.transpose(-1, -2)) * scale
+        if causal_mask is not None:
+            s = s.masked_fill(~causal_mask[chunk], float("-inf"))
+        if mask is not None:
+            part = mask[..., chunk, :] if mask.dim() >= 2 and mask.shape[-2] != 1 else mask
+            if part.dtype == torch.bool:
+                s = s.masked_fill(~part.to(s.device), float("-inf"))
+            else:
+                s = s + part.to(s.device, compute_dtype)
+        lse = torch.logsumexp(s, dim=-1)
+        seen = torch.isfinite(lse)
+        p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])
+        p = torch.where(seen[..., None], p, 0.0)
+        outs.append(torch.matmul(p, vc))
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:

@@ -355,13 +355,16 @@ _TEMPLATE_IMPORT = re.compile(r"^from (templates\.\w+) import (?:\([^)]*\)|[^\n(
 def inline_template_imports(source: str) -> str:
     """``source`` with each ``from templates.X import ...`` line replaced by module X's own
     source (itself inlined the same way), so that an exported kernel module needs only torch
-    and triton. The inlined modules must import nothing else of this package's; their
-    ``from __future__`` lines are dropped (only the first statement of a module may hold one,
-    and the exporting module has its own)."""
+    and triton. The inlined modules must import nothing else of this package's. Their
+    ``from __future__`` lines are dropped (only the first statement of a module may hold
+    one, and the exporting module has its own), and so are their ``__all__`` lines."""
     def module_source(match: re.Match[str]) -> str:
         name = match.group(1)
         body = inline_template_imports(inspect.getsource(importlib.import_module(name)))
         body = re.sub(r"^from __future__ import [^\n]+\n", "", body, flags=re.MULTILINE)
+        # The exporting module's names are its own: an inlined module's __all__ would
+        # replace them.
+        body = re.sub(r"^__all__ = \[[^\]]*\]\n", "", body, flags=re.MULTILINE)
         path = name.replace(".", "/") + ".py"  # a path: the test greps for import lines
         return f"# ---- {path}, inlined ----\n{body.strip()}\n# ---- end of {path} ----"
 

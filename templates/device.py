@@ -25,6 +25,10 @@ class DeviceInfo:
     triton_version: str
     torch_version: str
     cuda_version: str
+    # cuDNN as torch loads it ("9.19.0"): it decides torch SDPA's cuDNN backend's speed, so a
+    # cuDNN upgrade under the same torch is a new tuning target. None without cuDNN (the CPU,
+    # a torch built without it) and for devices stored before it was recorded.
+    cudnn_version: str | None = None
 
     @property
     def is_interpreter(self) -> bool:
@@ -41,9 +45,15 @@ class DeviceInfo:
 
     @property
     def key(self) -> str:
-        """Identity of a tuning target: the chip and the software that changes which config wins."""
-        return (f"{self.name}|cc{self.compute_capability}|triton{self.triton_version}"
-                f"|torch{self.torch_version}|cuda{self.cuda_version}")
+        """Identity of a tuning target: the chip and the software that changes which config wins.
+
+        ``name|cc9.0|triton3.6.0|torch2.11.0|cuda12.8|cudnn9.19.0``; without cuDNN the last
+        part is absent, so the keys of such devices are those of releases before it was part
+        of the key (docs/DISPATCH.md, "The device key").
+        """
+        key = (f"{self.name}|cc{self.compute_capability}|triton{self.triton_version}"
+               f"|torch{self.torch_version}|cuda{self.cuda_version}")
+        return f"{key}|cudnn{self.cudnn_version}" if self.cudnn_version else key
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -89,7 +99,7 @@ def cpu_device() -> DeviceInfo:
         name=CPU_INTERPRETER, compute_capability="", sm_count=os.cpu_count() or 1,
         total_memory=0, smem_per_block=228 * 1024, driver_version=platform.machine(),
         triton_version=triton.__version__, torch_version=torch.__version__.split("+")[0],
-        cuda_version="")
+        cuda_version="", cudnn_version=None)  # torch's CPU attention never runs cuDNN
 
 
 @lru_cache(maxsize=8)
@@ -110,7 +120,20 @@ def current_device(index: int | None = None) -> DeviceInfo:
         sm_count=props.multi_processor_count, total_memory=int(props.total_memory),
         smem_per_block=smem, driver_version=_driver_version(),
         triton_version=triton.__version__, torch_version=torch.__version__.split("+")[0],
-        cuda_version=str(torch.version.cuda or ""))
+        cuda_version=str(torch.version.cuda or ""), cudnn_version=cudnn_version_text(
+            torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None))
+
+
+def cudnn_version_text(number: int | None) -> str | None:
+    """cuDNN's version number as torch reports it (``torch.backends.cudnn.version()``), as
+    text: 91900 -> "9.19.0" (cuDNN 9 counts major * 10000 + minor * 100 + patch), 8902 ->
+    "8.9.2" (cuDNN 8 and older: major * 1000 + minor * 100 + patch); None stays None."""
+    if number is None:
+        return None
+    if number < 0:
+        raise ValueError(f"a cuDNN version number is >= 0, but got {number}")
+    major, rest = divmod(number, 10_000 if number >= 10_000 else 1_000)
+    return f"{major}.{rest // 100}.{rest % 100}"
 
 
 def _driver_version() -> str:

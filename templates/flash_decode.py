@@ -72,15 +72,22 @@ from __future__ import annotations
 import ast
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 
-from templates import flash_decode_kernel
-from templates.base import KernelConfig, Problem, Template, knob, relative_error
+from templates import direct_launch, flash_decode_kernel, plan_cache
+from templates.base import (
+    KernelConfig,
+    Problem,
+    Template,
+    inline_template_imports,
+    knob,
+    relative_error,
+)
 from templates.device import DeviceInfo, check_interpreter_usable, current_device
 from templates.flash_decode_kernel import (
     COMBINE_MODES,
@@ -88,13 +95,17 @@ from templates.flash_decode_kernel import (
     MAX_HEAD_DIM,
     MAX_QUERY_TOKENS,
     DecodeShape,
+    check_cache_contents,
     check_decode_inputs,
+    decode_launch_plan,
     launch_decode,
     pow2_at_least,
     rows_per_tile,
+    run_decode_plan,
     smem_bytes,
 )
 from templates.interpreter_dtype import as_float32, runs_in_float32
+from templates.plan_cache import PlanCache
 from templates.registry import register
 
 # ----------------------------------------------------------------------------- the space
@@ -345,7 +356,8 @@ class FlashDecodeTemplate(Template):
 
     # -- code generation ----------------------------------------------------------------------
     def source_modules(self) -> list[str]:
-        return [type(self).__module__, flash_decode_kernel.__name__]
+        return [type(self).__module__, flash_decode_kernel.__name__, direct_launch.__name__,
+                plan_cache.__name__]
 
     def standalone_source(self, config: KernelConfig) -> str:
         cfg = self.config(config)
@@ -390,28 +402,62 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ValueError: bad shapes, dtypes, devices, lengths, block table, or a config that needs
             more shared memory than the device has.
     """
+    key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, config)
+    checked = _CHECKED_CALLS.get(key)
+    if checked is None:
+        checked = _check_call(q, k_cache, v_cache, cache_seqlens, block_table, config)
+        _CHECKED_CALLS.put(key, checked)
+    shape, cfg = checked
+    if check_contents:
+        check_cache_contents(shape, cache_seqlens, block_table)
+    return launch_with_config(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape, cfg)
+
+
+# What checking a call's arguments and config gave, by the properties those checks read, so
+# that a decode loop (or a sweep timing a config) pays for them once. Lengths and pages are
+# values, not properties: their check runs on every call that asks for it.
+_CHECKED_CALLS: PlanCache[tuple[DecodeShape, FlashDecodeConfig]] = PlanCache(maxsize=1024)
+
+
+def _call_key(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+              config: KernelConfig | Mapping[str, object] | None) -> tuple[object, ...] | None:
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table)
+    if not all(isinstance(t, torch.Tensor) for t in tensors[:4]) or not (
+            block_table is None or isinstance(block_table, torch.Tensor)):
+        return None  # not cached: the checks say what is wrong
+    if isinstance(config, Mapping):
+        config_key: object = tuple(sorted(config.items()))
+    else:
+        config_key = config  # KernelConfigs are frozen dataclasses: hashable
+    return (config_key, *((None if t is None else (t.shape, t.stride(), t.dtype, t.device))
+                          for t in tensors))
+
+
+def _check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                config: KernelConfig | Mapping[str, object] | None
+                ) -> tuple[DecodeShape, FlashDecodeConfig]:
     shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
-                                check_contents=check_contents)
+                                check_contents=False)
     check_interpreter_usable()
     template = TEMPLATE
     device = current_device(q.device.index) if q.is_cuda else current_device()
     problem = problem_of(q, shape)
     if config is None:
-        cfg = template.default_config(problem, device)
-    else:
-        checked = template.config(config)
-        assert isinstance(checked, FlashDecodeConfig)
-        cfg = checked
-        reason = template._resource_reason(problem, cfg, device)
-        if reason:
-            raise ValueError(f"config {cfg.key()} cannot run this problem: {reason}")
-    return launch_with_config(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape, cfg)
+        return shape, template.default_config(problem, device)
+    cfg = template.config(config)
+    assert isinstance(cfg, FlashDecodeConfig)
+    reason = template._resource_reason(problem, cfg, device)
+    if reason:
+        raise ValueError(f"config {cfg.key()} cannot run this problem: {reason}")
+    return shape, cfg
 
 
 def launch_with_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                       scale: float | None, shape: DecodeShape,
-                       cfg: FlashDecodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float | None, shape: DecodeShape, cfg: FlashDecodeConfig, *,
+                       want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """launch_decode with the knobs of ``cfg``, on inputs check_decode_inputs passed."""
     dtype = q.dtype
     if runs_in_float32(dtype):  # bf16 under the interpreter (templates.interpreter_dtype)
@@ -420,8 +466,37 @@ def launch_with_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                            num_splits=cfg.num_splits, block_n=cfg.block_n,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                            combine=cfg.combine, kv_load=cfg.kv_load,
-                           whole_waves=cfg.whole_waves)
-    return o.to(dtype), lse
+                           whole_waves=cfg.whole_waves, want_lse=want_lse)
+    return (o if o.dtype == dtype else o.to(dtype)), lse
+
+
+def kept_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                shape: DecodeShape, cfg: FlashDecodeConfig) -> Callable[..., torch.Tensor]:
+    """For a caller that keys its calls by every property ``decode_launch_plan`` reads
+    (shapes, strides, dtypes, device, 16-byte alignment): ``run(q, k_cache, v_cache,
+    cache_seqlens, block_table, scale)`` -> o of a call like this one, through a plan made
+    now. ``tuner.decode`` and the dispatcher keep one per key: a decode step then costs an
+    output allocation and the launches."""
+    if runs_in_float32(q.dtype):  # the interpreter's bf16: converted on every call
+        def converted(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                      scale: float | None) -> torch.Tensor:
+            return launch_with_config(q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                                      shape, cfg, want_lse=False)[0]
+        return converted
+    plan = decode_launch_plan(q, k_cache, v_cache, cache_seqlens, block_table, shape,
+                              num_splits=cfg.num_splits, block_n=cfg.block_n,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              combine=cfg.combine, kv_load=cfg.kv_load,
+                              whole_waves=cfg.whole_waves)
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+            scale: float | None) -> torch.Tensor:
+        return run_decode_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                               want_lse=False)[0]
+    return run
 
 
 # ----------------------------------------------------------------------------- inputs & reference
@@ -534,7 +609,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def standalone_module_text(cfg: FlashDecodeConfig, version: str) -> str:
     """The kernel module verbatim under a new docstring, then the config and an entry point."""
-    source = inspect.getsource(flash_decode_kernel)
+    source = inline_template_imports(inspect.getsource(flash_decode_kernel))
     docstring_end = ast.parse(source).body[0].end_lineno
     body = "".join(source.splitlines(keepends=True)[docstring_end:])
     return (_STANDALONE_HEADER.format(version=version, key=cfg.key()) + body

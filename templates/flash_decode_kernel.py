@@ -11,13 +11,15 @@ The layouts and semantics are documented in ``templates/flash_decode.py``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from templates.direct_launch import DirectLaunch, alignment_key, current_stream
+from templates.plan_cache import PlanCache
 
 MAX_QUERY_TOKENS = 16  # beyond a few tokens a prefill kernel tiles the queries better
 MAX_HEAD_DIM = 256
@@ -347,11 +349,11 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
              f"but got {tuple(cache_seqlens.shape)}")
     shape = DecodeShape(batch, heads_q, heads_kv, n_q, head_dim, capacity, page_size, num_pages)
     if check_contents:
-        _check_cache_contents(shape, cache_seqlens, block_table)
+        check_cache_contents(shape, cache_seqlens, block_table)
     return shape
 
 
-def _check_cache_contents(shape: DecodeShape, cache_seqlens: torch.Tensor,
+def check_cache_contents(shape: DecodeShape, cache_seqlens: torch.Tensor,
                           block_table: torch.Tensor | None) -> None:
     lens = cache_seqlens.to(torch.int64)
     summary = [lens.min(), lens.max()]
@@ -413,8 +415,10 @@ def merge_split_tile(num_splits: int, block_d: int, num_warps: int) -> int:
 _ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+def arrival_counters(device: torch.device, count: int, stream: int | None = None
+                     ) -> torch.Tensor:
+    if stream is None:
+        stream = current_stream(device.index) if device.type == "cuda" else 0
     key = (str(device), stream)
     counters = _ARRIVALS.get(key)
     if counters is None or counters.numel() < count:
@@ -425,69 +429,196 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                   scale: float | None, shape: DecodeShape, *, num_splits: int, block_n: int,
-                   num_warps: int, num_stages: int, combine: str = "separate",
-                   kv_load: str = "default",
-                   whole_waves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the split kernel (and the combine kernel when num_splits > 1 and the combine is
-    separate) on checked inputs. The keyword arguments are FlashDecodeConfig's knobs."""
+class DecodeLaunchPlan(NamedTuple):
+    """What one call's properties decide: the grid, the kernels' constant arguments and
+    their compiled launches. Kept per call key (``_plan_key``), so a repeated decode step
+    allocates its output and launches, nothing else."""
+    out_shape: tuple[int, int, int, int]
+    part_shape: tuple[int, int, int, int, int] | None  # None: one split, no partials
+    num_splits: int
+    fused: bool
+    arrivals_needed: int  # arrival counters of the fused combine (0: not fused)
+    default_scale: float
+    split_constants: tuple[int, ...]  # runtime integers after qk_scale, in kernel order
+    split: DirectLaunch
+    combine: DirectLaunch | None
+    # Scratch (partials, and the lse where the caller does not want it) by CUDA stream, kept
+    # where small: launches on one stream run in order, so the next call may overwrite what
+    # the last one's combine has read. Each allocation costs several microseconds of host
+    # time, as much as a decode step's GPU time saves at small sizes.
+    scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+MAX_LAUNCH_PLANS = 1024
+# Scratch above this many bytes per plan is allocated per call: a call that big runs long
+# enough on the GPU to hide the allocation, and 1024 plans must not pin gigabytes.
+MAX_KEPT_SCRATCH_BYTES = 4 << 20
+_LAUNCH_PLANS: PlanCache[DecodeLaunchPlan] = PlanCache(MAX_LAUNCH_PLANS)
+
+
+def _plan_key(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+              shape: DecodeShape, knobs: tuple[object, ...]) -> tuple[object, ...]:
+    """Every property of the arguments that the plan or the kernels' specialization reads:
+    shapes and strides (integer arguments), dtypes, devices and pointer alignment."""
+    table = None if block_table is None else (block_table.stride(), block_table.dtype)
+    tensors = (q, k_cache, v_cache, cache_seqlens) if block_table is None else (
+        q, k_cache, v_cache, cache_seqlens, block_table)
+    return (shape, knobs, q.stride(), k_cache.stride(), v_cache.stride(),
+            cache_seqlens.stride(0), table, q.dtype, k_cache.dtype, v_cache.dtype,
+            cache_seqlens.dtype, q.device, alignment_key(*tensors))
+
+
+def _make_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+               shape: DecodeShape, *, num_splits: int, block_n: int, num_warps: int,
+               num_stages: int, combine: str, kv_load: str,
+               whole_waves: bool) -> DecodeLaunchPlan:
     batch, heads_q, heads_kv, n_q, head_dim = shape[:5]
     group = heads_q // heads_kv
     block_m = rows_per_tile(group, n_q)
     row_tiles = triton.cdiv(group * n_q, block_m)
     block_d = pow2_at_least(head_dim, 16)
-    sm_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if whole_waves and q.is_cuda:
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = whole_wave_splits(batch * heads_kv * row_tiles, num_splits,
                                        max(num_splits, triton.cdiv(shape.capacity, block_n)),
                                        sm_count)
     fused = combine == "fused" and num_splits > 1
-    o = torch.empty((batch, heads_q, n_q, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, n_q), dtype=torch.float32, device=q.device)
-    if num_splits > 1:
-        o_part = torch.empty((batch, heads_q, n_q, num_splits, head_dim), dtype=torch.float32,
-                             device=q.device)
-        lse_part = torch.empty((batch, heads_q, n_q, num_splits), dtype=torch.float32,
-                               device=q.device)
-    else:
-        o_part, lse_part = o, lse  # unused: the split kernel writes the final outputs
     if block_table is None:
         # (B, H_kv, N, D): the sequence index plays the page's part, one page per sequence.
         k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
         v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3))
-        table, table_strides, page_size, tile_in_page = cache_seqlens, (0, 0), 1, False
+        table_strides, page_size, tile_in_page = (0, 0), 1, False
     else:
         # (num_pages, page_size, H_kv, D) -> (page, head, slot, dim) strides.
         k_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), k_cache.stride(3))
         v_strides = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), v_cache.stride(3))
-        table, table_strides = block_table, (block_table.stride(0), block_table.stride(1))
+        table_strides = (block_table.stride(0), block_table.stride(1))
         page_size = shape.page_size
         tile_in_page = page_size % block_n == 0
     grid = (batch * heads_kv * row_tiles, num_splits)
     # Unused unless fused; a constant tile then, so that tuning num_splits compiles nothing
     # new (the fused merge's tile follows it: one compile per power of two).
-    arrivals = arrival_counters(q.device, grid[0]) if fused else lse
-    fused_tile = merge_split_tile(num_splits, block_d, num_warps) if fused else 1
+    split = DirectLaunch(_decode_split_kernel, grid, dict(
+        N_Q=n_q, HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, PAGED=block_table is not None,
+        PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_EVICT=KV_EVICTION[kv_load], FUSED_COMBINE=fused,
+        MERGE_BLOCK_S=pow2_at_least(num_splits) if fused else 1,
+        MERGE_SPLIT_TILE=merge_split_tile(num_splits, block_d, num_warps) if fused else 1),
+        dict(num_warps=num_warps, num_stages=num_stages))
+    combine_launch = None
+    if num_splits > 1 and not fused:
+        combine_launch = DirectLaunch(_decode_combine_kernel, (batch * heads_q * n_q,), dict(
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=pow2_at_least(num_splits),
+            SPLIT_TILE=merge_split_tile(num_splits, block_d, 4)), dict(num_warps=4))
+    return DecodeLaunchPlan(
+        out_shape=(batch, heads_q, n_q, head_dim),
+        part_shape=(batch, heads_q, n_q, num_splits, head_dim) if num_splits > 1 else None,
+        num_splits=num_splits, fused=fused, arrivals_needed=grid[0] if fused else 0,
+        default_scale=1.0 / math.sqrt(head_dim),
+        split_constants=(heads_kv, group, row_tiles, num_splits, *q.stride(), *k_strides,
+                         *v_strides, *table_strides, cache_seqlens.stride(0)),
+        split=split, combine=combine_launch, scratch={})
+
+
+def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                   scale: float | None, shape: DecodeShape, *, num_splits: int, block_n: int,
+                   num_warps: int, num_stages: int, combine: str = "separate",
+                   kv_load: str = "default", whole_waves: bool = False,
+                   want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the split kernel (and the combine kernel when num_splits > 1 and the combine is
+    separate) on checked inputs. The keyword arguments are FlashDecodeConfig's knobs; without
+    ``want_lse`` the returned lse is scratch that the next call on the stream overwrites.
+
+    The launch plan is kept per call key: a repeated call launches the compiled kernels
+    directly (``DirectLaunch``), without Triton's per-call argument binding."""
+    plan = decode_launch_plan(q, k_cache, v_cache, cache_seqlens, block_table, shape,
+                              num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                              num_stages=num_stages, combine=combine, kv_load=kv_load,
+                              whole_waves=whole_waves)
+    return run_decode_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                           want_lse=want_lse)
+
+
+def decode_launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                       shape: DecodeShape, *, num_splits: int, block_n: int, num_warps: int,
+                       num_stages: int, combine: str = "separate", kv_load: str = "default",
+                       whole_waves: bool = False) -> DecodeLaunchPlan:
+    """The kept plan for these arguments and knobs (made on first sight). A caller that keys
+    its own calls may keep it and ``run_decode_plan`` on arguments with the same properties
+    (``_plan_key``: shapes, strides, dtypes, device, 16-byte alignment)."""
+    knobs = (num_splits, block_n, num_warps, num_stages, combine, kv_load, whole_waves)
+    key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, shape, knobs)
+    plan = _LAUNCH_PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(q, k_cache, v_cache, cache_seqlens, block_table, shape,
+                          num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                          num_stages=num_stages, combine=combine, kv_load=kv_load,
+                          whole_waves=whole_waves)
+        _LAUNCH_PLANS.put(key, plan)
+    return plan
+
+
+def run_decode_plan(plan: DecodeLaunchPlan, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                    block_table: torch.Tensor | None, scale: float | None, *,
+                    want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of one call through ``plan``."""
+    if not q.is_cuda:
+        return _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, scale, 0,
+                         want_lse)
+    index = q.device.index
+    if index == torch.cuda.current_device():
+        return _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                         current_stream(index), want_lse)
     # Triton launches on the current CUDA device: make it q's.
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _decode_split_kernel[grid](
-            q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part, lse_part, arrivals,
-            sm_scale * LOG2E, heads_kv, group, row_tiles, num_splits,
-            *q.stride(), *k_strides, *v_strides, *table_strides, cache_seqlens.stride(0),
-            N_Q=n_q, HEAD_DIM=head_dim, SINGLE_SPLIT=num_splits == 1, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_D=block_d, PAGED=block_table is not None,
-            PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            KV_EVICT=KV_EVICTION[kv_load], FUSED_COMBINE=fused,
-            MERGE_BLOCK_S=pow2_at_least(num_splits) if fused else 1,
-            MERGE_SPLIT_TILE=fused_tile,
-            num_warps=num_warps, num_stages=num_stages)
-        if num_splits > 1 and not fused:
-            _decode_combine_kernel[(batch * heads_q * n_q,)](
-                o_part, lse_part, o, lse, num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                BLOCK_S=pow2_at_least(num_splits),
-                SPLIT_TILE=merge_split_tile(num_splits, block_d, 4), num_warps=4)
+    with torch.cuda.device(index):
+        return _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                         current_stream(index), want_lse)
+
+
+def _scratch(plan: DecodeLaunchPlan, q: torch.Tensor, stream: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o_part, lse_part, lse) scratch of ``plan`` for a call on ``stream``."""
+    # A graph being captured gets scratch of its own from the graph's pool: two graphs
+    # captured on one stream may replay at once on two.
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    kept = None if capturing else plan.scratch.get(stream)
+    if kept is not None:
+        return kept
+    o_part = lse_part = torch.empty(0, dtype=torch.float32, device=q.device)
+    if plan.part_shape is not None:
+        o_part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(plan.part_shape[:4], dtype=torch.float32, device=q.device)
+    lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device)
+    scratch = (o_part, lse_part, lse)
+    if not capturing and 4 * (o_part.numel() + lse_part.numel() + lse.numel()) <= \
+            MAX_KEPT_SCRATCH_BYTES:
+        plan.scratch[stream] = scratch
+    return scratch
+
+
+def _run_plan(plan: DecodeLaunchPlan, q: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+              block_table: torch.Tensor | None, scale: float | None, stream: int,
+              want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    o = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    o_part, lse_part, lse = _scratch(plan, q, stream)
+    if want_lse:
+        lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device)
+    if plan.part_shape is None:
+        o_part, lse_part = o, lse  # unused: the split kernel writes the final outputs
+    arrivals = (arrival_counters(q.device, plan.arrivals_needed, stream) if plan.fused
+                else lse)
+    table = cache_seqlens if block_table is None else block_table
+    qk_scale = (plan.default_scale if scale is None else float(scale)) * LOG2E
+    plan.split.launch_on(stream, q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part,
+                         lse_part, arrivals, qk_scale, *plan.split_constants)
+    if plan.combine is not None:
+        plan.combine.launch_on(stream, o_part, lse_part, o, lse, plan.num_splits)
     return o, lse

@@ -52,9 +52,9 @@ from templates.registry import get_template
 from templates.torch_sdpa import SdpaConfig, sdpa
 from tuner import implementations
 from tuner.decode import clear_decode_plans
-from tuner.dispatch import Call, Choice, choose, forced
+from tuner.dispatch import Call, Choice, choose, forced, keep
 from tuner.implementations import shapes_4d
-from tuner.lookup import Resolved, resolve_config
+from tuner.lookup import Resolved, keep_config, resolve_config
 
 __all__ = ["attention", "clear_plans", "plan_for"]
 
@@ -82,7 +82,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                          enable_gqa)
         if compiling:
             return _traced(query, key, value, is_causal, scale, enable_gqa, needs_grad)
-        choice = _choose(query, key, value, is_causal, enable_gqa, needs_grad=True)
+        choice = keep(_choose(query, key, value, is_causal, enable_gqa, needs_grad=True))
         if choice.implementation.name == "sdpa":
             return _sdpa_with(choice, query, key, value, is_causal, scale, enable_gqa)
         return torch.ops.tuner.attention_fwd(query, key, value, is_causal, scale, enable_gqa)[0]
@@ -224,9 +224,9 @@ def _traced_choice(shape_q: str, shape_k: str, dtype: str, device: str, is_causa
     as a constant; arguments are scalars and strings, as Dynamo requires."""
     dev = torch.device(device)
     info = current_device(dev.index) if dev.type == "cuda" else cpu_device()
-    choice = choose(_call_of(tuple(int(n) for n in shape_q.split(",")),
-                             tuple(int(n) for n in shape_k.split(",")), getattr(torch, dtype),
-                             is_causal, needs_grad, info))
+    choice = keep(choose(_call_of(tuple(int(n) for n in shape_q.split(",")),
+                                  tuple(int(n) for n in shape_k.split(",")),
+                                  getattr(torch, dtype), is_causal, needs_grad, info)))
     config = choice.config
     return (f"sdpa:{config.backend}" if isinstance(config, SdpaConfig)
             else choice.implementation.name)
@@ -269,9 +269,11 @@ def _problem_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
 
 
 def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[object, ...]:
-    # What a kernel's launch plan depends on beyond the problem: strides, 16-byte alignment.
-    return (q.stride(), k.stride(), v.stride(),
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16)
+    # What a kernel's launch plan depends on beyond the problem: strides, and each pointer's
+    # 16-byte alignment (Triton compiles it into the kernel, per argument: q misaligned and k
+    # misaligned are two specializations).
+    return (q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0,
+            k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
@@ -283,7 +285,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     if plan is None or plan.expires_at <= _now():
         if not _kernel_scope(q, k, v):  # float64, another value head dim: never kept
             return _outside_kernel_scope(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
-        choice = _choose(q, k, v, is_causal, enable_gqa, needs_grad=False)
+        choice = keep(_choose(q, k, v, is_causal, enable_gqa, needs_grad=False))
         impl = choice.implementation
         plan = _keep(_PLANS, key, _Plan(
             impl.build(q, k, v, is_causal, scale, enable_gqa, choice) if impl.layout_free
@@ -310,12 +312,12 @@ def _keep(plans: dict[tuple[object, ...], _Plan], key: tuple[object, ...], plan:
 def _resolve_template(template_name: str, q: torch.Tensor, k: torch.Tensor,
                       is_causal: bool) -> Resolved:
     """The config of ``template_name`` (one of our Triton templates) for the problem of these
-    inputs: cache -> database -> service -> default."""
+    inputs, which a kernel is about to run (so kept: ``tuner.lookup.ConfigResolver.keep``)."""
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
     call = _call(q, k, k, is_causal, q.shape[-3:-2] != k.shape[-3:-2], needs_grad=False)
-    return resolve_config(get_template(template_name), call.problem, call.device)
+    return keep_config(resolve_config(get_template(template_name), call.problem, call.device))
 
 
 def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,

@@ -8,7 +8,8 @@
      "items": [{
         "device": {"key": ..., "name": ..., "compute_capability": "9.0", "sm_count": 132,
                    "total_memory": ..., "driver_version": ..., "triton_version": ...,
-                   "torch_version": ..., "cuda_version": ..., "smem_per_block": ...},
+                   "torch_version": ..., "cuda_version": ..., "smem_per_block": ...,
+                   "cudnn_version": "9.19.0"},                        (optional)
         "template": "flash_fwd", "template_version": "<16 hex>",
         "problem": {"batch": 4, "heads_q": 16, ...},                   (templates.Problem)
         "config": {"BLOCK_M": 128, ...},                               (the template's space)
@@ -121,6 +122,9 @@ class BundleDevice(_Strict):
     triton_version: Text = Field(max_length=64)
     torch_version: Text = Field(max_length=64)
     cuda_version: Text = Field(max_length=64)
+    # Absent from bundles of devices without cuDNN and of releases before it was recorded.
+    # Never "": a device without cuDNN has none, and its key no cuDNN part.
+    cudnn_version: Text | None = Field(None, min_length=1, max_length=64)
 
     def info(self) -> DeviceInfo:
         from tuner.lookup import smem_for_cc
@@ -130,7 +134,8 @@ class BundleDevice(_Strict):
             name=self.name, compute_capability=self.compute_capability, sm_count=self.sm_count,
             total_memory=self.total_memory, smem_per_block=smem,
             driver_version=self.driver_version, triton_version=self.triton_version,
-            torch_version=self.torch_version, cuda_version=self.cuda_version)
+            torch_version=self.torch_version, cuda_version=self.cuda_version,
+            cudnn_version=self.cudnn_version)
 
     @classmethod
     def of(cls, info: DeviceInfo) -> BundleDevice:
@@ -217,7 +222,7 @@ class ValidItem:
     default_config: KernelConfig | None
 
 
-def _first_error(exc: ValidationError) -> str:
+def first_error(exc: ValidationError) -> str:
     # Only ever called on bounded input (a header, one item): errors() builds every error.
     err = exc.errors(include_url=False)[0]
     where = ".".join(str(p) for p in err["loc"])
@@ -277,7 +282,7 @@ def _validated(data: object) -> Generator[None, None, ReadBundle]:
         # The header alone: each item is validated on its own, and the first bad one stops.
         bundle = Bundle.model_validate({**data, "items": []} if isinstance(items, list) else data)
     except ValidationError as exc:
-        raise BundleError(None, _first_error(exc)) from None
+        raise BundleError(None, first_error(exc)) from None
     versions: dict[str, str] = {}
     valid = []
     for i, raw in enumerate(items or ()):
@@ -401,7 +406,7 @@ def _validate_item(index: int, raw: Mapping[str, Any], versions: dict[str, str],
     try:
         item = BundleItem.model_validate(raw)
     except ValidationError as exc:
-        raise BundleError(index, _first_error(exc)) from None
+        raise BundleError(index, first_error(exc)) from None
     _check_measurements(index, item, bundle_version)
     try:
         template = get_template(item.template)
@@ -699,7 +704,10 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
                            "sm_count": dev.sm_count, "total_memory": dev.total_memory,
                            "driver_version": dev.driver_version,
                            "triton_version": dev.triton_version,
-                           "torch_version": dev.torch_version, "cuda_version": dev.cuda_version},
+                           "torch_version": dev.torch_version, "cuda_version": dev.cuda_version,
+                           # Only where there is one: hosts of older releases refuse the field.
+                           **({"cudnn_version": dev.cudnn_version}
+                              if dev.cudnn_version is not None else {})},
                 "template": row.template.name, "template_version": row.template.version,
                 "problem": dict(row.problem), "config": dict(row.config),
                 "tflops": row.tflops, "median_ms": row.median_ms,

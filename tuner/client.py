@@ -5,6 +5,7 @@
     with TunerClient("http://tuner.internal:8000") as client:
         answer = client.best("flash_fwd", problem)          # BestOut: config, match, TFLOP/s
         page = client.configs(template="flash_fwd", limit=50)
+        queue = client.demand(status="open")                # what jobs ran untuned
 
 Transient failures (connection errors, timeouts, 429/502/503/504) are retried ``retries`` times
 with exponential backoff and jitter; other 4xx/5xx answers raise ``TunerError`` at once with
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -28,10 +29,16 @@ from tuner.wire import (
     BestOut,
     ConfigPage,
     ConfigRow,
+    DemandAccepted,
+    DemandPage,
     DeviceOut,
     HealthOut,
+    SnapshotCreated,
+    SnapshotList,
+    SnapshotOut,
     TemplateOut,
     UploadResult,
+    WinnersOut,
 )
 
 __all__ = ["TunerClient", "TunerError"]
@@ -110,6 +117,13 @@ class TunerClient:
             params["template_version"] = template_version
         return self._get("/v1/best", BestOut, params=params)
 
+    def winners(self, *, device: str | DeviceInfo | None = None,
+                dtype: str | None = None) -> WinnersOut:
+        """Per stored problem of ``device`` (default: this machine's GPU), the implementation
+        ``tuner.attention`` runs, the runner-up and margin, each implementation's best."""
+        params = {"device": _device_key(device), **({"dtype": dtype} if dtype else {})}
+        return self._get("/v1/winners", WinnersOut, params=params)
+
     def configs(self, *, device: str | None = None, template: str | None = None,
                 dtype: str | None = None, variant: str | None = None, offset: int = 0,
                 limit: int = 100) -> ConfigPage:
@@ -128,11 +142,48 @@ class TunerClient:
             if not page.items or offset >= page.total:
                 return
 
+    def report_demand(self, items: Sequence[Mapping[str, Any]]) -> DemandAccepted:
+        """Report problems run without a tuned config (no token): each item names template,
+        template_version, device (key), problem and count. ``tuner.demand`` does this in the
+        background for ``tuner.attention``; the answer says which items were refused."""
+        response = self._request("POST", "/v1/demand", json={"items": list(items)},
+                                 ok_status=(202,))
+        return _parse(response, DemandAccepted)
+
+    def demand(self, *, device: str | None = None, template: str | None = None,
+               status: str | None = None, offset: int = 0, limit: int = 100) -> DemandPage:
+        """The demand queue, most reported first (status: open, claimed, expired, done,
+        failed)."""
+        params = {k: v for k, v in {"device": device, "template": template,
+                                    "status": status}.items() if v is not None}
+        return self._get("/v1/demand", DemandPage,
+                         params={**params, "offset": offset, "limit": limit})
+
     def upload(self, bundle: Mapping[str, Any]) -> UploadResult:
         """Store a bundle (``tuner.bundle``'s format); needs the write token."""
         response = self._request("POST", "/v1/results", json=dict(bundle),
                                  headers=self._write_headers)
         return _parse(response, UploadResult)
+
+    def create_snapshot(self, *, device: str | None = None, template: str | None = None,
+                        dtype: str | None = None, variant: str | None = None
+                        ) -> SnapshotCreated:
+        """Freeze the service's best configs matching the filters (none: all) into a snapshot;
+        needs the write token. The same content frozen again gives the same id."""
+        params = {k: v for k, v in {"device": device, "template": template, "dtype": dtype,
+                                    "variant": variant}.items() if v is not None}
+        response = self._request("POST", "/v1/snapshots", params=params,
+                                 headers=self._write_headers)
+        return _parse(response, SnapshotCreated)
+
+    def snapshot(self, snapshot_id: str) -> SnapshotOut:
+        """A snapshot, whole: its bundle (``TunerError`` with status 404 if unknown)."""
+        return self._get(f"/v1/snapshots/{snapshot_id}", SnapshotOut)
+
+    def snapshots(self, *, offset: int = 0, limit: int = 100) -> SnapshotList:
+        """Stored snapshots (ids, sizes, dates), newest first."""
+        return self._get("/v1/snapshots", SnapshotList,
+                         params={"offset": offset, "limit": limit})
 
     def kernel_source(self, template: str, problem: Problem | Mapping[str, Any], *,
                       device: str | DeviceInfo | None = None) -> str:

@@ -15,38 +15,49 @@ captured in a CUDA graph): they must be valid, as ``templates.flash_decode`` doc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from templates.device import cpu_device, current_device
-from templates.flash_decode import TEMPLATE, FlashDecodeConfig, launch_with_config, problem_of
+from templates.direct_launch import alignment_key
+from templates.flash_decode import TEMPLATE, FlashDecodeConfig, kept_launch, problem_of
 from templates.flash_decode_kernel import DecodeShape, check_decode_inputs
-from tuner.lookup import Resolved, resolve_config
+from tuner.lookup import Resolved, keep_config, resolve_config
 from tuner.record import note, recording
 
 __all__ = ["decode", "decode_plan_for"]
 
 MAX_PLANS = 4096
-_PLANS: dict[tuple[object, ...], tuple[DecodeShape, Resolved]] = {}
+
+
+class _Plan(NamedTuple):
+    resolved: Resolved
+    run: Callable[..., torch.Tensor]  # templates.flash_decode.kept_launch
+
+
+_PLANS: dict[tuple[object, ...], _Plan] = {}
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
            scale: float | None = None) -> torch.Tensor:
     """o (B, H_q, N_q, D) in q's dtype: the new tokens' attention over their caches."""
-    key = (q.shape, k_cache.shape, v_cache.shape, q.stride(), k_cache.stride(),
-           v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.device, k_cache.device,
-           v_cache.device, cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device,
-           None if block_table is None else (block_table.shape, block_table.dtype,
-                                             block_table.device))
+    # Everything the checks and the kept launch read: shapes, strides, dtypes, devices and
+    # (for the kernels' specialization) 16-byte pointer alignment.
+    table = None if block_table is None else (block_table.shape, block_table.stride(),
+                                              block_table.dtype, block_table.device,
+                                              block_table.data_ptr() % 16 == 0)
+    key = (q.shape, k_cache.shape, q.stride(), k_cache.stride(), v_cache.stride(), q.dtype,
+           k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device,
+           v_cache.shape, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+           cache_seqlens.device, table,
+           alignment_key(q, k_cache, v_cache, cache_seqlens))
     plan = _PLANS.get(key)
-    if plan is None or plan[1].expires_at <= time.monotonic():
+    if plan is None or plan.resolved.expires_at <= time.monotonic():
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, key)
-    shape, resolved = plan
-    config = resolved.config
-    assert isinstance(config, FlashDecodeConfig)
-    return launch_with_config(q, k_cache, v_cache, cache_seqlens, block_table, scale, shape,
-                              config)[0]
+    return plan.run(q, k_cache, v_cache, cache_seqlens, block_table, scale)
 
 
 def decode_plan_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -69,10 +80,14 @@ def _resolve(q: torch.Tensor, shape: DecodeShape) -> Resolved:
 
 def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-          key: tuple[object, ...]) -> tuple[DecodeShape, Resolved]:
+          key: tuple[object, ...]) -> _Plan:
     shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
                                 check_contents=False)
-    plan = (shape, _resolve(q, shape))
+    resolved = keep_config(_resolve(q, shape))  # it runs: kept for the process
+    config = resolved.config
+    assert isinstance(config, FlashDecodeConfig)
+    plan = _Plan(resolved, kept_launch(q, k_cache, v_cache, cache_seqlens, block_table, shape,
+                                       config))
     if recording():
         note(problem_of(q, shape), [TEMPLATE.name])
     if len(_PLANS) >= MAX_PLANS:

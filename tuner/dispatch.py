@@ -16,6 +16,10 @@ The rule (docs/DISPATCH.md):
   default backend): ours must be measured faster to be chosen.
 * ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
 
+A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
+the process's answers for their buckets (``tuner.lookup``: stable within a process), so a
+problem that ran one implementation and config runs them for the process's life.
+
 New implementations (the Gluon kernels, FlexAttention, another backend) register here with
 ``register_implementation`` and need no change to the public entry.
 """
@@ -27,16 +31,16 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from templates.base import KernelConfig, Problem
 from templates.device import DeviceInfo
 from templates.registry import get_template
-from tuner.lookup import Resolved, resolve_config
+from tuner.lookup import Resolved, keep_config, resolve_config
 from tuner.record import note, recording
 
-__all__ = ["Call", "Choice", "Implementation", "choose", "implementations",
+__all__ = ["Call", "Choice", "Implementation", "choose", "implementations", "keep",
            "register_implementation", "use_implementation"]
 
 
@@ -191,6 +195,17 @@ def choose(call: Call) -> Choice:
                   " with grad" if call.needs_grad else "", choice.implementation.name,
                   choice.config.key(), choice.match, choice.source, choice.why)
     return choice
+
+
+def keep(choice: Choice) -> Choice:
+    """``choice`` is about to run: the choice to run, its answers and those it was priced
+    among kept for their buckets (``ConfigResolver.keep``). Kept, the prices cannot change,
+    so neither can the choice, when its plan is rebuilt or another shape of its buckets
+    comes."""
+    estimates = tuple(replace(e, resolved=tuple(keep_config(r) for r in e.resolved))
+                      for e in choice.estimates)
+    return replace(choice, resolved=tuple(keep_config(r) for r in choice.resolved),
+                   estimates=estimates)
 
 
 def _choose(call: Call) -> Choice:

@@ -1,6 +1,9 @@
 """Config resolution: which tuned config runs a problem on a device.
 
-Order, first answer wins (``ConfigResolver.resolve``):
+With ``TUNER_SNAPSHOT`` set, every answer comes from that snapshot alone, loaded once at the
+first lookup (``tuner.pinned``) and matched as the database's rows are, problem by problem;
+nothing else is asked, ever. Without it, the order, first answer wins
+(``ConfigResolver.resolve``):
 
 1. in-process cache (per device x template version x shape bucket: every problem of a bucket
    runs the config its first lookup found, so a decode loop whose KV length grows by one token
@@ -13,9 +16,17 @@ Order, first answer wins (``ConfigResolver.resolve``):
 4. the template's default heuristic.
 
 An ``exact`` or ``bucket`` match ends the search at once; a ``nearest`` match from the
-database is kept while the service is asked whether it knows better. Every config that comes
+database is kept while the service is asked whether it knows better. Every answer that is not
+tuned (``default``, ``nearest``) is noted as demand for the service (``tuner.demand``), when
+``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every config that comes
 from outside (database or service) is re-validated against the template's space and static
 constraints here: a served config is data, never code.
+
+Stable within a process: an answer is re-asked only until a kernel runs with it. The caller
+that runs a config says so (``ConfigResolver.keep``), and from then on its bucket answers the
+same for the process's life, whatever the database or the service say later, so a kernel never
+switches configs mid-run. ``TUNER_REFRESH=on`` opts in to newer answers instead: untuned ones
+are re-asked after ``UNTUNED_TTL_S``, tuned ones after ``TUNED_TTL_S``, run or not.
 
 ``match_best`` is the matching rule itself, shared with the service's ``GET /v1/best``.
 """
@@ -36,11 +47,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from templates.base import KernelConfig, Problem, Template
 from templates.device import CPU_INTERPRETER, DeviceInfo
+from tuner.demand import UNTUNED
+from tuner.snapshot import SnapshotError
 from tuner.wire import MatchKind
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
+    from tuner.demand import DemandReporter
+    from tuner.pinned import PinnedConfigs
     from tuner.settings import Settings
 
 log = logging.getLogger("tuner.lookup")
@@ -50,6 +65,9 @@ RETRY_AFTER_S = 60.0
 # that lands while a job runs reaches it within about this (the service's own answers are at
 # most 5 s old, docs/SERVING.md). A re-ask is one query per template and shape bucket.
 UNTUNED_TTL_S = 5.0
+# With TUNER_REFRESH=on, a tuned answer (exact, bucket) is asked again after this long: a
+# sweep that finds a faster config reaches running jobs within about a minute.
+TUNED_TTL_S = 60.0
 
 
 # ----------------------------------------------------------------------------- matching
@@ -167,32 +185,53 @@ def device_info_from_row(row: Any) -> DeviceInfo:
         name=row.name, compute_capability=row.compute_capability, sm_count=row.sm_count,
         total_memory=row.total_memory, smem_per_block=smem_for_cc(row.compute_capability),
         driver_version=row.driver_version, triton_version=row.triton_version,
-        torch_version=row.torch_version, cuda_version=row.cuda_version)
+        torch_version=row.torch_version, cuda_version=row.cuda_version,
+        cudnn_version=row.cudnn_version)
+
+
+# The parts of a device key after the name, as ``DeviceInfo.key`` writes them: the cuDNN part
+# only for devices with cuDNN (and never in keys written before it was recorded).
+_KEY_PREFIXES = ("cc", "triton", "torch", "cuda")
+_CUDNN_PREFIX = "cudnn"
 
 
 def device_info_from_key(key: str) -> DeviceInfo:
     """Best guess at a device the database does not know, from its key or its name.
 
-    A full key (``name|cc9.0|triton3.6.0|torch2.11.0|cuda12.8``, as ``DeviceInfo.key`` writes
-    it) gives the compute capability and versions; anything else is taken as a device name on
-    the ``HOPPER_DEFAULT`` hardware.
+    A full key (``name|cc9.0|triton3.6.0|torch2.11.0|cuda12.8``, with ``|cudnn9.19.0`` after it
+    for a device with cuDNN, as ``DeviceInfo.key`` writes it) gives the compute capability and
+    versions; anything else is taken as a device name on the ``HOPPER_DEFAULT`` hardware.
     """
-    parts = key.rsplit("|", 4)
-    prefixes = ("cc", "triton", "torch", "cuda")
-    if len(parts) == 5 and all(p.startswith(pre) for p, pre in zip(parts[1:], prefixes, strict=True)):
-        name = parts[0]
-        cc, triton_v, torch_v, cuda_v = (p[len(pre):] for p, pre in zip(parts[1:], prefixes, strict=True))
-        if name == CPU_INTERPRETER:
-            return DeviceInfo(name=name, compute_capability="", sm_count=1, total_memory=0,
-                              smem_per_block=smem_for_cc(""), driver_version="",
-                              triton_version=triton_v, torch_version=torch_v, cuda_version="")
-        if not _valid_cc(cc):
-            cc = HOPPER_DEFAULT.compute_capability
-        return DeviceInfo(name=name, compute_capability=cc, sm_count=HOPPER_DEFAULT.sm_count,
-                          total_memory=HOPPER_DEFAULT.total_memory, smem_per_block=smem_for_cc(cc),
-                          driver_version="", triton_version=triton_v, torch_version=torch_v,
-                          cuda_version=cuda_v)
-    return dataclasses.replace(HOPPER_DEFAULT, name=key or HOPPER_DEFAULT.name)
+    parts = _key_parts(key)
+    if parts is None:
+        return dataclasses.replace(HOPPER_DEFAULT, name=key or HOPPER_DEFAULT.name)
+    name, cc, triton_v, torch_v, cuda_v, cudnn_v = parts
+    if name == CPU_INTERPRETER:
+        return DeviceInfo(name=name, compute_capability="", sm_count=1, total_memory=0,
+                          smem_per_block=smem_for_cc(""), driver_version="",
+                          triton_version=triton_v, torch_version=torch_v, cuda_version="",
+                          cudnn_version=cudnn_v)
+    if not _valid_cc(cc):
+        cc = HOPPER_DEFAULT.compute_capability
+    return DeviceInfo(name=name, compute_capability=cc, sm_count=HOPPER_DEFAULT.sm_count,
+                      total_memory=HOPPER_DEFAULT.total_memory, smem_per_block=smem_for_cc(cc),
+                      driver_version="", triton_version=triton_v, torch_version=torch_v,
+                      cuda_version=cuda_v, cudnn_version=cudnn_v)
+
+
+def _key_parts(key: str) -> tuple[str, str, str, str, str, str | None] | None:
+    """(name, cc, triton, torch, cuda, cudnn or None) of a full device key, else None."""
+    name_and_rest, _, last = key.rpartition("|")
+    cudnn = None
+    if last.startswith(_CUDNN_PREFIX) and last != _CUDNN_PREFIX:
+        key, cudnn = name_and_rest, last[len(_CUDNN_PREFIX):]
+    parts = key.rsplit("|", len(_KEY_PREFIXES))
+    if len(parts) != len(_KEY_PREFIXES) + 1 or not all(
+            p.startswith(pre) for p, pre in zip(parts[1:], _KEY_PREFIXES, strict=True)):
+        return None
+    cc, triton_v, torch_v, cuda_v = (p[len(pre):] for p, pre in zip(parts[1:], _KEY_PREFIXES,
+                                                                   strict=True))
+    return parts[0], cc, triton_v, torch_v, cuda_v, cudnn
 
 
 def _valid_cc(cc: str) -> bool:
@@ -201,25 +240,27 @@ def _valid_cc(cc: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- resolution
+CacheKey = tuple[str, str, str, str]  # device key, template, version, bucket key
+
+
 @dataclass(frozen=True)
 class Resolved:
     """The config to run and where it came from."""
 
     config: KernelConfig
     match: MatchKind
-    source: str  # "database", "service" or "default"
+    source: str  # "snapshot", "database", "service" or "default"
     expires_at: float = math.inf  # time.monotonic() after which to ask again
     # TFLOP/s measured for the matched stored best (None: nothing measured, the default).
     # The dispatcher compares implementations by it, so only exact and bucket matches count.
     tflops: float | None = None
+    # The resolver's cache key of the answer (``ConfigResolver.keep`` keeps it by that).
+    bucket: CacheKey | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def measured(self) -> bool:
         """A measurement of this problem's own bucket on this device backs the config."""
         return self.match in ("exact", "bucket") and self.tflops is not None
-
-
-CacheKey = tuple[str, str, str, str]  # device key, template, version, bucket key
 
 
 class ConfigResolver:
@@ -243,17 +284,49 @@ class ConfigResolver:
         self._database_down_until = 0.0
         self._service_down_until = 0.0
         self._pool: ThreadPoolExecutor | None = None
+        self._pinned: PinnedConfigs | None = None
+        self._pin_error: SnapshotError | None = None
+        self._demand: DemandReporter | None = None
 
     # -- public -------------------------------------------------------------------------
     def resolve(self, template: Template, problem: Problem, device: DeviceInfo) -> Resolved:
         version = self.version_of(template)
+        pinned = self._pinned_configs()
+        if pinned is not None:
+            return pinned.resolve(template, version, problem, device)
         key = (device.key, template.name, version, template.problem_key(problem))
         hit = self._cache.get(key)
         if hit is not None and hit.expires_at > self._clock():
-            return hit
-        resolved = self._resolve_uncached(template, version, problem, device)
-        self._cache[key] = resolved
+            resolved = hit
+        else:
+            resolved = dataclasses.replace(
+                self._resolve_uncached(template, version, problem, device), bucket=key)
+            self._cache[key] = resolved
+        if resolved.match in UNTUNED:
+            self._note_demand(template.name, version, device.key, problem)
         return resolved
+
+    def keep(self, resolved: Resolved) -> Resolved:
+        """A kernel is about to run with ``resolved``: the answer to run, kept for its bucket
+        for the rest of the process (unless TUNER_REFRESH=on), so later lookups of the bucket
+        answer the same. Where another caller kept an answer for the bucket first, that one
+        is returned: one config per bucket runs in a process."""
+        if (self.settings.refresh or resolved.bucket is None
+                or resolved.expires_at == math.inf):
+            return resolved
+        with self._lock:
+            current = self._cache.get(resolved.bucket)
+            if current is not None and current.expires_at == math.inf:
+                return current
+            kept = dataclasses.replace(resolved, expires_at=math.inf)
+            self._cache[resolved.bucket] = kept
+            return kept
+
+    @property
+    def demand(self) -> DemandReporter | None:
+        """The reporter of this process's untuned problems (None: nothing noted yet, or no
+        service to report to)."""
+        return self._demand
 
     def version_of(self, template: Template) -> str:
         # Template.version() hashes module source text: far too slow for every call.
@@ -263,7 +336,8 @@ class ConfigResolver:
         return version
 
     def clear(self) -> None:
-        """Forget every cached answer and remembered failure (e.g. after a new sweep)."""
+        """Forget every cached answer (kept ones too) and remembered failure (e.g. after a new
+        sweep). A pinned snapshot stays: it cannot change."""
         with self._lock:
             self._cache.clear()
             self._versions.clear()
@@ -276,18 +350,35 @@ class ConfigResolver:
     def service_down(self) -> bool:
         return self._clock() < self._service_down_until
 
+    def _note_demand(self, template: str, version: str, device_key: str,
+                     problem: Problem) -> None:
+        reporter = self._demand
+        if reporter is None:
+            url = self.settings.url
+            if not url or not self.settings.demand:
+                return
+            from tuner.demand import DemandReporter
+
+            with self._lock:
+                if self._demand is None:
+                    self._demand = DemandReporter(url, interval_s=self.settings.demand_interval,
+                                                  timeout_s=self.settings.lookup_timeout)
+                reporter = self._demand
+        reporter.note(template, version, device_key, problem)
+
     # -- the chain ----------------------------------------------------------------------
     def _resolve_uncached(self, template: Template, version: str, problem: Problem,
                           device: DeviceInfo) -> Resolved:
         now = self._clock()
         untuned_until = now + self.untuned_ttl_s
+        tuned_until = now + TUNED_TTL_S if self.settings.refresh else math.inf
         local = self._from_database(template, version, problem, device)
         if local is not None and local.kind in ("exact", "bucket"):
-            return Resolved(local.config, local.kind, "database",
+            return Resolved(local.config, local.kind, "database", tuned_until,
                             tflops=_tflops_of(local.candidate))
         remote = self._from_service(template, version, problem, device)
         if remote is not None and remote.match in ("exact", "bucket"):
-            return remote
+            return dataclasses.replace(remote, expires_at=tuned_until)
         if local is not None:
             return Resolved(local.config, local.kind, "database", untuned_until,
                             tflops=_tflops_of(local.candidate))
@@ -295,6 +386,32 @@ class ConfigResolver:
             return Resolved(remote.config, remote.match, "service", untuned_until)
         return Resolved(template.default_config(problem, device), "default", "default",
                         untuned_until)
+
+    def _pinned_configs(self) -> PinnedConfigs | None:
+        """TUNER_SNAPSHOT's configs, loaded at the first call; a snapshot that cannot be
+        loaded raises at every call (the job must not run other configs instead)."""
+        if self.settings.snapshot is None:
+            return None
+        if self._pinned is None and self._pin_error is None:
+            from tuner.pinned import load_pinned
+
+            with self._lock:  # one load per process; other threads wait for it
+                if self._pinned is None and self._pin_error is None:
+                    try:
+                        self._pinned = load_pinned(
+                            self.settings.snapshot, local_engine=self._local_engine,
+                            database_url=self.settings.database_url,
+                            service_url=self.settings.url)
+                    except SnapshotError as exc:
+                        self._pin_error = exc
+        if self._pin_error is not None:
+            raise SnapshotError(self._pin_error.message, self._pin_error.fix)
+        return self._pinned
+
+    @property
+    def pinned(self) -> PinnedConfigs | None:
+        """The loaded TUNER_SNAPSHOT (None: none set, or not loaded yet)."""
+        return self._pinned
 
     def _from_database(self, template: Template, version: str, problem: Problem,
                        device: DeviceInfo) -> Match | None:
@@ -445,3 +562,9 @@ def set_resolver(resolver: ConfigResolver | None) -> None:
 
 def resolve_config(template: Template, problem: Problem, device: DeviceInfo) -> Resolved:
     return get_resolver().resolve(template, problem, device)
+
+
+def keep_config(resolved: Resolved) -> Resolved:
+    """``ConfigResolver.keep`` of the process-wide resolver: call it with an answer a kernel
+    is about to run with, and run what it returns."""
+    return get_resolver().keep(resolved)

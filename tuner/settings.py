@@ -10,6 +10,17 @@
                          outside the ``templates`` package, as a sweep spec's template_modules)
     TUNER_GPU_LOCK_DIR   folder where the sweep processes of one host claim their GPUs
                          (see tuner/gpus.py); unset: a sweep uses every GPU it sees
+    TUNER_SNAPSHOT       a snapshot id (64 hex digits, `tuner snapshot create`) or the path of
+                         a bundle file: the job answers every lookup from it alone, loaded once
+                         (tuner/pinned.py); unset: lookups ask the database and the service
+    TUNER_REFRESH        on: a running process picks up newer answers for problems it already
+                         ran (default off: a config a kernel ran with is kept for the
+                         process's life, docs/TUNING.md)
+    TUNER_DEMAND         on (default) / off: report the problems run without a tuned config
+                         to TUNER_URL, for `tuner worker` to tune (tuner/demand.py)
+    TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
+    TUNER_DEMAND_RATE_LIMIT the service's POST /v1/demand requests per second per client
+                         address (default 20; bursts of twice that)
 """
 
 from __future__ import annotations
@@ -112,6 +123,16 @@ class Settings(LogSettings):
         default_factory=list, description="modules the service imports to register templates")
     gpu_lock_dir: str | None = Field(
         None, description="folder of the GPU claims shared by the sweeps of one host")
+    snapshot: str | None = Field(
+        None, description="snapshot id or bundle file every lookup of a job answers from")
+    refresh: bool = Field(
+        False, description="pick up newer answers for problems this process already ran")
+    # pydantic reads on/off, true/false, 1/0, yes/no.
+    demand: bool = Field(True, description="report problems run untuned to TUNER_URL")
+    demand_interval: float = Field(10.0, gt=0, le=3600,
+                                   description="seconds between demand reports")
+    demand_rate_limit: float = Field(20.0, gt=0, le=1e6, description=(
+        "POST /v1/demand requests per second per client address (service)"))
 
     @field_validator("database_url")
     @classmethod
@@ -134,6 +155,13 @@ class Settings(LogSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, but got {value!r}")
         return value.rstrip("/")
+
+    @field_validator("snapshot")
+    @classmethod
+    def _strip_snapshot(cls, value: str | None) -> str | None:
+        # Empty is unset, as for the token: compose passes an unset variable on as "".
+        value = value.strip() if value is not None else None
+        return value or None
 
     @field_validator("token")
     @classmethod

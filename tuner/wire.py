@@ -57,6 +57,9 @@ class DeviceOut(WireModel):
     triton_version: str
     torch_version: str
     cuda_version: str
+    cudnn_version: str | None = Field(
+        None, description="cuDNN as torch loads it, part of the key; None: no cuDNN, or stored "
+                          "before it was recorded")
     created_at: UtcDateTime | None = None
 
 
@@ -128,6 +131,35 @@ class ConfigPage(WireModel):
     limit: int
 
 
+class ProblemWinner(WireModel):
+    """One stored problem of a device: which implementation ``tuner.attention`` runs for it,
+    and every measured implementation beside it (``tuner.winners``)."""
+
+    problem_key: str = Field(description="the shape bucket the bests are stored under")
+    problem: dict[str, Any] = Field(description="the tuned problem of the bucket")
+    winner: str = Field(description="the implementation the dispatcher runs (docs/DISPATCH.md)")
+    runner_up: str | None = Field(
+        None, description="the fastest other measured implementation (None: only one measured)")
+    margin: float | None = Field(
+        None, description="winner's TFLOP/s over the runner-up's; None when torch_sdpa is not "
+                          "measured (SDPA then runs by rule, not by measurement) or nothing else is")
+    why: str
+    tflops: dict[str, float] = Field(description="by implementation: its stored best's TFLOP/s")
+    median_ms: dict[str, float] = Field(
+        default_factory=dict, description="by implementation: its stored best's median time")
+    configs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="by implementation: the config of its stored best "
+                                          "(torch_sdpa's names the SDPA backend)")
+
+
+class WinnersOut(WireModel):
+    device: str = Field(description="key of the device the problems were tuned on")
+    device_name: str
+    items: list[ProblemWinner]
+    stale: int = Field(0, description="bests of these implementations stored for other kernel "
+                                      "versions than the ones compared (left out)")
+
+
 class UploadResult(WireModel):
     items: int = Field(description="items in the bundle, all stored")
     trials: int = Field(description="trial rows written (default-config measurements included)")
@@ -136,10 +168,81 @@ class UploadResult(WireModel):
                                 "the new trials (bundle version 2)")
 
 
+class SnapshotSummary(WireModel):
+    id: str = Field(description="SHA-256 of the snapshot's canonical content, 64 hex digits")
+    items: int = Field(description="best configs it holds")
+    created_at: UtcDateTime
+
+
+class SnapshotCreated(SnapshotSummary):
+    created: bool = Field(description="false: the same content was frozen before, under the "
+                          "same id")
+
+
+class SnapshotOut(SnapshotSummary):
+    bundle: dict[str, Any] = Field(description="its content: a bundle (as `tuner export` "
+                                   "writes one) whose canonical JSON text hashes to the id")
+
+
+class SnapshotList(WireModel):
+    items: list[SnapshotSummary]
+    total: int
+    offset: int
+    limit: int
+
+
 class HealthOut(WireModel):
     status: Literal["ok", "degraded"]
     database: str
     templates: int
+
+
+DemandStatusName = Literal["open", "claimed", "expired", "done", "failed"]
+DEMAND_STATUS_DESCRIPTION = (
+    "open: waiting for a worker; claimed: a worker tunes it (lease_until: until when its claim "
+    "holds unless renewed); expired: claimed, but the lease passed (the worker died): the "
+    "next worker takes it over; done: tuned; failed: could not be tuned (note says why)")
+
+
+class DemandRejection(WireModel):
+    index: int = Field(description="the item's index in the report")
+    reason: str
+
+
+class DemandAccepted(WireModel):
+    accepted: int = Field(description="items counted")
+    reports: int = Field(description="the reports they carry (the sum of their counts)")
+    rejected: list[DemandRejection] = Field(
+        default_factory=list, description="items refused, and why (at most the first 20)")
+    rejected_count: int = Field(0, description="items refused in all")
+    dropped: int = Field(0, description="valid items not counted: the service held as many "
+                                        "uncounted buckets as it may (try again later)")
+
+
+class DemandRow(WireModel):
+    device: str = Field(description="device key the problem ran on")
+    template: str
+    template_version: str
+    problem_key: str = Field(description="its shape bucket: one row per bucket")
+    problem: dict[str, Any] = Field(description="the first problem reported for the bucket: "
+                                                "the one a worker tunes")
+    reports: int = Field(description="how often jobs reported running the bucket untuned")
+    status: DemandStatusName = Field(description=DEMAND_STATUS_DESCRIPTION)
+    worker: str = Field(description="the worker that holds (or last held) the claim")
+    attempts: int = Field(description="claims taken so far")
+    claimed_at: UtcDateTime | None = None
+    lease_until: UtcDateTime | None = None
+    finished_at: UtcDateTime | None = None
+    note: str = Field(description="what the worker found (best TFLOP/s, or why it failed)")
+    first_seen: UtcDateTime
+    last_seen: UtcDateTime
+
+
+class DemandPage(WireModel):
+    items: list[DemandRow]
+    total: int
+    offset: int
+    limit: int
 
 
 class ErrorOut(WireModel):

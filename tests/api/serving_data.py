@@ -68,6 +68,22 @@ def bundle(*items: dict[str, Any], host: str | None = "gpu-test") -> dict[str, A
     return out
 
 
+def store(database_url: str, *items: dict[str, Any]) -> None:
+    """A write by another process (a sweep): ``items`` straight into the database."""
+    from db.session import session_scope
+    from tuner.bundle import store_bundle, validate_bundle
+
+    with session_scope(database_url) as s:
+        store_bundle(s, validate_bundle(bundle(*items)))
+
+
+def faster(p: Problem, base: dict[str, Any], device: DeviceInfo = H100) -> dict[str, Any]:
+    """An item for ``p`` whose config differs from ``base``'s and beats it."""
+    config = {**base["config"],
+              "pipeline_masked_loop": not base["config"]["pipeline_masked_loop"]}
+    return item(p, device=device, tflops=999.0, default_tflops=None, config=config)
+
+
 def interpreter() -> DeviceInfo:
     return current_device()
 

@@ -1,5 +1,6 @@
-"""What the service keeps in memory (api.answers.BestCache): refreshed per key, never stale by
-more than its ttl, not flushed by made-up keys, and how it finds a device by name (issues 19
+"""What the service keeps in memory (api.answers.BestCache): refreshed per key, re-checked at
+once after another process wrote (issue 18), never stale by more than its ttl where changes
+cannot be watched, not flushed by made-up keys, and how it finds a device by name (issues 19
 and 20)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,10 +20,22 @@ from fastapi.testclient import TestClient
 
 from api import answers
 from api.answers import BestCache
+from api.main import create_app
 from db import crud
 from db.session import make_engine, session_scope
-from tests.api.serving_data import FWD, H100, bundle, interpreter, item, problem
-from tuner.bundle import store_bundle, validate_bundle
+from tests.api.serving_data import (
+    FWD,
+    H100,
+    TOKEN,
+    bundle,
+    faster,
+    interpreter,
+    item,
+    problem,
+    store,
+)
+from tests.db.conftest import _fresh_postgres_url, postgres_server  # noqa: F401, F811
+from tuner.settings import load_settings
 
 A100ISH = dataclasses.replace(H100, name="NVIDIA A100-SXM4-80GB", compute_capability="8.0",
                               sm_count=108, smem_per_block=166_912)
@@ -39,17 +53,8 @@ def best(client: TestClient, p: Any, device: str = H100.key) -> Any:
                                           **p.to_dict()})
 
 
-def store(db_url: str, *items: dict[str, Any]) -> None:
-    """A write by another process (a sweep): straight into the database."""
-    with session_scope(db_url) as s:
-        store_bundle(s, validate_bundle(bundle(*items)))
 
 
-def faster(p: Any, base: dict[str, Any], device: Any = H100) -> dict[str, Any]:
-    """An item for ``p`` whose config differs from ``base``'s and beats it."""
-    config = {**base["config"],
-              "pipeline_masked_loop": not base["config"]["pipeline_masked_loop"]}
-    return item(p, device=device, tflops=999.0, default_tflops=None, config=config)
 
 
 class Clock:
@@ -62,8 +67,10 @@ class Clock:
 
 @pytest.fixture
 def clock(app: Any, db_url: str) -> Clock:
+    """A cache on this clock, bounded by its ttl alone: as where changes cannot be watched
+    (a lost PostgreSQL notification), which the ttl is the fallback for."""
     clock = Clock()
-    app.state.best_cache = BestCache(db_url, ttl_s=5.0, clock=clock)
+    app.state.best_cache = BestCache(db_url, ttl_s=5.0, clock=clock, watch=False)
     return clock
 
 
@@ -118,11 +125,13 @@ def test_an_upload_refreshes_what_it_changed_and_nothing_else(
 
 
 def test_reads_answer_from_the_old_entry_while_its_refresh_loads(db_url: str) -> None:
-    """An upload's refresh (or a background check) never makes a lookup wait for it."""
+    """An upload's refresh (or a background check) never makes a lookup wait for it, unless the
+    lookup knows that the database changed (the first answer after a change is no stale one:
+    the next test); here, with changes not watched, it does not know."""
     p = problem(1024)
     first = item(p)
     store(db_url, first)
-    cache = BestCache(db_url)
+    cache = BestCache(db_url, watch=False)
     release, loading = threading.Event(), threading.Event()
     real_load = cache._load_snapshot
 
@@ -173,7 +182,45 @@ def test_a_change_reparses_only_the_rows_that_changed(
     assert asked == [[FWD.problem_key(problems[2])]]
 
 
-# ----------------------------------------------------------------------------- freshness (issue 20)
+# ----------------------------------------------------------------------------- freshness (issues 18, 20)
+def test_the_first_answer_after_a_sweep_wrote_is_not_stale(client: TestClient,
+                                                            db_url: str) -> None:
+    """Issue 18: a sweep writes straight into the database; the next lookup says what it
+    wrote, with no ttl to wait out (it said ``default`` for up to 5 s)."""
+    p = problem(1024)
+    assert best(client, p).json()["match"] == "default"
+    first = item(p)
+    store(db_url, first)
+    answer = best(client, p).json()
+    assert answer["match"] == "exact" and answer["config"] == first["config"]
+    better = faster(p, first)
+    store(db_url, better)
+    assert best(client, p).json()["config"] == better["config"]
+    assert best(client, problem(4096)).json()["match"] == "nearest"
+
+
+@pytest.mark.postgres
+def test_on_postgresql_a_write_is_noticed_through_notifications(
+        postgres_server: Any) -> None:  # noqa: F811
+    """PostgreSQL: refresh_bests notifies, the service listens; the cache's ttl (an hour
+    here) is not what brings the answer."""
+    fresh = _fresh_postgres_url(postgres_server)
+    url = next(fresh)
+    try:
+        app = create_app(load_settings(database_url=url, token=TOKEN, url=None))
+        app.state.best_cache = BestCache(url, ttl_s=3600.0)
+        with TestClient(app) as client:
+            p = problem(1024)
+            assert best(client, p).json()["match"] == "default"
+            store(url, item(p))
+            deadline = time.monotonic() + 5.0
+            while best(client, p).json()["match"] != "exact":
+                assert time.monotonic() < deadline, "the write was never noticed"
+                time.sleep(0.01)
+    finally:
+        next(fresh, None)
+
+
 def test_the_first_answer_after_the_ttl_reflects_the_database(
         client: TestClient, clock: Clock, db_url: str) -> None:
     """A sweep writes while the service is idle; the first lookup more than ttl_s later says

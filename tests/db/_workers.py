@@ -1,10 +1,14 @@
-"""Bodies of the processes that the concurrency tests start (spawned: importable, top level)."""
+"""Bodies of the processes that the concurrency tests start (spawned: importable, top level),
+and ``race``, which starts them."""
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import queue
 import random
 import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from db import crud
@@ -65,3 +69,54 @@ def write_trials(url: str, worker: int, n_trials: int, barrier: Any, results: An
                                     "device_id": device_id, "template_id": template_id}))
     except BaseException:
         results.put((worker, traceback.format_exc(), None))
+
+
+def claim_demand_rows(url: str, worker: str, device_key: str, versions: dict[str, str],
+                      most: int, barrier: Any, results: Any) -> None:
+    """Claim up to ``most`` demand rows, racing the others; puts ``(worker, None, keys)`` on
+    ``results``, or ``(worker, traceback, None)``."""
+    from db import demand
+
+    try:
+        init_db(url)
+        barrier.wait(timeout=60)
+        keys: list[str] = []
+        for _ in range(most):
+            key = run_in_transaction(url, lambda s: getattr(demand.claim_demand(
+                s, device_key=device_key, versions=versions, worker=worker, lease_s=600,
+                max_attempts=3), "problem_key", None))
+            if key is None:
+                break
+            keys.append(key)
+        results.put((worker, None, keys))
+    except Exception:
+        results.put((worker, traceback.format_exc(), None))
+
+
+def race(target: Callable[..., None], arg_lists: Sequence[tuple[Any, ...]],
+         timeout_s: float = 120) -> dict[Any, Any]:
+    """Run ``target(*args, barrier, results)`` in one spawned process per ``args``, all
+    released at once by the barrier; each puts ``(worker, traceback or None, report)`` on
+    ``results``. Returns worker -> report; a worker that failed or did not report in time
+    fails the test."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(len(arg_lists)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, barrier, results)) for args in arg_lists]
+    for p in procs:
+        p.start()
+    reports: dict[Any, Any] = {}
+    try:
+        for _ in procs:
+            worker, failure, report = results.get(timeout=timeout_s)
+            assert failure is None, f"worker {worker} failed:\n{failure}"
+            reports[worker] = report
+    except queue.Empty:
+        raise AssertionError(f"workers did not report within {timeout_s:g} s; got "
+                             f"{sorted(reports)}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    return reports

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
 import random
 import threading
 
@@ -21,28 +19,8 @@ TRIALS_PER_WORKER = 25
 
 @pytest.mark.slow
 def test_concurrent_workers_lose_nothing_and_agree(db_url: str) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(WORKERS)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_workers.write_trials,
-                         args=(db_url, w, TRIALS_PER_WORKER, barrier, results))
-             for w in range(WORKERS)]
-    for p in procs:
-        p.start()
-    reports = {}
-    try:
-        for _ in procs:
-            worker, failure, report = results.get(timeout=120)
-            assert failure is None, f"worker {worker} failed:\n{failure}"
-            reports[worker] = report
-    except queue.Empty:
-        raise AssertionError(f"workers did not report within 120 s; got {sorted(reports)}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+    reports = _workers.race(_workers.write_trials,
+                            [(db_url, w, TRIALS_PER_WORKER) for w in range(WORKERS)])
 
     # One device and one template, whoever created them.
     assert len({(r["device_id"], r["template_id"]) for r in reports.values()}) == 1

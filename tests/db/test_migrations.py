@@ -1,6 +1,7 @@
 """Migrations from an empty database, repeated calls, Optuna's tables beside ours, 0001 -> 0002
-(the remeasurements table) and 0002 -> 0003 (remeasurement_claims) up and down with data in
-place."""
+(the remeasurements table), 0002 -> 0003 (remeasurement_claims), 0003 -> 0004
+(devices.cudnn_version), 0004 -> 0005 (snapshots) and 0005 -> 0006 (the demand queue) up and
+down with data in place."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from db.models import Base, TrialStatus
 from db.session import dispose_engine, init_db, make_engine, session_scope
 
 OUR_TABLES = {"devices", "templates", "sweeps", "tuning_trials", "best_configs",
-              "remeasurements", "remeasurement_claims"}
+              "remeasurements", "remeasurement_claims", "snapshots", "demand"}
+HEAD = "0006"
 
 
 @contextmanager
@@ -125,18 +127,22 @@ def _migrate(engine: sa.Engine, revision: str, *, down: bool = False) -> None:
 
 
 def _one_trial(engine: sa.Engine) -> tuple[int, int, int]:
-    """A device, a template and one OK trial, written through the schema as it is; their ids."""
+    """A device, a template and one OK trial, written through the schema as it is; their ids.
+
+    The device row is written with the columns of the first release (the model's later
+    columns, such as cudnn_version, are not in an older schema)."""
     with Session(engine) as s, s.begin():
-        device = crud.get_or_create_device(s, info={
-            "key": "gpu|1", "name": "gpu", "compute_capability": "9.0", "sm_count": 1,
-            "total_memory": 1, "driver_version": "1", "triton_version": "1",
-            "torch_version": "1", "cuda_version": "1"})
+        s.execute(sa.text(
+            "INSERT INTO devices (key, name, compute_capability, sm_count, total_memory, "
+            "driver_version, triton_version, torch_version, cuda_version, created_at) VALUES "
+            "('gpu|1', 'gpu', '9.0', 1, 1, '1', '1', '1', '1', CURRENT_TIMESTAMP)"))
+        device_id = s.scalar(sa.text("SELECT id FROM devices WHERE key = 'gpu|1'"))
         template = crud.get_or_create_template(s, name="t", version="v", space={})
-        trial = crud.record_trial(s, device_id=device.id, template_id=template.id,
+        trial = crud.record_trial(s, device_id=device_id, template_id=template.id,
                                   problem_key="p", problem={"dtype": "float16"},
                                   config_key="c", config={}, status=TrialStatus.OK,
                                   median_ms=2.0, tflops=50.0)
-        return device.id, template.id, trial.id
+        return device_id, template.id, trial.id
 
 
 def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url: str) -> None:
@@ -147,7 +153,7 @@ def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url:
 
     init_db(db_url)  # what the next tuner or service start does
     with engine.connect() as connection:
-        assert current_revision(connection) == head_revision() == "0003"
+        assert current_revision(connection) == head_revision() == HEAD
     with session_scope(db_url) as s:
         crud.record_remeasurement(s, trial_id=ids[2], status=TrialStatus.OK, median_ms=2.2,
                                   tflops=45.0)
@@ -158,7 +164,8 @@ def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url:
 
     _migrate(engine, "0001", down=True)
     tables = set(sa.inspect(engine).get_table_names())
-    assert tables == OUR_TABLES - {"remeasurements", "remeasurement_claims"} | {VERSION_TABLE}
+    assert tables == OUR_TABLES - {"remeasurements", "remeasurement_claims", "snapshots",
+                                   "demand"} | {VERSION_TABLE}
     with engine.connect() as connection:
         assert current_revision(connection) == "0001"
         assert connection.scalar(sa.text("SELECT median_ms FROM tuning_trials")) == 2.0
@@ -181,7 +188,7 @@ def test_0003_adds_remeasurement_claims_to_a_0002_database_and_downgrades_back(
 
     init_db(db_url)
     with engine.connect() as connection:
-        assert current_revision(connection) == head_revision() == "0003"
+        assert current_revision(connection) == head_revision() == HEAD
     with session_scope(db_url) as s:
         claim = crud.claim_remeasurement(s, trial_id=trial_id, wanted=2, worker="w",
                                          is_stale=lambda *_: False)
@@ -197,3 +204,97 @@ def test_0003_adds_remeasurement_claims_to_a_0002_database_and_downgrades_back(
     _migrate(engine, "head")
     with engine.connect() as connection:
         assert connection.scalar(sa.text("SELECT count(*) FROM remeasurement_claims")) == 0
+
+
+def test_0004_adds_the_cudnn_version_to_a_0003_database_and_downgrades_back(
+        db_url: str) -> None:
+    from tuner.lookup import device_info_from_row
+
+    engine = make_engine(db_url)
+    _migrate(engine, "0003")
+    assert "cudnn_version" not in {c["name"] for c in sa.inspect(engine).get_columns("devices")}
+    old_id = _one_trial(engine)[0]
+
+    init_db(db_url)
+    with engine.connect() as connection:
+        assert current_revision(connection) == head_revision()
+    with session_scope(db_url) as s:
+        # The device stored before: readable, no cuDNN, its key unchanged.
+        [old] = [d for d in crud.list_devices(s) if d.id == old_id]
+        assert (old.key, old.cudnn_version) == ("gpu|1", None)
+        assert device_info_from_row(old).cudnn_version is None
+        new = crud.get_or_create_device(s, info={
+            "key": "gpu|2", "name": "gpu", "compute_capability": "9.0", "sm_count": 1,
+            "total_memory": 1, "driver_version": "1", "triton_version": "1",
+            "torch_version": "1", "cuda_version": "1", "cudnn_version": "9.19.0"})
+        assert device_info_from_row(new).cudnn_version == "9.19.0"
+
+    _migrate(engine, "0003", down=True)
+    assert "cudnn_version" not in {c["name"] for c in sa.inspect(engine).get_columns("devices")}
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0003"
+        assert connection.scalars(sa.text("SELECT key FROM devices ORDER BY id")).all() == [
+            "gpu|1", "gpu|2"]
+        assert connection.scalar(sa.text("SELECT count(*) FROM tuning_trials")) == 1
+    _migrate(engine, "head")
+    with engine.connect() as connection:
+        assert connection.scalar(sa.text(
+            "SELECT count(*) FROM devices WHERE cudnn_version IS NULL")) == 2
+
+
+def test_0005_adds_snapshots_to_a_0004_database_and_downgrades_back(db_url: str) -> None:
+    engine = make_engine(db_url)
+    _migrate(engine, "0004")
+    assert "snapshots" not in sa.inspect(engine).get_table_names()
+    trial_id = _one_trial(engine)[2]
+
+    init_db(db_url)
+    with session_scope(db_url) as s:
+        row, created = crud.create_snapshot(s, snapshot_id="a" * 64, content="{}", items=0)
+        assert created and row.items == 0
+    assert {i["name"] for i in sa.inspect(engine).get_indexes("snapshots")} == {
+        "ix_snapshots_created_at"}
+
+    _migrate(engine, "0004", down=True)
+    assert "snapshots" not in sa.inspect(engine).get_table_names()
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0004"
+        assert connection.scalar(sa.text("SELECT id FROM tuning_trials")) == trial_id
+    _migrate(engine, "head")
+    with engine.connect() as connection:
+        assert connection.scalar(sa.text("SELECT count(*) FROM snapshots")) == 0
+
+
+def test_0006_adds_the_demand_queue_to_a_0005_database_and_downgrades_back(
+        db_url: str) -> None:
+    from db import demand
+
+    engine = make_engine(db_url)
+    _migrate(engine, "0005")
+    assert "demand" not in sa.inspect(engine).get_table_names()
+    ids = _one_trial(engine)
+
+    init_db(db_url)
+    with engine.connect() as connection:
+        assert current_revision(connection) == head_revision() == HEAD
+    count = demand.DemandCount("gpu|1", "t", "v", "p", {"dtype": "float16"}, 3)
+    with session_scope(db_url) as s:
+        demand.add_demand(s, counts=[count])
+    with session_scope(db_url) as s:
+        demand.add_demand(s, counts=[count])
+    with session_scope(db_url) as s:
+        claimed = demand.claim_demand(s, device_key="gpu|1", versions={"t": "v"}, worker="w",
+                                      lease_s=60, max_attempts=3)
+        assert claimed is not None and claimed.reports == 6
+    # (PostgreSQL lists the unique constraint's index too.)
+    assert {i["name"] for i in sa.inspect(engine).get_indexes("demand")
+            if i["name"].startswith("ix_")} == {"ix_demand_device_status"}
+
+    _migrate(engine, "0005", down=True)
+    assert "demand" not in sa.inspect(engine).get_table_names()
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0005"
+        assert connection.scalar(sa.text("SELECT id FROM tuning_trials")) == ids[2]
+    _migrate(engine, "head")
+    with engine.connect() as connection:
+        assert connection.scalar(sa.text("SELECT count(*) FROM demand")) == 0

@@ -1,7 +1,7 @@
 """docker-compose.yml as the deployment tests read it: one source for both of them.
 
-The topology test (test_topology.py) runs what :func:`topology` derives from the compose
-file: the api's two commands, the worker's command and both environments, with ``${VAR}``
+The topology tests (test_topology.py) run what :func:`topology` derives from the compose
+file: the api's two commands, the commands of both kinds of worker and their environments, with ``${VAR}``
 interpolated as Compose does it, from variables the test chooses. So the test cannot drift
 from the file. The only departures are what belongs to a container and not to a process on
 this host, named here once: the address the service listens on (:data:`SERVE_OVERRIDES`) and
@@ -111,13 +111,27 @@ def _set_option(argv: list[str], option: str, value: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Topology:
-    """What the api container and each worker container run, and with which environment."""
+    """What the api container and each worker container run, and with which environment:
+    ``worker`` the sweep's, ``demand_worker`` the one that follows demand."""
 
     migrate: list[str]
     serve: list[str]
     api_env: dict[str, str]
     worker: list[str]
     worker_env: dict[str, str]
+    demand_worker: list[str]
+    demand_worker_env: dict[str, str]
+
+
+def _worker(service: Mapping[str, Any], variables: Mapping[str, str], gpu_lock_dir: str
+            ) -> tuple[list[str], dict[str, str]]:
+    (command,) = command_steps(service["command"], variables)
+    env = environment(service, variables)
+    for name in ENV_OVERRIDES:
+        if name not in env:
+            raise ComposeError(f"a worker's environment has no {name}")
+    env["TUNER_GPU_LOCK_DIR"] = gpu_lock_dir
+    return command, env
 
 
 def topology(variables: Mapping[str, str], *, host: str, port: int, gpu_lock_dir: str,
@@ -129,14 +143,12 @@ def topology(variables: Mapping[str, str], *, host: str, port: int, gpu_lock_dir
     migrate, serve = api_steps
     for option, value in zip(SERVE_OVERRIDES, (host, str(port)), strict=True):
         serve = _set_option(serve, option, value)
-    (worker,) = command_steps(services["worker"]["command"], variables)
-    worker_env = environment(services["worker"], variables)
-    for name in ENV_OVERRIDES:
-        if name not in worker_env:
-            raise ComposeError(f"the worker's environment has no {name}")
-    worker_env["TUNER_GPU_LOCK_DIR"] = gpu_lock_dir
+    worker, worker_env = _worker(services["worker"], variables, gpu_lock_dir)
+    demand_worker, demand_worker_env = _worker(services["demand-worker"], variables,
+                                               gpu_lock_dir)
     return Topology(migrate=migrate, serve=serve, api_env=environment(services["api"], variables),
-                    worker=worker, worker_env=worker_env)
+                    worker=worker, worker_env=worker_env, demand_worker=demand_worker,
+                    demand_worker_env=demand_worker_env)
 
 
 def local(argv: list[str]) -> list[str]:

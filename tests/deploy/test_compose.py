@@ -30,12 +30,13 @@ from tuner.cli.app import app as tuner_app
 VARIABLES = {"POSTGRES_HOST": "db", "POSTGRES_PORT": "5433", "POSTGRES_USER": "u",
              "POSTGRES_DB": "d", "POSTGRES_PASSWORD": "pw", "TUNER_TOKEN": "t" * 32,
              "TUNER_TEMPLATE_MODULES": '["my.templates"]', "SWEEP_SPEC": "/sweeps/s.toml",
-             "SWEEP_HEARTBEAT": "7"}
+             "SWEEP_HEARTBEAT": "7", "WORKER_POLL": "5", "WORKER_TRIALS": "12"}
 # What each container is configured with, by name: a setting added to the compose file
 # must be added here, and so thought about for the topology test too.
 API_ENV = {"TUNER_DATABASE_URL", "PGPASSWORD", "TUNER_TOKEN", "TUNER_TEMPLATE_MODULES",
            "TUNER_LOG_LEVEL"}
 WORKER_ENV = {"TUNER_DATABASE_URL", "PGPASSWORD", "TUNER_GPU_LOCK_DIR", "TUNER_LOG_LEVEL"}
+DEMAND_WORKER_ENV = WORKER_ENV | {"TUNER_TEMPLATE_MODULES"}
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +61,24 @@ def test_the_topology_test_runs_the_compose_commands_and_settings(
     assert topo.migrate == ["tuner", "db", "upgrade"]
     assert topo.serve == ["tuner", "serve", "--host", "127.0.0.1", "--port", "18000"]
     assert topo.worker == ["tuner", "sweep", "/sweeps/s.toml", "--heartbeat", "7", "--json"]
-    for argv in (topo.migrate, topo.serve, topo.worker):
+    assert topo.demand_worker == ["tuner", "worker", "--trials", "12", "--heartbeat", "7",
+                                  "--poll", "5", "--json"]
+    for argv in (topo.migrate, topo.serve, topo.worker, topo.demand_worker):
         _cli_accepts(argv)
     assert set(topo.api_env) == API_ENV
     assert set(topo.worker_env) == WORKER_ENV
+    assert set(topo.demand_worker_env) == DEMAND_WORKER_ENV
     assert ENV_OVERRIDES <= WORKER_ENV
     # The database URL is built from the variables, its password is not in it (libpq's
-    # PGPASSWORD), and both containers use the same one.
+    # PGPASSWORD), and every container uses the same one.
     url = "postgresql+psycopg://u@db:5433/d"
     assert topo.api_env["TUNER_DATABASE_URL"] == topo.worker_env["TUNER_DATABASE_URL"] == url
+    assert topo.demand_worker_env["TUNER_DATABASE_URL"] == url
     assert topo.api_env["PGPASSWORD"] == topo.worker_env["PGPASSWORD"] == "pw"
+    assert topo.demand_worker_env["PGPASSWORD"] == "pw"
+    # The templates the service answers for are the ones the demand workers can tune.
     assert topo.api_env["TUNER_TEMPLATE_MODULES"] == '["my.templates"]'
+    assert topo.demand_worker_env["TUNER_TEMPLATE_MODULES"] == '["my.templates"]'
     # In the containers themselves (what the test replaces): the address the service
     # listens on, and the lock folder, a volume.
     services = compose["services"]
@@ -96,6 +104,7 @@ def test_start_order_waits_for_health(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert services["api"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     assert services["worker"]["depends_on"] == {"api": {"condition": "service_healthy"}}
+    assert services["demand-worker"]["depends_on"] == {"api": {"condition": "service_healthy"}}
     check = " ".join(services["api"]["healthcheck"]["test"])
     assert "http://127.0.0.1:8000/healthz" in check  # the port `tuner serve` listens on
     assert any(str(p).endswith(":8000") for p in services["api"]["ports"])
@@ -113,6 +122,23 @@ def test_workers_reserve_gpus_and_claim_one_each(compose: dict[str, Any]) -> Non
     assert "deploy" not in api  # the service needs no GPU
     # No fixed name or published port: `--scale worker=N` must be able to start N of them.
     assert "container_name" not in worker and "ports" not in worker
+
+
+def test_demand_workers_are_workers_that_start_only_when_named(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    worker, demand = services["worker"], services["demand-worker"]
+    # Everything a GPU worker needs, as the sweep worker has it (one anchor).
+    for key in ("image", "build", "deploy", "volumes", "init", "stop_signal",
+                "stop_grace_period"):
+        assert demand[key] == worker[key], key
+    assert {k: v for k, v in demand["environment"].items()
+            if k != "TUNER_TEMPLATE_MODULES"} == worker["environment"]
+    assert demand["stop_signal"] == "SIGINT"  # Ctrl-C: the claim is given back at once
+    assert "container_name" not in demand and "ports" not in demand
+    # A plain `docker compose up` starts what it did before this service existed; the
+    # workers never finish on their own, so they come back unless stopped by hand.
+    assert demand["profiles"] == ["demand"] and "profiles" not in worker
+    assert demand["restart"] == "unless-stopped"
 
 
 def test_secrets_come_from_the_environment_without_working_defaults() -> None:

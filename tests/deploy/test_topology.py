@@ -335,3 +335,65 @@ def _served_best(base_url: str, query: dict[str, Any], expected: dict[str, Trial
             return answer
         time.sleep(0.5)
     pytest.fail(f"/v1/best never served the best config: last answer {answer}")
+
+
+def test_the_compose_demand_worker_tunes_what_a_job_reported(
+        fresh_database: URL, tmp_path: Path, processes: Processes) -> None:
+    """The api and a demand-worker container, each from docker-compose.yml: a job's report of
+    an untuned toy problem reaches the service, the worker tunes it on its own, and the
+    service then answers match=exact. SIGINT (compose's stop signal) stops the waiting
+    worker."""
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    variables = {**_variables(fresh_database, _spec(tmp_path)), "WORKER_POLL": "1",
+                 "WORKER_TRIALS": "3"}
+    topo = topology(variables, host="127.0.0.1", port=port,
+                    gpu_lock_dir=str(tmp_path / "gpu-locks"))
+    env = _base_env()
+    migrated = subprocess.run(local(topo.migrate), env={**env, **topo.api_env}, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=STARTUP_S)
+    assert migrated.returncode == 0, migrated.stderr
+    api = processes.start("api", topo.serve, {**env, **topo.api_env})
+    _wait_healthy(base_url, api, processes)
+
+    from templates import Problem, get_template  # registered by the toy module (conftest)
+    from tuner.client import TunerClient
+
+    toy = get_template("toy_add")
+    problem = Problem(1, 2, 2, 48, 48, 16, "float16")
+    device = current_device().key
+    with TunerClient(base_url, token="") as client:
+        sent = client.report_demand([{"template": "toy_add", "template_version": toy.version(),
+                                      "device": device, "problem": problem.to_dict(),
+                                      "count": 3}])
+        assert (sent.accepted, sent.reports) == (1, 3)
+        worker = processes.start("demand-worker", topo.demand_worker,
+                                 {**env, **topo.demand_worker_env})
+        deadline = time.monotonic() + 180
+        while (rows := client.demand().items)[0].status != "done":
+            assert worker.poll() is None, processes.errors("demand-worker")
+            assert time.monotonic() < deadline, f"not tuned in 180 s: {rows}"
+            time.sleep(0.5)
+        [row] = rows
+        assert row.worker.split(":")[1] == str(worker.pid) and row.note.startswith("best ")
+        db_url = fresh_database.render_as_string(hide_password=False)
+        with session_scope(db_url, write=False) as s:
+            [best] = s.scalars(select(BestConfig))
+            stored = (best.config, best.tflops)
+        deadline = time.monotonic() + 20  # the service re-checks its cache within 5 s
+        while True:
+            answer = client.best("toy_add", problem, device=device)
+            if answer.match == "exact":
+                break
+            assert time.monotonic() < deadline, f"never served exact: {answer}"
+            time.sleep(0.5)
+        assert (answer.config, answer.tflops) == stored
+
+    os.killpg(worker.pid, signal.SIGINT)  # docker compose stop: it waits for demand
+    assert worker.wait(timeout=60) == 130
+    lines = [json.loads(line) for line in processes.output("demand-worker").splitlines()]
+    assert [line["event"] for line in lines] == ["started", "finished"]
+    assert lines[0]["device"] == device and "toy_add" in lines[0]["templates"]
+    assert (lines[1]["status"], lines[1]["template"], lines[1]["reports"]) == (
+        "done", "toy_add", 3)
+    dispose_engine(db_url)

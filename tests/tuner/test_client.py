@@ -56,6 +56,13 @@ def test_round_trip_through_every_endpoint(service: str, tmp_path: Path) -> None
         source = client.kernel_source("flash_fwd", p1, device=H100)
         assert "def flash_attention_fwd" in source and "config match: exact" in source
 
+        ranked = client.winners(device=H100)
+        assert ranked.device == H100.key
+        by_key = {it.problem_key: it for it in ranked.items}
+        assert by_key[FWD.problem_key(p1)].tflops == {"flash": 400.0}
+        assert by_key[FWD.problem_key(p1)].winner == "sdpa"  # torch_sdpa unmeasured: SDPA runs
+        assert client.winners(device=H100.key, dtype="float16").items == []
+
 
 def test_service_refusals_raise_tuner_error_with_the_reason(service: str) -> None:
     with TunerClient(service, token="", retries=0) as anonymous:

@@ -94,7 +94,12 @@ def test_device_info_from_key_reads_keys_and_falls_back_to_hopper() -> None:
     info = device_info_from_key(a100.key)
     assert (info.compute_capability, info.family, info.smem_per_block) == ("8.0", "ampere-ada",
                                                                           163 * 1024)
-    assert info.key == a100.key
+    assert info.key == a100.key and info.cudnn_version is None
+    with_cudnn = dataclasses.replace(a100, cudnn_version="9.19.0")
+    info = device_info_from_key(with_cudnn.key)
+    assert (info.compute_capability, info.cuda_version, info.cudnn_version) == (
+        "8.0", "12.8", "9.19.0")
+    assert info.key == with_cudnn.key
     bare = device_info_from_key("mystery accelerator")
     assert bare.family == "hopper" and bare.name == "mystery accelerator"
     # The interpreter's key, also on a GPU host (where interpreter() is the GPU).

@@ -24,9 +24,11 @@ from tuner.cli import (
     listing,
     replay,
     serve,
+    snapshot,
     sweep,
     verify,
     winners,
+    worker,
 )
 from tuner.cli.common import err_console, setting_fix
 from tuner.errors import TunerError
@@ -47,7 +49,9 @@ app.command("import")(importing.import_bundle)
 app.command("replay")(replay.replay)
 app.command("serve")(serve.serve)
 app.command("winners")(winners.winners)
+app.command("worker")(worker.worker)
 app.add_typer(database.app, name="db")
+app.add_typer(snapshot.app, name="snapshot")
 
 EXIT_USER_ERROR = 2
 

@@ -67,7 +67,9 @@ def best(
         if problem_keys is not None:
             rows = [r for r in rows if r.problem_key in problem_keys][:limit]
         readings = crud.best_readings(s, rows)
-        items = [_item(r, readings[r.id], current) for r in rows]
+        ranked = _ranked(s, rows, current)
+        items = [_item(r, readings[r.id], current) | {"runs": _runs(r, ranked, current)}
+                 for r in rows]
         hint = ""
         if not items and device_filter is not None:
             hint = _why_empty(s, device_filter, problem_keys, template=template, dtype=dtype,
@@ -90,7 +92,8 @@ def best(
         title += f", template {next(iter(names))}"
     table = Table(title=title)
     numbers = ("TFLOP/s", "readings (spread)", "default", "speedup")
-    for column in (*columns, "problem", *numbers, "config"):
+    shared = any(it["runs"] for it in items)  # a problem measured for several implementations
+    for column in (*columns, "problem", *numbers, *(["runs"] if shared else []), "config"):
         # Names stay whole on a narrow terminal; the problem and config columns fold instead.
         table.add_column(column, justify="right" if column in numbers else "left",
                          overflow="fold", no_wrap=column in columns)
@@ -101,8 +104,12 @@ def best(
                       readings_text(it["readings"], it["spread"]),
                       fmt_tflops(it["default_tflops"]),
                       f"{it['speedup']:.2f}x" if it["speedup"] else "-",
+                      *([_runs_text(it["runs"])] if shared else []),
                       config_text(it["config"]))
     console.print(table)
+    if shared:
+        console.print("runs: whether tuner.attention runs this config, where the problem is "
+                      "measured for several implementations (`tuner winners` ranks them all)")
     if any(it["device_name"] == "cpu-interpreter" for it in items):
         console.print("[yellow]cpu-interpreter rows: Triton interpreter timings, NOT GPU "
                       "timings[/]")
@@ -145,6 +152,45 @@ def _bucket_of(template_name: str, shape: str, dtype: str, causal: str) -> str:
                               "dtypes": [dtype], "causal": [causal]}, source="--shape")
     problem: Problem = spec.problems[0]
     return tpl.problem_key(problem)
+
+
+def _ranked(s: Any, rows: list[Any], current: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """``tuner.winners``' ranking of each device among ``rows`` that has bests of an
+    implementation's forward template: device key -> problem key -> ``ProblemWinner``."""
+    from tuner.winners import forward_templates, stored_winners
+
+    forward = forward_templates()
+    keys = sorted({r.device.key for r in rows if r.template.name in forward})
+    return {key: {it.problem_key: it for it in stored_winners(
+        s, device=key, version_of=current.__getitem__).items} for key in keys}
+
+
+def _runs(row: Any, ranked: dict[str, dict[str, Any]], current: dict[str, str]
+          ) -> dict[str, Any] | None:
+    """For a best of an implementation's forward template whose problem is measured for
+    several implementations: the implementation, the winner, the runner-up and the margin
+    (None otherwise, and for bests of other kernel versions: they are not what runs)."""
+    from tuner.winners import forward_templates
+
+    implementation = forward_templates().get(row.template.name)
+    found = ranked.get(row.device.key, {}).get(row.problem_key)
+    if (implementation is None or found is None or len(found.tflops) < 2
+            or current.get(row.template.name) != row.template.version):
+        return None
+    return {"implementation": implementation, "winner": found.winner,
+            "runner_up": found.runner_up, "margin": found.margin, "why": found.why,
+            "tflops": found.tflops}
+
+
+def _runs_text(runs: dict[str, Any] | None) -> str:
+    if runs is None:
+        return "-"
+    me, winner, tflops = runs["implementation"], runs["winner"], runs["tflops"]
+    if me == winner:
+        return f"yes, {runs['margin']:.2f}x {runs['runner_up']}"
+    if winner not in tflops:  # torch SDPA unmeasured: it runs by rule
+        return f"no, {winner} ({runs['why']})"
+    return f"no, {winner} {tflops[winner] / tflops[me]:.2f}x faster"
 
 
 def _item(row: Any, readings: Readings, current: dict[str, str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``tuner export FILE``: best configs as a JSON bundle (or every trial, for replays)."""
+"""``tuner export FILE``: best configs as a JSON bundle (or every trial, for replays, or a
+snapshot as it was frozen)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import socket
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -26,6 +27,11 @@ def export(
     trials: Annotated[bool, typer.Option(
         "--trials", help="write every recorded trial and its re-measurements (for `tuner "
                          "replay`) instead of the best-config bundle")] = False,
+    snapshot: Annotated[str | None, typer.Option(
+        "--snapshot", help="write this snapshot (its id, from `tuner snapshot create`) as it "
+                           "was frozen, instead of the best configs stored now; the file "
+                           "hashes to the same id (TUNER_SNAPSHOT can name the file)",
+        show_default=False)] = None,
     db: DbOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -39,7 +45,19 @@ def export(
     from tuner.replay import dump_recorded, load_recorded_from_db
 
     url = database_url(db)
-    if trials:
+    if snapshot is not None:
+        filters = {"--device": device, "--template": template, "--dtype": dtype,
+                   "--variant": variant, "--trials": trials or None}
+        given = [name for name, value in filters.items() if value is not None]
+        if given:
+            raise TunerError(f"--snapshot writes the snapshot whole; {', '.join(given)} "
+                             "cannot be combined with it",
+                             "freeze a snapshot of just those configs with `tuner snapshot "
+                             "create` and its filters, and export that")
+        data = _snapshot_bundle(url, snapshot)
+        count = len(data["items"])
+        what = f"best config(s) of snapshot {snapshot}"
+    elif trials:
         data = dump_recorded(load_recorded_from_db(url, template=template, device=device))
         count = len(data["problems"])
         what = "problem(s) of recorded trials"
@@ -62,3 +80,21 @@ def export(
         print_json({"file": file, "count": count, "kind": "trials" if trials else "bundle"})
     else:
         console.print(f"wrote {count} {what} to {file}")
+
+
+def _snapshot_bundle(url: str, snapshot_id: str) -> dict[str, Any]:
+    from sqlalchemy.engine import make_url
+
+    from db import crud
+    from db.session import session_scope
+    from tuner.snapshot import check_snapshot_id, stored_bundle
+
+    check_snapshot_id(snapshot_id)
+    where = f"database {make_url(url).render_as_string(hide_password=True)}"
+    with session_scope(url, write=False) as s:
+        row = crud.get_snapshot(s, snapshot_id=snapshot_id)
+        if row is None:
+            raise TunerError(f"no snapshot {snapshot_id} in {where}",
+                             "list them with `tuner snapshot list` (or pass the --db that "
+                             "holds it)")
+        return stored_bundle(row.content, snapshot_id, where)

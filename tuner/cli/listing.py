@@ -67,9 +67,10 @@ def _devices(s: Any) -> tuple[list[dict[str, Any]], list[str]]:
              "compute_capability": d.compute_capability or "-", "sm_count": d.sm_count,
              "memory_gib": round(d.total_memory / 2**30, 1), "triton": d.triton_version,
              "torch": d.torch_version, "cuda": d.cuda_version or "-",
-             "driver": d.driver_version} for d in crud.list_devices(s)]
+             "cudnn": d.cudnn_version or "-", "driver": d.driver_version}
+            for d in crud.list_devices(s)]
     return rows, ["id", "name", "compute_capability", "sm_count", "memory_gib", "triton",
-                  "torch", "cuda", "driver"]
+                  "torch", "cuda", "cudnn", "driver"]
 
 
 def _templates(s: Any) -> tuple[list[dict[str, Any]], list[str]]:

@@ -1,0 +1,92 @@
+"""Per stored problem of a device: which implementation ``tuner.attention`` runs, the
+runner-up, the margin, and every measured implementation's TFLOP/s beside them.
+
+One computation for ``tuner winners``, ``tuner best``, ``GET /v1/winners`` and the dashboard.
+It reads the stored bests of the forward templates of ``tuner.dispatch``'s implementations
+(torch_sdpa, flash_fwd, gluon_fwd, flash_decode) at the kernel versions of whoever asks (a
+best tuned for other kernel source is not what would run there: it is counted as ``stale``
+and left out), and ranks them by TFLOP/s, the dispatcher's rule for inference calls
+(docs/DISPATCH.md). A problem without a ``torch_sdpa`` best runs torch SDPA whatever else is
+stored: its winner is ``sdpa`` with no margin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+import tuner.implementations  # noqa: F401  (registers the implementations)
+from db import crud
+from tuner.dispatch import BASELINE, get_implementation, implementations
+from tuner.wire import ProblemWinner, WinnersOut
+
+__all__ = ["forward_templates", "rank_problems", "stored_winners"]
+
+VersionOf = Callable[[str], str]  # template name -> the kernel version that runs here
+
+# Rows per device read at most: far more bests than a device ever holds.
+MAX_ROWS = 100_000
+
+
+def forward_templates() -> dict[str, str]:
+    """Template name -> the implementation whose inference calls it prices."""
+    return {impl.forward: impl.name for impl in implementations()}
+
+
+def rank_problems(rows: Iterable[Any], version_of: VersionOf) -> tuple[list[ProblemWinner], int]:
+    """The problems of ``rows`` (``db.models.BestConfig`` of one device, template loaded),
+    each with its winner, ranked as the dispatcher ranks; and how many rows were stale."""
+    impl_of = forward_templates()
+    baseline = get_implementation(BASELINE)
+    by_problem: dict[str, dict[str, Any]] = {}
+    stale = 0
+    for row in rows:
+        name = row.template.name
+        if name not in impl_of:
+            continue
+        if row.template.version != version_of(name):
+            stale += 1
+            continue
+        entry = by_problem.setdefault(row.problem_key, {
+            "problem": dict(row.problem), "tflops": {}, "median_ms": {}, "configs": {}})
+        impl = impl_of[name]
+        entry["tflops"][impl] = float(row.tflops)
+        entry["median_ms"][impl] = float(row.median_ms)
+        entry["configs"][impl] = dict(row.config)
+    items = []
+    for key, entry in sorted(by_problem.items()):
+        tflops = entry["tflops"]
+        ranked = sorted(tflops, key=lambda name: -tflops[name])
+        measured_baseline = baseline.name in tflops
+        winner = ranked[0] if measured_baseline else baseline.name
+        runner_up = next((name for name in ranked if name != winner), None)
+        items.append(ProblemWinner(
+            problem_key=key, problem=entry["problem"], winner=winner, runner_up=runner_up,
+            margin=(tflops[winner] / tflops[runner_up]
+                    if measured_baseline and runner_up else None),
+            why=("fastest measured" if measured_baseline else
+                 f"{baseline.forward} not measured: torch SDPA runs as the user's call would"),
+            tflops=tflops, median_ms=entry["median_ms"], configs=entry["configs"]))
+    return items, stale
+
+
+def stored_winners(s: Session, *, device: str, version_of: VersionOf,
+                   dtype: str | None = None) -> WinnersOut:
+    """``rank_problems`` over the bests stored for ``device`` (a device's key or name).
+
+    A name that several stored devices carry (the same GPU under two torch versions) raises
+    ValueError listing their keys: their measurements are not comparable. With nothing
+    stored, the answer has no items and ``device`` as given.
+    """
+    rows = crud.list_best(s, device=device, dtype=dtype, templates=list(forward_templates()),
+                          limit=MAX_ROWS)
+    devices = {row.device.key: row.device.name for row in rows}
+    if len(devices) > 1:
+        raise ValueError(f"device {device!r} is the name of {len(devices)} stored devices, "
+                         f"whose measurements do not compare; name one by its key: "
+                         f"{sorted(devices)}")
+    items, stale = rank_problems(rows, version_of)
+    key, name = next(iter(devices.items()), (device, device))
+    return WinnersOut(device=key, device_name=name, items=items, stale=stale)

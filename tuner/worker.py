@@ -1,0 +1,311 @@
+"""A worker that follows demand (issue 18, item 2): it tunes what jobs ran untuned, most
+reported first, for its own device, with the sweep machinery (``tuner.sweep.run_sweep``).
+
+The loop: claim the most reported open row of the demand queue for this worker's device key
+and the template versions its own code runs (``db.demand.claim_demand``), tune its problem as
+a one-problem sweep into the same database, mark the row done (or failed, saying why), and
+claim the next; with nothing to claim, wait ``poll_s`` and look again.
+
+A claim is a lease: the worker renews it every third of ``lease_s`` while it tunes. A worker
+that dies (SIGKILL included) stops renewing, and once the lease has passed the next worker
+takes the row over; what the dead one measured is stored and is not measured again (the
+sweep resumes, as ``tuner sweep`` does after a kill: its Optuna trial goes stale after three
+heartbeats and is run again). A worker stopped on request (SIGINT, ``stop``) gives its claim
+back at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from db.models import DemandStatus
+from templates.base import Problem
+from templates.registry import all_templates, get_template
+from tuner.errors import TunerError
+from tuner.suites import SweepSpec
+from tuner.sweep import SweepOptions, SweepReport, run_sweep
+
+__all__ = ["Job", "JobClaimed", "JobFinished", "WorkerOptions", "WorkerStarted",
+           "WorkerWaits", "run_worker", "worker_versions"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_S = 30.0
+DEFAULT_LEASE_S = 300.0
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    sweep: SweepOptions = field(default_factory=SweepOptions)
+    poll_s: float = DEFAULT_POLL_S  # wait between looks at an empty queue
+    lease_s: float = DEFAULT_LEASE_S  # a claim not renewed for this long is taken over
+    max_jobs: int = 0  # stop after this many (0: never)
+    until_idle: bool = False  # stop when there is nothing to claim, instead of waiting
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS  # claims of one row before it is given up
+    templates: tuple[str, ...] = ()  # tune only these (empty: every registered template)
+
+    def __post_init__(self) -> None:
+        if self.poll_s <= 0:
+            raise TunerError(f"--poll must be > 0 seconds, but got {self.poll_s:g}",
+                             f"e.g. --poll {DEFAULT_POLL_S:g}")
+        if self.lease_s < 3:
+            raise TunerError(f"--lease must be >= 3 seconds (it is renewed every third of "
+                             f"it), but got {self.lease_s:g}", f"e.g. --lease {DEFAULT_LEASE_S:g}")
+        if self.max_jobs < 0:
+            raise TunerError(f"--max-jobs must be >= 0, but got {self.max_jobs}",
+                             "e.g. --max-jobs 1, or 0 for no limit")
+        if self.max_attempts < 1:
+            raise TunerError(f"--max-attempts must be >= 1, but got {self.max_attempts}",
+                             f"e.g. --max-attempts {DEFAULT_MAX_ATTEMPTS}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A claimed demand row."""
+
+    demand_id: int
+    template: str
+    template_version: str
+    problem_key: str
+    problem: dict[str, Any]
+    reports: int
+    attempt: int
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class WorkerStarted:
+    worker: str  # host:pid, as the claims name it
+    device: dict[str, Any]
+    versions: dict[str, str]  # the template versions it tunes
+
+
+@dataclass(frozen=True)
+class JobClaimed:
+    job: Job
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    job: Job
+    status: Literal["done", "failed", "released"]
+    note: str
+    report: SweepReport | None
+
+
+@dataclass(frozen=True)
+class WorkerWaits:
+    seconds: float
+
+
+Event = WorkerStarted | JobClaimed | JobFinished | WorkerWaits
+
+
+# ----------------------------------------------------------------------------- the loop
+def worker_versions(names: tuple[str, ...] = ()) -> dict[str, str]:
+    """Template name -> the version this process runs, of ``names`` (default: every
+    registered template): the demand rows this worker can tune."""
+    if names:
+        try:
+            templates = [get_template(name) for name in names]
+        except ValueError as exc:
+            raise TunerError(str(exc), "name registered templates (`tuner list templates`)"
+                             ) from None
+    else:
+        templates = all_templates()
+    return {t.name: t.version() for t in templates}
+
+
+def probe_device() -> dict[str, Any]:
+    """This worker's device as its trial workers will see it (DeviceInfo fields plus "key"):
+    asked of a trial-worker process, as a sweep does, so this process makes no CUDA context.
+    Under the interpreter the device is the CPU, known without asking (a process costs
+    seconds to start)."""
+    from templates.device import cpu_device, interpreter_active
+    from tuner.runner.isolated import IsolatedRunner
+
+    if interpreter_active():
+        info = cpu_device()
+        return {**info.to_dict(), "key": info.key}
+    runner = IsolatedRunner(name="device-probe")
+    try:
+        return runner.device()
+    finally:
+        runner.close()
+
+
+def run_worker(options: WorkerOptions, *, db_url: str, template_modules: tuple[str, ...] = (),
+               on_event: Callable[[Event], None] | None = None,
+               stop: threading.Event | None = None) -> list[JobFinished]:
+    """Claim, tune and finish demand rows until told to stop (module docstring)."""
+    from db.session import init_db
+
+    emit = on_event or (lambda event: None)
+    stop = stop or threading.Event()
+    # The templates from outside the package (TUNER_TEMPLATE_MODULES), imported as a sweep
+    # spec's are: the demand for them is claimed only if their versions are known here.
+    SweepSpec(name="tuner worker", templates=(), problems=(),
+              template_modules=template_modules).import_template_modules()
+    versions = worker_versions(options.templates)
+    init_db(db_url)
+    device = probe_device()
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    emit(WorkerStarted(worker, device, versions))
+    finished: list[JobFinished] = []
+    while not stop.is_set():
+        job = _claim(db_url, device["key"], versions, worker, options)
+        if job is None:
+            if options.until_idle:
+                break
+            emit(WorkerWaits(options.poll_s))
+            stop.wait(options.poll_s)
+            continue
+        emit(JobClaimed(job))
+        result = _tune(job, options, db_url=db_url, worker=worker,
+                       template_modules=template_modules, stop=stop)
+        finished.append(result)
+        emit(result)
+        if options.max_jobs and len(finished) >= options.max_jobs:
+            break
+    return finished
+
+
+def _claim(db_url: str, device_key: str, versions: dict[str, str], worker: str,
+           options: WorkerOptions) -> Job | None:
+    from db import demand
+    from db.session import run_in_transaction
+
+    def claim(s: Any) -> Job | None:
+        row = demand.claim_demand(s, device_key=device_key, versions=versions, worker=worker,
+                                  lease_s=options.lease_s, max_attempts=options.max_attempts)
+        if row is None:
+            return None
+        return Job(row.id, row.template, row.template_version, row.problem_key,
+                   dict(row.problem), row.reports, row.attempts)
+
+    return run_in_transaction(db_url, claim)
+
+
+def _tune(job: Job, options: WorkerOptions, *, db_url: str, worker: str,
+          template_modules: tuple[str, ...], stop: threading.Event) -> JobFinished:
+    """One claimed row, tuned as a one-problem sweep; the row finished (or given back)."""
+    from db import demand
+    from db.session import run_in_transaction
+
+    def finish(status: DemandStatus, note: str, report: SweepReport | None) -> JobFinished:
+        if not run_in_transaction(db_url, lambda s: demand.finish_demand(
+                s, demand_id=job.demand_id, worker=worker, status=status, note=note)):
+            log.warning("demand row %d was taken over by another worker (this one's lease "
+                        "passed); its results are stored all the same", job.demand_id)
+        return JobFinished(job, status.value, note, report)  # type: ignore[arg-type]
+
+    try:
+        problem = Problem.from_dict(job.problem)
+    except (TypeError, ValueError) as exc:
+        return finish(DemandStatus.FAILED, f"the stored problem is not valid: {exc}", None)
+    if stop.is_set():  # told to stop as it claimed: give the claim back, start nothing
+        _release(db_url, job, worker)
+        return JobFinished(job, "released", "stopped before it started; given back", None)
+    spec = SweepSpec(name=f"demand-{job.demand_id}", templates=(job.template,),
+                     problems=(problem,), template_modules=template_modules)
+    keeper = LeaseKeeper(db_url, job.demand_id, worker, options.lease_s)
+    try:
+        report = run_sweep(spec, options.sweep, db_url=db_url, stop=_JobStop(stop))
+    except KeyboardInterrupt:
+        _release(db_url, job, worker)
+        raise
+    except TunerError as exc:  # the template cannot run it here, or its code failed
+        return finish(DemandStatus.FAILED, f"{exc.message} ({exc.fix})" if exc.fix
+                      else exc.message, None)
+    finally:
+        keeper.close()
+    if report.status == "interrupted":
+        _release(db_url, job, worker)
+        return JobFinished(job, "released", "stopped before the end; given back", report)
+    result = report.problems[0]
+    if result.skipped:
+        return finish(DemandStatus.FAILED, result.skipped, report)
+    if result.best_tflops is None:
+        failed = ", ".join(f"{n} {kind}" for kind, n in sorted(result.failed.items()))
+        return finish(DemandStatus.FAILED, f"no config ran correctly ({failed or 'none ran'})",
+                      report)
+    note = f"best {result.best_tflops:.4g} TFLOP/s"
+    if result.speedup:
+        note += f", {result.speedup:.2f}x the default config"
+    return finish(DemandStatus.DONE, f"{note} (sweep {report.sweep_id})", report)
+
+
+class _JobStop(threading.Event):
+    """The stop event of one job's sweep: set when the worker is asked to stop. The sweep sets
+    its event itself when it ends (``run_sweep``), which must not stop the worker: so the
+    worker's event is read here, never written."""
+
+    def __init__(self, worker_stop: threading.Event) -> None:
+        super().__init__()
+        self._worker_stop = worker_stop
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._worker_stop.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        # In slices, so that a wait notices the worker's stop within a tenth of a second.
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = 0.1 if end is None else min(0.1, end - time.monotonic())
+            if left <= 0:
+                return False
+            super().wait(left)
+        return True
+
+
+def _release(db_url: str, job: Job, worker: str) -> None:
+    from db import demand
+    from db.session import run_in_transaction
+
+    try:
+        run_in_transaction(db_url, lambda s: demand.release_demand(
+            s, demand_id=job.demand_id, worker=worker, note="given back by a stopped worker"))
+    except Exception as exc:  # the lease will pass anyway: nothing is lost
+        log.warning("could not give demand row %d back (%s); it is taken over once its "
+                    "lease passes", job.demand_id, exc)
+
+
+class LeaseKeeper:
+    """Renews a claim's lease every third of ``lease_s`` on a thread of its own, until
+    closed; says so once if the claim was taken over (this worker was thought dead)."""
+
+    def __init__(self, db_url: str, demand_id: int, worker: str, lease_s: float) -> None:
+        self.db_url, self.demand_id, self.worker, self.lease_s = db_url, demand_id, worker, lease_s
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{demand_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from db import demand
+        from db.session import run_in_transaction
+
+        while not self._closed.wait(self.lease_s / 3):
+            try:
+                held = run_in_transaction(self.db_url, lambda s: demand.renew_demand_claim(
+                    s, demand_id=self.demand_id, worker=self.worker, lease_s=self.lease_s))
+            except Exception as exc:  # the database is away: try again at the next beat
+                log.warning("could not renew the lease on demand row %d: %s", self.demand_id,
+                            exc)
+                continue
+            if not held:
+                log.warning("demand row %d was taken over by another worker; tuning it on "
+                            "(the two share its trials)", self.demand_id)
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=30)
