@@ -299,6 +299,31 @@ class FlashDecodeTemplate(Template):
                     f"which is less than one split")
         return None
 
+    def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
+        """Where the H100 probe of the decode rows found the fastest configs (graph-replayed,
+        2026-11-24: B1 32k/128k and B8 32k at 32/8 heads, d128, bf16; docs/DISPATCH.md):
+        a grid of one or four programs per SM, 64- or 128-key tiles, three stages, the
+        separate combine; and the fused combine of the first. The search starts from them."""
+        if device.family not in ("hopper", "blackwell"):
+            return []
+        rows = rows_per_tile(problem.gqa_ratio, problem.seqlen_q)
+        programs = (problem.batch * problem.heads_kv
+                    * triton.cdiv(problem.gqa_ratio * problem.seqlen_q, rows))
+        default = self.default_config(problem, device)
+        out: list[KernelConfig] = []
+        for waves, block_n, combine in ((1, 64, "separate"), (1, 128, "separate"),
+                                        (4, 128, "separate"), (4, 64, "separate"),
+                                        (1, 64, "fused")):
+            splits = max(s for s in SPLIT_CHOICES
+                         if s == 1 or programs * s <= waves * device.sm_count)
+            cfg = FlashDecodeConfig(num_splits=splits, block_n=block_n, num_warps=4,
+                                    num_stages=3,
+                                    combine=combine if splits > 1 else "separate")
+            if cfg != default and cfg not in out and \
+                    self.constraint(problem, cfg, device) is None:
+                out.append(cfg)
+        return out
+
     def default_config(self, problem: Problem, device: DeviceInfo) -> FlashDecodeConfig:
         # Decode streams K/V: 64-key tiles at d=128 give 4 warps 64 elements of each tile per
         # thread, with room for 3 pipeline stages (100 KB at bf16) on Hopper. A starting

@@ -28,6 +28,10 @@ LOG2E = 1.4426950408889634
 # Partial-output elements the combine kernel loads per step: 32 per thread of 4 warps. The
 # fused combine keeps to the same 32 per thread, whatever its warps.
 COMBINE_TILE_ELEMS = 4096
+# The fused merge of a row tile may hold more: it runs once, at the end, when registers are
+# free (FUSED_MERGE_TILE_ELEMS per 4 warps; measured on the H100 against 4096: see
+# benchmarks/decode_loop.py's note in docs/DISPATCH.md).
+FUSED_MERGE_TILE_ELEMS = 4096
 COMBINE_MODES = ("separate", "fused")
 # The K/V loads' L2 eviction policy by the kv_load knob's value. (No ".cg" choice: with
 # num_stages >= 2 Triton's cp.async of the K/V tiles is .cg already, in Triton 3.9's sm_90
@@ -109,7 +113,8 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
                          PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          TILE_IN_PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          KV_EVICT: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-                         MERGE_BLOCK_S: tl.constexpr, MERGE_SPLIT_TILE: tl.constexpr):
+                         MERGE_ROWS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+                         MERGE_SPLIT_TILE: tl.constexpr):
     """One (sequence, KV head, row tile, split): a partial (o, lse) over the split's chunk.
 
     With FUSED_COMBINE the last split program of the row tile to finish also merges the
@@ -211,12 +216,11 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
             first_row = row_tile * BLOCK_M
             tile_rows = tl.minimum(group * N_Q - first_row, BLOCK_M)
             tile_out_row = (b.to(tl.int64) * heads_kv + kvh) * group * N_Q + first_row
-            for r in range(0, tile_rows):
-                # .cg: read the other programs' partials from L2, never from a stale L1 line
-                # (L1 is not coherent; an earlier launch may have left one on this SM).
-                _merge_row(O_PART, LSE_PART, Out, LSE, tile_out_row + r, working_splits,
-                           num_splits, HEAD_DIM, BLOCK_D, MERGE_BLOCK_S, MERGE_SPLIT_TILE,
-                           ".cg")
+            # .cg: read the other programs' partials from L2, never from a stale L1 line
+            # (L1 is not coherent; an earlier launch may have left one on this SM).
+            _merge_rows(O_PART, LSE_PART, Out, LSE, tile_out_row, tile_rows, working_splits,
+                        num_splits, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_BLOCK_S,
+                        MERGE_SPLIT_TILE, ".cg")
 
 
 @triton.jit
@@ -266,6 +270,47 @@ def _merge_row(O_PART, LSE_PART, Out, LSE, row, num_parts, num_splits,
              mask=d_ok)
     lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + row, lse)
+
+
+@triton.jit
+def _merge_rows(O_PART, LSE_PART, Out, LSE, first_row, n_rows, num_parts, num_splits,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_S: tl.constexpr, SPLIT_TILE: tl.constexpr, LOAD_CACHE: tl.constexpr):
+    """``_merge_row`` for the n_rows <= ROWS output rows from ``first_row`` at once (the
+    fused combine's row tile): one round of loads for the whole tile, where a row at a time
+    waits for its loads from L2 once per row, after every split program has finished (the
+    one part of the fused combine that nothing overlaps)."""
+    offs_r = tl.arange(0, ROWS)
+    r_ok = offs_r < n_rows
+    rows = first_row + offs_r
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(LSE_PART + rows[:, None] * num_splits + offs_s[None, :],
+                      mask=r_ok[:, None] & (offs_s[None, :] < num_parts), other=float("-inf"),
+                      cache_modifier=LOAD_CACHE)
+    m = tl.max(lse_all, 1)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)  # every split empty: keep weights at 0
+    total = tl.sum(tl.exp2(lse_all - m_ref[:, None]), 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_t = tl.arange(0, SPLIT_TILE)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for first in range(0, num_parts, SPLIT_TILE):
+        s = first + offs_t
+        ok = r_ok[:, None] & (s[None, :] < num_parts)
+        part = rows[:, None] * num_splits + s[None, :]
+        weight = tl.exp2(tl.load(LSE_PART + part, mask=ok, other=float("-inf"),
+                                 cache_modifier=LOAD_CACHE) - m_ref[:, None])
+        o_s = tl.load(O_PART + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                      cache_modifier=LOAD_CACHE)
+        acc += tl.sum(weight[:, :, None] * o_s, 1)
+    seen = total > 0
+    total_safe = tl.where(seen, total, 1.0)
+    tl.store(Out + rows[:, None] * HEAD_DIM + offs_d[None, :],
+             (acc / total_safe[:, None]).to(Out.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok[None, :])
+    lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + rows, lse, mask=r_ok)
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
@@ -398,11 +443,21 @@ def whole_wave_splits(programs: int, num_splits: int, max_splits: int, sm_count:
     return num_splits
 
 
-def merge_split_tile(num_splits: int, block_d: int, num_warps: int) -> int:
-    """Partials a merge loads per step: all of them where 32 elements per thread allow (at
-    d=128 and 4 warps, 32: so 33 splits take two steps; 64 per thread would take 127
-    registers instead of 100 in the fused split kernel, Triton 3.9 sm_90)."""
-    return min(pow2_at_least(num_splits), max(1, COMBINE_TILE_ELEMS * num_warps // 4 // block_d))
+def merge_split_tile(num_splits: int, block_d: int, num_warps: int, rows: int = 1,
+                     tile_elems: int = COMBINE_TILE_ELEMS) -> int:
+    """Partials of each of ``rows`` rows a merge loads per step: all of them where 32
+    elements per thread allow (at d=128, 4 warps and one row, 32: so 33 splits take two
+    steps; 64 per thread would take 127 registers instead of 100 in the fused split kernel,
+    Triton 3.9 sm_90)."""
+    return min(pow2_at_least(num_splits),
+               max(1, tile_elems * num_warps // 4 // (block_d * rows)))
+
+
+def merge_rows(group: int, n_q: int) -> int:
+    """ROWS of the fused merge: the row tile's real rows (a GQA group x new tokens, at most
+    BLOCK_M), rounded up to a power of two; not BLOCK_M, whose padding to tl.dot's 16 rows
+    would load and add three times the partials at a group of 4."""
+    return pow2_at_least(min(group * n_q, rows_per_tile(group, n_q)))
 
 
 # Arrival counters of the fused combine, one int32 per (sequence, KV head, row tile), by
@@ -506,8 +561,10 @@ def _make_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_EVICT=KV_EVICTION[kv_load], FUSED_COMBINE=fused,
+        MERGE_ROWS=merge_rows(group, n_q) if fused else 1,
         MERGE_BLOCK_S=pow2_at_least(num_splits) if fused else 1,
-        MERGE_SPLIT_TILE=merge_split_tile(num_splits, block_d, num_warps) if fused else 1),
+        MERGE_SPLIT_TILE=merge_split_tile(num_splits, block_d, num_warps, merge_rows(group, n_q),
+                                          FUSED_MERGE_TILE_ELEMS) if fused else 1),
         dict(num_warps=num_warps, num_stages=num_stages))
     combine_launch = None
     if num_splits > 1 and not fused:

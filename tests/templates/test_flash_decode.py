@@ -393,6 +393,35 @@ def test_default_config_satisfies_the_constraints(device: DeviceInfo) -> None:
         assert TEMPLATE.constraint(problem, cfg, device) is None, (problem.key(), cfg)
 
 
+def test_known_good_configs_are_the_probes_grids_and_fit() -> None:
+    b1 = decode_problem(1, 32, 8, 1, 32768, 128, dtype="bfloat16")
+    good = TEMPLATE.known_good_configs(b1, H100)
+    # 8 KV heads: 16 splits are one program per SM (128 of 132), 64 four (512 of 528); the
+    # default (64 splits of 64-key tiles) is measured anyway and not repeated.
+    assert [(c.num_splits, c.block_n, c.combine) for c in good] == [
+        (16, 64, "separate"), (16, 128, "separate"), (64, 128, "separate"), (16, 64, "fused")]
+    b8 = decode_problem(8, 32, 8, 1, 32768, 128, dtype="bfloat16")
+    assert {c.num_splits for c in TEMPLATE.known_good_configs(b8, H100)} == {2, 8}
+    default = TEMPLATE.default_config(b1, H100)
+    for problem in (b1, b8, decode_problem(64, 32, 8, 1, 4096, 128, dtype="bfloat16"),
+                    decode_problem(2, 8, 8, 16, 16, 256, dtype="float32", mask="paged:256")):
+        for cfg in TEMPLATE.known_good_configs(problem, H100):
+            assert cfg != default and TEMPLATE.constraint(problem, cfg, H100) is None
+            assert cfg.combine == "separate" or cfg.num_splits > 1
+    assert TEMPLATE.known_good_configs(b1, SMALL_GPU) == []  # measured on Hopper only
+
+
+def test_fused_merge_loads_the_real_rows_of_a_tile() -> None:
+    # GQA 4 x 1 token: BLOCK_M pads to 16 rows for tl.dot, the merge takes the 4 real ones.
+    assert flash_decode_kernel.merge_rows(4, 1) == 4
+    assert flash_decode_kernel.merge_rows(4, 3) == 16  # 12 rows
+    assert flash_decode_kernel.merge_rows(32, 3) == 64  # 96 rows: tiles of at most 64
+    # 4 rows of d128 at 32 elements per thread of 4 warps: 8 splits per step.
+    assert flash_decode_kernel.merge_split_tile(32, 128, 4, rows=4) == 8
+    assert flash_decode_kernel.merge_split_tile(4, 128, 4, rows=4) == 4
+    assert flash_decode_kernel.merge_split_tile(32, 256, 4, rows=64) == 1
+
+
 def test_split_heuristic_fills_the_gpu() -> None:
     b1 = TEMPLATE.default_config(decode_problem(1, 32, 8, 1, 32768, 128, dtype="bfloat16"), H100)
     assert 8 * b1.num_splits >= 2 * H100.sm_count  # 8 KV heads alone fill 8 of 132 SMs
