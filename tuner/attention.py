@@ -28,7 +28,8 @@ How a call runs:
   ours through the custom op ``tuner::attention_fwd`` (``torch.library``), whose backward is
   the op ``tuner::attention_bwd`` running the ``flash_bwd`` template.
 * under ``torch.compile``: the choice is made at trace time (``assume_constant_result``); SDPA
-  is traced as SDPA, ours as the custom op (which Dynamo keeps in the graph).
+  is traced as SDPA, flash as the custom op ``tuner::attention_fwd``, the forward-only kernels
+  (decode, gluon) as ``tuner::attention_inference`` (custom ops: Dynamo keeps them in the graph).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from templates.registry import get_template
 from templates.torch_sdpa import SdpaConfig, sdpa
 from tuner import implementations
 from tuner.decode import clear_decode_plans
-from tuner.dispatch import Call, Choice, choose, forced, keep
+from tuner.dispatch import Call, Choice, choose, forced, keep, use_implementation
 from tuner.implementations import shapes_4d
 from tuner.lookup import Resolved, keep_config, resolve_config
 
@@ -240,9 +241,9 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                           needs_grad)
     if name == "flash":  # ours runs as the custom op, which Dynamo keeps in the graph
         return torch.ops.tuner.attention_fwd(q, k, v, is_causal, scale, enable_gqa)[0]
-    # decode and gluon have no custom op yet (DISPATCH.md): there, what SDPA would run.
-    backend = name.removeprefix("sdpa:") if name.startswith("sdpa:") else "default"
-    return sdpa(q, k, v, backend=backend, is_causal=is_causal, scale=scale,
+    if not name.startswith("sdpa:"):  # decode, gluon: forward-only kernels, chosen without grad
+        return torch.ops.tuner.attention_inference(q, k, v, is_causal, scale, enable_gqa, name)
+    return sdpa(q, k, v, backend=name.removeprefix("sdpa:"), is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
 
 
@@ -403,6 +404,23 @@ def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("tuner::attention_inference", mutates_args=())
+def _attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                         scale: float | None, enable_gqa: bool, implementation: str
+                         ) -> torch.Tensor:
+    """o by ``implementation``, one of ours without a backward (decode, gluon), as the trace
+    chose it: the eager path's plan for the call, with that implementation forced."""
+    with use_implementation(implementation):
+        return _forward(q, k, v, is_causal, scale, enable_gqa)
+
+
+@_attention_inference.register_fake
+def _attention_inference_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              is_causal: bool, scale: float | None, enable_gqa: bool,
+                              implementation: str) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @torch.library.custom_op("tuner::attention_bwd", mutates_args=())
