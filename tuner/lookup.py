@@ -300,7 +300,8 @@ class Resolved:
     source: str  # "snapshot", "database", "service" or "default"
     expires_at: float = math.inf  # time.monotonic() after which to ask again
     # TFLOP/s measured for the matched stored best (None: nothing measured, the default).
-    # The dispatcher compares implementations by it, so only exact and bucket matches count.
+    # The dispatcher prices implementations by it, so only exact and bucket matches count
+    # (``measured``); a nearest answer takes part through ``neighbours`` alone.
     tflops: float | None = None
     # The resolver's cache key of the answer (``ConfigResolver.keep`` keeps it by that).
     bucket: CacheKey | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -308,6 +309,9 @@ class Resolved:
     # run this problem, nearest first (``neighbours_of``; empty for the service's answers).
     neighbours: Mapping[str, Neighbour] = dataclasses.field(
         default_factory=dict, compare=False, repr=False)
+    # The neighbouring bucket whose config and TFLOP/s this answer carries, once the
+    # dispatcher chose its implementation by the measurements there (None: its own match).
+    neighbour: str | None = None
 
     @property
     def measured(self) -> bool:
@@ -362,9 +366,17 @@ class ConfigResolver:
         """A kernel is about to run with ``resolved``: the answer to run, kept for its bucket
         for the rest of the process (unless TUNER_REFRESH=on), so later lookups of the bucket
         answer the same. Where another caller kept an answer for the bucket first, that one
-        is returned: one config per bucket runs in a process."""
-        if (self.settings.refresh or resolved.bucket is None
-                or resolved.expires_at == math.inf):
+        is returned: one config per bucket runs in a process.
+
+        With TUNER_REFRESH=on an answer the dispatcher took from a neighbour (``neighbour``)
+        is the bucket's until it expires, not for good: other lookups of the bucket (the
+        custom op's) would otherwise answer the bucket's own nearest config instead."""
+        if resolved.bucket is None or resolved.expires_at == math.inf:
+            return resolved
+        if self.settings.refresh:
+            if resolved.neighbour is not None:
+                with self._lock:
+                    self._cache[resolved.bucket] = resolved
             return resolved
         with self._lock:
             current = self._cache.get(resolved.bucket)
