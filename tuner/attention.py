@@ -12,7 +12,8 @@ of H_kv; ``attn_mask`` with ``is_causal=True`` does what this torch's SDPA does 
 
 Which implementation runs is ``tuner.dispatch``'s choice (docs/DISPATCH.md): torch SDPA (its
 best measured backend), our Triton flash kernels, or the split-KV decode kernel for one query
-token against a long KV. Nothing but a stored measurement on this device makes ours run: an
+token against a long KV. Nothing but a stored measurement on this device makes ours run (of
+the problem's bucket, or of a neighbouring bucket where torch SDPA was measured too): an
 unmeasured problem runs torch SDPA exactly as the user's code would have. Calls no kernel of
 ours takes (``dropout_p > 0``, a value head dim other than the query's, float64) and calls
 with an elementwise ``attn_mask`` (no measurement can price an arbitrary mask) run torch SDPA

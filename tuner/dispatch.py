@@ -12,8 +12,11 @@ The rule (docs/DISPATCH.md):
   this device and the call's problem (exact or same shape bucket; a nearest shape or a default
   is no measurement). Estimated time = the problem's FLOPs over the stored TFLOP/s, summed.
 * If torch SDPA is priced, the fastest priced implementation runs, with its tuned config.
-* If torch SDPA is not priced, torch SDPA runs as the user's code would have run it (torch's
-  default backend): ours must be measured faster to be chosen.
+* If torch SDPA is not priced, the choice is decided on the nearest neighbouring bucket where
+  SDPA and another implementation were both measured (``tuner.neighbours``): one that beat
+  SDPA there by ``TUNER_NEIGHBOUR_MARGIN`` runs, with its configs from that neighbour.
+* Otherwise torch SDPA runs as the user's code would have run it: ours must be measured
+  faster to be chosen.
 * ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
@@ -37,7 +40,8 @@ from typing import Any
 from templates.base import KernelConfig, Problem
 from templates.device import DeviceInfo
 from templates.registry import get_template
-from tuner.lookup import Resolved, keep_config, resolve_config
+from tuner.lookup import Resolved, get_resolver, keep_config, resolve_config
+from tuner.neighbours import Contender, decide_on_neighbour
 from tuner.record import note, recording
 
 __all__ = ["Call", "Choice", "Implementation", "choose", "implementations", "keep",
@@ -107,6 +111,9 @@ class Choice:
     resolved: tuple[Resolved, ...]
     why: str
     estimates: tuple[Estimate, ...] = field(default=())
+    # The neighbouring bucket (problem key) the choice was decided on (None: this problem's
+    # own measurements, or none).
+    neighbour: str | None = None
 
     @property
     def config(self) -> KernelConfig:
@@ -119,7 +126,9 @@ class Choice:
 
     @property
     def source(self) -> str:
-        return self.resolved[0].source
+        """Where the config comes from; a config taken from a neighbour names it."""
+        r = self.resolved[0]
+        return r.source if r.neighbour is None else f"{r.source}, neighbour {r.neighbour}"
 
     @property
     def expires_at(self) -> float:
@@ -226,12 +235,29 @@ def _choose(call: Call) -> Choice:
         raise ValueError(f"torch SDPA cannot run {call.problem.key()}: "
                          f"{_IMPLEMENTATIONS[BASELINE].why_not(call)}")
     if baseline.ms is None:
-        return Choice(_IMPLEMENTATIONS[BASELINE], baseline.resolved,
-                      "torch SDPA not measured for this problem on this device: running what "
-                      "SDPA would run", estimates)
+        return _on_neighbour(call, baseline, estimates)
     priced = [e for e in estimates if e.ms is not None]
     best = min(priced, key=lambda e: e.ms)  # type: ignore[arg-type, return-value]
     others = ", ".join(f"{e.implementation} {e.ms:.4g} ms" for e in priced if e is not best)
     return Choice(_IMPLEMENTATIONS[best.implementation], best.resolved,
                   f"fastest measured ({best.ms:.4g} ms; {others or 'no other measured'})",
                   estimates)
+
+
+def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...]) -> Choice:
+    """SDPA not measured for this problem: decided on a neighbour (``tuner.neighbours``), or
+    SDPA as the user's code would have run it."""
+    contenders = {e.implementation: Contender(e.implementation, tuple(
+        get_template(name) for name in _IMPLEMENTATIONS[e.implementation].templates_for(call)),
+        e.resolved) for e in estimates}
+    verdict = decide_on_neighbour(contenders.pop(BASELINE), list(contenders.values()),
+                                  get_resolver().settings.neighbour_margin)
+    if verdict is None:
+        return Choice(_IMPLEMENTATIONS[BASELINE], baseline.resolved,
+                      "torch SDPA not measured for this problem on this device: running what "
+                      "SDPA would run", estimates)
+    # The winner's answers, configs from the neighbour, are what ``keep`` keeps for its buckets.
+    estimates = tuple(replace(e, resolved=verdict.resolved)
+                      if e.implementation == verdict.winner else e for e in estimates)
+    return Choice(_IMPLEMENTATIONS[verdict.winner], verdict.resolved, verdict.why, estimates,
+                  neighbour=verdict.neighbour)

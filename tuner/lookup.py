@@ -16,9 +16,11 @@ nothing else is asked, ever. Without it, the order, first answer wins
 4. the template's default heuristic.
 
 An ``exact`` or ``bucket`` match ends the search at once; a ``nearest`` match from the
-database is kept while the service is asked whether it knows better. Every answer that is not
-tuned (``default``, ``nearest``) is noted as demand for the service (``tuner.demand``), when
-``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every config that comes
+database is kept while the service is asked whether it knows better. A nearest answer from
+the database or a snapshot carries the bests of the neighbouring buckets (``neighbours_of``),
+on one of which the dispatcher may compare implementations (docs/DISPATCH.md). Every answer
+that is not tuned (``default``, ``nearest``) is noted as demand for the service
+(``tuner.demand``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every config that comes
 from outside (database or service) is re-validated against the template's space and static
 constraints here: a served config is data, never code.
 
@@ -38,7 +40,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -96,10 +98,25 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Neighbour:
+    """A stored best of a neighbouring bucket (same family, another shape): what the
+    dispatcher reads to compare implementations on the same neighbour (tuner/neighbours.py)."""
+
+    problem_key: str
+    problem: Problem  # the problem it measured
+    config: KernelConfig
+    tflops: float
+
+
+@dataclass(frozen=True)
 class Match:
     candidate: Any  # the source row of the matched Candidate
     kind: MatchKind
     config: KernelConfig
+    # A nearest match from ``match_with_neighbours``: every neighbouring bucket's best that
+    # runs the problem, by problem key, nearest first (else empty).
+    neighbours: Mapping[str, Neighbour] = dataclasses.field(default_factory=dict,
+                                                            compare=False)
 
 
 def parse_candidates(template: Template, rows: Iterable[BestLike]) -> list[Candidate]:
@@ -125,6 +142,11 @@ def _same_family(a: Problem, b: Problem) -> bool:
             and a.gqa_ratio == b.gqa_ratio)
 
 
+def _nearest_first(problem: Problem, candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Candidates of other shapes, nearest to ``problem`` first (the faster of equals first)."""
+    return sorted(candidates, key=lambda c: (_log_distance(c.problem, problem), -c.tflops))
+
+
 def match_candidates(template: Template, problem: Problem, device: DeviceInfo,
                      candidates: Sequence[Candidate]) -> Match | None:
     """The candidate that best fits ``problem``: exact, else same bucket (fastest first), else
@@ -142,8 +164,7 @@ def match_candidates(template: Template, problem: Problem, device: DeviceInfo,
     ranked: list[tuple[MatchKind, list[Candidate]]] = [
         ("exact", exact),
         ("bucket", sorted(bucket, key=lambda c: -c.tflops)),
-        ("nearest", sorted(nearest, key=lambda c: (_log_distance(c.problem, problem),
-                                                   -c.tflops))),
+        ("nearest", _nearest_first(problem, nearest)),
     ]
     # Constraints are checked only until one candidate passes: they cost more than matching.
     for kind, group in ranked:
@@ -157,6 +178,33 @@ def match_best(template: Template, problem: Problem, device: DeviceInfo,
                candidates: Iterable[BestLike]) -> Match | None:
     """``match_candidates`` over stored rows of one device and template version."""
     return match_candidates(template, problem, device, parse_candidates(template, candidates))
+
+
+def neighbours_of(template: Template, problem: Problem, device: DeviceInfo,
+                  candidates: Sequence[Candidate]) -> dict[str, Neighbour]:
+    """The stored bests of the other buckets of ``problem``'s family whose configs run it on
+    ``device``, by problem key, nearest first (the order of ``match_candidates``'s nearest)."""
+    want_bucket = template.problem_key(problem)
+    near = (c for c in candidates if c.problem != problem and c.problem_key != want_bucket
+            and _same_family(c.problem, problem))
+    out: dict[str, Neighbour] = {}
+    for c in _nearest_first(problem, near):
+        # Checked here, once per answer, not per call: 1-2 us each (flash_bwd's 36 us) on
+        # the dev VM.
+        if c.problem_key not in out and template.constraint(problem, c.config, device) is None:
+            out[c.problem_key] = Neighbour(c.problem_key, c.problem, c.config, c.tflops)
+    return out
+
+
+def match_with_neighbours(template: Template, problem: Problem, device: DeviceInfo,
+                          candidates: Sequence[Candidate]) -> Match | None:
+    """``match_candidates``, a nearest match with ``neighbours_of`` too: a process's own
+    lookups (database, snapshot). The service's ``GET /v1/best`` answers one config alone."""
+    found = match_candidates(template, problem, device, candidates)
+    if found is None or found.kind != "nearest":
+        return found
+    return dataclasses.replace(found, neighbours=neighbours_of(template, problem, device,
+                                                               candidates))
 
 
 # ----------------------------------------------------------------------------- devices
@@ -252,10 +300,18 @@ class Resolved:
     source: str  # "snapshot", "database", "service" or "default"
     expires_at: float = math.inf  # time.monotonic() after which to ask again
     # TFLOP/s measured for the matched stored best (None: nothing measured, the default).
-    # The dispatcher compares implementations by it, so only exact and bucket matches count.
+    # The dispatcher prices implementations by it, so only exact and bucket matches count
+    # (``measured``); a nearest answer takes part through ``neighbours`` alone.
     tflops: float | None = None
     # The resolver's cache key of the answer (``ConfigResolver.keep`` keeps it by that).
     bucket: CacheKey | None = dataclasses.field(default=None, compare=False, repr=False)
+    # A nearest answer from the database or a snapshot: the neighbouring buckets' bests that
+    # run this problem, nearest first (``neighbours_of``; empty for the service's answers).
+    neighbours: Mapping[str, Neighbour] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False)
+    # The neighbouring bucket whose config and TFLOP/s this answer carries, once the
+    # dispatcher chose its implementation by the measurements there (None: its own match).
+    neighbour: str | None = None
 
     @property
     def measured(self) -> bool:
@@ -310,9 +366,17 @@ class ConfigResolver:
         """A kernel is about to run with ``resolved``: the answer to run, kept for its bucket
         for the rest of the process (unless TUNER_REFRESH=on), so later lookups of the bucket
         answer the same. Where another caller kept an answer for the bucket first, that one
-        is returned: one config per bucket runs in a process."""
-        if (self.settings.refresh or resolved.bucket is None
-                or resolved.expires_at == math.inf):
+        is returned: one config per bucket runs in a process.
+
+        With TUNER_REFRESH=on an answer the dispatcher took from a neighbour (``neighbour``)
+        is the bucket's until it expires, not for good: other lookups of the bucket (the
+        custom op's) would otherwise answer the bucket's own nearest config instead."""
+        if resolved.bucket is None or resolved.expires_at == math.inf:
+            return resolved
+        if self.settings.refresh:
+            if resolved.neighbour is not None:
+                with self._lock:
+                    self._cache[resolved.bucket] = resolved
             return resolved
         with self._lock:
             current = self._cache.get(resolved.bucket)
@@ -381,7 +445,7 @@ class ConfigResolver:
             return dataclasses.replace(remote, expires_at=tuned_until)
         if local is not None:
             return Resolved(local.config, local.kind, "database", untuned_until,
-                            tflops=_tflops_of(local.candidate))
+                            tflops=_tflops_of(local.candidate), neighbours=local.neighbours)
         if remote is not None:
             return Resolved(remote.config, remote.match, "service", untuned_until)
         return Resolved(template.default_config(problem, device), "default", "default",
@@ -432,7 +496,8 @@ class ConfigResolver:
                 rows = crud.best_candidates(session, device_key=device.key,
                                             template_name=template.name,
                                             template_version=version)
-                return match_best(template, problem, device, rows)
+                return match_with_neighbours(template, problem, device,
+                                             parse_candidates(template, rows))
         except SQLAlchemyError as exc:  # no tables yet, locked, server gone: not our failure
             log.warning("local database %s unusable for config lookup (%s); retrying in %.0f s",
                         engine.url.render_as_string(hide_password=True), exc, self.retry_after_s)

@@ -10,10 +10,10 @@ An id found nowhere stops the job at its first lookup (``SnapshotError`` naming 
 every place looked in): a job that was told to run pinned configs must not run others.
 
 ``PinnedConfigs.resolve`` answers as the database does: the snapshot's items of the device and
-kernel version, matched by ``tuner.lookup.match_candidates`` (exact, bucket, nearest), else the
-template's default. Each problem is matched on its own, not as the first problem asked of its
-bucket (the unpinned resolver's cache): so the answer depends on nothing but the snapshot and
-the problem, never on the order a rank happened to ask in.
+kernel version, matched by ``tuner.lookup.match_with_neighbours`` (exact, bucket, nearest with
+its neighbours' bests), else the template's default. Each problem is matched on its own, not as
+the first problem asked of its bucket (the unpinned resolver's cache): so the answer depends on
+nothing but the snapshot and the problem, never on the order a rank happened to ask in.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.bundle import Bundle, BundleItem, first_error
-from tuner.lookup import Candidate, Match, Resolved, match_candidates, parse_candidates
+from tuner.lookup import Candidate, Match, Resolved, match_with_neighbours, parse_candidates
 from tuner.snapshot import SnapshotError, is_snapshot_id, snapshot_id_of, stored_bundle
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class PinnedConfigs:
             answer = Resolved(template.default_config(problem, device), "default", "default")
         else:
             answer = Resolved(found.config, found.kind, "snapshot",
-                              tflops=float(found.candidate.tflops))
+                              tflops=float(found.candidate.tflops), neighbours=found.neighbours)
         if len(self._answers) >= MAX_ANSWERS:
             self._answers.clear()
         self._answers[key] = answer
@@ -107,9 +107,9 @@ class PinnedConfigs:
 
     def match(self, template: Template, version: str, problem: Problem,
               device: DeviceInfo) -> Match | None:
-        return match_candidates(template, problem, device,
-                                self._candidates_of((device.key, template.name, version),
-                                                    template))
+        return match_with_neighbours(template, problem, device,
+                                     self._candidates_of((device.key, template.name, version),
+                                                         template))
 
     def _candidates_of(self, key: GroupKey, template: Template) -> list[Candidate]:
         found = self._candidates.get(key)

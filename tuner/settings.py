@@ -21,6 +21,9 @@
     TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
     TUNER_DEMAND_RATE_LIMIT the service's POST /v1/demand requests per second per client
                          address (default 20; bursts of twice that)
+    TUNER_NEIGHBOUR_MARGIN how much faster than torch SDPA an implementation must have been
+                         measured on a neighbouring problem to run a problem whose own bucket
+                         has no SDPA measurement (default 0.03: 3%; docs/DISPATCH.md)
 """
 
 from __future__ import annotations
@@ -133,6 +136,12 @@ class Settings(LogSettings):
                                    description="seconds between demand reports")
     demand_rate_limit: float = Field(20.0, gt=0, le=1e6, description=(
         "POST /v1/demand requests per second per client address (service)"))
+    # A neighbour's ratio is a prediction for another shape, so it must clear the noise of
+    # the measurements behind it: sdpa timed against itself read up to 2.6% apart on the
+    # H100 (benchmarks/results/dispatch_h100.json, docs/DISPATCH.md).
+    neighbour_margin: float = Field(0.03, ge=0, le=1, description=(
+        "fraction by which an implementation must beat torch SDPA on a neighbouring problem "
+        "to run an untuned one"))
 
     @field_validator("database_url")
     @classmethod

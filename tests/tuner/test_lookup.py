@@ -34,6 +34,8 @@ from tuner.lookup import (
     ConfigResolver,
     device_info_from_key,
     match_best,
+    match_with_neighbours,
+    parse_candidates,
 )
 from tuner.settings import Settings, load_settings
 
@@ -85,6 +87,23 @@ def test_stored_configs_that_do_not_validate_or_fit_are_skipped() -> None:
                    if "shared memory" in (FWD.constraint(p, c, H100) or ""))
     no_fit = Row(p.to_dict(), too_big.to_dict())
     assert match_best(FWD, p, H100, [off_space, unknown_field, no_fit]) is None
+
+
+def test_a_nearest_match_carries_the_neighbours_that_run_the_problem_nearest_first() -> None:
+    p = problem(3000)
+    far, close, bucket = row(problem(512)), row(problem(8192)), row(problem(4000))
+    other_family = row(problem(4096, head_dim=64))
+    too_big = next(c for c in FWD.config_cls.grid()
+                   if "shared memory" in (FWD.constraint(p, c, H100) or ""))
+    no_fit = Row(problem(2048).to_dict(), too_big.to_dict())
+    rows = [far, other_family, no_fit, close]
+    found = match_with_neighbours(FWD, p, H100, parse_candidates(FWD, rows))
+    assert found is not None and found.kind == "nearest"
+    assert list(found.neighbours) == [close.problem_key, far.problem_key]
+    assert found.neighbours[far.problem_key].problem == problem(512)
+    # A measurement of the problem's own bucket needs none.
+    found = match_with_neighbours(FWD, p, H100, parse_candidates(FWD, [*rows, bucket]))
+    assert found is not None and found.kind == "bucket" and not found.neighbours
 
 
 def test_device_info_from_key_reads_keys_and_falls_back_to_hopper() -> None:
