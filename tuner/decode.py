@@ -10,6 +10,8 @@ new tokens already in the cache, bottom-right causal among them). The config res
 bucket; the checks of shapes, dtypes and devices run once per layout, and the lengths and pages
 are not read back from the GPU (no device-to-host sync on this path, so a decode step can be
 captured in a CUDA graph): they must be valid, as ``templates.flash_decode`` documents.
+Under ``torch.compile`` a call is traced as the custom op ``tuner::decode``, which runs this
+same path from the compiled graph.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
            scale: float | None = None) -> torch.Tensor:
     """o (B, H_q, N_q, D) in q's dtype: the new tokens' attention over their caches."""
+    if torch.compiler.is_compiling():  # traced as one op (Dynamo keeps it in the graph)
+        return torch.ops.tuner.decode(q, k_cache, v_cache, cache_seqlens, block_table, scale)
+    return _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+            scale: float | None) -> torch.Tensor:
     # Everything the checks and the kept launch read: shapes, strides, dtypes, devices and
     # (for the kernels' specialization) 16-byte pointer alignment.
     table = None if block_table is None else (block_table.shape, block_table.stride(),
@@ -58,6 +68,21 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if plan is None or plan.resolved.expires_at <= time.monotonic():
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, key)
     return plan.run(q, k_cache, v_cache, cache_seqlens, block_table, scale)
+
+
+@torch.library.custom_op("tuner::decode", mutates_args=())
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+               scale: float | None) -> torch.Tensor:
+    """``decode`` under torch.compile: the eager path, run from the compiled graph."""
+    return _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale)
+
+
+@_decode_op.register_fake
+def _decode_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                 scale: float | None) -> torch.Tensor:
+    return q.new_empty(q.shape)  # contiguous, as the kernel writes it
 
 
 def decode_plan_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,

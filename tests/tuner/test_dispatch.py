@@ -220,6 +220,34 @@ def test_tuner_decode_matches_the_reference(paged: bool, device: str) -> None:
     torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_tuner_decode_under_torch_compile_is_one_custom_op(paged: bool, device: str) -> None:
+    t = get_template("flash_decode")
+    p = Problem(batch=2, heads_q=4, heads_kv=2, seqlen_q=2, seqlen_kv=100, head_dim=16,
+                dtype="float32", causal="bottom_right",
+                mask="paged:32+mixed" if paged else "mixed")
+    inputs = t.make_inputs(p, device, seed=3)
+    kwargs = {name: inputs[name] for name in ("cache_seqlens", "block_table")}
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return tuner.decode(q, k, v, **kwargs, scale=0.3) + 1
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep_graph(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    args = (inputs["q"], inputs["k_cache"], inputs["v_cache"])
+    out = torch.compile(step, fullgraph=True, backend=keep_graph)(*args)
+    [graph] = graphs
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets.count("tuner.decode") == 1, targets
+    torch.testing.assert_close(out, step(*args), rtol=0, atol=0)
+    ref, _ = decode_reference(*args, **kwargs, scale=0.3)
+    assert_close_to(out - 1, ref)
+
+
 def test_tuner_decode_runs_the_tuned_decode_config(tmp_path: Path, device: str) -> None:
     t = get_template("flash_decode")
     p = Problem(batch=2, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=512, head_dim=16,
