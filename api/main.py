@@ -52,6 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Bursts of two seconds' worth: a job's ranks on one host report at about the same time.
     app.state.demand_limiter = TokenBuckets(settings.demand_rate_limit,
                                             max(1.0, 2 * settings.demand_rate_limit))
+    app.state.refusal_limiter = TokenBuckets(settings.refused_write_rate,
+                                             max(1.0, 2 * settings.refused_write_rate))
+    app.state.held_refusals = 0
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        path_limits={"/v1/demand": demand.MAX_BODY_BYTES})
     if settings.cors_origins:

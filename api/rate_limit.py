@@ -1,4 +1,5 @@
-"""Per-client rate limits of the service's unauthenticated writes (``POST /v1/demand``).
+"""Per-client rate limits of the service's unauthenticated writes (``POST /v1/demand``) and
+of its refusals of writes without a valid token (``api.deps``).
 
 A token bucket per client address, in this process's memory: each address may send ``rate``
 requests per second on average, ``burst`` at once. Kept in memory on purpose: the limit is a
@@ -51,6 +52,25 @@ class TokenBuckets:
             return 0.0
         self._buckets[key] = (tokens, now)
         return (1 - tokens) / self.rate
+
+    def queue(self, key: str, max_wait: float) -> float:
+        """Take a token of ``key``'s bucket, borrowing one ahead where there is none: the
+        seconds until the borrowed one comes (0.0 if one was there), at most ``max_wait``.
+        Callers that wait that long before they go on line up at the rate, however many come
+        at once; the debt never runs beyond ``max_wait``, so once they stop, a key is back to
+        answers at once within ``max_wait`` plus a burst's refill."""
+        now = self._clock()
+        held = self._buckets.get(key)
+        if held is None:
+            tokens = self.burst
+            if len(self._buckets) >= self.max_keys:
+                self._buckets.popitem(last=False)
+        else:
+            tokens = min(self.burst, held[0] + (now - held[1]) * self.rate)
+            self._buckets.move_to_end(key)
+        tokens = max(tokens, 1 - max_wait * self.rate)
+        self._buckets[key] = (tokens - 1, now)
+        return max(0.0, (1 - tokens) / self.rate)
 
     def __len__(self) -> int:
         return len(self._buckets)

@@ -136,6 +136,9 @@ class Settings(LogSettings):
                                    description="seconds between demand reports")
     demand_rate_limit: float = Field(20.0, gt=0, le=1e6, description=(
         "POST /v1/demand requests per second per client address (service)"))
+    refused_write_rate: float = Field(5.0, gt=0, le=1e6, description=(
+        "writes refused for their token answered at once per second per client address "
+        "(bursts of twice as many); past that each is answered after up to 1 s (service)"))
     # A neighbour's ratio is a prediction for another shape, so it must clear the noise of
     # the measurements behind it: sdpa timed against itself read up to 2.6% apart on the
     # H100 (benchmarks/results/dispatch_h100.json, docs/DISPATCH.md).

@@ -158,6 +158,34 @@ def test_writes_by_other_processes_show_up_at_the_next_lookup(app: Any, client: 
 
 
 # ----------------------------------------------------------------------------- writes and auth
+def test_refused_writes_past_an_addresss_rate_are_held_back(
+        db_url: str, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import api.deps
+
+    holds: list[float] = []
+
+    async def record(seconds: float) -> None:
+        holds.append(seconds)
+    monkeypatch.setattr(api.deps, "_hold", record)
+    app = create_app(load_settings(database_url=db_url, token=TOKEN, refused_write_rate=0.25))
+    body = bundle(item(problem(1024)))
+    wrong = {"Authorization": "Bearer " + "x" * 20}
+    with TestClient(app) as c:
+        # A burst of 1 (twice the rate, at least 1) answered at once; then each one held until
+        # a token would come (4 s at 0.25/s), at most MAX_REFUSAL_DELAY_S; the same refusal.
+        codes = [c.post("/v1/results", json=body, headers=h).status_code
+                 for h in ({}, wrong, {})]
+        assert codes == [401, 403, 401]
+        assert holds == [api.deps.MAX_REFUSAL_DELAY_S] * 2
+        # A valid token is never held back, whatever the address's refusals.
+        assert c.post("/v1/results", json=body, headers=auth).status_code == 201
+        assert len(holds) == 2
+        # Past MAX_HELD_REFUSALS held at once, refusals are answered at once.
+        app.state.held_refusals = api.deps.MAX_HELD_REFUSALS
+        assert c.post("/v1/results", json=body, headers=wrong).status_code == 403
+        assert len(holds) == 2
+
+
 def test_writes_need_the_bearer_token(client: TestClient, db_url: str) -> None:
     body = bundle(item(problem(1024)))
     r = client.post("/v1/results", json=body)

@@ -42,3 +42,16 @@ def test_memory_is_bounded_by_forgetting_the_least_recently_seen() -> None:
 def test_bad_limits_are_refused() -> None:
     with pytest.raises(ValueError, match="rate must be > 0"):
         TokenBuckets(rate=0, burst=1)
+
+
+def test_queue_lines_callers_up_at_the_rate_and_caps_the_wait() -> None:
+    clock = Clock()
+    buckets = TokenBuckets(rate=4.0, burst=2, clock=clock)
+    waits = [buckets.queue("a", max_wait=1.0) for _ in range(8)]
+    # Two at once, then one every 1/4 s for those who came together, up to the cap.
+    assert waits == pytest.approx([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert buckets.queue("b", max_wait=1.0) == 0.0  # another address has its own line
+    clock.now += 1.25  # the debt never exceeds the cap: the cap plus 1/rate later, a token
+    assert buckets.queue("a", max_wait=1.0) == pytest.approx(0.0)
+    clock.now += 60
+    assert [buckets.queue("a", max_wait=1.0) for _ in range(3)] == pytest.approx([0, 0, 0.25])
