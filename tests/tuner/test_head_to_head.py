@@ -20,6 +20,7 @@ from db.models import HeadToHead, HeadToHeadReading, TrialStatus
 from db.session import dispose_engine, session_scope
 from templates import Problem, current_device, get_template
 from tuner.attention import clear_plans
+from tuner.bundle import make_bundle, store_bundle, validate_bundle
 from tuner.dispatch import Call, Choice, choose
 from tuner.head_to_head import compared_templates, rotation
 from tuner.lookup import ConfigResolver, set_resolver
@@ -234,3 +235,18 @@ def test_a_killed_step_leaves_the_sweeps_bests_stored(sqlite_url: str) -> None:
     assert choice.implementation.name == "sdpa"
     assert {e.implementation: e.ms for e in choice.estimates} == {
         "sdpa": pytest.approx(1.0), "flash": pytest.approx(1.1)}
+
+
+def test_bundles_carry_the_sweeps_own_readings(sqlite_url: str, tmp_path: Any) -> None:
+    sweep(sqlite_url, ScriptedRunner({"torch_sdpa": SDPA, "flash_fwd": FLASH}))
+    with session_scope(sqlite_url, write=False) as s:
+        exported = make_bundle(s)
+    # Consistent with their readings (the import checks it), so they import elsewhere; the
+    # side-by-side readings stay here.
+    assert {i["template"]: (i["median_ms"], i["measurements"]["first_ms"])
+            for i in exported["items"]} == {"torch_sdpa": (1.0, 1.0), "flash_fwd": (1.1, 1.1)}
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    with session_scope(other) as s:
+        store_bundle(s, validate_bundle(exported))
+    dispose_engine(other)
+    assert chosen(other).implementation.name == "sdpa"
