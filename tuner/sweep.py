@@ -136,8 +136,9 @@ class SweepOptions:
         if self.head_to_head_rounds < 0:
             raise TunerError(f"--head-to-head-rounds must be >= 0, but got "
                              f"{self.head_to_head_rounds}",
-                             f"e.g. --head-to-head-rounds {DEFAULT_HEAD_TO_HEAD_ROUNDS}, or 0 "
-                             "to price each implementation by its own search's readings")
+                             f"e.g. --head-to-head-rounds {DEFAULT_HEAD_TO_HEAD_ROUNDS}; "
+                             "--head-to-head-rounds 0 prices each implementation by its own "
+                             "search's readings")
 
 
 @dataclass(frozen=True)
