@@ -51,7 +51,8 @@ __all__ = [
 ]
 
 # Rounds per head-to-head: each candidate's time is the median of this many side-by-side
-# readings (dispatch_bench.py's 5 rotated rounds separated 1-4% gaps from a 2.6% noise floor).
+# readings; as many as benchmarks/dispatch_bench.py's rotated rounds, whose noise floor on the
+# H100 was up to 2.6% (docs/DISPATCH.md). Not yet measured as a head-to-head on a GPU.
 DEFAULT_HEAD_TO_HEAD_ROUNDS = 5
 
 
