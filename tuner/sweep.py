@@ -578,6 +578,9 @@ def _head_to_heads(shared: _Shared, device: dict[str, Any],
     on this thread, in a trial worker of its own on the first GPU. A head-to-head that fails
     (not a candidate: the step itself) is reported and the next one runs; the bests the sweep
     stored stay as they are."""
+    groups = _templates_by_problem(shared.tasks)
+    if not groups:
+        return []  # no trial worker started for nothing (a spec of one template)
     options, info = shared.options, device_from_dict(device)
     store = HeadToHeadStore(shared.db_url, device=device, sweep_id=shared.sweep_id,
                             worker=f"{_host()}:{os.getpid()}:head-to-head")
@@ -585,7 +588,7 @@ def _head_to_heads(shared: _Shared, device: dict[str, Any],
     runner = shared.make_runner(name="head-to-head", env=env)
     results: list[HeadToHeadResult] = []
     try:
-        for index, (problem, templates) in enumerate(_templates_by_problem(shared.tasks)):
+        for index, (problem, templates) in enumerate(groups):
             if shared.stop.is_set():
                 break
             label, rounds = problem_label(problem), options.head_to_head_rounds
