@@ -10,9 +10,9 @@ is nothing to compare and the step is skipped.
 
 How: ``rounds`` rounds, each measuring every candidate once, as a trial is measured (the
 sweep's runner: fresh inputs, the reference check, ``time_gpu``); round r starts at candidate
-r mod n (``rotation``), so each candidate runs first, and in every place, equally often, and
-opens the rounds that its predecessor in the list closes the round before (a fixed order
-slowed whatever ran right after gluon by up to 10% on the H100). Each reading is
+r mod n (``rotation``), so each candidate runs first, and in every place, equally often (a
+cyclic rotation: within a round each still follows the one before it in the list); a fixed
+order slowed whatever ran right after gluon by up to 10% on the H100. Each reading is
 stored as it is measured; the session is marked finished, and the candidates' bests refreshed
 from it, in one transaction at the end (``db.head_to_head``): a step killed half-way leaves
 the sweep's bests as they were. A candidate whose reading fails (a wrong result, a crash) is
