@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
 from db.finalists import Measured, Readings, choose_best
+from db.head_to_head import side_by_side
 from db.models import (
     BestConfig,
     Device,
@@ -450,6 +452,24 @@ def _measured_by_key(s: Session, device_id: int, template_id: int,
                                      first_tflops=tflops, is_default=bool(is_default),
                                      remeasured_ms=tuple(remeasured.get(trial_id, ())),
                                      failed=failed.get(trial_id)))
+    return _with_side_by_side(s, out)
+
+
+def _with_side_by_side(s: Session, measured: dict[str, list[Measured]]
+                       ) -> dict[str, list[Measured]]:
+    """``measured`` with each config's head-to-head readings, and disqualified where one
+    failed (``db.head_to_head``)."""
+    found = side_by_side(s, trial_ids=[int(m.ref) for ms in measured.values() for m in ms])
+    if not found:
+        return measured
+    out: dict[str, list[Measured]] = {}
+    for key, configs in measured.items():
+        out[key] = []
+        for m in configs:
+            h2h = found.get(int(m.ref))
+            if h2h is not None:
+                m = replace(m, side_by_side=h2h.readings, failed=m.failed or h2h.failed)
+            out[key].append(m)
     return out
 
 
@@ -466,7 +486,8 @@ def refresh_best(s: Session, *, device_id: int, template_id: int,
 
     Before any re-measurement: the OK trial with the highest TFLOP/s (ties: the faster time,
     then the earlier trial). After: the finalist with the fastest median of its readings,
-    ``median_ms`` and ``tflops`` being that median's. ``default_tflops`` is the OK default
+    ``median_ms`` and ``tflops`` being that median's, or the median of its readings in the
+    latest finished head-to-head it took part in (``db.finalists``, ``db.head_to_head``). ``default_tflops`` is the OK default
     config's (at its median when re-measured) and ``speedup`` the ratio. Returns None, and
     leaves no row, while no config qualifies (none OK, or every OK one disqualified by a
     failed re-measurement: a config that crashed or computed wrongly is not served). A row
@@ -514,8 +535,8 @@ def refresh_bests(s: Session, *, device_id: int, template_id: int,
             "dtype": str(best.problem.get("dtype", _DEFAULT_DTYPE)),
             "variant": problem_variant(best.problem),
             "config": best.config,
-            "median_ms": choice.best.median_ms,
-            "tflops": choice.best.tflops,
+            "median_ms": choice.best.priced_median_ms,
+            "tflops": choice.best.priced_tflops,
             "default_tflops": choice.default.tflops if choice.default else None,
             "speedup": choice.speedup,
             "trial_id": best.id,
@@ -548,12 +569,17 @@ def refresh_bests(s: Session, *, device_id: int, template_id: int,
 
 def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings]:
     """The readings each stored best rests on, by best-config id: its trial's first time and
-    the OK re-measurements of that trial (failed ones give no time), oldest first.
+    the OK re-measurements of that trial (failed ones give no time), oldest first; or, where
+    the trial took part in a finished head-to-head, the readings of the latest one (the time
+    is then their median, ``db.finalists``).
 
-    One query per ``_KEYS_CHUNK`` bests. A best without a trial (or whose trial has no time)
+    Two queries per ``_KEYS_CHUNK`` bests. A best without a trial (or whose trial has no time)
     rests on its stored time alone.
     """
     trial_ids = sorted({b.trial_id for b in bests if b.trial_id is not None})
+    priced = {trial_id: found.readings.times_ms
+              for trial_id, found in side_by_side(s, trial_ids=trial_ids).items()
+              if found.readings is not None}
     times: dict[int, list[float]] = {}
     for start in range(0, len(trial_ids), _KEYS_CHUNK):
         chunk = trial_ids[start:start + _KEYS_CHUNK]
@@ -571,7 +597,8 @@ def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings
                 readings.append(again_ms)
     out = {}
     for best in bests:
-        found = times.get(best.trial_id) if best.trial_id is not None else None
+        found = (priced.get(best.trial_id) or times.get(best.trial_id)
+                 if best.trial_id is not None else None)
         out[best.id] = Readings(tuple(found) if found else (best.median_ms,))
     return out
 

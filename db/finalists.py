@@ -17,6 +17,15 @@ The best, among a problem's OK configs (a config whose re-measurement failed is 
 The default config's number is its median when it was re-measured (with finalists on it always
 is), so the speedup over the default compares like with like: median with median.
 
+The time a best is stored at, and priced at by the dispatcher (``priced_readings``): the median
+of its readings as above, unless the config took part in a finished head-to-head
+(``tuner.head_to_head``: the bests of every implementation of the problem measured side by
+side, rotated over rounds); then the median of its readings in the latest one. Two
+implementations' bests are then compared by readings of one session, not by two searches'
+readings taken minutes apart. Those readings do not choose among a template's own configs
+(they exist for its best only); a failed one disqualifies the config, as a failed
+re-measurement does.
+
 Plain data in, plain data out: the database (``db.crud.refresh_best``) and the in-memory
 store of replays and tests (``tuner.search.store.MemoryStore``) use the same rule.
 """
@@ -27,7 +36,24 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Choice", "Measured", "Readings", "choose_best", "pick_finalists"]
+__all__ = ["Choice", "Measured", "Readings", "SideBySide", "choose_best", "pick_finalists"]
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """A config's OK readings in the latest finished head-to-head it took part in."""
+
+    session: int  # the head-to-head's id
+    times_ms: tuple[float, ...]
+    gflop: float  # the problem's work: TFLOP/s x ms of any one of the readings
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def tflops(self) -> float:
+        return self.gflop / self.median_ms
 
 
 @dataclass(frozen=True)
@@ -41,6 +67,7 @@ class Measured:
     is_default: bool = False
     remeasured_ms: tuple[float, ...] = ()  # the OK re-measurements
     failed: str | None = None  # why a re-measurement failed: the config is disqualified
+    side_by_side: SideBySide | None = None  # its latest finished head-to-head's readings
 
     @property
     def readings(self) -> Readings:
@@ -62,6 +89,24 @@ class Measured:
         if median == self.first_ms:
             return self.first_tflops  # as stored: x * t / t may differ from x in the last bit
         return self.first_tflops * self.first_ms / median
+
+    @property
+    def priced_readings(self) -> Readings:
+        """The readings its stored time is the median of: its head-to-head's, else its own."""
+        if self.side_by_side is not None:
+            return Readings(self.side_by_side.times_ms)
+        return self.readings
+
+    @property
+    def priced_median_ms(self) -> float:
+        return self.priced_readings.median_ms
+
+    @property
+    def priced_tflops(self) -> float:
+        """TFLOP/s at ``priced_median_ms``: what the best is stored and compared at."""
+        if self.side_by_side is not None:
+            return self.side_by_side.tflops
+        return self.tflops
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
     Device ─┐
     Template ┼─< Trial >── Sweep
-             │     └──< Remeasurement >── Sweep   (a finalist measured again)
+             │     ├──< Remeasurement >── Sweep   (a finalist measured again)
+             │     └──< HeadToHeadReading >── HeadToHead >── Device, Sweep
+             │                                (the bests of a problem's implementations,
+             │                                 measured side by side)
              └─< BestConfig ── Trial (the one it came from)
 
     Snapshot (best configs frozen as a bundle, named by the hash of its content)
@@ -216,6 +219,46 @@ class RemeasurementClaim(Base):
     trial_id: Mapped[int] = mapped_column(ForeignKey("tuning_trials.id"), index=True)
     worker: Mapped[str] = mapped_column(String(200))
     beat_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class HeadToHead(Base):
+    """One side-by-side session of a problem on a device: the stored best config of each of
+    its implementations' templates measured in one process, interleaved and rotated over
+    ``rounds`` rounds (``tuner.head_to_head``). Its readings price those bests only once it is
+    finished (``finished_at``): a session killed half-way keeps what it measured, for the
+    record, but changes no choice."""
+
+    __tablename__ = "head_to_heads"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id"), index=True)
+    sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), index=True,
+                                                 default=None)
+    problem: Mapped[dict[str, Any]] = mapped_column()  # what every candidate ran
+    rounds: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str] = mapped_column(String(200), default="")
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class HeadToHeadReading(Base):
+    """One measurement of one candidate (a template's best trial) in one round of a
+    head-to-head session; ``position`` is its place in the round's order."""
+
+    __tablename__ = "head_to_head_readings"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    head_to_head_id: Mapped[int] = mapped_column(ForeignKey("head_to_heads.id"), index=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("tuning_trials.id"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    position: Mapped[int] = mapped_column(Integer)
+    status: Mapped[TrialStatus] = mapped_column(
+        Enum(TrialStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    median_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    tflops: Mapped[float | None] = mapped_column(Float, default=None)
+    error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Snapshot(Base):

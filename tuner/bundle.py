@@ -28,6 +28,11 @@ re-measurements; ``default_measurements`` the default config's. ``make_bundle`` 
 1 when no item has any (so hosts that read only version 1 still read it); every version-1
 bundle still imports, each config as measured once at its stored time.
 
+A best priced by a head-to-head (``tuner.head_to_head``: stored at the median of its readings
+side by side with the other implementations' bests) is exported at its own readings' median,
+the one its ``measurements`` give: bundles do not carry head-to-heads, which stay in the
+database they were measured in (docs/DISPATCH.md, "What is left").
+
 ``validate_bundle`` checks everything before anything is stored: every item's template must
 be registered here at exactly the item's version (a config tuned for other kernel source is
 meaningless), the problem valid and supported, the config inside the space and allowed by the
@@ -56,7 +61,7 @@ from pydantic import (
     model_validator,
 )
 
-from db.finalists import Readings
+from db.finalists import Measured, Readings
 from db.models import Remeasurement, Trial, TrialStatus
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
@@ -673,7 +678,7 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
     """A bundle of the stored best configs matching the filters (``crud.list_best``'s)."""
     from sqlalchemy import select
 
-    from db import crud
+    from db import crud, head_to_head
     from db.models import Sweep
 
     items: list[dict[str, Any]] = []
@@ -694,6 +699,8 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
             for remeasured in session.scalars(select(Remeasurement).where(
                     Remeasurement.trial_id.in_(trial_ids)).order_by(Remeasurement.id)):
                 again.setdefault(remeasured.trial_id, []).append(remeasured)
+        side_by_side = head_to_head.side_by_side(
+            session, trial_ids=[r.trial_id for r in rows if r.trial_id is not None])
         for row in rows:
             default = defaults[row.id]
             sweep = session.get(Sweep, row.sweep_id) if row.sweep_id is not None else None
@@ -712,6 +719,10 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
                 "problem": dict(row.problem), "config": dict(row.config),
                 "tflops": row.tflops, "median_ms": row.median_ms,
             }
+            priced = side_by_side.get(row.trial_id) if row.trial_id is not None else None
+            if row.trial is not None and priced is not None and priced.readings is not None:
+                item["tflops"], item["median_ms"] = _own_numbers(
+                    row.trial, again.get(row.trial.id, []))
             if default is not None and default.tflops:
                 # The stored number: the default's median where it was re-measured with the
                 # finalists, as the best's (db.finalists).
@@ -738,6 +749,16 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
     if exported_at is not None:
         bundle["exported_at"] = exported_at.isoformat()
     return bundle
+
+
+def _own_numbers(trial: Trial, remeasured: Sequence[Remeasurement]) -> tuple[float, float]:
+    """(TFLOP/s, ms) of a trial at the median of its own readings (``db.finalists``): its
+    first and its OK re-measurements, not its head-to-head's."""
+    measured = Measured(ref=trial.id, order=trial.id, first_ms=trial.median_ms or 0.0,
+                        first_tflops=trial.tflops or 0.0,
+                        remeasured_ms=tuple(r.median_ms for r in remeasured
+                                            if r.status == TrialStatus.OK and r.median_ms))
+    return measured.tflops, measured.median_ms
 
 
 def _measurements(trial: Trial, remeasured: Sequence[Remeasurement]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ A spec file::
     timeout = 300
     finalists = 3                      # configs measured again at the end (0: off)
     final_repeats = 2                  # re-measurements of each
+    head_to_head_rounds = 5            # the implementations' bests side by side (0: off)
     template_modules = []              # modules to import that register extra templates
     shapes = [
       {B = 8, H = 16, N = 2048, D = 128},                   # H and N set both q and kv
@@ -65,8 +66,8 @@ __all__ = [
 ]
 
 SPEC_KEYS = ("name", "templates", "template", "shapes", "dtypes", "dtype", "causal", "masks",
-             "trials", "sampler", "timeout", "finalists", "final_repeats", "template_modules",
-             "space")
+             "trials", "sampler", "timeout", "finalists", "final_repeats", "head_to_head_rounds",
+             "template_modules", "space")
 SHAPE_ALIASES: dict[str, tuple[str, ...]] = {
     "B": ("batch",), "batch": ("batch",),
     "H": ("heads_q", "heads_kv"), "H_q": ("heads_q",), "heads_q": ("heads_q",),
@@ -109,6 +110,7 @@ class SweepSpec:
     timeout_s: float | None = None
     finalists: int | None = None
     final_repeats: int | None = None
+    head_to_head_rounds: int | None = None
     template_modules: tuple[str, ...] = field(default_factory=tuple)
     # Knob -> allowed values or "default" (the [space] table); empty: every template's whole
     # space.
@@ -119,6 +121,7 @@ class SweepSpec:
                 "problems": [p.to_dict() for p in self.problems], "trials": self.trials,
                 "sampler": self.sampler, "timeout_s": self.timeout_s,
                 "finalists": self.finalists, "final_repeats": self.final_repeats,
+                "head_to_head_rounds": self.head_to_head_rounds,
                 "template_modules": list(self.template_modules),
                 "space": {k: v if isinstance(v, str) else list(v)
                           for k, v in self.space.items()}}
@@ -397,6 +400,8 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str,
     finalists = _count(data, "finalists", source, least=0,
                        example="finalists = 3 (0: choose the best by its single reading)")
     final_repeats = _count(data, "final_repeats", source, least=1, example="final_repeats = 2")
+    head_to_head_rounds = _count(data, "head_to_head_rounds", source, least=0,
+                                 example="head_to_head_rounds = 5 (0: off)")
     timeout = data.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                 or timeout <= 0):
@@ -412,5 +417,6 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str,
                      trials=trials, sampler=sampler,
                      timeout_s=float(timeout) if timeout is not None else None,
                      finalists=finalists, final_repeats=final_repeats,
+                     head_to_head_rounds=head_to_head_rounds,
                      template_modules=tuple(str(m) for m in modules),
                      space=_space(data.get("space", {}), source))

@@ -8,6 +8,8 @@ running the same sweep against the same PostgreSQL URL. Everything measured is s
 finishes; running a sweep again resumes it (stored configs are not run again), and a larger
 ``--trials`` extends it. At the end of each problem's search its finalists are measured
 again and the best is chosen by their medians (``tuner.search.loop``, ``db.finalists``).
+When every problem is searched, the bests of the implementations of each problem are measured
+side by side, and priced by those readings from then on (``tuner.head_to_head``).
 
 The caller gets events (``on_event``, always called on the calling thread) to draw
 progress, and a :class:`SweepReport` at the end.
@@ -35,9 +37,17 @@ from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.errors import TunerError
+from tuner.head_to_head import (
+    DEFAULT_HEAD_TO_HEAD_ROUNDS,
+    HeadToHeadResult,
+    HeadToHeadStore,
+    candidates_for,
+    run_head_to_head,
+)
 from tuner.runner.compile_ahead import CompileAhead
 from tuner.runner.isolated import IsolatedRunner
 from tuner.runner.measure import describe_exception
+from tuner.runner.outcome import WorkerRunner
 from tuner.search.loop import (
     DEFAULT_FINAL_REPEATS,
     DEFAULT_FINALISTS,
@@ -59,6 +69,8 @@ from tuner.search.study import (
 from tuner.suites import SweepSpec
 
 __all__ = [
+    "HeadToHeadFinished",
+    "HeadToHeadStarted",
     "ProblemFailed",
     "ProblemFinished",
     "ProblemReport",
@@ -70,6 +82,7 @@ __all__ = [
     "TrialDone",
     "device_from_dict",
     "expand_tasks",
+    "problem_label",
     "run_sweep",
 ]
 
@@ -93,6 +106,9 @@ class SweepOptions:
     # best is chosen by their medians (0 finalists: off).
     finalists: int = DEFAULT_FINALISTS
     final_repeats: int = DEFAULT_FINAL_REPEATS
+    # At the end, per problem of two implementations or more: rounds of their bests measured
+    # side by side, whose medians price them (0: off).
+    head_to_head_rounds: int = DEFAULT_HEAD_TO_HEAD_ROUNDS
 
     def __post_init__(self) -> None:
         if self.heartbeat_s < 1:
@@ -117,6 +133,12 @@ class SweepOptions:
             raise TunerError(f"--final-repeats must be >= 1, but got {self.final_repeats}",
                              f"e.g. --final-repeats {DEFAULT_FINAL_REPEATS}; --finalists 0 "
                              "turns the re-measurements off")
+        if self.head_to_head_rounds < 0:
+            raise TunerError(f"--head-to-head-rounds must be >= 0, but got "
+                             f"{self.head_to_head_rounds}",
+                             f"e.g. --head-to-head-rounds {DEFAULT_HEAD_TO_HEAD_ROUNDS}; "
+                             "--head-to-head-rounds 0 prices each implementation by its own "
+                             "search's readings")
 
 
 @dataclass(frozen=True)
@@ -131,11 +153,14 @@ class Task:
 
     @property
     def label(self) -> str:
-        p = self.problem
-        shape = (f"B{p.batch} H{p.heads_q}" + (f"/{p.heads_kv}" if p.heads_kv != p.heads_q else "")
-                 + f" N{p.seqlen_q}" + (f"/{p.seqlen_kv}" if p.seqlen_kv != p.seqlen_q else "")
-                 + f" D{p.head_dim}")
-        return f"{self.template.name} {shape} {p.dtype} {p.variant}"
+        return f"{self.template.name} {problem_label(self.problem)}"
+
+
+def problem_label(p: Problem) -> str:
+    shape = (f"B{p.batch} H{p.heads_q}" + (f"/{p.heads_kv}" if p.heads_kv != p.heads_q else "")
+             + f" N{p.seqlen_q}" + (f"/{p.seqlen_kv}" if p.seqlen_kv != p.seqlen_q else "")
+             + f" D{p.head_dim}")
+    return f"{shape} {p.dtype} {p.variant}"
 
 
 # ----------------------------------------------------------------------------- events
@@ -179,6 +204,20 @@ class ProblemFailed:
 
 
 @dataclass(frozen=True)
+class HeadToHeadStarted:
+    """The bests of a problem's implementations are being measured side by side."""
+
+    label: str  # the problem's
+    templates: tuple[str, ...]
+    rounds: int
+
+
+@dataclass(frozen=True)
+class HeadToHeadFinished:
+    result: HeadToHeadResult
+
+
+@dataclass(frozen=True)
 class _WorkerReady:
     worker: int
     device: dict[str, Any]  # DeviceInfo fields plus "key", as the trial worker reports
@@ -190,7 +229,8 @@ class _WorkerExit:
     error: BaseException | None
 
 
-Event = SweepStarted | ProblemStarted | TrialDone | ProblemFinished | ProblemFailed
+Event = (SweepStarted | ProblemStarted | TrialDone | ProblemFinished | ProblemFailed
+         | HeadToHeadStarted | HeadToHeadFinished)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -257,6 +297,7 @@ class SweepReport:
     problems: list[ProblemReport]
     wall_s: float
     compile_ahead: int
+    head_to_heads: list[HeadToHeadResult] = field(default_factory=list)
 
     @property
     def interpreter(self) -> bool:
@@ -267,7 +308,8 @@ class SweepReport:
                 "device": self.device, "interpreter": self.interpreter,
                 "timings_are_gpu_timings": not self.interpreter, "sampler": self.sampler,
                 "workers": self.workers, "compile_ahead": self.compile_ahead,
-                "wall_s": self.wall_s, "problems": [p.to_dict() for p in self.problems]}
+                "wall_s": self.wall_s, "problems": [p.to_dict() for p in self.problems],
+                "head_to_heads": [h.to_dict() for h in self.head_to_heads]}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -354,12 +396,15 @@ class _Shared:
     stale_check_s: float
     events: queue.Queue[Any]
     stop: threading.Event
+    make_runner: Callable[..., WorkerRunner]
 
 
 def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
               on_event: Callable[[Event], None] | None = None,
-              stop: threading.Event | None = None) -> SweepReport:
-    """Tune every problem of ``spec`` into ``db_url``; see the module docstring."""
+              stop: threading.Event | None = None,
+              make_runner: Callable[..., WorkerRunner] = IsolatedRunner) -> SweepReport:
+    """Tune every problem of ``spec`` into ``db_url``; see the module docstring.
+    ``make_runner(name=..., env=...)`` makes each trial worker's runner (tests give fakes)."""
     from db import crud
     from db.session import init_db, run_in_transaction
 
@@ -389,11 +434,12 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
         compile_ahead=compile_ahead,
         lookahead=max(1, compile_ahead.workers // options.workers) if compile_ahead.workers
         else 0, stale_check_s=grace_s / 2, events=queue.Queue(),
-        stop=stop or threading.Event())
+        stop=stop or threading.Event(), make_runner=make_runner)
     devices: dict[int, dict[str, Any]] = {}
     stats: dict[int, list[SearchStats]] = {i: [] for i in range(len(tasks))}
     failures: dict[int, str] = {}
     errors: list[BaseException] = []
+    head_to_heads: list[HeadToHeadResult] = []
     status = SweepStatus.FAILED
     threads = [threading.Thread(target=_work, args=(shared, w), name=f"sweep-worker-{w}",
                                 daemon=True) for w in range(options.workers)]
@@ -423,6 +469,11 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
                 emit(item)
         status = SweepStatus.FAILED if errors else (
             SweepStatus.INTERRUPTED if shared.stop.is_set() else SweepStatus.DONE)
+        if status == SweepStatus.DONE and options.head_to_head_rounds and devices:
+            device = devices.get(0) or next(iter(devices.values()))
+            head_to_heads = _head_to_heads(shared, device, emit)
+            if shared.stop.is_set():
+                status = SweepStatus.INTERRUPTED
     except KeyboardInterrupt:
         status = SweepStatus.INTERRUPTED
         raise
@@ -449,7 +500,8 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
         problems[index].skipped = reason
     return SweepReport(sweep_id=sweep_id, name=spec.name, status=status.value, device=device,
                        sampler=options.sampler, workers=options.workers, problems=problems,
-                       wall_s=time.monotonic() - started, compile_ahead=compile_ahead.workers)
+                       wall_s=time.monotonic() - started, compile_ahead=compile_ahead.workers,
+                       head_to_heads=head_to_heads)
 
 
 def _work(shared: _Shared, worker: int) -> None:
@@ -457,7 +509,7 @@ def _work(shared: _Shared, worker: int) -> None:
     gpus = shared.gpus
     env = {"CUDA_VISIBLE_DEVICES": gpus[worker % len(gpus)]} if len(gpus) > 1 else {}
     # Created (and closed) on this thread: the worker process dies with its thread.
-    runner = IsolatedRunner(name=f"trial-worker-{worker}", env=env)
+    runner = shared.make_runner(name=f"trial-worker-{worker}", env=env)
     error: BaseException | None = None
     try:
         device = runner.device()
@@ -482,7 +534,7 @@ def _work(shared: _Shared, worker: int) -> None:
 
 
 def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str, Any],
-          store: DbStore, runner: IsolatedRunner) -> None:
+          store: DbStore, runner: WorkerRunner) -> None:
     """One problem on one worker: join its study, search until its budget is met."""
     options, template = shared.options, task.template
     version = shared.versions[template.name]
@@ -518,6 +570,56 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
         return
     shared.events.put(ProblemStarted(worker, index, budget, search.results()))
     shared.events.put(ProblemFinished(worker, index, search.run()))
+
+
+def _head_to_heads(shared: _Shared, device: dict[str, Any],
+                   emit: Callable[[Event], None]) -> list[HeadToHeadResult]:
+    """After every search: each problem's implementations side by side (``tuner.head_to_head``),
+    on this thread, in a trial worker of its own on the first GPU. A head-to-head that fails
+    (not a candidate: the step itself) is reported and the next one runs; the bests the sweep
+    stored stay as they are."""
+    groups = _templates_by_problem(shared.tasks)
+    if not groups:
+        return []  # no trial worker started for nothing (a spec of one template)
+    options, info = shared.options, device_from_dict(device)
+    store = HeadToHeadStore(shared.db_url, device=device, sweep_id=shared.sweep_id,
+                            worker=f"{_host()}:{os.getpid()}:head-to-head")
+    env = {"CUDA_VISIBLE_DEVICES": shared.gpus[0]} if len(shared.gpus) > 1 else {}
+    runner = shared.make_runner(name="head-to-head", env=env)
+    results: list[HeadToHeadResult] = []
+    try:
+        for index, (problem, templates) in enumerate(groups):
+            if shared.stop.is_set():
+                break
+            label, rounds = problem_label(problem), options.head_to_head_rounds
+            try:
+                candidates = candidates_for(store, problem, templates, shared.versions, info)
+                if not candidates:
+                    continue
+                emit(HeadToHeadStarted(label, tuple(c.template.name for c in candidates),
+                                       rounds))
+                result = run_head_to_head(
+                    store, runner, candidates, label=label, problem=problem, rounds=rounds,
+                    timeout_s=options.timeout_s, stop=shared.stop,
+                    seed=None if options.seed is None else options.seed * 1000 + index)
+            except Exception as exc:
+                log.warning("the head-to-head of %s failed; its bests stay as the sweep stored "
+                            "them", label, exc_info=True)
+                result = HeadToHeadResult(label=label, problem=problem.to_dict(), rounds=rounds,
+                                          failed=describe_exception(exc))
+            results.append(result)
+            emit(HeadToHeadFinished(result))
+    finally:
+        runner.close()
+    return results
+
+
+def _templates_by_problem(tasks: list[Task]) -> list[tuple[Problem, list[Template]]]:
+    """The problems of ``tasks`` swept by two templates or more, in order, with them."""
+    found: dict[Problem, list[Template]] = {}
+    for task in tasks:
+        found.setdefault(task.problem, []).append(task.template)
+    return [(problem, templates) for problem, templates in found.items() if len(templates) > 1]
 
 
 def _setup_failed(shared: _Shared, worker: int, index: int, template: Template,

@@ -1,7 +1,7 @@
 """Migrations from an empty database, repeated calls, Optuna's tables beside ours, 0001 -> 0002
 (the remeasurements table), 0002 -> 0003 (remeasurement_claims), 0003 -> 0004
-(devices.cudnn_version), 0004 -> 0005 (snapshots) and 0005 -> 0006 (the demand queue) up and
-down with data in place."""
+(devices.cudnn_version), 0004 -> 0005 (snapshots), 0005 -> 0006 (the demand queue) and 0006 ->
+0007 (head-to-head sessions) up and down with data in place."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from db.models import Base, TrialStatus
 from db.session import dispose_engine, init_db, make_engine, session_scope
 
 OUR_TABLES = {"devices", "templates", "sweeps", "tuning_trials", "best_configs",
-              "remeasurements", "remeasurement_claims", "snapshots", "demand"}
-HEAD = "0006"
+              "remeasurements", "remeasurement_claims", "snapshots", "demand",
+              "head_to_heads", "head_to_head_readings"}
+HEAD = "0007"
 
 
 @contextmanager
@@ -165,7 +166,8 @@ def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url:
     _migrate(engine, "0001", down=True)
     tables = set(sa.inspect(engine).get_table_names())
     assert tables == OUR_TABLES - {"remeasurements", "remeasurement_claims", "snapshots",
-                                   "demand"} | {VERSION_TABLE}
+                                   "demand", "head_to_heads", "head_to_head_readings"} | {
+        VERSION_TABLE}
     with engine.connect() as connection:
         assert current_revision(connection) == "0001"
         assert connection.scalar(sa.text("SELECT median_ms FROM tuning_trials")) == 2.0
@@ -298,3 +300,45 @@ def test_0006_adds_the_demand_queue_to_a_0005_database_and_downgrades_back(
     _migrate(engine, "head")
     with engine.connect() as connection:
         assert connection.scalar(sa.text("SELECT count(*) FROM demand")) == 0
+
+
+def test_0007_adds_head_to_heads_to_a_0006_database_and_downgrades_back(db_url: str) -> None:
+    from db import head_to_head
+
+    engine = make_engine(db_url)
+    _migrate(engine, "0006")
+    assert not {"head_to_heads", "head_to_head_readings"} & set(
+        sa.inspect(engine).get_table_names())
+    device_id, template_id, trial_id = _one_trial(engine)
+
+    init_db(db_url)
+    with engine.connect() as connection:
+        assert current_revision(connection) == head_revision() == HEAD
+    with session_scope(db_url) as s:
+        session = head_to_head.start_head_to_head(s, device_id=device_id, problem={}, rounds=2)
+        for n, ms in enumerate((2.4, 2.6)):
+            head_to_head.record_head_to_head_reading(
+                s, head_to_head_id=session, trial_id=trial_id, round=n, position=0,
+                status=TrialStatus.OK, median_ms=ms, tflops=100.0 / ms)
+        head_to_head.finish_head_to_head(s, head_to_head_id=session)
+        best = crud.refresh_best(s, device_id=device_id, template_id=template_id,
+                                 problem_key="p")
+        assert best is not None and best.median_ms == pytest.approx(2.5)  # of 2.4 and 2.6
+    assert {i["name"] for i in sa.inspect(engine).get_indexes("head_to_heads")} == {
+        "ix_head_to_heads_device_id", "ix_head_to_heads_sweep_id"}
+    assert {i["name"] for i in sa.inspect(engine).get_indexes("head_to_head_readings")} == {
+        "ix_head_to_head_readings_head_to_head_id", "ix_head_to_head_readings_trial_id"}
+
+    _migrate(engine, "0006", down=True)
+    assert not {"head_to_heads", "head_to_head_readings"} & set(
+        sa.inspect(engine).get_table_names())
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0006"
+        assert connection.scalar(sa.text("SELECT median_ms FROM tuning_trials")) == 2.0
+        assert connection.scalar(sa.text("SELECT median_ms FROM best_configs")) == (
+            pytest.approx(2.5))  # as the head-to-head left it, until its next refresh
+    _migrate(engine, "head")
+    with session_scope(db_url) as s:
+        best = crud.refresh_best(s, device_id=device_id, template_id=template_id,
+                                 problem_key="p")
+        assert best is not None and best.median_ms == 2.0  # the sweep's own reading again

@@ -69,4 +69,4 @@ def landscape() -> RecordedProblem:
 
 # The storage fixtures of tests/db: a fresh SQLite file, and a fresh PostgreSQL schema
 # (skipped with the reason when no server answers).
-from tests.db.conftest import db_url, postgres_server  # noqa: E402, F401
+from tests.db.conftest import db_url, postgres_server, sqlite_url  # noqa: E402, F401

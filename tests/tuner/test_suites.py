@@ -67,6 +67,7 @@ sampler = "random"
 timeout = 60
 finalists = 0
 final_repeats = 4
+head_to_head_rounds = 0
 shapes = [
   {B = 2, H = 8, N = 1000, D = 64},
   {B = 1, H_q = 32, H_kv = 8, N_q = 128, N_kv = 4096, D = 128},
@@ -83,6 +84,7 @@ sampler: random
 timeout: 60
 finalists: 0
 final_repeats: 4
+head_to_head_rounds: 0
 shapes:
   - {B: 2, H: 8, N: 1000, D: 64}
   - {batch: 1, heads_q: 32, heads_kv: 8, seqlen_q: 128, seqlen_kv: 4096, head_dim: 128}
@@ -98,8 +100,9 @@ def test_toml_and_yaml_specs_give_the_same_problems(tmp_path: Path) -> None:
     assert a.problems == b.problems
     assert (a.trials, a.sampler, a.timeout_s) == (12, "random", 60.0)
     assert (a.finalists, a.final_repeats) == (0, 4)  # 0 is a setting: no finalists
-    assert spec_from_mapping({"shapes": [{"B": 1, "H": 2, "N": 64, "D": 32}]},
-                             source="test").finalists is None  # not set: the flag's default
+    assert a.head_to_head_rounds == 0 == b.head_to_head_rounds  # and no head-to-head
+    unset = spec_from_mapping({"shapes": [{"B": 1, "H": 2, "N": 64, "D": 32}]}, source="test")
+    assert unset.finalists is None and unset.head_to_head_rounds is None  # the flags' defaults
     assert len(a.problems) == 2 * 2 * 2
     assert Problem(2, 8, 8, 1000, 1000, 64, "float16", "none") in a.problems
     assert Problem(1, 32, 8, 128, 4096, 128, "bfloat16", "bottom_right") in a.problems
@@ -136,6 +139,8 @@ def test_flags_make_a_spec() -> None:
      "'finalists' must be an integer >= 0"),
     ({"shapes": [{"B": 1, "H": 2, "N": 64, "D": 32}], "final_repeats": 0},
      "'final_repeats' must be a positive integer"),
+    ({"shapes": [{"B": 1, "H": 2, "N": 64, "D": 32}], "head_to_head_rounds": -1},
+     "'head_to_head_rounds' must be an integer >= 0"),
     ({"shapes": "B=1"}, r"shapes\[0\] must be a mapping"),
 ])
 def test_malformed_specs_name_the_problem(data: dict, message: str) -> None:

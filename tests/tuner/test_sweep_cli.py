@@ -339,6 +339,10 @@ def test_user_errors_exit_2_and_name_the_fix(tmp_path: Path) -> None:
                         (["--final-repeats", "0"], "--final-repeats must be >= 1")):
         code, _, err = cli("sweep", "--shape", "B=1,H=2,N=64,D=32", *flags, "--db", db)
         assert code == 2 and says in err and "--finalists" in " ".join(err.split()), flags
+    code, _, err = cli("sweep", "--shape", "B=1,H=2,N=64,D=32", "--head-to-head-rounds", "-1",
+                       "--db", db)
+    assert code == 2 and "--head-to-head-rounds must be >= 0" in err
+    assert "--head-to-head-rounds 0" in " ".join(err.split())
     code, _, err = cli("sweep", "cpu", "--db", "mysql://x/y")
     assert code == 2 and "not supported" in err
     code, _, err = cli("import", str(tmp_path / "missing.json"), "--db", db)
@@ -405,9 +409,12 @@ def test_on_the_gpu_trials_are_timed_with_do_bench_and_compiled_ahead(tmp_path: 
 def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> None:
     from tuner.cli.common import console
     from tuner.cli.sweep import SweepDisplay, print_summary
+    from tuner.head_to_head import CandidateResult, HeadToHeadResult
     from tuner.search.loop import SearchStats, TrialEvent
     from tuner.search.store import StoredBest
     from tuner.sweep import (
+        HeadToHeadFinished,
+        HeadToHeadStarted,
         ProblemFailed,
         ProblemFinished,
         ProblemReport,
@@ -436,6 +443,13 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
         best = StoredBest({"BLOCK": 64}, 290.0, 1.03, 200.0, 1.45, runs=3)
         display.handle(ProblemFinished(0, 1, SearchStats(budget=4, remeasured=6, best=best)))
         display.handle(ProblemFailed(0, 1, "could not set up"))
+        display.handle(HeadToHeadStarted("B1 H2 N32 D16", ("torch_sdpa", "flash_fwd"), 5))
+        side_by_side = HeadToHeadResult(
+            "B1 H2 N32 D16", TOY_PROBLEM.to_dict(), 5, session=1, finished=True, candidates=[
+                CandidateResult("torch_sdpa", {}, [1.2] * 5, 1.2, 1.0),
+                CandidateResult("flash_fwd", {}, [0.9], failed="wrong_result: error 0.5"),
+                CandidateResult("gluon_fwd", {}, [1.1] * 5, 1.1, 1.1)])
+        display.handle(HeadToHeadFinished(side_by_side))
         display.close()
         report = ProblemReport(label=task.label, template="toy_add", template_version="v",
                                problem=TOY_PROBLEM.to_dict(), problem_key=task.problem_key,
@@ -446,7 +460,7 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setattr(console, "width", 160)  # the table's columns unfolded
         print_summary(SweepReport(sweep_id=7, name="toys", status="done", device=device,
                                   sampler="tpe", workers=1, problems=[report], wall_s=4.0,
-                                  compile_ahead=0))
+                                  compile_ahead=0, head_to_heads=[side_by_side]))
     text = " ".join(out.getvalue().split())  # rich wraps lines at the console's width
     assert "sweep 7" in text and "skipped toy_add X: too big" in text
     assert "best 300.0 TFLOP/s (default 200.0, 1.50x)" in text
@@ -455,5 +469,9 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "│ 4, 1 out │" in text and "finals: configs measured again at the end" in text
     assert "1.00 s per trial of worker time, of which 0.50 s timing the kernel" in text
     assert "8 finalist re-measurement(s) by this sweep: 2 s of worker time" in text
+    assert "head-to-head B1 H2 N32 D16: torch_sdpa, flash_fwd, 5 rounds side by side" in text
+    line = ("head-to-head B1 H2 N32 D16: gluon_fwd 1.1 ms, torch_sdpa 1.2 ms, flash_fwd out "
+            "(wrong_result: error 0.5) (medians of 5 rounds)")
+    assert text.count(line) == 2  # as it finished, and in the summary
     if device["name"] == "cpu-interpreter":
         assert "NOT GPU timings" in text

@@ -69,6 +69,12 @@ def sweep(
     final_repeats: Annotated[int | None, typer.Option(
         "--final-repeats", help="re-measurements of each finalist, on fresh inputs "
                                 "(default: the spec's, else 2)", show_default=False)] = None,
+    head_to_head_rounds: Annotated[int | None, typer.Option(
+        "--head-to-head-rounds", help="at the end, per problem of two implementations or more "
+                                      "(e.g. torch_sdpa and flash_fwd): rounds of their best "
+                                      "configs measured side by side, rotated; their medians "
+                                      "price them for the dispatcher; 0: off (default: the "
+                                      "spec's, else 5)", show_default=False)] = None,
     template: Annotated[list[str] | None, typer.Option(
         "--template", help="with --shape: template(s) to tune (default flash_fwd)")] = None,
     shape: Annotated[list[str] | None, typer.Option(
@@ -91,6 +97,7 @@ def sweep(
 
     from templates.device import interpreter_active
     from tuner.gpus import gpus_for_sweep
+    from tuner.head_to_head import DEFAULT_HEAD_TO_HEAD_ROUNDS
     from tuner.search.loop import DEFAULT_FINAL_REPEATS, DEFAULT_FINALISTS
     from tuner.suites import resolve_spec, spec_from_flags
     from tuner.sweep import SweepOptions, run_sweep
@@ -123,7 +130,10 @@ def sweep(
                            finalists=_first_given(finalists, resolved.finalists,
                                                   DEFAULT_FINALISTS),
                            final_repeats=_first_given(final_repeats, resolved.final_repeats,
-                                                      DEFAULT_FINAL_REPEATS))
+                                                      DEFAULT_FINAL_REPEATS),
+                           head_to_head_rounds=_first_given(
+                               head_to_head_rounds, resolved.head_to_head_rounds,
+                               DEFAULT_HEAD_TO_HEAD_ROUNDS))
     if note and not json_out:
         console.print(f"[yellow]{note}[/]")
     stop = threading.Event()
@@ -182,6 +192,8 @@ class SweepDisplay:
 
     def handle(self, event: Any) -> None:
         from tuner.sweep import (
+            HeadToHeadFinished,
+            HeadToHeadStarted,
             ProblemFailed,
             ProblemFinished,
             ProblemStarted,
@@ -219,6 +231,12 @@ class SweepDisplay:
         elif isinstance(event, ProblemFailed):
             self.progress.console.print(f"  [red]skipped[/] {self._labels[event.index]}: "
                                         f"{event.reason}")
+        elif isinstance(event, HeadToHeadStarted):
+            self.progress.console.print(f"  head-to-head {event.label}: "
+                                        f"{', '.join(event.templates)}, {event.rounds} rounds "
+                                        "side by side")
+        elif isinstance(event, HeadToHeadFinished):
+            self.progress.console.print(f"  {head_to_head_line(event.result)}")
 
     def _start(self, event: Any) -> None:
         device = event.device
@@ -265,6 +283,20 @@ class SweepDisplay:
         if self._started:
             self.progress.stop()
             self._started = False
+
+
+def head_to_head_line(result: Any) -> str:
+    """One head-to-head: each candidate's median side by side, fastest first (ms, since all
+    ran one problem), or why it has none."""
+    if result.failed:
+        return f"[red]failed[/] head-to-head {result.label}: {result.failed}"
+    if not result.finished:
+        return f"[yellow]interrupted[/] head-to-head {result.label}: prices nothing"
+    ranked = sorted(result.candidates, key=lambda c: (c.median_ms is None, c.median_ms or 0))
+    parts = [f"{c.template} {c.median_ms:.4g} ms" if c.median_ms is not None
+             else f"{c.template} out ({c.failed})" for c in ranked]
+    return (f"[green]done[/] head-to-head {result.label}: {', '.join(parts)} "
+            f"(medians of {result.rounds} rounds)")
 
 
 def _remeasured(p: Any) -> str:
@@ -315,6 +347,11 @@ def print_summary(report: Any) -> None:
     if remeasurements:
         console.print(f"{remeasurements} finalist re-measurement(s) by this sweep: "
                       f"{final:.0f} s of worker time")
+    if report.head_to_heads:
+        console.print("head-to-heads: each implementation's best measured side by side at "
+                      "the end; these medians price them for the dispatcher")
+        for result in report.head_to_heads:
+            console.print(f"  {head_to_head_line(result)}")
     if not measured and not remeasurements:
         console.print("nothing new to measure: every problem already has its budget of "
                       "results (raise --trials to tune further)")

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from db.models import TrialStatus
 from tuner.runner.timing import REP_MS
 
-__all__ = ["Runner", "TrialOutcome", "TrialRequest"]
+__all__ = ["Runner", "TrialOutcome", "TrialRequest", "WorkerRunner"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,12 @@ class Runner(Protocol):
     """Measures one config: an isolated GPU worker, or a replay of recorded results."""
 
     def measure(self, request: TrialRequest, timeout_s: float) -> TrialOutcome: ...
+
+
+class WorkerRunner(Runner, Protocol):
+    """A runner that owns a trial worker: it reports the worker's device (DeviceInfo fields
+    plus ``key``) and is closed when done (``IsolatedRunner``; fakes in tests)."""
+
+    def device(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...

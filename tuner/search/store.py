@@ -73,7 +73,9 @@ class StoredBest:
     median_ms: float
     default_tflops: float | None
     speedup: float | None
-    runs: int = 1  # readings behind median_ms: the first and the finalist's re-measurements
+    # Readings behind median_ms: the first and the finalist's re-measurements, or its latest
+    # head-to-head's.
+    runs: int = 1
 
 
 @dataclass(frozen=True)
@@ -173,16 +175,13 @@ def _best(row: Any, runs: int) -> StoredBest | None:
 
 
 def _runs_of(s: Any, row: Any) -> int:
-    """Readings behind a best config row's time: its trial's and the OK re-measurements."""
-    from sqlalchemy import func, select
+    """Readings behind a best config row's time (``db.crud.best_readings``): its trial's and
+    the OK re-measurements, or those of its latest head-to-head."""
+    from db import crud
 
-    from db.models import Remeasurement
-
-    if row is None or row.trial_id is None:
+    if row is None:
         return 1
-    again = s.scalar(select(func.count()).select_from(Remeasurement).where(
-        Remeasurement.trial_id == row.trial_id, Remeasurement.status == TrialStatus.OK))
-    return 1 + int(again or 0)
+    return crud.best_readings(s, [row])[row.id].count
 
 
 class DbStore:
