@@ -82,6 +82,7 @@ import triton
 from templates import direct_launch, flash_decode_kernel, plan_cache
 from templates.base import (
     KernelConfig,
+    KernelLaunch,
     Problem,
     Template,
     inline_template_imports,
@@ -98,6 +99,7 @@ from templates.flash_decode_kernel import (
     check_cache_contents,
     check_decode_inputs,
     decode_launch_plan,
+    decode_launches,
     launch_decode,
     pow2_at_least,
     rows_per_tile,
@@ -107,6 +109,7 @@ from templates.flash_decode_kernel import (
 from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.plan_cache import PlanCache
 from templates.registry import register
+from templates.standin_tensor import StandinTensor
 
 # ----------------------------------------------------------------------------- the space
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -363,6 +366,38 @@ class FlashDecodeTemplate(Template):
                             cache_seqlens=inputs["cache_seqlens"],
                             block_table=inputs.get("block_table"), scale=inputs.get("scale"),
                             config=self.config(config), check_contents=False)
+
+    def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
+        """The split kernel's launch (and the separate combine's), with stand-in tensors laid
+        out as ``make_decode_inputs`` lays them out (contiguous, or a paged pool)."""
+        if self.unsupported(problem):
+            return None
+        cfg = self.config(config)
+        assert isinstance(cfg, FlashDecodeConfig)
+        layout = parse_decode_mask(problem.mask)
+        dtype = getattr(torch, problem.dtype)
+        b, h_kv, d = problem.batch, problem.heads_kv, problem.head_dim
+        q = StandinTensor(dtype, (b, problem.heads_q, problem.seqlen_q, d))
+        lengths = StandinTensor(torch.int32, (b,))
+        if layout.page_size is None:
+            cache_shape: tuple[int, ...] = (b, h_kv, problem.seqlen_kv, d)
+            table = None
+            shape = DecodeShape(b, problem.heads_q, h_kv, problem.seqlen_q, d,
+                                problem.seqlen_kv, 0, 0)
+        else:
+            page = layout.page_size
+            max_pages = -(-problem.seqlen_kv // page)
+            pages = b * max_pages + 1  # the pool's size sets no stride: any count will do
+            cache_shape = (pages, page, h_kv, d)
+            table = StandinTensor(torch.int32, (b, max_pages))
+            shape = DecodeShape(b, problem.heads_q, h_kv, problem.seqlen_q, d,
+                                max_pages * page, page, pages)
+        cache = StandinTensor(dtype, cache_shape)
+        return decode_launches(q, cache, StandinTensor(dtype, cache_shape), lengths, table,
+                               shape, StandinTensor, num_splits=cfg.num_splits,
+                               block_n=cfg.block_n, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, combine=cfg.combine,
+                               kv_load=cfg.kv_load, whole_waves=cfg.whole_waves)
 
     def reference(self, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_reference(inputs["q"], inputs["k_cache"], inputs["v_cache"],

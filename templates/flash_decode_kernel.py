@@ -12,7 +12,7 @@ The layouts and semantics are documented in ``templates/flash_decode.py``.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -534,7 +534,7 @@ def _make_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_m = rows_per_tile(group, n_q)
     row_tiles = triton.cdiv(group * n_q, block_m)
     block_d = pow2_at_least(head_dim, 16)
-    if whole_waves and q.is_cuda:
+    if whole_waves and getattr(q, "is_cuda", False):  # (stand-ins: see decode_launches)
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = whole_wave_splits(batch * heads_kv * row_tiles, num_splits,
                                        max(num_splits, triton.cdiv(shape.capacity, block_n)),
@@ -579,6 +579,40 @@ def _make_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         split_constants=(heads_kv, group, row_tiles, num_splits, *q.stride(), *k_strides,
                          *v_strides, *table_strides, cache_seqlens.stride(0)),
         split=split, combine=combine_launch, scratch={})
+
+
+def decode_launches(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
+                    block_table: Any | None, shape: DecodeShape, scratch: Any, *,
+                    num_splits: int, block_n: int, num_warps: int, num_stages: int,
+                    combine: str = "separate", kv_load: str = "default",
+                    whole_waves: bool = False) -> list[tuple[Any, tuple[int, ...], list[Any],
+                                                             dict[str, Any]]]:
+    """The launches of one call as (kernel, grid, positional arguments, constexprs and
+    options), for ``kernel.warmup`` with stand-in tensors (``FlashDecodeTemplate.
+    kernel_launches``). ``scratch(dtype, shape)`` makes the outputs' and partials' stand-ins.
+    Stand-ins are not CUDA tensors, so ``whole_waves`` keeps num_splits: the fused merge's
+    tile (a power of two of the splits) may then differ from a GPU's launch."""
+    plan = _make_plan(q, k_cache, v_cache, cache_seqlens, block_table, shape,
+                      num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                      num_stages=num_stages, combine=combine, kv_load=kv_load,
+                      whole_waves=whole_waves)
+    o = scratch(q.dtype, plan.out_shape)
+    lse = scratch(torch.float32, plan.out_shape[:3])
+    o_part, lse_part = o, lse
+    if plan.part_shape is not None:
+        o_part = scratch(torch.float32, plan.part_shape)
+        lse_part = scratch(torch.float32, plan.part_shape[:4])
+    arrivals = scratch(torch.int32, (max(plan.arrivals_needed, 1024),)) if plan.fused else lse
+    table = cache_seqlens if block_table is None else block_table
+    split_args = [q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part, lse_part, arrivals,
+                  plan.default_scale * LOG2E, *plan.split_constants]
+    launches = [(plan.split.kernel, plan.split.grid, split_args,
+                 {**plan.split.constexprs, **plan.split.options})]
+    if plan.combine is not None:
+        launches.append((plan.combine.kernel, plan.combine.grid,
+                         [o_part, lse_part, o, lse, plan.num_splits],
+                         {**plan.combine.constexprs, **plan.combine.options}))
+    return launches
 
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

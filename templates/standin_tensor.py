@@ -8,6 +8,7 @@ exactly what a trial will run without allocating inputs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 from triton.runtime.jit import MockTensor
@@ -28,8 +29,16 @@ class StandinTensor(MockTensor):  # type: ignore[misc]
     def __init__(self, dtype: torch.dtype, shape: Sequence[int]) -> None:
         super().__init__(dtype, list(shape))
 
-    def stride(self) -> tuple[int, ...]:
+    @overload
+    def stride(self) -> tuple[int, ...]: ...
+
+    @overload
+    def stride(self, dim: int) -> int: ...
+
+    def stride(self, dim: int | None = None) -> tuple[int, ...] | int:
+        """As ``torch.Tensor.stride``: all of them, or dimension ``dim``'s."""
         strides = [1]
         for size in reversed(self.shape[1:]):
             strides.append(strides[-1] * size)
-        return tuple(reversed(strides))
+        whole = tuple(reversed(strides))
+        return whole if dim is None else whole[dim]

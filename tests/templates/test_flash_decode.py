@@ -422,6 +422,34 @@ def test_fused_merge_loads_the_real_rows_of_a_tile() -> None:
     assert flash_decode_kernel.merge_split_tile(32, 256, 4, rows=64) == 1
 
 
+@pytest.mark.parametrize("mask", ["none", "paged:32+mixed"])
+@pytest.mark.parametrize("combine", ["separate", "fused"])
+def test_kernel_launches_are_what_a_call_launches(mask: str, combine: str) -> None:
+    """The stand-in launches (compile-check, compile-ahead) specialize as a real call does:
+    the same kernels, grids, constexprs, options, input layouts and integer arguments."""
+    problem = decode_problem(3, 8, 2, 1, 200, 64, dtype="float16", mask=mask)
+    config = FlashDecodeConfig(num_splits=4, block_n=32, combine=combine)
+    launches = TEMPLATE.kernel_launches(problem, config)
+    assert launches is not None
+    inputs = TEMPLATE.make_inputs(problem, "cpu")
+    args = [inputs[name] for name in ("q", "k_cache", "v_cache", "cache_seqlens")]
+    table = inputs["block_table"]
+    shape = check_decode_inputs(*args, table)
+    plan = flash_decode_kernel.decode_launch_plan(*args, table, shape,
+                                                  **config.to_dict())
+    expected = [plan.split] + ([plan.combine] if plan.combine is not None else [])
+    assert [launch[0] for launch in launches] == [e.kernel for e in expected]
+    for (_, grid, _, options), e in zip(launches, expected, strict=True):
+        assert grid == e.grid and options == {**e.constexprs, **e.options}
+    split_args = launches[0][2]
+    for standin, real in zip(split_args[:5], [*args, args[3] if table is None else table],
+                             strict=True):
+        assert (standin.dtype, tuple(standin.shape[1:]), standin.stride()[1:]) == (
+            real.dtype, tuple(real.shape[1:]), real.stride()[1:])
+    assert tuple(split_args[11:]) == plan.split_constants
+    assert TEMPLATE.kernel_launches(decode_problem(1, 2, 2, 20, 64, 64), config) is None
+
+
 def test_split_heuristic_fills_the_gpu() -> None:
     b1 = TEMPLATE.default_config(decode_problem(1, 32, 8, 1, 32768, 128, dtype="bfloat16"), H100)
     assert 8 * b1.num_splits >= 2 * H100.sm_count  # 8 KV heads alone fill 8 of 132 SMs
@@ -599,3 +627,23 @@ def test_gpu_fused_combine_on_two_streams_at_once() -> None:
         for out in results:
             assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
     assert_counters_at_zero()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["separate", "fused"])
+def test_gpu_precompile_compiles_what_run_launches(combine: str) -> None:
+    problem = decode_problem(2, 32, 8, 1, 4096, 128, dtype="bfloat16", mask="paged:64+mixed")
+    config = FlashDecodeConfig(num_splits=8, block_n=64, num_stages=3, combine=combine)
+    device = torch.cuda.current_device()
+    kernels = (flash_decode_kernel._decode_split_kernel,
+               flash_decode_kernel._decode_combine_kernel)
+    before = [set(k.device_caches[device][0]) for k in kernels]
+    assert TEMPLATE.precompile(problem, config)
+    precompiled = [set(k.device_caches[device][0]) - b for k, b in zip(kernels, before,
+                                                                      strict=True)]
+    inputs = TEMPLATE.make_inputs(problem, "cuda")
+    out = TEMPLATE.run(inputs, config)
+    launched = [set(k.device_caches[device][0]) - b - p
+                for k, b, p in zip(kernels, before, precompiled, strict=True)]
+    assert launched == [set(), set()], f"run compiled {launched} beyond {precompiled}"
+    assert TEMPLATE.error(out, TEMPLATE.reference(inputs)) <= TEMPLATE.tolerance(problem)

@@ -35,6 +35,21 @@ def test_compile_check_compiles_each_default_config_for_the_target(tmp_path: Pat
                for s in report["skipped"]) and len(report["skipped"]) == 2
 
 
+def test_compile_check_compiles_the_decode_kernels(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.replace("causal = [\"none\", \"top_left\"]", "causal = [\"none\"]")
+                    .replace("{B = 1, H = 2, N = 256, D = 64}",
+                             "{B = 1, H_q = 8, H_kv = 2, N_q = 1, N_kv = 2048, D = 64}"))
+    code, out, err = cli("compile-check", str(spec), "--target", "h100", "--json")
+    assert code == 0, err
+    [outcome] = [o for o in json.loads(out)["outcomes"] if o["template"] == "flash_decode"]
+    assert outcome["error"] == ""
+    # The default splits a 2k cache in two: the split kernel, then the separate combine.
+    assert [k["kernel"] for k in outcome["kernels"]] == ["_decode_split_kernel",
+                                                       "_decode_combine_kernel"]
+    assert all(k["registers"] > 0 for k in outcome["kernels"])
+
+
 def test_an_unknown_target_is_a_user_error() -> None:
     code, out, _ = cli("compile-check", "quick", "--target", "v100", "--json")
     assert code == 2
