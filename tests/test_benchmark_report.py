@@ -418,3 +418,248 @@ def test_plots(report: ModuleType, tmp_path: Path) -> None:
         assert (img / f"{name}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
         assert f"(img/{name}.png)" in md
     assert sorted(p.name for p in img.iterdir()) == [f"{n}.png" for n in names]
+
+
+# ----------------------------------------------------------------------------- issue 16 formats
+def dispatch_row(problem: dict[str, Any], training: bool, ms: dict[str, float | None],
+                 chosen: str, errors: dict[str, str] | None = None,
+                 why: str = "fastest measured (1 ms; flash 2 ms)") -> dict[str, Any]:
+    """A row of dispatch_bench.py's JSON (its verdicts are left out: report.py computes them)."""
+    return {"problem": problem, "training": training, "label": "label-not-used", "ms": ms,
+            "errors": errors or {}, "spread": {name: 0.01 for name in ms}, "chosen": chosen,
+            "why": why}
+
+
+def problem(batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_kv: int,
+            head_dim: int, causal: str = "none") -> dict[str, Any]:
+    return {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "seqlen_q": seqlen_q,
+            "seqlen_kv": seqlen_kv, "head_dim": head_dim, "dtype": "bfloat16", "causal": causal,
+            "mask": "none"}
+
+
+def dispatch_file(rows: list[dict[str, Any]], command: str, layout: str = "bhsd",
+                  gpu_timings: bool = True) -> dict[str, Any]:
+    return {"device": "Synthetic GPU", "torch": "9.8.0+cu77", "triton": "9.9.0", "cudnn": 91900,
+            "python": "3.99", "date": "2030-01-05", "command": command, "db": "sqlite:///syn.db",
+            "layout": layout, "timings_are_gpu_timings": gpu_timings, "rows": rows}
+
+
+GLUON = ("gluon BLOCK_M=128,BLOCK_N=128,consumers=2,ctas_per_sm=1,persistent=False,"
+         "pingpong=True")
+
+
+def loop_row(name: str, sdpa: float, attention: float, decode: float,
+             note: str = "tuner.attention runs decode (exact); tuner.decode runs block_n=64,"
+                         "combine=fused,kv_load=default,num_splits=16,num_stages=3,num_warps=4,"
+                         "whole_waves=False (exact)") -> dict[str, Any]:
+    """A row of decode_loop.py's JSON: us per call, the median of the rounds."""
+    us = {"sdpa": sdpa, "tuner.attention": attention, "tuner.decode": decode}
+    return {"row": name, "us_per_call": us,
+            "rounds": {k: [v, v * 1.5, v] for k, v in us.items()},
+            "host_us_per_call": {"sdpa": 30.0, "tuner.attention": 31.0, "tuner.decode": 20.0},
+            "graph_us_per_call": {k: v - 2 for k, v in us.items()},
+            "max_abs_error_vs_sdpa": {"sdpa": 0.0, "tuner.attention": 0.000122,
+                                      "tuner.decode": 0.000488},
+            "note": note}
+
+
+def loop_file(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"device": "Synthetic GPU", "torch": "9.8.0+cu77", "cudnn": 91900, "calls": 200,
+            "rounds": 5, "rows": rows}
+
+
+KNOBS = {"block_n": 64, "num_stages": 3, "combine": "separate", "kv_load": "default",
+         "num_warps": 4, "num_splits": 16}
+
+
+def e2e_file(results: dict[str, Any], command: str) -> dict[str, Any]:
+    for row in results.values():  # e2e_hf.py's ratio: tuner time / sdpa time
+        row["ratio"] = {k: row["tuner"][k] / row["sdpa"][k] for k in row["sdpa"]
+                        if k.endswith("ms") or k.endswith("token")}
+    return {"device": "Synthetic GPU", "torch": "9.8.0+cu77", "python": "3.99",
+            "transformers": "9.1.0", "date": "2030-01-06", "db": "sqlite:///syn.db",
+            "command": command, "sizes": {"prefill": 8192, "window": 4096}, "results": results}
+
+
+def e2e_model(sdpa: dict[str, float], tuner: dict[str, float]) -> dict[str, Any]:
+    return {"sdpa": {**sdpa, "logits error vs fp32": 0.25},
+            "tuner": {**tuner, "logits error vs fp32": 0.26}}
+
+
+def write_drop_in_results(directory: Path) -> Path:
+    """Issue 16's formats: dispatch_bench.py, decode_loop.py, decode_grid.py and e2e_hf.py."""
+    directory.mkdir()
+    (directory / "dispatch_syn.json").write_text(json.dumps(dispatch_file([
+        # sdpa timed twice: 1.00 and 1.02 ms, the file's noise floor (1 - 1/1.02 = 1.96%)
+        dispatch_row(problem(16, 32, 32, 1024, 1024, 64),
+                     False, {"sdpa": 1.0, "sdpa again": 1.02, "sdpa cudnn": 0.99, "flash": 1.2,
+                             "gluon": None, "tuner.attention": 1.01}, "sdpa backend=default",
+                     {"gluon": "OutOfResources: out of resource: shared memory. Required"}),
+        dispatch_row(problem(1, 16, 16, 16384, 16384, 128, "top_left"), False,
+                     {"sdpa": 2.0, "sdpa again": 1.98, "gluon": 1.7, "tuner.attention": 1.6},
+                     GLUON),
+        dispatch_row(problem(2, 32, 8, 4096, 4096, 128), True,
+                     {"sdpa": 4.0, "sdpa again": 4.0, "flash": 5.0, "tuner.attention": 4.04},
+                     "sdpa backend=cudnn",
+                     why="torch SDPA not measured for this problem on this device: running "
+                         "what SDPA would run"),
+    ], "python benchmarks/dispatch_bench.py --synthetic")))
+    (directory / "dispatch_slow.json").write_text(json.dumps(dispatch_file([
+        dispatch_row(problem(1, 32, 8, 1, 32768, 128), False,
+                     {"sdpa": 1.0, "sdpa again": 1.01, "decode": 0.98, "tuner.attention": 1.05},
+                     "decode block_n=64,combine=fused,kv_load=default,num_splits=16,"
+                     "num_stages=3,num_warps=4,whole_waves=False"),
+        dispatch_row(problem(8, 32, 8, 1, 32768, 128), False,
+                     {"sdpa": 1.0, "sdpa again": 1.0, "tuner.attention": None},
+                     "sdpa backend=default", {"tuner.attention": "error 0.5 > 0.02"}),
+    ], "python benchmarks/dispatch_bench.py --slow", "bshd", gpu_timings=False)))
+    (directory / "decode_loop_syn.json").write_text(json.dumps(loop_file([
+        loop_row("b1-32k", 55.0, 50.0, 56.0), loop_row("b1-128k", 180.0, 179.0, 178.0),
+        loop_row("b8-32k", 350.0, 349.0, 351.0),
+        loop_row("b64-4k", 100.0, 120.0, 100.0,  # not one of the target's rows
+                 note="tuner.attention runs sdpa (exact); tuner.decode runs something new")])))
+    (directory / "decode_loop_partial.json").write_text(json.dumps(loop_file([
+        loop_row("b1-32k", 55.0, 54.0, 54.0)])))
+    (directory / "decode_grid_syn.json").write_text(json.dumps({
+        "device": "Synthetic GPU", "torch": "9.8.0+cu77", "cudnn": 91900, "grid": "small",
+        "rows": {"b1-32k": {
+            "cudnn_us": 50.0, "configs": [
+                {"knobs": KNOBS, "us": 49.0, "max_abs_error": 0.0001},
+                {"knobs": {**KNOBS, "combine": "fused"}, "us": 55.0, "max_abs_error": 0.0001},
+                {"knobs": {**KNOBS, "num_splits": 2}, "us": None, "max_abs_error": 0.5},
+                {"knobs": {**KNOBS, "block_n": 256}, "us": None,
+                 "error": "OutOfResources('shared')"}],
+            "skipped": [{**KNOBS, "num_splits": 32}],
+            "split_only": {"knobs": KNOBS, "us": 45.0, "with_combine_us": 49.0},
+            "fastest": [{"knobs": KNOBS, "us": 49.0, "max_abs_error": 0.0001}]}}}))
+    (directory / "decode_grid_broken.json").write_text(json.dumps({"rows": []}))
+    (directory / "decode_probe_syn.json").write_text(json.dumps({"b1-32768": {"cudnn": 50.0}}))
+    (directory / "e2e_hf_syn.json").write_text(json.dumps(e2e_file({
+        "llama": e2e_model({"prefill ms": 20.0, "decode ms/token": 5.0, "train step ms": 70.0},
+                           {"prefill ms": 19.9, "decode ms/token": 4.5,
+                            "train step ms": 70.7}),
+        "sliding": e2e_model({"prefill ms": 40.0, "train step ms": 100.0},
+                             {"prefill ms": 28.0, "train step ms": 99.0}),
+    }, "python benchmarks/e2e_hf.py --synthetic")))
+    (directory / "e2e_hf_llama.json").write_text(json.dumps(e2e_file({
+        "llama": e2e_model({"prefill ms": 20.0, "train step ms": 70.0},
+                           {"prefill ms": 20.0, "train step ms": 69.0}),
+    }, "python benchmarks/e2e_hf.py --rows llama")))
+    return directory
+
+
+def targets_by_file(markdown: str) -> dict[tuple[str, str], list[str]]:
+    """(target, file) -> threshold, measured, verdict, margin."""
+    return {(cells[0], cells[-1].strip("`")): cells[1:5]
+            for cells in ([c.strip() for c in line.strip("|").split("|")]
+                          for line in markdown[markdown.index("| target | threshold |"):]
+                          .split("\n\n")[0].splitlines()[2:])}
+
+
+def section(markdown: str, title: str) -> str:
+    """From the heading ``title`` to the next heading."""
+    start = markdown.index(title)
+    return markdown[start:markdown.index("\n#", start + 1)]
+
+
+def test_drop_in_sections_and_targets(report: ModuleType, tmp_path: Path) -> None:
+    write_drop_in_results(tmp_path / "results")
+    md = run(report, tmp_path, "--no-plots")
+
+    # provenance: what each file records, '-' (or "not recorded") for what it does not
+    assert ("| `dispatch_syn.json` | tuner.attention vs SDPA | Synthetic GPU | - | 9.8.0+cu77 | "
+            "9.9.0 | - | 2030-01-05 | `python benchmarks/dispatch_bench.py --synthetic` |") in md
+    assert ("| `decode_loop_syn.json` | decode loop | Synthetic GPU | - | 9.8.0+cu77 | - | - | - "
+            "| (not recorded) |") in md
+    assert ("| `decode_grid_syn.json` | decode config grid | Synthetic GPU | - | 9.8.0+cu77 | - "
+            "| - | - | (not recorded) |") in md
+    assert ("| `e2e_hf_syn.json` | end to end (transformers) | Synthetic GPU | - | 9.8.0+cu77 | "
+            "- | - | 2030-01-06 | `python benchmarks/e2e_hf.py --synthetic` |") in md
+    assert ("`decode_probe_syn.json`: decode probe data, not part of this report (the first "
+            "probe of flash_decode configs") in md
+    assert "`decode_grid_broken.json`: not a decode_grid.py result (no 'rows' dict)" in md
+    assert "decode_bench.py result" not in md  # decode_loop_*, decode_grid_*: their own kinds
+
+    # dispatch: sdpa / tuner (>= 1 faster), the noise column, what ran, every candidate forced
+    dispatch = section(md, "### Drop-in `tuner.attention` against torch SDPA: `dispatch_syn.json`")
+    assert "(**>= 1.00x: tuner.attention is not slower**)" in dispatch
+    assert "this file's noise floor (the largest gap) is 2.0% (B16 H32 N1k d64 dense)" in dispatch
+    assert ("| B16 H32 N1k d64 dense | 1 | 1.01 | 0.99x | 0.98x | sdpa (default) | "
+            "sdpa cudnn 0.99 | 0.98x | sdpa cudnn 0.99, flash 1.2, gluon - |") in dispatch
+    assert ("| B1 H16 N16k d128 causal | 2 | 1.6 | 1.25x | 1.01x | gluon 128x128 consumers=2 "
+            "ctas_per_sm=1 pingpong | gluon 1.7 | 1.06x | gluon 1.7 |") in dispatch
+    assert ("| train B2 H32/8 N4k d128 dense | 4 | 4.04 | 0.99x | 1.00x | sdpa (cudnn): torch "
+            "SDPA not measured for this problem on this device | sdpa 4 | 0.99x | flash 5 |"
+            ) in dispatch
+    assert ("- tuner.attention against sdpa: 0.99x (B16 H32 N1k d64 dense) to 1.25x (B1 H16 N16k "
+            "d128 causal) over 3 rows; slower than sdpa beyond the noise floor on 0.") in dispatch
+    assert "- gluon, 1 of 3 rows: OutOfResources: out of resource: shared memory" in dispatch
+    slow = section(md, "### Drop-in `tuner.attention` against torch SDPA: `dispatch_slow.json`")
+    assert "q, k, v as transposed views of (B, S, H, D) memory" in slow
+    assert "**Not GPU timings**" in slow and "**Not GPU timings**" not in dispatch
+    assert ("| B1 H32/8 q1 kv32k d128 dense | 1 | 1.05 | 0.95x | 0.99x | decode (splits 16 bn64 "
+            "w4 s3 fused) | decode 0.98 | 0.93x | decode 0.98 |") in slow
+    assert "- tuner.attention, 1 of 2 rows: error 0.5 > 0.02" in slow
+
+    # decode loop: sdpa over each of ours, host and graph times, errors, what ran
+    loop = section(md, "### Decode loop: `decode_loop_syn.json`")
+    assert "200 calls queued back to back" in loop and "median of 5 alternated rounds" in loop
+    assert ("| b1-32k | 55.0 | 50.0 | 1.10x | 56.0 | 0.98x | 30.0 / 31.0 / 20.0 | "
+            "53.0 / 48.0 / 54.0 | 1.2e-04 / 4.9e-04 | tuner.attention: decode (exact); "
+            "tuner.decode: splits 16 bn64 w4 s3 fused (exact) |") in loop
+    assert "| b64-4k | 100.0 | 120.0 | 0.83x |" in loop
+    assert "| tuner.attention runs sdpa (exact); tuner.decode runs something new |" in loop
+
+    # decode grid: the fastest config against cuDNN; wrong, failed, skipped; the split alone
+    grid = section(md, "### Decode config grid: `decode_grid_syn.json`")
+    assert "`small` grid" in grid
+    assert ("| b1-32k | 50.0 | 49.0 | splits 16 bn64 w4 s3 | 1.02x | 2 (of 4) | 1 / 1 | 1 | "
+            "45.0 (49.0) |") in grid
+
+    # e2e: sdpa over ours per model and step, the logits' errors
+    e2e = section(md, "### End to end, a transformers model: `e2e_hf_syn.json`")
+    assert "a transformers 9.1.0 model" in e2e
+    assert "| llama | prefill ms | 20.000 | 19.900 | 1.01x |" in e2e
+    assert "| llama | train step ms | 70.000 | 70.700 | 0.99x |" in e2e
+    assert "| sliding | prefill ms | 40.000 | 28.000 | 1.43x |" in e2e
+    assert ("- sliding: logits' relative error against an fp32 eager model, sdpa 2.50e-01, "
+            "tuner 2.60e-01") in e2e
+
+    targets = targets_by_file(md)
+    noise = "tuner.attention time vs SDPA, every row, within the file's noise floor"
+    attention = "decode loop b1-32k, b1-128k, b8-32k through tuner.attention: time vs cuDNN (SDPA)"
+    decode = "decode loop b1-32k, b1-128k, b8-32k through tuner.decode: time vs cuDNN (SDPA)"
+    every = "e2e_hf: tuner time vs SDPA, every row"
+    sliding = "e2e_hf: sliding-window prefill, SDPA time / tuner"
+    assert targets == {
+        (noise, "dispatch_slow.json"): [
+            "<= 1.010x (noise floor 1.0%)", "worst 1.050x (B1 H32/8 q1 kv32k d128 dense)",
+            "**not met**", "worst row 4.0% over; 0 of 1 rows meet it; not measured: B8 H32/8 "
+            "q1 kv32k d128 dense"],
+        (noise, "dispatch_syn.json"): [
+            "<= 1.020x (noise floor 2.0%)", "worst 1.010x (B16 H32 N1k d64 dense)", "**met**",
+            "worst row 0.9% under the limit"],
+        (attention, "decode_loop_partial.json"): [
+            "<= 1.00x", "worst 0.982x (b1-32k)", "not measured",
+            "worst row 1.8% under the limit; not measured: b1-128k, b8-32k"],
+        (decode, "decode_loop_partial.json"): [
+            "<= 1.00x", "worst 0.982x (b1-32k)", "not measured",
+            "worst row 1.8% under the limit; not measured: b1-128k, b8-32k"],
+        (attention, "decode_loop_syn.json"): [
+            "<= 1.00x", "worst 0.997x (b8-32k)", "**met**", "worst row 0.3% under the limit"],
+        (decode, "decode_loop_syn.json"): [
+            "<= 1.00x", "worst 1.018x (b1-32k)", "**not met**",
+            "worst row 1.8% over; 1 of 3 rows meet it"],
+        (every, "e2e_hf_llama.json"): [
+            "<= 1.00x", "worst 1.000x (llama prefill)", "**met**",
+            "worst row 0.0% under the limit"],
+        (sliding, "e2e_hf_llama.json"): [">= 1.30x", "no sliding row", "not measured",
+                                         "not measured"],
+        (every, "e2e_hf_syn.json"): [
+            "<= 1.00x", "worst 1.010x (llama train step)", "**not met**",
+            "worst row 1.0% over; 4 of 5 rows meet it"],
+        (sliding, "e2e_hf_syn.json"): [">= 1.30x", "1.43x (40.0 / 28.0 ms)", "**met**",
+                                       "10% above"],
+    }
+    assert (f"- {decode}: b1-32k 1.018x, b1-128k 0.989x, b8-32k 1.003x") in md
+    assert "Issue 16's targets" in md
