@@ -15,7 +15,7 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 
 from templates.device import CPU_INTERPRETER
-from tuner.wire import readings_text
+from tuner.wire import backends_text, readings_text
 
 if TYPE_CHECKING:
     from db.finalists import Readings
@@ -157,16 +157,20 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], empty: str) ->
 
 def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
     """Per stored problem of each device: the implementation ``tuner.attention`` runs, the
-    runner-up and margin, and each implementation's TFLOP/s (at most ``limit`` rows)."""
+    runner-up and margin, each implementation's TFLOP/s and each SDPA backend's time (at
+    most ``limit`` rows)."""
     names: list[str] = []
     for found in winners:
         for it in found.items:
             names.extend(n for n in it.tflops if n not in names)
+    backends = any(it.sdpa_backends for found in winners for it in found.items)
     rows = [(found.device_name, it.problem_key, it.winner,
              f"{it.margin:.2f}x {it.runner_up}" if it.margin else it.why,
-             *(f"{it.tflops[n]:.1f}" if n in it.tflops else "–" for n in names))
+             *(f"{it.tflops[n]:.1f}" if n in it.tflops else "–" for n in names),
+             *([backends_text(it.sdpa_backends)] if backends else []))
             for found in winners for it in found.items]
-    table = _table(("device", "problem", "runs", "margin over the runner-up", *names),
+    table = _table(("device", "problem", "runs", "margin over the runner-up", *names,
+                    *(["SDPA backends (fastest first)"] if backends else [])),
                    rows[:limit], "No problem measured for any implementation yet: put "
                    "torch_sdpa beside flash_fwd (or gluon_fwd, flash_decode) in a sweep.")
     shown = (f"<p>Showing {limit} of {len(rows)} problems "
@@ -174,7 +178,9 @@ def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
              if len(rows) > limit else "")
     return (f"{shown}{table}<p>TFLOP/s of each implementation's stored best at this service's "
             "kernel versions; the winner is what <code>tuner.attention</code> runs "
-            "(docs/DISPATCH.md).</p>")
+            "(docs/DISPATCH.md)"
+            + ("; SDPA backends: each backend's best time for the problem (a failed one is "
+               "not listed)" if backends else "") + ".</p>")
 
 
 _STYLE = """

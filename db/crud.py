@@ -20,7 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
 from db.finalists import Measured, Readings, choose_best
-from db.head_to_head import side_by_side
+from db.head_to_head import TrialSideBySide, side_by_side, side_by_side_of
 from db.models import (
     BestConfig,
     Device,
@@ -60,6 +60,7 @@ __all__ = [
     "list_snapshots",
     "list_sweeps",
     "list_templates",
+    "measured_configs",
     "problem_variant",
     "record_remeasurement",
     "record_trial",
@@ -459,7 +460,12 @@ def _with_side_by_side(s: Session, measured: dict[str, list[Measured]]
                        ) -> dict[str, list[Measured]]:
     """``measured`` with each config's head-to-head readings, and disqualified where one
     failed (``db.head_to_head``)."""
-    found = side_by_side(s, trial_ids=[int(m.ref) for ms in measured.values() for m in ms])
+    return _with_found(measured, side_by_side(
+        s, trial_ids=[int(m.ref) for ms in measured.values() for m in ms]))
+
+
+def _with_found(measured: dict[str, list[Measured]], found: Mapping[int, TrialSideBySide]
+                ) -> dict[str, list[Measured]]:
     if not found:
         return measured
     out: dict[str, list[Measured]] = {}
@@ -601,6 +607,51 @@ def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings
                  if best.trial_id is not None else None)
         out[best.id] = Readings(tuple(found) if found else (best.median_ms,))
     return out
+
+
+def measured_configs(s: Session, *, device_key: str, template_name: str,
+                     template_version: str) -> dict[str, list[tuple[dict[str, Any], Measured]]]:
+    """Every OK trial of one device and template version, by problem key: its config, and
+    the trial as ``db.finalists`` sees it (``Measured``, ``ref`` its id): its OK
+    re-measurements, disqualified by a failed one, and its latest finished head-to-head's
+    readings. What ``refresh_bests`` chooses each problem's best among.
+
+    Two queries for all the device's problems of the template, whatever their number: the
+    trials with their re-measurements, then the head-to-head readings of those trials. Trials
+    of other versions of the template are not read.
+    """
+    of_trials = (Device.key == device_key, Template.name == template_name,
+                 Template.version == template_version, Trial.status == TrialStatus.OK,
+                 Trial.tflops.is_not(None), Trial.median_ms.is_not(None))
+    firsts: dict[int, tuple[str, dict[str, Any], float, float, bool]] = {}
+    remeasured: dict[int, list[float]] = {}
+    failed: dict[int, str] = {}
+    for trial_id, key, config, ms, tflops, is_default, again, again_ms, reason in s.execute(
+            select(Trial.id, Trial.problem_key, Trial.config, Trial.median_ms, Trial.tflops,
+                   Trial.is_default, Remeasurement.status, Remeasurement.median_ms,
+                   Remeasurement.reason)
+            .join(Trial.device).join(Trial.template)
+            .outerjoin(Remeasurement, Remeasurement.trial_id == Trial.id)
+            .where(*of_trials).order_by(Trial.id, Remeasurement.id)):
+        firsts.setdefault(trial_id, (key, config, ms, tflops, bool(is_default)))
+        if again is None:  # no re-measurement (the outer join's empty side)
+            continue
+        if TrialStatus(again) == TrialStatus.OK and again_ms:
+            remeasured.setdefault(trial_id, []).append(again_ms)
+        else:
+            failed.setdefault(trial_id, f"{TrialStatus(again).value}: {reason}")
+    measured: dict[str, list[Measured]] = {}
+    for trial_id, (key, _, ms, tflops, is_default) in firsts.items():
+        measured.setdefault(key, []).append(Measured(
+            ref=trial_id, order=trial_id, first_ms=ms, first_tflops=tflops,
+            is_default=is_default, remeasured_ms=tuple(remeasured.get(trial_id, ())),
+            failed=failed.get(trial_id)))
+    if measured:
+        trial_ids = (select(Trial.id).join(Trial.device).join(Trial.template)
+                     .where(*of_trials))
+        measured = _with_found(measured, side_by_side_of(s, trials=trial_ids))
+    return {key: [(firsts[int(m.ref)][1], m) for m in configs]
+            for key, configs in measured.items()}
 
 
 def _best_joined() -> Select[Any]:

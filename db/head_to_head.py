@@ -12,10 +12,11 @@ or not: a config that computed wrongly once is not served (``db.finalists``).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.orm import Session
 
 from db.finalists import SideBySide
@@ -26,6 +27,7 @@ __all__ = [
     "finish_head_to_head",
     "record_head_to_head_reading",
     "side_by_side",
+    "side_by_side_of",
     "start_head_to_head",
 ]
 
@@ -76,28 +78,41 @@ def side_by_side(s: Session, *, trial_ids: Collection[int]) -> dict[int, TrialSi
     """What the head-to-heads say of each of ``trial_ids`` that took part in one (others are
     absent): one query per ``_IDS_CHUNK`` trials."""
     ids = sorted(set(trial_ids))
-    # trial id -> (session id, [(ms, tflops)]) of its latest finished session so far
-    latest: dict[int, tuple[int, list[tuple[float, float]]]] = {}
-    failed: dict[int, str] = {}
-    for start in range(0, len(ids), _IDS_CHUNK):
-        rows = s.execute(
-            select(HeadToHeadReading.trial_id, HeadToHeadReading.head_to_head_id,
+    return _fold([row for start in range(0, len(ids), _IDS_CHUNK)
+                  for row in s.execute(_readings().where(
+                      HeadToHeadReading.trial_id.in_(ids[start:start + _IDS_CHUNK])))])
+
+
+def side_by_side_of(s: Session, *, trials: Select[Any]) -> dict[int, TrialSideBySide]:
+    """``side_by_side`` of the trials ``trials`` selects (a query of trial ids, such as every
+    trial of one device and template version): one query, whatever their number."""
+    return _fold(list(s.execute(_readings().where(HeadToHeadReading.trial_id.in_(trials)))))
+
+
+def _readings() -> Select[*tuple[Any, ...]]:
+    return (select(HeadToHeadReading.trial_id, HeadToHeadReading.head_to_head_id,
                    HeadToHead.finished_at, HeadToHeadReading.status, HeadToHeadReading.reason,
                    HeadToHeadReading.median_ms, HeadToHeadReading.tflops)
             .join(HeadToHead, HeadToHeadReading.head_to_head_id == HeadToHead.id)
-            .where(HeadToHeadReading.trial_id.in_(ids[start:start + _IDS_CHUNK]))
             .order_by(HeadToHeadReading.head_to_head_id, HeadToHeadReading.id))
-        for trial_id, session, finished_at, status, reason, ms, tflops in rows:
-            if TrialStatus(status) != TrialStatus.OK or not ms or not tflops:
-                failed.setdefault(trial_id, f"{TrialStatus(status).value}: {reason} "
-                                            f"(head-to-head {session})")
-                continue
-            if finished_at is None:
-                continue
-            current = latest.get(trial_id)
-            if current is None or current[0] != session:  # sessions come in ascending order
-                current = latest[trial_id] = (session, [])
-            current[1].append((ms, tflops))
+
+
+def _fold(rows: Iterable[Any]) -> dict[int, TrialSideBySide]:
+    """``_readings`` rows, in their order (sessions ascending), by trial."""
+    # trial id -> (session id, [(ms, tflops)]) of its latest finished session so far
+    latest: dict[int, tuple[int, list[tuple[float, float]]]] = {}
+    failed: dict[int, str] = {}
+    for trial_id, session, finished_at, status, reason, ms, tflops in rows:
+        if TrialStatus(status) != TrialStatus.OK or not ms or not tflops:
+            failed.setdefault(trial_id, f"{TrialStatus(status).value}: {reason} "
+                                        f"(head-to-head {session})")
+            continue
+        if finished_at is None:
+            continue
+        current = latest.get(trial_id)
+        if current is None or current[0] != session:  # sessions come in ascending order
+            current = latest[trial_id] = (session, [])
+        current[1].append((ms, tflops))
     out: dict[int, TrialSideBySide] = {}
     for trial_id in latest.keys() | failed.keys():
         found = latest.get(trial_id)

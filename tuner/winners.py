@@ -8,21 +8,26 @@ best tuned for other kernel source is not what would run there: it is counted as
 and left out), and ranks them by TFLOP/s, the dispatcher's rule for inference calls
 (docs/DISPATCH.md). A problem without a ``torch_sdpa`` best runs torch SDPA whatever else is
 stored: its winner is ``sdpa`` with no margin.
+
+Beside ``sdpa``'s best backend, each SDPA backend's own best time (``sdpa_backends``), from the
+``torch_sdpa`` trials of the same kernel version, chosen and timed by the rule of the stored
+bests (``db.finalists``): cuDNN against FlashAttention-2 against memory-efficient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 import tuner.implementations  # noqa: F401  (registers the implementations)
 from db import crud
+from db.finalists import Measured, choose_best
 from tuner.dispatch import BASELINE, get_implementation, implementations
-from tuner.wire import ProblemWinner, WinnersOut
+from tuner.wire import BackendTime, ProblemWinner, WinnersOut
 
-__all__ = ["forward_templates", "rank_problems", "stored_winners"]
+__all__ = ["backend_times", "forward_templates", "rank_problems", "stored_winners"]
 
 VersionOf = Callable[[str], str]  # template name -> the kernel version that runs here
 
@@ -35,9 +40,34 @@ def forward_templates() -> dict[str, str]:
     return {impl.forward: impl.name for impl in implementations()}
 
 
-def rank_problems(rows: Iterable[Any], version_of: VersionOf) -> tuple[list[ProblemWinner], int]:
+def backend_times(configs: Iterable[tuple[Mapping[str, Any], Measured]]
+                  ) -> dict[str, BackendTime]:
+    """By SDPA backend (the ``backend`` knob of ``torch_sdpa`` configs), fastest first: the
+    best of its configs of one problem (``db.crud.measured_configs``) by ``db.finalists``'
+    rule, at the time a stored best of it would have: the backend the problem's best runs
+    shows the best's own time. A backend whose configs are all disqualified is absent."""
+    by_backend: dict[str, list[Measured]] = {}
+    for config, measured in configs:
+        if "backend" in config:
+            by_backend.setdefault(str(config["backend"]), []).append(measured)
+    times = {}
+    for backend, candidates in by_backend.items():
+        choice = choose_best(candidates)
+        if choice is not None:
+            best = choice.best
+            times[backend] = BackendTime(median_ms=best.priced_median_ms,
+                                         tflops=best.priced_tflops,
+                                         readings=best.priced_readings.count)
+    return dict(sorted(times.items(), key=lambda item: item[1].median_ms))
+
+
+def rank_problems(rows: Iterable[Any], version_of: VersionOf,
+                  sdpa_backends: Mapping[str, dict[str, BackendTime]] | None = None
+                  ) -> tuple[list[ProblemWinner], int]:
     """The problems of ``rows`` (``db.models.BestConfig`` of one device, template loaded),
-    each with its winner, ranked as the dispatcher ranks; and how many rows were stale."""
+    each with its winner, ranked as the dispatcher ranks; and how many rows were stale.
+    ``sdpa_backends``: each SDPA backend's time, by problem key (``backend_times``)."""
+    sdpa_backends = sdpa_backends or {}
     impl_of = forward_templates()
     baseline = get_implementation(BASELINE)
     by_problem: dict[str, dict[str, Any]] = {}
@@ -68,7 +98,8 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf) -> tuple[list[Prob
                     if measured_baseline and runner_up else None),
             why=("fastest measured" if measured_baseline else
                  f"{baseline.forward} not measured: torch SDPA runs as the user's call would"),
-            tflops=tflops, median_ms=entry["median_ms"], configs=entry["configs"]))
+            tflops=tflops, median_ms=entry["median_ms"], configs=entry["configs"],
+            sdpa_backends=sdpa_backends.get(key, {})))
     return items, stale
 
 
@@ -78,7 +109,9 @@ def stored_winners(s: Session, *, device: str, version_of: VersionOf,
 
     A name that several stored devices carry (the same GPU under two torch versions) raises
     ValueError listing their keys: their measurements are not comparable. With nothing
-    stored, the answer has no items and ``device`` as given.
+    stored, the answer has no items and ``device`` as given. Each SDPA backend's time comes
+    from the device's ``torch_sdpa`` trials at ``version_of``'s version: two more queries
+    (``db.crud.measured_configs``), not two per problem.
     """
     rows = crud.list_best(s, device=device, dtype=dtype, templates=list(forward_templates()),
                           limit=MAX_ROWS)
@@ -87,6 +120,10 @@ def stored_winners(s: Session, *, device: str, version_of: VersionOf,
         raise ValueError(f"device {device!r} is the name of {len(devices)} stored devices, "
                          f"whose measurements do not compare; name one by its key: "
                          f"{sorted(devices)}")
-    items, stale = rank_problems(rows, version_of)
     key, name = next(iter(devices.items()), (device, device))
+    sdpa = get_implementation(BASELINE).forward
+    trials = (crud.measured_configs(s, device_key=key, template_name=sdpa,
+                                    template_version=version_of(sdpa)) if rows else {})
+    items, stale = rank_problems(rows, version_of, {
+        problem_key: backend_times(configs) for problem_key, configs in trials.items()})
     return WinnersOut(device=key, device_name=name, items=items, stale=stale)

@@ -6,6 +6,7 @@ parse answers without importing FastAPI; ``api/schemas.py`` re-exports them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -45,6 +46,27 @@ def readings_text(readings: int | None, spread: float | None) -> str:
 class WireModel(BaseModel):
     # Answers from a newer service may carry fields this client does not know: ignore them.
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class BackendTime(WireModel):
+    """One SDPA backend's best measurement of a problem (``ProblemWinner.sdpa_backends``)."""
+
+    median_ms: float
+    tflops: float
+    readings: int = Field(ge=1, description="how many timings median_ms is the median of, as "
+                                            "for a stored best")
+
+
+def backends_text(backends: Mapping[str, BackendTime]) -> str:
+    """SDPA backends' times for a table cell, fastest first, e.g. "cudnn 0.912 ms, flash
+    1.02 ms"; "-" when none."""
+    ranked = sorted(backends.items(), key=lambda item: item[1].median_ms)
+    return ", ".join(f"{name} {_ms_text(t.median_ms)} ms" for name, t in ranked) or "-"
+
+
+def _ms_text(ms: float) -> str:
+    # GPU times are fractions of a millisecond to tens; the interpreter's run to thousands.
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
 class DeviceOut(WireModel):
@@ -150,6 +172,14 @@ class ProblemWinner(WireModel):
     configs: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="by implementation: the config of its stored best "
                                           "(torch_sdpa's names the SDPA backend)")
+    # Came after the others: an answer of an older service has none ({} here).
+    sdpa_backends: dict[str, BackendTime] = Field(
+        default_factory=dict,
+        description="by SDPA backend (torch_sdpa's backend knob: cudnn, flash, efficient, "
+                    "default), fastest first: its best OK measurement of this problem at the "
+                    "compared kernel version, timed as a stored best is (the median of its "
+                    "re-measurements, or of its latest head-to-head); a backend that failed, "
+                    "or was not measured, is absent")
 
 
 class WinnersOut(WireModel):

@@ -17,7 +17,7 @@ from templates.device import DeviceInfo
 from templates.registry import get_template
 from tests.api.serving_data import H100, item, problem
 from tests.api.test_api import assert_json_error, upload
-from tuner.wire import WinnersOut
+from tuner.wire import ProblemWinner, WinnersOut
 
 
 def measured(template: str, p: Problem, tflops: float, config: dict[str, Any],
@@ -117,3 +117,36 @@ def test_the_dashboard_shows_the_winner_runner_up_and_each_implementation(
     found = client.get("/v1/winners", params={"device": H100.key}).json()
     cut = winners_table([WinnersOut.model_validate(found)], limit=1)
     assert cut.count("<tr>") == 2 and "Showing 1 of 2 problems" in cut  # header + one row
+
+
+def test_each_sdpa_backends_time_is_answered_beside_the_winner(client: TestClient,
+                                                              auth: dict[str, str]) -> None:
+    p = problem(4096)
+    flash = get_template("flash_fwd").default_config(p, H100).to_dict()
+    assert upload(client, auth,
+                  measured("torch_sdpa", p, 600.0, {"backend": "cudnn"}),
+                  measured("torch_sdpa", p, 500.0, {"backend": "flash"}),
+                  measured("torch_sdpa", p, 300.0, {"backend": "efficient"}),
+                  measured("flash_fwd", p, 480.0, flash)).status_code == 201
+    [won] = winners(client, device=H100.key)["items"]
+    assert (won["winner"], won["runner_up"]) == ("sdpa", "flash")
+    backends = won["sdpa_backends"]
+    assert list(backends) == ["cudnn", "flash", "efficient"]  # fastest first
+    assert {name: t["tflops"] for name, t in backends.items()} == {
+        "cudnn": 600.0, "flash": 500.0, "efficient": 300.0}
+    assert backends["cudnn"]["median_ms"] == won["median_ms"]["sdpa"]
+    assert all(t["readings"] == 1 for t in backends.values())
+    # Old clients parse it (the field is additive); an older service's answer parses too.
+    parsed = WinnersOut.model_validate(winners(client, device=H100.key))
+    assert parsed.items[0].sdpa_backends["flash"].tflops == 500.0
+    old = {k: v for k, v in won.items() if k != "sdpa_backends"}
+    assert ProblemWinner.model_validate(old).sdpa_backends == {}
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["ProblemWinner"]
+    assert "sdpa_backends" in schema["properties"]
+    assert "sdpa_backends" not in schema.get("required", [])
+    # And the dashboard's winners table shows them.
+    html = client.get("/dashboard").text
+    section = html.split("Which implementation runs each problem")[1].split("<h2>")[0]
+    assert "SDPA backends" in section
+    row = next(r for r in section.split("<tr>") if p.bucket_key() in r)
+    assert "<td>cudnn 0.916 ms, flash 1.1 ms, efficient 1.83 ms</td>" in row

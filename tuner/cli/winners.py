@@ -1,5 +1,6 @@
 """``tuner winners``: per problem, which implementation ``tuner.attention`` runs on a device:
-the winner, the runner-up and every measured implementation's TFLOP/s beside them.
+the winner, the runner-up and every measured implementation's TFLOP/s beside them, and each
+SDPA backend's time.
 
 The ranking is ``tuner.winners`` (shared with ``tuner best``, ``GET /v1/winners`` and the
 dashboard), at the kernel versions of this install: a best tuned for other kernel source is
@@ -23,6 +24,7 @@ from tuner.cli.common import (
     problem_label,
 )
 from tuner.errors import TunerError
+from tuner.wire import backends_text
 
 __all__ = ["winners"]
 
@@ -61,14 +63,20 @@ def winners(
         return
     names = [impl.name for impl in implementations()
              if any(impl.name in it.tflops for it in found.items)]
+    backends = any(it.sdpa_backends for it in found.items)
     table = Table(title=f"winners on {found.device_name} ({len(found.items)} problems)")
     for column in ("problem", "winner", "margin", *names):
         table.add_column(column, justify="left" if column in ("problem", "winner") else "right",
                          overflow="fold")
+    if backends:
+        table.add_column("sdpa backends", overflow="fold")
     for it in found.items:
         margin = f"{it.margin:.2f}x {it.runner_up}" if it.margin else it.why
         table.add_row(problem_label(it.problem), it.winner, margin,
-                      *(fmt_tflops(it.tflops.get(n)) for n in names))
+                      *(fmt_tflops(it.tflops.get(n)) for n in names),
+                      *([backends_text(it.sdpa_backends)] if backends else []))
     console.print(table)
     console.print("TFLOP/s of each implementation's stored best; margin: the winner over the "
-                  "runner-up (docs/DISPATCH.md)")
+                  "runner-up (docs/DISPATCH.md)"
+                  + ("; sdpa backends: each SDPA backend's best time, fastest first (a failed "
+                     "one is not listed)" if backends else ""))
