@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        path_limits={"/v1/demand": demand.MAX_BODY_BYTES})
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
-                           allow_methods=["GET", "POST"],
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"])
     install_error_handlers(app)
     for module in (health, devices, templates, best, winners, configs, results, snapshots,

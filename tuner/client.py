@@ -36,6 +36,7 @@ from tuner.wire import (
     SnapshotCreated,
     SnapshotList,
     SnapshotOut,
+    SnapshotSummary,
     TemplateOut,
     UploadResult,
     WinnersOut,
@@ -179,6 +180,13 @@ class TunerClient:
     def snapshot(self, snapshot_id: str) -> SnapshotOut:
         """A snapshot, whole: its bundle (``TunerError`` with status 404 if unknown)."""
         return self._get(f"/v1/snapshots/{snapshot_id}", SnapshotOut)
+
+    def delete_snapshot(self, snapshot_id: str) -> SnapshotSummary:
+        """Delete a snapshot no job pins any more; needs the write token. Answers what was
+        deleted (``TunerError`` with status 404 if unknown)."""
+        response = self._request("DELETE", f"/v1/snapshots/{snapshot_id}",
+                                 headers=self._write_headers, ok_status=(200,))
+        return _parse(response, SnapshotSummary)
 
     def snapshots(self, *, offset: int = 0, limit: int = 100) -> SnapshotList:
         """Stored snapshots (ids, sizes, dates), newest first."""

@@ -80,6 +80,7 @@ OPERATIONS = {
     "POST /v1/snapshots": True,
     "GET /v1/snapshots": True,
     "GET /v1/snapshots/{snapshot_id}": True,
+    "DELETE /v1/snapshots/{snapshot_id}": True,
     "POST /v1/demand": True,
     "GET /v1/demand": True,
     "GET /v1/kernels/{template}/source": True,
