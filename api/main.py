@@ -48,7 +48,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.best_cache = BestCache(settings.database_url)
     app.state.demand_checker = DemandChecker()
-    app.state.demand_buffer = DemandBuffer(settings.database_url)
+    app.state.demand_buffer = DemandBuffer(settings.database_url,
+                                           max_pending=settings.demand_max_pending)
     # Bursts of two seconds' worth: a job's ranks on one host report at about the same time.
     app.state.demand_limiter = TokenBuckets(settings.demand_rate_limit,
                                             max(1.0, 2 * settings.demand_rate_limit))

@@ -21,6 +21,8 @@
     TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
     TUNER_DEMAND_RATE_LIMIT the service's POST /v1/demand requests per second per client
                          address (default 20; bursts of twice that)
+    TUNER_DEMAND_MAX_PENDING the service's cap on problems waiting in the demand queue (open);
+                         reports of new problems beyond it are refused (default 10,000)
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from sqlalchemy.exc import ArgumentError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
+# Problems waiting in the demand queue (a worker takes minutes per problem: more than a fleet
+# tunes in a day), a few MB of table.
+DEFAULT_DEMAND_MAX_PENDING = 10_000
 
 # The write token's policy, one rule for the service's start and its every write
 # (``write_token_problem``): a token that looks set but protects nothing is refused.
@@ -133,6 +138,8 @@ class Settings(LogSettings):
                                    description="seconds between demand reports")
     demand_rate_limit: float = Field(20.0, gt=0, le=1e6, description=(
         "POST /v1/demand requests per second per client address (service)"))
+    demand_max_pending: int = Field(DEFAULT_DEMAND_MAX_PENDING, ge=1, le=10_000_000, description=(
+        "problems waiting in the demand queue before new ones are refused (service)"))
 
     @field_validator("database_url")
     @classmethod
