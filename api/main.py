@@ -21,6 +21,7 @@ from api.routes import (
     configs,
     dashboard,
     demand,
+    demand_claims,
     devices,
     health,
     kernels,
@@ -61,7 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     install_error_handlers(app)
     for module in (health, devices, templates, best, winners, configs, results, snapshots,
-                   demand, kernels, dashboard, reference):
+                   demand, demand_claims, kernels, dashboard, reference):
         app.include_router(module.router)
     return app
 

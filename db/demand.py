@@ -33,6 +33,7 @@ __all__ = [
     "count_open",
     "demand_status",
     "finish_demand",
+    "held_claim",
     "list_demand",
     "release_demand",
     "renew_demand_claim",
@@ -170,6 +171,17 @@ def claim_demand(s: Session, *, device_key: str, versions: Mapping[str, str], wo
     row.note = ""
     s.flush()
     return row
+
+
+def held_claim(s: Session, *, device_key: str, worker: str, now: datetime | None = None
+               ) -> Demand | None:
+    """The row of ``device_key`` that ``worker`` holds a live claim on, if any: a worker asking
+    to claim again while it holds one lost the answer to its claim (a retried request), and
+    gets the row it holds instead of a second one."""
+    return s.scalars(select(Demand).where(
+        Demand.device_key == device_key, Demand.worker == worker,
+        Demand.status == DemandStatus.CLAIMED, Demand.lease_until >= (now or utcnow()))
+        .order_by(Demand.id).limit(1)).first()
 
 
 def renew_demand_claim(s: Session, *, demand_id: int, worker: str, lease_s: float) -> bool:

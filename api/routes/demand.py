@@ -15,9 +15,9 @@ import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from api.body import parsed_body, request_body
 from api.demand_buffer import DemandBuffer
 from api.demand_check import DemandChecker
 from api.deps import SessionDep, _refusal_headers
@@ -35,30 +35,12 @@ MAX_BODY_BYTES = 256 * 1024
 LISTED_REJECTIONS = 20  # rejected items listed in an answer; the rest are counted
 
 
-def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` with its ``$defs`` written in place: a hand-documented request body (see
-    below) cannot add entries to the OpenAPI components that ``$ref`` would point at."""
-    defs = schema.pop("$defs", {})
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref", "")
-            if ref.startswith("#/$defs/"):
-                return walk(defs[ref.removeprefix("#/$defs/")])
-            return {k: walk(v) for k, v in node.items()}
-        return [walk(v) for v in node] if isinstance(node, list) else node
-
-    return walk(schema)  # type: ignore[no-any-return]
-
-
 # Documented by hand, as POST /v1/results is: a body parameter would be read and parsed
 # before the rate limit is checked, and a refused flood must cost the service nothing.
-_REQUEST_BODY = {"required": True, "content": {"application/json": {
-    "schema": _inlined(DemandReportIn.model_json_schema())}}}
+_REQUEST_BODY = request_body(DemandReportIn)
 _RATE_LIMITED = {"model": ErrorOut, "description": "too many reports from this client address",
                  "headers": {"Retry-After": {"description": "seconds until one is taken",
                                              "schema": {"type": "integer"}}}}
-
 _QUEUE_FULL = {"model": ErrorOut, "description": "every valid item is a new problem, and the "
                "queue holds as many waiting problems as it may (TUNER_DEMAND_MAX_PENDING)"}
 
@@ -91,16 +73,7 @@ async def report_demand(request: Request) -> DemandAccepted:
     A new problem is refused while the queue holds ``TUNER_DEMAND_MAX_PENDING`` waiting ones
     (listed in ``rejected``; 507 when no item could be counted for that reason).
     """
-    body = await request.body()
-    try:
-        report = DemandReportIn.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        err = errors[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise HTTPException(422, detail=f"{where + ': ' if where else ''}{err['msg']}"
-                                        + (f" (and {len(errors) - 1} more)" if len(errors) > 1
-                                           else "")) from None
+    report = await parsed_body(request, DemandReportIn)
     checker: DemandChecker = request.app.state.demand_checker
     buffer: DemandBuffer = request.app.state.demand_buffer
     verdicts = [checker.check(item) for item in report.items]
@@ -158,7 +131,7 @@ def _page(session: Any, query: DemandQuery) -> DemandPage:
 
 
 def demand_row(row: Any, now: Any) -> DemandRow:
-    return DemandRow(device=row.device_key, template=row.template,
+    return DemandRow(id=row.id, device=row.device_key, template=row.template,
                      template_version=row.template_version, problem_key=row.problem_key,
                      problem=row.problem, reports=row.reports,
                      status=demand.demand_status(row, now),  # type: ignore[arg-type]
