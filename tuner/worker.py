@@ -168,6 +168,7 @@ def run_worker(options: WorkerOptions, *, db_url: str, queue: DemandQueue | None
     emit(WorkerStarted(worker, device, versions, queue.where))
     finished: list[JobFinished] = []
     while not stop.is_set():
+        # In a list: the claim's None is "nothing to claim", _asked's None "stopped".
         claimed = _asked(queue, options, stop, emit, lambda: [queue.claim(
             device_key=device["key"], versions=versions, worker=worker,
             lease_s=options.lease_s, max_attempts=options.max_attempts)])
