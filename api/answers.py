@@ -140,7 +140,7 @@ class StoredBest:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class ParsedBests:
     """The parsed best configs of one device x template version."""
 
     candidates: list[Candidate]  # ordered by problem key, as the rows were before
@@ -164,7 +164,7 @@ class _Kept(Generic[T]):
     loading_generation: int = -1
 
 
-SnapshotKey = tuple[str, str, str]  # device key, template name, template version
+BestsKey = tuple[str, str, str]  # device key, template name, template version
 Loaded = tuple[T, float, int, int]  # value, clock at its start, seq, generation
 
 
@@ -188,7 +188,7 @@ class BestCache:
         self._clock = clock
         self._seq = itertools.count()
         self._catalog: _Kept[Catalog] = _Kept()
-        self._snapshots: OrderedDict[SnapshotKey, _Kept[Snapshot]] = OrderedDict()
+        self._bests: OrderedDict[BestsKey, _Kept[ParsedBests]] = OrderedDict()
         # watch=False: only the ttl bounds how stale an answer gets (the fallback where
         # changes cannot be watched, e.g. a PostgreSQL notification lost).
         self._watch = watch
@@ -222,32 +222,32 @@ class BestCache:
     async def catalog(self) -> Catalog:
         return await self._fresh(self._catalog, self._load_catalog)
 
-    async def snapshot(self, template: Template, version: str, device_key: str) -> Snapshot:
+    async def bests(self, template: Template, version: str, device_key: str) -> ParsedBests:
         key = (device_key, template.name, version)
-        kept = self._snapshots.get(key)
+        kept = self._bests.get(key)
         if kept is None:
-            kept = self._snapshots[key] = _Kept()
-            while len(self._snapshots) > self.max_entries:
-                self._snapshots.popitem(last=False)  # the least recently used
+            kept = self._bests[key] = _Kept()
+            while len(self._bests) > self.max_entries:
+                self._bests.popitem(last=False)  # the least recently used
         else:
-            self._snapshots.move_to_end(key)
-        return await self._fresh(kept, partial(self._load_snapshot, key))
+            self._bests.move_to_end(key)
+        return await self._fresh(kept, partial(self._load_bests, key))
 
     def __len__(self) -> int:
-        """Snapshots held (the catalog not counted)."""
-        return len(self._snapshots)
+        """Entries of parsed best configs held (the catalog not counted)."""
+        return len(self._bests)
 
-    async def refresh(self, changed: Iterable[SnapshotKey]) -> None:
-        """Re-read the catalog and the held snapshots of ``changed`` now (after an upload
+    async def refresh(self, changed: Iterable[BestsKey]) -> None:
+        """Re-read the catalog and the held best configs of ``changed`` now (after an upload
         through this service: its uploader's next lookup sees what it stored), while requests
         keep answering from the entries as they are until each new one is in place."""
         self._notice_changes()  # its own write: the loads below are of the new generation
         loads: list[asyncio.Future[Any]] = [
             self._start(self._catalog, self._load_catalog, force=True)]
         for key in set(changed):
-            kept = self._snapshots.get(key)
+            kept = self._bests.get(key)
             if kept is not None:
-                loads.append(self._start(kept, partial(self._load_snapshot, key), force=True))
+                loads.append(self._start(kept, partial(self._load_bests, key), force=True))
         await asyncio.gather(*(asyncio.shield(load) for load in loads))
 
     async def _fresh(self, kept: _Kept[T], load: Callable[[T | None], T]) -> T:
@@ -312,7 +312,7 @@ class BestCache:
             names.setdefault(devices[key].name, []).append(key)
         return Catalog(devices, names, sorted(devices), versions, mark)
 
-    def _load_snapshot(self, key: SnapshotKey, old: Snapshot | None) -> Snapshot:
+    def _load_bests(self, key: BestsKey, old: ParsedBests | None) -> ParsedBests:
         device_key, template_name, version = key
         of_key = {"device_key": device_key, "template_name": template_name,
                   "template_version": version}
@@ -328,7 +328,7 @@ class BestCache:
         kept = {k: c for k, c in (old.by_key.items() if old is not None else ())
                 if k in versions and k not in fresh and old_versions.get(k) == versions[k]}
         by_key = {**kept, **fresh}
-        return Snapshot(candidates=[by_key[k] for k in sorted(by_key)], by_key=by_key,
+        return ParsedBests(candidates=[by_key[k] for k in sorted(by_key)], by_key=by_key,
                         versions=versions, fingerprint=mark)
 
 
@@ -360,7 +360,7 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
 
     ``device`` is a stored device's key, name or unique key prefix (``AmbiguousDevice`` when
     it fits several), or any other key, answered with the default for the hardware it names.
-    Matching a cached snapshot takes ~0.1 ms; two thread-pool hops per request (a plain `def`
+    Matching cached parsed bests takes ~0.1 ms; two thread-pool hops per request (a plain `def`
     endpoint and its response serialization) cost more than that under load.
     """
     current = template_version(template)
@@ -373,8 +373,8 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
     else:
         info = catalog.devices[device_key]
         if (template.name, version) in catalog.template_versions:
-            snapshot = await cache.snapshot(template, version, device_key)
-            found = match_candidates(template, problem, info, snapshot.candidates)
+            bests = await cache.bests(template, version, device_key)
+            found = match_candidates(template, problem, info, bests.candidates)
     base: dict[str, Any] = {"template": template.name, "device": device_key,
                             "problem": problem.to_dict(),
                             "problem_key": template.problem_key(problem)}

@@ -11,6 +11,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from html import escape
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,22 @@ def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
                "not listed)" if backends else "") + ".</p>")
 
 
+def snapshots_table(snapshots: Sequence[tuple[str, int, datetime]], total: int) -> str:
+    """Stored snapshots, newest first: id, when frozen, best configs held (``snapshots`` the
+    newest of ``total``)."""
+    table = _table(
+        ("id", "created", "entries"),
+        ((sid, created.strftime("%Y-%m-%d %H:%M:%S"), items)
+         for sid, items, created in snapshots),
+        "No snapshots yet: tuner snapshot create (or POST /v1/snapshots) freezes the best "
+        "configs for jobs to pin.")
+    shown = (f"<p>Showing the newest {len(snapshots)} of {total} "
+             "(<code>/v1/snapshots</code> pages through all).</p>"
+             if total > len(snapshots) else "")
+    return (f"{shown}{table}<p>A job pins one with <code>TUNER_SNAPSHOT=&lt;id&gt;</code>; "
+            "<code>tuner snapshot show ID</code> lists its configs.</p>")
+
+
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ccc}
@@ -196,11 +213,14 @@ def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: 
                      total_rows: int, sweeps: Sequence[Any],
                      readings: Mapping[int, Readings] | None = None,
                      winners: Sequence[WinnersOut] = (), winners_limit: int = 500,
-                     demand_html: str = "") -> str:
+                     demand_html: str = "",
+                     snapshots: Sequence[tuple[str, int, datetime]] = (),
+                     total_snapshots: int = 0) -> str:
     """The whole page. ``rows`` are BestConfig rows with device and template loaded;
     ``readings`` what each rests on, by row id (``db.crud.best_readings``); ``winners`` the
     implementations' ranking per device (``tuner.winners``), at most ``winners_limit`` rows;
-    ``demand_html`` the demand sections (``api.dashboard_demand``), HTML already escaped."""
+    ``demand_html`` the demand sections (``api.dashboard_demand``), HTML already escaped;
+    ``snapshots`` the newest (id, entries, created) of ``total_snapshots``."""
     readings = readings or {}
     device_table = _table(
         ("name", "compute capability", "SMs", "triton", "torch", "CUDA", "cuDNN", "key"),
@@ -242,6 +262,8 @@ def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: 
         f"{winners_table(winners, winners_limit)}"
         f"<h2>Best configs</h2>{shown}{best_table}"
         f"{demand_html}"
+        f"<h2>Snapshots: frozen best configs jobs can pin</h2>"
+        f"{snapshots_table(snapshots, total_snapshots)}"
         f"<h2>Devices</h2>{device_table}"
         f"<h2>Templates</h2>{template_table}"
         f"<h2>Recent sweeps</h2>{sweep_table}"

@@ -21,6 +21,7 @@ from api.routes import (
     configs,
     dashboard,
     demand,
+    demand_claims,
     devices,
     health,
     kernels,
@@ -48,7 +49,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.best_cache = BestCache(settings.database_url)
     app.state.demand_checker = DemandChecker()
-    app.state.demand_buffer = DemandBuffer(settings.database_url)
+    app.state.demand_buffer = DemandBuffer(settings.database_url,
+                                           max_pending=settings.demand_max_pending)
     # Bursts of two seconds' worth: a job's ranks on one host report at about the same time.
     app.state.demand_limiter = TokenBuckets(settings.demand_rate_limit,
                                             max(1.0, 2 * settings.demand_rate_limit))
@@ -59,11 +61,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        path_limits={"/v1/demand": demand.MAX_BODY_BYTES})
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
-                           allow_methods=["GET", "POST"],
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"])
     install_error_handlers(app)
     for module in (health, devices, templates, best, winners, configs, results, snapshots,
-                   demand, kernels, dashboard, reference):
+                   demand, demand_claims, kernels, dashboard, reference):
         app.include_router(module.router)
     return app
 

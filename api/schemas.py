@@ -7,7 +7,7 @@ query models here. Problem fields come as query parameters and are checked by
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -18,6 +18,7 @@ from tuner.wire import (
     ConfigPage,
     ConfigRow,
     DemandAccepted,
+    DemandClaimOut,
     DemandPage,
     DemandRow,
     DemandStatusName,
@@ -40,9 +41,14 @@ __all__ = [
     "ConfigRow",
     "ConfigsQuery",
     "DemandAccepted",
+    "DemandClaimIn",
+    "DemandClaimOut",
+    "DemandFinishIn",
     "DemandItemIn",
+    "DemandLeaseIn",
     "DemandPage",
     "DemandQuery",
+    "DemandReleaseIn",
     "DemandReportIn",
     "DemandRow",
     "DeviceOut",
@@ -192,3 +198,58 @@ class DemandQuery(BaseModel):
     status: DemandStatusName | None = None
     offset: int = Field(0, ge=0, le=10_000_000)
     limit: int = Field(100, ge=1, le=1000)
+
+
+# ----------------------------------------------------------------------------- workers' claims
+# What a claim asks for, as ``tuner worker`` sets it (tuner.worker.WorkerOptions checks the
+# same bounds on its side).
+MAX_LEASE_S = 24 * 3600.0
+MAX_CLAIM_ATTEMPTS = 100
+MAX_NOTE = 2000
+WorkerName = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_NUL,
+                                  description="who holds the claim (tuner worker: host:pid)")]
+TemplateName = Annotated[str, Field(min_length=1, max_length=100, pattern=NO_NUL)]
+TemplateVersion = Annotated[str, Field(min_length=1, max_length=64, pattern=NO_NUL)]
+
+
+class DemandClaimIn(BaseModel):
+    """A worker asking for the most reported problem of its device and kernel versions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field(min_length=1, max_length=400, pattern=DEVICE_KEY,
+                        description="the worker's device key (DeviceInfo.key)")
+    templates: dict[TemplateName, TemplateVersion] = Field(
+        min_length=1, max_length=200,
+        description="template name -> the version the worker runs: the rows it can tune")
+    worker: WorkerName
+    lease_s: float = Field(300.0, ge=3, le=MAX_LEASE_S,
+                           description="seconds the claim holds unless renewed")
+    max_attempts: int = Field(3, ge=1, le=MAX_CLAIM_ATTEMPTS,
+                              description="claims of one row whose workers all stopped "
+                                          "renewing before it is given up (failed)")
+
+
+class DemandLeaseIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker: WorkerName
+    lease_s: float = Field(300.0, ge=3, le=MAX_LEASE_S,
+                           description="seconds from now the claim holds unless renewed")
+
+
+class DemandFinishIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker: WorkerName
+    status: Literal["done", "failed"]
+    note: str = Field("", max_length=MAX_NOTE, pattern=NO_NUL,
+                      description="what the worker found: the best TFLOP/s, or why it failed")
+
+
+class DemandReleaseIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker: WorkerName
+    note: str = Field("", max_length=MAX_NOTE, pattern=NO_NUL,
+                      description="why it is given back")

@@ -47,6 +47,7 @@ __all__ = [
     "count_snapshots",
     "create_snapshot",
     "create_sweep",
+    "delete_snapshot",
     "drop_remeasurement_claim",
     "find_trial",
     "finish_sweep",
@@ -829,3 +830,13 @@ def list_snapshots(s: Session, *, offset: int = 0, limit: int = 100
 
 def count_snapshots(s: Session) -> int:
     return int(s.scalar(select(func.count(Snapshot.id))) or 0)
+
+
+def delete_snapshot(s: Session, *, snapshot_id: str) -> tuple[str, int, datetime] | None:
+    """Delete the snapshot row of ``snapshot_id``; its (id, items, created_at), or None when
+    there is none. Deleting is the only change a snapshot ever sees (an operator removing one
+    that no job pins); its content is never rewritten."""
+    result = s.execute(delete(Snapshot).where(Snapshot.id == snapshot_id)
+                       .returning(Snapshot.id, Snapshot.items, Snapshot.created_at))
+    row = result.first()
+    return (row[0], row[1], row[2]) if row is not None else None

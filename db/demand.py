@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, false, func, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, false, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from db.crud import _insert
@@ -25,20 +25,27 @@ from db.models import Demand, DemandStatus, utcnow
 
 __all__ = [
     "EXPIRED",
+    "BucketKey",
     "DemandCount",
     "add_demand",
     "claim_demand",
     "count_demand",
+    "count_open",
     "demand_status",
     "finish_demand",
+    "held_claim",
     "list_demand",
     "release_demand",
     "renew_demand_claim",
+    "stored_buckets",
 ]
 
 # A claimed row whose lease has passed: stored as "claimed", shown (and claimable) as this.
 EXPIRED = "expired"
 SHOWN_STATUSES = (*(s.value for s in DemandStatus), EXPIRED)
+
+
+BucketKey = tuple[str, str, str, str]  # device key, template, template version, problem key
 
 
 @dataclass(frozen=True)
@@ -52,12 +59,34 @@ class DemandCount:
     problem: dict[str, Any]
     reports: int
 
+    @property
+    def bucket(self) -> BucketKey:
+        return (self.device_key, self.template, self.template_version, self.problem_key)
 
-def add_demand(s: Session, *, counts: Sequence[DemandCount], now: datetime | None = None
-               ) -> None:
-    """Add ``counts`` to their rows, creating the missing ones, in one statement."""
+
+def add_demand(s: Session, *, counts: Sequence[DemandCount], now: datetime | None = None,
+               max_open: int | None = None) -> list[DemandCount]:
+    """Add ``counts`` to their rows, creating the missing ones, in one statement.
+
+    With ``max_open``, rows are created only while fewer than ``max_open`` rows are open
+    (waiting for a worker): counts of existing rows are always added, those of new buckets
+    beyond the cap are returned, not stored (the most reported new ones are stored first).
+    On SQLite the write transaction serializes this exactly; on PostgreSQL two service
+    processes storing at once may each see room for the same last rows, so the cap can be
+    passed by what one store of each other process adds (a second's new buckets)."""
+    refused: list[DemandCount] = []
+    if max_open is not None and counts:
+        open_now = count_open(s)
+        if open_now + len(counts) > max_open:  # some may be new beyond the cap: which?
+            stored = stored_buckets(s, keys=[c.bucket for c in counts])
+            new = sorted((c for c in counts if c.bucket not in stored),
+                         key=lambda c: -c.reports)
+            refused = new[max(0, max_open - open_now):]
+            if refused:
+                dropped = {c.bucket for c in refused}
+                counts = [c for c in counts if c.bucket not in dropped]
     if not counts:
-        return
+        return refused
     now = now or utcnow()
     # Sorted by key: two service processes flushing at once lock rows in the same order
     # (PostgreSQL), so they queue instead of deadlocking.
@@ -65,14 +94,36 @@ def add_demand(s: Session, *, counts: Sequence[DemandCount], now: datetime | Non
              "template_version": c.template_version, "problem_key": c.problem_key,
              "problem": c.problem, "reports": c.reports, "status": DemandStatus.OPEN.value,
              "worker": "", "attempts": 0, "note": "", "first_seen": now, "last_seen": now}
-            for c in sorted(counts, key=lambda c: (c.device_key, c.template,
-                                                   c.template_version, c.problem_key))]
+            for c in sorted(counts, key=lambda c: c.bucket)]
     stmt = _insert(s, Demand)
     stmt = stmt.on_conflict_do_update(
         index_elements=["device_key", "template", "template_version", "problem_key"],
         set_={"reports": Demand.reports + stmt.excluded.reports,
               "last_seen": stmt.excluded.last_seen})
     s.connection().execute(stmt, rows)  # Core executemany
+    return refused
+
+
+def count_open(s: Session) -> int:
+    """Rows waiting for a worker (open): what ``add_demand``'s ``max_open`` caps."""
+    return int(s.scalar(select(func.count(Demand.id)).where(
+        Demand.status == DemandStatus.OPEN)) or 0)
+
+
+# Keys per query: 4 bound parameters each, far below SQLite's 32,766 and PostgreSQL's 65,535.
+_KEYS_PER_QUERY = 500
+
+
+def stored_buckets(s: Session, *, keys: Sequence[BucketKey]) -> set[BucketKey]:
+    """Which of ``keys`` have a row, whatever its status."""
+    columns = (Demand.device_key, Demand.template, Demand.template_version, Demand.problem_key)
+    found: set[BucketKey] = set()
+    unique = sorted(set(keys))
+    for start in range(0, len(unique), _KEYS_PER_QUERY):
+        chunk = unique[start:start + _KEYS_PER_QUERY]
+        found.update((a, b, c, d) for a, b, c, d in s.execute(
+            select(*columns).where(tuple_(*columns).in_(chunk))))
+    return found
 
 
 def _of_templates(versions: Mapping[str, str]) -> ColumnElement[bool]:
@@ -120,6 +171,17 @@ def claim_demand(s: Session, *, device_key: str, versions: Mapping[str, str], wo
     row.note = ""
     s.flush()
     return row
+
+
+def held_claim(s: Session, *, device_key: str, worker: str, now: datetime | None = None
+               ) -> Demand | None:
+    """The row of ``device_key`` that ``worker`` holds a live claim on, if any: a worker asking
+    to claim again while it holds one lost the answer to its claim (a retried request), and
+    gets the row it holds instead of a second one."""
+    return s.scalars(select(Demand).where(
+        Demand.device_key == device_key, Demand.worker == worker,
+        Demand.status == DemandStatus.CLAIMED, Demand.lease_until >= (now or utcnow()))
+        .order_by(Demand.id).limit(1)).first()
 
 
 def renew_demand_claim(s: Session, *, demand_id: int, worker: str, lease_s: float) -> bool:

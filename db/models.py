@@ -263,8 +263,9 @@ class HeadToHeadReading(Base):
 
 class Snapshot(Base):
     """Best configs frozen at one moment: a bundle's canonical JSON text, named by its SHA-256
-    (``tuner.snapshot``). Rows are only ever inserted: the same content is the same row, and
-    a row's content never changes (a reader re-hashes it against its id)."""
+    (``tuner.snapshot``). Rows are inserted, and deleted whole by an operator (``tuner
+    snapshot delete``), never updated: the same content is the same row, and a row's content
+    never changes (a reader re-hashes it against its id)."""
 
     __tablename__ = "snapshots"
 

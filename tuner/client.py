@@ -6,6 +6,8 @@
         answer = client.best("flash_fwd", problem)          # BestOut: config, match, TFLOP/s
         page = client.configs(template="flash_fwd", limit=50)
         queue = client.demand(status="open")                # what jobs ran untuned
+        job = client.claim_demand(device=key, templates=versions, worker="gpu-7:12",
+                                  lease_s=300, max_attempts=3)  # a worker's (write token)
 
 Transient failures (connection errors, timeouts, 429/502/503/504) are retried ``retries`` times
 with exponential backoff and jitter; other 4xx/5xx answers raise ``TunerError`` at once with
@@ -30,12 +32,15 @@ from tuner.wire import (
     ConfigPage,
     ConfigRow,
     DemandAccepted,
+    DemandClaimOut,
     DemandPage,
+    DemandRow,
     DeviceOut,
     HealthOut,
     SnapshotCreated,
     SnapshotList,
     SnapshotOut,
+    SnapshotSummary,
     TemplateOut,
     UploadResult,
     WinnersOut,
@@ -159,6 +164,38 @@ class TunerClient:
         return self._get("/v1/demand", DemandPage,
                          params={**params, "offset": offset, "limit": limit})
 
+    # -- a worker's claims (tuner worker --service): each needs the write token --------------
+    def claim_demand(self, *, device: str, templates: Mapping[str, str], worker: str,
+                     lease_s: float, max_attempts: int) -> DemandRow | None:
+        """Claim the most reported problem of ``device`` whose template runs at a version
+        ``templates`` names (None: none waits). Asked again while ``worker`` holds a claim,
+        the service answers that claim (so a retried request takes no second problem)."""
+        body = {"device": device, "templates": dict(templates), "worker": worker,
+                "lease_s": lease_s, "max_attempts": max_attempts}
+        response = self._request("POST", "/v1/demand/claim", json=body,
+                                 headers=self._write_headers, ok_status=(200,))
+        return _parse(response, DemandClaimOut).claim
+
+    def renew_demand_claim(self, demand_id: int, *, worker: str, lease_s: float) -> DemandRow:
+        """Extend ``worker``'s claim to ``lease_s`` from now (409 ``TunerError``: no longer
+        its claim)."""
+        return self._claim_call(demand_id, "lease", {"worker": worker, "lease_s": lease_s})
+
+    def finish_demand(self, demand_id: int, *, worker: str, status: str, note: str
+                      ) -> DemandRow:
+        """Mark ``worker``'s claim ``done`` or ``failed`` (409: no longer its claim)."""
+        return self._claim_call(demand_id, "finish",
+                                {"worker": worker, "status": status, "note": note})
+
+    def release_demand(self, demand_id: int, *, worker: str, note: str) -> DemandRow:
+        """Give ``worker``'s claim back, open (409: no longer its claim)."""
+        return self._claim_call(demand_id, "release", {"worker": worker, "note": note})
+
+    def _claim_call(self, demand_id: int, action: str, body: dict[str, Any]) -> DemandRow:
+        response = self._request("POST", f"/v1/demand/{demand_id}/{action}", json=body,
+                                 headers=self._write_headers, ok_status=(200,))
+        return _parse(response, DemandRow)
+
     def upload(self, bundle: Mapping[str, Any]) -> UploadResult:
         """Store a bundle (``tuner.bundle``'s format); needs the write token."""
         response = self._request("POST", "/v1/results", json=dict(bundle),
@@ -179,6 +216,13 @@ class TunerClient:
     def snapshot(self, snapshot_id: str) -> SnapshotOut:
         """A snapshot, whole: its bundle (``TunerError`` with status 404 if unknown)."""
         return self._get(f"/v1/snapshots/{snapshot_id}", SnapshotOut)
+
+    def delete_snapshot(self, snapshot_id: str) -> SnapshotSummary:
+        """Delete a snapshot no job pins any more; needs the write token. Answers what was
+        deleted (``TunerError`` with status 404 if unknown)."""
+        response = self._request("DELETE", f"/v1/snapshots/{snapshot_id}",
+                                 headers=self._write_headers, ok_status=(200,))
+        return _parse(response, SnapshotSummary)
 
     def snapshots(self, *, offset: int = 0, limit: int = 100) -> SnapshotList:
         """Stored snapshots (ids, sizes, dates), newest first."""

@@ -21,9 +21,14 @@
     TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
     TUNER_DEMAND_RATE_LIMIT the service's POST /v1/demand requests per second per client
                          address (default 20; bursts of twice that)
+    TUNER_REFUSED_WRITE_RATE the service's refusals of writes without a valid token answered
+                         at once per second per client address (default 5; bursts of twice
+                         that); past it they line up, each held at most 1 s
     TUNER_NEIGHBOUR_MARGIN how much faster than torch SDPA an implementation must have been
                          measured on a neighbouring problem to run a problem whose own bucket
                          has no SDPA measurement (default 0.03: 3%; docs/DISPATCH.md)
+    TUNER_DEMAND_MAX_PENDING the service's cap on problems waiting in the demand queue (open);
+                         reports of new problems beyond it are refused (default 10,000)
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from sqlalchemy.exc import ArgumentError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
+# Problems waiting in the demand queue (a worker takes minutes per problem: more than a fleet
+# tunes in a day), a few MB of table.
+DEFAULT_DEMAND_MAX_PENDING = 10_000
 
 # The write token's policy, one rule for the service's start and its every write
 # (``write_token_problem``): a token that looks set but protects nothing is refused.
@@ -145,6 +153,8 @@ class Settings(LogSettings):
     neighbour_margin: float = Field(0.03, ge=0, le=1, description=(
         "fraction by which an implementation must beat torch SDPA on a neighbouring problem "
         "to run an untuned one"))
+    demand_max_pending: int = Field(DEFAULT_DEMAND_MAX_PENDING, ge=1, le=10_000_000, description=(
+        "problems waiting in the demand queue before new ones are refused (service)"))
 
     @field_validator("database_url")
     @classmethod

@@ -19,13 +19,14 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from tuner.errors import TunerError
 
-__all__ = ["Frozen", "SnapshotError", "canonical_text", "check_snapshot_id", "freeze",
-           "is_snapshot_id", "snapshot_id_of", "stored_bundle"]
+__all__ = ["Frozen", "SnapshotError", "StoredSnapshot", "canonical_text", "check_snapshot_id",
+           "delete_snapshot", "freeze", "is_snapshot_id", "read_snapshot", "snapshot_id_of",
+           "stored_bundle"]
 
 SNAPSHOT_ID = re.compile(r"^[0-9a-f]{64}$")
 # Header fields of a bundle that say where and when it was written, not what it holds.
@@ -117,3 +118,62 @@ def stored_bundle(content: str, snapshot_id: str, where: str) -> dict[str, Any]:
                             "freeze the configs again (`tuner snapshot create`) and pin the "
                             "new id")
     return bundle  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class StoredSnapshot:
+    """A snapshot as read back: its id, when it was frozen, and its content (checked)."""
+
+    id: str
+    created_at: datetime
+    bundle: dict[str, Any]
+
+    @property
+    def items(self) -> int:
+        return len(self.bundle.get("items", ()))
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands times back without their offset; they are stored as UTC (db.models.utcnow).
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+def _where(database_url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return f"database {make_url(database_url).render_as_string(hide_password=True)}"
+
+
+def _unknown(snapshot_id: str, where: str) -> SnapshotError:
+    return SnapshotError(f"no snapshot {snapshot_id} in {where}",
+                         "list them with `tuner snapshot list` (or pass the --db or --url that "
+                         "holds it)")
+
+
+def read_snapshot(database_url: str, snapshot_id: str) -> StoredSnapshot:
+    """Snapshot ``snapshot_id`` of the database, its content checked against its id."""
+    from db import crud
+    from db.session import session_scope
+
+    check_snapshot_id(snapshot_id)
+    where = _where(database_url)
+    with session_scope(database_url, write=False) as s:
+        row = crud.get_snapshot(s, snapshot_id=snapshot_id)
+        if row is None:
+            raise _unknown(snapshot_id, where)
+        return StoredSnapshot(row.id, _utc(row.created_at),
+                              stored_bundle(row.content, snapshot_id, where))
+
+
+def delete_snapshot(database_url: str, snapshot_id: str) -> tuple[str, int, datetime]:
+    """Delete snapshot ``snapshot_id`` of the database: its (id, items, created_at)."""
+    from db import crud
+    from db.session import run_in_transaction
+
+    check_snapshot_id(snapshot_id)
+    deleted = run_in_transaction(database_url, lambda s: crud.delete_snapshot(
+        s, snapshot_id=snapshot_id))
+    if deleted is None:
+        raise _unknown(snapshot_id, _where(database_url))
+    sid, items, created = deleted
+    return sid, items, _utc(created)

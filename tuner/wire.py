@@ -250,6 +250,8 @@ class DemandAccepted(WireModel):
 
 
 class DemandRow(WireModel):
+    # Optional: a service of an older release does not send it.
+    id: int | None = Field(None, description="the row's id: what a worker's claim names")
     device: str = Field(description="device key the problem ran on")
     template: str
     template_version: str
@@ -273,6 +275,12 @@ class DemandPage(WireModel):
     total: int
     offset: int
     limit: int
+
+
+class DemandClaimOut(WireModel):
+    claim: DemandRow | None = Field(description="the row claimed for the worker (its status "
+                                                "claimed, until lease_until unless renewed), or "
+                                                "null: nothing of its device and versions waits")
 
 
 class ErrorOut(WireModel):

@@ -2,16 +2,20 @@
 reported first, for its own device, with the sweep machinery (``tuner.sweep.run_sweep``).
 
 The loop: claim the most reported open row of the demand queue for this worker's device key
-and the template versions its own code runs (``db.demand.claim_demand``), tune its problem as
-a one-problem sweep into the same database, mark the row done (or failed, saying why), and
-claim the next; with nothing to claim, wait ``poll_s`` and look again.
+and the template versions its own code runs, tune its problem as a one-problem sweep into the
+worker's database, make the results reach the service, mark the row done (or failed, saying
+why), and claim the next; with nothing to claim, wait ``poll_s`` and look again. The queue is
+the database the worker shares with the service, or the service's API for hosts that reach only
+the service (``tuner.demand_queue``, ``tuner.service_queue``): then the worker tunes into a
+database of its own and uploads the job's results before it marks it done; if the upload cannot
+get through, it gives the job back.
 
 A claim is a lease: the worker renews it every third of ``lease_s`` while it tunes. A worker
 that dies (SIGKILL included) stops renewing, and once the lease has passed the next worker
 takes the row over; what the dead one measured is stored and is not measured again (the
 sweep resumes, as ``tuner sweep`` does after a kill: its Optuna trial goes stale after three
-heartbeats and is run again). A worker stopped on request (SIGINT, ``stop``) gives its claim
-back at once.
+heartbeats and is run again), where the two share a database. A worker stopped on request
+(SIGINT, ``stop``) gives its claim back at once.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from db.models import DemandStatus
 from templates.base import Problem
 from templates.registry import all_templates, get_template
+from tuner.demand_queue import DatabaseQueue, DemandQueue, Job, QueueUnavailable, ResultsRefused
 from tuner.errors import TunerError
 from tuner.suites import SweepSpec
 from tuner.sweep import SweepOptions, SweepReport, run_sweep
@@ -36,10 +41,15 @@ __all__ = ["Job", "JobClaimed", "JobFinished", "WorkerOptions", "WorkerStarted",
            "WorkerWaits", "run_worker", "worker_versions"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_POLL_S = 30.0
 DEFAULT_LEASE_S = 300.0
 DEFAULT_MAX_ATTEMPTS = 3
+# What the service takes in a claim (api.schemas.DemandClaimIn); the database worker keeps to
+# the same bounds.
+MAX_LEASE_S = 24 * 3600.0
+MAX_ATTEMPTS = 100
 
 
 @dataclass(frozen=True)
@@ -56,28 +66,16 @@ class WorkerOptions:
         if self.poll_s <= 0:
             raise TunerError(f"--poll must be > 0 seconds, but got {self.poll_s:g}",
                              f"e.g. --poll {DEFAULT_POLL_S:g}")
-        if self.lease_s < 3:
+        if not 3 <= self.lease_s <= MAX_LEASE_S:
             raise TunerError(f"--lease must be >= 3 seconds (it is renewed every third of "
-                             f"it), but got {self.lease_s:g}", f"e.g. --lease {DEFAULT_LEASE_S:g}")
+                             f"it) and at most {MAX_LEASE_S:g}, but got {self.lease_s:g}",
+                             f"e.g. --lease {DEFAULT_LEASE_S:g}")
         if self.max_jobs < 0:
             raise TunerError(f"--max-jobs must be >= 0, but got {self.max_jobs}",
                              "e.g. --max-jobs 1, or 0 for no limit")
-        if self.max_attempts < 1:
-            raise TunerError(f"--max-attempts must be >= 1, but got {self.max_attempts}",
-                             f"e.g. --max-attempts {DEFAULT_MAX_ATTEMPTS}")
-
-
-@dataclass(frozen=True)
-class Job:
-    """A claimed demand row."""
-
-    demand_id: int
-    template: str
-    template_version: str
-    problem_key: str
-    problem: dict[str, Any]
-    reports: int
-    attempt: int
+        if not 1 <= self.max_attempts <= MAX_ATTEMPTS:
+            raise TunerError(f"--max-attempts must be 1 to {MAX_ATTEMPTS}, but got "
+                             f"{self.max_attempts}", f"e.g. --max-attempts {DEFAULT_MAX_ATTEMPTS}")
 
 
 # ----------------------------------------------------------------------------- events
@@ -86,6 +84,7 @@ class WorkerStarted:
     worker: str  # host:pid, as the claims name it
     device: dict[str, Any]
     versions: dict[str, str]  # the template versions it tunes
+    where: str = ""  # the queue: "database ...", "service ..."
 
 
 @dataclass(frozen=True)
@@ -104,6 +103,7 @@ class JobFinished:
 @dataclass(frozen=True)
 class WorkerWaits:
     seconds: float
+    why: str = ""  # "" nothing to tune; else why the queue could not be asked
 
 
 Event = WorkerStarted | JobClaimed | JobFinished | WorkerWaits
@@ -142,105 +142,153 @@ def probe_device() -> dict[str, Any]:
         runner.close()
 
 
-def run_worker(options: WorkerOptions, *, db_url: str, template_modules: tuple[str, ...] = (),
+def run_worker(options: WorkerOptions, *, db_url: str, queue: DemandQueue | None = None,
+               template_modules: tuple[str, ...] = (),
                on_event: Callable[[Event], None] | None = None,
                stop: threading.Event | None = None) -> list[JobFinished]:
-    """Claim, tune and finish demand rows until told to stop (module docstring)."""
+    """Claim, tune and finish demand rows until told to stop (module docstring). ``db_url``
+    is where the worker tunes; ``queue`` where it claims (default: ``db_url``'s demand
+    table)."""
     from db.session import init_db
 
     emit = on_event or (lambda event: None)
     stop = stop or threading.Event()
+    queue = queue if queue is not None else DatabaseQueue(db_url)
     # The templates from outside the package (TUNER_TEMPLATE_MODULES), imported as a sweep
     # spec's are: the demand for them is claimed only if their versions are known here.
     SweepSpec(name="tuner worker", templates=(), problems=(),
               template_modules=template_modules).import_template_modules()
-    versions = worker_versions(options.templates)
     init_db(db_url)
+    versions = _asked(queue, options, stop, emit,
+                      lambda: queue.accepted_versions(worker_versions(options.templates)))
+    if versions is None:  # stopped while the service could not be reached
+        return []
     device = probe_device()
     worker = f"{socket.gethostname()}:{os.getpid()}"
-    emit(WorkerStarted(worker, device, versions))
+    emit(WorkerStarted(worker, device, versions, queue.where))
     finished: list[JobFinished] = []
     while not stop.is_set():
-        job = _claim(db_url, device["key"], versions, worker, options)
+        # In a list: the claim's None is "nothing to claim", _asked's None "stopped".
+        claimed = _asked(queue, options, stop, emit, lambda: [queue.claim(
+            device_key=device["key"], versions=versions, worker=worker,
+            lease_s=options.lease_s, max_attempts=options.max_attempts)])
+        job = claimed[0] if claimed else None
         if job is None:
-            if options.until_idle:
+            if options.until_idle or stop.is_set():
                 break
             emit(WorkerWaits(options.poll_s))
             stop.wait(options.poll_s)
             continue
         emit(JobClaimed(job))
-        result = _tune(job, options, db_url=db_url, worker=worker,
-                       template_modules=template_modules, stop=stop)
+        result = _tune(job, options, queue=queue, db_url=db_url, device_key=device["key"],
+                       worker=worker, template_modules=template_modules, stop=stop)
         finished.append(result)
         emit(result)
         if options.max_jobs and len(finished) >= options.max_jobs:
             break
+        if result.status == "released" and not stop.is_set():
+            # Given back as its results could not be uploaded: claiming again at once would
+            # take the same problem back, and fail the same way until the service is back.
+            if options.until_idle:
+                break
+            emit(WorkerWaits(options.poll_s, result.note))
+            stop.wait(options.poll_s)
     return finished
 
 
-def _claim(db_url: str, device_key: str, versions: dict[str, str], worker: str,
-           options: WorkerOptions) -> Job | None:
-    from db import demand
-    from db.session import run_in_transaction
+def _asked(queue: DemandQueue, options: WorkerOptions, stop: threading.Event,
+           emit: Callable[[Event], None], ask: Callable[[], T]) -> T | None:
+    """``ask()`` of the queue, asked again every ``poll_s`` while the queue cannot be reached
+    (None: stopped meanwhile). A worker told to stop when idle cannot tell that nothing is
+    left: it stops with an error instead."""
+    while not stop.is_set():
+        try:
+            return ask()
+        except QueueUnavailable as exc:
+            if options.until_idle:
+                raise TunerError(f"{queue.where} cannot be reached: {exc}",
+                                 "check that it runs and that this host reaches it") from None
+            log.warning("%s cannot be reached (%s); asking again in %g s", queue.where, exc,
+                        options.poll_s)
+            emit(WorkerWaits(options.poll_s, f"{queue.where} cannot be reached: {exc}"))
+            stop.wait(options.poll_s)
+    return None
 
-    def claim(s: Any) -> Job | None:
-        row = demand.claim_demand(s, device_key=device_key, versions=versions, worker=worker,
-                                  lease_s=options.lease_s, max_attempts=options.max_attempts)
-        if row is None:
-            return None
-        return Job(row.id, row.template, row.template_version, row.problem_key,
-                   dict(row.problem), row.reports, row.attempts)
 
-    return run_in_transaction(db_url, claim)
-
-
-def _tune(job: Job, options: WorkerOptions, *, db_url: str, worker: str,
-          template_modules: tuple[str, ...], stop: threading.Event) -> JobFinished:
-    """One claimed row, tuned as a one-problem sweep; the row finished (or given back)."""
-    from db import demand
-    from db.session import run_in_transaction
+def _tune(job: Job, options: WorkerOptions, *, queue: DemandQueue, db_url: str,
+          device_key: str, worker: str, template_modules: tuple[str, ...],
+          stop: threading.Event) -> JobFinished:
+    """One claimed row, tuned as a one-problem sweep; its results published, the row
+    finished (or given back)."""
 
     def finish(status: DemandStatus, note: str, report: SweepReport | None) -> JobFinished:
-        if not run_in_transaction(db_url, lambda s: demand.finish_demand(
-                s, demand_id=job.demand_id, worker=worker, status=status, note=note)):
-            log.warning("demand row %d was taken over by another worker (this one's lease "
-                        "passed); its results are stored all the same", job.demand_id)
+        try:
+            if not queue.finish(job.demand_id, worker=worker, status=status, note=note):
+                log.warning("demand row %d was taken over by another worker (this one's lease "
+                            "passed); its results are stored all the same", job.demand_id)
+        except QueueUnavailable as exc:  # the lease passes, and the row is tuned again
+            log.warning("could not mark demand row %d %s on %s (%s); another worker takes it "
+                        "over once its lease passes", job.demand_id, status.value, queue.where,
+                        exc)
         return JobFinished(job, status.value, note, report)  # type: ignore[arg-type]
+
+    def give_back(note: str, report: SweepReport | None) -> JobFinished:
+        _release(queue, job, worker, note)
+        return JobFinished(job, "released", note, report)
 
     try:
         problem = Problem.from_dict(job.problem)
     except (TypeError, ValueError) as exc:
         return finish(DemandStatus.FAILED, f"the stored problem is not valid: {exc}", None)
     if stop.is_set():  # told to stop as it claimed: give the claim back, start nothing
-        _release(db_url, job, worker)
-        return JobFinished(job, "released", "stopped before it started; given back", None)
+        return give_back("stopped before it started; given back", None)
     spec = SweepSpec(name=f"demand-{job.demand_id}", templates=(job.template,),
                      problems=(problem,), template_modules=template_modules)
-    keeper = LeaseKeeper(db_url, job.demand_id, worker, options.lease_s)
-    try:
-        report = run_sweep(spec, options.sweep, db_url=db_url, stop=_JobStop(stop))
+    keeper = LeaseKeeper(queue, job.demand_id, worker, options.lease_s)
+    try:  # the lease is held while it tunes and while it uploads (a busy service takes a while)
+        status, note, report = _outcome(job, spec, options, queue=queue, db_url=db_url,
+                                        device_key=device_key, worker=worker, stop=stop)
     except KeyboardInterrupt:
-        _release(db_url, job, worker)
+        keeper.close()
+        _release(queue, job, worker, "given back by a stopped worker")
         raise
-    except TunerError as exc:  # the template cannot run it here, or its code failed
-        return finish(DemandStatus.FAILED, f"{exc.message} ({exc.fix})" if exc.fix
-                      else exc.message, None)
     finally:
         keeper.close()
+    if status == "released":
+        return give_back(note, report)
+    return finish(DemandStatus(status), note, report)
+
+
+Outcome = tuple[Literal["done", "failed", "released"], str, SweepReport | None]
+
+
+def _outcome(job: Job, spec: SweepSpec, options: WorkerOptions, *, queue: DemandQueue,
+             db_url: str, device_key: str, worker: str, stop: threading.Event) -> Outcome:
+    """How the job's sweep and the publishing of its results went, and a note saying so."""
+    try:
+        report = run_sweep(spec, options.sweep, db_url=db_url, stop=_JobStop(stop))
+    except TunerError as exc:  # the template cannot run it here, or its code failed
+        return "failed", f"{exc.message} ({exc.fix})" if exc.fix else exc.message, None
     if report.status == "interrupted":
-        _release(db_url, job, worker)
-        return JobFinished(job, "released", "stopped before the end; given back", report)
+        return "released", "stopped before the end; given back", report
     result = report.problems[0]
     if result.skipped:
-        return finish(DemandStatus.FAILED, result.skipped, report)
+        return "failed", result.skipped, report
     if result.best_tflops is None:
         failed = ", ".join(f"{n} {kind}" for kind, n in sorted(result.failed.items()))
-        return finish(DemandStatus.FAILED, f"no config ran correctly ({failed or 'none ran'})",
-                      report)
+        return "failed", f"no config ran correctly ({failed or 'none ran'})", report
     note = f"best {result.best_tflops:.4g} TFLOP/s"
     if result.speedup:
         note += f", {result.speedup:.2f}x the default config"
-    return finish(DemandStatus.DONE, f"{note} (sweep {report.sweep_id})", report)
+    note += f" (sweep {report.sweep_id})"
+    try:
+        published = queue.publish(job, device_key=device_key, results_db_url=db_url)
+    except ResultsRefused as exc:
+        return "failed", f"{note}; {exc}", report
+    except QueueUnavailable as exc:
+        return "released", (f"{note}; the results could not be uploaded ({exc}): given back, "
+                            f"{worker} keeps them in its database"), report
+    return "done", f"{note}; {published}" if published else note, report
 
 
 class _JobStop(threading.Event):
@@ -266,13 +314,9 @@ class _JobStop(threading.Event):
         return True
 
 
-def _release(db_url: str, job: Job, worker: str) -> None:
-    from db import demand
-    from db.session import run_in_transaction
-
+def _release(queue: DemandQueue, job: Job, worker: str, note: str) -> None:
     try:
-        run_in_transaction(db_url, lambda s: demand.release_demand(
-            s, demand_id=job.demand_id, worker=worker, note="given back by a stopped worker"))
+        queue.release(job.demand_id, worker=worker, note=note)
     except Exception as exc:  # the lease will pass anyway: nothing is lost
         log.warning("could not give demand row %d back (%s); it is taken over once its "
                     "lease passes", job.demand_id, exc)
@@ -282,30 +326,30 @@ class LeaseKeeper:
     """Renews a claim's lease every third of ``lease_s`` on a thread of its own, until
     closed; says so once if the claim was taken over (this worker was thought dead)."""
 
-    def __init__(self, db_url: str, demand_id: int, worker: str, lease_s: float) -> None:
-        self.db_url, self.demand_id, self.worker, self.lease_s = db_url, demand_id, worker, lease_s
+    def __init__(self, queue: DemandQueue, demand_id: int, worker: str, lease_s: float) -> None:
+        self.queue, self.demand_id, self.worker, self.lease_s = queue, demand_id, worker, lease_s
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{demand_id}",
                                         daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        from db import demand
-        from db.session import run_in_transaction
-
         while not self._closed.wait(self.lease_s / 3):
             try:
-                held = run_in_transaction(self.db_url, lambda s: demand.renew_demand_claim(
-                    s, demand_id=self.demand_id, worker=self.worker, lease_s=self.lease_s))
-            except Exception as exc:  # the database is away: try again at the next beat
+                held = self.queue.renew(self.demand_id, worker=self.worker,
+                                        lease_s=self.lease_s)
+            except Exception as exc:  # the queue is away: try again at the next beat
                 log.warning("could not renew the lease on demand row %d: %s", self.demand_id,
                             exc)
                 continue
             if not held:
                 log.warning("demand row %d was taken over by another worker; tuning it on "
-                            "(the two share its trials)", self.demand_id)
+                            "(the two share its trials where they share a database)",
+                            self.demand_id)
                 return
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
         self._thread.join(timeout=30)

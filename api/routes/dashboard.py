@@ -18,6 +18,8 @@ router = APIRouter(tags=["dashboard"])
 DASHBOARD_ROWS = 500
 # The demand queue's most reported rows shown; /v1/demand pages through the rest.
 DASHBOARD_DEMAND_ROWS = 100
+# The newest snapshots shown; /v1/snapshots pages through the rest.
+DASHBOARD_SNAPSHOTS = 50
 
 
 @router.get("/", include_in_schema=False)
@@ -28,7 +30,7 @@ def root() -> RedirectResponse:
 @router.get("/dashboard", response_class=HTMLResponse)
 def dashboard(session: SessionDep) -> HTMLResponse:
     """Devices, templates, best configs, TFLOP/s charts, which implementation runs each
-    problem, the demand queue and what each worker holds, as one HTML page."""
+    problem, the demand queue and what each worker holds, snapshots, as one HTML page."""
     templates = [{"name": t.name, "version": template_version(t), "description": t.description,
                   "grid_size": t.config_cls.grid_size()} for t in all_templates()]
     rows = crud.list_best(session, limit=DASHBOARD_ROWS)
@@ -47,5 +49,7 @@ def dashboard(session: SessionDep) -> HTMLResponse:
         devices=devices, templates=templates, rows=rows,
         total_rows=crud.count_best(session), sweeps=crud.list_sweeps(session, limit=20),
         readings=crud.best_readings(session, rows), winners=winners,
-        winners_limit=DASHBOARD_ROWS, demand_html=demand_html)
+        winners_limit=DASHBOARD_ROWS, demand_html=demand_html,
+        snapshots=crud.list_snapshots(session, limit=DASHBOARD_SNAPSHOTS),
+        total_snapshots=crud.count_snapshots(session))
     return HTMLResponse(html)

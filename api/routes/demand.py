@@ -5,7 +5,8 @@ A report is refused before its body is read when its client address has sent too
 (``api.rate_limit``, ``TUNER_DEMAND_RATE_LIMIT``); its body is capped at ``MAX_BODY_BYTES``
 (``api.errors.BodySizeLimit``). A body that breaks the schema is refused whole (422); each
 item is then checked on its own (``api.demand_check``): the valid ones are counted
-(``api.demand_buffer``), the others listed in the answer with the reason.
+(``api.demand_buffer``), the others listed in the answer with the reason; so are new problems
+the queue has no room for (``TUNER_DEMAND_MAX_PENDING``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from api.body import parsed_body, request_body
 from api.demand_buffer import DemandBuffer
 from api.demand_check import DemandChecker
 from api.deps import SessionDep, _refusal_headers
@@ -34,29 +35,14 @@ MAX_BODY_BYTES = 256 * 1024
 LISTED_REJECTIONS = 20  # rejected items listed in an answer; the rest are counted
 
 
-def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` with its ``$defs`` written in place: a hand-documented request body (see
-    below) cannot add entries to the OpenAPI components that ``$ref`` would point at."""
-    defs = schema.pop("$defs", {})
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref", "")
-            if ref.startswith("#/$defs/"):
-                return walk(defs[ref.removeprefix("#/$defs/")])
-            return {k: walk(v) for k, v in node.items()}
-        return [walk(v) for v in node] if isinstance(node, list) else node
-
-    return walk(schema)  # type: ignore[no-any-return]
-
-
 # Documented by hand, as POST /v1/results is: a body parameter would be read and parsed
 # before the rate limit is checked, and a refused flood must cost the service nothing.
-_REQUEST_BODY = {"required": True, "content": {"application/json": {
-    "schema": _inlined(DemandReportIn.model_json_schema())}}}
+_REQUEST_BODY = request_body(DemandReportIn)
 _RATE_LIMITED = {"model": ErrorOut, "description": "too many reports from this client address",
                  "headers": {"Retry-After": {"description": "seconds until one is taken",
                                              "schema": {"type": "integer"}}}}
+_QUEUE_FULL = {"model": ErrorOut, "description": "every valid item is a new problem, and the "
+               "queue holds as many waiting problems as it may (TUNER_DEMAND_MAX_PENDING)"}
 
 
 async def within_rate_limit(request: Request) -> None:
@@ -77,41 +63,47 @@ async def within_rate_limit(request: Request) -> None:
              dependencies=[Depends(within_rate_limit)],
              openapi_extra={"requestBody": _REQUEST_BODY},
              responses={413: {"model": ErrorOut}, 422: {"model": ErrorOut},
-                        429: _RATE_LIMITED})
+                        429: _RATE_LIMITED, 507: _QUEUE_FULL})
 async def report_demand(request: Request) -> DemandAccepted:
     """Count problems a job ran without a tuned config (no token needed).
 
     Each item: template, template_version (the service's own: others are refused), device (a
     device key), problem (its fields, as ``GET /v1/best`` takes them) and count. Counted per
     shape bucket and stored within a second; ``tuner worker`` tunes the most reported first.
+    A new problem is refused while the queue holds ``TUNER_DEMAND_MAX_PENDING`` waiting ones
+    (listed in ``rejected``; 507 when no item could be counted for that reason).
     """
-    body = await request.body()
-    try:
-        report = DemandReportIn.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        err = errors[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise HTTPException(422, detail=f"{where + ': ' if where else ''}{err['msg']}"
-                                        + (f" (and {len(errors) - 1} more)" if len(errors) > 1
-                                           else "")) from None
+    report = await parsed_body(request, DemandReportIn)
     checker: DemandChecker = request.app.state.demand_checker
     buffer: DemandBuffer = request.app.state.demand_buffer
-    accepted = reports = dropped = 0
+    verdicts = [checker.check(item) for item in report.items]
+    no_room = await buffer.refused_for_cap(v[0] for v in verdicts if not isinstance(v, str))
+    accepted = reports = dropped = full = 0
     rejected: list[DemandRejection] = []
-    for index, item in enumerate(report.items):
-        verdict = checker.check(item)
+    for index, (item, verdict) in enumerate(zip(report.items, verdicts, strict=True)):
         if isinstance(verdict, str):
             rejected.append(DemandRejection(index=index, reason=verdict))
+        elif verdict[0] in no_room:
+            rejected.append(DemandRejection(index=index, reason=_queue_full(buffer)))
+            buffer.over_cap += item.count
+            full += 1
         elif buffer.add(*verdict, item.count):
             accepted += 1
             reports += item.count
         else:
             dropped += 1
     buffer.store_soon()
+    if full and not accepted:
+        raise HTTPException(status.HTTP_507_INSUFFICIENT_STORAGE, detail=_queue_full(buffer))
     return DemandAccepted(accepted=accepted, reports=reports,
                           rejected=rejected[:LISTED_REJECTIONS], rejected_count=len(rejected),
                           dropped=dropped)
+
+
+def _queue_full(buffer: DemandBuffer) -> str:
+    return (f"the demand queue is full: {buffer.max_pending} problems wait to be tuned (the "
+            f"service's cap, TUNER_DEMAND_MAX_PENDING); a new problem is refused until "
+            f"workers take some, reports of problems already queued are still counted")
 
 
 @router.get("/demand", response_model=DemandPage,
@@ -139,7 +131,7 @@ def _page(session: Any, query: DemandQuery) -> DemandPage:
 
 
 def demand_row(row: Any, now: Any) -> DemandRow:
-    return DemandRow(device=row.device_key, template=row.template,
+    return DemandRow(id=row.id, device=row.device_key, template=row.template,
                      template_version=row.template_version, problem_key=row.problem_key,
                      problem=row.problem, reports=row.reports,
                      status=demand.demand_status(row, now),  # type: ignore[arg-type]

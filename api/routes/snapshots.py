@@ -11,6 +11,7 @@ from api.deps import SessionDep, SettingsDep, WriteAuth
 from api.query import openapi_parameters, parse_query
 from api.schemas import SnapshotFilters, SnapshotsQuery
 from db import crud
+from db.session import run_in_transaction
 from tuner.snapshot import SNAPSHOT_ID, SnapshotError, freeze, stored_bundle
 from tuner.wire import ErrorOut, SnapshotCreated, SnapshotList, SnapshotOut, SnapshotSummary
 
@@ -55,20 +56,42 @@ def list_snapshots(query: Annotated[SnapshotsQuery, Depends(parse_query(Snapshot
                         limit=query.limit)
 
 
+SnapshotId = Annotated[str, Path(pattern=SNAPSHOT_ID.pattern,
+                                 description="64 lowercase hex digits: the SHA-256 of the "
+                                             "snapshot's content")]
+
+
+def _unknown(snapshot_id: str) -> HTTPException:
+    return HTTPException(404, detail=f"no snapshot {snapshot_id} on this service "
+                                     "(GET /v1/snapshots lists them)")
+
+
 @router.get("/snapshots/{snapshot_id}", response_model=SnapshotOut,
             responses={404: {"model": ErrorOut}, 422: {"model": ErrorOut}})
-def get_snapshot(
-    snapshot_id: Annotated[str, Path(pattern=SNAPSHOT_ID.pattern,
-                                     description="64 lowercase hex digits: the SHA-256 of the "
-                                                 "snapshot's content")],
-    session: SessionDep,
-) -> Response:
+def get_snapshot(snapshot_id: SnapshotId, session: SessionDep) -> Response:
     """One snapshot, whole: its bundle, whose canonical JSON text hashes to the id."""
     row = crud.get_snapshot(session, snapshot_id=snapshot_id)
     if row is None:
-        raise HTTPException(404, detail=f"no snapshot {snapshot_id} on this service "
-                                        "(GET /v1/snapshots lists them)")
+        raise _unknown(snapshot_id)
     answer = SnapshotOut(id=row.id, items=row.items, created_at=row.created_at,
                          bundle=stored_bundle(row.content, row.id, "this service's database"))
     # Serialized here, once: the bundle can be large, and response_model would check it again.
     return Response(answer.model_dump_json(), media_type="application/json")
+
+
+@router.delete("/snapshots/{snapshot_id}", response_model=SnapshotSummary,
+               dependencies=[WriteAuth],
+               responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut},
+                          404: {"model": ErrorOut}, 422: {"model": ErrorOut},
+                          503: {"model": ErrorOut}})
+async def delete_snapshot(snapshot_id: SnapshotId, settings: SettingsDep) -> SnapshotSummary:
+    """Delete a snapshot that no job pins any more (needs ``Authorization: Bearer <token>``);
+    answers what was deleted. A job already running keeps the copy it loaded at its first
+    lookup; one started later with ``TUNER_SNAPSHOT=<id>`` stops with an error naming the id,
+    as for any unknown snapshot (it never runs other configs instead)."""
+    deleted = await run_in_threadpool(run_in_transaction, settings.database_url,
+                                      lambda s: crud.delete_snapshot(s, snapshot_id=snapshot_id))
+    if deleted is None:
+        raise _unknown(snapshot_id)
+    sid, items, created = deleted
+    return SnapshotSummary(id=sid, items=items, created_at=created)

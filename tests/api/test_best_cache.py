@@ -74,8 +74,8 @@ def clock(app: Any, db_url: str) -> Clock:
     return clock
 
 
-def snapshot_of(app: Any, device: Any) -> Any:
-    kept = app.state.best_cache._snapshots.get((device.key, FWD.name, FWD.version()))
+def bests_of(app: Any, device: Any) -> Any:
+    kept = app.state.best_cache._bests.get((device.key, FWD.name, FWD.version()))
     return None if kept is None else kept.value
 
 
@@ -103,23 +103,23 @@ def test_an_upload_refreshes_what_it_changed_and_nothing_else(
     upload(client, auth, on_h100, on_a100)
     assert best(client, p).json()["config"] == on_h100["config"]
     assert best(client, p, A100ISH.key).json()["config"] == on_a100["config"]
-    h100_before, a100_before = snapshot_of(app, H100), snapshot_of(app, A100ISH)
+    h100_before, a100_before = bests_of(app, H100), bests_of(app, A100ISH)
 
     better = faster(p, on_h100)
     assert upload(client, auth, better)["best_updated"] == 1
     # The uploader's next lookup sees what it stored, at once: no ttl to wait out.
     answer = best(client, p).json()
     assert answer["config"] == better["config"] and answer["tflops"] == 999.0
-    assert snapshot_of(app, H100) is not h100_before
-    assert snapshot_of(app, A100ISH) is a100_before  # another device's answers: untouched
+    assert bests_of(app, H100) is not h100_before
+    assert bests_of(app, A100ISH) is a100_before  # another device's answers: untouched
 
     # Stored again: nothing new, so nothing is refreshed, and no best row is rewritten.
-    h100_now = snapshot_of(app, H100)
+    h100_now = bests_of(app, H100)
     with session_scope(db_url, write=False) as s:
         stamps = {r.problem_key: r.updated_at for r in crud.list_best(s)}
     assert upload(client, auth, better, on_a100) == {
         "items": 2, "trials": 0, "best_updated": 0, "remeasurements": 0}
-    assert snapshot_of(app, H100) is h100_now and snapshot_of(app, A100ISH) is a100_before
+    assert bests_of(app, H100) is h100_now and bests_of(app, A100ISH) is a100_before
     with session_scope(db_url, write=False) as s:
         assert {r.problem_key: r.updated_at for r in crud.list_best(s)} == stamps
 
@@ -133,7 +133,7 @@ def test_reads_answer_from_the_old_entry_while_its_refresh_loads(db_url: str) ->
     store(db_url, first)
     cache = BestCache(db_url, watch=False)
     release, loading = threading.Event(), threading.Event()
-    real_load = cache._load_snapshot
+    real_load = cache._load_bests
 
     def slow_load(*args: Any) -> Any:
         loading.set()
@@ -141,19 +141,19 @@ def test_reads_answer_from_the_old_entry_while_its_refresh_loads(db_url: str) ->
         return real_load(*args)
 
     async def scenario() -> None:
-        old = await cache.snapshot(FWD, FWD.version(), H100.key)
+        old = await cache.bests(FWD, FWD.version(), H100.key)
         store(db_url, faster(p, first))
-        cache._load_snapshot = slow_load  # type: ignore[method-assign, assignment]
+        cache._load_bests = slow_load  # type: ignore[method-assign, assignment]
         refresh = asyncio.ensure_future(cache.refresh([(H100.key, FWD.name, FWD.version())]))
         while not loading.is_set():
             await asyncio.sleep(0.005)
         # The load is blocked; lookups still answer, from the entry as it was.
         for _ in range(3):
             assert await asyncio.wait_for(
-                cache.snapshot(FWD, FWD.version(), H100.key), timeout=1.0) is old
+                cache.bests(FWD, FWD.version(), H100.key), timeout=1.0) is old
         release.set()
         await asyncio.wait_for(refresh, timeout=10)
-        new = await cache.snapshot(FWD, FWD.version(), H100.key)
+        new = await cache.bests(FWD, FWD.version(), H100.key)
         assert [c.config.to_dict() for c in new.candidates] == [faster(p, first)["config"]]
 
     asyncio.run(scenario())
@@ -252,7 +252,7 @@ def test_an_entry_past_half_its_ttl_is_checked_in_the_background(
     store(db_url, better)
     clock.now += 3  # past ttl/2, within the ttl: answered from the entry, checked meanwhile
     assert best(client, p).json()["config"] == first["config"]
-    kept = app.state.best_cache._snapshots[(H100.key, FWD.name, FWD.version())]
+    kept = app.state.best_cache._bests[(H100.key, FWD.name, FWD.version())]
     deadline = 200
     while kept.loading is not None and deadline:
         deadline -= 1
@@ -290,13 +290,13 @@ def test_a_full_cache_evicts_the_least_recently_used_entry_only(db_url: str) -> 
 
     async def scenario() -> None:
         def get(d: Any) -> Any:
-            return cache.snapshot(FWD, FWD.version(), d.key)
+            return cache.bests(FWD, FWD.version(), d.key)
 
         h100, a100 = await get(H100), await get(A100ISH)
         assert await get(H100) is h100  # H100 used last: A100 is now the oldest
         await get(H100_OTHER_TRITON)
         assert len(cache) == 2
-        assert set(cache._snapshots) == {(H100.key, FWD.name, FWD.version()),
+        assert set(cache._bests) == {(H100.key, FWD.name, FWD.version()),
                                          (H100_OTHER_TRITON.key, FWD.name, FWD.version())}
         assert await get(H100) is h100  # kept: not reloaded
         assert await get(A100ISH) is not a100  # evicted: loaded again

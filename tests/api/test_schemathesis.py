@@ -80,8 +80,13 @@ OPERATIONS = {
     "POST /v1/snapshots": True,
     "GET /v1/snapshots": True,
     "GET /v1/snapshots/{snapshot_id}": True,
+    "DELETE /v1/snapshots/{snapshot_id}": True,
     "POST /v1/demand": True,
     "GET /v1/demand": True,
+    "POST /v1/demand/claim": True,
+    "POST /v1/demand/{demand_id}/lease": True,
+    "POST /v1/demand/{demand_id}/finish": True,
+    "POST /v1/demand/{demand_id}/release": True,
     "GET /v1/kernels/{template}/source": True,
     "GET /dashboard": False,
 }

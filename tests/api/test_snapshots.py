@@ -92,3 +92,53 @@ def test_a_job_pinned_through_the_service_asks_once_and_never_again(
     assert resolver.resolve(FWD, tiny(50), dev).config.to_dict() == config
     assert resolver.resolve(FWD, tiny(1024), dev).match == "nearest"
     assert not resolver.service_down  # never asked
+
+
+def test_deleting_needs_the_token_and_an_unknown_id_is_a_404(
+        client: TestClient, auth: dict[str, str], db_url: str) -> None:
+    store(db_url, item(problem(1024)))
+    sid = client.post("/v1/snapshots", headers=auth).json()["id"]
+    assert client.delete(f"/v1/snapshots/{sid}").status_code == 401
+    wrong = client.delete(f"/v1/snapshots/{sid}",
+                          headers={"Authorization": "Bearer not-the-token-123"})
+    assert wrong.status_code == 403
+    assert client.get(f"/v1/snapshots/{sid}").status_code == 200  # refused: still there
+
+    gone = client.delete(f"/v1/snapshots/{sid}", headers=auth)
+    assert gone.status_code == 200, gone.text
+    assert (gone.json()["id"], gone.json()["items"]) == (sid, 1)
+    assert gone.json()["created_at"].endswith("Z")
+    assert client.get(f"/v1/snapshots/{sid}").status_code == 404
+    assert client.get("/v1/snapshots").json()["total"] == 0
+    again = client.delete(f"/v1/snapshots/{sid}", headers=auth)
+    assert again.status_code == 404 and f"no snapshot {sid} on this service" in again.text
+    not_an_id = client.delete("/v1/snapshots/HEAD", headers=auth)
+    assert not_an_id.status_code == 422 and "^[0-9a-f]{64}$" in not_an_id.text
+
+
+def test_the_dashboard_lists_snapshots_with_their_date_and_size(
+        client: TestClient, auth: dict[str, str], db_url: str) -> None:
+    assert "No snapshots yet" in client.get("/dashboard").text
+    store(db_url, item(problem(1024)), item(problem(2048)), item(problem(4096)))
+    created = client.post("/v1/snapshots", headers=auth).json()
+    html = client.get("/dashboard").text
+    section = html[html.index("<h2>Snapshots"):]
+    section = section[:section.index("<h2>", 4)]
+    day = created["created_at"][:10]
+    assert f"<td>{created['id']}</td><td>{day} " in section and "<td>3</td>" in section
+    assert "No snapshots yet" not in html
+
+
+def test_the_client_deletes_through_the_service(db_url: str) -> None:
+    store(db_url, item(problem(1024)))
+    settings = load_settings(database_url=db_url, token=TOKEN, url=None)
+    with live_server(create_app(settings)) as url, TunerClient(url, token=TOKEN) as client:
+        frozen = client.create_snapshot()
+        deleted = client.delete_snapshot(frozen.id)
+        assert (deleted.id, deleted.items) == (frozen.id, 1)
+        with pytest.raises(TunerError) as info:
+            client.delete_snapshot(frozen.id)
+        assert info.value.status == 404 and "no snapshot" in str(info.value)
+        with TunerClient(url, token="") as reader, pytest.raises(TunerError) as info:
+            reader.delete_snapshot(frozen.id)
+        assert info.value.status == 401

@@ -61,6 +61,30 @@ def test_reports_add_up_per_bucket_and_the_first_problem_is_kept(db_url: str) ->
         assert demand.count_demand(s) == 2
 
 
+def test_beyond_the_cap_new_buckets_are_refused_and_known_ones_still_counted(
+        db_url: str) -> None:
+    def add_capped(*counts: DemandCount) -> list[str]:
+        refused = run_in_transaction(db_url, lambda s: demand.add_demand(
+            s, counts=counts, max_open=3))
+        return [c.problem_key for c in refused]
+
+    assert add_capped(count("b1"), count("b2")) == []
+    # One place left: the most reported new bucket takes it; b1 is counted whatever the cap.
+    assert add_capped(count("b1", 4), count("c1", 2), count("c2", 9)) == ["c1"]
+    assert rows(db_url) == {"b1": (5, "open", ""), "c2": (9, "open", ""),
+                            "b2": (1, "open", "")}
+    assert add_capped(count("c1")) == ["c1"]
+    # A claimed (or done) row takes no place: room for one more; its own reports still add up.
+    claim(db_url)  # c2, the most reported
+    assert add_capped(count("c2", 3), count("c1"), count("c3")) == ["c3"]
+    with session_scope(db_url, write=False) as s:
+        assert demand.count_open(s) == 3
+        assert demand.stored_buckets(s, keys=[count(k).bucket for k in ("b1", "c2", "c3")]
+                                     + [count("b1", device=OTHER_GPU).bucket]) == {
+            count("b1").bucket, count("c2").bucket}
+    assert rows(db_url)["c2"][:2] == (12, "claimed")
+
+
 def test_a_worker_claims_the_most_reported_row_of_its_device_and_versions(db_url: str) -> None:
     add(db_url, count("low", 1), count("high", 9), count("other-gpu", 50, device=OTHER_GPU),
         count("old-kernel", 40, version="v0"), count("sdpa", 5, template="torch_sdpa",

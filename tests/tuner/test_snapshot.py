@@ -31,7 +31,9 @@ from tuner.settings import load_settings
 from tuner.snapshot import (
     SnapshotError,
     canonical_text,
+    delete_snapshot,
     freeze,
+    read_snapshot,
     snapshot_id_of,
     stored_bundle,
 )
@@ -108,6 +110,31 @@ def test_freezing_nothing_is_refused_with_the_filters_named(db_url: str) -> None
     store(db_url, item(problem(1024)))
     with pytest.raises(SnapshotError, match="no stored best config matches.*'template': 'nope'"):
         freeze(db_url, template="nope")
+
+
+def test_a_snapshot_is_read_back_checked_and_deleted_whole_leaving_the_others(
+        db_url: str) -> None:
+    store(db_url, item(problem(1024)))
+    kept = freeze(db_url)
+    store(db_url, item(problem(4096)))
+    doomed = freeze(db_url)
+    read = read_snapshot(db_url, doomed.id)
+    assert (read.id, read.items, snapshot_id_of(read.bundle)) == (doomed.id, 2, doomed.id)
+    assert read.created_at.replace(tzinfo=None) == doomed.created_at.replace(tzinfo=None)
+
+    assert delete_snapshot(db_url, doomed.id)[:2] == (doomed.id, 2)
+    with pytest.raises(SnapshotError, match=f"no snapshot {doomed.id} in database"):
+        read_snapshot(db_url, doomed.id)
+    with pytest.raises(SnapshotError, match=f"no snapshot {doomed.id} in database"):
+        delete_snapshot(db_url, doomed.id)  # deleted once: unknown now
+    with pytest.raises(SnapshotError, match="64 lowercase hex digits"):
+        delete_snapshot(db_url, "HEAD")
+    with session_scope(db_url, write=False) as s:
+        assert [r[0] for r in crud.list_snapshots(s)] == [kept.id]
+        assert crud.count_best(s) == 2  # the best configs it froze are untouched
+    # Frozen again, the same content is the same id: a snapshot deleted by mistake comes back.
+    again = freeze(db_url)
+    assert (again.id, again.created) == (doomed.id, True)
 
 
 # ----------------------------------------------------------------------------- pinned jobs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -86,4 +87,77 @@ def test_bad_snapshot_commands_say_what_was_wrong(tmp_path: Path) -> None:
     code, out, _ = cli("snapshot", "create", "--template", "nope", "--db", url, "--json")
     assert code == 2 and "nothing to freeze" in json.loads(out)["error"]
     assert not (tmp_path / "x.json").exists()
+    dispose_engine(url)
+
+
+def test_show_prints_the_entries_from_the_database_or_the_service(tmp_path: Path) -> None:
+    url = stored(tmp_path, "a.db", item(problem(4096)), item(problem(512)),
+                 item(problem(1024, causal="top_left")))
+    code, out, err = cli("snapshot", "create", "--db", url, "--json")
+    assert code == 0, err
+    sid = json.loads(out)["id"]
+    code, out, err = cli("snapshot", "show", sid, "--db", url)
+    assert code == 0, err
+    assert f"snapshot {sid}: 3 best config(s)" in out and f"TUNER_SNAPSHOT={sid}" in out
+    rows = [line for line in out.splitlines() if "flash_fwd" in line]
+    assert len(rows) == 3
+    # Numbers in numeric order (512 before 4096), dense before causal; each row's config.
+    assert ["N512" in rows[0], "N4096" in rows[1], "causal-top_left" in rows[2]] == [True] * 3
+    assert all("BLOCK_M=" in r and "NVIDIA H100" in r for r in rows)
+    code, out, _ = cli("snapshot", "show", sid, "--db", url, "--json")
+    shown = json.loads(out)
+    assert (shown["id"], shown["items"]) == (sid, 3) and snapshot_id_of(shown["bundle"]) == sid
+
+    with live_server(create_app(load_settings(database_url=url, token=TOKEN,
+                                              url=None))) as service:
+        code, out, err = cli("snapshot", "show", sid, "--url", service, "--json")
+        assert code == 0, err
+        assert json.loads(out) == shown
+        code, out, _ = cli("snapshot", "show", "e" * 64, "--url", service, "--json")
+        assert code == 2 and "answered 404" in json.loads(out)["error"]
+        assert "tuner snapshot list" in json.loads(out)["fix"]
+    code, out, _ = cli("snapshot", "show", "e" * 64, "--db", url, "--json")
+    assert code == 2 and f"no snapshot {'e' * 64} in database" in json.loads(out)["error"]
+    code, out, _ = cli("snapshot", "show", "HEAD", "--db", url, "--json")
+    assert code == 2 and "64 lowercase hex digits" in json.loads(out)["error"]
+    code, out, _ = cli("snapshot", "show", sid, "--db", url, "--url", "http://x:1", "--json")
+    assert code == 2 and "--url and --db" in json.loads(out)["error"]
+    dispose_engine(url)
+
+
+def test_delete_asks_first_and_removes_only_that_snapshot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = stored(tmp_path, "a.db", item(problem(1024)))
+    kept = json.loads(cli("snapshot", "create", "--db", url, "--json")[1])["id"]
+    stored(tmp_path, "a.db", item(problem(2048)))
+    doomed = json.loads(cli("snapshot", "create", "--db", url, "--json")[1])["id"]
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
+    code, out, _ = cli("snapshot", "delete", doomed, "--db", url)
+    assert code == 1 and "2 best config(s)" in out and "kept" in out
+    code, out, _ = cli("snapshot", "delete", doomed, "--db", url, "--json")
+    assert code == 2 and "needs --yes" in json.loads(out)["error"]
+    assert len(json.loads(cli("snapshot", "list", "--db", url, "--json")[1])) == 2
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    code, out, err = cli("snapshot", "delete", doomed, "--db", url)
+    assert code == 0 and f"deleted snapshot {doomed}" in out, err
+    listed = json.loads(cli("snapshot", "list", "--db", url, "--json")[1])
+    assert [s["id"] for s in listed] == [kept]
+    code, out, _ = cli("snapshot", "delete", doomed, "--db", url, "--yes", "--json")
+    assert code == 2 and f"no snapshot {doomed} in database" in json.loads(out)["error"]
+
+    with live_server(create_app(load_settings(database_url=url, token=TOKEN,
+                                              url=None))) as service:
+        code, out, _ = cli("snapshot", "delete", kept, "--url", service, "--yes", "--json")
+        assert code == 2 and "answered 401" in json.loads(out)["error"]
+        assert "TUNER_TOKEN" in json.loads(out)["fix"]
+        monkeypatch.setenv("TUNER_TOKEN", TOKEN)
+        get_settings.cache_clear()
+        code, out, err = cli("snapshot", "delete", kept, "--url", service, "--yes", "--json")
+        assert code == 0, err
+        assert (json.loads(out)["id"], json.loads(out)["deleted"]) == (kept, True)
+        code, out, _ = cli("snapshot", "delete", kept, "--url", service, "--yes", "--json")
+        assert code == 2 and "answered 404" in json.loads(out)["error"]
+        assert json.loads(cli("snapshot", "list", "--url", service, "--json")[1]) == []
     dispose_engine(url)

@@ -8,7 +8,7 @@ import socket
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -43,6 +43,7 @@ def export(
     from db.session import session_scope
     from tuner.bundle import make_bundle
     from tuner.replay import dump_recorded, load_recorded_from_db
+    from tuner.snapshot import read_snapshot
 
     url = database_url(db)
     if snapshot is not None:
@@ -54,7 +55,7 @@ def export(
                              "cannot be combined with it",
                              "freeze a snapshot of just those configs with `tuner snapshot "
                              "create` and its filters, and export that")
-        data = _snapshot_bundle(url, snapshot)
+        data = read_snapshot(url, snapshot).bundle
         count = len(data["items"])
         what = f"best config(s) of snapshot {snapshot}"
     elif trials:
@@ -80,21 +81,3 @@ def export(
         print_json({"file": file, "count": count, "kind": "trials" if trials else "bundle"})
     else:
         console.print(f"wrote {count} {what} to {file}")
-
-
-def _snapshot_bundle(url: str, snapshot_id: str) -> dict[str, Any]:
-    from sqlalchemy.engine import make_url
-
-    from db import crud
-    from db.session import session_scope
-    from tuner.snapshot import check_snapshot_id, stored_bundle
-
-    check_snapshot_id(snapshot_id)
-    where = f"database {make_url(url).render_as_string(hide_password=True)}"
-    with session_scope(url, write=False) as s:
-        row = crud.get_snapshot(s, snapshot_id=snapshot_id)
-        if row is None:
-            raise TunerError(f"no snapshot {snapshot_id} in {where}",
-                             "list them with `tuner snapshot list` (or pass the --db that "
-                             "holds it)")
-        return stored_bundle(row.content, snapshot_id, where)

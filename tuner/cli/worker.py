@@ -1,7 +1,9 @@
 """``tuner worker``: tune what jobs ran untuned, most reported first, for ever (or until told).
 
-The docker-compose ``worker`` service runs it (``WORKER_MODE=worker``): each replica claims
-a GPU, then the demand of that GPU's device key (tuner/worker.py).
+The docker-compose ``demand-worker`` service runs it: each replica claims a GPU, then the
+demand of that GPU's device key (tuner/worker.py), in the database it shares with the service.
+With ``--service URL`` a GPU host that reaches only the service does the same through its API
+(TUNER_TOKEN), tuning into a database of its own (``--db``) and uploading the results.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def worker(
     template: Annotated[list[str] | None, typer.Option(
         "--template", help="tune only the demand for this template (repeatable; default: "
                            "every registered template)", show_default=False)] = None,
+    service: Annotated[str | None, typer.Option(
+        "--service", help="claim through the config service at this URL (needs TUNER_TOKEN) "
+                          "instead of the database, tune into --db, and upload the results",
+        show_default=False)] = None,
     lock_dir: GpuLockDirOption = None,
     db: DbOption = None,
     json_out: JsonOption = False,
@@ -70,11 +76,14 @@ def worker(
     first, for this worker's GPU; wait and look again when there are none.
 
     Claims are leases: a worker killed mid-job loses nothing (its trials are stored, the next
-    worker takes the problem over once the lease passes). Ctrl-C gives the claim back.
+    worker takes the problem over once the lease passes). Ctrl-C gives the claim back. With
+    --service, --db is this worker's own database (default: TUNER_DATABASE_URL, else
+    sqlite:///tuner.db) and each job's results are uploaded before it is marked done.
     """
     import optuna
 
     from tuner.gpus import gpus_for_sweep
+    from tuner.service_queue import ServiceQueue
     from tuner.sweep import SweepOptions
     from tuner.worker import WorkerOptions, run_worker
 
@@ -88,17 +97,21 @@ def worker(
         max_attempts=max_attempts, templates=tuple(template or ()))
     stop = threading.Event()
     show = _JsonLines() if json_out else _Lines()
+    queue = ServiceQueue(service, settings.token) if service is not None else None
     try:
         with gpus_for_sweep(gpu_lock_dir(lock_dir), 1) as claimed:
             if claimed and not json_out:
                 console.print(f"claimed GPU {', '.join(claimed)}")
-            run_worker(options, db_url=settings.database_url,
+            run_worker(options, db_url=settings.database_url, queue=queue,
                        template_modules=tuple(settings.template_modules), on_event=show,
                        stop=stop)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: the claim is given back, everything measured "
                           "is stored[/]")
         raise typer.Exit(130) from None
+    finally:
+        if queue is not None:
+            queue.close()
 
 
 class _Lines:
@@ -111,8 +124,8 @@ class _Lines:
             device = event.device
             console.print(f"[bold]worker {event.worker}[/] on {device.get('name')} (triton "
                           f"{device.get('triton_version')}, torch "
-                          f"{device.get('torch_version')}): tunes the demand for "
-                          f"{', '.join(sorted(event.versions))}")
+                          f"{device.get('torch_version')}): tunes the demand of {event.where} "
+                          f"for {', '.join(sorted(event.versions))}", highlight=False)
             if device.get("name") == "cpu-interpreter":
                 console.print(f"[yellow]{INTERPRETER_WARNING}[/]")
         elif isinstance(event, JobClaimed):
@@ -124,19 +137,24 @@ class _Lines:
             color = {"done": "green", "failed": "red"}.get(event.status, "yellow")
             console.print(f"  [{color}]{event.status}[/] #{event.job.demand_id}: {event.note}")
         elif isinstance(event, WorkerWaits):
-            console.print(f"[dim]nothing to tune; looking again in {event.seconds:g} s[/]")
+            why = event.why or "nothing to tune"
+            console.print(f"[dim]{why}; looking again in {event.seconds:g} s[/]",
+                          highlight=False)
 
 
 class _JsonLines:
     """One JSON object per finished job, for machines (and compose logs)."""
 
     def __call__(self, event: Any) -> None:
-        from tuner.worker import JobFinished, WorkerStarted
+        from tuner.worker import JobFinished, WorkerStarted, WorkerWaits
 
         if isinstance(event, WorkerStarted):
             print_json_line({"event": "started", "worker": event.worker,
                              "device": event.device.get("key"),
-                             "templates": event.versions})
+                             "templates": event.versions, "queue": event.where})
+        elif isinstance(event, WorkerWaits) and event.why:  # the queue cannot be reached
+            print_json_line({"event": "unreachable", "reason": event.why,
+                             "retry_s": event.seconds})
         elif isinstance(event, JobFinished):
             job, report = event.job, event.report
             best = report.problems[0] if report is not None and report.problems else None
