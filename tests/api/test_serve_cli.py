@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from api.server_protocol import NoDelayH11Protocol
 from tests.api.serving_data import TOKEN
 from tuner.cli.app import main
 from tuner.settings import get_settings
@@ -38,6 +43,7 @@ def test_serve_starts_n_workers_from_the_app_factory(
     assert args == ("api.main:create_app",)
     assert kwargs["factory"] is True and kwargs["workers"] == 3 and kwargs["port"] == 8123
     assert kwargs["access_log"] is False  # TUNER_LOG_LEVEL WARNING: no line per request
+    assert kwargs["http"] is NoDelayH11Protocol  # (test_connections_have_nagle_off)
     assert os.environ["TUNER_DATABASE_URL"] == url
     assert (tmp_path / "served.db").exists()  # migrated once, before the workers start
 
@@ -60,3 +66,39 @@ def test_serve_refuses_before_starting(
     err = " ".join(capsys.readouterr().err.split())
     assert needle in err and "fix:" in err
     assert started == []
+
+
+@pytest.mark.parametrize("protocol", [NoDelayH11Protocol, H11Protocol])
+def test_connections_have_nagle_off(protocol: type[H11Protocol]) -> None:
+    """As uvicorn's workers get it: a listening socket made with protocol 0, whose accepted
+    connections asyncio leaves with Nagle on (40 ms per keep-alive request, docs/SERVING.md)."""
+    seen: list[int] = []
+
+    class Recording(protocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    async def hello(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # proto 0, as uvicorn's
+    listening.bind(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(hello, http=Recording, log_level="error",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert client.recv(1024).startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        listening.close()
+    assert seen == [1 if protocol is NoDelayH11Protocol else 0]
