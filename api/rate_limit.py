@@ -39,14 +39,7 @@ class TokenBuckets:
         """Take a token of ``key``'s bucket: 0.0 if there was one, else the seconds until
         there is (the request is refused and takes nothing)."""
         now = self._clock()
-        held = self._buckets.get(key)
-        if held is None:
-            tokens = self.burst
-            if len(self._buckets) >= self.max_keys:
-                self._buckets.popitem(last=False)
-        else:
-            tokens = min(self.burst, held[0] + (now - held[1]) * self.rate)
-            self._buckets.move_to_end(key)
+        tokens = self._tokens(key, now)
         if tokens >= 1:
             self._buckets[key] = (tokens - 1, now)
             return 0.0
@@ -60,17 +53,20 @@ class TokenBuckets:
         at once; the debt never runs beyond ``max_wait``, so once they stop, a key is back to
         answers at once within ``max_wait`` plus a burst's refill."""
         now = self._clock()
-        held = self._buckets.get(key)
-        if held is None:
-            tokens = self.burst
-            if len(self._buckets) >= self.max_keys:
-                self._buckets.popitem(last=False)
-        else:
-            tokens = min(self.burst, held[0] + (now - held[1]) * self.rate)
-            self._buckets.move_to_end(key)
-        tokens = max(tokens, 1 - max_wait * self.rate)
+        tokens = max(self._tokens(key, now), 1 - max_wait * self.rate)
         self._buckets[key] = (tokens - 1, now)
         return max(0.0, (1 - tokens) / self.rate)
+
+    def _tokens(self, key: str, now: float) -> float:
+        """``key``'s tokens at ``now`` (a full bucket for a key not seen, which may push out
+        the least recently seen one), the key made the most recently seen."""
+        held = self._buckets.get(key)
+        if held is None:
+            if len(self._buckets) >= self.max_keys:
+                self._buckets.popitem(last=False)
+            return self.burst
+        self._buckets.move_to_end(key)
+        return min(self.burst, held[0] + (now - held[1]) * self.rate)
 
     def __len__(self) -> int:
         return len(self._buckets)

@@ -183,7 +183,19 @@ class BestConfig(Base):
     trial: Mapped[Trial | None] = relationship()
 
 
-class Remeasurement(Base):
+class Reading:
+    """The columns of one more measurement of a stored trial: a finalist's re-measurement or a
+    head-to-head reading."""
+
+    status: Mapped[TrialStatus] = mapped_column(
+        Enum(TrialStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    median_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    tflops: Mapped[float | None] = mapped_column(Float, default=None)
+    error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
+
+
+class Remeasurement(Reading, Base):
     """One more measurement of a finalist, one of the few best configs of a problem, taken at
     the end of a search (``db.finalists``). The trial keeps its first measurement; every
     re-measurement is a row of its own, so nothing measured is lost or rewritten."""
@@ -193,12 +205,6 @@ class Remeasurement(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     trial_id: Mapped[int] = mapped_column(ForeignKey("tuning_trials.id"), index=True)
     sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), index=True)
-    status: Mapped[TrialStatus] = mapped_column(
-        Enum(TrialStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]))
-    reason: Mapped[str] = mapped_column(Text, default="")
-    median_ms: Mapped[float | None] = mapped_column(Float, default=None)
-    tflops: Mapped[float | None] = mapped_column(Float, default=None)
-    error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
     worker: Mapped[str] = mapped_column(String(200), default="")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -241,7 +247,7 @@ class HeadToHead(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
-class HeadToHeadReading(Base):
+class HeadToHeadReading(Reading, Base):
     """One measurement of one candidate (a template's best trial) in one round of a
     head-to-head session; ``position`` is its place in the round's order."""
 
@@ -252,12 +258,6 @@ class HeadToHeadReading(Base):
     trial_id: Mapped[int] = mapped_column(ForeignKey("tuning_trials.id"), index=True)
     round: Mapped[int] = mapped_column(Integer)
     position: Mapped[int] = mapped_column(Integer)
-    status: Mapped[TrialStatus] = mapped_column(
-        Enum(TrialStatus, native_enum=False, length=20, values_callable=lambda e: [m.value for m in e]))
-    reason: Mapped[str] = mapped_column(Text, default="")
-    median_ms: Mapped[float | None] = mapped_column(Float, default=None)
-    tflops: Mapped[float | None] = mapped_column(Float, default=None)
-    error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
