@@ -96,8 +96,10 @@ def row_grid(batch: int, seqlen: int, configs: list[dict[str, Any]], budget_s: f
             stream = kernel.current_stream(q.device.index)
             o = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
             o_part, lse_part, lse = kernel._scratch(plan, q, stream)
-            plan.split.launch_on(stream, q, k, v, lengths, lengths, o, lse, o_part, lse_part,
-                                 lse, plan.default_scale * kernel.LOG2E, *plan.split_constants)
+            split_args, _ = kernel.launch_args(plan, q, k, v, lengths, None, o, lse,
+                                               (o_part, lse_part), None,
+                                               plan.default_scale * kernel.LOG2E)
+            plan.split.launch_on(stream, *split_args)  # and not the combine
         result["split_only"] = {"knobs": knobs, "us": graph_us(split_kernel, CALLS),
                                 "with_combine_us": separate[0]["us"]}
     result["fastest"] = timed[:10]

@@ -596,23 +596,33 @@ def decode_launches(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
                       num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                       num_stages=num_stages, combine=combine, kv_load=kv_load,
                       whole_waves=whole_waves)
-    o = scratch(q.dtype, plan.out_shape)
-    lse = scratch(torch.float32, plan.out_shape[:3])
-    o_part, lse_part = o, lse
+    parts = None
     if plan.part_shape is not None:
-        o_part = scratch(torch.float32, plan.part_shape)
-        lse_part = scratch(torch.float32, plan.part_shape[:4])
-    arrivals = scratch(torch.int32, (max(plan.arrivals_needed, 1024),)) if plan.fused else lse
-    table = cache_seqlens if block_table is None else block_table
-    split_args = [q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part, lse_part, arrivals,
-                  plan.default_scale * LOG2E, *plan.split_constants]
+        parts = (scratch(torch.float32, plan.part_shape),
+                 scratch(torch.float32, plan.part_shape[:4]))
+    arrivals = scratch(torch.int32, (max(plan.arrivals_needed, 1024),)) if plan.fused else None
+    split_args, combine_args = launch_args(
+        plan, q, k_cache, v_cache, cache_seqlens, block_table, scratch(q.dtype, plan.out_shape),
+        scratch(torch.float32, plan.out_shape[:3]), parts, arrivals, plan.default_scale * LOG2E)
     launches = [(plan.split.kernel, plan.split.grid, split_args,
                  {**plan.split.constexprs, **plan.split.options})]
     if plan.combine is not None:
-        launches.append((plan.combine.kernel, plan.combine.grid,
-                         [o_part, lse_part, o, lse, plan.num_splits],
+        launches.append((plan.combine.kernel, plan.combine.grid, combine_args,
                          {**plan.combine.constexprs, **plan.combine.options}))
     return launches
+
+
+def launch_args(plan: DecodeLaunchPlan, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
+                block_table: Any | None, o: Any, lse: Any, parts: tuple[Any, Any] | None,
+                arrivals: Any | None, qk_scale: float) -> tuple[list[Any], list[Any]]:
+    """The split kernel's and the combine kernel's positional arguments, in their order:
+    the one place that order is written (real launches and stand-in ones). ``parts`` (o_part,
+    lse_part) where the plan has partials; ``arrivals`` where its combine is fused."""
+    o_part, lse_part = (o, lse) if parts is None else parts  # unused without partials
+    table = cache_seqlens if block_table is None else block_table
+    split = [q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part, lse_part,
+             lse if arrivals is None else arrivals, qk_scale, *plan.split_constants]
+    return split, [o_part, lse_part, o, lse, plan.num_splits]
 
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -702,14 +712,12 @@ def _run_plan(plan: DecodeLaunchPlan, q: torch.Tensor, k_cache: torch.Tensor,
     o_part, lse_part, lse = _scratch(plan, q, stream)
     if want_lse:
         lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=q.device)
-    if plan.part_shape is None:
-        o_part, lse_part = o, lse  # unused: the split kernel writes the final outputs
-    arrivals = (arrival_counters(q.device, plan.arrivals_needed, stream) if plan.fused
-                else lse)
-    table = cache_seqlens if block_table is None else block_table
-    qk_scale = (plan.default_scale if scale is None else float(scale)) * LOG2E
-    plan.split.launch_on(stream, q, k_cache, v_cache, cache_seqlens, table, o, lse, o_part,
-                         lse_part, arrivals, qk_scale, *plan.split_constants)
+    split_args, combine_args = launch_args(
+        plan, q, k_cache, v_cache, cache_seqlens, block_table, o, lse,
+        None if plan.part_shape is None else (o_part, lse_part),
+        arrival_counters(q.device, plan.arrivals_needed, stream) if plan.fused else None,
+        (plan.default_scale if scale is None else float(scale)) * LOG2E)
+    plan.split.launch_on(stream, *split_args)
     if plan.combine is not None:
-        plan.combine.launch_on(stream, o_part, lse_part, o, lse, plan.num_splits)
+        plan.combine.launch_on(stream, *combine_args)
     return o, lse
