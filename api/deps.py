@@ -66,6 +66,11 @@ def _refusal_headers(request: Request) -> dict[str, str]:
     return {} if small else {"Connection": "close"}
 
 
+def client_address(request: Request) -> str:
+    """The address the per-client limits count (behind a proxy, see api/rate_limit.py)."""
+    return request.client.host if request.client else "unknown"
+
+
 async def require_write_token(
     request: Request, settings: SettingsDep,
     _documented: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
@@ -109,7 +114,7 @@ async def _slow_down_refusals(request: Request) -> None:
     came back ~230 times a second, each refusal ~0.6 ms of the service's CPU, and pushed the
     reads' p99 on two cores from ~4 to ~20 ms (docs/SERVING.md). Waiting costs no CPU."""
     state = request.app.state
-    address = request.client.host if request.client else "unknown"
+    address = client_address(request)
     if state.held_refusals >= MAX_HELD_REFUSALS:
         return
     wait = state.refusal_limiter.queue(address, MAX_REFUSAL_DELAY_S)

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.body import parsed_body, request_body
 from api.demand_buffer import DemandBuffer
 from api.demand_check import DemandChecker
-from api.deps import SessionDep, _refusal_headers
+from api.deps import SessionDep, _refusal_headers, client_address
 from api.query import openapi_parameters, parse_query
 from api.rate_limit import TokenBuckets
 from api.schemas import DemandAccepted, DemandPage, DemandQuery, DemandReportIn, DemandRow
@@ -47,7 +47,7 @@ _QUEUE_FULL = {"model": ErrorOut, "description": "every valid item is a new prob
 
 async def within_rate_limit(request: Request) -> None:
     limiter: TokenBuckets = request.app.state.demand_limiter
-    address = request.client.host if request.client else "unknown"
+    address = client_address(request)
     wait = limiter.take(address)
     if wait > 0:
         retry = max(1, math.ceil(wait))
