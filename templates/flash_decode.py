@@ -202,6 +202,13 @@ def default_num_splits(batch: int, heads_kv: int, row_tiles: int, seqlen_kv: int
     return splits
 
 
+def _row_tiles(problem: Problem) -> int:
+    """Programs per (sequence, KV head) before the split: its query rows (GQA group x new
+    tokens) in tiles of ``rows_per_tile``."""
+    return triton.cdiv(problem.gqa_ratio * problem.seqlen_q,
+                       rows_per_tile(problem.gqa_ratio, problem.seqlen_q))
+
+
 def _elem_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
@@ -309,9 +316,7 @@ class FlashDecodeTemplate(Template):
         separate combine; and the fused combine of the first. The search starts from them."""
         if device.family not in ("hopper", "blackwell"):
             return []
-        rows = rows_per_tile(problem.gqa_ratio, problem.seqlen_q)
-        programs = (problem.batch * problem.heads_kv
-                    * triton.cdiv(problem.gqa_ratio * problem.seqlen_q, rows))
+        programs = problem.batch * problem.heads_kv * _row_tiles(problem)
         default = self.default_config(problem, device)
         out: list[KernelConfig] = []
         for waves, block_n, combine in ((1, 64, "separate"), (1, 128, "separate"),
@@ -346,8 +351,7 @@ class FlashDecodeTemplate(Template):
         num_warps = 4
         while num_warps > 1 and block_n * block_d // (32 * num_warps) < MIN_TILE_ELEMS_PER_THREAD:
             num_warps //= 2
-        row_tiles = triton.cdiv(problem.gqa_ratio * problem.seqlen_q, rows)
-        splits = default_num_splits(problem.batch, problem.heads_kv, row_tiles,
+        splits = default_num_splits(problem.batch, problem.heads_kv, _row_tiles(problem),
                                     problem.seqlen_kv, block_n, device.sm_count)
         return FlashDecodeConfig(num_splits=splits, block_n=block_n, num_warps=num_warps,
                                  num_stages=num_stages)
