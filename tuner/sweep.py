@@ -319,11 +319,14 @@ def device_from_dict(data: dict[str, Any]) -> DeviceInfo:
 
 
 def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
-    """The spec's (template, problem) pairs, one per shape bucket, and the skipped ones."""
+    """The spec's (template, problem) pairs, one per shape bucket, and the skipped ones.
+
+    Problem-major: every template of the first problem, then of the second, and so on. A sweep
+    stopped by its time limit (or killed) thus leaves whole problems decided, each with all its
+    implementations measured, rather than every problem measured by the first templates only
+    (where the dispatcher can only pick among what was measured)."""
     spec.import_template_modules()
-    tasks: list[Task] = []
-    skipped: list[tuple[str, str]] = []
-    seen: set[tuple[str, str]] = set()
+    templates: list[Template] = []
     for name in spec.templates:
         try:
             template = get_template(name)
@@ -337,14 +340,19 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
                              "name only knobs and choices of every template of the spec "
                              "(`tuner list templates --json` lists them), or split the "
                              "spec per template") from None
-        for problem in spec.problems:
+        templates.append(template)
+    tasks: list[Task] = []
+    skipped: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for problem in spec.problems:
+        for template in templates:
             task = Task(template, problem, template.problem_key(problem), spec.space)
             why = template.unsupported(problem)
             if why:
                 skipped.append((task.label, why))
                 continue
-            if (name, task.problem_key) not in seen:  # one study per shape bucket
-                seen.add((name, task.problem_key))
+            if (template.name, task.problem_key) not in seen:  # one study per shape bucket
+                seen.add((template.name, task.problem_key))
                 tasks.append(task)
     if not tasks:
         raise TunerError(f"spec {spec.name!r}: no problem that its templates can run "

@@ -214,3 +214,15 @@ def test_the_sweep_command_stops_on_a_misspelled_key(tmp_path: Path) -> None:
     assert code == 2
     assert "error:" in err and "(did you mean 'templates'?)" in err and "fix:" in err
     assert not (tmp_path / "t.db").exists()  # refused before anything ran
+
+
+def test_sweep_tasks_are_problem_major_so_a_stopped_sweep_leaves_whole_problems() -> None:
+    from tuner.sweep import expand_tasks
+    spec = spec_from_flags(templates=["torch_sdpa", "flash_fwd"],
+                           shapes=["B=1,H=2,N=128,D=64", "B=1,H=2,N=256,D=64"],
+                           dtypes=["float16"], causal=["none"])
+    tasks, skipped = expand_tasks(spec)
+    assert not skipped
+    order = [(t.problem.seqlen_q, t.template.name) for t in tasks]
+    assert order == [(128, "torch_sdpa"), (128, "flash_fwd"),
+                     (256, "torch_sdpa"), (256, "flash_fwd")]
