@@ -25,9 +25,9 @@ incoming gradient ``do``, three launches produce ``dq``, ``dk`` and ``dv``:
         dS^T = scale * P^T (dP^T - delta)
         dK  += dS^T Q                (A = dS^T from registers)
         dQ_i = dS K                  (A = dS: dS^T stored to shared memory, read transposed)
-    and dQ_i is added into an fp32 buffer with atomics (so dq is not bitwise deterministic:
-    the order of the additions varies between runs). ``scale`` is folded into dS, so dK and
-    dQ come out scaled;
+    and dQ_i is added into an fp32 buffer with atomics (through shared memory, as 16-byte
+    vector atomics), so dq is not bitwise deterministic: the order of the additions varies
+    between runs. ``scale`` is folded into dS, so dK and dQ come out scaled;
   * dq = dq_accum cast to the input dtype (torch).
 
 Masking only where needed: query tiles wholly above the causal diagonal are never visited,
@@ -143,8 +143,8 @@ def _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale,
 
 
 @gluon.jit
-def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, slot, t,
-            n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row, BLOCK_M: gl.constexpr):
+def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
+            slot, t, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row, BLOCK_M: gl.constexpr):
     """Load step t's Q, dO, lse2 and delta tiles (if there is a step t) into ring ``slot``.
     Step t is query tile ``first_row / BLOCK_M + t % n_q_steps`` of query head
     ``h0 + t // n_q_steps``. The row vectors come by TMA too (one flat descriptor over the
@@ -152,8 +152,9 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
     hold no registers across the GEMM waits (in registers they cost 32 per thread: each
     thread holds 16 of a 64-query tile's columns; seen as spills in the offline build)."""
     pred = t < n_steps
-    h = h0 + t // n_q_steps
-    m0 = first_row + (t % n_q_steps) * BLOCK_M
+    per_head = gl.maximum(n_q_steps, 1)  # no division by zero when there is no step at all
+    h = h0 + t // per_head
+    m0 = first_row + (t % per_head) * BLOCK_M
     row0 = (b * H_Q + h) * N_Q_PAD + m0
     mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                     + 2 * lse_desc.block_type.nbytes, pred=pred)
@@ -164,8 +165,8 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
 
 
 @gluon.jit
-def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, DQ, bh,
-              m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+              DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Fold query tile [m0, m0 + BLOCK_M) of query head ``bh`` (its row index b * H_q + h)
@@ -209,8 +210,9 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
                            use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
 
-    # dQ leaves through shared memory: read back with 4 consecutive columns per thread, its
-    # atomics take a quarter of the addresses (and registers) of the wgmma layout's pairs.
+    # dQ leaves through shared memory, read back with 4 consecutive columns per thread: its
+    # atomics become 16-byte red.global.add.v4.f32, a quarter of the scalar ones the wgmma
+    # layout gives (offline build: 8 per thread and step instead of 32).
     dq_smem.store(dq)
     _warps_barrier()
     add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HEAD_DIM, HEAD_DIM // 4],
@@ -309,13 +311,15 @@ def _gluon_bwd_kernel(
         lse_smem = lse_bufs.index(slot)
         delta_smem = delta_bufs.index(slot)
         if m0 < full_row:
-            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                               delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale,
-                               sm_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps)
+            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                               lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
+                               qk_scale, sm_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                               num_warps)
         else:
-            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                               delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale,
-                               sm_scale, False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps)
+            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                               lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
+                               qk_scale, sm_scale, False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                               num_warps)
         # Every warp's GEMMs that read this slot (and dS) have completed: refill it.
         _warps_barrier()
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
