@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS: dict[str, tuple[str, ...]] = {
     "fwd": ("tests/templates/test_flash_fwd.py", "tests/templates/test_block_sparse.py",
             "tests/templates/test_gluon_fwd.py"),
-    "bwd": ("tests/templates/test_flash_bwd.py", "tests/templates/test_block_sparse_bwd.py"),
+    "bwd": ("tests/templates/test_flash_bwd.py", "tests/templates/test_block_sparse_bwd.py",
+            "tests/templates/test_gluon_bwd.py"),
     "decode": ("tests/templates/test_flash_decode.py", "tests/templates/test_direct_launch.py"),
     "tuner": ("tests/tuner",),
 }

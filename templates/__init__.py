@@ -28,6 +28,7 @@ from templates.device import CPU_INTERPRETER, DeviceInfo, current_device  # noqa
 from templates.flash_bwd import flash_attention_bwd  # noqa: E402
 from templates.flash_decode import flash_decode  # noqa: E402
 from templates.flash_fwd import flash_attention_fwd  # noqa: E402
+from templates.gluon_bwd import gluon_attention_bwd  # noqa: E402
 from templates.gluon_fwd import gluon_attention_fwd  # noqa: E402
 from templates.registry import all_templates, get_template, register  # noqa: E402
 from templates.torch_sdpa import sdpa  # noqa: E402
@@ -45,6 +46,7 @@ __all__ = [
     "flash_attention_bwd",
     "flash_attention_fwd",
     "flash_decode",
+    "gluon_attention_bwd",
     "gluon_attention_fwd",
     "get_template",
     "register",

@@ -1,0 +1,295 @@
+"""The Gluon backward (templates.gluon_bwd) on one Hopper GPU: numerics, then speed.
+
+    python3 benchmarks/gluon_bwd_bench.py --check [--time] [--json PATH] [--budget-s 220]
+
+``--check`` runs every variant (a named config) on odd shapes: bf16 and fp16, GQA/MQA, N = 1,
+N not a multiple of the tiles, N_q != N_kv, causal top-left and bottom-right (rows that see
+no key included), D 64/128; each variant in a child process with a timeout (a barrier bug
+hangs one variant, not the run). dk/dv are poisoned with NaN first; dq, dk, dv are compared
+with the float64/float32 autograd reference (flash_bwd's), max errors printed.
+
+``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal;
+backward-only and forward+backward TFLOP/s (FLOPs: 2.5x / 3.5x the forward's 4 B H N^2 D,
+halved for causal) of torch SDPA's cuDNN and FLASH_ATTENTION backends, the project's Triton
+flash_fwd + flash_bwd (defaults) and each gluon variant (gluon_fwd default + gluon_bwd);
+median of ``--rounds`` readings taken in rotation (CUDA events, 10 runs each after 3 warm
+ones). Every timed gradient is checked against cuDNN's (relative error, never all zeros)
+before its time counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from templates.base import Problem, relative_error  # noqa: E402
+
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "default": None,
+    "n64": dict(BLOCK_M=64, BLOCK_N=64, stages=2, consumers=1),
+    "s3": dict(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2),
+    "m128": dict(BLOCK_M=128, BLOCK_N=128, stages=2, consumers=2),  # d64 only
+}
+CASES = [
+    (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
+    (1, 2, 2, 333, 333, 128, "bfloat16", "none"),
+    (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left"),
+    (1, 3, 1, 300, 1100, 64, "float16", "bottom_right"),
+    (1, 2, 2, 1100, 300, 128, "float16", "bottom_right"),
+    (1, 2, 2, 700, 200, 64, "bfloat16", "top_left"),
+    (1, 2, 2, 1000, 333, 64, "float16", "none"),
+    (2, 8, 8, 2048, 2048, 128, "float16", "top_left"),
+]
+
+
+def config_for(name: str, problem: Problem) -> Any:
+    from templates.device import current_device
+    from templates.gluon_bwd import TEMPLATE, GluonBwdConfig
+
+    device = current_device()
+    data = VARIANTS[name]
+    cfg = TEMPLATE.default_config(problem, device) if data is None else GluonBwdConfig(**data)
+    return None if TEMPLATE.constraint(problem, cfg, device) else cfg
+
+
+def check_variant(name: str, queue: Any) -> None:
+    """Child process: every case, one line per case onto ``queue``."""
+    try:
+        from templates import gluon_bwd_kernel
+        from templates.gluon_bwd import TEMPLATE
+
+        gluon_bwd_kernel.DEBUG_POISON = True
+        for case in CASES:
+            problem = Problem(*case)
+            cfg = config_for(name, problem)
+            if cfg is None:
+                queue.put({"variant": name, "case": problem.key(), "skipped": True})
+                continue
+            inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+            ref = TEMPLATE.reference(inputs)
+            out = TEMPLATE.run(inputs, cfg)
+            torch.cuda.synchronize()
+            err = TEMPLATE.error(out, ref)
+            row = {"variant": name, "case": problem.key(), "config": cfg.key(), "error": err,
+                   "ok": bool(err <= TEMPLATE.tolerance(problem)),
+                   "nan": any(bool(torch.isnan(g).any()) for g in out)}
+            for label, g, r in zip(("dq", "dk", "dv"), out, ref, strict=True):
+                row[f"max_abs_{label}"] = float((g.double() - r.double()).abs().max())
+            row["ok"] = row["ok"] and not row["nan"]
+            queue.put(row)
+    except Exception:  # noqa: BLE001  (report it, the parent goes on)
+        queue.put({"variant": name, "crash": traceback.format_exc()[-1500:]})
+    queue.put(None)
+
+
+def run_checks(names: list[str], timeout_s: float) -> tuple[list[dict[str, Any]], set[str]]:
+    ctx = mp.get_context("spawn")
+    rows: list[dict[str, Any]] = []
+    passed = set()
+    for name in names:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=check_variant, args=(name, queue))
+        proc.start()
+        deadline = time.monotonic() + timeout_s
+        ok = True
+        while True:
+            try:
+                row = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001  (queue.Empty: a hang)
+                rows.append({"variant": name, "timed_out": True})
+                print(f"{name}: TIMED OUT after {timeout_s:.0f} s", flush=True)
+                ok = False
+                break
+            if row is None:
+                break
+            rows.append(row)
+            ok = ok and (row.get("ok", False) or row.get("skipped", False))
+            print(json.dumps(row), flush=True)
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        if ok:
+            passed.add(name)
+    return rows, passed
+
+
+# ----------------------------------------------------------------------------- timing
+def protocol_problems() -> list[Problem]:
+    return [Problem(16384 // n, 2048 // d, 2048 // d, n, n, d, "bfloat16", causal)
+            for d in (128, 64) for n in (4096, 16384) for causal in ("none", "top_left")]
+
+
+def event_ms(fn: Any, reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def candidates(problem: Problem, names: list[str]) -> dict[str, dict[str, Any]]:
+    """name -> {"bwd": fn() -> (dq, dk, dv), "fwd_bwd": fn() -> same} on shared inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from templates.flash_bwd import flash_attention_bwd
+    from templates.flash_fwd import flash_attention_fwd
+    from templates.gluon_bwd import gluon_attention_bwd
+    from templates.gluon_fwd import gluon_attention_fwd
+
+    causal = problem.causal != "none"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim)
+    q, k, v, do = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    out: dict[str, dict[str, Any]] = {}
+
+    def sdpa_pair(backend: Any) -> dict[str, Any]:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(backend):
+            o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+        def bwd() -> Any:
+            return torch.autograd.grad(o, leaves, do, retain_graph=True)
+
+        def fwd_bwd() -> Any:
+            with sdpa_kernel(backend):
+                o2 = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+            return torch.autograd.grad(o2, leaves, do)
+
+        return {"bwd": bwd, "fwd_bwd": fwd_bwd}
+
+    out["cudnn"] = sdpa_pair(SDPBackend.CUDNN_ATTENTION)
+    out["fa2"] = sdpa_pair(SDPBackend.FLASH_ATTENTION)
+    o_t, lse_t = flash_attention_fwd(q, k, v, causal=causal)
+    out["triton"] = {
+        "bwd": lambda: flash_attention_bwd(do, q, k, v, o_t, lse_t, causal=causal),
+        "fwd_bwd": lambda: flash_attention_bwd(do, q, k, v,
+                                               *flash_attention_fwd(q, k, v, causal=causal),
+                                               causal=causal)}
+    o_g, lse_g = gluon_attention_fwd(q, k, v, causal=causal)
+    for name in names:
+        cfg = config_for(name, problem)
+        if cfg is None:
+            continue
+        out[f"gluon-{name}"] = {
+            "bwd": lambda cfg=cfg: gluon_attention_bwd(do, q, k, v, o_g, lse_g, causal=causal,
+                                                       config=cfg),
+            "fwd_bwd": lambda cfg=cfg: gluon_attention_bwd(
+                do, q, k, v, *gluon_attention_fwd(q, k, v, causal=causal), causal=causal,
+                config=cfg)}
+    return out
+
+
+def time_problem(problem: Problem, names: list[str], rounds: int) -> list[dict[str, Any]]:
+    fns = candidates(problem, names)
+    ref = [g.float() for g in fns["cudnn"]["bwd"]()]
+    flops = 4.0 * problem.batch * problem.heads_q * problem.seqlen_q ** 2 * problem.head_dim
+    if problem.causal != "none":
+        flops /= 2
+    rows = []
+    valid: dict[str, float] = {}
+    for name, pair in fns.items():
+        grads = pair["bwd"]()
+        err = max(relative_error(g, r) for g, r in zip(grads, ref, strict=True))
+        zero = any(float(g.abs().max()) == 0.0 for g in grads)
+        valid[name] = err
+        rows.append({"problem": problem.key(), "candidate": name, "error_vs_cudnn": err,
+                     "zeros": zero, "ok": bool(err < 3e-2 and not zero)})
+    readings: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, pair in fns.items():  # rotated: every candidate once per round
+            for what in ("bwd", "fwd_bwd"):
+                readings.setdefault((name, what), []).append(event_ms(pair[what]))
+    for row in rows:
+        for what, mult in (("bwd", 2.5), ("fwd_bwd", 3.5)):
+            ms = statistics.median(readings[(row["candidate"], what)])
+            row[f"{what}_ms"] = ms
+            row[f"{what}_tflops"] = (mult * flops / (ms * 1e-3) / 1e12) if row["ok"] else None
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    names = list(dict.fromkeys(r["candidate"] for r in rows))
+    print("TFLOP/s backward-only / forward+backward (x cuDNN); '-' = failed its check")
+    print("| problem | " + " | ".join(names) + " |")
+    for key in dict.fromkeys(r["problem"] for r in rows):
+        mine = {r["candidate"]: r for r in rows if r["problem"] == key}
+        base = mine.get("cudnn", {})
+        cells = []
+        for n in names:
+            r = mine.get(n)
+            if r is None or r["bwd_tflops"] is None:
+                cells.append("-")
+                continue
+            rb = r["bwd_tflops"] / base["bwd_tflops"] if base.get("bwd_tflops") else 0
+            rf = r["fwd_bwd_tflops"] / base["fwd_bwd_tflops"] if base.get("fwd_bwd_tflops") else 0
+            cells.append(f"{r['bwd_tflops']:.0f} / {r['fwd_bwd_tflops']:.0f} "
+                         f"({rb:.2f}/{rf:.2f})")
+        print(f"| {key} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--time", action="store_true")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", default="", help="write every row here (a file path)")
+    parser.add_argument("--budget-s", type=float, default=220.0)
+    parser.add_argument("--check-timeout-s", type=float, default=90.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    start = time.monotonic()
+    names = [n for n in args.variants.split(",") if n]
+    result: dict[str, Any] = {"torch": torch.__version__,
+                              "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                              else "none"}
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+    if args.check:
+        rows, passed = run_checks(names, args.check_timeout_s)
+        result["check"] = rows
+        save()
+        print(f"passed every case: {sorted(passed)}", flush=True)
+        names = [n for n in names if n in passed]
+    if args.time:
+        timed: list[dict[str, Any]] = []
+        for problem in protocol_problems():
+            if time.monotonic() - start > args.budget_s:
+                print(f"budget spent: {problem.key()} and later not timed", flush=True)
+                break
+            try:
+                timed.extend(time_problem(problem, names, args.rounds))
+            except Exception:  # noqa: BLE001  (one problem's failure does not end the run)
+                print(f"{problem.key()}: {traceback.format_exc()[-800:]}", flush=True)
+            result["time"] = timed
+            save()
+        print_table(timed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The Gluon backward template (Hopper only): its search space, constraints, defaults and entry.
+
+The kernels and their launcher live in ``templates.gluon_bwd_kernel`` (torch + triton only, so
+they can be emitted as standalone source). Like ``flash_bwd`` it takes the forward's ``o`` and
+``lse`` and the incoming gradient ``do`` and returns ``(dq, dk, dv)``: the tuner measures it on
+the same backward problems (inputs from ``FlashBwdTemplate.make_inputs``), so the two
+backwards compete by measurement. Written for triton 3.6's Gluon; on a triton without Gluon
+the template imports but rejects every problem.
+
+Status (docs/gluon_notes.md, "Backward"): compiled offline for sm_90 only; never run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob
+from templates.device import DeviceInfo, current_device
+from templates.flash_bwd import TEMPLATE as FLASH_BWD
+from templates.registry import register
+from templates.standin_tensor import StandinTensor
+
+try:
+    from templates import gluon_bwd_kernel as _kernel_module
+    kernel: ModuleType | None = _kernel_module
+    GLUON_MISSING = ""
+except ImportError as exc:  # pragma: no cover - a triton without Gluon
+    kernel = None
+    GLUON_MISSING = f"triton.experimental.gluon is not usable here ({exc})"
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+HEAD_DIMS = (64, 128)
+DTYPE_BYTES = 2
+# Shared memory Triton adds to the tiles (the mbarriers: 24 bytes in the offline build),
+# rounded up so that the estimate is an upper bound.
+BARRIER_BYTES = 512
+# fp32 registers per thread the step's big tiles may hold: the dK and dV accumulators plus
+# the S^T and dP^T tiles, (2 BLOCK_N D + 2 BLOCK_N BLOCK_M) / threads. Calibrated by the
+# offline sm_90 build (triton 3.9, docs/gluon_notes.md): 128 compiled in 186 registers
+# without spills; 192 in 250-255 registers, without spills (d128, 64x64 tiles, 4 warps) or
+# with 8-24 bytes of stack (d128 64x128 and d64 128x128 tiles, 8 warps); above 192 was not
+# compiled.
+MAX_TILE_REGISTERS = 192
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig(KernelConfig):
+    """One point of the Gluon backward kernel's search space."""
+
+    BLOCK_M: int = knob(
+        64, (64, 128),
+        "Query rows per step (one TMA load of Q and dO, the N of the S^T and dP^T GEMMs). "
+        "Larger steps halve the steps, barriers and atomics per key but double the S^T/dP^T "
+        "registers.")
+    BLOCK_N: int = knob(
+        128, (64, 128),
+        "Keys per program: its dK and dV accumulators (BLOCK_N x D fp32 each) stay in "
+        "registers for the whole walk; more keys reread Q and dO fewer times.")
+    stages: int = knob(
+        2, (1, 2, 3),
+        "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
+        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage.")
+    consumers: int = knob(
+        2, (1, 2),
+        "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
+        "dK/dV accumulators and S^T rows.")
+
+
+def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
+    """Bytes of shared memory: K and V, the Q/dO ring with its lse2/delta rows, dS^T, the
+    fp32 dQ staging tile, the barriers."""
+    d = problem.head_dim
+    kv = 2 * config.BLOCK_N * d * DTYPE_BYTES
+    ring = config.stages * (2 * config.BLOCK_M * d * DTYPE_BYTES + 2 * config.BLOCK_M * 4)
+    ds = config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
+    dq = config.BLOCK_M * d * 4
+    return kv + ring + ds + dq + BARRIER_BYTES
+
+
+def tile_registers(problem: Problem, config: GluonBwdConfig) -> int:
+    """fp32 registers per thread of dK, dV, S^T and dP^T (see MAX_TILE_REGISTERS)."""
+    threads = 128 * config.consumers
+    n, m, d = config.BLOCK_N, config.BLOCK_M, problem.head_dim
+    return (2 * n * d + 2 * n * m) // threads
+
+
+class GluonBwdTemplate(Template):
+    name = "gluon_bwd"
+    description = ("FlashAttention-3-style backward for Hopper in Gluon: one program per KV "
+                   "tile walks the query tiles of its GQA group (TMA ring of Q/dO/lse/delta, "
+                   "async wgmma in the transposed orientation, P^T and dS^T as register "
+                   "operands), dQ by fp32 vector atomics; dense and causal top-left or "
+                   "bottom-right, GQA/MQA, head dim 64/128, fp16/bf16. Compiled offline for "
+                   "sm_90; not yet run on a GPU.")
+    config_cls = GluonBwdConfig
+
+    def source_modules(self) -> Sequence[str]:
+        mods = [__name__]
+        if kernel is not None:
+            mods.insert(0, kernel.__name__)
+        return mods
+
+    # -- the problem --------------------------------------------------------------------------
+    def unsupported(self, problem: Problem) -> str | None:
+        if GLUON_MISSING:
+            return GLUON_MISSING
+        if problem.mask != "none":
+            return "gluon_bwd has no block masks (dense and causal only)"
+        if problem.dtype not in TORCH_DTYPES:
+            return f"gluon_bwd takes float16 or bfloat16, but got {problem.dtype}"
+        if problem.head_dim not in HEAD_DIMS:
+            return (f"gluon_bwd takes head_dim in {list(HEAD_DIMS)}, but got "
+                    f"{problem.head_dim} (at 256 the dK/dV accumulators of a 64-key tile "
+                    f"alone fill a warpgroup's registers)")
+        return None
+
+    def flops(self, problem: Problem) -> float:
+        return FLASH_BWD.flops(problem)  # 2.5 x the forward's, as flash_bwd's
+
+    def bytes_moved(self, problem: Problem) -> float:
+        return FLASH_BWD.bytes_moved(problem)
+
+    # -- the space ----------------------------------------------------------------------------
+    def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonBwdConfig)
+        reason = self.unsupported(problem)
+        if reason:
+            return reason
+        if device.family != "hopper":
+            return (f"gluon_bwd needs a Hopper GPU (wgmma, compute capability 9.x), but "
+                    f"{device.name} is {device.family}")
+        keys = cfg.BLOCK_N // cfg.consumers
+        if keys not in (64, 128):
+            return (f"each warpgroup takes 64 or 128 keys, but BLOCK_N {cfg.BLOCK_N} over "
+                    f"{cfg.consumers} consumer(s) gives {keys}")
+        smem = shared_memory_estimate(problem, cfg)
+        if smem > device.smem_per_block:
+            return (f"needs about {smem // 1024} KiB of shared memory (K and V {cfg.BLOCK_N}x"
+                    f"{problem.head_dim}, {cfg.stages} stage(s) of Q and dO {cfg.BLOCK_M}x"
+                    f"{problem.head_dim}, dS and the fp32 dQ tile), more than the "
+                    f"{device.smem_per_block // 1024} KiB a program may use on {device.name}")
+        regs = tile_registers(problem, cfg)
+        if regs > MAX_TILE_REGISTERS:
+            return (f"each thread would hold about {regs} registers of dK, dV, S^T and dP^T "
+                    f"tiles (more than {MAX_TILE_REGISTERS}): registers would spill; use "
+                    f"smaller tiles or more consumers")
+        return None
+
+    def default_config(self, problem: Problem, device: DeviceInfo) -> GluonBwdConfig:
+        for candidate in _candidates(problem):
+            if self.constraint(problem, candidate, device) is None:
+                return candidate
+        raise RuntimeError(f"no gluon_bwd config fits {problem.key()} on {device.name}")
+
+    def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
+        """Not measured yet: the compile-clean alternatives to the default (docs)."""
+        return [c for c in _candidates(problem)[1:]
+                if self.constraint(problem, c, device) is None]
+
+    # -- running and checking -----------------------------------------------------------------
+    def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
+        """flash_bwd's: random q, k, v, do and the forward's o and lse."""
+        return FLASH_BWD.make_inputs(problem, device, seed)
+
+    def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonBwdConfig)
+        return gluon_attention_bwd(inputs["do"], inputs["q"], inputs["k"], inputs["v"],
+                                   inputs["o"], inputs["lse"], causal=inputs["causal"],
+                                   scale=inputs["scale"], config=cfg)
+
+    def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
+        """The two Triton launches ``run`` makes (preprocess, main), over stand-in tensors
+        (the dq cast is torch's)."""
+        if kernel is None or self.unsupported(problem):
+            return None
+        cfg = self.config(config)
+        dtype = TORCH_DTYPES[problem.dtype]
+        q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
+        kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
+        q, k = StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape)
+        plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
+                                 scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict())
+        rows = StandinTensor(torch.float32, list(plan.rows_shape))
+        lse = StandinTensor(torch.float32, q_shape[:3])
+        pre_args = plan.preprocess_args(StandinTensor(dtype, q_shape),
+                                        StandinTensor(dtype, q_shape), lse, rows, rows)
+        main_args = plan.main_args(q, k, StandinTensor(dtype, kv_shape),
+                                   StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape),
+                                   StandinTensor(dtype, kv_shape),
+                                   StandinTensor(torch.float32, q_shape), rows, rows)
+        return [(kernel._gluon_bwd_preprocess_kernel, plan.pre_grid, pre_args,
+                 plan.preprocess_options()),
+                (kernel._gluon_bwd_kernel, plan.grid, main_args, dict(plan.options))]
+
+    def reference(self, inputs: Mapping[str, Any]) -> Any:
+        return FLASH_BWD.reference(inputs)
+
+    # -- code generation ----------------------------------------------------------------------
+    def standalone_source(self, config: KernelConfig) -> str:
+        if kernel is None:
+            raise NotImplementedError(GLUON_MISSING)
+        return self._kernel_module_with_config(kernel, _STANDALONE_ENTRY, config)
+
+
+_STANDALONE_ENTRY = '''
+
+# ----------------------------------------------------------------------------- baked-in config
+CONFIG: dict[str, object] = CONFIG_LITERAL
+
+
+def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        o: torch.Tensor, lse: torch.Tensor, *, causal: bool | str = False,
+                        scale: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of softmax(scale * q k^T) v with the config above baked in (Hopper GPUs).
+
+    q, o, do: (B, H_q, N_q, D); k, v: (B, H_kv, N_kv, D), float16 or bfloat16, D 64 or 128;
+    lse: (B, H_q, N_q) float32, the forward's natural-log logsumexp; causal: False, True
+    (= "top_left"), "none", "top_left" or "bottom_right"; scale defaults to 1/sqrt(D).
+    """
+    causal_mode, softmax_scale = validate_inputs(do, q, k, v, o, lse, causal, scale)
+    return launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
+                  config=CONFIG)
+'''
+
+
+def _candidates(problem: Problem) -> list[GluonBwdConfig]:
+    """The default first, then cheaper fallbacks. FA3's shapes (H100, hdim 64: 128x128 tiles,
+    hdim 128: 64 queries x 128 keys, two MMA warpgroups), fitted to this kernel's register
+    bound: at d64 64 queries x 128 keys (128 registers of tiles), at d128 64 x 128 (192, at
+    the bound), then 64 x 64 tiles over one warpgroup (192, no stack in the offline build).
+    One stage is left out: at d128 it spilled 136 bytes. None of these has been timed."""
+    base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=2, consumers=2)
+    out = [base, dataclasses.replace(base, BLOCK_N=64, consumers=1)]
+    if problem.head_dim <= 64:
+        out.insert(1, dataclasses.replace(base, BLOCK_M=128))
+    return out
+
+
+def compile_for(problem: Problem, config: KernelConfig) -> list[Any]:
+    """Triton's compiled kernels (preprocess, main) for ``problem`` under ``config``, without
+    allocating or launching anything (needs a Hopper GPU or an ``offline_target``)."""
+    launches = TEMPLATE.kernel_launches(problem, config)
+    if launches is None:
+        raise ValueError(f"no stand-in launch for {problem.key()}: "
+                         f"{TEMPLATE.unsupported(problem)}")
+    return [fn.warmup(*args, grid=grid, **options) for fn, grid, args, options in launches]
+
+
+# ----------------------------------------------------------------------------- entry point
+def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
+    return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
+                   seqlen_q=q.shape[2], seqlen_kv=k.shape[2], head_dim=q.shape[3],
+                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode)
+
+
+def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        o: torch.Tensor, lse: torch.Tensor, *, causal: bool | str = False,
+                        scale: float | None = None,
+                        config: GluonBwdConfig | Mapping[str, object] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward on a Hopper GPU: (dq, dk, dv) of o = softmax(scale q k^T [causal]) v.
+
+    Args:
+        do, q, o: (B, H_q, N_q, D) float16 or bfloat16 on a CUDA device of compute capability
+            9.x, D 64 or 128; layouts TMA cannot read are copied first.
+        k, v: (B, H_kv, N_kv, D), same dtype and device; H_q a multiple of H_kv (GQA/MQA).
+        lse: (B, H_q, N_q) float32, the forward's natural-log logsumexp (-inf for rows that
+            see no key: their gradients are 0). ``gluon_attention_fwd``'s and
+            ``flash_attention_fwd``'s lse are this.
+        causal: False / "none"; True / "top_left"; "bottom_right" (as the forwards).
+        scale: softmax scale, default 1/sqrt(D); must be the forward's.
+        config: a ``GluonBwdConfig`` or a mapping of its fields; None takes the default.
+
+    Returns:
+        dq, dk, dv contiguous in the inputs' dtype and shapes. dq is summed with fp32
+        atomics: not bitwise reproducible between runs (dk and dv are).
+
+    Raises:
+        TypeError / ValueError naming the offending argument or the constraint the config
+        violates; RuntimeError where Gluon is missing.
+    """
+    if kernel is None:
+        raise RuntimeError(GLUON_MISSING)
+    causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
+    if config is not None and not isinstance(config, GluonBwdConfig | Mapping):
+        raise TypeError(f"config must be a GluonBwdConfig, a mapping of its fields or None, "
+                        f"but got {type(config).__name__}")
+    if q.device.type != "cuda":
+        raise ValueError(f"gluon_bwd runs on CUDA tensors, but q is on {q.device}")
+    problem = problem_of(q, k, causal_mode)
+    device = current_device(q.device.index)
+    if config is None:
+        cfg = TEMPLATE.default_config(problem, device)
+    else:
+        chosen = TEMPLATE.config(config)
+        assert isinstance(chosen, GluonBwdConfig)
+        cfg = chosen
+        reason = TEMPLATE.constraint(problem, cfg, device)
+        if reason:
+            raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on "
+                             f"{device.name}: {reason}")
+    return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
+                         config=cfg.to_dict())
+
+
+TEMPLATE = GluonBwdTemplate()
+register(TEMPLATE)
