@@ -1,7 +1,9 @@
 """The service's answer to "which config for this problem on this device" (GET /v1/best).
 
-Matching is ``tuner.lookup.match_candidates`` (exact problem, then bucket, then nearest
-shape), the same rule the client applies to its local database. When nothing is tuned the
+Matching is ``tuner.lookup.match_with_neighbours`` (exact problem, then bucket, then nearest
+shape), the same rule the client applies to its local database; a nearest answer carries the
+neighbouring buckets' bests, as a local lookup's does, so a client of the service decides on a
+neighbour as a client of the database does (docs/DISPATCH.md). When nothing is tuned the
 answer is the template's default for the device: the stored device when the service knows its
 key, else the hardware the key names (``tuner.lookup.device_info_from_key``: an unknown or bare
 name is taken as an H100).
@@ -55,10 +57,10 @@ from tuner.lookup import (
     Candidate,
     device_info_from_key,
     device_info_from_row,
-    match_candidates,
+    match_with_neighbours,
     parse_candidates,
 )
-from tuner.wire import BestOut, Provenance
+from tuner.wire import BestOut, NeighbourOut, Provenance
 
 log = logging.getLogger("api")
 
@@ -374,7 +376,7 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
         info = catalog.devices[device_key]
         if (template.name, version) in catalog.template_versions:
             bests = await cache.bests(template, version, device_key)
-            found = match_candidates(template, problem, info, bests.candidates)
+            found = match_with_neighbours(template, problem, info, bests.candidates)
     base: dict[str, Any] = {"template": template.name, "device": device_key,
                             "problem": problem.to_dict(),
                             "problem_key": template.problem_key(problem)}
@@ -386,4 +388,7 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
                    config=found.config.to_dict(), matched_problem=row.problem,
                    tflops=row.tflops, median_ms=row.median_ms, default_tflops=row.default_tflops,
                    speedup=row.speedup, readings=row.readings, spread=row.spread,
-                   provenance=row.provenance)
+                   provenance=row.provenance, neighbours=[
+                       NeighbourOut(problem_key=n.problem_key, problem=n.problem.to_dict(),
+                                    config=n.config.to_dict(), tflops=n.tflops)
+                       for n in found.neighbours.values()])

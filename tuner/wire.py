@@ -103,6 +103,17 @@ class Provenance(WireModel):
     torch_version: str | None = None
 
 
+class NeighbourOut(WireModel):
+    """A stored best of a neighbouring bucket: what the dispatcher compares implementations on
+    when the asked problem's own bucket has no torch SDPA measurement (docs/DISPATCH.md,
+    "Deciding on a neighbour")."""
+
+    problem_key: str = Field(description="the neighbouring bucket")
+    problem: dict[str, Any] = Field(description="the problem measured there")
+    config: dict[str, Any] = Field(description="its best config, which runs the asked problem")
+    tflops: float = Field(description="measured on ``problem``")
+
+
 class BestOut(WireModel):
     template: str
     template_version: str
@@ -124,6 +135,13 @@ class BestOut(WireModel):
                                  + " (None for match default)")
     spread: float | None = Field(None, ge=0, description=SPREAD_DESCRIPTION)
     provenance: Provenance | None = None
+    # Came after the others: an answer of an older service has none ([] here).
+    neighbours: list[NeighbourOut] = Field(
+        default_factory=list,
+        description="for a nearest match: the stored bests of the other buckets of the "
+                    "problem's family (dtype, variant, head dim, GQA ratio) whose configs run "
+                    "it, nearest first, as a local database's lookup finds them; a client "
+                    "decides on them which implementation runs (docs/DISPATCH.md); else empty")
 
 
 class ConfigRow(WireModel):
