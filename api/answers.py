@@ -58,9 +58,9 @@ from tuner.lookup import (
     device_info_from_key,
     device_info_from_row,
     match_with_neighbours,
-    parse_candidates,
 )
-from tuner.wire import BestOut, NeighbourOut, Provenance
+from tuner.stored_bests import StoredBest, stored_bests
+from tuner.wire import BestOut, NeighbourOut
 
 log = logging.getLogger("api")
 
@@ -123,22 +123,6 @@ class Catalog:
         if len(matches) > 1:
             raise AmbiguousDevice(given, matches, "key prefix")
         return matches[0] if matches else None
-
-
-@dataclass(frozen=True)
-class StoredBest:
-    """What an answer needs of a best-config row, detached from its session."""
-
-    problem_key: str
-    problem: dict[str, Any]
-    config: dict[str, Any]
-    tflops: float
-    median_ms: float
-    default_tflops: float | None
-    speedup: float | None
-    readings: int
-    spread: float | None
-    provenance: Provenance
 
 
 @dataclass(frozen=True)
@@ -326,34 +310,12 @@ class BestCache:
             old_versions = old.versions if old is not None else {}
             stale = [k for k, v in versions.items() if old_versions.get(k) != v]
             rows = crud.best_candidates(session, **of_key, problem_keys=stale) if stale else []
-            fresh = _parsed(session, get_template(template_name), rows)
+            fresh = stored_bests(session, get_template(template_name), rows)
         kept = {k: c for k, c in (old.by_key.items() if old is not None else ())
                 if k in versions and k not in fresh and old_versions.get(k) == versions[k]}
         by_key = {**kept, **fresh}
         return ParsedBests(candidates=[by_key[k] for k in sorted(by_key)], by_key=by_key,
                         versions=versions, fingerprint=mark)
-
-
-def _parsed(session: Session, template: Template, rows: list[Any]) -> dict[str, Candidate]:
-    """``rows`` (best configs of one device and template version) as candidates, by problem
-    key; a row whose problem or config no longer validates is left out."""
-    if not rows:
-        return {}
-    names = crud.sweep_names(session, sweep_ids={r.sweep_id for r in rows
-                                                  if r.sweep_id is not None})
-    measured = crud.trial_dates(session, trial_ids={r.trial_id for r in rows
-                                                    if r.trial_id is not None})
-    readings = crud.best_readings(session, rows)
-    stored = [StoredBest(
-        problem_key=r.problem_key, problem=dict(r.problem), config=dict(r.config),
-        tflops=r.tflops, median_ms=r.median_ms, default_tflops=r.default_tflops,
-        speedup=r.speedup, readings=readings[r.id].count, spread=readings[r.id].spread,
-        provenance=Provenance(
-            sweep_id=r.sweep_id, sweep_name=names.get(r.sweep_id) if r.sweep_id else None,
-            measured_at=measured.get(r.trial_id, r.updated_at) if r.trial_id else r.updated_at,
-            triton_version=r.device.triton_version, torch_version=r.device.torch_version))
-        for r in rows]
-    return {c.problem_key: c for c in parse_candidates(template, stored)}
 
 
 async def best_answer(cache: BestCache, *, template: Template, version: str | None,
