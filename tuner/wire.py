@@ -242,6 +242,11 @@ class ProblemWinner(WireModel):
         default_factory=dict, description="by implementation: the config of its stored best "
                                           "(torch_sdpa's names the SDPA backend)")
     # Came after the others: an answer of an older service has none ({} here).
+    head_to_head: dict[str, int] = Field(
+        default_factory=dict,
+        description="by implementation whose stored best took part in a finished head-to-head "
+                    "of the problem: that head-to-head's id (its tflops and median_ms are the "
+                    "median of the side-by-side readings there); others are absent")
     sdpa_backends: dict[str, BackendTime] = Field(
         default_factory=dict,
         description="by SDPA backend (torch_sdpa's backend knob: cudnn, flash, efficient, "

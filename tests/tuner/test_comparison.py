@@ -116,7 +116,7 @@ def test_tuner_best_shape_prints_the_comparison(target: Target) -> None:  # noqa
         trial(s, target, p, {"backend": "default"}, 0.8)
         trial(s, target, p, {"backend": "efficient"}, 1.8)
         trial(s, target, p, tuned_config(p, current_device()), 0.4, template=target.flash)
-    shape = "B=1,H=4/2,N=64,D=16"
+    shape = "B=1,H_q=4,H_kv=2,N=64,D=16"
     code, out, err = cli("best", "--db", target.url, "--shape", shape, "--dtype", "float32",
                          "--json")
     assert code == 0, err
