@@ -57,8 +57,9 @@ def seeded(url: str, items: list[dict[str, Any]]) -> None:
 
 
 def chosen(database_url: str, service_url: str | None) -> Choice:
+    # A generous lookup timeout: a loaded test machine must not make the service look down.
     set_resolver(ConfigResolver(load_settings(database_url=database_url, url=service_url,
-                                              token=None, demand=False)))
+                                              token=None, demand=False, lookup_timeout=30.0)))
     return choose(Call(HERE, needs_grad=False, device=current_device()))
 
 
