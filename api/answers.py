@@ -1,7 +1,9 @@
 """The service's answer to "which config for this problem on this device" (GET /v1/best).
 
-Matching is ``tuner.lookup.match_candidates`` (exact problem, then bucket, then nearest
-shape), the same rule the client applies to its local database. When nothing is tuned the
+Matching is ``tuner.lookup.match_with_neighbours`` (exact problem, then bucket, then nearest
+shape), the same rule the client applies to its local database; a nearest answer carries the
+neighbouring buckets' bests, as a local lookup's does, so a client of the service decides on a
+neighbour as a client of the database does (docs/DISPATCH.md). When nothing is tuned the
 answer is the template's default for the device: the stored device when the service knows its
 key, else the hardware the key names (``tuner.lookup.device_info_from_key``: an unknown or bare
 name is taken as an H100).
@@ -55,10 +57,10 @@ from tuner.lookup import (
     Candidate,
     device_info_from_key,
     device_info_from_row,
-    match_candidates,
-    parse_candidates,
+    match_with_neighbours,
 )
-from tuner.wire import BestOut, Provenance
+from tuner.stored_bests import StoredBest, stored_bests
+from tuner.wire import BestOut, NeighbourOut
 
 log = logging.getLogger("api")
 
@@ -121,22 +123,6 @@ class Catalog:
         if len(matches) > 1:
             raise AmbiguousDevice(given, matches, "key prefix")
         return matches[0] if matches else None
-
-
-@dataclass(frozen=True)
-class StoredBest:
-    """What an answer needs of a best-config row, detached from its session."""
-
-    problem_key: str
-    problem: dict[str, Any]
-    config: dict[str, Any]
-    tflops: float
-    median_ms: float
-    default_tflops: float | None
-    speedup: float | None
-    readings: int
-    spread: float | None
-    provenance: Provenance
 
 
 @dataclass(frozen=True)
@@ -324,34 +310,12 @@ class BestCache:
             old_versions = old.versions if old is not None else {}
             stale = [k for k, v in versions.items() if old_versions.get(k) != v]
             rows = crud.best_candidates(session, **of_key, problem_keys=stale) if stale else []
-            fresh = _parsed(session, get_template(template_name), rows)
+            fresh = stored_bests(session, get_template(template_name), rows)
         kept = {k: c for k, c in (old.by_key.items() if old is not None else ())
                 if k in versions and k not in fresh and old_versions.get(k) == versions[k]}
         by_key = {**kept, **fresh}
         return ParsedBests(candidates=[by_key[k] for k in sorted(by_key)], by_key=by_key,
                         versions=versions, fingerprint=mark)
-
-
-def _parsed(session: Session, template: Template, rows: list[Any]) -> dict[str, Candidate]:
-    """``rows`` (best configs of one device and template version) as candidates, by problem
-    key; a row whose problem or config no longer validates is left out."""
-    if not rows:
-        return {}
-    names = crud.sweep_names(session, sweep_ids={r.sweep_id for r in rows
-                                                  if r.sweep_id is not None})
-    measured = crud.trial_dates(session, trial_ids={r.trial_id for r in rows
-                                                    if r.trial_id is not None})
-    readings = crud.best_readings(session, rows)
-    stored = [StoredBest(
-        problem_key=r.problem_key, problem=dict(r.problem), config=dict(r.config),
-        tflops=r.tflops, median_ms=r.median_ms, default_tflops=r.default_tflops,
-        speedup=r.speedup, readings=readings[r.id].count, spread=readings[r.id].spread,
-        provenance=Provenance(
-            sweep_id=r.sweep_id, sweep_name=names.get(r.sweep_id) if r.sweep_id else None,
-            measured_at=measured.get(r.trial_id, r.updated_at) if r.trial_id else r.updated_at,
-            triton_version=r.device.triton_version, torch_version=r.device.torch_version))
-        for r in rows]
-    return {c.problem_key: c for c in parse_candidates(template, stored)}
 
 
 async def best_answer(cache: BestCache, *, template: Template, version: str | None,
@@ -374,7 +338,7 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
         info = catalog.devices[device_key]
         if (template.name, version) in catalog.template_versions:
             bests = await cache.bests(template, version, device_key)
-            found = match_candidates(template, problem, info, bests.candidates)
+            found = match_with_neighbours(template, problem, info, bests.candidates)
     base: dict[str, Any] = {"template": template.name, "device": device_key,
                             "problem": problem.to_dict(),
                             "problem_key": template.problem_key(problem)}
@@ -386,4 +350,7 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
                    config=found.config.to_dict(), matched_problem=row.problem,
                    tflops=row.tflops, median_ms=row.median_ms, default_tflops=row.default_tflops,
                    speedup=row.speedup, readings=row.readings, spread=row.spread,
-                   provenance=row.provenance)
+                   provenance=row.provenance, neighbours=[
+                       NeighbourOut(problem_key=n.problem_key, problem=n.problem.to_dict(),
+                                    config=n.config.to_dict(), tflops=n.tflops)
+                       for n in found.neighbours.values()])

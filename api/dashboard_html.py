@@ -167,7 +167,8 @@ def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
     backends = any(it.sdpa_backends for found in winners for it in found.items)
     rows = [(found.device_name, it.problem_key, it.winner,
              f"{it.margin:.2f}x {it.runner_up}" if it.margin else it.why,
-             *(f"{it.tflops[n]:.1f}" if n in it.tflops else "–" for n in names),
+             *(f"{it.tflops[n]:.1f}" + (" (h2h)" if n in it.head_to_head else "")
+               if n in it.tflops else "–" for n in names),
              *([backends_text(it.sdpa_backends)] if backends else []))
             for found in winners for it in found.items]
     table = _table(("device", "problem", "runs", "margin over the runner-up", *names,
@@ -179,7 +180,8 @@ def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
              if len(rows) > limit else "")
     return (f"{shown}{table}<p>TFLOP/s of each implementation's stored best at this service's "
             "kernel versions; the winner is what <code>tuner.attention</code> runs "
-            "(docs/DISPATCH.md)"
+            "(docs/DISPATCH.md); (h2h): the median of the problem's head-to-head, its "
+            "implementations measured side by side"
             + ("; SDPA backends: each backend's best time for the problem (a failed one is "
                "not listed)" if backends else "") + ".</p>")
 

@@ -115,6 +115,10 @@ class BestQuery(KernelSourceQuery):
     template_version: str | None = Field(
         None, min_length=1, max_length=64, pattern=NO_NUL,
         description="kernel version the caller runs (default: the service's)")
+    compare: bool = Field(
+        False, description="also compare the implementations of the problem "
+                           "(``implementations``: the winner, the runner-up, each one's and "
+                           "each SDPA backend's time), at the service's kernel versions")
 
 
 class ConfigsQuery(BaseModel):

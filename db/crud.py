@@ -584,7 +584,7 @@ def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings
     rests on its stored time alone.
     """
     trial_ids = sorted({b.trial_id for b in bests if b.trial_id is not None})
-    priced = {trial_id: found.readings.times_ms
+    priced = {trial_id: found.readings
               for trial_id, found in side_by_side(s, trial_ids=trial_ids).items()
               if found.readings is not None}
     times: dict[int, list[float]] = {}
@@ -604,14 +604,18 @@ def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings
                 readings.append(again_ms)
     out = {}
     for best in bests:
-        found = (priced.get(best.trial_id) or times.get(best.trial_id)
-                 if best.trial_id is not None else None)
+        side = priced.get(best.trial_id) if best.trial_id is not None else None
+        if side is not None:
+            out[best.id] = Readings(side.times_ms, side.session)
+            continue
+        found = times.get(best.trial_id) if best.trial_id is not None else None
         out[best.id] = Readings(tuple(found) if found else (best.median_ms,))
     return out
 
 
 def measured_configs(s: Session, *, device_key: str, template_name: str,
-                     template_version: str) -> dict[str, list[tuple[dict[str, Any], Measured]]]:
+                     template_version: str, problem_keys: Collection[str] | None = None
+                     ) -> dict[str, list[tuple[dict[str, Any], Measured]]]:
     """Every OK trial of one device and template version, by problem key: its config, and
     the trial as ``db.finalists`` sees it (``Measured``, ``ref`` its id): its OK
     re-measurements, disqualified by a failed one, and its latest finished head-to-head's
@@ -619,11 +623,15 @@ def measured_configs(s: Session, *, device_key: str, template_name: str,
 
     Two queries for all the device's problems of the template, whatever their number: the
     trials with their re-measurements, then the head-to-head readings of those trials. Trials
-    of other versions of the template are not read.
+    of other versions of the template are not read; with ``problem_keys``, nor are other
+    problems'.
     """
-    of_trials = (Device.key == device_key, Template.name == template_name,
-                 Template.version == template_version, Trial.status == TrialStatus.OK,
-                 Trial.tflops.is_not(None), Trial.median_ms.is_not(None))
+    of_trials: tuple[ColumnElement[bool], ...] = (
+        Device.key == device_key, Template.name == template_name,
+        Template.version == template_version, Trial.status == TrialStatus.OK,
+        Trial.tflops.is_not(None), Trial.median_ms.is_not(None))
+    if problem_keys is not None:
+        of_trials += (Trial.problem_key.in_(sorted(set(problem_keys))),)
     firsts: dict[int, tuple[str, dict[str, Any], float, float, bool]] = {}
     remeasured: dict[int, list[float]] = {}
     failed: dict[int, str] = {}

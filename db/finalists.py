@@ -94,7 +94,7 @@ class Measured:
     def priced_readings(self) -> Readings:
         """The readings its stored time is the median of: its head-to-head's, else its own."""
         if self.side_by_side is not None:
-            return Readings(self.side_by_side.times_ms)
+            return Readings(self.side_by_side.times_ms, self.side_by_side.session)
         return self.readings
 
     @property
@@ -116,6 +116,9 @@ class Readings:
     many readings it is the median of, and how far apart they lie."""
 
     times_ms: tuple[float, ...]
+    # The head-to-head (session id) they were read in, side by side with the problem's other
+    # implementations (None: its own first reading and re-measurements).
+    head_to_head: int | None = None
 
     @property
     def count(self) -> int:

@@ -4,6 +4,7 @@
 
     with TunerClient("http://tuner.internal:8000") as client:
         answer = client.best("flash_fwd", problem)          # BestOut: config, match, TFLOP/s
+        ranked = client.best("torch_sdpa", problem, compare=True).implementations  # who runs it
         page = client.configs(template="flash_fwd", limit=50)
         queue = client.demand(status="open")                # what jobs ran untuned
         job = client.claim_demand(device=key, templates=versions, worker="gpu-7:12",
@@ -115,11 +116,15 @@ class TunerClient:
 
     def best(self, template: str, problem: Problem | Mapping[str, Any], *,
              device: str | DeviceInfo | None = None,
-             template_version: str | None = None) -> BestOut:
-        """The service's config for ``problem`` on ``device`` (default: this machine's GPU)."""
+             template_version: str | None = None, compare: bool = False) -> BestOut:
+        """The service's config for ``problem`` on ``device`` (default: this machine's GPU);
+        with ``compare``, ``implementations`` compares every implementation of the problem
+        (a service older than that field refuses the parameter: ``TunerError``, 422)."""
         params = {"template": template, "device": _device_key(device), **_problem_params(problem)}
         if template_version:
             params["template_version"] = template_version
+        if compare:
+            params["compare"] = "true"
         return self._get("/v1/best", BestOut, params=params)
 
     def winners(self, *, device: str | DeviceInfo | None = None,

@@ -37,15 +37,20 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from templates.base import KernelConfig, Problem
+from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.lookup import Resolved, get_resolver, keep_config, resolve_config
-from tuner.neighbours import Contender, decide_on_neighbour
+from tuner.neighbours import Contender, Verdict, decide_on_neighbour
 from tuner.record import note, recording
 
-__all__ = ["Call", "Choice", "Implementation", "choose", "implementations", "keep",
-           "register_implementation", "use_implementation"]
+__all__ = ["Call", "Choice", "Implementation", "Resolve", "choose", "decide", "implementations",
+           "keep", "register_implementation", "use_implementation"]
+
+# How a template's config for a problem on a device is found: the process's resolver
+# (``tuner.lookup.resolve_config``) for a call, the stored bests of a database for the service's
+# and ``tuner best``'s comparisons (``tuner.comparison``).
+Resolve = Callable[[Template, Problem, DeviceInfo], Resolved]
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,8 @@ class Choice:
     # The neighbouring bucket (problem key) the choice was decided on (None: this problem's
     # own measurements, or none).
     neighbour: str | None = None
+    # What the measurements on that neighbour decided, every implementation's time there.
+    verdict: Verdict | None = field(default=None, compare=False, repr=False)
 
     @property
     def config(self) -> KernelConfig:
@@ -180,8 +187,8 @@ def forced() -> str | None:
     return _FORCED.get()
 
 
-def price(impl: Implementation, call: Call) -> Estimate:
-    resolved = tuple(resolve_config(get_template(name), call.problem, call.device)
+def price(impl: Implementation, call: Call, resolve: Resolve = resolve_config) -> Estimate:
+    resolved = tuple(resolve(get_template(name), call.problem, call.device)
                      for name in impl.templates_for(call))
     total = 0.0
     for name, r in zip(impl.templates_for(call), resolved, strict=True):
@@ -227,7 +234,14 @@ def _choose(call: Call) -> Choice:
                              f"{call.problem.key()}: {reason}")
         estimate = price(impl, call)
         return Choice(impl, estimate.resolved, "forced by use_implementation", (estimate,))
-    estimates = tuple(price(impl, call) for impl in _IMPLEMENTATIONS.values()
+    return decide(call, resolve=resolve_config, margin=get_resolver().settings.neighbour_margin)
+
+
+def decide(call: Call, *, resolve: Resolve, margin: float) -> Choice:
+    """The rule (module docstring), with each template's config found by ``resolve`` and a
+    neighbour's win needing ``margin``: what ``choose`` runs for a call, and what the service
+    and ``tuner best`` show for a problem (``tuner.comparison``), one computation."""
+    estimates = tuple(price(impl, call, resolve) for impl in _IMPLEMENTATIONS.values()
                       if impl.why_not(call) is None)
     by_name = {e.implementation: e for e in estimates}
     baseline = by_name.get(BASELINE)
@@ -235,7 +249,7 @@ def _choose(call: Call) -> Choice:
         raise ValueError(f"torch SDPA cannot run {call.problem.key()}: "
                          f"{_IMPLEMENTATIONS[BASELINE].why_not(call)}")
     if baseline.ms is None:
-        return _on_neighbour(call, baseline, estimates)
+        return _on_neighbour(call, baseline, estimates, margin)
     priced = [e for e in estimates if e.ms is not None]
     best = min(priced, key=lambda e: e.ms)  # type: ignore[arg-type, return-value]
     others = ", ".join(f"{e.implementation} {e.ms:.4g} ms" for e in priced if e is not best)
@@ -244,14 +258,14 @@ def _choose(call: Call) -> Choice:
                   estimates)
 
 
-def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...]) -> Choice:
+def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...],
+                  margin: float) -> Choice:
     """SDPA not measured for this problem: decided on a neighbour (``tuner.neighbours``), or
     SDPA as the user's code would have run it."""
     contenders = {e.implementation: Contender(e.implementation, tuple(
         get_template(name) for name in _IMPLEMENTATIONS[e.implementation].templates_for(call)),
         e.resolved) for e in estimates}
-    verdict = decide_on_neighbour(contenders.pop(BASELINE), list(contenders.values()),
-                                  get_resolver().settings.neighbour_margin)
+    verdict = decide_on_neighbour(contenders.pop(BASELINE), list(contenders.values()), margin)
     if verdict is None:
         return Choice(_IMPLEMENTATIONS[BASELINE], baseline.resolved,
                       "torch SDPA not measured for this problem on this device: running what "
@@ -260,4 +274,4 @@ def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...
     estimates = tuple(replace(e, resolved=verdict.resolved)
                       if e.implementation == verdict.winner else e for e in estimates)
     return Choice(_IMPLEMENTATIONS[verdict.winner], verdict.resolved, verdict.why, estimates,
-                  neighbour=verdict.neighbour)
+                  neighbour=verdict.neighbour, verdict=verdict)

@@ -16,9 +16,10 @@ nothing else is asked, ever. Without it, the order, first answer wins
 4. the template's default heuristic.
 
 An ``exact`` or ``bucket`` match ends the search at once; a ``nearest`` match from the
-database is kept while the service is asked whether it knows better. A nearest answer from
-the database or a snapshot carries the bests of the neighbouring buckets (``neighbours_of``),
-on one of which the dispatcher may compare implementations (docs/DISPATCH.md). Every answer
+database is kept while the service is asked whether it knows better. A nearest answer
+(database, snapshot or service) carries the bests of the neighbouring buckets
+(``neighbours_of``; the service sends them in ``BestOut.neighbours``), on one of which the
+dispatcher may compare implementations (docs/DISPATCH.md). Every answer
 that is not tuned (``default``, ``nearest``) is noted as demand for the service
 (``tuner.demand``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every config that comes
 from outside (database or service) is re-validated against the template's space and static
@@ -199,7 +200,7 @@ def neighbours_of(template: Template, problem: Problem, device: DeviceInfo,
 def match_with_neighbours(template: Template, problem: Problem, device: DeviceInfo,
                           candidates: Sequence[Candidate]) -> Match | None:
     """``match_candidates``, a nearest match with ``neighbours_of`` too: a process's own
-    lookups (database, snapshot). The service's ``GET /v1/best`` answers one config alone."""
+    lookups (database, snapshot) and the service's ``GET /v1/best``, whose answer carries them."""
     found = match_candidates(template, problem, device, candidates)
     if found is None or found.kind != "nearest":
         return found
@@ -305,8 +306,8 @@ class Resolved:
     tflops: float | None = None
     # The resolver's cache key of the answer (``ConfigResolver.keep`` keeps it by that).
     bucket: CacheKey | None = dataclasses.field(default=None, compare=False, repr=False)
-    # A nearest answer from the database or a snapshot: the neighbouring buckets' bests that
-    # run this problem, nearest first (``neighbours_of``; empty for the service's answers).
+    # A nearest answer (database, snapshot or service): the neighbouring buckets' bests that
+    # run this problem, nearest first (``neighbours_of``; the service's ``BestOut.neighbours``).
     neighbours: Mapping[str, Neighbour] = dataclasses.field(
         default_factory=dict, compare=False, repr=False)
     # The neighbouring bucket whose config and TFLOP/s this answer carries, once the
@@ -446,8 +447,8 @@ class ConfigResolver:
         if local is not None:
             return Resolved(local.config, local.kind, "database", untuned_until,
                             tflops=_tflops_of(local.candidate), neighbours=local.neighbours)
-        if remote is not None:
-            return Resolved(remote.config, remote.match, "service", untuned_until)
+        if remote is not None:  # nearest: with its neighbours, as a local nearest answer
+            return dataclasses.replace(remote, expires_at=untuned_until)
         return Resolved(template.default_config(problem, device), "default", "default",
                         untuned_until)
 
@@ -596,7 +597,27 @@ def _validated(template: Template, version: str, problem: Problem, device: Devic
     if why is not None:
         log.warning("config service sent a config this device cannot run (%s): ignored", why)
         return None
-    return Resolved(config, answer.match, "service", tflops=answer.tflops)
+    return Resolved(config, answer.match, "service", tflops=answer.tflops,
+                    neighbours=_validated_neighbours(template, problem, device, answer))
+
+
+def _validated_neighbours(template: Template, problem: Problem, device: DeviceInfo,
+                          answer: Any) -> dict[str, Neighbour]:
+    """The neighbouring buckets' bests of a nearest answer (``BestOut.neighbours``, nearest
+    first) that this process may run, as ``neighbours_of`` finds them in a local database:
+    each config re-validated against the template's space and this device's constraints."""
+    out: dict[str, Neighbour] = {}
+    for n in getattr(answer, "neighbours", ()):
+        try:
+            measured_on = Problem.from_dict(n.problem)
+            config = template.config(n.config)
+        except (TypeError, ValueError) as exc:
+            log.debug("config service sent a malformed neighbour %s: %s", n.problem_key, exc)
+            continue
+        if (n.problem_key not in out and n.tflops > 0
+                and template.constraint(problem, config, device) is None):
+            out[n.problem_key] = Neighbour(n.problem_key, measured_on, config, float(n.tflops))
+    return out
 
 
 def _tflops_of(row: Any) -> float | None:

@@ -62,12 +62,15 @@ def backend_times(configs: Iterable[tuple[Mapping[str, Any], Measured]]
 
 
 def rank_problems(rows: Iterable[Any], version_of: VersionOf,
-                  sdpa_backends: Mapping[str, dict[str, BackendTime]] | None = None
+                  sdpa_backends: Mapping[str, dict[str, BackendTime]] | None = None,
+                  head_to_heads: Mapping[int, int] | None = None
                   ) -> tuple[list[ProblemWinner], int]:
     """The problems of ``rows`` (``db.models.BestConfig`` of one device, template loaded),
     each with its winner, ranked as the dispatcher ranks; and how many rows were stale.
-    ``sdpa_backends``: each SDPA backend's time, by problem key (``backend_times``)."""
+    ``sdpa_backends``: each SDPA backend's time, by problem key (``backend_times``);
+    ``head_to_heads``: the head-to-head a best's time comes from, by best id."""
     sdpa_backends = sdpa_backends or {}
+    head_to_heads = head_to_heads or {}
     impl_of = forward_templates()
     baseline = get_implementation(BASELINE)
     by_problem: dict[str, dict[str, Any]] = {}
@@ -80,8 +83,11 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
             stale += 1
             continue
         entry = by_problem.setdefault(row.problem_key, {
-            "problem": dict(row.problem), "tflops": {}, "median_ms": {}, "configs": {}})
+            "problem": dict(row.problem), "tflops": {}, "median_ms": {}, "configs": {},
+            "head_to_head": {}})
         impl = impl_of[name]
+        if row.id in head_to_heads:
+            entry["head_to_head"][impl] = head_to_heads[row.id]
         entry["tflops"][impl] = float(row.tflops)
         entry["median_ms"][impl] = float(row.median_ms)
         entry["configs"][impl] = dict(row.config)
@@ -99,13 +105,14 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
             why=("fastest measured" if measured_baseline else
                  f"{baseline.forward} not measured: torch SDPA runs as the user's call would"),
             tflops=tflops, median_ms=entry["median_ms"], configs=entry["configs"],
-            sdpa_backends=sdpa_backends.get(key, {})))
+            head_to_head=entry["head_to_head"], sdpa_backends=sdpa_backends.get(key, {})))
     return items, stale
 
 
 def stored_winners(s: Session, *, device: str, version_of: VersionOf,
                    dtype: str | None = None) -> WinnersOut:
-    """``rank_problems`` over the bests stored for ``device`` (a device's key or name).
+    """``rank_problems`` over the bests stored for ``device`` (a device's key or name), with
+    the head-to-head each best's time comes from (``db.crud.best_readings``).
 
     A name that several stored devices carry (the same GPU under two torch versions) raises
     ValueError listing their keys: their measurements are not comparable. With nothing
@@ -124,6 +131,10 @@ def stored_winners(s: Session, *, device: str, version_of: VersionOf,
     sdpa = get_implementation(BASELINE).forward
     trials = (crud.measured_configs(s, device_key=key, template_name=sdpa,
                                     template_version=version_of(sdpa)) if rows else {})
+    sessions = {best_id: found.head_to_head
+                for best_id, found in crud.best_readings(s, rows).items()
+                if found.head_to_head is not None}
     items, stale = rank_problems(rows, version_of, {
-        problem_key: backend_times(configs) for problem_key, configs in trials.items()})
+        problem_key: backend_times(configs) for problem_key, configs in trials.items()},
+        sessions)
     return WinnersOut(device=key, device_name=name, items=items, stale=stale)

@@ -103,6 +103,64 @@ class Provenance(WireModel):
     torch_version: str | None = None
 
 
+class NeighbourOut(WireModel):
+    """A stored best of a neighbouring bucket: what the dispatcher compares implementations on
+    when the asked problem's own bucket has no torch SDPA measurement (docs/DISPATCH.md,
+    "Deciding on a neighbour")."""
+
+    problem_key: str = Field(description="the neighbouring bucket")
+    problem: dict[str, Any] = Field(description="the problem measured there")
+    config: dict[str, Any] = Field(description="its best config, which runs the asked problem")
+    tflops: float = Field(description="measured on ``problem``")
+
+
+class ImplementationTime(WireModel):
+    """One implementation's time for a problem, as the dispatcher prices it
+    (``ImplementationsCompared.times``)."""
+
+    template: str = Field(description="the template that prices it (its forward kernel)")
+    problem_key: str = Field(description="the bucket its stored best was measured on: the "
+                                         "problem's own, or the neighbour decided on")
+    config: dict[str, Any] = Field(description="its stored best's config (torch_sdpa's names "
+                                               "the SDPA backend)")
+    ms: float = Field(description="the compared time: the FLOPs of the problem compared on "
+                                  "(the asked one, or on a neighbour the one SDPA measured "
+                                  "there) over the stored TFLOP/s, as the dispatcher prices")
+    tflops: float
+    measured_ms: float = Field(description="the stored best's own median time, on the problem "
+                                           "it measured")
+    readings: int = Field(ge=1, description=READINGS_DESCRIPTION)
+    head_to_head: int | None = Field(
+        None, description="the head-to-head (session id) whose side-by-side readings "
+                          "measured_ms and tflops are the median of; None: the config's own "
+                          "search readings (no head-to-head of the problem finished with it)")
+
+
+class ImplementationsCompared(WireModel):
+    """Which implementation ``tuner.attention`` runs a problem with on a device (inference),
+    the runner-up, every measured implementation's time and each SDPA backend's: the
+    dispatcher's rule (``tuner.dispatch.decide``) over the stored bests (docs/DISPATCH.md)."""
+
+    winner: str = Field(description="the implementation that runs")
+    runner_up: str | None = Field(
+        None, description="the fastest other implementation compared (None: none measured)")
+    runner_up_ratio: float | None = Field(
+        None, description="the runner-up's time over the winner's (> 1: the winner is "
+                          "faster; below 1 only where a neighbour's win fell short of the "
+                          "margin and SDPA runs)")
+    why: str = Field(description="the dispatcher's reason")
+    neighbour: str | None = Field(
+        None, description="the neighbouring bucket the choice was decided on (the problem's "
+                          "own bucket has no torch_sdpa measurement); the times are then "
+                          "the neighbour's")
+    times: dict[str, ImplementationTime] = Field(
+        default_factory=dict, description="by implementation, fastest first: those compared")
+    sdpa_backends: dict[str, BackendTime] = Field(
+        default_factory=dict,
+        description="by SDPA backend, fastest first: its best OK measurement of the bucket "
+                    "torch_sdpa's time comes from (as GET /v1/winners' sdpa_backends)")
+
+
 class BestOut(WireModel):
     template: str
     template_version: str
@@ -124,6 +182,17 @@ class BestOut(WireModel):
                                  + " (None for match default)")
     spread: float | None = Field(None, ge=0, description=SPREAD_DESCRIPTION)
     provenance: Provenance | None = None
+    # Came after the others: an answer of an older service has none ([] here).
+    neighbours: list[NeighbourOut] = Field(
+        default_factory=list,
+        description="for a nearest match: the stored bests of the other buckets of the "
+                    "problem's family (dtype, variant, head dim, GQA ratio) whose configs run "
+                    "it, nearest first, as a local database's lookup finds them; a client "
+                    "decides on them which implementation runs (docs/DISPATCH.md); else empty")
+    implementations: ImplementationsCompared | None = Field(
+        None, description="with compare=true: which implementation runs the problem, the "
+                          "runner-up, every implementation's and each SDPA backend's time "
+                          "(None without it)")
 
 
 class ConfigRow(WireModel):
@@ -173,6 +242,11 @@ class ProblemWinner(WireModel):
         default_factory=dict, description="by implementation: the config of its stored best "
                                           "(torch_sdpa's names the SDPA backend)")
     # Came after the others: an answer of an older service has none ({} here).
+    head_to_head: dict[str, int] = Field(
+        default_factory=dict,
+        description="by implementation whose stored best took part in a finished head-to-head "
+                    "of the problem: that head-to-head's id (its tflops and median_ms are the "
+                    "median of the side-by-side readings there); others are absent")
     sdpa_backends: dict[str, BackendTime] = Field(
         default_factory=dict,
         description="by SDPA backend (torch_sdpa's backend knob: cudnn, flash, efficient, "

@@ -72,7 +72,12 @@ def test_best_says_which_implementation_runs_a_shared_problem(tmp_path: Path) ->
     runs = {(it["template"], it["problem"]["seqlen_q"]): it["runs"] for it in json.loads(out)}
     assert runs[("flash_fwd", 64)] == {
         "implementation": "flash", "winner": "flash", "runner_up": "sdpa", "margin": 1.25,
-        "why": "fastest measured", "tflops": {"sdpa": 100.0, "flash": 125.0}}
+        "why": "fastest measured", "tflops": {"sdpa": 100.0, "flash": 125.0},
+        "median_ms": {name: get_template(t).flops(shared) / (tf * 1e9) for name, t, tf in (
+            ("sdpa", "torch_sdpa", 100.0), ("flash", "flash_fwd", 125.0))},
+        # The bundle holds SDPA's best trial (the default backend) alone.
+        "sdpa_backends": {"default": {"median_ms": pytest.approx(
+            SDPA.flops(shared) / 100e9), "tflops": 100.0, "readings": 1}}}
     assert runs[("torch_sdpa", 64)]["winner"] == "flash"
     assert runs[("flash_fwd", 256)] is None  # nothing else measured there: nothing to compare
     # Two of ours, torch SDPA unmeasured: it runs by rule, neither of ours.
@@ -210,6 +215,7 @@ def test_a_head_to_head_times_the_backend_it_measured(target: Target) -> None:
     # cuDNN at its head-to-head's median, as the stored best; flash failed there: disqualified.
     assert times(found) == {"cudnn": pytest.approx(0.96)}
     assert found.sdpa_backends["cudnn"].median_ms == found.median_ms["sdpa"]
+    assert found.head_to_head == {"sdpa": session}  # whose median the sdpa time is
 
 
 def test_backend_times_take_as_many_queries_for_twenty_problems_as_for_one(target: Target) -> None:

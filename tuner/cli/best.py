@@ -17,11 +17,14 @@ from tuner.cli.common import (
     print_json,
     problem_label,
 )
+from tuner.cli.compared import compared_table
 from tuner.errors import TunerError
 from tuner.wire import readings_text
 
 if TYPE_CHECKING:
     from db.finalists import Readings
+    from templates.base import Problem, Template
+    from tuner.wire import ImplementationsCompared
 
 __all__ = ["best"]
 
@@ -55,11 +58,14 @@ def best(
     url = database_url(db)
     device_filter = None if all_devices else (device or current_device().key)
     problem_keys = None
+    asked: dict[str, Problem] = {}  # with --shape: the problem asked, by bucket
     if shape is not None:
         template = template or "flash_fwd"
         # The bucket of the shape in the dtype asked for, else in each dtype.
-        problem_keys = {_bucket_of(template, shape, d, causal) for d in ([dtype] if dtype
-                                                                          else DTYPES)}
+        tpl = _template(template)
+        asked = {tpl.problem_key(p): p for p in (_problem_of(template, shape, d, causal)
+                                                 for d in ([dtype] if dtype else DTYPES))}
+        problem_keys = set(asked)
     current = {t.name: t.version() for t in all_templates()}
     with session_scope(url, write=False) as s:
         rows = crud.list_best(s, device=device_filter, template=template, dtype=dtype,
@@ -70,6 +76,11 @@ def best(
         ranked = _ranked(s, rows, current)
         items = [_item(r, readings[r.id], current) | {"runs": _runs(r, ranked, current)}
                  for r in rows]
+        compared = _compared(s, rows, asked, current)
+        for r, it in zip(rows, items, strict=True):
+            if asked:
+                found = compared.get((r.device.key, r.problem_key))
+                it["implementations"] = found.model_dump(mode="json") if found else None
         hint = ""
         if not items and device_filter is not None:
             hint = _why_empty(s, device_filter, problem_keys, template=template, dtype=dtype,
@@ -82,6 +93,7 @@ def best(
         where = f"device {device_filter!r}" if device_filter else "any device"
         console.print(f"no {what} stored for {where} in {url} ({hint or 'run `tuner sweep` first'})")
         return
+    names_of = {it["device"]: it["device_name"] for it in items}
     devices = {it["device_name"] for it in items}
     names = {it["template"] for it in items}
     columns = [c for c in ("device", "template") if len(devices if c == "device" else names) > 1]
@@ -107,6 +119,9 @@ def best(
                       *([_runs_text(it["runs"])] if shared else []),
                       config_text(it["config"]))
     console.print(table)
+    for (device_key, key), found in compared.items():
+        console.print(compared_table(found, problem_label(asked[key].to_dict()),
+                                     names_of.get(device_key, device_key)))
     if shared:
         console.print("runs: whether tuner.attention runs this config, where the problem is "
                       "measured for several implementations (`tuner winners` ranks them all)")
@@ -139,19 +154,40 @@ def _why_empty(s: Any, device_filter: str, problem_keys: set[str] | None, *,
     return ""
 
 
-def _bucket_of(template_name: str, shape: str, dtype: str, causal: str) -> str:
-    from templates.base import Problem
+def _template(name: str) -> Template:
     from templates.registry import get_template
-    from tuner.suites import parse_shape, spec_from_mapping
 
     try:
-        tpl = get_template(template_name)
+        return get_template(name)
     except ValueError as exc:
         raise TunerError(str(exc), "see `tuner list templates`") from None
+
+
+def _problem_of(template_name: str, shape: str, dtype: str, causal: str) -> Problem:
+    from tuner.suites import parse_shape, spec_from_mapping
+
     spec = spec_from_mapping({"templates": [template_name], "shapes": [parse_shape(shape)],
                               "dtypes": [dtype], "causal": [causal]}, source="--shape")
     problem: Problem = spec.problems[0]
-    return tpl.problem_key(problem)
+    return problem
+
+
+def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[str, str]
+              ) -> dict[tuple[str, str], ImplementationsCompared]:
+    """With --shape: the implementations compared for the asked problem (``tuner.comparison``)
+    on each device and bucket the listed rows are of, at this install's kernel versions."""
+    from tuner.comparison import compare_in_database
+    from tuner.lookup import device_info_from_row
+    from tuner.settings import get_settings
+
+    margin = get_settings().neighbour_margin
+    out = {}
+    for r in rows:
+        at = (r.device.key, r.problem_key)
+        if r.problem_key in asked and at not in out:
+            out[at] = compare_in_database(s, asked[r.problem_key], device_info_from_row(r.device),
+                                          version_of=current.__getitem__, margin=margin)
+    return out
 
 
 def _ranked(s: Any, rows: list[Any], current: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -179,7 +215,9 @@ def _runs(row: Any, ranked: dict[str, dict[str, Any]], current: dict[str, str]
         return None
     return {"implementation": implementation, "winner": found.winner,
             "runner_up": found.runner_up, "margin": found.margin, "why": found.why,
-            "tflops": found.tflops}
+            "tflops": found.tflops, "median_ms": found.median_ms,
+            "sdpa_backends": {name: t.model_dump(mode="json")
+                              for name, t in found.sdpa_backends.items()}}
 
 
 def _runs_text(runs: dict[str, Any] | None) -> str:

@@ -73,10 +73,12 @@ def winners(
     for it in found.items:
         margin = f"{it.margin:.2f}x {it.runner_up}" if it.margin else it.why
         table.add_row(problem_label(it.problem), it.winner, margin,
-                      *(fmt_tflops(it.tflops.get(n)) for n in names),
+                      *(fmt_tflops(it.tflops.get(n)) + (" (h2h)" if n in it.head_to_head
+                                                         else "") for n in names),
                       *([backends_text(it.sdpa_backends)] if backends else []))
     console.print(table)
     console.print("TFLOP/s of each implementation's stored best; margin: the winner over the "
-                  "runner-up (docs/DISPATCH.md)"
+                  "runner-up (docs/DISPATCH.md); (h2h): the median of the problem's "
+                  "head-to-head, its implementations measured side by side"
                   + ("; sdpa backends: each SDPA backend's best time, fastest first (a failed "
                      "one is not listed)" if backends else ""))
