@@ -43,10 +43,19 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             and is_sliding_causal(attention_mask, int(window))):
         # A window as long as the sequence is plain causal attention: the dispatcher's
         # (measured) choice, e.g. cuDNN's causal kernel, without any mask.
-        block_mask = (None if window >= query.shape[2] else
-                      sliding_block_mask(query.shape[2], int(window), query.device))
-        out = attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
-                        enable_gqa=query.shape[1] != key.shape[1], block_mask=block_mask)
+        if window >= query.shape[2]:
+            out = attention(query, key, value, dropout_p=dropout, is_causal=True,
+                            scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        else:
+            # The block mask holds causality too (is_causal=False): its blocks below the
+            # diagonal and inside the window are then full and run unmasked. With causality
+            # left to the kernel, every listed block ran the elementwise causal mask (the
+            # kernel applies is_causal on top of full blocks): 2.14 ms per layer on the H100
+            # for a Mistral-shaped 8k prefill, against 3.23 for cuDNN with the dense mask.
+            out = attention(query, key, value, dropout_p=dropout, is_causal=False,
+                            scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+                            block_mask=sliding_block_mask(query.shape[2], int(window),
+                                                          query.device))
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         # The mask already holds causality (as with transformers' own "sdpa" path).
@@ -87,10 +96,11 @@ def is_sliding_causal(mask: torch.Tensor, window: int) -> bool:
 
 @lru_cache(maxsize=16)
 def sliding_block_mask(seqlen: int, window: int, device: torch.device) -> BlockMask:
-    """The tiles a causal sliding window of ``window`` keys touches (combined with
-    ``is_causal=True`` in the kernel)."""
-    return BlockMask.from_mask_mod(lambda b, h, q, k: q - k < window, None, None, seqlen,
-                                   seqlen, device=device)
+    """The causal sliding window of ``window`` keys (transformers' rule: query i sees key j
+    iff i - window < j <= i) as a block mask: the diagonal and window-edge blocks partial,
+    the blocks between them full."""
+    return BlockMask.from_mask_mod(lambda b, h, q, k: (k <= q) & (q - k < window), None, None,
+                                   seqlen, seqlen, device=device)
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:

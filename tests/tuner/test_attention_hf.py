@@ -129,3 +129,4 @@ def test_a_padded_sliding_window_mask_is_not_mistaken_for_the_window(device: str
     padded[0, :, :, :3] = False  # left padding of the first sequence
     assert not is_sliding_causal(padded, window)
     assert not is_sliding_causal(exact[..., :-1].contiguous(), window)  # a cached prefix
+
