@@ -1,14 +1,23 @@
 """Where the Gluon backward goes wrong: per query-tile / key-tile error of dq, dk, dv for a
-few small problems and configs (one process per case, so an illegal address is reported per
-case). GPU only.
+few small problems and configs. GPU only.
 
-    python benchmarks/gluon_bwd_diag.py
+One child process per (config, debug variant) runs every case in order of increasing risk
+(the main kernel is compiled once per distinct problem shape class, not once per case), so
+an illegal address loses only the rest of that config; the parent prints which case was
+running when the child died. A total wall-clock budget bounds the whole run.
+
+    python benchmarks/gluon_bwd_diag.py [--configs s2,s3] [--debug 0,3] [--budget-s 110]
+
+``--debug`` takes values of ``GLUON_BWD_DEBUG`` (see templates/gluon_bwd_kernel.py: 1 dQ
+atomics straight from the wgmma layout, 2 conservative waits/barriers, 4 no dQ GEMM).
 """
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 
 CONFIGS = {
@@ -17,62 +26,99 @@ CONFIGS = {
     "n64": dict(BLOCK_M=64, BLOCK_N=64, stages=2, consumers=1),
     "n64s3": dict(BLOCK_M=64, BLOCK_N=64, stages=3, consumers=1),
 }
+# Increasing risk: what ran correctly on the first GPU check first, crashes last.
 CASES = [
+    (1, 2, 2, 1, 1, 64, "float16", "none"),
+    (1, 1, 1, 256, 256, 128, "float16", "top_left"),
     (1, 1, 1, 128, 128, 128, "float16", "none"),
     (1, 1, 1, 256, 256, 128, "float16", "none"),
+    (1, 1, 1, 333, 333, 128, "float16", "none"),
     (1, 1, 1, 384, 384, 128, "float16", "none"),
     (1, 2, 2, 384, 384, 128, "float16", "none"),
-    (1, 1, 1, 333, 333, 128, "float16", "none"),
     (1, 1, 1, 320, 384, 128, "float16", "none"),
     (1, 1, 1, 384, 333, 128, "float16", "none"),
+    (1, 1, 1, 256, 256, 64, "float16", "top_left"),
     (1, 1, 1, 256, 256, 64, "float16", "none"),
-    (1, 1, 1, 256, 256, 128, "float16", "top_left"),
     (1, 3, 1, 300, 1100, 64, "float16", "bottom_right"),
 ]
 
 
-def one(case, name, q):
-    try:
-        import torch
+def _child(name: str, debug: int, cases: list, q) -> None:
+    os.environ["GLUON_BWD_DEBUG"] = str(debug)
+    import torch
 
-        from templates.base import Problem
-        from templates.gluon_bwd import TEMPLATE, GluonBwdConfig
-        problem = Problem(*case)
-        cfg = GluonBwdConfig(**CONFIGS[name])
-        why = TEMPLATE.constraint(problem, cfg, None) if False else None
-        inputs = TEMPLATE.make_inputs(problem, "cuda", seed=1)
-        ref = TEMPLATE.reference(inputs)
-        out = TEMPLATE.run(inputs, cfg)
-        torch.cuda.synchronize()
-        lines = []
-        for label, o, r, tile in zip(("dq", "dk", "dv"), out, ref, (64, 128, 128)):
-            err = (o.float() - r.float()).abs()  # (B, H, N, D)
-            n = err.shape[2]
-            per = [f"{err[:, :, i:i + tile].max().item():.2g}" for i in range(0, n, tile)]
-            per_head = [f"{err[:, h].max().item():.2g}" for h in range(err.shape[1])]
-            lines.append(f"{label}: max {err.max().item():.3g} ref max "
-                         f"{r.float().abs().max().item():.3g}; per {tile}-row tile {per}; "
-                         f"per head {per_head}; nan {torch.isnan(o).any().item()}")
-        q.put(f"{problem.key()} {name}: " + " | ".join(lines))
-    except Exception:
-        q.put(f"{case} {name}: CRASH {traceback.format_exc().splitlines()[-1]}")
+    from templates.base import Problem
+    from templates.gluon_bwd import TEMPLATE, GluonBwdConfig
+    cfg = GluonBwdConfig(**CONFIGS[name])
+    for case in cases:
+        q.put(("start", case))
+        try:
+            problem = Problem(*case)
+            inputs = TEMPLATE.make_inputs(problem, "cuda", seed=1)
+            ref = TEMPLATE.reference(inputs)
+            out = TEMPLATE.run(inputs, cfg)
+            torch.cuda.synchronize()
+            lines = []
+            for label, o, r, tile in zip(("dq", "dk", "dv"), out, ref, (64, 128, 128),
+                                         strict=True):
+                err = (o.float() - r.float()).abs()  # (B, H, N, D)
+                n = err.shape[2]
+                per = [f"{err[:, :, i:i + tile].max().item():.2g}" for i in range(0, n, tile)]
+                lines.append(f"{label}: max {err.max().item():.3g} (ref "
+                             f"{r.float().abs().max().item():.2g}) per {tile} {per}"
+                             f"{' NaN' if torch.isnan(o).any().item() else ''}")
+            q.put(("done", f"{problem.key()} {name} dbg{debug}: " + " | ".join(lines)))
+        except Exception:
+            q.put(("done", f"{case} {name} dbg{debug}: ERROR "
+                           f"{traceback.format_exc().splitlines()[-1]}"))
+            if "illegal" in traceback.format_exc() or "CUDA error" in traceback.format_exc():
+                return  # the context is gone: the parent reports the rest as not run
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--debug", default="0", help="comma-separated GLUON_BWD_DEBUG values")
+    parser.add_argument("--budget-s", type=float, default=110.0)
+    args = parser.parse_args()
     ctx = mp.get_context("spawn")
-    only = sys.argv[1:] or list(CONFIGS)
-    for case in CASES:
-        for name in only:
-            q = ctx.Queue()
-            p = ctx.Process(target=one, args=(case, name, q))
-            p.start()
-            p.join(90)
-            if p.is_alive():
-                p.kill()
-                print(case, name, "TIMEOUT (hang)", flush=True)
+    deadline = time.monotonic() + args.budget_s
+    for debug in [int(x) for x in args.debug.split(",")]:
+        for name in args.configs.split(","):
+            left = deadline - time.monotonic()
+            if left < 5:
+                print(f"{name} dbg{debug}: SKIPPED (budget spent)", flush=True)
                 continue
-            print(q.get() if not q.empty() else f"{case} {name}: no result (exit {p.exitcode})",
-                  flush=True)
+            q = ctx.Queue()
+            p = ctx.Process(target=_child, args=(name, debug, CASES, q))
+            p.start()
+            running = None
+            done = 0
+            while True:
+                try:
+                    kind, payload = q.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+                    if kind == "start":
+                        running = payload
+                    else:
+                        print(payload, flush=True)
+                        running = None
+                        done += 1
+                    continue
+                except Exception:  # noqa: BLE001 - queue.Empty
+                    pass
+                if not p.is_alive() and q.empty():
+                    break
+                if time.monotonic() > deadline:
+                    p.kill()
+                    print(f"{name} dbg{debug}: budget spent while running {running}", flush=True)
+                    break
+            p.join(5)
+            if running is not None:
+                print(f"{running} {name} dbg{debug}: CRASH (child exit {p.exitcode}) while "
+                      f"running this case", flush=True)
+            if done + (running is not None) < len(CASES):
+                print(f"{name} dbg{debug}: {len(CASES) - done - (running is not None)} later "
+                      f"case(s) not run", flush=True)
     return 0
 
 

@@ -42,6 +42,7 @@ Outputs: dq, dk, dv contiguous in the inputs' dtype and shapes.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,6 +77,13 @@ PREPROCESS_ROWS = 64
 # Tests set this: dk and dv are then filled with NaN before the kernel runs, so an element
 # the kernel forgets to write shows up as NaN instead of stale memory.
 DEBUG_POISON = False
+# Bisecting switches for GPU diagnosis (a constexpr of the main kernel; 0 in production):
+#   1: dQ is added with scalar atomics straight from the wgmma layout (no dq_smem round trip);
+#   2: every GEMM is waited for at once (warpgroup_mma_wait(0)) and the refill is preceded by
+#      fence_async_shared + a barrier of its own (conservative ordering);
+#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest).
+# The environment variable GLUON_BWD_DEBUG overrides it (read when a launch is planned).
+DEBUG = 0
 
 
 # ----------------------------------------------------------------------------- preprocess
@@ -168,7 +176,8 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
 def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
               DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+              DEBUG: gl.constexpr = 0):
     """Fold query tile [m0, m0 + BLOCK_M) of query head ``bh`` (its row index b * H_q + h)
     into the dk, dv accumulators of the KV tile [n0, n0 + BLOCK_N); add its dQ into DQ."""
     dtype: gl.constexpr = q_smem.dtype
@@ -187,7 +196,10 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
 
-    s_t = warpgroup_mma_wait(1, deps=(s_tok,))
+    if DEBUG & 2:
+        s_t, dp_t = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+    else:
+        s_t = warpgroup_mma_wait(1, deps=(s_tok,))
     # The queries' lse2 along the columns (padded rows: +inf, so P = 0 there).
     lse2 = lse_smem.load(cols)
     p_t = _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
@@ -195,11 +207,20 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
     p_op = gl.convert_layout(p16, a_layout)
     dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
 
-    dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
+    if DEBUG & 2:
+        dv, p_op = warpgroup_mma_wait(0, deps=(dv_tok, p_op))
+    else:
+        dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
     delta = delta_smem.load(cols)
     ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
     ds_op = gl.convert_layout(ds_t, a_layout)
     dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+    if DEBUG & 2:
+        dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
+    if DEBUG & 4:
+        if (DEBUG & 2) == 0:
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        return dk, dv
     # dQ needs dS (queries along rows): dS^T goes through shared memory and is read
     # transposed; every warp's part must be there before the GEMM reads it.
     ds_smem.store(ds_t)
@@ -208,8 +229,18 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
     dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
                            gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                            use_acc=False, is_async=True)
-    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
-
+    if DEBUG & 2:
+        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+    else:
+        dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op,
+                                                              ds_op))
+    dq_head = DQ + bh.to(gl.int64) * N_Q * HEAD_DIM
+    if DEBUG & 1:
+        q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+        offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
+        gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1), sem="relaxed")
+        return dk, dv
     # dQ leaves through shared memory, read back with 4 consecutive columns per thread: its
     # atomics become 16-byte red.global.add.v4.f32, a quarter of the scalar ones the wgmma
     # layout gives (offline build: 8 per thread and step instead of 32).
@@ -221,7 +252,6 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
     q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
     offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
-    dq_head = DQ + bh.to(gl.int64) * N_Q * HEAD_DIM
     gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1), sem="relaxed")
     return dk, dv
 
@@ -234,6 +264,7 @@ def _gluon_bwd_kernel(
     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    DEBUG: gl.constexpr = 0,
 ):
     # Program -> (KV tile, batch, kv head); the tiles of one kv head are consecutive (its
     # group's Q and dO stay in L2), tile 0 first (under causal masking it sees the most
@@ -314,13 +345,16 @@ def _gluon_bwd_kernel(
             dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
                                qk_scale, sm_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                               num_warps)
+                               num_warps, DEBUG)
         else:
             dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
                                qk_scale, sm_scale, False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                               num_warps)
+                               num_warps, DEBUG)
         # Every warp's GEMMs that read this slot (and dS) have completed: refill it.
+        if DEBUG & 2:
+            fence_async_shared()
+            _warps_barrier()
         _warps_barrier()
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
                 ready, slot, t + STAGES, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row,
@@ -388,6 +422,9 @@ class LaunchPlan:
         self.options: dict[str, Any] = dict(
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=int(config["stages"]),
             CAUSAL=causal_mode != "none", num_warps=num_warps_of(config))
+        debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
+        if debug:
+            self.options["DEBUG"] = debug
         self.head_dim = head_dim
 
     def preprocess_args(self, o: Any, do: Any, lse: Any, delta: Any, lse2: Any) -> list[Any]:
