@@ -247,12 +247,26 @@ def start_server(url: str, port: int, workers: int,
             raise RuntimeError(f"the service exited with {proc.returncode} before answering")
         try:
             if httpx.get(f"http://{HOST}:{port}/healthz", timeout=1).status_code == 200:
+                wait_until_idle(proc.pid, deadline)
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.terminate()
     raise RuntimeError("the service did not answer /healthz within 60 s")
+
+
+def wait_until_idle(pid: int, deadline: float, window: float = 0.5) -> None:
+    """Wait until the service's processes use under a fifth of a core: with ``--workers N``
+    the first worker answers /healthz while the others may still be importing (seconds of
+    CPU each), which a measurement started then would count against the reads."""
+    used = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(window)
+        now = cpu_seconds(pid)
+        if now - used < 0.2 * window:
+            return
+        used = now
 
 
 class Connection:
