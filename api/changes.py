@@ -7,7 +7,11 @@ service is not a stale one (issue 18, item 5).
 
 * SQLite: ``PRAGMA data_version`` on one read-only connection of this process. It moves when
   any other connection commits, and is read from the WAL index without a lock: ~6 us, cheap
-  enough for every lookup. A commit that returned before a lookup began is always seen.
+  enough for every lookup. When it moved, the count is read from the ``best_changes`` row
+  (``db.models.BestChanges``), which triggers move only when best configs, devices or
+  templates change: a commit of anything else (demand counts, stored once a second; a
+  worker's claim) is not a change to the cache. A commit that returned before a lookup began
+  is always seen. A database without those triggers: every commit counts, as before.
 * PostgreSQL: ``LISTEN`` on the channel that ``db.crud.refresh_bests`` notifies in every
   transaction that changes a best config; a thread of the service waits for notifications and
   counts them. A notification arrives a few milliseconds after its commit, so a lookup in
@@ -26,6 +30,7 @@ from typing import Protocol
 from sqlalchemy.engine import make_url
 
 from db.crud import BEST_CHANGES_CHANNEL
+from db.models import BEST_CHANGES_TRIGGERS
 
 __all__ = ["Changes", "watch_changes"]
 
@@ -62,6 +67,8 @@ class SqliteChanges:
         self._path = path
         self._lock = threading.Lock()
         self._last = 0
+        self._version: int | None = None
+        self._counted = False  # the database counts the changes the cache cares about
         self._connection: sqlite3.Connection | None = None
 
     def count(self) -> int:
@@ -70,7 +77,11 @@ class SqliteChanges:
                 if self._connection is None:
                     self._connection = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True,
                                                        check_same_thread=False)
-                self._last = int(self._connection.execute("PRAGMA data_version").fetchone()[0])
+                    self._counted = _has_best_changes(self._connection)
+                version = int(self._connection.execute("PRAGMA data_version").fetchone()[0])
+                if version != self._version:  # some connection committed: what changed?
+                    self._version = version
+                    self._last = _best_changes(self._connection) if self._counted else version
             except sqlite3.Error as exc:  # the ttl still bounds how stale an answer gets
                 log.warning("cannot watch %s for changes: %s", self._path, exc)
             return self._last
@@ -80,6 +91,19 @@ class SqliteChanges:
             if self._connection is not None:
                 self._connection.close()
                 self._connection = None
+
+
+def _has_best_changes(connection: sqlite3.Connection) -> bool:
+    """Whether the triggers that count changes of best configs, devices and templates are all
+    there (``db.models.BestChanges``); else every commit is taken as a change."""
+    names = {name for (name,) in connection.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall()}
+    return set(BEST_CHANGES_TRIGGERS) <= names
+
+
+def _best_changes(connection: sqlite3.Connection) -> int:
+    (row,) = connection.execute("SELECT changes FROM best_changes WHERE id = 1").fetchall()
+    return int(row[0])
 
 
 class PostgresChanges:

@@ -15,6 +15,7 @@ from api.answers import BestCache
 from api.demand_buffer import DemandBuffer
 from api.demand_check import DemandChecker
 from api.errors import BodySizeLimit, install_error_handlers
+from api.loop_share import LoopShare
 from api.rate_limit import TokenBuckets
 from api.routes import (
     best,
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.demand_checker = DemandChecker()
     app.state.demand_buffer = DemandBuffer(settings.database_url,
                                            max_pending=settings.demand_max_pending)
+    app.state.demand_share = LoopShare()  # reports counted one at a time, in slices
     # Bursts of two seconds' worth: a job's ranks on one host report at about the same time.
     app.state.demand_limiter = TokenBuckets(settings.demand_rate_limit,
                                             max(1.0, 2 * settings.demand_rate_limit))

@@ -28,7 +28,9 @@ requests per second each, ``--demand-items`` items per request drawn from
 ``--demand-problems`` distinct problems (jobs report the same shapes again and again), each
 item carrying ``--demand-count`` reports; with the defaults 8 x 5 x 250 x 1 = 10,000 reports a
 second, every one an item of its own (``tuner.demand`` adds up repeats: ``--demand-rate 1
---demand-items 50 --demand-count 25`` is 10,000 reports a second as it sends them). Loopback only; bounded by --duration,
+--demand-items 50 --demand-count 25`` is 10,000 reports a second as it sends them). The clients
+send at the same moments unless ``--demand-spread``; ``--demand-path /healthz`` sends the same
+requests where they are answered 405 unread: the load of the transport alone, a baseline. Loopback only; bounded by --duration,
 --max-requests and a per-request timeout. Targets (issues 7, 18 and 19): reads p99 <= 5 ms at
 500 req/s, with or without the others; beside 10,000 demand reports/s, unchanged within the
 noise.
@@ -206,17 +208,19 @@ def demand_bodies(n_problems: int, per_request: int, count: int = 1,
 
 
 async def demand_client(port: int, source: str, rate: float, bodies: list[bytes], until: float,
-                        timeout: float, stats: Stats) -> None:
-    """One job's reports at ``rate`` a second from the address ``source``, open loop."""
+                        timeout: float, stats: Stats, path: str = "/v1/demand",
+                        offset: float = 0.0) -> None:
+    """One job's reports at ``rate`` a second from the address ``source``, open loop, the
+    first ``offset`` seconds after the start."""
     conn = Connection(port, local_host=source)
-    start = time.perf_counter()
+    start = time.perf_counter() + offset
     i = 0
     while (planned := start + i / rate) < until:
         delay = planned - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         try:
-            status, _ = await conn.request("POST", "/v1/demand", timeout, bodies[i % len(bodies)],
+            status, _ = await conn.request("POST", path, timeout, bodies[i % len(bodies)],
                                            "Content-Type: application/json\r\n")
             stats.latencies.append(time.perf_counter() - planned)
             stats.statuses[str(status)] = stats.statuses.get(str(status), 0) + 1
@@ -243,12 +247,26 @@ def start_server(url: str, port: int, workers: int,
             raise RuntimeError(f"the service exited with {proc.returncode} before answering")
         try:
             if httpx.get(f"http://{HOST}:{port}/healthz", timeout=1).status_code == 200:
+                wait_until_idle(proc.pid, deadline)
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.terminate()
     raise RuntimeError("the service did not answer /healthz within 60 s")
+
+
+def wait_until_idle(pid: int, deadline: float, window: float = 0.5) -> None:
+    """Wait until the service's processes use under a fifth of a core: with ``--workers N``
+    the first worker answers /healthz while the others may still be importing (seconds of
+    CPU each), which a measurement started then would count against the reads."""
+    used = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(window)
+        now = cpu_seconds(pid)
+        if now - used < 0.2 * window:
+            return
+        used = now
 
 
 class Connection:
@@ -468,8 +486,12 @@ async def run_load(port: int, queries: list[dict[str, Any]], args: argparse.Name
     reports = Stats()
     if args.demand_clients:
         bodies = demand_bodies(args.demand_problems, args.demand_items, args.demand_count)
+        # Together (the default: every client sends at the same moments, as a job's ranks
+        # report at about the same time, the worst case) or spread over the period.
+        spread = 1.0 / (args.demand_rate * args.demand_clients) if args.demand_spread else 0.0
         jobs += [demand_client(port, f"127.0.0.{2 + i}", args.demand_rate, bodies,
-                               start + args.duration, args.timeout, reports)
+                               start + args.duration, args.timeout, reports,
+                               args.demand_path, i * spread)
                  for i in range(args.demand_clients)]
     single, single_answers = Stats(), []  # type: ignore[var-annotated]
     if args.huge_bundle or args.big_upload:
@@ -538,6 +560,13 @@ def main() -> None:
                         help="reports per item (a client adds up the repeats of a problem)")
     parser.add_argument("--demand-problems", type=int, default=2000,
                         help="distinct problems the jobs report")
+    parser.add_argument("--demand-path", default="/v1/demand",
+                        help="where the demand clients post: /healthz sends the same requests "
+                             "and bytes to a path that answers 405 without reading them, the "
+                             "transport's load without the demand work (a baseline)")
+    parser.add_argument("--demand-spread", action="store_true",
+                        help="spread the demand clients' reports over each period instead of "
+                             "sending them all at the same moments")
     parser.add_argument("--demand-rate-limit", type=float, default=None,
                         help="TUNER_DEMAND_RATE_LIMIT of the service (default: its own, 20)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -582,6 +611,7 @@ def main() -> None:
                    "demand_clients": args.demand_clients, "demand_rate": args.demand_rate,
                    "demand_items": args.demand_items, "demand_count": args.demand_count,
                    "demand_problems": args.demand_problems,
+                   "demand_path": args.demand_path, "demand_spread": args.demand_spread,
                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                    "python": platform.python_version(),
                    "date": time.strftime("%Y-%m-%d", time.gmtime())})

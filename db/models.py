@@ -11,6 +11,8 @@
     Snapshot (best configs frozen as a bundle, named by the hash of its content)
     Demand   (what jobs ran untuned, by device key, template version and shape bucket;
               keyed by strings: a job's device need not have any stored row)
+    BestChanges (one row: changes of best configs, devices and templates, counted by
+              triggers on SQLite, so the service's cache ignores other commits)
 
 Optuna's own tables (studies, trials, ...) live in the same database, created by Optuna's
 RDB storage, so ``optuna-dashboard <database url>`` shows every sweep.
@@ -34,7 +36,10 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    event,
+    insert,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -310,3 +315,50 @@ class Demand(Base):
     note: Mapped[str] = mapped_column(Text, default="")
     first_seen: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class BestChanges(Base):
+    """One row (``id`` 1) counting the changes of what the service's answers are cached from:
+    best configs, devices and template versions (``api.answers.BestCache``).
+
+    On SQLite, triggers on those three tables add one to ``changes`` for every row inserted,
+    updated or deleted, by whichever process writes (a sweep, an upload, an import). The
+    service learns that *some* connection committed from SQLite's ``data_version`` (cheap, no
+    query) and then reads this counter, so a commit that changed none of those tables (demand
+    counts stored once a second, a worker's claim) does not make every cached answer be
+    re-checked before the next read (issue 18: that stall, once a second, was part of the
+    reads' tail beside 10,000 demand reports/s). ``api.changes`` uses the counter only where
+    all the triggers exist (``BEST_CHANGES_TRIGGERS``), else it takes every commit as a
+    change, as before: a migration that rebuilds one of the tables on SQLite (Alembic's batch
+    mode copies it) drops its triggers and must create them again.
+
+    PostgreSQL does not use it: ``db.crud.refresh_bests`` notifies the service there."""
+
+    __tablename__ = "best_changes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    changes: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+BEST_CHANGES_WATCHED = ("best_configs", "devices", "templates")
+BEST_CHANGES_TRIGGERS = tuple(f"best_changes_{table}_{op}" for table in BEST_CHANGES_WATCHED
+                              for op in ("insert", "update", "delete"))
+
+
+def best_changes_sqlite_triggers() -> list[str]:
+    """The ``CREATE TRIGGER`` statements of ``BestChanges`` (SQLite only)."""
+    return [f"CREATE TRIGGER best_changes_{table}_{op} AFTER {op.upper()} ON {table} "
+            f"BEGIN UPDATE best_changes SET changes = changes + 1 WHERE id = 1; END"
+            for table in BEST_CHANGES_WATCHED for op in ("insert", "update", "delete")]
+
+
+@event.listens_for(Base.metadata, "after_create")
+def _create_best_changes(_metadata: Any, connection: Connection, **kw: Any) -> None:
+    """``create_all`` (tests, scripts) makes the counter's row and triggers, as migration 0008
+    does."""
+    if BestChanges.__table__ not in kw.get("tables", ()):
+        return
+    connection.execute(insert(BestChanges).values(id=1, changes=0))
+    if connection.dialect.name == "sqlite":
+        for statement in best_changes_sqlite_triggers():
+            connection.exec_driver_sql(statement)

@@ -17,10 +17,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from starlette.concurrency import run_in_threadpool
 
-from api.body import parsed_body, request_body
+from api.body import request_body, validated_body
 from api.demand_buffer import DemandBuffer
 from api.demand_check import DemandChecker
 from api.deps import SessionDep, _refusal_headers, client_address
+from api.loop_share import LoopShare
 from api.query import openapi_parameters, parse_query
 from api.rate_limit import TokenBuckets
 from api.schemas import DemandAccepted, DemandPage, DemandQuery, DemandReportIn, DemandRow
@@ -73,25 +74,34 @@ async def report_demand(request: Request) -> DemandAccepted:
     A new problem is refused while the queue holds ``TUNER_DEMAND_MAX_PENDING`` waiting ones
     (listed in ``rejected``; 507 when no item could be counted for that reason).
     """
-    report = await parsed_body(request, DemandReportIn)
+    body = await request.body()  # received before the turn: a slow sender holds up no one
     checker: DemandChecker = request.app.state.demand_checker
     buffer: DemandBuffer = request.app.state.demand_buffer
-    verdicts = [checker.check(item) for item in report.items]
-    no_room = await buffer.refused_for_cap(v[0] for v in verdicts if not isinstance(v, str))
-    accepted = reports = dropped = full = 0
-    rejected: list[DemandRejection] = []
-    for index, (item, verdict) in enumerate(zip(report.items, verdicts, strict=True)):
-        if isinstance(verdict, str):
-            rejected.append(DemandRejection(index=index, reason=verdict))
-        elif verdict[0] in no_room:
-            rejected.append(DemandRejection(index=index, reason=_queue_full(buffer)))
-            buffer.over_cap += item.count
-            full += 1
-        elif buffer.add(*verdict, item.count):
-            accepted += 1
-            reports += item.count
-        else:
-            dropped += 1
+    share: LoopShare = request.app.state.demand_share
+    # One report at a time, its work in slices of the loop (api.loop_share): reports arriving
+    # together used to hold every read back until all of them were counted.
+    async with share.turn() as slices:
+        report = validated_body(body, DemandReportIn)
+        verdicts = []
+        for item in report.items:
+            verdicts.append(checker.check(item))
+            await slices.pause()
+        no_room = await buffer.refused_for_cap(v[0] for v in verdicts if not isinstance(v, str))
+        accepted = reports = dropped = full = 0
+        rejected: list[DemandRejection] = []
+        for index, (item, verdict) in enumerate(zip(report.items, verdicts, strict=True)):
+            if isinstance(verdict, str):
+                rejected.append(DemandRejection(index=index, reason=verdict))
+            elif verdict[0] in no_room:
+                rejected.append(DemandRejection(index=index, reason=_queue_full(buffer)))
+                buffer.over_cap += item.count
+                full += 1
+            elif buffer.add(*verdict, item.count):
+                accepted += 1
+                reports += item.count
+            else:
+                dropped += 1
+            await slices.pause()
     buffer.store_soon()
     if full and not accepted:
         raise HTTPException(status.HTTP_507_INSUFFICIENT_STORAGE, detail=_queue_full(buffer))

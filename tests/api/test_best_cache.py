@@ -199,6 +199,26 @@ def test_the_first_answer_after_a_sweep_wrote_is_not_stale(client: TestClient,
     assert best(client, problem(4096)).json()["match"] == "nearest"
 
 
+def test_demand_counts_stored_leave_the_cached_answers_alone(client: TestClient,
+                                                             db_url: str) -> None:
+    """Issue 18: the demand counts, stored once a second, are a commit like a sweep's; on
+    SQLite only changes of best configs, devices and templates (counted by triggers) make
+    the cached answers re-check, so reads beside the reports wait for no query."""
+    p = problem(1024)
+    store(db_url, item(p))
+    assert best(client, p).json()["match"] == "exact"
+    report = {"template": FWD.name, "template_version": FWD.version(), "device": H100.key,
+              "problem": problem(3000).to_dict(), "count": 2}
+    assert client.post("/v1/demand", json={"items": [report]}).status_code == 202
+    assert client.get("/v1/demand").json()["total"] == 1  # stored: committed
+    with counted_queries(db_url) as seen:
+        assert best(client, p).json()["match"] == "exact"
+    assert seen == []
+    better = faster(p, item(p))
+    store(db_url, better)  # a change of a best config: seen at the next lookup
+    assert best(client, p).json()["config"] == better["config"]
+
+
 @pytest.mark.postgres
 def test_on_postgresql_a_write_is_noticed_through_notifications(
         postgres_server: Any) -> None:  # noqa: F811

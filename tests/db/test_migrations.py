@@ -1,7 +1,8 @@
 """Migrations from an empty database, repeated calls, Optuna's tables beside ours, 0001 -> 0002
 (the remeasurements table), 0002 -> 0003 (remeasurement_claims), 0003 -> 0004
-(devices.cudnn_version), 0004 -> 0005 (snapshots), 0005 -> 0006 (the demand queue) and 0006 ->
-0007 (head-to-head sessions) up and down with data in place."""
+(devices.cudnn_version), 0004 -> 0005 (snapshots), 0005 -> 0006 (the demand queue), 0006 ->
+0007 (head-to-head sessions) and 0007 -> 0008 (the best_changes counter) up and down with data
+in place."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from db.session import dispose_engine, init_db, make_engine, session_scope
 
 OUR_TABLES = {"devices", "templates", "sweeps", "tuning_trials", "best_configs",
               "remeasurements", "remeasurement_claims", "snapshots", "demand",
-              "head_to_heads", "head_to_head_readings"}
-HEAD = "0007"
+              "head_to_heads", "head_to_head_readings", "best_changes"}
+HEAD = "0008"
 
 
 @contextmanager
@@ -166,7 +167,8 @@ def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url:
     _migrate(engine, "0001", down=True)
     tables = set(sa.inspect(engine).get_table_names())
     assert tables == OUR_TABLES - {"remeasurements", "remeasurement_claims", "snapshots",
-                                   "demand", "head_to_heads", "head_to_head_readings"} | {
+                                   "demand", "head_to_heads", "head_to_head_readings",
+                                   "best_changes"} | {
         VERSION_TABLE}
     with engine.connect() as connection:
         assert current_revision(connection) == "0001"
@@ -342,3 +344,51 @@ def test_0007_adds_head_to_heads_to_a_0006_database_and_downgrades_back(db_url: 
         best = crud.refresh_best(s, device_id=device_id, template_id=template_id,
                                  problem_key="p")
         assert best is not None and best.median_ms == 2.0  # the sweep's own reading again
+
+
+def _changes(engine: sa.Engine) -> int:
+    with engine.connect() as connection:
+        return int(connection.scalar(sa.text("SELECT changes FROM best_changes WHERE id = 1")))
+
+
+def test_0008_counts_changes_of_what_the_service_caches_and_downgrades_back(
+        db_url: str) -> None:
+    from db.demand import DemandCount, add_demand
+    from db.models import BEST_CHANGES_TRIGGERS
+
+    engine = make_engine(db_url)
+    _migrate(engine, "0007")
+    device_id, template_id, _ = _one_trial(engine)
+    assert "best_changes" not in sa.inspect(engine).get_table_names()
+
+    init_db(db_url)
+    with engine.connect() as connection:
+        assert current_revision(connection) == head_revision() == HEAD
+    sqlite = engine.dialect.name == "sqlite"
+    if sqlite:
+        with engine.connect() as connection:
+            triggers = {name for (name,) in connection.execute(sa.text(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger'"))}
+        assert triggers == set(BEST_CHANGES_TRIGGERS)
+    assert _changes(engine) == 0
+    with session_scope(db_url) as s:  # not what the service caches: not counted
+        add_demand(s, counts=[DemandCount("gpu|1", "t", "v", "p", {}, 3)])
+    assert _changes(engine) == 0
+    with session_scope(db_url) as s:
+        crud.refresh_best(s, device_id=device_id, template_id=template_id, problem_key="p")
+    with session_scope(db_url) as s:
+        crud.get_or_create_template(s, name="t", version="v2", space={})
+    # On PostgreSQL, notifications say it (db.crud.refresh_bests): nothing counts there.
+    assert _changes(engine) == (2 if sqlite else 0)  # a best config made, a template version
+
+    _migrate(engine, "0007", down=True)
+    assert "best_changes" not in sa.inspect(engine).get_table_names()
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0007"
+        if sqlite:
+            assert connection.scalar(sa.text(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'trigger'")) == 0
+    with session_scope(db_url) as s:  # the tables work without their triggers' table
+        crud.get_or_create_template(s, name="t", version="v3", space={})
+    _migrate(engine, "head")
+    assert _changes(engine) == 0

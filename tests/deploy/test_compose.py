@@ -19,6 +19,8 @@ from tests.deploy.compose import (
     ENV_OVERRIDES,
     ROOT,
     ComposeError,
+    command_steps,
+    environment,
     interpolate,
     load_compose,
     references,
@@ -187,3 +189,29 @@ def test_the_example_sweep_mounted_into_the_workers_is_valid(compose: dict[str, 
     assert "./deploy/sweeps:/sweeps:ro" in compose["services"]["worker"]["volumes"]
     spec, _ = resolve_spec(str(ROOT / "deploy/sweeps/example.toml"), interpreter=False)
     assert spec.templates and spec.problems
+
+
+def test_service_workers_follow_demand_through_the_service_without_the_database(
+        compose: dict[str, Any]) -> None:
+    """The recipe for GPU hosts that reach only the service: ``tuner worker --service``,
+    the token and no database setting, its own SQLite file in a volume."""
+    services = compose["services"]
+    worker, remote = services["worker"], services["service-worker"]
+    for key in ("image", "build", "deploy", "init", "stop_signal", "stop_grace_period"):
+        assert remote[key] == worker[key], key
+    (argv,) = command_steps(remote["command"], {**VARIABLES,
+                                                "TUNER_SERVICE_URL": "http://10.0.0.5:8000"})
+    assert argv[:4] == ["tuner", "worker", "--service", "http://10.0.0.5:8000"]
+    _cli_accepts(argv)
+    (default,) = command_steps(remote["command"], VARIABLES)
+    assert default[3] == "http://api:8000"  # the api of the same compose project
+    env = environment(remote, VARIABLES)
+    assert env["TUNER_TOKEN"] == VARIABLES["TUNER_TOKEN"]
+    assert not {"TUNER_DATABASE_URL", "PGPASSWORD"} & set(env)  # nothing of the database
+    assert env["TUNER_GPU_LOCK_DIR"] == worker["environment"]["TUNER_GPU_LOCK_DIR"]
+    assert env["TUNER_TEMPLATE_MODULES"] == '["my.templates"]'
+    db = argv[argv.index("--db") + 1]
+    assert db.startswith("sqlite:////var/tuner/worker/")
+    assert "worker-db:/var/tuner/worker" in remote["volumes"] and "worker-db" in compose["volumes"]
+    assert remote["profiles"] == ["service"] and remote["restart"] == "unless-stopped"
+    assert "container_name" not in remote and "ports" not in remote
