@@ -18,8 +18,10 @@ unmeasured problem runs torch SDPA exactly as the user's code would have. Calls 
 ours takes (``dropout_p > 0``, a value head dim other than the query's, float64) and calls
 with an elementwise ``attn_mask`` (no measurement can price an arbitrary mask) run torch SDPA
 too; ``use_implementation("flash")`` forces ours where it can run (masks included).
-``block_mask`` (a ``tuner.BlockMask``) always runs our block-sparse kernels: only its blocks
-are computed, which SDPA cannot do; rows that see no key give zeros.
+``block_mask`` (a ``tuner.BlockMask``) runs our block-sparse kernels or compiled FlexAttention:
+only its blocks are computed, which SDPA cannot do; rows that see no key give zeros. Flex runs
+only where measured faster on the mask's named problem (``BlockMask.pattern``; docs/DISPATCH.md,
+"Block masks").
 
 How a call runs:
 

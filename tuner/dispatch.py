@@ -18,6 +18,9 @@ The rule (docs/DISPATCH.md):
 * Otherwise torch SDPA runs as the user's code would have run it: ours must be measured
   faster to be chosen.
 * ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
+* A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``)
+  and compiled FlexAttention (``flex``) on its own bucket: the fastest priced runs where ours
+  is priced; otherwise ours, what ran before Flex was a candidate.
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
 the process's answers for their buckets (``tuner.lookup``: stable within a process), so a
