@@ -20,7 +20,8 @@ The conversion is kept on the mask object (one per causal mode), so a mask reuse
 Problems: block-sparse ones (``Problem.mask`` a named pattern, ``templates.mask_mods``), the
 mask the sweep builds for them with ``pattern_block_mask``. Dense problems are ``torch_sdpa``'s.
 Knobs: Flex's forward tiles (``kernel_options`` BLOCK_M / BLOCK_N; 0 leaves them to Flex's
-own heuristic), which must divide the mask's blocks (128 for the sweeps' masks).
+own heuristic), which must divide the mask's blocks (128 for the sweeps' masks); the training
+template runs Flex's own tiles only (one config).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from templates.attention_reference import (
     forward_flops,
     random_inputs,
 )
-from templates.base import KernelConfig, Problem, Template, knob
+from templates.base import KernelConfig, Problem, Template, knob, next_pow2
 from templates.block_mask import BlockMask, _lists, _valid
 from templates.device import DeviceInfo
 from templates.mask_mods import pattern_problem
@@ -105,11 +106,14 @@ def _convert(block_mask: BlockMask, causal: str) -> Any:
                                       nq)
     kind[where] = 2
     tile_of[where] = block_mask.partial_tile_ids[_valid(block_mask.partial_counts, nk)]
-    tiles = block_mask.partial_tiles
     # One all-visible tile after the stored ones: for full blocks the causal edge crosses, and
-    # so that the mask_mod never indexes an empty tensor.
-    ones = tiles.shape[0]
-    tiles = torch.cat([tiles, torch.ones(1, qb, kb, dtype=torch.uint8, device=device)])
+    # so that the mask_mod never indexes an empty tensor. The tile count is padded to a power
+    # of two: the compiled Flex is specialized to the shapes of the tensors its mask_mod
+    # reads, so masks of one geometry recompile only when their count crosses one.
+    ones = block_mask.partial_tiles.shape[0]
+    tiles = torch.zeros(next_pow2(ones + 1), qb, kb, dtype=torch.uint8, device=device)
+    tiles[:ones] = block_mask.partial_tiles
+    tiles[ones] = 1
     offset = causal_offset(causal, n_q, n_kv)
     if offset is not None:
         q_blocks = torch.arange(nq, device=device)
@@ -244,6 +248,17 @@ class TorchFlexTrainTemplate(_FlexTemplate):
     description = ("compiled FlexAttention forward + backward under the problem's block mask; "
                    "compared with flash_fwd + flash_bwd by the dispatcher for block-mask calls "
                    "that need a gradient.")
+
+    def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo
+                   ) -> str | None:
+        cfg = self.config(config)
+        assert isinstance(cfg, FlexConfig)
+        if cfg.kernel_options():
+            # Plain BLOCK_M / BLOCK_N reach Flex's backward too in some torch versions (only
+            # ``fwd_``-prefixed keys are the forward's alone, and not in every version).
+            return ("torch_flex_train runs Flex's own tiles (block_m = block_n = 0): the "
+                    "forward's BLOCK_M / BLOCK_N are not the backward's")
+        return super().constraint(problem, config, device)
 
     def flops(self, problem: Problem) -> float:
         return 3.5 * forward_flops(problem)  # forward + backward, as torch_sdpa_train

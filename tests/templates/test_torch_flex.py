@@ -104,8 +104,9 @@ def test_problems_and_space() -> None:
                               or "")
         assert template.unsupported(dataclasses.replace(masked, mask="nonsense")) is not None
         assert template.constraint(masked, FlexConfig(), cpu_device()) is None
-        assert "CUDA" in (template.constraint(masked, FlexConfig(block_m=64), cpu_device())
-                          or "")
+    assert "CUDA" in (FLEX.constraint(masked, FlexConfig(block_m=64), cpu_device()) or "")
+    assert "own tiles" in (FLEX_TRAIN.constraint(masked, FlexConfig(block_n=64), cpu_device())
+                           or "")
     assert cpu_device().name == CPU_INTERPRETER
     assert FlexConfig(block_m=64, block_n=32).kernel_options() == {"BLOCK_M": 64, "BLOCK_N": 32}
     assert FlexConfig().kernel_options() is None
@@ -137,7 +138,9 @@ def test_forward_and_backward_on_the_gpu(dtype: str, pattern: str, causal: str,
     for template in (FLEX, FLEX_TRAIN):
         assert template.unsupported(p) is None
         inputs = template.make_inputs(p, "cuda")
-        for config in (template.default_config(p, device), FlexConfig(block_m=64, block_n=64)):
+        configs = [template.default_config(p, device), FlexConfig(block_m=64, block_n=64)]
+        for config in configs if template is FLEX else configs[:1]:
+            assert template.constraint(p, config, device) is None
             out = template.run(inputs, config)
             assert template.error(out, template.reference(inputs)) <= template.tolerance(p)
 
