@@ -31,6 +31,7 @@ from templates.flash_fwd import flash_attention_fwd  # noqa: E402
 from templates.gluon_bwd import gluon_attention_bwd  # noqa: E402
 from templates.gluon_fwd import gluon_attention_fwd  # noqa: E402
 from templates.registry import all_templates, get_template, register  # noqa: E402
+from templates.torch_flex import flex  # noqa: E402
 from templates.torch_sdpa import sdpa  # noqa: E402
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "flash_attention_bwd",
     "flash_attention_fwd",
     "flash_decode",
+    "flex",
     "gluon_attention_bwd",
     "gluon_attention_fwd",
     "get_template",

@@ -71,6 +71,10 @@ class BlockMask:
     partial_indices: torch.Tensor
     partial_tile_ids: torch.Tensor
     partial_tiles: torch.Tensor
+    # The named pattern (``Problem.mask``, e.g. ``sliding:1024``) this mask is, if any: the
+    # dispatcher prices a block-mask call by the stored measurements of that problem (ours
+    # against FlexAttention); None (any other mask) runs our block-sparse kernels.
+    pattern: str | None = None
 
     def __post_init__(self) -> None:
         """Check everything the kernel trusts (once, at construction): shapes, dtypes, and
@@ -114,6 +118,12 @@ class BlockMask:
         devices = {t.device for _, t in counts + lists} | {self.partial_tiles.device}
         if len(devices) > 1:
             raise ValueError(f"BlockMask tensors must be on one device, but got {devices}")
+        if self.pattern is not None:
+            from templates.mask_mods import pattern_problem
+
+            reason = pattern_problem(self.pattern, self.seqlen_q, self.seqlen_kv)
+            if reason:
+                raise ValueError(f"BlockMask.pattern: {reason}")
 
     # -- constructors ---------------------------------------------------------------------
     @classmethod
@@ -134,9 +144,13 @@ class BlockMask:
     @classmethod
     def from_mask_mod(cls, mask_mod: MaskMod, B: int | None, H: int | None, N_q: int,
                       N_kv: int, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-                      device: torch.device | str = "cpu") -> BlockMask:
+                      device: torch.device | str = "cpu", *, pattern: str | None = None
+                      ) -> BlockMask:
         """From ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (broadcasting index tensors,
         as FlexAttention's). B or H None (or 1) means the mask is the same for all of them.
+        ``pattern``: the named pattern (``Problem.mask``) ``mask_mod`` is, if it is one, so
+        that the dispatcher can price the mask (``BlockMask.pattern``); not checked against
+        ``mask_mod``.
 
         Evaluated a few query blocks at a time (at most ~16M elements at once), so an N x N
         mask is never held, whatever N.
@@ -156,11 +170,13 @@ class BlockMask:
                 raise TypeError(f"mask_mod must return a bool tensor, but returned {out.dtype}")
             return out.expand(bm, hm, hi - lo, N_kv)
 
-        return cls._build(rows, bm, hm, N_q, N_kv, block_size, torch.device(device))
+        return cls._build(rows, bm, hm, N_q, N_kv, block_size, torch.device(device),
+                          pattern=pattern)
 
     @classmethod
     def _build(cls, rows: Callable[[int, int], torch.Tensor], bm: int, hm: int, n_q: int,
-               n_kv: int, block_size: int | tuple[int, int], device: torch.device) -> BlockMask:
+               n_kv: int, block_size: int | tuple[int, int], device: torch.device, *,
+               pattern: str | None = None) -> BlockMask:
         """Classify every block from dense row chunks ``rows(lo, hi)`` (Bm, Hm, hi-lo, N_kv),
         whole query blocks of at most ~_CHUNK_ELEMENTS elements at a time."""
         qb, kb = _block_sizes(block_size)
@@ -201,7 +217,7 @@ class BlockMask:
         tile_ids = torch.gather(tile_of_block, 3, partial_indices.long()).to(torch.int32)
         tile_ids = torch.where(_valid(partial_counts, nk), tile_ids, 0)
         return cls(n_q, n_kv, (qb, kb), full_counts, full_indices, partial_counts,
-                   partial_indices, tile_ids, partial_tiles.contiguous())
+                   partial_indices, tile_ids, partial_tiles.contiguous(), pattern)
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -246,8 +262,11 @@ class BlockMask:
         return out
 
     def to(self, device: torch.device | str) -> BlockMask:
-        return BlockMask(self.seqlen_q, self.seqlen_kv, self.block_size,
-                         *(t.to(device) for t in self._tensors()))
+        (full_counts, full_indices, partial_counts, partial_indices, partial_tile_ids,
+         partial_tiles) = (t.to(device) for t in self._tensors())
+        return BlockMask(self.seqlen_q, self.seqlen_kv, self.block_size, full_counts,
+                         full_indices, partial_counts, partial_indices, partial_tile_ids,
+                         partial_tiles, self.pattern)
 
     def to_dense(self, row_lo: int = 0, row_hi: int | None = None) -> torch.Tensor:
         """The bool mask (Bm, Hm, rows, N_kv) of rows [row_lo, row_hi): for references and

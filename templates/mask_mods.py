@@ -168,11 +168,14 @@ def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
 def pattern_block_mask(pattern: str, seqlen_q: int, seqlen_kv: int, *,
                        block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0,
                        device: torch.device | str = "cpu") -> BlockMask:
-    """The (1, 1, N_q, N_kv) BlockMask of a named pattern."""
+    """The (1, 1, N_q, N_kv) BlockMask of a named pattern. With the sweeps' block size and
+    seed (``Problem.mask``'s masks) it carries the pattern's name (``BlockMask.pattern``), so
+    the dispatcher prices calls with it by that problem's measurements."""
     mod = pattern_mask_mod(pattern, seqlen_q, seqlen_kv, block_size=block_size, seed=seed,
                            device=device)
+    named = block_size == DEFAULT_BLOCK_SIZE and seed == 0
     return BlockMask.from_mask_mod(mod, None, None, seqlen_q, seqlen_kv, block_size,
-                                   device=device)
+                                   device=device, pattern=pattern if named else None)
 
 
 def pattern_density(pattern: str, seqlen_q: int, seqlen_kv: int) -> float:

@@ -18,8 +18,10 @@ unmeasured problem runs torch SDPA exactly as the user's code would have. Calls 
 ours takes (``dropout_p > 0``, a value head dim other than the query's, float64) and calls
 with an elementwise ``attn_mask`` (no measurement can price an arbitrary mask) run torch SDPA
 too; ``use_implementation("flash")`` forces ours where it can run (masks included).
-``block_mask`` (a ``tuner.BlockMask``) always runs our block-sparse kernels: only its blocks
-are computed, which SDPA cannot do; rows that see no key give zeros.
+``block_mask`` (a ``tuner.BlockMask``) runs our block-sparse kernels or compiled FlexAttention:
+only its blocks are computed, which SDPA cannot do; rows that see no key give zeros. Flex runs
+only where measured faster on the mask's named problem (``BlockMask.pattern``; docs/DISPATCH.md,
+"Block masks").
 
 How a call runs:
 
@@ -349,7 +351,8 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from templates.block_mask import BlockMask
     from templates.flash_bwd import BwdConfig
     from templates.flash_bwd import fit_to_block_mask as fit_bwd_to_block_mask
-    from templates.flash_fwd import FwdConfig, fit_to_block_mask
+    from templates.flash_fwd import FwdConfig, check_block_mask, fit_to_block_mask
+    from templates.torch_flex import FlexConfig, flex
 
     check_inputs(q, k, v, enable_gqa)
     if block_mask is not None:
@@ -373,11 +376,25 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to {full}") from None
-    config = _resolve_template("flash_fwd", q, k, is_causal).config
-    assert isinstance(config, FwdConfig)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
-    bwd_config = _backward_config(q, k, is_causal) if needs_grad else None
+    choice = None
+    if block_mask is not None:
+        check_block_mask(block_mask, q4, k4)
+        choice = _block_mask_choice(q, k, v, is_causal, enable_gqa, needs_grad, block_mask)
+        if choice is not None and choice.implementation.name == "flex":
+            flex_config = choice.config
+            assert isinstance(flex_config, FlexConfig)
+            return flex(q4, k4, v4, block_mask, causal="top_left" if is_causal else "none",
+                        scale=scale, enable_gqa=enable_gqa, config=flex_config).reshape(q.shape)
+    if choice is not None and all(r.measured for r in choice.resolved):
+        # Ours measured on this mask problem: the measured configs (those it was priced by).
+        config, bwd_config = choice.resolved[0].config, (
+            choice.resolved[1].config if needs_grad else None)
+    else:  # the dense problem's tuned configs, fitted to the mask's blocks below
+        config = _resolve_template("flash_fwd", q, k, is_causal).config
+        bwd_config = _backward_config(q, k, is_causal) if needs_grad else None  # type: ignore[assignment]
+    assert isinstance(config, FwdConfig)
     assert bwd_config is None or isinstance(bwd_config, BwdConfig)
     if block_mask is not None:
         config = fit_to_block_mask(config, block_mask.block_size)
@@ -389,6 +406,30 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         attn_mask=mask4, block_mask=block_mask, scale=scale,
                         fwd_config=config, bwd_config=bwd_config)
     return o.reshape(q.shape)
+
+
+def _block_mask_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                       enable_gqa: bool, needs_grad: bool, block_mask: object) -> Choice | None:
+    """Who runs a block-mask call: our block-sparse kernels or compiled FlexAttention, by the
+    stored measurements of the mask's named problem (``BlockMask.pattern``: its shapes, causal
+    mode and pattern). None: ours with the dense problem's configs, as before Flex was a
+    candidate: a mask with no pattern (no measurement can price it), or ``flash`` (or another
+    implementation) forced. ``use_implementation("flex")`` forces Flex."""
+    from templates.block_mask import BlockMask
+    from templates.torch_flex import FlexConfig
+
+    assert isinstance(block_mask, BlockMask)
+    name = forced()
+    if name not in (None, "flex"):
+        return None
+    if block_mask.pattern is None:
+        if name is None:
+            return None
+        return Choice(implementations.FLEX, (Resolved(FlexConfig(), "default", "default"),),
+                      "forced by use_implementation (a mask without a pattern: Flex's "
+                      "defaults)")
+    call = _call(q, k, v, is_causal, enable_gqa, needs_grad)
+    return keep(choose(replace(call, problem=replace(call.problem, mask=block_mask.pattern))))
 
 
 # ----------------------------------------------------------------------------- torch.library

@@ -18,6 +18,9 @@ The rule (docs/DISPATCH.md):
 * Otherwise torch SDPA runs as the user's code would have run it: ours must be measured
   faster to be chosen.
 * ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
+* A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``)
+  and compiled FlexAttention (``flex``) on its own bucket: the fastest priced runs where ours
+  is priced; otherwise ours, what ran before Flex was a candidate.
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
 the process's answers for their buckets (``tuner.lookup``: stable within a process), so a
@@ -148,6 +151,9 @@ log = logging.getLogger("tuner.dispatch")
 _IMPLEMENTATIONS: dict[str, Implementation] = {}
 _FORCED: ContextVar[str | None] = ContextVar("tuner_forced_implementation", default=None)
 BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when unmeasured
+# What ran a block-mask call before FlexAttention was a candidate (our block-sparse kernels,
+# which beat Flex's forward on the H100): it runs a block-mask call when unmeasured.
+BLOCK_MASK_BASELINE = "flash"
 
 
 def register_implementation(impl: Implementation) -> Implementation:
@@ -241,6 +247,8 @@ def decide(call: Call, *, resolve: Resolve, margin: float) -> Choice:
     """The rule (module docstring), with each template's config found by ``resolve`` and a
     neighbour's win needing ``margin``: what ``choose`` runs for a call, and what the service
     and ``tuner best`` show for a problem (``tuner.comparison``), one computation."""
+    if call.problem.mask != "none":
+        return _decide_block_mask(call, resolve)
     estimates = tuple(price(impl, call, resolve) for impl in _IMPLEMENTATIONS.values()
                       if impl.why_not(call) is None)
     by_name = {e.implementation: e for e in estimates}
@@ -275,3 +283,29 @@ def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...
                       if e.implementation == verdict.winner else e for e in estimates)
     return Choice(_IMPLEMENTATIONS[verdict.winner], verdict.resolved, verdict.why, estimates,
                   neighbour=verdict.neighbour, verdict=verdict)
+
+
+def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
+    """A block-mask problem (``Problem.mask`` a named pattern): the implementations serving it
+    (ours, ``flash``, and compiled FlexAttention, ``flex``; torch SDPA cannot skip tiles) priced
+    on the problem's own bucket. Ours priced: the fastest priced runs. Ours not priced: ours,
+    as before Flex was a candidate (no neighbour is consulted: a mask's ratio on another shape
+    is no measurement of this one)."""
+    estimates = tuple(price(impl, call, resolve) for impl in _IMPLEMENTATIONS.values()
+                      if impl.why_not(call) is None)
+    by_name = {e.implementation: e for e in estimates}
+    baseline = by_name.get(BLOCK_MASK_BASELINE)
+    if baseline is None:
+        raise ValueError(f"our block-sparse kernels cannot run {call.problem.key()}: "
+                         f"{_IMPLEMENTATIONS[BLOCK_MASK_BASELINE].why_not(call)}")
+    if baseline.ms is None:
+        return Choice(_IMPLEMENTATIONS[BLOCK_MASK_BASELINE], baseline.resolved,
+                      "our block-sparse kernels not measured for this mask problem on this "
+                      "device: running them (what ran before FlexAttention was a candidate)",
+                      estimates)
+    priced = [e for e in estimates if e.ms is not None]
+    best = min(priced, key=lambda e: e.ms)  # type: ignore[arg-type, return-value]
+    others = ", ".join(f"{e.implementation} {e.ms:.4g} ms" for e in priced if e is not best)
+    return Choice(_IMPLEMENTATIONS[best.implementation], best.resolved,
+                  f"fastest measured ({best.ms:.4g} ms; {others or 'no other measured'})",
+                  estimates)

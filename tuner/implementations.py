@@ -179,3 +179,26 @@ GLUON = register_implementation(Implementation(
     serves=_serves_gluon, build=build_gluon,
     description="the project's warp-specialized Gluon forward for Hopper (FA3-style ping-pong "
                 "consumer warpgroups, TMA producer warp); inference only for now"))
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+def _serves_flex(call: Call) -> str | None:
+    # Its templates take block-mask problems only (dense ones are torch SDPA's).
+    if call.needs_grad and not call.device.compute_capability:
+        return "FlexAttention has no backward on the CPU"
+    return None
+
+
+def build_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+               scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+    """Never built: flex serves block-mask calls, which ``tuner.attention`` runs per call
+    (``templates.torch_flex.flex`` with the mask), not through a per-shape plan."""
+    raise ValueError("flex runs calls with a block_mask only (tuner.attention(..., "
+                     "block_mask=...)); dense calls are torch SDPA's")
+
+
+FLEX = register_implementation(Implementation(
+    name="flex", forward="torch_flex", training=("torch_flex_train",),
+    serves=_serves_flex, build=build_flex,
+    description="compiled FlexAttention (torch.compile(flex_attention)) under the call's block "
+                "mask, converted exactly; a candidate for block-mask calls beside ours"))
