@@ -9,11 +9,13 @@ only (dk and dv are checked for bitwise repeatability)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,10 +96,19 @@ def test_config_round_trip_and_grid() -> None:
 
 
 @needs_gluon
-def test_standalone_source_needs_only_torch_and_triton() -> None:
+def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
     source = TEMPLATE.standalone_source(TEMPLATE.default_config(protocol_problems()[0], H100))
     compile(source, "gluon_bwd_standalone.py", "exec")
     assert "from templates" not in source and "import templates" not in source
+    # The shared helpers (gluon_common) are pasted in: the module imports on its own (from
+    # a file: triton reads a jit function's source from it).
+    path = tmp_path / "gluon_bwd_standalone.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("gluon_bwd_standalone", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.tma_ready and module._tma_load and module.LaunchPlan
     assert "@gluon.jit" in source and "def gluon_attention_bwd(" in source
 
 

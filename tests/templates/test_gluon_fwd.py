@@ -8,11 +8,13 @@ the compile is the CPU's check, the GPU tests the numerics."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,11 +127,20 @@ def test_config_round_trip_and_grid() -> None:
 
 
 @needs_gluon
-def test_standalone_source_needs_only_torch_and_triton() -> None:
+def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
     source = TEMPLATE.standalone_source(TEMPLATE.default_config(
         Problem(1, 2, 2, 4096, 4096, 128), H100))
     compile(source, "gluon_fwd_standalone.py", "exec")
     assert "from templates" not in source and "import templates" not in source
+    # The shared helpers (gluon_common) are pasted in: the module imports on its own (from
+    # a file: triton reads a jit function's source from it).
+    path = tmp_path / "gluon_fwd_standalone.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("gluon_fwd_standalone", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.tma_ready and module._tma_load and module.LaunchPlan
     assert "@gluon.jit" in source and "def gluon_attention_fwd(" in source
     assert "'pingpong': True" in source
 
