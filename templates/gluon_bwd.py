@@ -115,10 +115,7 @@ class GluonBwdTemplate(GluonTemplate):
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
         cfg = self.config(config)
         assert isinstance(cfg, GluonBwdConfig)
-        reason = self.unsupported(problem)
-        if reason:
-            return reason
-        reason = self.not_hopper(device)
+        reason = self.unsupported_on(problem, device)
         if reason:
             return reason
         keys = cfg.BLOCK_N // cfg.consumers
@@ -227,11 +224,8 @@ def _candidates(problem: Problem) -> list[GluonBwdConfig]:
 def compile_for(problem: Problem, config: KernelConfig) -> list[Any]:
     """Triton's compiled kernels (preprocess, main) for ``problem`` under ``config``, without
     allocating or launching anything (needs a Hopper GPU or an ``offline_target``)."""
-    launches = TEMPLATE.kernel_launches(problem, config)
-    if launches is None:
-        raise ValueError(f"no stand-in launch for {problem.key()}: "
-                         f"{TEMPLATE.unsupported(problem)}")
-    return [fn.warmup(*args, grid=grid, **options) for fn, grid, args, options in launches]
+    return [fn.warmup(*args, grid=grid, **options)
+            for fn, grid, args, options in TEMPLATE.standin_launches(problem, config)]
 
 
 # ----------------------------------------------------------------------------- entry point

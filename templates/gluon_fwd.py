@@ -163,10 +163,7 @@ class GluonFwdTemplate(GluonTemplate):
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
         cfg = self.config(config)
         assert isinstance(cfg, GluonFwdConfig)
-        reason = self.unsupported(problem)
-        if reason:
-            return reason
-        reason = self.not_hopper(device)
+        reason = self.unsupported_on(problem, device)
         if reason:
             return reason
         if cfg.pingpong and not (cfg.warp_specialize and cfg.consumers == 2):
@@ -299,11 +296,7 @@ def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
 def compile_for(problem: Problem, config: KernelConfig) -> Any:
     """Triton's compiled kernel for ``problem``'s inputs under ``config``, without allocating
     or launching anything (needs a Hopper GPU or an ``offline_target``)."""
-    launches = TEMPLATE.kernel_launches(problem, config)
-    if launches is None:
-        raise ValueError(f"no stand-in launch for {problem.key()}: "
-                         f"{TEMPLATE.unsupported(problem)}")
-    ((fn, grid, args, options),) = launches
+    ((fn, grid, args, options),) = TEMPLATE.standin_launches(problem, config)
     return fn.warmup(*args, grid=grid, **options)
 
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from templates.base import KernelConfig, Problem, Template
+from templates.base import KernelConfig, KernelLaunch, Problem, Template
 from templates.device import DeviceInfo, current_device
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -64,12 +64,21 @@ class GluonTemplate(Template):
                     f"{problem.head_dim} ({self.head_dims_why})")
         return None
 
-    def not_hopper(self, device: DeviceInfo) -> str | None:
-        """Why ``device`` cannot run a Gluon (wgmma) kernel, None on a Hopper GPU."""
-        if device.family == "hopper":
-            return None
+    def unsupported_on(self, problem: Problem, device: DeviceInfo) -> str | None:
+        """``unsupported``, or why ``device`` cannot run a Gluon kernel (wgmma: Hopper only)."""
+        reason = self.unsupported(problem)
+        if reason or device.family == "hopper":
+            return reason
         return (f"{self.name} needs a Hopper GPU (wgmma, compute capability 9.x), but "
                 f"{device.name} is {device.family}")
+
+    def standin_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch]:
+        """``kernel_launches``, or ValueError saying why there is none (for ``compile_for``)."""
+        launches = self.kernel_launches(problem, config)
+        if launches is None:
+            raise ValueError(f"no stand-in launch for {problem.key()}: "
+                             f"{self.unsupported(problem)}")
+        return launches
 
     def standalone_source(self, config: KernelConfig) -> str:
         if self.kernel is None:
