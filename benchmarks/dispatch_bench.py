@@ -196,18 +196,8 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
                 row.ms[name], row.errors[name] = None, why
             else:
                 calls[name] = call
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        names = list(calls)
-        for r in range(rounds):
-            # Each round starts one candidate later: a kernel that runs the GPU hot (power,
-            # clocks) slows whatever is timed right after it, and in a fixed order that would
-            # always be the same candidate (tuner.attention after gluon read 10% slow on the
-            # H100, 2026-11-24, where the same kernel alone read the same as sdpa).
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                times[name].append(bench(calls[name]))
-        row.ms.update({name: statistics.median(ts) for name, ts in times.items()})
-        row.spread = {name: (max(ts) - min(ts)) / statistics.median(ts)
-                      for name, ts in times.items()}
+        medians, row.spread = timed_rounds(calls, bench, rounds)
+        row.ms.update(medians)
         out.append(row)
         del t, ref, calls
         if on_gpu:
@@ -216,18 +206,54 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
     return out
 
 
+def timed_rounds(calls: dict[str, Callable[[], Any]], bench: Callable[..., float], rounds: int
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """(median ms, (max - min) / median) per call over ``rounds`` rounds that time every call
+    once. Each round starts one call later: a kernel that runs the GPU hot (power, clocks)
+    slows whatever is timed right after it, and in a fixed order that would always be the
+    same call (tuner.attention after gluon read 10% slow on the H100, 2026-11-24, where the
+    same kernel alone read the same as sdpa)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(bench(calls[name]))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    spread = {name: (max(ts) - min(ts)) / medians[name] for name, ts in times.items()}
+    return medians, spread
+
+
+def bench_function(on_gpu: bool, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
+    """Milliseconds of one call: do_bench's median on a GPU; elsewhere one wall-clock
+    reading, which proves the call runs and means nothing more."""
+    if on_gpu:
+        import triton.testing
+
+        def bench(fn: Callable[[], Any]) -> float:
+            return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms,
+                                                 return_mode="median"))
+    else:
+        import time
+
+        def bench(fn: Callable[[], Any]) -> float:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+    return bench
+
+
 def _line(row: Row) -> str:
     v = row.verdicts()
-    cells = "  ".join(f"{n}={_ms(t)}" for n, t in row.ms.items())
-    return (f"{row.label:<58} vs sdpa {_x(v['vs_sdpa'])} vs best {_x(v['vs_best'])}  "
-            f"[{row.chosen.split(' ')[0]}]  {cells}")
+    cells = "  ".join(f"{n}={ms_cell(t)}" for n, t in row.ms.items())
+    return (f"{row.label:<58} vs sdpa {ratio_cell(v['vs_sdpa'])} "
+            f"vs best {ratio_cell(v['vs_best'])}  [{row.chosen.split(' ')[0]}]  {cells}")
 
 
-def _ms(t: float | None) -> str:
+def ms_cell(t: float | None) -> str:
     return "-" if t is None else f"{t:.4g}"
 
 
-def _x(r: float | None) -> str:
+def ratio_cell(r: float | None) -> str:
     return "  -  " if r is None else f"{r:.2f}x"
 
 
@@ -239,14 +265,15 @@ def print_table(rows: list[Row]) -> None:
                    if n not in ("tuner.attention", "sdpa again") and t}
         best = min(singles, key=singles.__getitem__) if singles else "-"
         v = row.verdicts()
-        print(f"{row.label:<58} {_ms(row.ms.get('sdpa')):>9} "
-              f"{best + ' ' + _ms(singles.get(best)):>22} {_ms(row.ms.get('tuner.attention')):>9} "
-              f"{row.chosen.split(' ')[0]:>7} {_x(v['vs_sdpa']):>8} {_x(v['vs_best']):>8} "
-              f"{_x(v['sdpa_vs_itself']):>6}")
+        print(f"{row.label:<58} {ms_cell(row.ms.get('sdpa')):>9} "
+              f"{best + ' ' + ms_cell(singles.get(best)):>22} "
+              f"{ms_cell(row.ms.get('tuner.attention')):>9} {row.chosen.split(' ')[0]:>7} "
+              f"{ratio_cell(v['vs_sdpa']):>8} {ratio_cell(v['vs_best']):>8} "
+              f"{ratio_cell(v['sdpa_vs_itself']):>6}")
     ratios = [r.verdicts()["vs_sdpa"] for r in rows]
     noise = [abs(1 - x) for r in rows if (x := r.verdicts()["sdpa_vs_itself"])]
     worst = min((x for x in ratios if x), default=None)
-    print(f"worst vs sdpa: {_x(worst)}; rows slower than sdpa (< 0.98x): "
+    print(f"worst vs sdpa: {ratio_cell(worst)}; rows slower than sdpa (< 0.98x): "
           f"{sum(1 for x in ratios if x and x < 0.98)} of {len(rows)}; 'noise' = sdpa timed "
           f"twice (largest gap {max(noise, default=0):.1%}): the same kernel's run-to-run spread")
     geo = [x for x in ratios if x]
@@ -275,22 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     url = args.db or f"sqlite:///{Path(os.devnull)}"
     set_resolver(ConfigResolver(load_settings(database_url=url, url=None)))
     clear_plans()
-    if on_gpu:
-        import triton.testing
-
-        def bench(fn: Callable[[], Any]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms,
-                                                 return_mode="median"))
-    else:
-        import time
-
-        def bench(fn: Callable[[], Any]) -> float:  # interpreter: proves it runs, nothing more
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-
     rows = run_rows(rows_of([s for s in args.specs.split(",") if s], args.smoke),
-                    "cuda" if on_gpu else "cpu", bench, max(1, args.rounds), args.layout)
+                    "cuda" if on_gpu else "cpu", bench_function(on_gpu, args.rep_ms),
+                    max(1, args.rounds), args.layout)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({

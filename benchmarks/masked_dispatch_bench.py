@@ -29,7 +29,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -41,7 +40,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
-from templates.base import Problem, relative_error  # noqa: E402
+from benchmarks.dispatch_bench import (  # noqa: E402
+    TOLERANCE,
+    bench_function,
+    checked_call,
+    ms_cell,
+    ratio_cell,
+    timed_rounds,
+)
+from benchmarks.dispatch_bench import inputs_for as dense_inputs_for  # noqa: E402
+from templates.base import Problem  # noqa: E402
 from templates.device import current_device, interpreter_active  # noqa: E402
 from templates.mask_mods import pattern_block_mask  # noqa: E402
 from templates.torch_sdpa import sdpa  # noqa: E402
@@ -52,7 +60,6 @@ from tuner.settings import load_settings  # noqa: E402
 from tuner.suites import load_spec_file  # noqa: E402
 
 SPEC = Path(__file__).resolve().parent / "specs" / "dispatch_masked.toml"
-TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-3}  # o and grads vs fp32
 SINGLES = ("flash", "flex", "flash again")
 
 
@@ -84,17 +91,12 @@ def rows_of(smoke: bool) -> list[tuple[Problem, bool]]:
 
 
 def inputs_for(p: Problem, device: str, training: bool) -> dict[str, Any]:
-    dtype = getattr(torch, p.dtype)
-    shape_q = (p.batch, p.heads_q, p.seqlen_q, p.head_dim)
-    shape_kv = (p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)
-    q, k, v = (torch.randn(s, device=device, dtype=dtype).requires_grad_(training)
-               for s in (shape_q, shape_kv, shape_kv))
+    """dispatch_bench's inputs (B, H, S, D) with the row's block mask."""
+    t = dense_inputs_for(p, device, training)
     mask = pattern_block_mask(p.mask, p.seqlen_q, p.seqlen_kv, device=device)
     assert mask.pattern == p.mask
-    kw = {"is_causal": p.causal != "none", "enable_gqa": p.heads_q != p.heads_kv,
-          "block_mask": mask}
-    return {"q": q, "k": k, "v": v, "do": torch.randn(shape_q, device=device, dtype=dtype),
-            "kw": kw}
+    t["kw"]["block_mask"] = mask
+    return t
 
 
 def reference(t: dict[str, Any], training: bool) -> tuple[torch.Tensor, ...]:
@@ -125,28 +127,6 @@ def candidates() -> dict[str, Callable[..., torch.Tensor]]:
             "flash again": _forced("flash"), "tuner.attention": tuner.attention}
 
 
-def checked_call(fn: Callable[..., torch.Tensor], t: dict[str, Any], training: bool,
-                 ref: tuple[torch.Tensor, ...], tol: float
-                 ) -> tuple[Callable[[], tuple[torch.Tensor, ...]] | None, str]:
-    """The timed call of ``fn``, once its outputs passed the check (else None and why)."""
-    q, k, v = t["q"], t["k"], t["v"]
-
-    def call() -> tuple[torch.Tensor, ...]:
-        o = fn(q, k, v, **t["kw"])
-        if not training:
-            return (o,)
-        return (o.detach(), *torch.autograd.grad(o, (q, k, v), t["do"]))
-
-    try:
-        outs = call()
-    except Exception as exc:  # a candidate that cannot take the row: a result, not a crash
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    err = max(relative_error(o, r) for o, r in zip(outs, ref, strict=True))
-    if not err <= tol:
-        return None, f"error {err:.3g} > {tol:g}"
-    return call, ""
-
-
 def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[..., float],
              rounds: int) -> list[Row]:
     out = []
@@ -167,14 +147,8 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
                 row.ms[name], row.errors[name] = None, why
             else:
                 calls[name] = call
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        names = list(calls)
-        for r in range(rounds):  # rotated, as benchmarks/dispatch_bench.py
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                times[name].append(bench(calls[name]))
-        row.ms.update({name: statistics.median(ts) for name, ts in times.items()})
-        row.spread = {name: (max(ts) - min(ts)) / statistics.median(ts)
-                      for name, ts in times.items()}
+        medians, row.spread = timed_rounds(calls, bench, rounds)
+        row.ms.update(medians)
         out.append(row)
         del t, ref, calls
         if device == "cuda":
@@ -185,18 +159,10 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
 
 def _line(row: Row) -> str:
     v = row.verdicts()
-    cells = "  ".join(f"{n}={_ms(t)}" for n, t in row.ms.items())
+    cells = "  ".join(f"{n}={ms_cell(t)}" for n, t in row.ms.items())
     errors = "".join(f"  [{n}: {e}]" for n, e in row.errors.items())
-    return (f"{row.label:<72} vs flash {_x(v['vs_flash'])} vs best {_x(v['vs_best'])}  "
-            f"[{row.chosen.split(' ')[0]}]  {cells}{errors}")
-
-
-def _ms(t: float | None) -> str:
-    return "-" if t is None else f"{t:.4g}"
-
-
-def _x(r: float | None) -> str:
-    return "  -  " if r is None else f"{r:.2f}x"
+    return (f"{row.label:<72} vs flash {ratio_cell(v['vs_flash'])} "
+            f"vs best {ratio_cell(v['vs_best'])}  [{row.chosen.split(' ')[0]}]  {cells}{errors}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,22 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     url = args.db or f"sqlite:///{Path(os.devnull)}"
     set_resolver(ConfigResolver(load_settings(database_url=url, url=None)))
     clear_plans()
-    if on_gpu:
-        import triton.testing
-
-        def bench(fn: Callable[[], Any]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms,
-                                                 return_mode="median"))
-    else:
-        import time
-
-        def bench(fn: Callable[[], Any]) -> float:  # the CPU: proves it runs, nothing more
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-
-    rows = run_rows(rows_of(args.smoke), "cuda" if on_gpu else "cpu", bench,
-                    max(1, args.rounds))
+    rows = run_rows(rows_of(args.smoke), "cuda" if on_gpu else "cpu",
+                    bench_function(on_gpu, args.rep_ms), max(1, args.rounds))
     if args.json:
         import triton
 

@@ -14,29 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob
-from templates.device import DeviceInfo, current_device
+from templates.base import KernelConfig, KernelLaunch, Problem, knob
+from templates.device import DeviceInfo
 from templates.flash_bwd import TEMPLATE as FLASH_BWD
+from templates.gluon_template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    GluonTemplate,
+    load_kernel_module,
+    problem_of,
+)
 from templates.registry import register
 from templates.standin_tensor import StandinTensor
 
-try:
-    from templates import gluon_bwd_kernel as _kernel_module
-    kernel: ModuleType | None = _kernel_module
-    GLUON_MISSING = ""
-except ImportError as exc:  # pragma: no cover - a triton without Gluon
-    kernel = None
-    GLUON_MISSING = f"triton.experimental.gluon is not usable here ({exc})"
-
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+kernel, GLUON_MISSING = load_kernel_module("templates.gluon_bwd_kernel")
 HEAD_DIMS = (64, 128)
 DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles (the mbarriers: 24 bytes in the offline build),
@@ -92,7 +89,7 @@ def tile_registers(problem: Problem, config: GluonBwdConfig) -> int:
     return (2 * n * d + 2 * n * m) // threads
 
 
-class GluonBwdTemplate(Template):
+class GluonBwdTemplate(GluonTemplate):
     name = "gluon_bwd"
     description = ("FlashAttention-3-style backward for Hopper in Gluon: one program per KV "
                    "tile walks the query tiles of its GQA group (TMA ring of Q/dO/lse/delta, "
@@ -101,27 +98,13 @@ class GluonBwdTemplate(Template):
                    "bottom-right, GQA/MQA, head dim 64/128, fp16/bf16. Compiled offline for "
                    "sm_90; not yet run on a GPU.")
     config_cls = GluonBwdConfig
-
-    def source_modules(self) -> Sequence[str]:
-        mods = [__name__]
-        if kernel is not None:
-            mods.insert(0, kernel.__name__)
-        return mods
+    kernel = kernel
+    gluon_missing = GLUON_MISSING
+    head_dims = HEAD_DIMS
+    head_dims_why = ("at 256 the dK/dV accumulators of a 64-key tile alone fill a warpgroup's "
+                     "registers")
 
     # -- the problem --------------------------------------------------------------------------
-    def unsupported(self, problem: Problem) -> str | None:
-        if GLUON_MISSING:
-            return GLUON_MISSING
-        if problem.mask != "none":
-            return "gluon_bwd has no block masks (dense and causal only)"
-        if problem.dtype not in TORCH_DTYPES:
-            return f"gluon_bwd takes float16 or bfloat16, but got {problem.dtype}"
-        if problem.head_dim not in HEAD_DIMS:
-            return (f"gluon_bwd takes head_dim in {list(HEAD_DIMS)}, but got "
-                    f"{problem.head_dim} (at 256 the dK/dV accumulators of a 64-key tile "
-                    f"alone fill a warpgroup's registers)")
-        return None
-
     def flops(self, problem: Problem) -> float:
         return FLASH_BWD.flops(problem)  # 2.5 x the forward's, as flash_bwd's
 
@@ -132,12 +115,9 @@ class GluonBwdTemplate(Template):
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
         cfg = self.config(config)
         assert isinstance(cfg, GluonBwdConfig)
-        reason = self.unsupported(problem)
+        reason = self.unsupported_on(problem, device)
         if reason:
             return reason
-        if device.family != "hopper":
-            return (f"gluon_bwd needs a Hopper GPU (wgmma, compute capability 9.x), but "
-                    f"{device.name} is {device.family}")
         keys = cfg.BLOCK_N // cfg.consumers
         if keys not in (64, 128):
             return (f"each warpgroup takes 64 or 128 keys, but BLOCK_N {cfg.BLOCK_N} over "
@@ -206,13 +186,7 @@ class GluonBwdTemplate(Template):
         return FLASH_BWD.reference(inputs)
 
     # -- code generation ----------------------------------------------------------------------
-    def standalone_source(self, config: KernelConfig) -> str:
-        if kernel is None:
-            raise NotImplementedError(GLUON_MISSING)
-        return self._kernel_module_with_config(kernel, _STANDALONE_ENTRY, config)
-
-
-_STANDALONE_ENTRY = '''
+    standalone_entry = '''
 
 # ----------------------------------------------------------------------------- baked-in config
 CONFIG: dict[str, object] = CONFIG_LITERAL
@@ -250,20 +224,11 @@ def _candidates(problem: Problem) -> list[GluonBwdConfig]:
 def compile_for(problem: Problem, config: KernelConfig) -> list[Any]:
     """Triton's compiled kernels (preprocess, main) for ``problem`` under ``config``, without
     allocating or launching anything (needs a Hopper GPU or an ``offline_target``)."""
-    launches = TEMPLATE.kernel_launches(problem, config)
-    if launches is None:
-        raise ValueError(f"no stand-in launch for {problem.key()}: "
-                         f"{TEMPLATE.unsupported(problem)}")
-    return [fn.warmup(*args, grid=grid, **options) for fn, grid, args, options in launches]
+    return [fn.warmup(*args, grid=grid, **options)
+            for fn, grid, args, options in TEMPLATE.standin_launches(problem, config)]
 
 
 # ----------------------------------------------------------------------------- entry point
-def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
-    return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
-                   seqlen_q=q.shape[2], seqlen_kv=k.shape[2], head_dim=q.shape[3],
-                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode)
-
-
 def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         o: torch.Tensor, lse: torch.Tensor, *, causal: bool | str = False,
                         scale: float | None = None,
@@ -293,23 +258,7 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if kernel is None:
         raise RuntimeError(GLUON_MISSING)
     causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
-    if config is not None and not isinstance(config, GluonBwdConfig | Mapping):
-        raise TypeError(f"config must be a GluonBwdConfig, a mapping of its fields or None, "
-                        f"but got {type(config).__name__}")
-    if q.device.type != "cuda":
-        raise ValueError(f"gluon_bwd runs on CUDA tensors, but q is on {q.device}")
-    problem = problem_of(q, k, causal_mode)
-    device = current_device(q.device.index)
-    if config is None:
-        cfg = TEMPLATE.default_config(problem, device)
-    else:
-        chosen = TEMPLATE.config(config)
-        assert isinstance(chosen, GluonBwdConfig)
-        cfg = chosen
-        reason = TEMPLATE.constraint(problem, cfg, device)
-        if reason:
-            raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on "
-                             f"{device.name}: {reason}")
+    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
     return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
                          config=cfg.to_dict())
 

@@ -2,8 +2,8 @@
 
 This module imports only torch and triton (``GluonBwdTemplate.standalone_source`` emits it
 verbatim with a config appended). Written for triton 3.6's Gluon API (the GPU machines'
-wheel); the names that moved in later versions are picked at import, as in
-``gluon_fwd_kernel``.
+wheel); the names that moved in later versions are picked in ``gluon_common``, which
+it shares with ``gluon_fwd_kernel``.
 
 Given the forward's ``o`` and ``lse`` (natural-log logsumexp of the scaled scores) and the
 incoming gradient ``do``, three launches produce ``dq``, ``dk`` and ``dv``:
@@ -60,17 +60,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Names that moved between triton versions (see gluon_fwd_kernel): TMA copies are
-# async_copy_global_to_shared / async_copy_shared_to_global in 3.6, async_load / async_store
-# later; the partition-wide barrier is thread_barrier in 3.6, barrier later.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+from templates.gluon_common import (  # noqa: F401  re-exported for the templates
+    CAUSAL_MODES,
+    LOG2_E,
+    SUPPORTED_DTYPES,
+    _descriptor,
+    _host_smem_layout,
+    _tma_load,
+    _tma_store,
+    _warps_barrier,
+    tma_layout_problem,
+    tma_ready,
+)
 
 HEAD_DIMS = (64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
-LOG2_E = 1.4426950408889634
 # Preprocess rows per program (times D <= 128: 8192 elements per operand, in registers).
 PREPROCESS_ROWS = 64
 
@@ -375,17 +378,6 @@ def _gluon_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
-def _host_smem_layout(block_shape: list[int], bitwidth: int) -> Any:
-    row_bytes = block_shape[-1] * bitwidth // 8
-    swizzle = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bitwidth,
-                                rank=len(block_shape))
-
-
-def _descriptor(t: Any, block: list[int], layout: Any) -> Any:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def num_warps_of(config: Mapping[str, Any]) -> int:
     """One warpgroup per consumer; every warp of the program computes (no producer warp)."""
     return 4 * int(config["consumers"])
@@ -469,25 +461,6 @@ class LaunchPlan:
             _gluon_bwd_kernel[self.grid](
                 *self.main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta), **self.options)
         return dq_accum.to(q.dtype), dk, dv
-
-
-def tma_layout_problem(t: torch.Tensor, name: str) -> str | None:
-    """Why a rank-4 TMA descriptor cannot cover ``t`` (None if it can)."""
-    strides = t.stride()
-    if strides[-1] != 1:
-        return f"TMA needs {name}'s last dimension contiguous, but its strides are {strides}"
-    for dim, (size, stride) in enumerate(zip(t.shape[:-1], strides[:-1], strict=True)):
-        if size > 1 and (stride <= 0 or (stride * t.element_size()) % 16):
-            return (f"TMA needs every stride of {name} to be a positive multiple of 16 bytes, "
-                    f"but dim {dim} has stride {stride}")
-    if t.data_ptr() % 16:
-        return f"TMA needs {name} to start at a 16-byte aligned address"
-    return None
-
-
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if TMA can read it, else a contiguous copy."""
-    return t if tma_layout_problem(t, "t") is None else t.contiguous()
 
 
 def validate_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

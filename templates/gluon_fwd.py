@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -28,25 +27,22 @@ from templates.base import (
     KernelConfig,
     KernelLaunch,
     Problem,
-    Template,
     knob,
     relative_error,
 )
-from templates.device import DeviceInfo, current_device
+from templates.device import DeviceInfo
+from templates.gluon_template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    GluonTemplate,
+    load_kernel_module,
+    problem_of,
+)
 from templates.plan_cache import PlanCache
 from templates.registry import register
 from templates.standin_tensor import StandinTensor
 
-try:
-    from templates import gluon_fwd_kernel as _kernel_module
-    kernel: ModuleType | None = _kernel_module
-    GLUON_MISSING = ""
-except ImportError as exc:  # pragma: no cover - a triton without Gluon
-    kernel = None
-    GLUON_MISSING = f"triton.experimental.gluon is not usable here ({exc})"
-
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+kernel, GLUON_MISSING = load_kernel_module("templates.gluon_fwd_kernel")
 HEAD_DIMS = (64, 128, 256)
 DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles: the mbarriers and the warp-specialize state.
@@ -143,7 +139,7 @@ def live_per_thread(problem: Problem, config: GluonFwdConfig) -> int:
     return rows * (problem.head_dim + config.BLOCK_N + p_regs) // 128
 
 
-class GluonFwdTemplate(Template):
+class GluonFwdTemplate(GluonTemplate):
     name = "gluon_fwd"
     description = ("FlashAttention-3-style forward for Hopper in Gluon: TMA loads through an "
                    "mbarrier ring, async wgmma with softmax under the PV GEMM, optional "
@@ -151,26 +147,12 @@ class GluonFwdTemplate(Template):
                    "or bottom-right, GQA/MQA, head dim 64/128/256, fp16/bf16; returns "
                    "(o, lse).")
     config_cls = GluonFwdConfig
-
-    def source_modules(self) -> Sequence[str]:
-        mods = [__name__]
-        if kernel is not None:
-            mods.insert(0, kernel.__name__)
-        return mods
+    kernel = kernel
+    gluon_missing = GLUON_MISSING
+    head_dims = HEAD_DIMS
+    head_dims_why = "one TMA box and wgmma tile"
 
     # -- the problem --------------------------------------------------------------------------
-    def unsupported(self, problem: Problem) -> str | None:
-        if GLUON_MISSING:
-            return GLUON_MISSING
-        if problem.mask != "none":
-            return "gluon_fwd has no block masks yet (dense and causal only)"
-        if problem.dtype not in TORCH_DTYPES:
-            return f"gluon_fwd takes float16 or bfloat16, but got {problem.dtype}"
-        if problem.head_dim not in HEAD_DIMS:
-            return (f"gluon_fwd takes head_dim in {list(HEAD_DIMS)} (one TMA box and wgmma "
-                    f"tile), but got {problem.head_dim}")
-        return None
-
     def flops(self, problem: Problem) -> float:
         return forward_flops(problem)  # as flash_fwd's (PROTOCOL.md)
 
@@ -181,12 +163,9 @@ class GluonFwdTemplate(Template):
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
         cfg = self.config(config)
         assert isinstance(cfg, GluonFwdConfig)
-        reason = self.unsupported(problem)
+        reason = self.unsupported_on(problem, device)
         if reason:
             return reason
-        if device.family != "hopper":
-            return (f"gluon_fwd needs a Hopper GPU (wgmma, compute capability 9.x), but "
-                    f"{device.name} is {device.family}")
         if cfg.pingpong and not (cfg.warp_specialize and cfg.consumers == 2):
             return "pingpong needs warp_specialize=True and consumers=2"
         if cfg.persistent and not cfg.warp_specialize:
@@ -266,13 +245,7 @@ class GluonFwdTemplate(Template):
         return max(relative_error(o, o_ref), lse_error(lse, lse_ref))
 
     # -- code generation ----------------------------------------------------------------------
-    def standalone_source(self, config: KernelConfig) -> str:
-        if kernel is None:
-            raise NotImplementedError(GLUON_MISSING)
-        return self._kernel_module_with_config(kernel, _STANDALONE_ENTRY, config)
-
-
-_STANDALONE_ENTRY = '''
+    standalone_entry = '''
 
 # ----------------------------------------------------------------------------- baked-in config
 CONFIG: dict[str, object] = CONFIG_LITERAL
@@ -323,21 +296,11 @@ def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
 def compile_for(problem: Problem, config: KernelConfig) -> Any:
     """Triton's compiled kernel for ``problem``'s inputs under ``config``, without allocating
     or launching anything (needs a Hopper GPU or an ``offline_target``)."""
-    launches = TEMPLATE.kernel_launches(problem, config)
-    if launches is None:
-        raise ValueError(f"no stand-in launch for {problem.key()}: "
-                         f"{TEMPLATE.unsupported(problem)}")
-    ((fn, grid, args, options),) = launches
+    ((fn, grid, args, options),) = TEMPLATE.standin_launches(problem, config)
     return fn.warmup(*args, grid=grid, **options)
 
 
 # ----------------------------------------------------------------------------- entry point
-def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
-    return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
-                   seqlen_q=q.shape[2], seqlen_kv=k.shape[2], head_dim=q.shape[3],
-                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode)
-
-
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         causal: bool | str = False, scale: float | None = None,
                         config: GluonFwdConfig | Mapping[str, object] | None = None
@@ -405,23 +368,7 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if softmax_scale <= 0:
         raise ValueError(f"scale must be positive (the unmasked softmax takes the row max "
                          f"before scaling), but got {softmax_scale}")
-    if config is not None and not isinstance(config, GluonFwdConfig | Mapping):
-        raise TypeError(f"config must be a GluonFwdConfig, a mapping of its fields or None, "
-                        f"but got {type(config).__name__}")
-    if q.device.type != "cuda":
-        raise ValueError(f"gluon_fwd runs on CUDA tensors, but q is on {q.device}")
-    problem = problem_of(q, k, causal_mode)
-    device = current_device(q.device.index)
-    if config is None:
-        cfg = TEMPLATE.default_config(problem, device)
-    else:
-        chosen = TEMPLATE.config(config)
-        assert isinstance(chosen, GluonFwdConfig)
-        cfg = chosen
-        reason = TEMPLATE.constraint(problem, cfg, device)
-        if reason:
-            raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on "
-                             f"{device.name}: {reason}")
+    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
     plan = kernel.LaunchPlan(q, k, causal_mode=causal_mode, scale=softmax_scale,
                              config=cfg.to_dict())
     plan.copy_inputs = any(kernel.tma_layout_problem(t, name) is not None

@@ -50,19 +50,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Names that moved between triton versions. TMA copies: triton 3.6 names them async_copy_global_to_shared / async_copy_shared_to_global,
-# later versions async_load / async_store (the old names raise there).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-# A barrier among the warps of the calling partition: thread_barrier in 3.6, barrier later.
-_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+from templates.gluon_common import (  # noqa: F401  re-exported for the templates
+    CAUSAL_MODES,
+    LOG2_E,
+    SUPPORTED_DTYPES,
+    _descriptor,
+    _host_smem_layout,
+    _tma_load,
+    _tma_store,
+    _warps_barrier,
+    tma_layout_problem,
+    tma_ready,
+)
 
 HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
-LOG2_E = 1.4426950408889634
 # Registers per thread of the producer warp's partition (setmaxnreg: multiples of 8, >= 24):
 # it only computes coordinates and issues TMA copies.
 PRODUCER_REGS = 24
@@ -765,31 +767,6 @@ class LaunchPlan:
         return o, lse
 
 
-def _host_smem_layout(block_shape: list[int], bitwidth: int) -> Any:
-    row_bytes = block_shape[-1] * bitwidth // 8
-    swizzle = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bitwidth,
-                                rank=len(block_shape))
-
-
-def _descriptor(t: Any, block: list[int], layout: Any) -> Any:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def tma_layout_problem(t: torch.Tensor, name: str) -> str | None:
-    """Why a rank-4 TMA descriptor cannot cover ``t`` (None if it can)."""
-    strides = t.stride()
-    if strides[-1] != 1:
-        return f"TMA needs {name}'s last dimension contiguous, but its strides are {strides}"
-    for dim, (size, stride) in enumerate(zip(t.shape[:-1], strides[:-1], strict=True)):
-        if size > 1 and (stride <= 0 or (stride * t.element_size()) % 16):
-            return (f"TMA needs every stride of {name} to be a positive multiple of 16 bytes, "
-                    f"but dim {dim} has stride {stride}")
-    if t.data_ptr() % 16:
-        return f"TMA needs {name} to start at a 16-byte aligned address"
-    return None
-
-
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     causal: bool | str, scale: float | None) -> tuple[str, float]:
     """Check shapes, dtypes and devices; return (causal mode, softmax scale)."""
@@ -832,11 +809,6 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None, but got {scale!r}")
     return mode, float(scale)
-
-
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if TMA can read it, else a contiguous copy."""
-    return t if tma_layout_problem(t, "t") is None else t.contiguous()
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: str,

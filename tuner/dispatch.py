@@ -258,6 +258,11 @@ def decide(call: Call, *, resolve: Resolve, margin: float) -> Choice:
                          f"{_IMPLEMENTATIONS[BASELINE].why_not(call)}")
     if baseline.ms is None:
         return _on_neighbour(call, baseline, estimates, margin)
+    return _fastest_measured(estimates)
+
+
+def _fastest_measured(estimates: tuple[Estimate, ...]) -> Choice:
+    """The fastest of the priced estimates (the caller made sure its baseline is priced)."""
     priced = [e for e in estimates if e.ms is not None]
     best = min(priced, key=lambda e: e.ms)  # type: ignore[arg-type, return-value]
     others = ", ".join(f"{e.implementation} {e.ms:.4g} ms" for e in priced if e is not best)
@@ -303,9 +308,4 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
                       "our block-sparse kernels not measured for this mask problem on this "
                       "device: running them (what ran before FlexAttention was a candidate)",
                       estimates)
-    priced = [e for e in estimates if e.ms is not None]
-    best = min(priced, key=lambda e: e.ms)  # type: ignore[arg-type, return-value]
-    others = ", ".join(f"{e.implementation} {e.ms:.4g} ms" for e in priced if e is not best)
-    return Choice(_IMPLEMENTATIONS[best.implementation], best.resolved,
-                  f"fastest measured ({best.ms:.4g} ms; {others or 'no other measured'})",
-                  estimates)
+    return _fastest_measured(estimates)

@@ -9,11 +9,8 @@ only (dk and dv are checked for bitwise repeatability)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +26,7 @@ from templates.gluon_bwd import (
     tile_registers,
 )
 from templates.offline_target import TARGETS
+from tests.templates.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -94,10 +92,12 @@ def test_config_round_trip_and_grid() -> None:
 
 
 @needs_gluon
-def test_standalone_source_needs_only_torch_and_triton() -> None:
+def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
     source = TEMPLATE.standalone_source(TEMPLATE.default_config(protocol_problems()[0], H100))
     compile(source, "gluon_bwd_standalone.py", "exec")
     assert "from templates" not in source and "import templates" not in source
+    module = import_standalone(source, tmp_path / "gluon_bwd_standalone.py")
+    assert module.tma_ready and module._tma_load and module.LaunchPlan
     assert "@gluon.jit" in source and "def gluon_attention_bwd(" in source
 
 
@@ -137,18 +137,6 @@ COMPILE_JOBS = [
 D128_STACK = 16
 
 
-def _compile(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The compile report of each job, from a child process without the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    code = ("import sys, templates.gluon_bwd; from templates.compile_report import main; "
-            "sys.exit(main())")
-    done = subprocess.run([sys.executable, "-c", code],
-                          input=json.dumps({"target": "h100", "jobs": jobs}),
-                          capture_output=True, text=True, env=env, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
-
-
 @needs_gluon
 def test_default_configs_compile_for_the_h100() -> None:
     jobs: list[dict[str, Any]] = []
@@ -156,7 +144,7 @@ def test_default_configs_compile_for_the_h100() -> None:
         for cfg in [TEMPLATE.default_config(p, H100)] + TEMPLATE.known_good_configs(p, H100):
             jobs.append({"template": "gluon_bwd", "problem": p.to_dict(),
                          "config": cfg.to_dict()})
-    outcomes = _compile(jobs)
+    outcomes = compile_reports("templates.gluon_bwd", jobs)
     assert len(outcomes) == len(jobs)
     for job, out in zip(jobs, outcomes, strict=True):
         assert out["error"] == "" and out["constraint"] == "", out
@@ -191,16 +179,12 @@ GPU_CASES = [
 ]
 
 
-def _is_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: Problem(*c).key())
 def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    if not _is_hopper():
+    if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
     from templates import gluon_bwd_kernel
     from templates.device import current_device

@@ -8,11 +8,8 @@ the compile is the CPU's check, the GPU tests the numerics."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +27,7 @@ from templates.gluon_fwd import (
     shared_memory_estimate,
 )
 from templates.offline_target import TARGETS
+from tests.templates.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -125,11 +123,13 @@ def test_config_round_trip_and_grid() -> None:
 
 
 @needs_gluon
-def test_standalone_source_needs_only_torch_and_triton() -> None:
+def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
     source = TEMPLATE.standalone_source(TEMPLATE.default_config(
         Problem(1, 2, 2, 4096, 4096, 128), H100))
     compile(source, "gluon_fwd_standalone.py", "exec")
     assert "from templates" not in source and "import templates" not in source
+    module = import_standalone(source, tmp_path / "gluon_fwd_standalone.py")
+    assert module.tma_ready and module._tma_load and module.LaunchPlan
     assert "@gluon.jit" in source and "def gluon_attention_fwd(" in source
     assert "'pingpong': True" in source
 
@@ -141,18 +141,6 @@ COMPILE_JOBS = [
     Problem(4, 32, 32, 4096, 4096, 64, "float16", "none"),
     Problem(1, 8, 2, 3000, 5000, 256, "bfloat16", "bottom_right"),
 ]
-
-
-def _compile(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The compile report of each job, from a child process without the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    code = ("import sys, templates.gluon_fwd; from templates.compile_report import main; "
-            "sys.exit(main())")
-    done = subprocess.run([sys.executable, "-c", code],
-                          input=json.dumps({"target": "h100", "jobs": jobs}),
-                          capture_output=True, text=True, env=env, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 @needs_gluon
@@ -167,7 +155,7 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
     # The persistent variant (grid-stride tiles, phases carried across them).
     jobs.append({"template": "gluon_fwd", "problem": COMPILE_JOBS[0].to_dict(),
                  "config": GluonFwdConfig(persistent=True).to_dict()})
-    outcomes = _compile(jobs)
+    outcomes = compile_reports("templates.gluon_fwd", jobs)
     assert len(outcomes) == len(jobs)
     for job, out in zip(jobs, outcomes, strict=True):
         assert out["error"] == "" and out["constraint"] == "", out
@@ -224,16 +212,12 @@ def _config_for(variant: str, problem: Problem, device: DeviceInfo) -> GluonFwdC
     return None
 
 
-def _is_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: Problem(*c).key())
 def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    if not _is_hopper():
+    if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
     from templates import gluon_fwd_kernel
     from templates.device import current_device
@@ -258,7 +242,7 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
 
 @pytest.mark.gpu
 def test_strided_inputs_and_errors_on_the_gpu() -> None:
-    if not _is_hopper():
+    if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
     from templates.gluon_fwd import gluon_attention_fwd
 
