@@ -96,7 +96,8 @@ class GluonBwdTemplate(GluonTemplate):
                    "async wgmma in the transposed orientation, P^T and dS^T as register "
                    "operands), dQ by fp32 vector atomics; dense and causal top-left or "
                    "bottom-right, GQA/MQA, head dim 64/128, fp16/bf16. Compiled offline for "
-                   "sm_90; not yet run on a GPU.")
+                   "sm_90. Its dQ is wrong on the H100 (docs/gluon_notes.md, Backward): in no spec "
+                   "and not used by the dispatcher until fixed.")
     config_cls = GluonBwdConfig
     kernel = kernel
     gluon_missing = GLUON_MISSING
