@@ -187,23 +187,36 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
         choice = plan_for(t["q"], t["k"], t["v"], needs_grad=training, **t["kw"])
         row.chosen = f"{choice.implementation.name} {choice.config.key()}"
         row.why = choice.why
-        calls = {}
-        for name, fn in candidates(p, on_gpu).items():
-            if training and name in ("decode", "gluon"):  # no backward
-                continue
-            call, why = checked_call(fn, t, training, ref, TOLERANCE[p.dtype])
-            if call is None:
-                row.ms[name], row.errors[name] = None, why
-            else:
-                calls[name] = call
-        medians, row.spread = timed_rounds(calls, bench, rounds)
-        row.ms.update(medians)
+        fns = {name: fn for name, fn in candidates(p, on_gpu).items()
+               if not (training and name in ("decode", "gluon"))}  # those have no backward
+        row.ms, row.errors, row.spread = check_and_time(fns, t, training, ref,
+                                                        TOLERANCE[p.dtype], bench, rounds)
         out.append(row)
-        del t, ref, calls
+        del t, ref
         if on_gpu:
             torch.cuda.empty_cache()
         print(_line(row), flush=True)
     return out
+
+
+def check_and_time(fns: dict[str, Callable[..., torch.Tensor]], t: dict[str, Any],
+                   training: bool, ref: tuple[torch.Tensor, ...], tolerance: float,
+                   bench: Callable[..., float], rounds: int
+                   ) -> tuple[dict[str, float | None], dict[str, str], dict[str, float]]:
+    """(ms, errors, spread) of a row: each candidate checked against ``ref`` once (a failed
+    one gets no time, its error instead), the rest timed by :func:`timed_rounds`."""
+    ms: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    calls = {}
+    for name, fn in fns.items():
+        call, why = checked_call(fn, t, training, ref, tolerance)
+        if call is None:
+            ms[name], errors[name] = None, why
+        else:
+            calls[name] = call
+    medians, spread = timed_rounds(calls, bench, rounds)
+    ms.update(medians)
+    return ms, errors, spread
 
 
 def timed_rounds(calls: dict[str, Callable[[], Any]], bench: Callable[..., float], rounds: int

@@ -43,10 +43,9 @@ import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set wi
 from benchmarks.dispatch_bench import (  # noqa: E402
     TOLERANCE,
     bench_function,
-    checked_call,
+    check_and_time,
     ms_cell,
     ratio_cell,
-    timed_rounds,
 )
 from benchmarks.dispatch_bench import inputs_for as dense_inputs_for  # noqa: E402
 from templates.base import Problem  # noqa: E402
@@ -140,17 +139,10 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
         row.chosen = (f"{choice.implementation.name} {choice.config.key()}" if choice
                       else "flash (CPU: no device to price)")
         row.why = choice.why if choice else ""
-        calls = {}
-        for name, fn in candidates().items():
-            call, why = checked_call(fn, t, training, ref, TOLERANCE[p.dtype])
-            if call is None:
-                row.ms[name], row.errors[name] = None, why
-            else:
-                calls[name] = call
-        medians, row.spread = timed_rounds(calls, bench, rounds)
-        row.ms.update(medians)
+        row.ms, row.errors, row.spread = check_and_time(candidates(), t, training, ref,
+                                                        TOLERANCE[p.dtype], bench, rounds)
         out.append(row)
-        del t, ref, calls
+        del t, ref
         if device == "cuda":
             torch.cuda.empty_cache()
         print(_line(row), flush=True)
