@@ -9,7 +9,8 @@ running when the child died. A total wall-clock budget bounds the whole run.
     python benchmarks/gluon_bwd_diag.py [--configs s2,s3] [--debug 0,3] [--budget-s 110]
 
 ``--debug`` takes values of ``GLUON_BWD_DEBUG`` (see templates/gluon_bwd_kernel.py: 1 dQ
-atomics straight from the wgmma layout, 2 conservative waits/barriers, 4 no dQ GEMM).
+atomics straight from the wgmma layout, 2 conservative waits/barriers, 4 no dQ GEMM,
+8 dQ^T = K^T dS^T, 16 dS stored untransposed, 32 dQ's A from registers).
 """
 from __future__ import annotations
 

@@ -84,7 +84,10 @@ DEBUG_POISON = False
 #   1: dQ is added with scalar atomics straight from the wgmma layout (no dq_smem round trip);
 #   2: every GEMM is waited for at once (warpgroup_mma_wait(0)) and the refill is preceded by
 #      fence_async_shared + a barrier of its own (conservative ordering);
-#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest).
+#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest);
+#   8: dQ^T = K^T dS^T instead (M = HEAD_DIM: K^T an MN-major A, dS^T a B as stored);
+#  16: dS stored untransposed through a transposed view, read as a K-major A;
+#  32: dQ's A from registers (dS^T transposed by convert_layout), no dS in shared memory.
 # The environment variable GLUON_BWD_DEBUG overrides it (read when a launch is planned).
 DEBUG = 0
 
@@ -224,31 +227,78 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
         if (DEBUG & 2) == 0:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         return dk, dv
-    # dQ needs dS (queries along rows): dS^T goes through shared memory and is read
-    # transposed; every warp's part must be there before the GEMM reads it.
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    _warps_barrier()
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                           gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                           use_acc=False, is_async=True)
-    if DEBUG & 2:
-        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+    if DEBUG & (8 | 16 | 32):
+        # Other formulations of the same dQ, to tell which part of the default one fails.
+        dqt_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM, BLOCK_M)
+        if DEBUG & 8:
+            # dQ^T = K^T dS^T: dS^T is B as stored (queries contiguous, as dO in the dV GEMM),
+            # K^T an MN-major A from shared memory; M = HEAD_DIM, so warpgroups stack on M.
+            ds_smem.store(ds_t)
+            fence_async_shared()
+            _warps_barrier()
+            dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_smem,
+                                   gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, dqt_layout),
+                                   use_acc=False, is_async=True)
+        elif DEBUG & 16:
+            # dS stored untransposed (ds_smem is [BLOCK_M, BLOCK_N] here): a K-major A.
+            ds_smem.permute((1, 0)).store(ds_t)
+            fence_async_shared()
+            _warps_barrier()
+            dq_tok = warpgroup_mma(ds_smem, k_smem,
+                                   gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                                   use_acc=False, is_async=True)
+        else:
+            # A from registers: dS^T transposed by the compiler (convert_layout).
+            dq_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout,
+                                                     k_width=2)
+            ds_reg = gl.convert_layout(gl.permute(ds_t, (1, 0)), dq_a)
+            dq_tok = warpgroup_mma(ds_reg, k_smem,
+                                   gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                                   use_acc=False, is_async=True)
+        dv, dk, dq_any, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op,
+                                                                  ds_op))
+        if DEBUG & 8:
+            dq_smem.permute((1, 0)).store(dq_any)
+        else:
+            dq_smem.store(dq_any)
+        _warps_barrier()
+        _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
     else:
-        dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op,
-                                                              ds_op))
+        # dQ needs dS (queries along rows): dS^T goes through shared memory and is read
+        # transposed; every warp's part must be there before the GEMM reads it.
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        _warps_barrier()
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)
+        if DEBUG & 2:
+            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+        else:
+            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op,
+                                                                  ds_op))
+        if DEBUG & 1:
+            dq_head = DQ + bh.to(gl.int64) * N_Q * HEAD_DIM
+            q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+            offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
+            gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1),
+                          sem="relaxed")
+        else:
+            dq_smem.store(dq)
+            _warps_barrier()
+            _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
+    return dk, dv
+
+
+@gluon.jit
+def _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                NUM_WARPS: gl.constexpr):
+    """Add the dQ tile staged in ``dq_smem`` into DQ's rows [m0, m0 + BLOCK_M) of ``bh``.
+    Read back with 4 consecutive columns per thread, its atomics become 16-byte
+    red.global.add.v4.f32, a quarter of the scalar ones the wgmma layout gives (offline
+    build: 8 per thread and step instead of 32)."""
     dq_head = DQ + bh.to(gl.int64) * N_Q * HEAD_DIM
-    if DEBUG & 1:
-        q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-        offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
-        gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1), sem="relaxed")
-        return dk, dv
-    # dQ leaves through shared memory, read back with 4 consecutive columns per thread: its
-    # atomics become 16-byte red.global.add.v4.f32, a quarter of the scalar ones the wgmma
-    # layout gives (offline build: 8 per thread and step instead of 32).
-    dq_smem.store(dq)
-    _warps_barrier()
     add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HEAD_DIM, HEAD_DIM // 4],
                                                 [NUM_WARPS, 1], [1, 0])
     dq = dq_smem.load(add_layout)
@@ -256,7 +306,6 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
     offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
     gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1), sem="relaxed")
-    return dk, dv
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -287,7 +336,12 @@ def _gluon_bwd_kernel(
     v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
-    ds_bufs = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
+    if DEBUG & 16:
+        ds_bufs = gl.allocate_shared_memory(
+            dtype, [1, BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
+                                                                              dtype))
+    else:
+        ds_bufs = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
