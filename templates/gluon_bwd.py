@@ -62,9 +62,10 @@ class GluonBwdConfig(KernelConfig):
         "Keys per program: its dK and dV accumulators (BLOCK_N x D fp32 each) stay in "
         "registers for the whole walk; more keys reread Q and dO fewer times.")
     stages: int = knob(
-        2, (1, 2, 3),
+        3, (3, 4),
         "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
-        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage.")
+        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline) nor "
+        "2 (wrong dK/dV on the H100, cause not found: docs/gluon_notes.md).")
     consumers: int = knob(
         2, (1, 2),
         "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
@@ -214,8 +215,8 @@ def _candidates(problem: Problem) -> list[GluonBwdConfig]:
     hdim 128: 64 queries x 128 keys, two MMA warpgroups), fitted to this kernel's register
     bound: at d64 64 queries x 128 keys (128 registers of tiles), at d128 64 x 128 (192, at
     the bound), then 64 x 64 tiles over one warpgroup (192, no stack in the offline build).
-    One stage is left out: at d128 it spilled 136 bytes. None of these has been timed."""
-    base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=2, consumers=2)
+    Three stages: one spilled 136 bytes at d128, two gave wrong dK/dV on the H100."""
+    base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     out = [base, dataclasses.replace(base, BLOCK_N=64, consumers=1)]
     if problem.head_dim <= 64:
         out.insert(1, dataclasses.replace(base, BLOCK_M=128))

@@ -24,7 +24,7 @@ incoming gradient ``do``, three launches produce ``dq``, ``dk`` and ``dv``:
         dV  += P^T dO                (A = P^T from registers)
         dS^T = scale * P^T (dP^T - delta)
         dK  += dS^T Q                (A = dS^T from registers)
-        dQ_i = dS K                  (A = dS: dS^T stored to shared memory, read transposed)
+        dQ_i = dS K                  (A = dS: dS^T transposed in registers by the compiler)
     and dQ_i is added into an fp32 buffer with atomics (through shared memory, as 16-byte
     vector atomics), so dq is not bitwise deterministic: the order of the additions varies
     between runs. ``scale`` is folded into dS, so dK and dQ come out scaled;
@@ -81,13 +81,9 @@ PREPROCESS_ROWS = 64
 # the kernel forgets to write shows up as NaN instead of stale memory.
 DEBUG_POISON = False
 # Bisecting switches for GPU diagnosis (a constexpr of the main kernel; 0 in production):
-#   1: dQ is added with scalar atomics straight from the wgmma layout (no dq_smem round trip);
 #   2: every GEMM is waited for at once (warpgroup_mma_wait(0)) and the refill is preceded by
 #      fence_async_shared + a barrier of its own (conservative ordering);
-#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest);
-#   8: dQ^T = K^T dS^T instead (M = HEAD_DIM: K^T an MN-major A, dS^T a B as stored);
-#  16: dS stored untransposed through a transposed view, read as a K-major A;
-#  32: dQ's A from registers (dS^T transposed by convert_layout), no dS in shared memory.
+#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest).
 # The environment variable GLUON_BWD_DEBUG overrides it (read when a launch is planned).
 DEBUG = 0
 
@@ -179,7 +175,7 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
 
 
 @gluon.jit
-def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_smem,
               DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -227,67 +223,19 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_sme
         if (DEBUG & 2) == 0:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         return dk, dv
-    if DEBUG & (8 | 16 | 32):
-        # Other formulations of the same dQ, to tell which part of the default one fails.
-        dqt_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM, BLOCK_M)
-        if DEBUG & 8:
-            # dQ^T = K^T dS^T: dS^T is B as stored (queries contiguous, as dO in the dV GEMM),
-            # K^T an MN-major A from shared memory; M = HEAD_DIM, so warpgroups stack on M.
-            ds_smem.store(ds_t)
-            fence_async_shared()
-            _warps_barrier()
-            dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_smem,
-                                   gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, dqt_layout),
-                                   use_acc=False, is_async=True)
-        elif DEBUG & 16:
-            # dS stored untransposed (ds_smem is [BLOCK_M, BLOCK_N] here): a K-major A.
-            ds_smem.permute((1, 0)).store(ds_t)
-            fence_async_shared()
-            _warps_barrier()
-            dq_tok = warpgroup_mma(ds_smem, k_smem,
-                                   gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                                   use_acc=False, is_async=True)
-        else:
-            # A from registers: dS^T transposed by the compiler (convert_layout).
-            dq_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout,
-                                                     k_width=2)
-            ds_reg = gl.convert_layout(gl.permute(ds_t, (1, 0)), dq_a)
-            dq_tok = warpgroup_mma(ds_reg, k_smem,
-                                   gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                                   use_acc=False, is_async=True)
-        dv, dk, dq_any, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op,
-                                                                  ds_op))
-        if DEBUG & 8:
-            dq_smem.permute((1, 0)).store(dq_any)
-        else:
-            dq_smem.store(dq_any)
-        _warps_barrier()
-        _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
-    else:
-        # dQ needs dS (queries along rows): dS^T goes through shared memory and is read
-        # transposed; every warp's part must be there before the GEMM reads it.
-        ds_smem.store(ds_t)
-        fence_async_shared()
-        _warps_barrier()
-        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
-        if DEBUG & 2:
-            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        else:
-            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op,
-                                                                  ds_op))
-        if DEBUG & 1:
-            dq_head = DQ + bh.to(gl.int64) * N_Q * HEAD_DIM
-            q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-            offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
-            gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1),
-                          sem="relaxed")
-        else:
-            dq_smem.store(dq)
-            _warps_barrier()
-            _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
+    # dQ = dS K needs dS with queries along rows: dS^T is transposed in registers by the
+    # compiler (through its own scratch) into the A operand. Staging dS^T in a buffer of ours
+    # and reading it as a shared-memory A (transposed, or stored untransposed) crashed on the
+    # H100 with an illegal address (docs/gluon_notes.md, "Third GPU run").
+    dq_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    ds_reg = gl.convert_layout(gl.permute(ds_t, (1, 0)), dq_a)
+    dq_tok = warpgroup_mma(ds_reg, k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+    dv, dk, dq, p_op, ds_op, ds_reg = warpgroup_mma_wait(
+        0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op, ds_reg))
+    dq_smem.store(dq)
+    _warps_barrier()
+    _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
     return dk, dv
 
 
@@ -331,17 +279,10 @@ def _gluon_bwd_kernel(
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     k_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, k_desc.layout)
     v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
-    if DEBUG & 16:
-        ds_bufs = gl.allocate_shared_memory(
-            dtype, [1, BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
-                                                                              dtype))
-    else:
-        ds_bufs = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -393,18 +334,17 @@ def _gluon_bwd_kernel(
                                          is_pure=False, pack=1)
         k_smem = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
         v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
-        ds_smem = ds_bufs.index(zero)
         q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         lse_smem = lse_bufs.index(slot)
         delta_smem = delta_bufs.index(slot)
         if m0 < full_row:
-            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
                                qk_scale, sm_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
                                num_warps, DEBUG)
         else:
-            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
                                qk_scale, sm_scale, False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
                                num_warps, DEBUG)
