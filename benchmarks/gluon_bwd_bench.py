@@ -37,8 +37,7 @@ from templates.base import Problem, relative_error  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
-    "n64": dict(BLOCK_M=64, BLOCK_N=64, stages=3, consumers=1),
-    "n64s4": dict(BLOCK_M=64, BLOCK_N=64, stages=4, consumers=1),
+    "s4": dict(BLOCK_M=64, BLOCK_N=128, stages=4, consumers=2),  # d64 only
     "m128": dict(BLOCK_M=128, BLOCK_N=128, stages=3, consumers=2),  # d64 only
 }
 CASES = [

@@ -41,6 +41,15 @@ CASES = [
     (1, 1, 1, 256, 256, 64, "float16", "none"),
     (1, 3, 1, 300, 1100, 64, "float16", "bottom_right"),
 ]
+# Longer walks (--long): more steps per program than the ring has stages many times over.
+LONG_CASES = [
+    (1, 1, 1, 1024, 1024, 128, "float16", "none"),
+    (1, 1, 1, 2048, 2048, 128, "bfloat16", "none"),
+    (1, 1, 1, 2048, 2048, 128, "bfloat16", "top_left"),
+    (2, 8, 8, 2048, 2048, 128, "float16", "top_left"),
+    (1, 2, 2, 4096, 4096, 64, "bfloat16", "none"),
+    (1, 2, 2, 8192, 8192, 128, "bfloat16", "none"),
+]
 
 
 def _child(name: str, debug: int, cases: list, q) -> None:
@@ -80,6 +89,7 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--debug", default="0", help="comma-separated GLUON_BWD_DEBUG values")
     parser.add_argument("--budget-s", type=float, default=110.0)
+    parser.add_argument("--long", action="store_true", help="the longer walks instead")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     deadline = time.monotonic() + args.budget_s
@@ -90,7 +100,8 @@ def main() -> int:
                 print(f"{name} dbg{debug}: SKIPPED (budget spent)", flush=True)
                 continue
             q = ctx.Queue()
-            p = ctx.Process(target=_child, args=(name, debug, CASES, q))
+            cases = LONG_CASES if args.long else CASES
+            p = ctx.Process(target=_child, args=(name, debug, cases, q))
             p.start()
             running = None
             done = 0
@@ -116,8 +127,8 @@ def main() -> int:
             if running is not None:
                 print(f"{running} {name} dbg{debug}: CRASH (child exit {p.exitcode}) while "
                       f"running this case", flush=True)
-            if done + (running is not None) < len(CASES):
-                print(f"{name} dbg{debug}: {len(CASES) - done - (running is not None)} later "
+            if done + (running is not None) < len(cases):
+                print(f"{name} dbg{debug}: {len(cases) - done - (running is not None)} later "
                       f"case(s) not run", flush=True)
     return 0
 

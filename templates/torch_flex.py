@@ -44,7 +44,8 @@ from templates.device import DeviceInfo
 from templates.mask_mods import pattern_problem
 from templates.registry import register
 
-__all__ = ["FlexConfig", "compiled_flex_attention", "flex", "to_flex_block_mask"]
+__all__ = ["FlexConfig", "compiled_flex_attention", "flex", "block_size_problem",
+           "to_flex_block_mask"]
 
 # Past dynamo's default recompile limit (8) a compiled flex_attention silently falls back to
 # eager (the unfused math path): every shape, mask_mod and kernel_options value is one more
@@ -149,10 +150,29 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMas
          config: FlexConfig | None = None) -> torch.Tensor:
     """Compiled FlexAttention of (B, H, L, E) inputs under ``block_mask`` (and ``causal``);
     differentiable. Rows that see no key give zeros, as ours."""
+    reason = block_size_problem(block_mask)
+    if reason:
+        raise ValueError(reason)
     options = None if config is None else config.kernel_options()
     return compiled_flex_attention()(  # type: ignore[no-any-return]
         q, k, v, block_mask=to_flex_block_mask(block_mask, causal), scale=scale,
         enable_gqa=enable_gqa, kernel_options=options if q.is_cuda else None)
+
+
+# Flex's tiles on Hopper: its forward's are 128 and must divide the mask's blocks. Smaller
+# blocks with matching kernel_options pass the forward, but no backward config of Flex's
+# autotuner then fits (torch 2.11 on the H100: "NoValidChoicesError" in
+# flex_attention_backward), so masks of smaller blocks run ours.
+FLEX_MIN_BLOCK = 128
+
+
+def block_size_problem(block_mask: BlockMask) -> str | None:
+    """Why Flex cannot run ``block_mask`` (None if it can)."""
+    qb, kb = block_mask.block_size
+    if qb % FLEX_MIN_BLOCK or kb % FLEX_MIN_BLOCK:
+        return (f"FlexAttention needs mask blocks that are multiples of {FLEX_MIN_BLOCK} "
+                f"(its tiles), but this mask's are {qb} x {kb}")
+    return None
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,7 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from templates.flash_bwd import BwdConfig
     from templates.flash_bwd import fit_to_block_mask as fit_bwd_to_block_mask
     from templates.flash_fwd import FwdConfig, check_block_mask, fit_to_block_mask
-    from templates.torch_flex import FlexConfig, flex
+    from templates.torch_flex import FlexConfig, block_size_problem, flex
 
     check_inputs(q, k, v, enable_gqa)
     if block_mask is not None:
@@ -382,6 +382,11 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if block_mask is not None:
         check_block_mask(block_mask, q4, k4)
         choice = _block_mask_choice(q, k, v, is_causal, enable_gqa, needs_grad, block_mask)
+        if (choice is not None and choice.implementation.name == "flex"
+                and block_size_problem(block_mask) is not None):
+            # Flex won the pattern at its sweep's 128-blocks; this mask's smaller blocks are
+            # ours alone (the dense problem's configs, fitted to them below).
+            choice = None
         if choice is not None and choice.implementation.name == "flex":
             flex_config = choice.config
             assert isinstance(flex_config, FlexConfig)

@@ -165,8 +165,8 @@ def test_default_configs_compile_for_the_h100() -> None:
 # ----------------------------------------------------------------------------- GPU numerics
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
-    "n64": dict(BLOCK_M=64, BLOCK_N=64, stages=3, consumers=1),
-    "s4": dict(BLOCK_M=64, BLOCK_N=64, stages=4, consumers=1),
+    "s4": dict(BLOCK_M=64, BLOCK_N=128, stages=4, consumers=2),  # d64 only (shared memory)
+    "m128": dict(BLOCK_M=128, BLOCK_N=128, stages=3, consumers=2),  # d64 only
 }
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -18,7 +18,7 @@ from templates.device import CPU_INTERPRETER, cpu_device, current_device
 from templates.flash_bwd import reference_grads
 from templates.mask_mods import pattern_block_mask
 from templates.registry import get_template
-from templates.torch_flex import FlexConfig, flex, to_flex_block_mask
+from templates.torch_flex import FlexConfig, block_size_problem, flex, to_flex_block_mask
 
 FLEX = get_template("torch_flex")
 FLEX_TRAIN = get_template("torch_flex_train")
@@ -152,7 +152,7 @@ def test_a_per_head_mask_with_gqa_on_the_gpu() -> None:
     torch.manual_seed(0)
     b, hq, hkv, n, d = 2, 4, 2, 333, 128
     dense = torch.rand(b, hq, n, n, device="cuda") < 0.5
-    mask = BlockMask.from_dense(dense, 64)
+    mask = BlockMask.from_dense(dense, 128)
     q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
@@ -169,3 +169,15 @@ def test_a_per_head_mask_with_gqa_on_the_gpu() -> None:
     for got, ref_grad in zip(grads, want, strict=True):
         err = (got.double() - ref_grad.double()).norm() / ref_grad.double().norm()
         assert float(err) < 1e-2
+
+
+def test_masks_of_blocks_smaller_than_flex_tiles_are_refused() -> None:
+    """Flex's tiles (128) must divide the mask's blocks; with 64-blocks no backward config of
+    Flex fits (seen on the H100), so flex() refuses them by name and the dispatcher runs ours."""
+    dense = torch.rand(1, 1, 200, 200) < 0.5
+    assert block_size_problem(BlockMask.from_dense(dense, 128)) is None
+    reason = block_size_problem(BlockMask.from_dense(dense, 64))
+    assert reason is not None and "64 x 64" in reason
+    q = torch.randn(1, 1, 200, 16)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        flex(q, q, q, BlockMask.from_dense(dense, 64))
