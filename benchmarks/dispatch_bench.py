@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="alternated timing rounds per row (median kept)")
     parser.add_argument("--train-rounds", type=int, default=12,
                         help="the same for training rows, whose sdpa read up to 4.7%% apart "
-                             "from itself in 5 rounds (about 1.3 s a round on an H100)")
+                             "from itself in 5 rounds (estimated 1.3 s a round on an H100)")
     parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
                         help="bshd: q, k, v as transposed views of (B, S, H, D), as models "
                              "hand them over")

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU interpreter")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--rounds", type=int,
-                        help="paired rounds per step (default 30, about 1.9 s a Llama round "
+                        help="paired rounds per step (default 30; estimated 1.9 s a Llama round "
                              "and 0.5 s a sliding one on an H100; --smoke: 3)")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not interpreter_active()
