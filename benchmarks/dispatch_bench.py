@@ -20,7 +20,12 @@ it times, with fresh random inputs and after checking each output against a floa
 
 Training rows time forward + backward (``out.backward(do)``) and check dq, dk, dv.
 Verdicts per row: ``vs sdpa`` = sdpa time / tuner time (>= 1.00 means never slower) and
-``vs best`` = the fastest single candidate's time / tuner time.
+``vs best`` = the fastest single candidate's time / tuner time, both of medians over rounds.
+Those medians come from separate readings, so drift between them counts; ``paired`` pairs
+instead tuner.attention / sdpa within each round (``--rounds``, ``--train-rounds`` for
+training rows, whose sdpa read up to 4.7% apart from itself in 5 rounds), with sdpa again /
+sdpa in the same rounds as the noise floor, and says faster, same within noise or slower
+(benchmarks/paired.py).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
+from benchmarks.paired import LEVEL, VERDICTS, compare, describe, interleave  # noqa: E402
 from templates.base import Problem, relative_error  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
 from templates.torch_sdpa import sdpa  # noqa: E402
@@ -64,6 +70,8 @@ class Row:
     ms: dict[str, float | None] = field(default_factory=dict)  # candidate -> median ms
     errors: dict[str, str] = field(default_factory=dict)  # candidate -> why not timed
     spread: dict[str, float] = field(default_factory=dict)  # (max - min) / median of rounds
+    rounds_ms: dict[str, list[float]] = field(default_factory=dict)  # candidate -> per round
+    paired: dict[str, Any] = field(default_factory=dict)  # benchmarks.paired.compare's
     chosen: str = ""
     why: str = ""
 
@@ -173,10 +181,13 @@ def checked_call(fn: Callable[..., torch.Tensor], t: dict[str, Any], training: b
 
 
 def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[..., float],
-             rounds: int, layout: str = "bhsd") -> list[Row]:
-    """Each row's candidates checked, then timed in ``rounds`` alternated rounds, each
-    rotated by one (a, b, c, b, c, a, c, a, b, ...); a candidate's time is the median of its
-    rounds, so a clock or thermal drift during the row falls on every candidate alike."""
+             rounds: int, layout: str = "bhsd", train_rounds: int | None = None) -> list[Row]:
+    """Each row's candidates checked, then timed in ``rounds`` alternated rounds
+    (``train_rounds`` for training rows); a candidate's time is the median of its rounds, so
+    a clock or thermal drift during the row falls on every candidate alike. ``paired``:
+    tuner.attention / sdpa within each round against sdpa again / sdpa (the A/A floor),
+    benchmarks/paired.py's verdict."""
+    train_rounds = train_rounds or rounds
     on_gpu = device == "cuda"
     out = []
     for p, training in rows:
@@ -189,8 +200,10 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
         row.why = choice.why
         fns = {name: fn for name, fn in candidates(p, on_gpu).items()
                if not (training and name in ("decode", "gluon"))}  # those have no backward
-        row.ms, row.errors, row.spread = check_and_time(fns, t, training, ref,
-                                                        TOLERANCE[p.dtype], bench, rounds)
+        row.ms, row.errors, row.spread, row.rounds_ms = check_and_time(
+            fns, t, training, ref, TOLERANCE[p.dtype], bench, train_rounds if training else rounds)
+        if {"sdpa", "sdpa again", "tuner.attention"} <= set(row.rounds_ms):
+            row.paired = compare(row.rounds_ms, "sdpa", "tuner.attention", "sdpa again")
         out.append(row)
         del t, ref
         if on_gpu:
@@ -202,9 +215,11 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
 def check_and_time(fns: dict[str, Callable[..., torch.Tensor]], t: dict[str, Any],
                    training: bool, ref: tuple[torch.Tensor, ...], tolerance: float,
                    bench: Callable[..., float], rounds: int
-                   ) -> tuple[dict[str, float | None], dict[str, str], dict[str, float]]:
-    """(ms, errors, spread) of a row: each candidate checked against ``ref`` once (a failed
-    one gets no time, its error instead), the rest timed by :func:`timed_rounds`."""
+                   ) -> tuple[dict[str, float | None], dict[str, str], dict[str, float],
+                              dict[str, list[float]]]:
+    """(ms, errors, spread, ms per round) of a row: each candidate checked against ``ref``
+    once (a failed one gets no time, its error instead), the rest timed by
+    :func:`timed_rounds`."""
     ms: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     calls = {}
@@ -214,26 +229,25 @@ def check_and_time(fns: dict[str, Callable[..., torch.Tensor]], t: dict[str, Any
             ms[name], errors[name] = None, why
         else:
             calls[name] = call
-    medians, spread = timed_rounds(calls, bench, rounds)
+    medians, spread, times = timed_rounds(calls, bench, rounds)
     ms.update(medians)
-    return ms, errors, spread
+    return ms, errors, spread, times
 
 
 def timed_rounds(calls: dict[str, Callable[[], Any]], bench: Callable[..., float], rounds: int
-                 ) -> tuple[dict[str, float], dict[str, float]]:
-    """(median ms, (max - min) / median) per call over ``rounds`` rounds that time every call
-    once. Each round starts one call later: a kernel that runs the GPU hot (power, clocks)
-    slows whatever is timed right after it, and in a fixed order that would always be the
-    same call (tuner.attention after gluon read 10% slow on the H100, 2026-11-24, where the
-    same kernel alone read the same as sdpa)."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(bench(calls[name]))
+                 ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
+    """(median ms, (max - min) / median, the ms of every round) per call over ``rounds``
+    rounds that time every call once, in benchmarks/paired.py's orders: rotated, and every
+    second round mirrored. A kernel that runs the GPU hot (power, clocks) slows whatever is
+    timed right after it, and in a fixed order that would always be the same call
+    (tuner.attention after gluon read 10% slow on the H100, 2026-11-24, where the same kernel
+    alone read the same as sdpa); rotation alone keeps each call's predecessor, the mirror
+    gives it its other neighbour in turn."""
+    times = interleave({name: (lambda c: lambda: bench(c))(call) for name, call in calls.items()},
+                       rounds)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     spread = {name: (max(ts) - min(ts)) / medians[name] for name, ts in times.items()}
-    return medians, spread
+    return medians, spread, times
 
 
 def bench_function(on_gpu: bool, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
@@ -292,6 +306,16 @@ def print_table(rows: list[Row]) -> None:
     geo = [x for x in ratios if x]
     if geo:
         print(f"geomean vs sdpa: {math.prod(geo) ** (1 / len(geo)):.3f}x over {len(geo)} rows")
+    paired = [r for r in rows if r.paired]
+    if paired:  # the medians above are of separate readings; these pair them within a round
+        print(f"\npaired: tuner.attention / sdpa time within each round (< 1.00x: faster), "
+              f"median [{100 * LEVEL:.0f}% interval], A/A noise floor (sdpa again / sdpa), "
+              "verdict")
+        for row in paired:
+            print(f"{row.label:<58} {describe(row.paired)}")
+        counts = {v: sum(r.paired["verdict"] == v for r in paired) for v in VERDICTS}
+        print("verdicts: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+              + f" (of {len(paired)} rows)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternated timing rounds per row (median kept)")
+    parser.add_argument("--train-rounds", type=int, default=12,
+                        help="the same for training rows, whose sdpa read up to 4.7%% apart "
+                             "from itself in 5 rounds (estimated 1.3 s a round on an H100)")
     parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
                         help="bshd: q, k, v as transposed views of (B, S, H, D), as models "
                              "hand them over")
@@ -317,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     clear_plans()
     rows = run_rows(rows_of([s for s in args.specs.split(",") if s], args.smoke),
                     "cuda" if on_gpu else "cpu", bench_function(on_gpu, args.rep_ms),
-                    max(1, args.rounds), args.layout)
+                    max(1, args.rounds), args.layout, max(1, args.train_rounds))
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({

@@ -16,10 +16,17 @@ every layer (transformers hands SDPA a dense boolean mask there). Rows:
   minus the prompt's forward);
 * train: B2 x 4k (sliding: B1 x 8k), loss backward;
 
-each the best of 3 wall times after a warm-up, synchronized. Logits of a 1k prefill are
-compared with an fp32 eager model for both implementations (greedy tokens of a random model
-diverge at near-ties, so token equality is not the check). Ratio = tuner time / sdpa time
-(<= 1.00: the switch costs nothing).
+each a synchronized wall time after a warm-up. Logits of a 1k prefill are compared with an
+fp32 eager model for both implementations (greedy tokens of a random model diverge at
+near-ties, so token equality is not the check).
+
+Noise control (benchmarks/paired.py): both models stay resident (same weights), and each
+step is timed in ``--rounds`` rounds, each running "sdpa", "tuner" and "sdpa again" (the sdpa
+model once more: the A/A noise floor) once, in orders that alternate (ABBA-like). Per step:
+the median over rounds of tuner / sdpa *within* a round (``ratio``, <= 1.00: the switch costs
+nothing), the interval of that median, the same for sdpa again / sdpa, and a verdict: faster,
+same within noise or slower. One implementation timed after the other (the old best-of-3)
+read a few percent apart from drift alone.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402, F401  (imports templates first: TRITON_INTERPRET is set without CUDA)
+from benchmarks import paired  # noqa: E402
+from benchmarks.paired import compare, describe, interleave  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 
@@ -65,47 +75,72 @@ def build(kind: str, attn: str, dims: dict[str, Any], window: int, dtype: torch.
     return model.to(device=device, dtype=dtype)
 
 
-def best_of(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = 3) -> float:
-    fn()  # warm-up: plans, compiles, cuDNN graphs
-    sync()
-    times = []
-    for _ in range(repeats):
+def steps_for(model: Any, kind: str, sizes: dict[str, int], device: str,
+              sync: Callable[[], None]) -> dict[str, Callable[[], float]]:
+    """The row's steps on ``model``, each a call that runs the step once and returns its
+    milliseconds. Inputs come from a fixed seed: every model gets the same."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        sync()
         start = time.perf_counter()
         fn()
         sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return min(times)
+        return (time.perf_counter() - start) * 1e3
 
-
-def rows_for(model: Any, kind: str, sizes: dict[str, int], device: str,
-             sync: Callable[[], None]) -> dict[str, float]:
-    vocab = model.config.vocab_size
-    gen = torch.Generator(device=device).manual_seed(1)
-    out: dict[str, float] = {}
     prefill = torch.randint(0, vocab, (1, sizes["prefill"]), device=device, generator=gen)
-    model.eval()
-    with torch.no_grad():
-        out["prefill ms"] = best_of(lambda: model(prefill), sync)
+
+    def run_prefill() -> float:
+        model.eval()
+        with torch.no_grad():
+            return timed(lambda: model(prefill))
+
+    steps = {"prefill ms": run_prefill}
     if kind == "llama":
         prompt = torch.randint(0, vocab, (1, sizes["prompt"]), device=device, generator=gen)
         new = sizes["new_tokens"]
-        with torch.no_grad():
-            prompt_ms = best_of(lambda: model(prompt), sync)
-            gen_ms = best_of(lambda: model.generate(prompt, max_new_tokens=new,
-                                                    min_new_tokens=new, do_sample=False,
-                                                    pad_token_id=0), sync)
-        out["decode ms/token"] = (gen_ms - prompt_ms) / new
-    batch, seqlen = sizes["train_batch"], sizes["train_len"]
-    ids = torch.randint(0, vocab, (batch, seqlen), device=device, generator=gen)
-    model.train()
 
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
+        def run_decode() -> float:  # generate time minus the prompt's forward, per new token
+            model.eval()
+            with torch.no_grad():
+                prompt_ms = timed(lambda: model(prompt))
+                gen_ms = timed(lambda: model.generate(prompt, max_new_tokens=new,
+                                                      min_new_tokens=new, do_sample=False,
+                                                      pad_token_id=0))
+            return (gen_ms - prompt_ms) / new
 
-    out["train step ms"] = best_of(step, sync)
-    model.zero_grad(set_to_none=True)
-    model.eval()
+        steps["decode ms/token"] = run_decode
+    ids = torch.randint(0, vocab, (sizes["train_batch"], sizes["train_len"]), device=device,
+                        generator=gen)
+
+    def run_train() -> float:
+        model.train()
+        try:
+            return timed(lambda: model(ids, labels=ids).loss.backward())
+        finally:  # two models resident: only the one timed holds gradients, and only now
+            model.zero_grad(set_to_none=True)
+
+    steps["train step ms"] = run_train
+    return steps
+
+
+def paired_rows(models: dict[str, Any], kind: str, sizes: dict[str, int], device: str,
+                sync: Callable[[], None], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """step -> implementation -> its milliseconds per round. Per step: one warm-up call of
+    each model (plans, compiles, cuDNN graphs), then :func:`interleave` of sdpa, ours and
+    "sdpa again" (the sdpa model's step timed as a third implementation: the A/A floor)."""
+    steps = {name: steps_for(model, kind, sizes, device, sync) for name, model in models.items()}
+    out = {}
+    for step in steps["sdpa"]:
+        for name in models:
+            steps[name][step]()
+        measures = {name: steps[name][step] for name in models}
+        measures["sdpa again"] = steps["sdpa"][step]
+        start = time.perf_counter()
+        out[step] = interleave(measures, rounds)
+        print(f"{kind} {step}: {rounds} rounds in {time.perf_counter() - start:.1f} s",
+              flush=True)
     return out
 
 
@@ -140,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="llama,sliding", help="llama and/or sliding")
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU interpreter")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--rounds", type=int,
+                        help="paired rounds per step (default 30; estimated 1.9 s a Llama round "
+                             "and 0.5 s a sliding one on an H100; --smoke: 3)")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not interpreter_active()
     if not on_gpu and not args.smoke:
@@ -159,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         tune(args.db, sizes, args.tune_s)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     name = register_transformers()
+    rounds = max(1, args.rounds if args.rounds is not None else 3 if args.smoke else 30)
     results: dict[str, Any] = {}
     for kind in args.rows.split(","):
         window = sizes["window"]
@@ -169,25 +208,34 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, dims["vocab_size"], (1, sizes["logits"]), device=device,
                             generator=gen)
         reference = build(kind, "eager", dims, window, torch.float32, device).eval()
-        row: dict[str, Any] = {}
-        for attn in ("sdpa", name):
-            model = build(kind, attn, dims, window, dtype, device)
-            row[attn] = rows_for(model, kind, kind_sizes, device, sync)
-            row[attn]["logits error vs fp32"] = logits_error(model.eval(), reference, ids)
-            del model
-            if on_gpu:
-                torch.cuda.empty_cache()
+        models = {attn: build(kind, attn, dims, window, dtype, device) for attn in ("sdpa", name)}
+        errors = {attn: logits_error(model.eval(), reference, ids)
+                  for attn, model in models.items()}
         del reference
-        row["ratio"] = {k: row[name][k] / row["sdpa"][k] for k in row["sdpa"]
-                        if k.endswith("ms") or k.endswith("token")}
+        if on_gpu:
+            torch.cuda.empty_cache()
+        times = paired_rows(models, kind, kind_sizes, device, sync, rounds)
+        del models
+        if on_gpu:
+            torch.cuda.empty_cache()
+        # "sdpa" and ours: each step's median over rounds (the table's times); "ratio": the
+        # paired median of ours / sdpa (what the verdict rests on; was best / best before).
+        row: dict[str, Any] = {
+            attn: {**{step: statistics.median(t[attn]) for step, t in times.items()},
+                   "logits error vs fp32": errors[attn]} for attn in ("sdpa", name)}
+        comparisons = {step: compare(t, "sdpa", name, "sdpa again") for step, t in times.items()}
+        row["ratio"] = {step: c["ratio"]["median"] for step, c in comparisons.items()}
+        row["paired"] = comparisons
+        row["rounds_ms"] = times
         results[kind] = row
-    print(f"\n{'row':<28} {'sdpa':>10} {'tuner':>10} {'tuner/sdpa':>11}")
+    print(f"\n{'row':<28} {'sdpa ms':>9} {'tuner ms':>9}  tuner/sdpa paired median "
+          f"[{100 * paired.LEVEL:.0f}% interval], A/A noise floor, verdict")
     for kind, row in results.items():
-        for k, ratio in row["ratio"].items():
-            print(f"{kind + ' ' + k:<28} {row['sdpa'][k]:>10.3f} {row[name][k]:>10.3f} "
-                  f"{ratio:>10.2f}x")
-        print(f"{kind + ' logits err vs fp32':<28} {row['sdpa']['logits error vs fp32']:>10.2e} "
-              f"{row[name]['logits error vs fp32']:>10.2e}")
+        for step, c in row["paired"].items():
+            print(f"{kind + ' ' + step:<28} {row['sdpa'][step]:>9.3f} {row[name][step]:>9.3f}  "
+                  f"{describe(c)}")
+        print(f"{kind + ' logits err vs fp32':<28} {row['sdpa']['logits error vs fp32']:>9.2e} "
+              f"{row[name]['logits error vs fp32']:>9.2e}")
     if args.json:
         args.json.write_text(json.dumps({
             "device": torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
@@ -196,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.date.today().isoformat(), "db": args.db,
             "command": " ".join(["python", "benchmarks/e2e_hf.py",
                                  *(sys.argv[1:] if argv is None else argv)]),
-            "sizes": sizes, "results": results}, indent=2) + "\n")
+            "sizes": sizes, "rounds": rounds, "results": results}, indent=2) + "\n")
     return 0
 
 

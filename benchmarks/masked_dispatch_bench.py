@@ -9,7 +9,8 @@ a training step (forward + backward, ``torch.autograd.grad``), with the named pa
 (``pattern_block_mask``: it carries ``BlockMask.pattern``, so the dispatcher prices the call by
 that problem's measurements). Candidates, each checked first against a float32 reference
 (SDPA on upcast inputs with the mask materialized: memory-efficient on a GPU, math on the
-CPU), then timed in ``--rounds`` rounds, each rotated by one candidate (median kept):
+CPU), then timed in ``--rounds`` rounds in alternating orders (benchmarks/paired.py; median
+kept):
 
 * ``flash``: our block-sparse kernels (``use_implementation("flash")``: the dense problem's
   tuned configs fitted to the mask, what ran before Flex was a candidate),
@@ -139,8 +140,8 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
         row.chosen = (f"{choice.implementation.name} {choice.config.key()}" if choice
                       else "flash (CPU: no device to price)")
         row.why = choice.why if choice else ""
-        row.ms, row.errors, row.spread = check_and_time(candidates(), t, training, ref,
-                                                        TOLERANCE[p.dtype], bench, rounds)
+        row.ms, row.errors, row.spread, _ = check_and_time(candidates(), t, training, ref,
+                                                           TOLERANCE[p.dtype], bench, rounds)
         out.append(row)
         del t, ref
         if device == "cuda":

@@ -17,12 +17,14 @@ only the targets' thresholds are written here):
                            TFLOP/s per problem, trial counts, seconds per trial;
 - ``dispatch*.json``       benchmarks/dispatch_bench.py: the drop-in ``tuner.attention``
                            against torch SDPA per row, every candidate forced, SDPA timed
-                           twice (the noise floor);
+                           twice (the noise floor); newer files: per row the paired ratio
+                           and verdict of benchmarks/paired.py;
 - ``decode_loop*.json``    benchmarks/decode_loop.py: decode steps back to back, SDPA against
                            ``tuner.attention`` and ``tuner.decode``;
 - ``decode_grid*.json``    benchmarks/decode_grid.py: flash_decode configs beside cuDNN, the
                            GPU's time alone;
-- ``e2e_hf*.json``         benchmarks/e2e_hf.py: a transformers model, SDPA against ours;
+- ``e2e_hf*.json``         benchmarks/e2e_hf.py: a transformers model, SDPA against ours
+                           (newer files: paired rounds, an A/A floor, a verdict per step);
 - ``fwd_compile_sweep*``, ``sweep_quick_trials*``, ``decode_probe*``  compile data, the
                            recorded trials of a sweep (``tuner replay``'s input) and the first
                            decode probes: listed, not reported.
@@ -327,6 +329,64 @@ def max_rows_target(what: str, source: str, threshold: float, rows: list[tuple[s
               f"worst row {gap:.1f}% over; {meeting} of {len(rows)} rows meet it")
     return Target(what, source, limit, f"worst {worst:.3f}x ({name})", met, margin + gone,
                   ", ".join(f"{n} {r:.3f}x" for n, r in rows))
+
+
+PAIRED_DECIDED = ("faster", "same within noise", "slower")
+
+
+def _paired(value: Any) -> dict[str, Any] | None:
+    """benchmarks/paired.py's comparison (tuner / sdpa time within each round, its interval,
+    the A/A floor, a verdict) as a file holds it; None where it holds none (older files)."""
+    if not isinstance(value, dict) or not isinstance(value.get("ratio"), dict):
+        return None
+    return value if _num(value["ratio"].get("median")) is not None else None
+
+
+def paired_cells(c: dict[str, Any] | None) -> list[str]:
+    """The paired median [interval], the A/A floor and the verdict, as table cells."""
+    if c is None:
+        return ["-", "-", "-"]
+    r = c["ratio"]
+    low, high, floor = _num(r.get("ci_low")), _num(r.get("ci_high")), _num(c.get("floor"))
+    interval = f" [{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
+    return [f"{r['median']:.3f}x{interval}", "-" if floor is None else f"{100 * floor:.1f}%",
+            str(c.get("verdict", "-"))]
+
+
+PAIRED_HEADER = ["tuner/sdpa time, paired median [95% interval]", "A/A floor", "verdict"]
+PAIRED_TEXT = ("**tuner/sdpa time, paired**: the median over rounds of ours / sdpa timed in "
+               "the same round (rounds alternate the order), with the distribution-free 95% "
+               "interval of that median; *A/A floor*: how far from 1.00x the same median of "
+               "sdpa timed again / sdpa reaches (two timings of one implementation read that "
+               "far apart here); *verdict*: faster or slower where the interval lies wholly "
+               "beyond 1.00x -/+ the floor, else same within noise (benchmarks/paired.py)")
+
+
+def paired_target(what: str, source: str, rows: list[tuple[str, dict[str, Any]]],
+                  missing: Sequence[str] = ()) -> Target:
+    """'no row slower than SDPA beyond its A/A floor': each row's paired verdict decides (a
+    row without one, too few rounds or not timed, leaves the target not measured)."""
+    limit = "<= 1.00x, or within the A/A floor"
+    gone = f"; not measured: {', '.join(missing)}" if missing else ""
+    if not rows:
+        return Target(what, source, limit, "no rows", None, "not measured" + gone)
+    name, worst = max(rows, key=lambda r: r[1]["ratio"]["median"])
+    slower = [n for n, c in rows if c.get("verdict") == "slower"]
+    undecided = [n for n, c in rows if c.get("verdict") not in PAIRED_DECIDED]
+    met: bool | None = not slower
+    if not slower and (undecided or missing):
+        met = None
+    counts = {v: sum(c.get("verdict") == v for _, c in rows)
+              for v in (*PAIRED_DECIDED, "too few rounds")}
+    margin = (", ".join(f"{n} {v}" for v, n in counts.items() if n)
+              + (f" (of {len(rows)} rows); slower: {', '.join(slower)}" if slower
+                 else f" (of {len(rows)} rows)") + gone)
+    floor = _num(worst.get("floor"))
+    return Target(what, source, limit,
+                  f"worst {worst['ratio']['median']:.3f}x ({name}: {worst.get('verdict')}"
+                  + (f", floor {100 * floor:.1f}%)" if floor is not None else ")"), met, margin,
+                  ", ".join(f"{n} {c['ratio']['median']:.3f}x {c.get('verdict')}"
+                            for n, c in rows))
 
 
 def _first_sentence(text: str, limit: int = 100) -> str:
@@ -1039,6 +1099,7 @@ class DispatchRow:
     errors: dict[str, str]
     chosen: str
     why: str
+    paired: dict[str, Any] | None = None  # benchmarks/paired.py's, in newer files
 
     @property
     def speedup(self) -> float | None:
@@ -1079,7 +1140,8 @@ def dispatch_rows(data: dict[str, Any]) -> list[DispatchRow]:
             rows.append(DispatchRow(problem_name(r["problem"], training), training,
                                     {str(k): _num(v) for k, v in r["ms"].items()},
                                     {str(k): str(v) for k, v in r.get("errors", {}).items()},
-                                    str(r.get("chosen", "")), str(r.get("why", ""))))
+                                    str(r.get("chosen", "")), str(r.get("why", "")),
+                                    _paired(r.get("paired"))))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"a row without {exc}: {str(r)[:120]}") from exc
     return rows
@@ -1091,7 +1153,9 @@ def dispatch_section(src: Source, data: dict[str, Any]) -> Section:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.4g}"
 
+    is_paired = any(r.paired for r in rows)
     header = ["row", "sdpa ms", "tuner.attention ms", "sdpa/tuner", "noise: sdpa/sdpa again",
+              *(PAIRED_HEADER if is_paired else []),
               "ran (tuner.attention's choice)", "fastest single (ms)", "fastest/tuner",
               "each candidate forced, ms"]
     cells = []
@@ -1102,7 +1166,7 @@ def dispatch_section(src: Source, data: dict[str, Any]) -> Section:
         forced = ", ".join(f"{n} {ms(t)}" for n, t in r.ms.items()
                            if n not in ("sdpa", "sdpa again", "tuner.attention"))
         cells.append([r.name, ms(r.ms.get("sdpa")), ms(r.ms.get("tuner.attention")),
-                      _x(r.speedup), _x(again),
+                      _x(r.speedup), _x(again), *(paired_cells(r.paired) if is_paired else []),
                       (implementation_text(r.chosen) if r.chosen else "-") + why,
                       f"{fastest[0]} {ms(fastest[1])}" if fastest else "-",
                       _x(_ratio(fastest[1] if fastest else None, r.ms.get("tuner.attention"))),
@@ -1129,7 +1193,8 @@ def dispatch_section(src: Source, data: dict[str, Any]) -> Section:
           + (f"; this file's noise floor (the largest gap) is {100 * floor[1]:.1f}% "
              f"({floor[0]})" if floor else "; not recorded")
           + ". *fastest single*: the fastest candidate, SDPA's backends and ours forced "
-          "through `tuner.use_implementation`." + interpreted,
+          "through `tuner.use_implementation`." + (f" {PAIRED_TEXT}." if is_paired else "")
+          + interpreted,
           "", *_table(header, cells), ""]
     speedups = [(r.name, x) for r in rows if (x := r.speedup) is not None]
     if speedups and floor:
@@ -1146,7 +1211,12 @@ def dispatch_section(src: Source, data: dict[str, Any]) -> Section:
                *(f"- {c}, {len(names)} of {len(rows)} rows: {why}"
                  for (c, why), names in errors.items()), ""]
     what = "tuner.attention time vs SDPA, every row, within the file's noise floor"
-    if floor is None:
+    if is_paired:  # each row against its own A/A floor, pairs within rounds
+        targets = [paired_target("tuner.attention time vs SDPA, every row, paired, beyond the "
+                                 "A/A floor", src.path.name,
+                                 [(r.name, r.paired) for r in rows if r.paired],
+                                 [r.name for r in rows if not r.paired])]
+    elif floor is None:
         targets = [Target(what, src.path.name, f"<= {DROP_IN_VS_SDPA:.2f}x + noise",
                           "no noise floor recorded", None, "not measured")]
     else:
@@ -1295,59 +1365,86 @@ def decode_grid_section(src: Source, data: dict[str, Any]) -> Section:
 
 
 def e2e_section(src: Source, data: dict[str, Any]) -> Section:
-    """e2e_hf.py: per model (llama, sliding) the times of sdpa and ours, and logits errors."""
+    """e2e_hf.py: per model (llama, sliding) the times of sdpa and ours, and logits errors;
+    files from the paired e2e_hf.py also the paired ratio, its floor and verdict per step."""
     cells, logits = [], []
     times: list[tuple[str, float]] = []
+    pairs: list[tuple[str, dict[str, Any]]] = []
     sliding: tuple[float, float] | None = None
+    sliding_pair: dict[str, Any] | None = None
     for model, r in data["results"].items():
         try:
-            ours_key = "tuner" if "tuner" in r else next(k for k in r if k not in ("sdpa",
-                                                                                   "ratio"))
+            ours_key = "tuner" if "tuner" in r else next(
+                k for k in r if k not in ("sdpa", "ratio", "paired", "rounds_ms"))
             sdpa, ours = r["sdpa"], r[ours_key]
             steps = [k for k in sdpa if k.endswith("ms") or k.endswith("token")]
         except (AttributeError, KeyError, StopIteration, TypeError) as exc:
             raise FormatError(f"a model without sdpa and ours ({exc!r}): {str(r)[:120]}") \
                 from exc
+        paired = r.get("paired") if isinstance(r.get("paired"), dict) else {}
         for step in steps:
             base, mine = _num(sdpa.get(step)), _num(ours.get(step))
-            cells.append([str(model), step, _ms(base), _ms(mine), _x(_ratio(base, mine))])
+            c = _paired(paired.get(step))
+            cells.append([str(model), step, _ms(base), _ms(mine), _x(_ratio(base, mine)),
+                          *paired_cells(c)])
+            name = f"{model} {step.removesuffix(' ms')}"
             if (t := _ratio(mine, base)) is not None:
-                times.append((f"{model} {step.removesuffix(' ms')}", t))
+                times.append((name, t))
+            if c is not None:
+                pairs.append((name, c))
             if model == "sliding" and step == "prefill ms" and base and mine:
-                sliding = (base, mine)
+                sliding, sliding_pair = (base, mine), c
         errors = [_num(x.get("logits error vs fp32")) for x in (sdpa, ours)]
         if any(e is not None for e in errors):
             logits.append(f"- {model}: logits' relative error against an fp32 eager model, "
                           + ", ".join(f"{who} {'-' if e is None else f'{e:.2e}'}"
                                       for who, e in zip(("sdpa", ours_key), errors, strict=True)))
+    is_paired = bool(pairs)
+    if not is_paired:  # files of the best-of-3 e2e_hf.py: the table as it was
+        cells = [row[:5] for row in cells]
     sizes = data.get("sizes") if isinstance(data.get("sizes"), dict) else {}
     library = f"transformers {data['transformers']}" if data.get("transformers") else \
         "transformers"
+    how = (f"each the median of {data.get('rounds', 'its')} paired rounds (sdpa, ours and sdpa "
+           "again, both models resident)" if is_paired else
+           "each the best of 3 wall times after a warm-up")
+    noise = (f". {PAIRED_TEXT}" if is_paired else
+             ". Nothing is timed twice here, so the file has no noise floor")
     md = [f"### End to end, a transformers model: `{src.path.name}`", "",
           f"e2e_hf.py: a {library} model with random weights, "
           "`attn_implementation=\"sdpa\"` against the project's, "
           f"side by side in one process, database `{data.get('db') or 'none'}`. *llama*: "
           "Llama-3-8B attention, 4 layers; *sliding*: the same as Mistral with a sliding window "
-          "on every layer. Milliseconds, each the best of 3 wall times after a warm-up"
+          f"on every layer. Milliseconds, {how}"
           + (f"; sizes {', '.join(f'{k} {v}' for k, v in sizes.items())}" if sizes else "")
           + " (the sliding model trains one batch of twice the window). **sdpa/tuner**: sdpa's "
-          "time over ours (**>= 1.00x: ours is not slower**). Nothing is timed twice here, so "
-          "the file has no noise floor; the file does not record which implementation ran.",
-          "", *_table(["model", "step", "sdpa", "tuner", "sdpa/tuner"], cells), ""]
+          "time over ours (**>= 1.00x: ours is not slower**)" + noise
+          + "; the file does not record which implementation ran.",
+          "", *_table(["model", "step", "sdpa", "tuner", "sdpa/tuner",
+                       *(PAIRED_HEADER if is_paired else [])], cells), ""]
     if logits:
         md += [*logits, ""]
     name = src.path.name
-    targets = [max_rows_target("e2e_hf: tuner time vs SDPA, every row", name, DROP_IN_VS_SDPA,
-                               times)]
+    every = "e2e_hf: tuner time vs SDPA, every row"
+    targets = [paired_target(every + ", paired, beyond the A/A floor", name, pairs,
+                             [n for n, _ in times if n not in dict(pairs)])
+               if is_paired else max_rows_target(every, name, DROP_IN_VS_SDPA, times)]
     what = "e2e_hf: sliding-window prefill, SDPA time / tuner"
     if sliding is None:
         targets.append(Target(what, name, f">= {E2E_SLIDING_SPEEDUP:.2f}x", "no sliding row",
                               None, "not measured"))
     else:
         x = sliding[0] / sliding[1]
+        measured = f"{x:.2f}x ({sliding[0]:.1f} / {sliding[1]:.1f} ms)"
+        if sliding_pair is not None:  # the paired median decides; its interval beside it
+            r = sliding_pair["ratio"]
+            x = 1 / r["median"]
+            slow, fast = _num(r.get("ci_high")), _num(r.get("ci_low"))  # time ratios
+            measured = (f"{x:.2f}x paired" + (f" (interval {1 / slow:.2f}-{1 / fast:.2f}x)"
+                                               if slow and fast else "")
+                        + f"; medians {sliding[0]:.1f} / {sliding[1]:.1f} ms")
         met = x >= E2E_SLIDING_SPEEDUP
-        targets.append(Target(what, name, f">= {E2E_SLIDING_SPEEDUP:.2f}x",
-                              f"{x:.2f}x ({sliding[0]:.1f} / {sliding[1]:.1f} ms)", met,
+        targets.append(Target(what, name, f">= {E2E_SLIDING_SPEEDUP:.2f}x", measured, met,
                               f"{100 * abs(x / E2E_SLIDING_SPEEDUP - 1):.0f}% "
                               f"{'above' if met else 'short'}"))
     return Section(src, md, targets)
@@ -1604,7 +1701,9 @@ def render(sections: list[Section], skipped: list[str], images: dict[str, str],
               "it names, so the worst row decides). Issue 16's targets (the drop-in "
               "`tuner.attention` and `tuner.decode` never slower than the torch SDPA they "
               "replace, cuDNN on the H100) compare times: ours over SDPA's, at most 1.00x "
-              "(dispatch_bench's rows: beyond the file's own noise floor).", ""]
+              "(dispatch_bench's rows: beyond the file's own noise floor; files with paired "
+              "rounds, of dispatch_bench and e2e_hf: no row's paired verdict slower, each "
+              "against its own A/A floor).", ""]
     lines += targets_table(targets) if targets else ["No data for any target."]
     lines.append("")
     for t in targets:

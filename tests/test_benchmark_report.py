@@ -663,3 +663,73 @@ def test_drop_in_sections_and_targets(report: ModuleType, tmp_path: Path) -> Non
     }
     assert (f"- {decode}: b1-32k 1.018x, b1-128k 0.989x, b8-32k 1.003x") in md
     assert "Issue 16's targets" in md
+
+
+def paired_times(ratio: float, rounds: int = 12) -> dict[str, list[float]]:
+    """ms per round of sdpa, tuner and sdpa again: the ratio within a round exact but for
+    +-0.2% alternating, sdpa again within 0.1% of sdpa."""
+    base = [10.0 + 0.5 * (r % 3) for r in range(rounds)]
+    wobble = [1 + (0.002 if r % 2 else -0.002) for r in range(rounds)]
+    return {"sdpa": base, "tuner": [b * ratio * w for b, w in zip(base, wobble, strict=True)],
+            "sdpa again": [b * (2 - w) ** 0.5 for b, w in zip(base, wobble, strict=True)]}
+
+
+def paired_model(ratios: dict[str, float]) -> dict[str, Any]:
+    """An e2e_hf.py model row of the paired format (rounds, their comparisons)."""
+    from benchmarks.paired import compare
+
+    rounds = {step: paired_times(x) for step, x in ratios.items()}
+    comparisons = {step: compare(t, "sdpa", "tuner", "sdpa again") for step, t in rounds.items()}
+    return {"sdpa": {step: 10.5 for step in ratios} | {"logits error vs fp32": 0.25},
+            "tuner": {step: 10.5 * x for step, x in ratios.items()}
+            | {"logits error vs fp32": 0.25},
+            "ratio": {step: c["ratio"]["median"] for step, c in comparisons.items()},
+            "paired": comparisons, "rounds_ms": rounds}
+
+
+def test_paired_files_report_the_paired_verdicts(report: ModuleType, tmp_path: Path) -> None:
+    from benchmarks.paired import compare
+
+    results = tmp_path / "results"
+    results.mkdir()
+    e2e = {**e2e_file({}, "python benchmarks/e2e_hf.py --rounds 12"), "rounds": 12,
+           "results": {"llama": paired_model({"prefill ms": 1.0, "decode ms/token": 0.9,
+                                              "train step ms": 1.03}),
+                       "sliding": paired_model({"prefill ms": 0.7, "train step ms": 0.99})}}
+    (results / "e2e_hf_paired.json").write_text(json.dumps(e2e))
+    rows = []
+    for ratio, training in ((1.0, False), (0.8, True)):
+        times = paired_times(ratio)
+        times["tuner.attention"] = times.pop("tuner")
+        row = dispatch_row(problem(2, 32, 8, 4096, 4096, 128), training,
+                           {k: sum(v) / len(v) for k, v in times.items()}, "sdpa backend=default")
+        rows.append({**row, "rounds_ms": times,
+                     "paired": compare(times, "sdpa", "tuner.attention", "sdpa again")})
+    (results / "dispatch_paired.json").write_text(json.dumps(dispatch_file(
+        rows, "python benchmarks/dispatch_bench.py --train-rounds 12")))
+    md = run(report, tmp_path, "--no-plots")
+
+    e2e_md = section(md, "### End to end, a transformers model: `e2e_hf_paired.json`")
+    assert "each the median of 12 paired rounds" in e2e_md
+    assert "| model | step | sdpa | tuner | sdpa/tuner | tuner/sdpa time, paired median" in e2e_md
+    assert "| llama | train step ms | 10.500 | 10.815 | 0.97x | 1.030x [1.028, 1.032] | " in e2e_md
+    assert "| llama | decode ms/token |" in e2e_md and "| faster |" in e2e_md
+    assert "| slower |" in e2e_md and "| same within noise |" in e2e_md
+    dispatch_md = section(md, "### Drop-in `tuner.attention` against torch SDPA: "
+                              "`dispatch_paired.json`")
+    assert "| train B2 H32/8 N4k d128 dense | " in dispatch_md
+    assert "| 0.800x [0.798, 0.802] | 0.1% | faster | sdpa (default) |" in dispatch_md
+
+    targets = targets_by_file(md)
+    every = "e2e_hf: tuner time vs SDPA, every row, paired, beyond the A/A floor"
+    slower, *_ = targets[(every, "e2e_hf_paired.json")]
+    assert targets[(every, "e2e_hf_paired.json")][1:3] == [
+        "worst 1.030x (llama train step: slower, floor 0.1%)", "**not met**"]
+    assert slower == "<= 1.00x, or within the A/A floor"
+    assert "slower: llama train step" in targets[(every, "e2e_hf_paired.json")][3]
+    sliding = targets[("e2e_hf: sliding-window prefill, SDPA time / tuner", "e2e_hf_paired.json")]
+    assert sliding[1] == "1.43x paired (interval 1.43-1.43x); medians 10.5 / 7.3 ms"
+    assert sliding[2] == "**met**"
+    attention = "tuner.attention time vs SDPA, every row, paired, beyond the A/A floor"
+    assert targets[(attention, "dispatch_paired.json")][2:] == [
+        "**met**", "1 faster, 1 same within noise (of 2 rows)"]
