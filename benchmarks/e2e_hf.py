@@ -154,14 +154,17 @@ def logits_error(model: Any, reference: Any, ids: torch.Tensor) -> float:
 def tune(db: str, sizes: dict[str, int], budget_s: int) -> None:
     """Sweep the model's own attention problems (prefill, decode steps, training) into db."""
     spec = Path(os.environ.get("TMPDIR", "/tmp")) / "e2e_hf_spec.toml"
-    shapes = [f"{{B = 1, H_q = 32, H_kv = 8, N = {sizes['prefill']}, D = 128}}",
+    # Prefill and training are causal; a decode step's one query sees every cached key
+    # (tuner.hf passes is_causal=False there), so its problems are dense.
+    shapes = [f"{{B = 1, H_q = 32, H_kv = 8, N = {sizes['prefill']}, D = 128, "
+              f'causal = "top_left"}}',
               f"{{B = {sizes['train_batch']}, H_q = 32, H_kv = 8, N = {sizes['train_len']}, "
-              f"D = 128}}"]
-    shapes += [f"{{B = 1, H_q = 32, H_kv = 8, N_q = 1, N_kv = {n}, D = 128}}"
+              f'D = 128, causal = "top_left"}}']
+    shapes += [f'{{B = 1, H_q = 32, H_kv = 8, N_q = 1, N_kv = {n}, D = 128, causal = "none"}}'
                for n in (sizes["prompt"], 2 * sizes["prompt"])]
     spec.write_text(
-        'templates = ["torch_sdpa", "flash_fwd", "flash_decode", "torch_sdpa_train", '
-        '"flash_bwd"]\ndtypes = ["bfloat16"]\ncausal = ["top_left"]\ntrials = 8\n'
+        'templates = ["torch_sdpa", "flash_fwd", "gluon_fwd", "flash_decode", '
+        '"torch_sdpa_train", "flash_bwd"]\ndtypes = ["bfloat16"]\ntrials = 8\n'
         f"shapes = [{', '.join(shapes)}]\n")
     subprocess.run([sys.executable, "-m", "tuner.cli.app", "sweep", str(spec), "--db", db],
                    timeout=budget_s, check=False)
