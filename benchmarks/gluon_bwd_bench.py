@@ -37,8 +37,6 @@ from templates.base import Problem, relative_error  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
-    "s4": dict(BLOCK_M=64, BLOCK_N=128, stages=4, consumers=2),  # d64 only
-    "m128": dict(BLOCK_M=128, BLOCK_N=128, stages=3, consumers=2),  # d64 only
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -7,7 +7,9 @@ the same backward problems (inputs from ``FlashBwdTemplate.make_inputs``), so th
 backwards compete by measurement. Written for triton 3.6's Gluon; on a triton without Gluon
 the template imports but rejects every problem.
 
-Status (docs/gluon_notes.md, "Backward"): compiled offline for sm_90 only; never run.
+Status (docs/gluon_notes.md, "Third GPU run"): right on the H100 with 64 x 128 tiles, two
+warpgroups and a ring of three (the only config offered); 0.59-0.63x cuDNN's backward at d128,
+so it is in no spec and the dispatcher never runs it.
 """
 
 from __future__ import annotations
@@ -96,9 +98,9 @@ class GluonBwdTemplate(GluonTemplate):
                    "tile walks the query tiles of its GQA group (TMA ring of Q/dO/lse/delta, "
                    "async wgmma in the transposed orientation, P^T and dS^T as register "
                    "operands), dQ by fp32 vector atomics; dense and causal top-left or "
-                   "bottom-right, GQA/MQA, head dim 64/128, fp16/bf16. Compiled offline for "
-                   "sm_90. Its dQ is wrong on the H100 (docs/gluon_notes.md, Backward): in no spec "
-                   "and not used by the dispatcher until fixed.")
+                   "bottom-right, GQA/MQA, head dim 64/128, fp16/bf16. Right on the H100 "
+                   "(64 x 128 tiles, 3 stages) but 0.59-0.63x cuDNN's backward at d128: in no "
+                   "spec and not used by the dispatcher.")
     config_cls = GluonBwdConfig
     kernel = kernel
     gluon_missing = GLUON_MISSING
@@ -135,10 +137,17 @@ class GluonBwdTemplate(GluonTemplate):
             return (f"each thread would hold about {regs} registers of dK, dV, S^T and dP^T "
                     f"tiles (more than {MAX_TILE_REGISTERS}): registers would spill; use "
                     f"smaller tiles or more consumers")
+        # Measured wrong on the H100, causes not found (docs/gluon_notes.md, "Third GPU run"):
+        # only 64 x 128 tiles over two warpgroups with a ring of three gave right gradients.
         if cfg.consumers == 1:
             return ("one consumer warpgroup (4 warps) crashed on the H100 with an illegal "
-                    "address, with or without the dQ GEMM (docs/gluon_notes.md): not offered "
-                    "until found")
+                    "address, with or without the dQ GEMM: not offered until found")
+        if cfg.stages != 3:
+            return (f"a ring of {cfg.stages} stages gave wrong dK/dV on the H100 (3 is right): "
+                    f"not offered until found")
+        if cfg.BLOCK_M != 64:
+            return (f"BLOCK_M {cfg.BLOCK_M} gave wrong gradients or crashed on the H100 (64 is "
+                    f"right): not offered until found")
         return None
 
     def default_config(self, problem: Problem, device: DeviceInfo) -> GluonBwdConfig:
