@@ -124,9 +124,15 @@ def tune(db: str, sizes: dict[str, int], budget_s: int) -> None:
               f"D = 128}}"]
     shapes += [f"{{B = 1, H_q = 32, H_kv = 8, N_q = 1, N_kv = {n}, D = 128}}"
                for n in (sizes["prompt"], 2 * sizes["prompt"])]
+    # The sliding model's layers (prefill, and its training step of twice the window): the
+    # block mask tuner.hf passes, causality in the mask (benchmarks/specs/dispatch_sliding_hf.toml).
+    shapes += [f'{{B = 1, H_q = 32, H_kv = 8, N = {n}, D = 128, causal = "none", '
+               f'mask = "sliding_causal:{sizes["window"]}"}}'
+               for n in (sizes["prefill"], 2 * sizes["window"])]
     spec.write_text(
         'templates = ["torch_sdpa", "flash_fwd", "flash_decode", "torch_sdpa_train", '
-        '"flash_bwd"]\ndtypes = ["bfloat16"]\ncausal = ["top_left"]\ntrials = 8\n'
+        '"flash_bwd", "torch_flex", "torch_flex_train"]\ndtypes = ["bfloat16"]\n'
+        'causal = ["top_left"]\ntrials = 8\n'
         f"shapes = [{', '.join(shapes)}]\n")
     subprocess.run([sys.executable, "-m", "tuner.cli.app", "sweep", str(spec), "--db", db],
                    timeout=budget_s, check=False)
