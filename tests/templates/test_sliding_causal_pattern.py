@@ -67,8 +67,8 @@ def test_problems_specs_and_queries_take_it() -> None:
         {"B": 1, "H_q": 32, "H_kv": 8, "N": 8192, "D": 128, "dtype": "bfloat16",
          "causal": "none", "mask": "sliding_causal:4096"}]}, source="test")
     assert spec.problems == (p,)
-    query = ProblemQuery(batch=1, heads_q=32, heads_kv=8, seqlen_q=8192, head_dim=128,
-                         mask="sliding_causal:4096")
+    query = ProblemQuery(batch=1, heads_q=32, heads_kv=8, seqlen_q=8192, seqlen_kv=8192,
+                         head_dim=128, mask="sliding_causal:4096")
     assert query.problem() == p
 
 
