@@ -3,11 +3,13 @@ compiled FlexAttention? Side by side, one process.
 
     python benchmarks/masked_dispatch_bench.py --db sqlite:///tuner.db --json masked.json
     python benchmarks/masked_dispatch_bench.py --smoke     # one tiny row on the CPU (forward)
+    python benchmarks/masked_dispatch_bench.py --spec benchmarks/specs/dispatch_sliding_hf.toml \
+        --db sqlite:///tuner.db                            # the rows of another spec
 
-Rows: ``benchmarks/specs/dispatch_masked.toml``'s problems, each as inference (forward) and as
-a training step (forward + backward, ``torch.autograd.grad``), with the named pattern's mask
-(``pattern_block_mask``: it carries ``BlockMask.pattern``, so the dispatcher prices the call by
-that problem's measurements). Candidates, each checked first against a float32 reference
+Rows: ``benchmarks/specs/dispatch_masked.toml``'s problems (or ``--spec``'s), each as
+inference (forward) and as a training step (forward + backward, ``torch.autograd.grad``), with
+the named pattern's mask (``pattern_block_mask``: it carries ``BlockMask.pattern``, so the
+dispatcher prices the call by that problem's measurements). Candidates, each checked first against a float32 reference
 (SDPA on upcast inputs with the mask materialized: memory-efficient on a GPU, math on the
 CPU), then timed in ``--rounds`` rounds in alternating orders (benchmarks/paired.py; median
 kept):
@@ -82,12 +84,12 @@ class Row:
                 "vs_best": min(singles) / tuned if singles and tuned else None}
 
 
-def rows_of(smoke: bool) -> list[tuple[Problem, bool]]:
+def rows_of(smoke: bool, spec: Path = SPEC) -> list[tuple[Problem, bool]]:
     if smoke:  # Flex has no backward on the CPU
         return [(Problem(batch=1, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_kv=200,
                          head_dim=32, dtype="float32", causal="top_left", mask="sliding:40"),
                  False)]
-    return [(p, training) for p in load_spec_file(SPEC).problems for training in (False, True)]
+    return [(p, training) for p in load_spec_file(spec).problems for training in (False, True)]
 
 
 def inputs_for(p: Problem, device: str, training: bool) -> dict[str, Any]:
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternated timing rounds per row (median kept)")
     parser.add_argument("--smoke", action="store_true", help="one tiny row on the CPU")
+    parser.add_argument("--spec", type=Path, default=SPEC,
+                        help="spec whose block-mask problems are the rows (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not interpreter_active()
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.db or f"sqlite:///{Path(os.devnull)}"
     set_resolver(ConfigResolver(load_settings(database_url=url, url=None)))
     clear_plans()
-    rows = run_rows(rows_of(args.smoke), "cuda" if on_gpu else "cpu",
+    rows = run_rows(rows_of(args.smoke, args.spec), "cuda" if on_gpu else "cpu",
                     bench_function(on_gpu, args.rep_ms), max(1, args.rounds))
     if args.json:
         import triton

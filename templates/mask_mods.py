@@ -16,8 +16,8 @@ from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
 __all__ = ["and_masks", "causal_mask", "document_mask", "or_masks", "pattern_block_mask",
            "pattern_density", "prefix_lm_mask", "sliding_window_mask"]
 
-PATTERNS = ("random:<density>", "sliding:<window>", "document:<count>", "prefix:<length>",
-            "causal")
+PATTERNS = ("random:<density>", "sliding:<window>", "sliding_causal:<window>",
+            "document:<count>", "prefix:<length>", "causal")
 
 
 def causal_mask(offset: int = 0) -> MaskMod:
@@ -133,6 +133,8 @@ def pattern_problem(pattern: str, seqlen_q: int, seqlen_kv: int) -> str | None:
             return None
         if name in ("sliding", "prefix") and int(arg) >= 0:
             return None
+        if name == "sliding_causal" and int(arg) >= 1:  # 0 would hide every key
+            return None
         if name == "document" and 1 <= int(arg) <= seqlen_q and seqlen_q == seqlen_kv:
             return None
         if name == "causal" and not arg:
@@ -141,14 +143,21 @@ def pattern_problem(pattern: str, seqlen_q: int, seqlen_kv: int) -> str | None:
         pass
     return (f"unknown or malformed mask pattern {pattern!r} for N_q={seqlen_q}, "
             f"N_kv={seqlen_kv}; patterns: {list(PATTERNS)} (random density in (0, 1], "
-            f"document needs N_q == N_kv)")
+            f"sliding_causal window >= 1, document needs N_q == N_kv)")
 
 
 def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
                      block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0,
                      device: torch.device | str = "cpu") -> MaskMod:
     """The mask_mod of a named pattern: ``random:0.1`` (10% of blocks kept), ``sliding:1024``
-    (|i - j| <= 1024), ``document:4`` (4 equal documents), ``prefix:256``, ``causal``."""
+    (|i - j| <= 1024, both sides), ``sliding_causal:4096`` (i - 4096 < j <= i: the query and
+    the 4095 keys before it, transformers' ``sliding_window`` rule, causality included so the
+    call passes ``is_causal=False``), ``document:4`` (4 equal documents), ``prefix:256``,
+    ``causal``.
+
+    ``sliding_causal:<w>`` is a pattern of its own, not ``sliding:<w - 1>`` with a causal
+    problem: a causal call applies causality elementwise on every listed block, so the two
+    run (and are priced) differently although they see the same keys."""
     reason = pattern_problem(pattern, seqlen_q, seqlen_kv)
     if reason:
         raise ValueError(reason)
@@ -157,6 +166,8 @@ def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
         return _random_blocks(float(arg), seqlen_q, seqlen_kv, block_size, seed, device)
     if name == "sliding":
         return sliding_window_mask(int(arg))
+    if name == "sliding_causal":
+        return sliding_window_mask(int(arg) - 1, causal=True)
     if name == "prefix":
         return prefix_lm_mask(int(arg))
     if name == "document":

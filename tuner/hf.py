@@ -14,9 +14,12 @@ it tile by tile as SDPA's ``attn_mask``. Query rows that see no key (left paddin
 Sliding-window layers (Mistral, Gemma, ...): transformers hands every layer a dense boolean
 (B, 1, L, S) mask, so SDPA computes all L x S scores and masks most of them away. When that
 mask is exactly the causal sliding window (no padding, a prefill from an empty cache), the
-layer runs as a block mask instead, and only the tiles inside the window are computed. The
-check reads the mask once per mask tensor (transformers passes one tensor to every layer of a
-forward): one device-to-host sync per forward, not per layer.
+layer runs as a block mask instead, and only the tiles inside the window are computed. That
+mask is the named pattern ``sliding_causal:<window>``: a sweep of the layer's problem (e.g.
+``benchmarks/specs/dispatch_sliding_hf.toml``) decides whether our block-sparse kernels or
+FlexAttention run it; unswept, ours run. The check reads the mask once per mask tensor
+(transformers passes one tensor to every layer of a forward): one device-to-host sync per
+forward, not per layer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from templates.block_mask import BlockMask
+from templates.mask_mods import pattern_block_mask
 from tuner.attention import attention
 
 DEFAULT_NAME = "tuner"
@@ -39,7 +43,8 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, H, L, D) in, (B, L, H, D) out."""
     window = kwargs.get("sliding_window")
-    if (window and isinstance(attention_mask, torch.Tensor)
+    # A window of 0 or less hides every key: no pattern names it, so it stays a dense mask.
+    if (window and int(window) > 0 and isinstance(attention_mask, torch.Tensor)
             and is_sliding_causal(attention_mask, int(window))):
         # A window as long as the sequence is plain causal attention: the dispatcher's
         # (measured) choice, e.g. cuDNN's causal kernel, without any mask.
@@ -98,9 +103,13 @@ def is_sliding_causal(mask: torch.Tensor, window: int) -> bool:
 def sliding_block_mask(seqlen: int, window: int, device: torch.device) -> BlockMask:
     """The causal sliding window of ``window`` keys (transformers' rule: query i sees key j
     iff i - window < j <= i) as a block mask: the diagonal and window-edge blocks partial,
-    the blocks between them full."""
-    return BlockMask.from_mask_mod(lambda b, h, q, k: (k <= q) & (q - k < window), None, None,
-                                   seqlen, seqlen, device=device)
+    the blocks between them full.
+
+    Built as the named pattern ``sliding_causal:<window>`` with the sweeps' block size, so it
+    carries ``BlockMask.pattern`` and is the very mask a sweep of that problem timed: the
+    dispatcher then prices the call (ours against FlexAttention) by those measurements, and
+    runs ours where none are stored."""
+    return pattern_block_mask(f"sliding_causal:{window}", seqlen, seqlen, device=device)
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import tests.tuner.toy_templates  # noqa: F401  (registers toy_add, toy_faulty, toy_tiles)
 from db.models import TrialStatus
 from templates import Problem, current_device, get_template
+from templates.attention_reference import attention_reference
 from tuner.attention import clear_plans
 from tuner.lookup import ConfigResolver, set_resolver
 from tuner.replay import RecordedProblem
@@ -31,6 +34,26 @@ def no_tuned_configs(tmp_path: Path) -> Iterator[None]:
     yield
     clear_plans()
     set_resolver(None)
+
+
+@pytest.fixture
+def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Calls of templates.torch_flex.flex, which answers with the reference (compiling Flex
+    on the CPU takes ~10 s per shape, and it has no CPU backward)."""
+    import templates.torch_flex
+
+    calls: list[dict[str, Any]] = []
+
+    def recorder(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        calls.append({"block_mask": block_mask, **kwargs})
+        group = q.shape[1] // k.shape[1]
+        return attention_reference(q, k.repeat_interleave(group, 1),
+                                   v.repeat_interleave(group, 1), causal=kwargs["causal"],
+                                   scale=q.shape[-1] ** -0.5, mask=block_mask.to_dense())[0]
+
+    monkeypatch.setattr(templates.torch_flex, "flex", recorder)
+    return calls
 
 
 def tiles_landscape() -> RecordedProblem:

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-import templates.torch_flex
 import tuner
 from templates.attention_reference import attention_reference
 from templates.base import Problem
@@ -41,23 +40,6 @@ def inputs(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def masked_problem(causal: str = "top_left") -> Problem:
     return Problem(batch=1, heads_q=4, heads_kv=2, seqlen_q=N, seqlen_kv=N, head_dim=16,
                    dtype="float32", causal=causal, mask=PATTERN)
-
-
-@pytest.fixture
-def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Calls of templates.torch_flex.flex, which answers with the reference."""
-    calls: list[dict[str, Any]] = []
-
-    def recorder(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any,
-                 **kwargs: Any) -> torch.Tensor:
-        calls.append({"block_mask": block_mask, **kwargs})
-        group = q.shape[1] // k.shape[1]
-        return attention_reference(q, k.repeat_interleave(group, 1),
-                                   v.repeat_interleave(group, 1), causal=kwargs["causal"],
-                                   scale=q.shape[-1] ** -0.5, mask=block_mask.to_dense())[0]
-
-    monkeypatch.setattr(templates.torch_flex, "flex", recorder)
-    return calls
 
 
 def run(device: str, *, mask_pattern: str | None = PATTERN) -> torch.Tensor:
