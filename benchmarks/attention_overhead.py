@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
 from templates import flash_fwd_kernel  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
+from templates.direct_launch import DirectLaunch  # noqa: E402
 from templates.flash_fwd import FwdConfig, flash_attention_fwd  # noqa: E402
 from tuner.attention import plan_for  # noqa: E402
 from tuner.dispatch import use_implementation  # noqa: E402
@@ -106,13 +107,18 @@ def _ignore(*args: object, **kwargs: object) -> None:
 
 @contextlib.contextmanager
 def launches_skipped() -> Iterator[None]:
-    # LaunchPlan reads the module global at each call, so swapping it reaches every path.
-    kernel = flash_fwd_kernel._flash_fwd_kernel
+    """Launches do nothing: a ``DirectLaunch``'s (dense plans, decode), after its checks, and
+    the JIT's (LaunchPlan reads the kernel's module global at each masked or first call)."""
+    saved = (flash_fwd_kernel._flash_fwd_kernel, DirectLaunch._launch_direct,
+             DirectLaunch._launch_through_jit)
     flash_fwd_kernel._flash_fwd_kernel = _NoLaunch()  # type: ignore[assignment]
+    DirectLaunch._launch_direct = _ignore  # type: ignore[method-assign]
+    DirectLaunch._launch_through_jit = _ignore  # type: ignore[method-assign]
     try:
         yield
     finally:
-        flash_fwd_kernel._flash_fwd_kernel = kernel
+        (flash_fwd_kernel._flash_fwd_kernel, DirectLaunch._launch_direct,
+         DirectLaunch._launch_through_jit) = saved  # type: ignore[method-assign]
 
 
 def build_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
