@@ -62,20 +62,18 @@ def current_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def _hook_set(hook: Any) -> bool:
-    # A chain of hooks (triton 3.6 and later), empty when unset, or a function set in its place.
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-_KNOBS = getattr(triton, "knobs", None)
+# Triton's runtime knobs (3.6 and later): where a profiler sets its launch hooks.
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
 def _launch_hooks_set() -> bool:
     """Whether a profiler (proton, say) asked to hear of launches: those go through the JIT,
-    which passes the hooks their launch metadata."""
-    runtime = getattr(_KNOBS, "runtime", None)
-    return runtime is not None and (_hook_set(getattr(runtime, "launch_enter_hook", None))
-                                    or _hook_set(getattr(runtime, "launch_exit_hook", None)))
+    which passes the hooks their launch metadata. Each hook is a chain of hooks, empty when
+    unset, or a function set in its place (or None); read on every launch, so kept short."""
+    if _RUNTIME is None:
+        return False
+    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 class DirectLaunch:

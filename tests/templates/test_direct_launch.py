@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import triton
 
 from templates import direct_launch, flash_decode_kernel
 from templates.direct_launch import DirectLaunch, alignment_key
@@ -65,6 +66,17 @@ def test_a_launch_hook_sends_every_call_through_the_jit(monkeypatch: pytest.Monk
     launch.launch_on(1234, "y", 1, 1.0)
     assert [c[0] for c in kernel.calls] == ["jit", "jit"]
     assert launch.direct_launches == 0
+
+
+def test_launch_hooks_are_read_from_tritons_knobs() -> None:
+    hooks = triton.knobs.runtime.launch_enter_hook
+    assert not direct_launch._launch_hooks_set()
+    hooks.add(print)
+    try:
+        assert direct_launch._launch_hooks_set()
+    finally:
+        hooks.remove(print)
+    assert not direct_launch._launch_hooks_set()
 
 
 def test_constexprs_that_do_not_end_the_signature_keep_the_jit_path() -> None:
