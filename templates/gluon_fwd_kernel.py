@@ -797,7 +797,7 @@ class LaunchPlan:
         if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o_ptr | lse_ptr) % 16:
             _gluon_fwd_kernel[self.grid](*self.args(q, k, v, o, lse), **self.options)
             return
-        stream = current_stream(q.device.index)
+        stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
         # Out and LSE as addresses: the launcher then makes no driver call for them.
         if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *self.scalars):
             self._launch.launch_on(stream, q, k, v, o, o, lse, *self.scalars)

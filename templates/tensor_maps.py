@@ -93,9 +93,10 @@ class TensorMapLaunch:
                   ) -> tuple[Any, ...]:
         out = tuple(expanded)
         if any(isinstance(x, torch.Tensor) for x in out):
-            # Passed decomposed (base tensor, shape, strides): nothing to keep, and keeping it
-            # would keep the tensor. tensor_map_launch refuses such launchers; this is a guard.
-            raise RuntimeError("a descriptor expanded to a tensor: not a tensor map")
+            # Passed decomposed (base tensor, shape, strides; tensor_map_launch refuses such
+            # launchers, so never here): right for this launch, but not to be kept, as keeping
+            # it would keep the tensor alive.
+            return out
         if len(kept) >= MAX_KEPT_MAPS:
             kept.clear()
         kept[ptr] = out

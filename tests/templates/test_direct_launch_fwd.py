@@ -35,10 +35,11 @@ class _Compiled:
 
 
 class _Kernel:
-    """Stands in for ``_flash_fwd_kernel``: records each call, returns one compiled kernel."""
+    """Stands in for a JIT kernel (``arg_names``, its parameters): records each call, returns
+    one compiled kernel."""
 
-    def __init__(self) -> None:
-        self.arg_names = flash_fwd_kernel._flash_fwd_kernel.arg_names
+    def __init__(self, arg_names: list[str]) -> None:
+        self.arg_names = arg_names
         self.calls: list[tuple[Any, ...]] = []
         self.compiled = _Compiled(self.calls)
 
@@ -59,7 +60,7 @@ def _qkv(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _plan(monkeypatch: pytest.MonkeyPatch, use_tma: bool
           ) -> tuple[flash_fwd_kernel.LaunchPlan, _Kernel]:
-    kernel = _Kernel()
+    kernel = _Kernel(flash_fwd_kernel._flash_fwd_kernel.arg_names)
     monkeypatch.setattr(flash_fwd_kernel, "_flash_fwd_kernel", kernel)
     q, k, v = _qkv()
     plan = flash_fwd_kernel.LaunchPlan(q, k, v, causal_mode="top_left", scale=0.25,
@@ -123,6 +124,34 @@ def test_direct_launch_switched_off_or_a_hook_keeps_the_jit_path(
     monkeypatch.setattr(direct_launch, "_launch_hooks_set", lambda: True)
     plan(q, k, v)
     assert [c[0] for c in kernel.calls] == ["jit", "jit", "jit"]
+
+
+def test_a_gluon_plan_launches_directly_after_its_first_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from templates.gluon_fwd import GluonFwdConfig
+    from templates.gluon_fwd import kernel as gluon
+
+    if gluon is None:
+        pytest.skip("this triton has no Gluon")
+    kernel = _Kernel(gluon._gluon_fwd_kernel.arg_names)
+    monkeypatch.setattr(gluon, "_gluon_fwd_kernel", kernel)
+    q = torch.randn(1, 4, 128, 64, dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 192, 64, dtype=torch.float16) for _ in range(2))
+    plan = gluon.LaunchPlan(q, k, causal_mode="top_left", scale=0.125,
+                            config=GluonFwdConfig().to_dict())
+    plan(q, k, v)
+    plan(q, k, v)
+    (_, jit_args, jit_kwargs), (_, direct_args) = kernel.calls
+    assert jit_kwargs == plan.options  # num_warps once: a constexpr and an option
+    assert direct_args[:9] == (*plan._launch.grid, 0, "function", "metadata", None, None, None)
+    launched = direct_args[9:9 + len(jit_args)]
+    for desc, jit_desc, tensor in zip(launched[:4], jit_args[:4], (q, k, v), strict=False):
+        assert type(desc) is type(jit_desc) and desc.base is tensor
+        assert (desc.block_shape, desc.layout) == (jit_desc.block_shape, jit_desc.layout)
+    assert all(isinstance(p, int) and p % 16 == 0 for p in launched[4:6])  # Out, LSE
+    assert launched[6:] == tuple(jit_args[6:]) == tuple(plan.scalars)
+    assert direct_args[9 + len(jit_args):] == tuple(
+        v for name, v in plan.options.items() if name != "maxnreg")
 
 
 def test_interpreter_plans_never_go_direct_and_stay_right() -> None:
