@@ -15,6 +15,7 @@ import torch
 import triton
 
 from templates import direct_launch, flash_decode_kernel
+from templates.device import interpreter_active
 from templates.direct_launch import DirectLaunch, alignment_key
 from templates.flash_decode import TEMPLATE, FlashDecodeConfig, decode_reference
 from templates.flash_decode_kernel import check_decode_inputs, launch_decode
@@ -94,6 +95,7 @@ def test_alignment_key_reads_16_byte_alignment() -> None:
     assert alignment_key(base, base[8:], base[1:]) == (True, True, False)
 
 
+@pytest.mark.skipif(not interpreter_active(), reason="runs the kernels under the interpreter")
 def test_interpreter_launches_never_go_direct() -> None:
     # Under the interpreter a launch returns no compiled kernel: the plan keeps the JIT path
     # and the result still matches the reference.

@@ -17,6 +17,7 @@ import torch
 
 from templates import direct_launch, flash_fwd_kernel
 from templates.attention_reference import attention_reference
+from templates.device import interpreter_active
 from templates.flash_fwd import FwdConfig, launch_plan
 
 CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, grid_order="tiles_inner",
@@ -154,6 +155,7 @@ def test_a_gluon_plan_launches_directly_after_its_first_call(
         v for name, v in plan.options.items() if name != "maxnreg")
 
 
+@pytest.mark.skipif(not interpreter_active(), reason="runs the kernel under the interpreter")
 def test_interpreter_plans_never_go_direct_and_stay_right() -> None:
     q, k, v = _qkv()
     plan = launch_plan(q, k, v, causal="top_left", config=FwdConfig(**CONFIG))
