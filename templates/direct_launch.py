@@ -100,6 +100,7 @@ class DirectLaunch:
         self._metadata: Any = None
         self._constexpr_values: tuple[Any, ...] = ()
         self._tensor_maps: TensorMapLaunch | None = None
+        self._compiled: Any = None
         self.direct_launches = 0  # how many calls skipped the JIT (tests read it)
 
     @property
@@ -167,6 +168,10 @@ class DirectLaunch:
                                                   list(self.descriptors.values()),
                                                   self._constexpr_values)
         self._function, self._metadata, self._launcher = function, metadata, launcher
+        # Kept alive with its function: triton 3.9 (not 3.6) unloads a compiled kernel's
+        # module when the kernel object goes (the JIT's cache cleared, say), which would leave
+        # the function handle dangling.
+        self._compiled = compiled
 
 
 class PlannedDescriptor:

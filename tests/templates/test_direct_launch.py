@@ -57,6 +57,7 @@ def test_first_call_compiles_through_the_jit_then_launches_directly() -> None:
     assert kernel.calls[1] == ("direct", 7, 2, 1, 1234, "function", "metadata", None, None,
                                None, "y", 10, 0.25, 64, True)
     assert launch.direct_launches == 1
+    assert launch._compiled is kernel.compiled  # its module stays loaded (triton 3.9 unloads)
 
 
 def test_a_launch_hook_sends_every_call_through_the_jit(monkeypatch: pytest.MonkeyPatch) -> None:
