@@ -783,7 +783,7 @@ class LaunchPlan:
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         if self._device_guard is None:
             # Triton launches on the current device: make it q's, unless there is only one.
-            self._device_guard = torch.cuda.device_count() > 1
+            self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
         if self._device_guard and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
                 self._launch_on_current(q, k, v, o, lse)
