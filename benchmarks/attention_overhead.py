@@ -3,6 +3,7 @@
     python benchmarks/attention_overhead.py                  # CUDA if present, else CPU
     python benchmarks/attention_overhead.py --reps 20000 --json out.json
     python benchmarks/attention_overhead.py --smoke          # seconds, also on the CPU interpreter
+    python benchmarks/attention_overhead.py --decode-shape 8,32,8,4096,128
 
 Three ways to run one kernel with one config on the same inputs, timed side by side in one
 process, all in the steady state of a training or inference loop (the shape was seen before):
@@ -18,6 +19,17 @@ And, timed apart, what the dispatcher adds where it runs torch SDPA (an unmeasur
 ``torch SDPA`` called directly against ``tuner.attention -> SDPA`` on the same inputs
 (``sdpa_overhead_us``: the second minus the first, real calls on every machine).
 
+Decode (``--decode-shape B,H_q,H_kv,N,D``: one query token against a full KV cache of N, GQA),
+the same way, under the JSON's ``decode`` key:
+
+(a) ``run_decode_plan`` with a kept ``DecodeLaunchPlan`` (an output allocation, kept scratch
+    and the launches): the floor.
+(b) ``tuner.decode(q, k, v, cache_seqlens=...)`` on a plan-cache hit.
+(c) ``tuner.attention(q, k, v, enable_gqa=True)`` with its ``decode`` implementation forced.
+
+On CUDA the plans are also timed with ``DirectLaunch`` off (``..., JIT``: every launch through
+Triton's JIT, as before the plans launched the compiled kernels directly).
+
 Each is timed as microseconds per call, in up to three ways:
 
 * host: Triton's launch swapped for a no-op, so only the Python work of each layer is left.
@@ -32,7 +44,7 @@ Rounds alternate the paths (a, b, c, a, b, c, ...) and each path's best round is
 interference only adds time, and the first loop of a run reads slow (on the H100: 226 us
 first vs 152 us second for the same kernel launches).
 
-Target (issue 7): (c) - (a) at most 10 us per call.
+Target (issues 7 and 16): (c) - (a) at most 10 us per call, forward and decode alike.
 """
 
 from __future__ import annotations
@@ -54,16 +66,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
-from templates import flash_fwd_kernel  # noqa: E402
+from templates import direct_launch, flash_fwd_kernel  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
+from templates.direct_launch import DirectLaunch  # noqa: E402
+from templates.flash_decode import FlashDecodeConfig  # noqa: E402
+from templates.flash_decode_kernel import (  # noqa: E402
+    check_decode_inputs,
+    decode_launch_plan,
+    run_decode_plan,
+)
 from templates.flash_fwd import FwdConfig, flash_attention_fwd  # noqa: E402
 from tuner.attention import plan_for  # noqa: E402
+from tuner.decode import decode_plan_for  # noqa: E402
 from tuner.dispatch import use_implementation  # noqa: E402
 
 TARGET_US = 10.0
 PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")
 SDPA_PATHS = ("torch SDPA", "tuner.attention -> SDPA")
 NO_TMA = "launch plan, no TMA"  # timed beside them when the config uses TMA
+JIT = ", JIT"  # suffix of a path timed with DirectLaunch off (CUDA only)
+DECODE_PATHS = ("decode plan", "tuner.decode", "tuner.attention")
 Call = Callable[[], object]
 
 
@@ -106,13 +128,18 @@ def _ignore(*args: object, **kwargs: object) -> None:
 
 @contextlib.contextmanager
 def launches_skipped() -> Iterator[None]:
-    # LaunchPlan reads the module global at each call, so swapping it reaches every path.
-    kernel = flash_fwd_kernel._flash_fwd_kernel
+    """Launches do nothing: a ``DirectLaunch``'s (dense plans, decode), after its checks, and
+    the JIT's (LaunchPlan reads the kernel's module global at each masked or first call)."""
+    saved = (flash_fwd_kernel._flash_fwd_kernel, DirectLaunch._launch_direct,
+             DirectLaunch._launch_through_jit)
     flash_fwd_kernel._flash_fwd_kernel = _NoLaunch()  # type: ignore[assignment]
+    DirectLaunch._launch_direct = _ignore  # type: ignore[method-assign]
+    DirectLaunch._launch_through_jit = _ignore  # type: ignore[method-assign]
     try:
         yield
     finally:
-        flash_fwd_kernel._flash_fwd_kernel = kernel
+        (flash_fwd_kernel._flash_fwd_kernel, DirectLaunch._launch_direct,
+         DirectLaunch._launch_through_jit) = saved  # type: ignore[method-assign]
 
 
 def build_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -145,6 +172,48 @@ def build_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if not torch.allclose(_output(pointer(q, k, v)), o_ref, atol=1e-2, rtol=0):
             raise AssertionError(f"{NO_TMA} gave other outputs than the launch plan")
         calls[NO_TMA] = lambda: pointer(q, k, v)
+    if q.is_cuda:  # the plans' launches as they were before DirectLaunch: through the JIT
+        for name in [n for n in (PATHS[0], NO_TMA) if n in calls]:
+            calls[name + JIT] = through_jit(calls[name])
+    return calls, config, resolved.source
+
+
+def through_jit(fn: Call) -> Call:
+    """``fn`` with every ``DirectLaunch`` off (its launches through Triton's JIT)."""
+    def call() -> object:
+        direct_launch.ENABLED = False
+        try:
+            return fn()
+        finally:
+            direct_launch.ENABLED = True
+    return call
+
+
+def build_decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                       ) -> tuple[dict[str, Call], FlashDecodeConfig, str]:
+    """The decode paths on one kernel config and a full cache, checked to give the same o."""
+    lengths = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+    resolved = decode_plan_for(q, k, v, cache_seqlens=lengths)
+    config = resolved.config
+    assert isinstance(config, FlashDecodeConfig)
+    shape = check_decode_inputs(q, k, v, lengths)
+    plan = decode_launch_plan(q, k, v, lengths, None, shape, num_splits=config.num_splits,
+                              block_n=config.block_n, num_warps=config.num_warps,
+                              num_stages=config.num_stages, combine=config.combine,
+                              kv_load=config.kv_load, whole_waves=config.whole_waves)
+    calls: dict[str, Call] = {
+        "decode plan": lambda: run_decode_plan(plan, q, k, v, lengths, None, None,
+                                               want_lse=False),
+        "tuner.decode": lambda: tuner.decode(q, k, v, cache_seqlens=lengths),
+        "tuner.attention": lambda: tuner.attention(q, k, v, enable_gqa=True),
+    }
+    with use_implementation("decode"):
+        o_ref, *others = (_output(fn()) for fn in calls.values())
+    for name, o in zip(DECODE_PATHS[1:], others, strict=True):
+        if not torch.equal(o, o_ref):
+            raise AssertionError(f"{name} gave other outputs than the decode plan")
+    if q.is_cuda:
+        calls["decode plan" + JIT] = through_jit(calls["decode plan"])
     return calls, config, resolved.source
 
 
@@ -170,14 +239,16 @@ def _output(result: object) -> torch.Tensor:
     return o
 
 
-def summarize(rounds: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
-    """Best round per path and timing, and the overheads over the launch plan."""
+def summarize(rounds: dict[str, dict[str, list[float]]], paths: tuple[str, ...] = PATHS,
+              targeted: tuple[str, ...] = PATHS[2:]) -> dict[str, Any]:
+    """Best round per path and timing, the overheads over the first path (the plan), and
+    whether those of ``targeted`` meet the target."""
     per_call = {timing: {name: round(min(runs), 3) for name, runs in by_path.items()}
                 for timing, by_path in rounds.items()}
-    overhead = {timing: {name: round(row[name] - row["launch plan"], 3) for name in PATHS[1:]}
+    overhead = {timing: {name: round(row[name] - row[paths[0]], 3) for name in paths[1:]}
                 for timing, row in per_call.items()}
     out = {"us_per_call": per_call, "overhead_us": overhead,
-           "meets_target": {timing: row["tuner.attention"] <= TARGET_US
+           "meets_target": {timing: all(row[name] <= TARGET_US for name in targeted)
                             for timing, row in overhead.items()}}
     if all(SDPA_PATHS[0] in row for row in per_call.values()):
         out["sdpa_overhead_us"] = {timing: round(row[SDPA_PATHS[1]] - row[SDPA_PATHS[0]], 3)
@@ -185,14 +256,16 @@ def summarize(rounds: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     return out
 
 
-def print_table(summary: dict[str, Any]) -> None:
+def print_table(summary: dict[str, Any], paths: tuple[str, ...] = PATHS,
+                target: str = "(c) - (a)") -> None:
     timings = list(summary["us_per_call"])
     rows = [(f"({'abc'[i]}) {name}", [summary["us_per_call"][t][name] for t in timings])
-            for i, name in enumerate(PATHS)]
-    if NO_TMA in summary["us_per_call"][timings[0]]:
-        rows.append((f"(a) {NO_TMA}", [summary["us_per_call"][t][NO_TMA] for t in timings]))
+            for i, name in enumerate(paths)]
+    rows += [(f"(a) {name}", [summary["us_per_call"][t][name] for t in timings])
+             for name in summary["us_per_call"][timings[0]]
+             if name not in paths and name not in SDPA_PATHS]
     rows += [(f"({'bc'[i]}) - (a)", [summary["overhead_us"][t][name] for t in timings])
-             for i, name in enumerate(PATHS[1:])]
+             for i, name in enumerate(paths[1:])]
     print(f"{'us per call':<30}" + "".join(f"{t:>10}" for t in timings))
     for label, values in rows:
         print(f"{label:<30}" + "".join(f"{x:>10.2f}" for x in values))
@@ -204,7 +277,43 @@ def print_table(summary: dict[str, Any]) -> None:
             f"{summary['sdpa_overhead_us'][t]:>10.2f}" for t in timings))
     verdicts = ", ".join(f"{t} {'met' if ok else 'MISSED'}"
                          for t, ok in summary["meets_target"].items())
-    print(f"target (c) - (a) <= {TARGET_US:g} us: {verdicts}")
+    print(f"target {target} <= {TARGET_US:g} us: {verdicts}")
+
+
+def timed_rounds(calls: dict[str, Call], implementation: str | None, reps: int, rounds: int,
+                 on_gpu: bool, skip_launches: bool = True) -> dict[str, dict[str, list[float]]]:
+    """Per timing (host; enqueue and synced on CUDA), per path, each round's time per call;
+    host with the launches skipped (``skip_launches``), the others real."""
+    out: dict[str, dict[str, list[float]]] = {}
+    skipped = launches_skipped() if skip_launches else contextlib.nullcontext()
+    with use_implementation(implementation), skipped:
+        out["host"] = alternated_rounds(calls, reps, rounds, None, lambda: None)
+    if on_gpu:
+        sync = torch.cuda.synchronize
+        for timing, wait in (("enqueue", None), ("synced", sync)):
+            # Enqueue: start each round on an idle GPU, stop the clock before waiting for it.
+            with use_implementation(implementation):
+                out[timing] = alternated_rounds(calls, reps, rounds, wait, sync)
+    return out
+
+
+def decode_results(shape: str, device: str, dtype: torch.dtype, reps: int, rounds: int,
+                   on_gpu: bool) -> dict[str, Any]:
+    """The decode paths timed, summarized and printed; the JSON's ``decode``."""
+    batch, heads_q, heads_kv, seqlen, head_dim = (int(x) for x in shape.split(","))
+    q = torch.randn(batch, heads_q, 1, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device=device, dtype=dtype)
+            for _ in range(2))
+    calls, config, source = build_decode_calls(q, k, v)
+    timed = timed_rounds(calls, "decode", reps, rounds, on_gpu)
+    summary = summarize(timed, DECODE_PATHS, DECODE_PATHS[1:])
+    print()
+    print_table(summary, DECODE_PATHS, "(b), (c) - (a)")
+    print(f"decode shape {shape} (B,H_q,H_kv,N,D; one query token, the cache full) {dtype}, "
+          f"config {config.key()} (from {source})")
+    return {"shape": shape, "config": config.key(), "config_source": source, **summary,
+            "rounds_us": {t: {name: [round(x, 3) for x in runs] for name, runs in by.items()}
+                          for t, by in timed.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,18 +321,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5000, help="calls per timing round")
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per timing")
     parser.add_argument("--shape", default="1,8,128,64", help="B,H,N,D of q, k and v")
+    parser.add_argument("--decode-shape", default="1,32,8,4096,128",
+                        help="B,H_q,H_kv,N,D of the decode call (one query token)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shape and few calls: checks the script runs (CI)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shape, args.reps, args.rounds = "1,2,32,16", 200, 2
+        args.decode_shape = "1,4,2,64,16"
     if args.reps < 1 or args.rounds < 1:
         parser.error(f"--reps and --rounds must be >= 1, but got {args.reps}, {args.rounds}")
     try:
         batch, heads, seqlen, head_dim = (int(x) for x in args.shape.split(","))
     except ValueError:
         parser.error(f"--shape must be four integers B,H,N,D, but got {args.shape!r}")
+    if len(args.decode_shape.split(",")) != 5 or not all(
+            x.strip().isdigit() for x in args.decode_shape.split(",")):
+        parser.error(f"--decode-shape must be five integers B,H_q,H_kv,N,D, but got "
+                     f"{args.decode_shape!r}")
     on_gpu = torch.cuda.is_available() and not interpreter_active()
     device = "cuda" if on_gpu else "cpu"
     dtype = torch.bfloat16 if on_gpu else torch.float16
@@ -233,20 +349,11 @@ def main(argv: list[str] | None = None) -> None:
     with use_implementation("flash"):
         calls, config, source = build_calls(q, k, v)
     sdpa_calls = build_sdpa_calls(q, k, v)
-    rounds: dict[str, dict[str, list[float]]] = {}
-    with use_implementation("flash"), launches_skipped():
-        rounds["host"] = alternated_rounds(calls, args.reps, args.rounds, None, lambda: None)
+    rounds = timed_rounds(calls, "flash", args.reps, args.rounds, on_gpu)
     # SDPA has no launch to skip: its "host" rounds are real calls (on a GPU, enqueue time).
-    rounds["host"].update(alternated_rounds(sdpa_calls, args.reps, args.rounds, None,
-                                            lambda: None))
-    if on_gpu:
-        sync = torch.cuda.synchronize
-        for timing, wait in (("enqueue", None), ("synced", sync)):
-            # Enqueue: start each round on an idle GPU, stop the clock before waiting for it.
-            with use_implementation("flash"):
-                rounds[timing] = alternated_rounds(calls, args.reps, args.rounds, wait, sync)
-            rounds[timing].update(alternated_rounds(sdpa_calls, args.reps, args.rounds, wait,
-                                                    sync))
+    for timing, by_path in timed_rounds(sdpa_calls, None, args.reps, args.rounds, on_gpu,
+                                        skip_launches=False).items():
+        rounds[timing].update(by_path)
     summary = summarize(rounds)
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1): "
@@ -264,6 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(summary)
     print(f"shape {args.shape} {dtype}, config {config.key()} (from {source}), "
           f"on {results['device']}")
+    results["decode"] = decode_results(args.decode_shape, device, dtype, args.reps, args.rounds,
+                                       on_gpu)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

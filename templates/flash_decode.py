@@ -79,7 +79,7 @@ from typing import Any
 import torch
 import triton
 
-from templates import direct_launch, flash_decode_kernel, plan_cache
+from templates import direct_launch, flash_decode_kernel, plan_cache, tensor_maps
 from templates.base import (
     KernelConfig,
     KernelLaunch,
@@ -421,7 +421,7 @@ class FlashDecodeTemplate(Template):
     # -- code generation ----------------------------------------------------------------------
     def source_modules(self) -> list[str]:
         return [type(self).__module__, flash_decode_kernel.__name__, direct_launch.__name__,
-                plan_cache.__name__]
+                tensor_maps.__name__, plan_cache.__name__]
 
     def standalone_source(self, config: KernelConfig) -> str:
         cfg = self.config(config)

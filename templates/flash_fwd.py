@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from templates import direct_launch, kernel_common, listed_blocks, tensor_maps
 from templates import flash_fwd_kernel as kernel
-from templates import kernel_common, listed_blocks
 from templates.attention_reference import (
     attention_reference,
     forward_bytes,
@@ -148,7 +148,8 @@ class FlashFwdTemplate(Template):
     config_cls = FwdConfig
 
     def source_modules(self) -> Sequence[str]:
-        return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__, __name__]
+        return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__,
+                direct_launch.__name__, tensor_maps.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:

@@ -23,6 +23,7 @@ lse = -inf.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from templates.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
 from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     CAUSAL_MODES,
     LOG2_E,
@@ -442,6 +444,18 @@ def kernel_call(q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str, s
     return plan.grid, plan.args(q, k, v, o, lse, block_mask, attn_mask), plan.options
 
 
+def _tma_descriptor(tensor: Any, block: list[int]) -> Any:
+    return TensorDescriptor.from_tensor(tensor, block)
+
+
+# Keyword arguments of a launch that are Triton's options, not the kernel's constexprs.
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# The mask arguments of a dense launch (SPARSE and ATTN_MASK off compile their code out): the
+# block mask's six lists and five strides, SDPA's mask and its four strides. Null pointers on
+# a direct launch; the JIT's path passes lse for them (it must type them as pointers).
+_NO_MASK_ARGS: tuple[Any, ...] = (None,) * 6 + (0,) * 5 + (None,) + (0,) * 4
+
+
 class LaunchPlan:
     """One launch of ``_flash_fwd_kernel`` less its tensors: the grid, the compile-time options
     and every scalar argument, worked out once from the inputs' shapes, strides and dtype, the
@@ -449,8 +463,13 @@ class LaunchPlan:
 
     Calling it launches on tensors laid out like the ones it was made from (same shapes,
     strides, dtype and device; for TMA, 16-byte aligned): then the only host work left is two
-    allocations, the argument list and Triton's own launch. A caller that checks inputs once
-    per layout and keeps the plan (``templates.flash_fwd`` does) pays for the checks once.
+    allocations, the argument list and the launch. A caller that checks inputs once per layout
+    and keeps the plan (``templates.flash_fwd`` does) pays for the checks once.
+
+    Dense calls (no mask) launch through a ``DirectLaunch`` once the first has compiled: every
+    integer argument is fixed by the plan, so what Triton specializes on beyond the plan is the
+    16-byte alignment of the pointers; calls whose five pointers (q, k, v, o, lse) are all
+    aligned (always so for the outputs) take the direct launch, others the JIT's.
     """
 
     def __init__(self, q: Any, k: Any, v: Any, *, causal_mode: str, scale: float,
@@ -495,7 +514,15 @@ class LaunchPlan:
             ATTN_MASK=0 if attn_mask is None else (1 if attn_mask.dtype == torch.uint8 else 2),
             num_warps=int(config["num_warps"]), num_stages=num_stages,
         )
-        self._descriptor_fields: list[dict[str, Any]] | None = None
+        m_block, n_block = self.block_shapes
+        self._descriptors = [PlannedDescriptor(functools.partial(_tma_descriptor, block=block))
+                             for block in (m_block, n_block, n_block, m_block)]
+        self._dense = DirectLaunch(
+            _flash_fwd_kernel, self.grid,
+            {k: v for k, v in self.options.items() if k not in LAUNCH_OPTIONS},
+            {k: v for k, v in self.options.items() if k in LAUNCH_OPTIONS},
+            dict(enumerate(self._descriptors)) if self.use_tma else None)
+        self._direct_tail = (*self.scalars, *_NO_MASK_ARGS)
         self._device_guard: bool | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any = None,
@@ -507,21 +534,45 @@ class LaunchPlan:
         else:
             o = q.new_empty(self.out_shape)
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
-        args = self.args(q, k, v, o, lse, block_mask, attn_mask)
         if self._device_guard is None:
             # Triton launches on the current device: make it q's, unless there is only one.
             self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
-        if self._device_guard:
+        if self._device_guard and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
-                _flash_fwd_kernel[self.grid](*args, **self.options)
+                self._launch(q, k, v, o, lse, block_mask, attn_mask)
         else:
-            _flash_fwd_kernel[self.grid](*args, **self.options)
+            self._launch(q, k, v, o, lse, block_mask, attn_mask)
         return o, lse
+
+    def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, block_mask: Any, attn_mask: torch.Tensor | None) -> None:
+        if block_mask is None and attn_mask is None:
+            q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr = (q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                   o.data_ptr(), lse.data_ptr())
+            if (q_ptr | k_ptr | v_ptr | o_ptr | lse_ptr) % 16 == 0:
+                stream = current_stream(q.device.index) if q.is_cuda else 0
+                # Pointers as addresses: the launcher then makes no driver call for them.
+                if self._dense.try_direct(stream, *((q, k, v, o) if self.use_tma else
+                                                    (q_ptr, k_ptr, v_ptr, o_ptr)),
+                                          lse_ptr, *self._direct_tail):
+                    return
+                self._dense.launch_on(stream, q, k, v, o, *self._jit_tail(lse))
+                return
+        _flash_fwd_kernel[self.grid](*self.args(q, k, v, o, lse, block_mask, attn_mask),
+                                     **self.options)
+
+    def _jit_tail(self, lse: Any) -> list[Any]:
+        """The arguments after o of a dense launch through the JIT."""
+        return [lse, *self.scalars, lse, lse, lse, lse, lse, lse, 0, 0, 0, 0, 0, lse, 0, 0, 0, 0]
 
     def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any, block_mask: Any = None,
              attn_mask: Any = None) -> list[Any]:
         """The kernel's positional arguments for these tensors."""
-        tensors = self._tma_descriptors(q, k, v, o) if self.use_tma else [q, k, v, o]
+        tensors = [q, k, v, o]
+        if self.use_tma:
+            tensors = [make(t) for make, t in zip(self._descriptors, tensors, strict=True)]
+        if block_mask is None and attn_mask is None:
+            return [*tensors, *self._jit_tail(lse)]
         # Unused mask arguments point at lse: their code is compiled out (SPARSE, ATTN_MASK).
         args = [*tensors, lse, *self.scalars]
         if block_mask is not None:
@@ -533,29 +584,3 @@ class LaunchPlan:
         else:
             args += [lse, 0, 0, 0, 0]
         return args
-
-    def _tma_descriptors(self, q: Any, k: Any, v: Any, o: Any) -> list[Any]:
-        """TMA descriptors of q, k, v and o. The first call builds them; later calls copy them
-        onto the new tensors, skipping ``TensorDescriptor``'s checks of shape, strides and
-        alignment (about 5 us each on a CPU of the dev machines), which held for tensors laid
-        out alike."""
-        if self._descriptor_fields is None:
-            m_block, n_block = self.block_shapes
-            descriptors = [TensorDescriptor.from_tensor(q, m_block),
-                           TensorDescriptor.from_tensor(k, n_block),
-                           TensorDescriptor.from_tensor(v, n_block),
-                           TensorDescriptor.from_tensor(o, m_block)]
-            # Without their tensors: a plan must not keep its first call's memory alive.
-            self._descriptor_fields = [{**vars(d), "base": None} for d in descriptors]
-            return descriptors
-        q_fields, k_fields, v_fields, o_fields = self._descriptor_fields
-        return [_descriptor(q_fields, q), _descriptor(k_fields, k), _descriptor(v_fields, v),
-                _descriptor(o_fields, o)]
-
-
-def _descriptor(fields: dict[str, Any], base: Any) -> Any:
-    """A TensorDescriptor with ``fields`` over ``base``, built without running its checks."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__ = fields.copy()
-    desc.base = base
-    return desc

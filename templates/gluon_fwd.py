@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from templates import direct_launch, tensor_maps
 from templates.attention_reference import (
     attention_reference,
     forward_bytes,
@@ -151,6 +152,10 @@ class GluonFwdTemplate(GluonTemplate):
     gluon_missing = GLUON_MISSING
     head_dims = HEAD_DIMS
     head_dims_why = "one TMA box and wgmma tile"
+
+    def source_modules(self) -> Sequence[str]:
+        # The kernel module launches through these (inlined into the standalone source too).
+        return [*super().source_modules(), direct_launch.__name__, tensor_maps.__name__]
 
     # -- the problem --------------------------------------------------------------------------
     def flops(self, problem: Problem) -> float:

@@ -36,6 +36,7 @@ lse = -inf.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -51,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from templates.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
 from templates.gluon_common import (  # noqa: F401  re-exported for the templates
     CAUSAL_MODES,
     LOG2_E,
@@ -705,10 +707,20 @@ def q_rows_per_load(config: Mapping[str, Any]) -> int:
     return int(config["BLOCK_M"]) // (2 if config["pingpong"] else 1)
 
 
+# The launch options that are not also the kernel's constexprs (num_warps is both).
+LAUNCH_ONLY_OPTIONS = ("maxnreg",)
+
+
 class LaunchPlan:
     """One launch of ``_gluon_fwd_kernel`` less its tensors: grid, constexprs and scalars,
     worked out once from the inputs' shapes, dtype, causal mode, scale and config. Calling it
-    launches on tensors laid out like the ones it was made from."""
+    launches on tensors laid out like the ones it was made from.
+
+    Launches go through a ``DirectLaunch`` once the first has compiled: every integer argument
+    is fixed by the plan and descriptors are typed by dtype and block shape, so what Triton
+    specializes on beyond the plan is the 16-byte alignment of ``Out`` and ``LSE`` (q, k, v
+    must be aligned for TMA anyway); calls whose five tensors are all aligned (always so for
+    the outputs) take the direct launch, others the JIT's."""
 
     # Set by the entry point: these inputs' layout needs a contiguous copy before TMA.
     copy_inputs = False
@@ -743,12 +755,19 @@ class LaunchPlan:
         self.kv_layout = _host_smem_layout(kv_block, bits)
         self.q_layout = _host_smem_layout(q_block, bits)
         self.options = launch_options(head_dim, causal, config, diag)
+        self._descriptors = [
+            PlannedDescriptor(functools.partial(_descriptor, block=block, layout=layout))
+            for block, layout in ((q_block, self.q_layout), (kv_block, self.kv_layout),
+                                  (kv_block, self.kv_layout), (q_block, self.q_layout))]
+        self._launch = DirectLaunch(
+            _gluon_fwd_kernel, self.grid,
+            {k: v for k, v in self.options.items() if k not in LAUNCH_ONLY_OPTIONS},
+            {k: v for k, v in self.options.items() if k in (*LAUNCH_ONLY_OPTIONS, "num_warps")},
+            dict(enumerate(self._descriptors)))
+        self._device_guard: bool | None = None
 
     def descriptors(self, q: Any, k: Any, v: Any, o: Any) -> list[Any]:
-        return [_descriptor(q, self.q_block, self.q_layout),
-                _descriptor(k, self.kv_block, self.kv_layout),
-                _descriptor(v, self.kv_block, self.kv_layout),
-                _descriptor(o, self.q_block, self.q_layout)]
+        return [make(t) for make, t in zip(self._descriptors, (q, k, v, o), strict=True)]
 
     def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any) -> list[Any]:
         """The kernel's arguments (``o`` contiguous, as the launcher allocates it)."""
@@ -762,9 +781,26 @@ class LaunchPlan:
         else:
             o = q.new_empty(self.out_shape)
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
-        with torch.cuda.device(q.device):
-            _gluon_fwd_kernel[self.grid](*self.args(q, k, v, o, lse), **self.options)
+        if self._device_guard is None:
+            # Triton launches on the current device: make it q's, unless there is only one.
+            self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
+        if self._device_guard and q.device.index != torch.cuda.current_device():
+            with torch.cuda.device(q.device):
+                self._launch_on_current(q, k, v, o, lse)
+        else:
+            self._launch_on_current(q, k, v, o, lse)
         return o, lse
+
+    def _launch_on_current(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           o: torch.Tensor, lse: torch.Tensor) -> None:
+        o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o_ptr | lse_ptr) % 16:
+            _gluon_fwd_kernel[self.grid](*self.args(q, k, v, o, lse), **self.options)
+            return
+        stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
+        # Out and LSE as addresses: the launcher then makes no driver call for them.
+        if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *self.scalars):
+            self._launch.launch_on(stream, q, k, v, o, o, lse, *self.scalars)
 
 
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,5 +1,6 @@
-"""benchmarks/attention_overhead.py --smoke: the three paths run (on the CPU interpreter here),
-agree, and come out as the table's rows and the JSON's numbers."""
+"""benchmarks/attention_overhead.py --smoke: the three forward paths and the three decode paths
+run (on the CPU interpreter here), agree, and come out as the tables' rows and the JSON's
+numbers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.benchmark_scripts import BENCHMARKS
 SCRIPT = BENCHMARKS / "attention_overhead.py"
 PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")
 SDPA_PATHS = ("torch SDPA", "tuner.attention -> SDPA")
+DECODE_PATHS = ("decode plan", "tuner.decode", "tuner.attention")
 
 
 def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) -> None:
@@ -28,6 +30,7 @@ def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) ->
                   "(b) - (a)", "(c) - (a)", *SDPA_PATHS, "dispatch over SDPA"):
         assert any(line.startswith(label) for line in lines), (label, done.stdout)
     assert "target (c) - (a) <= 10 us" in done.stdout
+    assert "(a) decode plan" in done.stdout and "target (b), (c) - (a) <= 10 us" in done.stdout
 
     results = json.loads(out.read_text())
     on_cpu = results["device"].startswith("cpu")  # real launches are timed on CUDA only
@@ -45,3 +48,13 @@ def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) ->
         assert all(len(runs) == results["rounds"]
                    for runs in results["rounds_us"][timing].values())
     assert results["config_source"] == "default" and results["target_us"] == 10.0
+
+    decode = results["decode"]
+    assert decode["shape"] == "1,4,2,64,16" and decode["config_source"] == "default"
+    for timing in timings:
+        row = decode["us_per_call"][timing]
+        assert list(row) == list(DECODE_PATHS) and all(x > 0 for x in row.values())
+        assert decode["overhead_us"][timing] == {
+            name: round(row[name] - row["decode plan"], 3) for name in DECODE_PATHS[1:]}
+        assert decode["meets_target"][timing] == all(
+            x <= results["target_us"] for x in decode["overhead_us"][timing].values())

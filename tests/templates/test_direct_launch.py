@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+import triton
 
 from templates import direct_launch, flash_decode_kernel
+from templates.device import interpreter_active
 from templates.direct_launch import DirectLaunch, alignment_key
 from templates.flash_decode import TEMPLATE, FlashDecodeConfig, decode_reference
 from templates.flash_decode_kernel import check_decode_inputs, launch_decode
@@ -55,6 +57,7 @@ def test_first_call_compiles_through_the_jit_then_launches_directly() -> None:
     assert kernel.calls[1] == ("direct", 7, 2, 1, 1234, "function", "metadata", None, None,
                                None, "y", 10, 0.25, 64, True)
     assert launch.direct_launches == 1
+    assert launch._compiled is kernel.compiled  # its module stays loaded (triton 3.9 unloads)
 
 
 def test_a_launch_hook_sends_every_call_through_the_jit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,6 +68,17 @@ def test_a_launch_hook_sends_every_call_through_the_jit(monkeypatch: pytest.Monk
     launch.launch_on(1234, "y", 1, 1.0)
     assert [c[0] for c in kernel.calls] == ["jit", "jit"]
     assert launch.direct_launches == 0
+
+
+def test_launch_hooks_are_read_from_tritons_knobs() -> None:
+    hooks = triton.knobs.runtime.launch_enter_hook
+    assert not direct_launch._launch_hooks_set()
+    hooks.add(print)
+    try:
+        assert direct_launch._launch_hooks_set()
+    finally:
+        hooks.remove(print)
+    assert not direct_launch._launch_hooks_set()
 
 
 def test_constexprs_that_do_not_end_the_signature_keep_the_jit_path() -> None:
@@ -82,6 +96,7 @@ def test_alignment_key_reads_16_byte_alignment() -> None:
     assert alignment_key(base, base[8:], base[1:]) == (True, True, False)
 
 
+@pytest.mark.skipif(not interpreter_active(), reason="runs the kernels under the interpreter")
 def test_interpreter_launches_never_go_direct() -> None:
     # Under the interpreter a launch returns no compiled kernel: the plan keeps the JIT path
     # and the result still matches the reference.

@@ -346,7 +346,8 @@ def test_make_inputs_are_random_reproducible_and_run() -> None:
 def test_template_is_registered_with_a_source_version() -> None:
     assert isinstance(TEMPLATE, FlashFwdTemplate)
     assert set(TEMPLATE.source_modules()) == {"templates.flash_fwd", "templates.flash_fwd_kernel",
-                                              "templates.kernel_common", "templates.listed_blocks"}
+                                              "templates.kernel_common", "templates.listed_blocks",
+                                              "templates.direct_launch", "templates.tensor_maps"}
     assert len(TEMPLATE.version()) == 16
 
 
