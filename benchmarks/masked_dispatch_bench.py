@@ -14,8 +14,9 @@ dispatcher prices the call by that problem's measurements). Candidates, each che
 CPU), then timed in ``--rounds`` rounds in alternating orders (benchmarks/paired.py; median
 kept):
 
-* ``flash``: our block-sparse kernels (``use_implementation("flash")``: the dense problem's
-  tuned configs fitted to the mask, what ran before Flex was a candidate),
+* ``flash``: our block-sparse kernels (``use_implementation("flash")``: the configs the
+  sweep measured on the mask's problem; where none, the dense problem's tuned configs fitted
+  to the mask),
 * ``flex``: compiled FlexAttention (``use_implementation("flex")``, its tuned config),
 * ``flash again``: ``flash`` timed as another candidate, the row's noise floor,
 * ``tuner.attention``: the dispatcher's choice with the database ``--db`` (a sweep of

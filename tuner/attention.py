@@ -418,17 +418,18 @@ def _block_mask_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_cau
     """Who runs a block-mask call: our block-sparse kernels or compiled FlexAttention, by the
     stored measurements of the mask's named problem (``BlockMask.pattern``: its shapes, causal
     mode and pattern). None: ours with the dense problem's configs, as before Flex was a
-    candidate: a mask with no pattern (no measurement can price it), or ``flash`` (or another
-    implementation) forced. ``use_implementation("flex")`` forces Flex."""
+    candidate: a mask with no pattern (no measurement can price it), or another implementation
+    than flash or flex forced. ``use_implementation("flex")`` forces Flex; forcing ``flash`` on a
+    mask with a pattern runs ours with its measurements of that problem where it has some."""
     from templates.block_mask import BlockMask
     from templates.torch_flex import FlexConfig
 
     assert isinstance(block_mask, BlockMask)
     name = forced()
-    if name not in (None, "flex"):
+    if name not in (None, "flex", "flash"):
         return None
     if block_mask.pattern is None:
-        if name is None:
+        if name != "flex":
             return None
         return Choice(implementations.FLEX, (Resolved(FlexConfig(), "default", "default"),),
                       "forced by use_implementation (a mask without a pattern: Flex's "

@@ -8,6 +8,7 @@ the interpreter."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,27 @@ def test_use_implementation_forces_flex_or_ours(tmp_path: Path, device: str,
     with tuner.use_implementation("flash"):
         run(device)
     assert len(flex_calls) == 2
+
+
+def test_forcing_flash_runs_its_measurements_of_the_pattern(tmp_path: Path,
+                                                            device: str) -> None:
+    """use_implementation("flash") on a patterned mask runs ours as measured on that problem
+    (masked_dispatch_bench's "flash" column), not the dense problem's configs."""
+    attention_module = importlib.import_module("tuner.attention")
+    p = masked_problem()
+    cfg = get_template("flash_fwd").default_config(p, current_device()).to_dict()
+    cfg["num_warps"] = 8 if cfg["num_warps"] == 4 else 4  # not what the fallback would pick
+    store(tmp_path, measured("flash_fwd", p, 150.0, cfg), measured("torch_flex", p, 100.0))
+    q, k, v = inputs(device)
+    mask = pattern_block_mask(PATTERN, N, N, device=device)
+    with tuner.use_implementation("flash"):
+        choice = attention_module._block_mask_choice(q, k, v, True, True, False, mask)
+    assert choice is not None and choice.implementation.name == "flash"
+    assert choice.resolved[0].measured and choice.resolved[0].config.to_dict() == cfg
+    with tuner.use_implementation("flash"):
+        unpatterned = dataclasses.replace(mask, pattern=None)
+        assert attention_module._block_mask_choice(q, k, v, True, True, False,
+                                                   unpatterned) is None
 
 
 def test_flex_never_serves_dense_calls(device: str) -> None:
