@@ -151,33 +151,52 @@ def logits_error(model: Any, reference: Any, ids: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def tune(db: str, sizes: dict[str, int], budget_s: int) -> None:
-    """Sweep the model's own attention problems (prefill, decode steps, training) into db."""
-    spec = Path(os.environ.get("TMPDIR", "/tmp")) / "e2e_hf_spec.toml"
-    # Prefill and training are causal; a decode step's one query sees every cached key
-    # (tuner.hf passes is_causal=False there), so its problems are dense.
-    shapes = [f"{{B = 1, H_q = 32, H_kv = 8, N = {sizes['prefill']}, D = 128, "
-              f'causal = "top_left"}}',
-              f"{{B = {sizes['train_batch']}, H_q = 32, H_kv = 8, N = {sizes['train_len']}, "
-              f'D = 128, causal = "top_left"}}']
-    shapes += [f'{{B = 1, H_q = 32, H_kv = 8, N_q = 1, N_kv = {n}, D = 128, causal = "none"}}'
-               for n in (sizes["prompt"], 2 * sizes["prompt"])]
+def tune_specs(sizes: dict[str, int]) -> dict[str, str]:
+    """The model's own attention problems as sweep specs, one per family, each naming only the
+    templates that serve its calls (a spec's templates apply to all its shapes: one spec for
+    all of them had the backward templates measure the decode steps)."""
+    def spec(templates: list[str], shapes: list[str]) -> str:
+        return (f"templates = {templates!r}\n".replace("'", '"')
+                + f'dtypes = ["bfloat16"]\ntrials = 8\nshapes = [{", ".join(shapes)}]\n')
+
+    heads = "H_q = 32, H_kv = 8, D = 128"
+    # Prefill and training are causal.
+    dense = [f'{{B = 1, {heads}, N = {sizes["prefill"]}, causal = "top_left"}}',
+             f'{{B = {sizes["train_batch"]}, {heads}, N = {sizes["train_len"]}, '
+             f'causal = "top_left"}}']
+    # A decode step's one query sees every cached key (tuner.hf passes is_causal=False
+    # there), so its problems are dense.
+    decode = [f'{{B = 1, {heads}, N_q = 1, N_kv = {n}, causal = "none"}}'
+              for n in (sizes["prompt"], 2 * sizes["prompt"])]
     # The sliding model's layers (prefill, and its training step of twice the window): the
     # block mask tuner.hf passes, causality in the mask (benchmarks/specs/dispatch_sliding_hf.toml).
-    shapes += [f'{{B = 1, H_q = 32, H_kv = 8, N = {n}, D = 128, causal = "none", '
+    sliding = [f'{{B = 1, {heads}, N = {n}, causal = "none", '
                f'mask = "sliding_causal:{sizes["window"]}"}}'
                for n in sorted({sizes["prefill"], 2 * sizes["window"]})]
-    spec.write_text(
-        'templates = ["torch_sdpa", "flash_fwd", "gluon_fwd", "flash_decode", '
-        '"torch_sdpa_train", "flash_bwd", "torch_flex", "torch_flex_train"]\n'
-        'dtypes = ["bfloat16"]\ntrials = 8\n'
-        f"shapes = [{', '.join(shapes)}]\n")
-    try:
-        subprocess.run([sys.executable, "-m", "tuner.cli.app", "sweep", str(spec), "--db", db],
-                       timeout=budget_s, check=False)
-    except subprocess.TimeoutExpired:
-        # What the sweep measured is stored; the model runs on it (a later --tune resumes).
-        print(f"tune: the sweep ran past --tune-s {budget_s} s and was stopped", flush=True)
+    return {
+        "dense": spec(["torch_sdpa", "flash_fwd", "gluon_fwd", "torch_sdpa_train", "flash_bwd"],
+                      dense),
+        "decode": spec(["torch_sdpa", "flash_decode", "flash_fwd", "gluon_fwd"], decode),
+        "sliding": spec(["flash_fwd", "torch_flex", "flash_bwd", "torch_flex_train"], sliding),
+    }
+
+
+def tune(db: str, sizes: dict[str, int], budget_s: int) -> None:
+    """Sweep the model's own attention problems (prefill, decode steps, training) into db,
+    family after family, within budget_s seconds in all."""
+    deadline = time.monotonic() + budget_s
+    for family, text in tune_specs(sizes).items():
+        spec = Path(os.environ.get("TMPDIR", "/tmp")) / f"e2e_hf_{family}.toml"
+        spec.write_text(text)
+        left = deadline - time.monotonic()
+        try:
+            subprocess.run([sys.executable, "-m", "tuner.cli.app", "sweep", str(spec),
+                            "--db", db], timeout=max(1.0, left), check=False)
+        except subprocess.TimeoutExpired:
+            # What the sweep measured is stored; the model runs on it (a later --tune resumes).
+            print(f"tune: the {family} sweep ran past --tune-s {budget_s} s and was stopped; "
+                  "the families after it were not swept", flush=True)
+            return
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,3 +42,4 @@ def test_smoke_rows_and_logits(tmp_path: Path) -> None:
             assert row["ratio"][step] == c["ratio"]["median"]
             assert sorted(rounds["tuner"])[1] == row["tuner"][step]  # the median of 3
             assert c["verdict"] == "too few rounds"  # 3 rounds: min..max is no interval
+

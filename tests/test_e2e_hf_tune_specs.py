@@ -1,0 +1,33 @@
+"""benchmarks/e2e_hf.py --tune: the specs it sweeps (no transformers needed to build them)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.benchmark_scripts import BENCHMARKS
+
+
+def test_tune_specs_load_one_family_each(tmp_path: Path) -> None:
+    """--tune sweeps one spec per family: the backward templates never see a decode step, the
+    decode kernel never a prefill, and every spec loads as the sweep loads it."""
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks.e2e_hf import tune_specs
+    from tuner.suites import load_spec_file
+
+    sizes = dict(prefill=8192, prompt=2048, train_batch=2, train_len=4096, window=4096)
+    specs = {}
+    for family, text in tune_specs(sizes).items():
+        path = tmp_path / f"{family}.toml"
+        path.write_text(text)
+        specs[family] = load_spec_file(path)
+    assert set(specs) == {"dense", "decode", "sliding"}
+    decode = specs["decode"]
+    assert {p.seqlen_q for p in decode.problems} == {1}
+    assert sorted(p.seqlen_kv for p in decode.problems) == [2048, 4096]
+    assert "flash_decode" in decode.templates
+    assert not {"flash_bwd", "torch_sdpa_train", "torch_flex_train"} & set(decode.templates)
+    assert "flash_decode" not in specs["dense"].templates + specs["sliding"].templates
+    assert sorted((p.batch, p.seqlen_q) for p in specs["dense"].problems) == [(1, 8192), (2, 4096)]
+    assert {p.causal for p in specs["dense"].problems} == {"top_left"}
+    assert {p.mask for p in specs["sliding"].problems} == {"sliding_causal:4096"}
