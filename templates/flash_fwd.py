@@ -429,8 +429,10 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             for this problem and device.
 
     Returns:
-        o (B, H_q, N_q, D) in q's dtype, contiguous; lse (B, H_q, N_q) float32, the natural
-        logsumexp of the scaled, masked scores (-inf, with o = 0, for rows that see no key).
+        o (B, H_q, N_q, D) in q's dtype, contiguous (or laid out as q where q is a (B, N, H, D)
+        tensor viewed so, as torch SDPA's cuDNN backend returns it); lse (B, H_q, N_q) float32,
+        the natural logsumexp of the scaled, masked scores (-inf, with o = 0, for rows that see
+        no key).
 
     Raises:
         TypeError / ValueError naming the offending argument, the config field, or the

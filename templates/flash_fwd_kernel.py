@@ -16,7 +16,8 @@ One kernel, specialized by ``tl.constexpr``:
   * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
   * head dims up to 256, padded inside the kernel to ``BLOCK_D`` (a power of two >= 16).
 
-Outputs: ``o`` (B, H_q, N_q, D) in the input dtype, contiguous, and ``lse`` (B, H_q, N_q)
+Outputs: ``o`` (B, H_q, N_q, D) in the input dtype (contiguous, or laid out as q where q is
+a (B, N, H, D) tensor viewed so: ``output_strides``), and ``lse`` (B, H_q, N_q)
 float32, the natural-log logsumexp of the scaled scores; a row that sees no key gets o = 0 and
 lse = -inf.
 """
@@ -39,6 +40,7 @@ from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     block_d_for,
     causal_offset,
     normalize_causal,
+    output_strides,
 )
 from templates.listed_blocks import listed_block_step
 
@@ -370,11 +372,12 @@ def tma_layout_problem(shape: tuple[int, ...], strides: tuple[int, ...], data_pt
 
 
 def tma_inputs_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why q, k, v (and the contiguous output) cannot be read through TMA (None if they can).
+    """Why q, k, v (and the output, laid out by ``output_strides``) cannot be read through TMA
+    (None if they can).
 
     Callers check once per launch plan (``templates.flash_fwd``, ``tuner.attention``)."""
     batch, heads, seqlen, head_dim = q.shape
-    o_strides = (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)  # o is contiguous
+    o_strides = output_strides(tuple(q.shape), tuple(q.stride()))
     for name, shape, strides, ptr in (("q", q.shape, q.stride(), q.data_ptr()),
                                       ("k", k.shape, k.stride(), k.data_ptr()),
                                       ("v", v.shape, v.stride(), v.data_ptr()),
@@ -488,8 +491,8 @@ class LaunchPlan:
         self.grid = (n_q_tiles * batch * heads_q,)
         self.out_shape = (batch, heads_q, seqlen_q, head_dim)
         self.lse_shape = (batch, heads_q, seqlen_q)
-        o_strides = (heads_q * seqlen_q * head_dim, seqlen_q * head_dim, head_dim, 1)
-        self.scalars = [*q.stride(), *k.stride(), *v.stride(), *o_strides,
+        self.out_strides = output_strides(self.out_shape, tuple(q.stride()))
+        self.scalars = [*q.stride(), *k.stride(), *v.stride(), *self.out_strides,
                         seqlen_q, seqlen_kv, causal_offset(causal_mode, seqlen_q, seqlen_kv),
                         heads_q, heads_q // heads_kv, batch * heads_q, n_q_tiles,
                         scale * LOG2_E]
@@ -528,11 +531,11 @@ class LaunchPlan:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any = None,
                  attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of the kernel on q, k, v; ``attn_mask`` as ``broadcast_attn_mask`` gives it."""
+        o = torch.empty_strided(self.out_shape, self.out_strides, device=q.device, dtype=q.dtype)
         if DEBUG_POISON:
-            o = torch.full(self.out_shape, float("nan"), device=q.device, dtype=q.dtype)
+            o.fill_(float("nan"))
             lse = torch.full(self.lse_shape, float("nan"), device=q.device, dtype=torch.float32)
         else:
-            o = q.new_empty(self.out_shape)
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         if self._device_guard is None:
             # Triton launches on the current device: make it q's, unless there is only one.

@@ -323,8 +323,9 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             default for this problem.
 
     Returns:
-        o (B, H_q, N_q, D) in q's dtype, contiguous; lse (B, H_q, N_q) float32, the natural
-        logsumexp of the scaled scores (-inf, with o = 0, for rows that see no key).
+        o (B, H_q, N_q, D) in q's dtype, contiguous or laid out as q (``output_strides``);
+        lse (B, H_q, N_q) float32, the natural logsumexp of the scaled scores (-inf, with
+        o = 0, for rows that see no key).
 
     Raises:
         TypeError / ValueError naming the offending argument or the constraint the config

@@ -29,9 +29,10 @@ One kernel, specialized by constexprs:
   * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
   * causal top-left (SDPA) or bottom-right (FA2 with a KV cache) through ``causal_offset``.
 
-Outputs: ``o`` (B, H_q, N_q, D) in the input dtype, contiguous, and ``lse`` (B, H_q, N_q)
-float32, the natural-log logsumexp of the scaled scores; a row that sees no key gets o = 0 and
-lse = -inf.
+Outputs: ``o`` (B, H_q, N_q, D) in the input dtype (laid out as q where q is a (B, N, H, D)
+tensor viewed so and the grid is not persistent, else contiguous: ``output_strides``), and
+``lse`` (B, H_q, N_q) float32, the natural-log logsumexp of the scaled scores; a row that
+sees no key gets o = 0 and lse = -inf.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from templates.gluon_common import (  # noqa: F401  re-exported for the template
     tma_layout_problem,
     tma_ready,
 )
+from templates.kernel_common import output_strides
 
 HEAD_DIMS = (64, 128, 256)
 # Registers per thread of the producer warp's partition (setmaxnreg: multiples of 8, >= 24):
@@ -744,6 +746,11 @@ class LaunchPlan:
         else:
             self.grid = (n_tiles,)
         self.out_shape = (batch, heads_q, seqlen_q, head_dim)
+        # A persistent grid stores O from registers as a contiguous tensor; a TMA store takes
+        # any layout.
+        self.out_strides = ((heads_q * seqlen_q * head_dim, seqlen_q * head_dim, head_dim, 1)
+                            if config["persistent"]
+                            else output_strides(self.out_shape, tuple(q.stride())))
         self.lse_shape = (batch, heads_q, seqlen_q)
         offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
         self.scalars = [seqlen_q, seqlen_kv, offset, heads_q, heads_q // heads_kv, n_q_tiles,
@@ -770,16 +777,16 @@ class LaunchPlan:
         return [make(t) for make, t in zip(self._descriptors, (q, k, v, o), strict=True)]
 
     def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any) -> list[Any]:
-        """The kernel's arguments (``o`` contiguous, as the launcher allocates it)."""
+        """The kernel's arguments (``o`` laid out as ``out_strides``, as the plan allocates it)."""
         return [*self.descriptors(q, k, v, o), o, lse, *self.scalars]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        o = torch.empty_strided(self.out_shape, self.out_strides, device=q.device, dtype=q.dtype)
         if DEBUG_POISON:
-            o = torch.full(self.out_shape, float("nan"), device=q.device, dtype=q.dtype)
+            o.fill_(float("nan"))
             lse = torch.full(self.lse_shape, float("nan"), device=q.device, dtype=torch.float32)
         else:
-            o = q.new_empty(self.out_shape)
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         if self._device_guard is None:
             # Triton launches on the current device: make it q's, unless there is only one.

@@ -27,3 +27,18 @@ def normalize_causal(causal: bool | str) -> str:
     if isinstance(causal, str) and causal in CAUSAL_MODES:
         return causal
     raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got {causal!r}")
+
+
+def output_strides(shape: tuple[int, ...], q_strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of the forward's o (B, H, N, D), as the kernels write it.
+
+    Laid out as q when q is a (B, N, H, D) tensor viewed as (B, H, N, D) (transformers'
+    layout: its attention returns ``o.transpose(1, 2).contiguous()``, a copy unless o is laid
+    out so; torch SDPA's cuDNN backend returns that layout, and the copy cost 90 us a layer of
+    an 8k Llama prefill on the H100); contiguous otherwise. Where H or N is 1 both layouts
+    hold the same bytes, and o is contiguous.
+    """
+    batch, heads, seqlen, head_dim = shape
+    if heads > 1 and seqlen > 1 and q_strides[2] > q_strides[1]:
+        return (seqlen * heads * head_dim, head_dim, heads * head_dim, 1)
+    return (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)

@@ -52,6 +52,7 @@ import templates  # noqa: F401
 from templates.base import KernelConfig, Problem
 from templates.device import DeviceInfo, cpu_device, current_device, interpreter_active
 from templates.flash_fwd import DTYPE_NAMES
+from templates.kernel_common import output_strides
 from templates.registry import get_template
 from templates.torch_sdpa import SdpaConfig, sdpa
 from tuner import implementations
@@ -460,18 +461,40 @@ def _block_mask_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_cau
 
 
 # ----------------------------------------------------------------------------- torch.library
+def _op_output_strides(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
+    """The strides of the ops' o: the kernels' layout (``output_strides``: laid out as a 4-D q
+    that is a (B, N, H, D) tensor viewed as (B, H, N, D), else contiguous). The fake and the
+    real op must agree on them under torch.compile."""
+    shape = (*q.shape[:-1], value_dim)
+    if q.dim() == 4:
+        return output_strides(shape, tuple(q.stride()))
+    return torch.empty(shape, device="meta").stride()
+
+
+def _in_op_layout(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``o`` itself where it is laid out as the fakes say (every kernel of ours on 4-D
+    inputs), else a copy so laid out."""
+    strides = _op_output_strides(q, o.shape[-1])
+    if o.stride() == strides:
+        return o
+    return torch.empty_strided(o.shape, strides, dtype=o.dtype, device=o.device).copy_(o)
+
+
 @torch.library.custom_op("tuner::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse): o like q (value's head dim), lse (..., H_q, L) float32 natural log."""
-    return _flash_forward(q, k, v, is_causal, scale, enable_gqa)
+    """(o, lse): o like q (value's head dim; ``_op_output_strides``), lse (..., H_q, L)
+    float32 natural log."""
+    o, lse = _flash_forward(q, k, v, is_causal, scale, enable_gqa)
+    return _in_op_layout(o, q), lse
 
 
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                         scale: float | None, enable_gqa: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+    shape = (*q.shape[:-1], v.shape[-1])
+    return (q.new_empty_strided(shape, _op_output_strides(q, v.shape[-1])),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
@@ -482,14 +505,15 @@ def _attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     """o by ``implementation``, one of ours without a backward (decode, gluon), as the trace
     chose it: the eager path's plan for the call, with that implementation forced."""
     with use_implementation(implementation):
-        return _forward(q, k, v, is_causal, scale, enable_gqa)
+        return _in_op_layout(_forward(q, k, v, is_causal, scale, enable_gqa), q)
 
 
 @_attention_inference.register_fake
 def _attention_inference_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               is_causal: bool, scale: float | None, enable_gqa: bool,
                               implementation: str) -> torch.Tensor:
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    shape = (*q.shape[:-1], v.shape[-1])
+    return q.new_empty_strided(shape, _op_output_strides(q, v.shape[-1]))
 
 
 @torch.library.custom_op("tuner::attention_bwd", mutates_args=())
@@ -505,7 +529,8 @@ def _attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                         scale: float | None, enable_gqa: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # flash_attention_bwd returns its gradients contiguous, whatever the inputs' layout.
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...],
