@@ -79,11 +79,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
                     pingpong=True, persistent=True),
     "pp-s3-pers": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=3, consumers=2,
                        warp_specialize=True, pingpong=True, persistent=True),
-    # ping-pong with one exponential of every 2 (4) of the hot loop on the FMA pipe (FA4)
-    "pp-fma2": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2, warp_specialize=True,
-                    pingpong=True, exp2_fma=2),
-    "pp-fma4": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2, warp_specialize=True,
-                    pingpong=True, exp2_fma=4),
 }
 START = time.monotonic()
 

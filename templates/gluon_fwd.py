@@ -111,12 +111,6 @@ class GluonFwdConfig(KernelConfig):
         "and their shared memory must fit together. Two programs overlap one's softmax with "
         "the other's GEMMs without any explicit scheduling, at the cost of half the "
         "registers and shared memory each.")
-    exp2_fma: int = knob(
-        0, (0, 2, 4),
-        "Exponentials of the hot loop's (unmasked) softmax computed on the FMA pipe instead of "
-        "MUFU: 0 none, 2 one of every 2, 4 one of every 4 (a degree-3 polynomial, relative "
-        "error under 1e-4, below P's 16-bit rounding). MUFU does 16 exponentials/clk/SM and "
-        "cost ~20% of the d128 step; the polynomial costs ~7 FMA/ALU instructions each.")
 
 
 def rows_per_consumer(config: GluonFwdConfig) -> int:

@@ -26,8 +26,6 @@ One kernel, specialized by constexprs:
     query tile in its own partition, and a pair of mbarriers lets only one of them issue
     GEMMs at a time, so one warpgroup's softmax runs under the other's GEMMs (FA3's
     ping-pong). Without it, the consumer warpgroups form one partition that runs in step;
-  * ``EXP2_FMA``: one exponential of every 2 or 4 of the unmasked softmax computed by a
-    polynomial on the FMA pipe instead of MUFU (FlashAttention-4's split of the exponentials);
   * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
   * causal top-left (SDPA) or bottom-right (FA2 with a KV cache) through ``causal_offset``.
 
@@ -41,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,86 +90,11 @@ def _mma_layout(num_warps, n):
                                      instr_shape=[16, n, 16])
 
 
-# ----------------------------------------------------------------------------- exp2 on FMA
-# 2^f on [0, 1) as 1 + f (C1 + f (C2 + f C3)): minimax relative error with the constant fixed
-# at 1 (fitted by Lawson iterations in float64, then rounded to float32); at most 8.6e-5
-# relative, 5x under fp16's rounding of P (2^-11) and 23x under bf16's (2^-9). The fixed 1
-# keeps 2^f in [1, 2), so adding the integer part into the exponent field never borrows from
-# the sign bit (x clamped at -127 gives at least exponent field 0: a denormal, ~0).
-EXP2_POLY = (0.6951168179512024, 0.22764484584331512, 0.07706717401742935)
-# x is clamped here first: exp2(-127) is below every fp16/bf16 P that matters, and -inf or
-# NaN become a tiny finite number instead of garbage exponent bits.
-EXP2_CLAMP = -127.0
-# 1.5 * 2^23: adding it rounds x to an integer (the rounding mode picks floor) held in the
-# low mantissa bits, with no conversion instruction (F2I/FRND run at the MUFU's 16/clk/SM).
-EXP2_ROUNDER = 12582912.0
-
-
-def _f32_hex(value: float) -> str:
-    """``value`` as a PTX float32 literal (0fXXXXXXXX)."""
-    bits = struct.unpack("<I", struct.pack("<f", value))[0]
-    return f"0f{bits:08X}"
-
-
-def _exp2_poly_ptx(out: str, x: str) -> str:
-    """PTX of 2^x on the FMA pipe for one element (x <= 0 in practice; see EXP2_POLY):
-    floor by the rounder constant added with round-down, the polynomial on the fraction,
-    then the integer part shifted into the exponent bits by an integer add."""
-    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
-    rnd = _f32_hex(EXP2_ROUNDER)
-    return (
-        "{\n.reg .f32 t, r, j, f, q;\n.reg .b32 e, b;\n"
-        f"max.ftz.f32 t, {x}, {_f32_hex(EXP2_CLAMP)};\n"
-        f"add.rm.ftz.f32 r, t, {rnd};\n"        # rounder + floor(t), exactly
-        f"sub.ftz.f32 j, r, {rnd};\n"           # floor(t), exactly
-        "sub.ftz.f32 f, t, j;\n"                # fraction in [0, 1), exactly
-        f"fma.rn.ftz.f32 q, f, {c3}, {c2};\n"
-        f"fma.rn.ftz.f32 q, q, f, {c1};\n"
-        f"fma.rn.ftz.f32 q, q, f, {_f32_hex(1.0)};\n"
-        "mov.b32 e, r;\n"
-        "shl.b32 e, e, 23;\n"                   # floor(t) into the exponent field
-        "mov.b32 b, q;\n"
-        "add.s32 b, b, e;\n"                    # fused with the shl: one LEA (integer pipe)
-        f"mov.b32 {out}, b;\n}}\n")
-
-
-def _exp2_mixed_asm(pack: int) -> str:
-    """Inline PTX over ``pack`` fp32 elements ($0.. out, $pack.. in): the last one through the
-    FMA-pipe polynomial, the others through MUFU (ex2.approx.ftz, as gl.exp2 lowers)."""
-    lines = [f"ex2.approx.ftz.f32 ${i}, ${pack + i};\n" for i in range(pack - 1)]
-    return "".join(lines) + _exp2_poly_ptx(f"${pack - 1}", f"${2 * pack - 1}")
-
-
-# The PTX as constexpr globals (jit code may read those; their text is part of Triton's cache
-# key, so a change in the polynomial recompiles).
-_EXP2_ASM_2 = gl.constexpr(_exp2_mixed_asm(2))
-_EXP2_ASM_4 = gl.constexpr(_exp2_mixed_asm(4))
-_EXP2_CONSTRAINTS_2 = gl.constexpr("=f,=f,f,f")
-_EXP2_CONSTRAINTS_4 = gl.constexpr("=f,=f,=f,=f,f,f,f,f")
-
-
-@gluon.jit
-def _exp2(x, EXP2_FMA: gl.constexpr):
-    """exp2 of fp32 ``x``: on MUFU (EXP2_FMA 0), or with one element of every EXP2_FMA (2 or
-    4) computed on the FMA pipe instead, so that the two units share the exponentials
-    (FlashAttention-4's split): MUFU.EX2 does 16/clk/SM, FFMA 128/clk/SM."""
-    if EXP2_FMA == 2:
-        y = gl.inline_asm_elementwise(_EXP2_ASM_2, _EXP2_CONSTRAINTS_2, [x], dtype=gl.float32,
-                                      is_pure=True, pack=2)
-    elif EXP2_FMA == 4:
-        y = gl.inline_asm_elementwise(_EXP2_ASM_4, _EXP2_CONSTRAINTS_4, [x], dtype=gl.float32,
-                                      is_pure=True, pack=4)
-    else:
-        gl.static_assert(EXP2_FMA == 0, "EXP2_FMA must be 0, 2 or 4")
-        y = gl.exp2(x)
-    return y
-
-
 # ----------------------------------------------------------------------------- softmax
 @gluon.jit
 def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset,
                    MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                   DIAG: gl.constexpr, EXP2_FMA: gl.constexpr):
+                   DIAG: gl.constexpr):
     """One online-softmax step on the raw scores ``s`` (rows x BLOCK_N, fp32): returns
     (p, m_new, l_new, alpha) with p = exp2(s * qk_scale - m_new) and alpha the factor that
     rescales what was accumulated before. MASKED blocks hide keys past N_kv and, for causal,
@@ -180,11 +102,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset,
     shifts by 0 instead so that p and alpha are exactly 0, never NaN.
 
     ``DIAG`` (timing experiments only, wrong results): 1 drops the exponentials of the
-    unmasked step (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s).
-
-    ``EXP2_FMA`` (0, 2, 4): the unmasked step computes one p of every EXP2_FMA on the FMA pipe
-    (``_exp2``). Only there: it is the hot loop's step, and its arguments are finite and <= 0
-    (the masked step's -inf go through MUFU, as do alpha's two per row)."""
+    unmasked step (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s)."""
     if MASKED:
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         visible = gl.expand_dims(keys < N_KV, 0)
@@ -209,7 +127,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset,
         l_new = l_i * alpha + gl.sum(p, 1)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), EXP2_FMA)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
@@ -338,8 +256,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_
               offs_m, N_KV, causal_offset, qk_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-              PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr,
-              EXP2_FMA: gl.constexpr):
+              PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
     """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
     tensor cores; blocks from n_full on take the masked softmax (causal diagonal, N_kv tail).
@@ -375,11 +292,11 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_
         if j >= n_full:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N,
                                                 N_KV, causal_offset, True, CAUSAL, BLOCK_N,
-                                                DIAG, EXP2_FMA)
+                                                DIAG)
         else:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N,
                                                 N_KV, causal_offset, False, CAUSAL, BLOCK_N,
-                                                DIAG, EXP2_FMA)
+                                                DIAG)
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
         else:
@@ -408,7 +325,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                    PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                   DIAG: gl.constexpr, EXP2_FMA: gl.constexpr):
+                   DIAG: gl.constexpr):
     """One consumer, one tile: ``ROWS`` query rows (from row ``q_row0 + ME * ROWS`` of the
     head) over ``NUM_WARPS`` warps, against every KV block of the tile's range; writes its
     rows of O and LSE. Without WARP_SPECIALIZE it also issues the loads.
@@ -462,12 +379,10 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
             mbarrier.arrive(k_empty.index(slot0), count=1)
         if n_full > 0:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, 0, N_KV,
-                                                causal_offset, False, CAUSAL, BLOCK_N, DIAG,
-                                                EXP2_FMA)
+                                                causal_offset, False, CAUSAL, BLOCK_N, DIAG)
         else:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, 0, N_KV,
-                                                causal_offset, True, CAUSAL, BLOCK_N, DIAG,
-                                                EXP2_FMA)
+                                                causal_offset, True, CAUSAL, BLOCK_N, DIAG)
         # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
         # in shared memory.
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
@@ -481,7 +396,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
             acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_smem, k_desc,
             v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h,
             offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
-            WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG, EXP2_FMA)
+            WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG)
         if PERSISTENT:
             # Every GEMM that reads Q has completed: the producer may load the next tile's.
             mbarrier.arrive(q_empty.index(ME), count=1)
@@ -538,7 +453,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-              PERSISTENT: gl.constexpr, DIAG: gl.constexpr, EXP2_FMA: gl.constexpr):
+              PERSISTENT: gl.constexpr, DIAG: gl.constexpr):
     """A consumer over its program's tiles: one (tile = program id), or, persistent, every
     grid-stride tile from the program id on, with ring, turn and Q-buffer phases carried
     across tiles."""
@@ -558,7 +473,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
                            b, h, kv_h, bh, m0, n_blocks, n_full, N_Q, N_KV, causal_offset,
                            qk_scale, it0, ev0, q_phase, ME, NUM_WARPS, ROWS, HEAD_DIM,
                            BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
-                           PERSISTENT, DIAG, EXP2_FMA)
+                           PERSISTENT, DIAG)
             it0 += n_blocks
             if n_blocks > 0:
                 ev0 += n_blocks + 1
@@ -571,7 +486,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
                        v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, b,
                        h, kv_h, bh, m0, n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale,
                        0, 0, 0, ME, NUM_WARPS, ROWS, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
-                       WARP_SPECIALIZE, PINGPONG, P_SMEM, PERSISTENT, DIAG, EXP2_FMA)
+                       WARP_SPECIALIZE, PINGPONG, P_SMEM, PERSISTENT, DIAG)
 
 
 @gluon.jit
@@ -612,13 +527,13 @@ def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, 
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
                       PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                      DIAG: gl.constexpr, EXP2_FMA: gl.constexpr):
+                      DIAG: gl.constexpr):
     """The default partition of a warp-specialized program: consumer 0."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 0, NUM_WARPS, ROWS, HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, DIAG, EXP2_FMA)
+              PERSISTENT, DIAG)
 
 
 @gluon.jit
@@ -629,13 +544,13 @@ def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                     DIAG: gl.constexpr, EXP2_FMA: gl.constexpr):
+                     DIAG: gl.constexpr):
     """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 1, NUM_WARPS, ROWS, HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, DIAG, EXP2_FMA)
+              PERSISTENT, DIAG)
 
 
 @gluon.jit
@@ -646,8 +561,7 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
-                        P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, DIAG: gl.constexpr,
-                        EXP2_FMA: gl.constexpr):
+                        P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, DIAG: gl.constexpr):
     """The producer partition (one warp)."""
     Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
     _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
@@ -665,7 +579,7 @@ def _gluon_fwd_kernel(
     KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-    DIAG: gl.constexpr, EXP2_FMA: gl.constexpr, num_warps: gl.constexpr,
+    DIAG: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Program p owns tile p (tiles_inner order, see _tile_coords) or, persistent, the tiles
     # p, p + grid, p + 2 grid, ...
@@ -713,19 +627,19 @@ def _gluon_fwd_kernel(
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, DIAG, EXP2_FMA)),
+                    P_SMEM, PERSISTENT, DIAG)),
                 (_consumer_second, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, DIAG, EXP2_FMA)),
+                    P_SMEM, PERSISTENT, DIAG)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, DIAG, EXP2_FMA)),
+                    PINGPONG, P_SMEM, PERSISTENT, DIAG)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -734,20 +648,20 @@ def _gluon_fwd_kernel(
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, num_warps,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, DIAG, EXP2_FMA)),
+                    PINGPONG, P_SMEM, PERSISTENT, DIAG)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, DIAG, EXP2_FMA)),
+                    PINGPONG, P_SMEM, PERSISTENT, DIAG)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                   q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                   n_q_tiles, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 0, num_warps,
                   ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, False,
-                  False, P_SMEM, False, DIAG, EXP2_FMA)
+                  False, P_SMEM, False, DIAG)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -783,8 +697,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         LONGEST_FIRST=bool(config["longest_first"]) and causal,
         WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
-        PERSISTENT=bool(config["persistent"]), DIAG=diag, EXP2_FMA=int(config["exp2_fma"]),
-        num_warps=consumer_warps(config),
+        PERSISTENT=bool(config["persistent"]), DIAG=diag, num_warps=consumer_warps(config),
     )
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg
