@@ -4,6 +4,11 @@ time. GPU only.
 
     python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind sliding
     python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind sliding --train  # a step
+    python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind llama --decode 16 --tokens 2048
+
+``--decode N``: a greedy ``generate`` of N tokens after a prompt of ``--tokens``; it also
+counts, for "tuner", the attention calls that came with a mask (transformers' mask function
+decides that, per step).
 """
 from __future__ import annotations
 
@@ -22,9 +27,13 @@ from e2e_hf import LLAMA, build  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 
 
-def step(model: torch.nn.Module, ids: torch.Tensor, train: bool) -> None:
-    """A prefill, or a training step (loss backward, gradients dropped)."""
-    if train:
+def step(model: torch.nn.Module, ids: torch.Tensor, train: bool, decode: int = 0) -> None:
+    """A prefill, a training step (loss backward, gradients dropped), or a greedy generate of
+    ``decode`` tokens."""
+    if decode:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=decode, min_new_tokens=decode, do_sample=False)
+    elif train:
         model(ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
     else:
@@ -41,23 +50,29 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--train", action="store_true",
                         help="profile a training step (loss backward) instead of a prefill")
+    parser.add_argument("--decode", type=int, default=0,
+                        help="profile a generate of this many tokens after the prompt")
     args = parser.parse_args()
     if args.db:
         os.environ["TUNER_DATABASE_URL"] = args.db
         from tuner.lookup import set_resolver
         set_resolver(None)
     name = register_transformers()
+    calls = _count_masked_calls()
     ids = torch.randint(0, LLAMA["vocab_size"], (1, args.tokens), device="cuda")
     for attn in ("sdpa", name):
         model = build(args.kind, attn, LLAMA, args.window, torch.bfloat16, "cuda")
         model.train(args.train)
         for _ in range(2):
-            step(model, ids, args.train)
+            step(model, ids, args.train, args.decode)
         torch.cuda.synchronize()
+        calls.clear()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step(model, ids, args.train)
+            step(model, ids, args.train, args.decode)
             torch.cuda.synchronize()
+        if attn == name:
+            print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
         averages = prof.key_averages()
         print(f"\n=== {attn}: by GPU time")
         print(averages.table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
@@ -66,6 +81,21 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     return 0
+
+
+def _count_masked_calls() -> list[bool]:
+    """Per call of tuner.hf's attention: whether it came with a mask (appended as it runs)."""
+    import tuner.hf
+
+    seen: list[bool] = []
+    inner = tuner.hf.attention
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(kwargs.get("attn_mask") is not None or kwargs.get("block_mask") is not None)
+        return inner(*args, **kwargs)  # type: ignore[arg-type]
+
+    tuner.hf.attention = counted  # type: ignore[assignment]
+    return seen
 
 
 if __name__ == "__main__":
