@@ -41,8 +41,8 @@ def test_e2e_hf_tune_sweeps_the_sliding_layer(tmp_path: Path,
     monkeypatch.setattr(e2e.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
     sizes: dict[str, Any] = dict(prefill=8192, prompt=2048, train_batch=2, train_len=4096,
                                  window=4096)
-    e2e.tune("sqlite:///x.db", sizes, 1)
-    [cmd] = ran
-    spec = load_spec_file(Path(cmd[cmd.index("sweep") + 1]))
-    assert MISTRAL in spec.problems
-    assert {"torch_flex", "torch_flex_train"} <= set(spec.templates)
+    e2e.tune("sqlite:///x.db", sizes, 60)
+    specs = [load_spec_file(Path(cmd[cmd.index("sweep") + 1])) for cmd in ran]
+    assert len(specs) == 3  # one sweep per family: dense, decode, sliding
+    [sliding] = [spec for spec in specs if MISTRAL in spec.problems]
+    assert {"torch_flex", "torch_flex_train"} <= set(sliding.templates)
