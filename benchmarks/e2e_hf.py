@@ -156,7 +156,8 @@ def tune_specs(sizes: dict[str, int]) -> dict[str, str]:
     templates that serve its calls (a spec's templates apply to all its shapes: one spec for
     all of them had the backward templates measure the decode steps)."""
     def spec(templates: list[str], shapes: list[str]) -> str:
-        return (f"templates = {templates!r}\n".replace("'", '"')
+        # A JSON array of strings is a TOML array too.
+        return (f"templates = {json.dumps(templates)}\n"
                 + f'dtypes = ["bfloat16"]\ntrials = 8\nshapes = [{", ".join(shapes)}]\n')
 
     heads = "H_q = 32, H_kv = 8, D = 128"

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmark_scripts import load_benchmark_script
+from tuner.suites import load_spec_file
 
 
 def test_tune_specs_load_one_family_each(tmp_path: Path) -> None:
     """--tune sweeps one spec per family: the backward templates never see a decode step, the
     decode kernel never a prefill, and every spec loads as the sweep loads it."""
-    sys.path.insert(0, str(BENCHMARKS.parent))
-    from benchmarks.e2e_hf import tune_specs
-    from tuner.suites import load_spec_file
-
+    tune_specs = load_benchmark_script("e2e_hf").tune_specs
     sizes = dict(prefill=8192, prompt=2048, train_batch=2, train_len=4096, window=4096)
     specs = {}
     for family, text in tune_specs(sizes).items():
