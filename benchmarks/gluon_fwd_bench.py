@@ -253,11 +253,12 @@ def run_checks(names: list[str], timeout_s: float, warm: list[Problem]
 
 
 # ----------------------------------------------------------------------------- timing
-def protocol_problems(head_dims: list[int]) -> list[Problem]:
+def protocol_problems(head_dims: list[int], seqlens: tuple[int, ...] = (4096, 16384)
+                      ) -> list[Problem]:
     out = []
     for d in head_dims:
         for causal in ("none", "top_left"):
-            for n in (4096, 16384):
+            for n in seqlens:
                 out.append(Problem(TOKENS // n, HIDDEN // d, HIDDEN // d, n, n, d, "bfloat16",
                                    causal))
     return out
@@ -462,6 +463,8 @@ def main() -> int:
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--head-dims", default="128,64,256")
+    parser.add_argument("--seqlens", default="4096,16384",
+                        help="N of the timed problems (PROTOCOL.md: B = 16k / N, H = 2048 / D)")
     parser.add_argument("--json", default=os.environ.get("OUT", ""),
                         help="folder for gluon_fwd_bench.json (default $OUT)")
     parser.add_argument("--budget-s", type=float, default=300.0,
@@ -474,6 +477,7 @@ def main() -> int:
     args = parser.parse_args()
     start = time.monotonic()
     names = [n for n in args.variants.split(",") if n]
+    seqlens = tuple(int(n) for n in args.seqlens.split(",") if n)
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
@@ -492,7 +496,7 @@ def main() -> int:
     print(json.dumps(report["environment"]), flush=True)
     passed = names
     if args.check:
-        warm = protocol_problems([int(d) for d in args.head_dims.split(",")]) \
+        warm = protocol_problems([int(d) for d in args.head_dims.split(",")], seqlens) \
             if args.time else []
         checks = run_checks(names, args.check_timeout_s, warm)
         report["checks"] = checks
@@ -507,7 +511,7 @@ def main() -> int:
         rows: list[dict[str, Any]] = []
         report["timings"] = rows
         head_dims = [int(d) for d in args.head_dims.split(",")]
-        for problem in protocol_problems(head_dims):
+        for problem in protocol_problems(head_dims, seqlens):
             if time.monotonic() - start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: {problem.key()} and later "
                       "not timed", flush=True)

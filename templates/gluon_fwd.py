@@ -101,10 +101,10 @@ class GluonFwdConfig(KernelConfig):
         "memory, at the cost of a store, a fence and a warpgroup barrier per block.")
     persistent: bool = knob(
         False, (False, True),
-        "One program per SM walks a grid-stride list of tiles: the producer loads the next "
-        "tile's Q and K/V while the consumers finish the current one (no per-program launch, "
-        "prologue or tail), at the cost of static tile assignment (uneven for causal). Needs "
-        "warp_specialize.")
+        "One program per SM walks the tiles in rounds of one tile each: the producer loads "
+        "the next tile's Q and K/V while the consumers finish the current one (no per-program "
+        "launch or prologue), at the cost of a static assignment (causal: longest first, in "
+        "L2-sized head groups, every other round reversed). Needs warp_specialize.")
     ctas_per_sm: int = knob(
         1, (1, 2),
         "Programs meant to share an SM: the register budget (maxnreg) is split between them "
@@ -118,13 +118,15 @@ def rows_per_consumer(config: GluonFwdConfig) -> int:
 
 
 def shared_memory_estimate(problem: Problem, config: GluonFwdConfig) -> int:
-    """Bytes of shared memory: the Q tile (reused for O), the K and V rings, P when it goes
-    through shared memory, the barriers."""
+    """Bytes of shared memory: the Q tile (reused for O; two of them in a persistent program
+    where they fit), the K and V rings, P when it goes through shared memory, the barriers."""
     d = problem.head_dim
-    q_tile = config.BLOCK_M * d * DTYPE_BYTES
-    kv = 2 * config.kv_stages * config.BLOCK_N * d * DTYPE_BYTES
-    p_tile = config.BLOCK_M * config.BLOCK_N * DTYPE_BYTES if config.p_from_smem else 0
-    return q_tile + kv + p_tile + BARRIER_BYTES
+    if kernel is None:  # every problem is rejected anyway (``unsupported``)
+        q_tile = config.BLOCK_M * d * DTYPE_BYTES
+        kv = 2 * config.kv_stages * config.BLOCK_N * d * DTYPE_BYTES
+        return q_tile + kv + BARRIER_BYTES
+    cfg = config.to_dict()
+    return kernel.shared_memory_bytes(d, cfg, kernel.q_slots(d, cfg)) + BARRIER_BYTES
 
 
 def consumer_registers(config: GluonFwdConfig) -> int:
@@ -177,10 +179,9 @@ class GluonFwdTemplate(GluonTemplate):
             return "persistent needs warp_specialize=True (the producer warp walks the tiles)"
         if cfg.persistent and cfg.ctas_per_sm > 1:
             return "persistent programs take a whole SM each; use ctas_per_sm=1"
-        if cfg.persistent and problem.causal != "none":
-            return ("persistent is not tried on causal problems: its static grid-stride tile "
-                    "assignment left SMs idle, 0.70-0.94x the non-persistent kernel on the "
-                    "H100 (docs/gluon_notes.md, run 3)")
+        if cfg.persistent and problem.causal != "none" and not cfg.longest_first:
+            return ("a persistent grid walks causal tiles longest first (its static "
+                    "assignment is balanced only so): use longest_first=True")
         rows = rows_per_consumer(cfg)
         if rows not in (64, 128):
             return (f"each consumer warpgroup takes 64 or 128 query rows, but BLOCK_M "

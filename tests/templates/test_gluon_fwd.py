@@ -27,6 +27,7 @@ from templates.gluon_fwd import (
     shared_memory_estimate,
 )
 from templates.offline_target import TARGETS
+from templates.standin_tensor import StandinTensor
 from tests.templates.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
@@ -81,9 +82,10 @@ def test_constraints_name_what_is_wrong() -> None:
                                                          pingpong=False, persistent=True), H100)
     assert reason is not None and "persistent needs warp_specialize" in reason
     causal = dataclasses.replace(problem, causal="top_left")
-    reason = TEMPLATE.constraint(causal, GluonFwdConfig(persistent=True, longest_first=True),
-                                 H100)
-    assert reason is not None and "not tried on causal" in reason
+    reason = TEMPLATE.constraint(causal, GluonFwdConfig(persistent=True), H100)
+    assert reason is not None and "use longest_first=True" in reason
+    assert TEMPLATE.constraint(causal, GluonFwdConfig(persistent=True, longest_first=True),
+                               H100) is None
     assert TEMPLATE.constraint(problem, GluonFwdConfig(persistent=True), H100) is None
     a100 = TARGETS["a100"]
     reason = TEMPLATE.constraint(problem, GluonFwdConfig(), a100)
@@ -91,6 +93,56 @@ def test_constraints_name_what_is_wrong() -> None:
     b200 = TARGETS["b200"]
     reason = TEMPLATE.constraint(problem, GluonFwdConfig(), b200)
     assert reason is not None and "Hopper" in reason
+
+
+@needs_gluon
+def test_persistent_programs_take_two_q_buffers_where_they_fit() -> None:
+    from templates.gluon_fwd_kernel import q_slots
+
+    pers = GluonFwdConfig(persistent=True)
+    assert q_slots(128, pers.to_dict()) == 2  # 2 x 32 KiB of Q + 2 stages of 64 KiB
+    assert q_slots(64, pers.to_dict()) == 2
+    assert q_slots(128, dataclasses.replace(pers, kv_stages=3).to_dict()) == 1  # 256 KiB
+    assert q_slots(256, dataclasses.replace(pers, BLOCK_N=64).to_dict()) == 1
+    assert q_slots(128, GluonFwdConfig().to_dict()) == 1  # not persistent
+    problem = Problem(1, 2, 2, 1024, 1024, 128, "bfloat16", "none")
+    assert shared_memory_estimate(problem, pers) == 2 * 32768 + 2 * 65536 + 512
+    assert shared_memory_estimate(problem, GluonFwdConfig()) == 32768 + 2 * 65536 + 512
+
+
+@needs_gluon
+def test_head_groups_of_a_persistent_causal_grid() -> None:
+    from templates.gluon_fwd_kernel import L2_KV_BYTES, head_group
+
+    kv_4k_d128 = 2 * 4096 * 128 * 2  # K and V of one head, bytes
+    # 64 heads x 32 tiles at 4k: groups of 8 heads (256 tiles, two rounds of 132 programs).
+    assert head_group(64, 32, kv_4k_d128, 132) == 8
+    # 16 heads x 128 tiles at 16k: two heads a group (8 MiB of K/V each).
+    assert head_group(16, 128, 4 * kv_4k_d128, 132) == 2
+    # 256 heads x 8 tiles at 1k: the L2 bound (512 KiB a head) allows 32, two rounds 33.
+    assert head_group(256, 8, kv_4k_d128 // 4, 132) == 32
+    # A head's tiles beyond two rounds, or K/V beyond the L2 share: one head a group.
+    assert head_group(3, 1000, kv_4k_d128, 132) == 1
+    assert head_group(4, 2, L2_KV_BYTES, 132) == 1
+    # Prime head counts take the one divisor that fits.
+    assert head_group(7, 8, kv_4k_d128, 132) == 7
+
+
+@needs_gluon
+def test_a_persistent_causal_grid_walks_each_head_group_in_two_rounds() -> None:
+    from templates.gluon_fwd_kernel import LaunchPlan, causal_grid
+
+    assert causal_grid(256, 132) == 128
+    assert causal_grid(57, 132) == 29  # an odd count: the last program takes one tile less
+    assert causal_grid(1000, 132) == 132  # one head's tiles beyond two rounds: all SMs
+    q = StandinTensor(torch.bfloat16, [4, 16, 4096, 128])
+    cfg = GluonFwdConfig(persistent=True, longest_first=True).to_dict()
+    plan = LaunchPlan(q, q, causal_mode="top_left", scale=0.1, config=cfg, sm_count=132)
+    assert plan.grid == (128,)  # groups of 8 heads x 32 tiles
+    assert plan.scalars[7] == 8  # head_group
+    dense = LaunchPlan(q, q, causal_mode="none", scale=0.1,
+                       config=GluonFwdConfig(persistent=True).to_dict(), sm_count=132)
+    assert dense.grid == (132,) and dense.scalars[7] == 1
 
 
 def test_unsupported_problems() -> None:
@@ -152,9 +204,12 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
     plain = GluonFwdConfig(BLOCK_M=64, consumers=1, warp_specialize=False, pingpong=False)
     jobs.append({"template": "gluon_fwd", "problem": COMPILE_JOBS[0].to_dict(),
                  "config": plain.to_dict()})
-    # The persistent variant (grid-stride tiles, phases carried across them).
+    # The persistent variant (tiles in rounds, phases carried across them), dense (two Q
+    # buffers per consumer at d128) and causal (longest first, snake rounds).
     jobs.append({"template": "gluon_fwd", "problem": COMPILE_JOBS[0].to_dict(),
                  "config": GluonFwdConfig(persistent=True).to_dict()})
+    jobs.append({"template": "gluon_fwd", "problem": COMPILE_JOBS[1].to_dict(),
+                 "config": GluonFwdConfig(persistent=True, longest_first=True).to_dict()})
     outcomes = compile_reports("templates.gluon_fwd", jobs)
     assert len(outcomes) == len(jobs)
     for job, out in zip(jobs, outcomes, strict=True):
@@ -197,6 +252,8 @@ GPU_CASES = [
     (2, 2, 2, 513, 513, 256, "float16", "top_left"),
     (1, 2, 2, 3333, 3333, 64, "float16", "none"),
     (4, 16, 4, 1000, 1000, 128, "bfloat16", "top_left"),  # more tiles than SMs
+    # 768 tiles over 132 programs: 6 rounds, the last one reversed (persistent causal)
+    (3, 16, 16, 2000, 2000, 64, "float16", "bottom_right"),
 ]
 
 
