@@ -274,16 +274,20 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def _heuristic(problem: Problem) -> GluonFwdConfig:
     """Starting point per head dim, before fitting it to the constraints: FA3's shape (two
     ping-pong consumer warpgroups of 64 rows, a producer warp, 128-key blocks; 64-key blocks
-    at D = 256, where 128 would spill), 2 stages. Measured on H100 (bf16, PROTOCOL shapes,
-    docs/gluon_notes.md, run 3, medians of 3 readings, x cuDNN in the same process): d128
-    0.99 / 1.01 dense 4k / 16k, 1.00 / 1.08 causal; d64 0.97 / 0.99, 0.91 / 1.04; d256
-    0.99 / 0.98, 1.00 / 1.08. Within noise (~5%) of it: 3 stages and, dense only, the
-    persistent grid; clearly behind: 64-key blocks at D <= 128, P through shared memory,
-    two programs per SM, no producer warp, consumers in step (runs 1-3)."""
+    at D = 256, where 128 would spill), 2 stages, and at D <= 128 the persistent grid.
+    Measured on H100 (bf16, PROTOCOL shapes, docs/gluon_notes.md run 5, medians of 3
+    readings, x cuDNN in the same process), persistent / not: d128 dense 0.95 / 0.81 at 512,
+    0.99 / 0.89 at 1k, 1.02 / 1.00 at 4k, 1.02 / 1.02 at 16k; d128 causal 0.87 / 0.70,
+    0.97 / 0.83, 1.08 / 0.99, 1.11 / 1.10; d64 dense 0.92 / 0.73 at 512 to 1.01 / 1.00 at
+    16k, d64 causal 0.76 / 0.55 to 1.02 / 1.04. At D = 256 (one Q buffer per consumer fits)
+    the persistent grid was not ahead in run 3, so it stays off there. Within noise (~5%):
+    3 stages; clearly behind: 64-key blocks at D <= 128, P through shared memory, two
+    programs per SM, no producer warp, consumers in step (runs 1-3)."""
     causal = problem.causal != "none"
     block_n = 64 if problem.head_dim > 128 else 128
     return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,
-                          warp_specialize=True, pingpong=True, longest_first=causal)
+                          warp_specialize=True, pingpong=True, longest_first=causal,
+                          persistent=problem.head_dim <= 128)
 
 
 def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
@@ -295,7 +299,8 @@ def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
         out.append(dataclasses.replace(out[-1], BLOCK_N=64, kv_stages=cfg.kv_stages))
         for stages in range(cfg.kv_stages - 1, 0, -1):
             out.append(dataclasses.replace(out[-1], kv_stages=stages))
-    out.append(dataclasses.replace(out[-1], BLOCK_M=64, consumers=1, pingpong=False))
+    out.append(dataclasses.replace(out[-1], BLOCK_M=64, consumers=1, pingpong=False,
+                                   persistent=False))
     return out
 
 
