@@ -26,11 +26,17 @@ One kernel, specialized by constexprs:
     query tile in its own partition, and a pair of mbarriers lets only one of them issue
     GEMMs at a time, so one warpgroup's softmax runs under the other's GEMMs (FA3's
     ping-pong). Without it, the consumer warpgroups form one partition that runs in step;
+  * ``PERSISTENT``: one program per SM walks tiles in rounds; with two Q buffers per
+    consumer (``Q_SLOTS``, where they fit) the next tile's Q loads during this one and O
+    leaves by TMA through this tile's buffer; causal tiles come longest first in head groups
+    walked in two opposite rounds by half a group's programs (``causal_grid``), so every
+    program gets the same work;
   * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
   * causal top-left (SDPA) or bottom-right (FA2 with a KV cache) through ``causal_offset``.
 
 Outputs: ``o`` (B, H_q, N_q, D) in the input dtype (laid out as q where q is a (B, N, H, D)
-tensor viewed so and the grid is not persistent, else contiguous: ``output_strides``), and
+tensor viewed so, unless a persistent grid has one Q buffer per consumer; else contiguous:
+``output_strides``), and
 ``lse`` (B, H_q, N_q) float32, the natural-log logsumexp of the scaled scores; a row that
 sees no key gets o = 0 and lse = -inf.
 """
@@ -814,8 +820,8 @@ def causal_grid(group_tiles: int, sm_count: int) -> int:
     """Programs of a persistent causal grid: half a head group's tiles, so that each group is
     walked in two rounds, the second in the opposite direction (snake). A group's tiles come
     by decreasing length, so program p takes the p-th longest tile and the p-th shortest:
-    every program gets the same work (measured without it: 0.71-0.79x cuDNN, where the
-    non-persistent grid reached 0.84-1.11x; groups cut across rounds and paired at random)."""
+    every program gets the same work (with a full grid, groups cut across rounds and the
+    snake paired tiles at random: 0.71-0.79x cuDNN on H100, docs/gluon_notes.md run 5)."""
     return max(1, min(sm_count, -(-group_tiles // 2)))
 
 
