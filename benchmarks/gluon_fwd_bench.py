@@ -77,11 +77,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ping-pong, persistent: one program per SM walks the tiles
     "pp-pers": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2, warp_specialize=True,
                     pingpong=True, persistent=True),
-    # three ping-pong consumers of 64 rows (FA3's d64 shape), persistent / not
-    "pp3": dict(BLOCK_M=192, BLOCK_N=64, kv_stages=2, consumers=3, warp_specialize=True,
-                pingpong=True, persistent=True),
-    "pp3-np": dict(BLOCK_M=192, BLOCK_N=64, kv_stages=2, consumers=3, warp_specialize=True,
-                   pingpong=True),
     "pp-s3-pers": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=3, consumers=2,
                        warp_specialize=True, pingpong=True, persistent=True),
 }

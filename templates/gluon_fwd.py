@@ -53,9 +53,8 @@ BARRIER_BYTES = 512
 # consumer's register budget. Calibrated by compiling the space offline for sm_90 (triton
 # 3.6, docs/gluon_notes.md): with 240 registers (ping-pong, 1 program per SM) tiles of 176
 # compiled without spills and tiles of 224 spilled 128-1344 bytes; with 255 (no producer
-# warp) 176 compiled in 216-227 registers and 224 spilled; with 160 (three ping-pong
-# consumers) 112 compiled without spills and 128 spilled 32-208 bytes.
-REGISTER_HEADROOM = 48
+# warp) 176 compiled in 216-227 registers and 224 spilled.
+REGISTER_HEADROOM = 64
 # Shared memory of one SM (H100: 228 KiB), and what the system reserves per program.
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_PROGRAM = 1024
@@ -66,10 +65,9 @@ class GluonFwdConfig(KernelConfig):
     """One point of the Gluon forward kernel's search space."""
 
     BLOCK_M: int = knob(
-        128, (64, 128, 192, 256),
+        128, (64, 128, 256),
         "Query rows per program, split evenly over the consumer warpgroups (64 or 128 rows "
-        "each; 192 = three ping-pong consumers of 64). More rows reuse each K/V block more "
-        "but hold a larger accumulator.")
+        "each). More rows reuse each K/V block more but hold a larger accumulator.")
     BLOCK_N: int = knob(
         128, (64, 128),
         "Keys per KV block (one TMA load, one QK^T and one PV GEMM). Larger blocks amortize "
@@ -80,9 +78,8 @@ class GluonFwdConfig(KernelConfig):
         "K/V blocks the shared-memory ring holds: loads run this many blocks ahead of the "
         "GEMMs. Deeper hides more memory latency, costs 2 x BLOCK_N x D x 2 bytes per stage.")
     consumers: int = knob(
-        2, (1, 2, 3),
-        "Consumer warpgroups per program (4 warps each) sharing every K/V block; three only "
-        "as ping-pong partitions, taking turns round robin (FA3's d64 shape).")
+        2, (1, 2),
+        "Consumer warpgroups per program (4 warps each) sharing every K/V block.")
     warp_specialize: bool = knob(
         True, (False, True),
         "One producer warp issues every TMA load (gl.warp_specialize, its registers given to "
@@ -176,11 +173,8 @@ class GluonFwdTemplate(GluonTemplate):
         reason = self.unsupported_on(problem, device)
         if reason:
             return reason
-        if cfg.pingpong and not (cfg.warp_specialize and cfg.consumers >= 2):
-            return "pingpong needs warp_specialize=True and consumers=2 or 3"
-        if cfg.consumers == 3 and not cfg.pingpong:
-            return ("consumers=3 needs pingpong=True (three warpgroups in one partition would "
-                    "be 12 warps; Gluon's partitions take a power of two)")
+        if cfg.pingpong and not (cfg.warp_specialize and cfg.consumers == 2):
+            return "pingpong needs warp_specialize=True and consumers=2"
         if cfg.persistent and not cfg.warp_specialize:
             return "persistent needs warp_specialize=True (the producer warp walks the tiles)"
         if cfg.persistent and cfg.ctas_per_sm > 1:

@@ -81,8 +81,6 @@ PRODUCER_REGS = 24
 # Register file per SM (65536 32-bit registers), split over the programs meant to share an
 # SM (the ``ctas_per_sm`` knob).
 REGISTER_FILE = 65536
-# Consumer partitions that may take turns issuing GEMMs (``PINGPONG``: 0, 2 or 3).
-MAX_PINGPONG = gl.constexpr(3)
 # Dynamic shared memory one program may use on sm_90 (227 KiB), less what Triton adds (the
 # mbarriers, the warp-specialize state).
 SMEM_PER_PROGRAM = 227 * 1024 - 1024
@@ -335,7 +333,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_
         v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
         if PINGPONG:
-            mbarrier.arrive(turns.index((ME + 1) % PINGPONG), count=1)
+            mbarrier.arrive(turns.index(1 - ME), count=1)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         # The softmax sits in basic blocks of their own (the branch between the masked and the
         # unmasked step): in straight-line code ptxas moved the PV wait above the
@@ -433,7 +431,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turns.index((ME + 1) % PINGPONG), count=1)
+            mbarrier.arrive(turns.index(1 - ME), count=1)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot0), count=1)
@@ -471,7 +469,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
         if PINGPONG:
-            mbarrier.arrive(turns.index((ME + 1) % PINGPONG), count=1)
+            mbarrier.arrive(turns.index(1 - ME), count=1)
         acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         if WARP_SPECIALIZE:
             mbarrier.arrive(v_empty.index(slot), count=1)
@@ -521,8 +519,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
     """A consumer over its program's tiles: one (tile = program id), or, persistent, every
     grid-stride tile from the program id on, with ring, turn and Q-buffer phases carried
     across tiles."""
-    if PINGPONG and ME == PINGPONG - 1:
-        # The last consumer hands the first turn to consumer 0.
+    if PINGPONG and ME == 1:
+        # Consumer 1 hands the first turn to consumer 0.
         mbarrier.arrive(turns.index(0), count=1)
     if PERSISTENT:
         it0 = 0
@@ -623,25 +621,6 @@ def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k
 
 
 @gluon.jit
-def _consumer_third(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-                    NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
-                    PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                    Q_SLOTS: gl.constexpr,
-                    DIAG: gl.constexpr):
-    """Consumer 2 of a three-way ping-pong program (its own 4-warp partition)."""
-    _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
-              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 2, NUM_WARPS, ROWS,
-              HEAD_DIM,
-              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, Q_SLOTS, DIAG)
-
-
-@gluon.jit
 def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                         v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                         n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset,
@@ -653,7 +632,7 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
                         P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
                         DIAG: gl.constexpr):
     """The producer partition (one warp)."""
-    Q_LOADS: gl.constexpr = PINGPONG if PINGPONG else 1
+    Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
     _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
               v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
               causal_offset,
@@ -679,7 +658,7 @@ def _gluon_fwd_kernel(
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
-    Q_LOADS: gl.constexpr = PINGPONG if PINGPONG else 1
+    Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
     ROWS: gl.constexpr = BLOCK_M // Q_LOADS
     q_bufs = gl.allocate_shared_memory(dtype, [Q_LOADS * Q_SLOTS] + q_block, q_desc.layout)
     if P_SMEM:
@@ -698,7 +677,7 @@ def _gluon_fwd_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [MAX_PINGPONG, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(Q_LOADS * Q_SLOTS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
@@ -708,46 +687,14 @@ def _gluon_fwd_kernel(
         # One arrival per consumer partition releases a slot.
         mbarrier.init(k_empty.index(i), count=Q_LOADS)
         mbarrier.init(v_empty.index(i), count=Q_LOADS)
-    for i in gl.static_range(MAX_PINGPONG):
+    for i in gl.static_range(2):
         mbarrier.init(turns.index(i), count=1)
     fence_async_shared()
 
     if WARP_SPECIALIZE:
         WG_WARPS: gl.constexpr = 4
         PRODUCER_WARPS: gl.constexpr = 1
-        if PINGPONG == 3:
-            gl.warp_specialize([
-                (_consumer_default, (
-                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-                    WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
-                (_consumer_second, (
-                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-                    WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
-                (_consumer_third, (
-                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-                    WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
-                (_producer_partition, (
-                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-                    PRODUCER_WARPS,
-                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
-            ], [WG_WARPS, WG_WARPS, PRODUCER_WARPS],
-                [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-        elif PINGPONG:
+        if PINGPONG:
             gl.warp_specialize([
                 (_consumer_default, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
@@ -828,8 +775,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         HEAD_DIM=head_dim, BLOCK_M=int(config["BLOCK_M"]), BLOCK_N=int(config["BLOCK_N"]),
         KV_STAGES=int(config["kv_stages"]), CAUSAL=causal,
         LONGEST_FIRST=bool(config["longest_first"]) and causal,
-        WARP_SPECIALIZE=ws, PINGPONG=int(config["consumers"]) if config["pingpong"] else 0,
-        CONSUMER_REGS=consumer_regs,
+        WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config), DIAG=diag,
         num_warps=consumer_warps(config),
@@ -880,9 +826,8 @@ def causal_grid(group_tiles: int, sm_count: int) -> int:
 
 
 def q_rows_per_load(config: Mapping[str, Any]) -> int:
-    """Rows of one Q (and O) TMA block: one consumer's share of the tile when consumers
-    ping-pong (each loads its own rows)."""
-    return int(config["BLOCK_M"]) // (int(config["consumers"]) if config["pingpong"] else 1)
+    """Rows of one Q (and O) TMA block: half the tile when two consumers ping-pong."""
+    return int(config["BLOCK_M"]) // (2 if config["pingpong"] else 1)
 
 
 # The launch options that are not also the kernel's constexprs (num_warps is both).
