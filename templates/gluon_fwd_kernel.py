@@ -113,8 +113,10 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset,
     keys past each row's diagonal; a row with no visible key so far keeps m = -inf, and
     shifts by 0 instead so that p and alpha are exactly 0, never NaN.
 
-    ``DIAG`` (timing experiments only, wrong results): 1 drops the exponentials of the
-    unmasked step (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s)."""
+    ``DIAG`` (timing experiments only): 1 drops the exponentials of the unmasked step
+    (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s), both wrong results;
+    3 (right results) makes a persistent consumer wait for its O store at once instead of
+    under the next tile's first GEMM (``_release_o_buffer``)."""
     if MASKED:
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         visible = gl.expand_dims(keys < N_KV, 0)
@@ -366,6 +368,16 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_
 
 
 @gluon.jit
+def _release_o_buffer(q_empty, q_buf, tc):
+    """A persistent consumer with two Q buffers: once the TMA store of the previous tile's O
+    has read buffer ``q_buf``, hand it back, so the producer may load the tile after next
+    into it (``tc`` counts this program's tiles: the first has no previous one)."""
+    tma.store_wait(0)
+    if tc > 0:
+        mbarrier.arrive(q_empty.index(q_buf), count=1)
+
+
+@gluon.jit
 def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                    q_bufs, p_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                    k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q,
@@ -419,6 +431,9 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     mbarrier.wait(q_ready.index(q_buf), (tc // Q_SLOTS) & 1)
     # O from registers: the one Q buffer of a persistent program goes back before O is ready.
     O_FROM_REGISTERS: gl.constexpr = PERSISTENT and Q_SLOTS == 1
+    # With two, the previous tile's O store is waited for under this tile's first GEMM.
+    DEFER_O_WAIT: gl.constexpr = PERSISTENT and Q_SLOTS == 2 and DIAG != 3
+    prev_buf = ME * Q_SLOTS + (tc + 1) % Q_SLOTS
 
     if n_blocks > 0:
         # -- block 0: S_0 alone.
@@ -432,6 +447,8 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                               is_async=True)
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
+        if DEFER_O_WAIT:
+            _release_o_buffer(q_empty, prev_buf, tc)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot0), count=1)
@@ -476,6 +493,8 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     else:
         if O_FROM_REGISTERS:
             mbarrier.arrive(q_empty.index(q_buf), count=1)
+        if DEFER_O_WAIT:
+            _release_o_buffer(q_empty, prev_buf, tc)
 
     # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
     l_o = gl.convert_layout(l_i, row_o)
@@ -500,11 +519,12 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         q_smem.store(o.to(dtype))
         fence_async_shared()
         _tma_store(o_desc, [b, h, m0, 0], q_bufs.index(q_buf))
-        # Waits until the copy has read the buffer, not until it reached global memory.
-        tma.store_wait(0)
-        if PERSISTENT:
-            # The producer may load the tile after next into this buffer.
-            mbarrier.arrive(q_empty.index(q_buf), count=1)
+        if not DEFER_O_WAIT:
+            # Waits until the copy has read the buffer, not until it reached global memory.
+            tma.store_wait(0)
+            if PERSISTENT:
+                # The producer may load the tile after next into this buffer.
+                mbarrier.arrive(q_empty.index(q_buf), count=1)
 
 
 @gluon.jit
@@ -539,6 +559,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
             it0 += n_blocks
             if n_blocks > 0:
                 ev0 += n_blocks + 1
+        # The last tile's O store must have read shared memory before the program ends.
+        tma.store_wait(0)
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, BLOCK_M,

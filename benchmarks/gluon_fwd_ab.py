@@ -1,0 +1,98 @@
+"""A/B of one gluon_fwd timing switch in one process: the template's default config as it
+ships (DIAG 0) against the same config with ``--diag N`` (templates/gluon_fwd_kernel.py,
+``_softmax_block``'s list; 3 = a persistent consumer waits for its O store at once), beside
+cuDNN, on the PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is
+checked against an fp32 reference first; readings rotate over the candidates.
+
+    python3 benchmarks/gluon_fwd_ab.py --diag 3 [--head-dims 128,64] [--seqlens 512,...]
+        [--rounds 5] [--json DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def ab_problem(problem: Any, diag: int, rounds: int, device: Any) -> dict[str, Any]:
+    """One problem: cuDNN, the default config (A) and the same with DIAG ``diag`` (B),
+    checked against fp32, then ``rounds`` readings each in rotation (medians)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.gluon_fwd_bench import bench_ms, reference_fp32
+    from templates import gluon_fwd_kernel
+    from templates.base import relative_error
+    from templates.gluon_fwd import TEMPLATE
+
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    causal = problem.causal != "none"
+    ref = reference_fp32(q, k, v, causal)
+    cfg = TEMPLATE.default_config(problem, device)
+
+    def cudnn() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    fns: dict[str, Any] = {"cudnn": cudnn}
+    for side, value in (("A", 0), ("B", diag)):
+        plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal,
+                                           scale=inputs["scale"], config=cfg.to_dict(),
+                                           diag=value)
+        fns[side] = lambda plan=plan: plan(q, k, v)[0]
+    errors = {name: relative_error(fn(), ref) for name, fn in fns.items()}
+    readings: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            readings[name].append(bench_ms(fn))
+    ms = {name: statistics.median(r) for name, r in readings.items()}
+    return {"problem": problem.key(), "config": cfg.key(), "ms": ms, "readings_ms": readings,
+            "errors": errors}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--diag", type=int, required=True, help="the B side's DIAG value")
+    parser.add_argument("--head-dims", default="128,64")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=os.environ.get("OUT", ""),
+                        help="folder for gluon_fwd_ab.json (default $OUT)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a Hopper GPU")
+
+    from benchmarks.gluon_fwd_bench import environment, protocol_problems
+    from templates.device import current_device
+
+    device = current_device()
+    rows: list[dict[str, Any]] = []
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    seqlens = tuple(int(n) for n in args.seqlens.split(","))
+    for problem in protocol_problems(head_dims, seqlens):
+        row = ab_problem(problem, args.diag, args.rounds, device)
+        rows.append(row)
+        ms = row["ms"]
+        print(f"{problem.key():58s} B/A time {ms['B'] / ms['A']:.3f}x   x cuDNN: "
+              f"A {ms['cudnn'] / ms['A']:.3f}, B {ms['cudnn'] / ms['B']:.3f}   "
+              f"max error {max(row['errors'].values()):.1e}", flush=True)
+    if args.json:
+        out = Path(args.json) / "gluon_fwd_ab.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"environment": environment(), "diag": args.diag,
+                                   "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
