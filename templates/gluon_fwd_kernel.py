@@ -536,9 +536,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, DIAG: gl.constexpr):
-    """A consumer over its program's tiles: one (tile = program id), or, persistent, every
-    grid-stride tile from the program id on, with ring, turn and Q-buffer phases carried
-    across tiles."""
+    """A consumer over its program's tiles: one (tile = program id), or, persistent, one per
+    round (``_program_tile``), with ring, turn and Q-buffer phases carried across tiles."""
     if PINGPONG and ME == 1:
         # Consumer 1 hands the first turn to consumer 0.
         mbarrier.arrive(turns.index(0), count=1)
