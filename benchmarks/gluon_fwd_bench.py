@@ -77,6 +77,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ping-pong, persistent: one program per SM walks the tiles
     "pp-pers": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2, warp_specialize=True,
                     pingpong=True, persistent=True),
+    # two ping-pong consumers of 128 rows over 64-key blocks, persistent
+    "pp-m256-pers": dict(BLOCK_M=256, BLOCK_N=64, kv_stages=2, consumers=2,
+                         warp_specialize=True, pingpong=True, persistent=True),
     "pp-s3-pers": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=3, consumers=2,
                        warp_specialize=True, pingpong=True, persistent=True),
 }
