@@ -915,7 +915,7 @@ def blocksparse_rows(data: dict[str, Any]) -> tuple[list[BlockSparseRow], float 
 
 def blocksparse_section(src: Source, data: dict[str, Any]) -> Section:
     rows, dense_ms = blocksparse_rows(data)
-    shape = data.get("shape") if isinstance(data.get("shape"), dict) else {}
+    shape: dict[str, Any] = data["shape"] if isinstance(data.get("shape"), dict) else {}
     shape_text = (", ".join(f"{k}={shape[k]}" for k in ("B", "H", "N", "D") if k in shape)
                   + (f", {shape['dtype']}" if "dtype" in shape else "")
                   + (f", mask block {shape['block']}" if "block" in shape else ""))
