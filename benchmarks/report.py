@@ -25,6 +25,9 @@ only the targets' thresholds are written here):
                            GPU's time alone;
 - ``e2e_hf*.json``         benchmarks/e2e_hf.py: a transformers model, SDPA against ours
                            (newer files: paired rounds, an A/A floor, a verdict per step);
+- ``gluon_fwd*.json``      ``benchmarks/gluon_fwd_bench.py --time``: the Gluon forward's
+                           variants beside SDPA cuDNN / FA2 and our Triton forward, per
+                           problem (its diagnostic timings, wrong by design, left out);
 - ``fwd_compile_sweep*``, ``sweep_quick_trials*``, ``decode_probe*``  compile data, the
                            recorded trials of a sweep (``tuner replay``'s input) and the first
                            decode probes: listed, not reported.
@@ -48,6 +51,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +89,10 @@ SWEEP_OVERHEAD_S = 1.0               # ... seconds per trial beyond the benchmar
 DROP_IN_VS_SDPA = 1.0
 DECODE_LOOP_ROWS = ("b1-32k", "b1-128k", "b8-32k")
 E2E_SLIDING_SPEEDUP = 1.3            # e2e_hf: the sliding-window prefill >= 1.3x faster
+# Issue 17: the Gluon forward (its best passing variant per problem) over cuDNN timed in the
+# same run, at N = 4k and 16k: >= 1.05x at d128, dense and causal apart; >= 1.0x at d64, d256.
+GLUON_FWD_VS_CUDNN = {128: 1.05, 64: 1.0, 256: 1.0}
+GLUON_FWD_SEQLENS = (4096, 16384)
 META_SUFFIX = ".meta.json"
 
 
@@ -423,12 +431,17 @@ def _margin_min(rows: list[tuple[str, float]], threshold: float) -> tuple[str, b
     return f"worst {worst:.2f}x ({name})", met, margin
 
 
-def min_target(what: str, source: str, threshold: float,
-               rows: list[tuple[str, float]]) -> Target:
+def min_target(what: str, source: str, threshold: float, rows: list[tuple[str, float]],
+               missing: Sequence[str] = ()) -> Target:
+    """'every row's ratio >= threshold' (the worst row decides); a row of ``missing`` has no
+    ratio, so the target cannot be met while one does (as in max_rows_target)."""
+    gone = f"; not measured: {', '.join(missing)}" if missing else ""
     if not rows:
-        return Target(what, source, f">= {threshold:.2f}x", "no rows", None, "not measured")
+        return Target(what, source, f">= {threshold:.2f}x", "no rows", None,
+                      f"not measured: {', '.join(missing)}" if missing else "not measured")
     measured, met, margin = _margin_min(rows, threshold)
-    return Target(what, source, f">= {threshold:.2f}x", measured, met, margin,
+    return Target(what, source, f">= {threshold:.2f}x", measured,
+                  None if met and missing else met, margin + gone,
                   ", ".join(f"{n} {r:.2f}x" for n, r in rows))
 
 
@@ -472,9 +485,9 @@ def decode_config_text(cfg: dict[str, Any] | None) -> str:
 # ----------------------------------------------------------------------------- loading
 def read_source(path: Path, kind: str, data: dict[str, Any]) -> Source:
     """fwd_quick.py writes ``device`` (templates.device) with ``command``/``date`` beside it;
-    fwd_bwd_bench.py and decode_bench.py write ``environment``; dispatch_bench.py,
-    decode_loop.py, decode_grid.py and e2e_hf.py write ``device`` as the GPU's name and
-    ``torch`` (``triton``) beside it."""
+    fwd_bwd_bench.py and decode_bench.py write ``environment``; gluon_fwd_bench.py too, with
+    ``argv`` for the command; dispatch_bench.py, decode_loop.py, decode_grid.py and e2e_hf.py
+    write ``device`` as the GPU's name and ``torch`` (``triton``) beside it."""
     src = Source(path, kind)
     env = data.get("environment")
     dev = data.get("device")
@@ -483,6 +496,9 @@ def read_source(path: Path, kind: str, data: dict[str, Any]) -> Source:
         src.torch, src.triton = str(env.get("torch", "")), str(env.get("triton", ""))
         src.cuda, src.date = str(env.get("cuda", "")), str(env.get("date", ""))
         src.command = str(env.get("command", ""))
+        if not src.command and isinstance(env.get("argv"), list):
+            # sys.argv as the script saw it: what was run, less the interpreter.
+            src.command = shlex.join(str(a) for a in env["argv"])
     if isinstance(dev, dict):
         src.gpu = src.gpu or str(dev.get("name", ""))
         src.driver = src.driver or str(dev.get("driver_version", ""))
@@ -915,7 +931,7 @@ def blocksparse_rows(data: dict[str, Any]) -> tuple[list[BlockSparseRow], float 
 
 def blocksparse_section(src: Source, data: dict[str, Any]) -> Section:
     rows, dense_ms = blocksparse_rows(data)
-    shape = data.get("shape") if isinstance(data.get("shape"), dict) else {}
+    shape: dict[str, Any] = data["shape"] if isinstance(data.get("shape"), dict) else {}
     shape_text = (", ".join(f"{k}={shape[k]}" for k in ("B", "H", "N", "D") if k in shape)
                   + (f", {shape['dtype']}" if "dtype" in shape else "")
                   + (f", mask block {shape['block']}" if "block" in shape else ""))
@@ -1079,10 +1095,16 @@ def implementation_text(chosen: str) -> str:
         return f"sdpa ({knobs['backend']})"
     if impl == "decode":
         return f"decode ({decode_config_text(knobs)})"
+    return " ".join(w for w in (impl, knobs_text(knobs)) if w)
+
+
+def knobs_text(knobs: dict[str, Any]) -> str:
+    """A config's knobs in short: the tile, the flags that are on and the other knobs."""
+    knobs = dict(knobs)
     tile = {"BLOCK_M", "BLOCK_N"} <= set(knobs)
     words = [f"{knobs.pop('BLOCK_M')}x{knobs.pop('BLOCK_N')}"] if tile else []
     words += [k if v is True else f"{k}={v}" for k, v in knobs.items() if v is not False]
-    return " ".join([impl, *words])
+    return " ".join(words)
 
 
 def _span(ratios: list[tuple[str, float]]) -> str:
@@ -1450,6 +1472,180 @@ def e2e_section(src: Source, data: dict[str, Any]) -> Section:
     return Section(src, md, targets)
 
 
+# ----------------------------------------------------------------------------- issue 17
+GLUON_PREFIX = "gluon-"  # gluon_fwd_bench.py's "what" of a Gluon variant: gluon-NAME
+# The candidates it times beside the Gluon variants, as the table's columns name them.
+GLUON_BASELINES = {"sdpa-cudnn": "cuDNN TFLOP/s", "sdpa-fa2": "FA2",
+                   "triton-fwd": "Triton flash_fwd"}
+CUDNN = "sdpa-cudnn"
+
+
+@dataclass
+class GluonFwdRow:
+    """One problem of gluon_fwd_bench.py --time: each candidate's TFLOP/s, or why it has none."""
+
+    dtype: str
+    head_dim: int
+    seqlen: int
+    seqlen_kv: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    variant: str  # Problem.key()'s last part: dense, causal-top_left, causal-bottom_right
+    tflops: dict[str, float] = field(default_factory=dict)  # what -> median TFLOP/s
+    failed: dict[str, str] = field(default_factory=dict)  # what -> why it was not timed
+
+    @property
+    def causal(self) -> bool:
+        return self.variant.startswith("causal")
+
+    @property
+    def name(self) -> str:
+        """The problem as the forward targets name one, "d128 N4k causal" (the alignment only
+        where it is not top-left, the dtype only where it is not bf16)."""
+        seq = (f"N{_n(self.seqlen)}" if self.seqlen == self.seqlen_kv
+               else f"q{_n(self.seqlen)} kv{_n(self.seqlen_kv)}")
+        mask = ("dense" if self.variant == "dense" else "causal"
+                if self.variant == "causal-top_left" else self.variant)
+        dtype = "" if self.dtype == "bfloat16" else f" {self.dtype}"
+        return f"d{self.head_dim} {seq} {mask}{dtype}"
+
+    @property
+    def shape(self) -> str:
+        heads = (str(self.heads_q) if self.heads_q == self.heads_kv
+                 else f"{self.heads_q}/{self.heads_kv}")
+        return f"B{self.batch} H{heads}"
+
+    def best_gluon(self) -> tuple[str, float] | None:
+        """The fastest Gluon variant that passed its check and was timed: (variant, TFLOP/s)."""
+        timed = [(what.removeprefix(GLUON_PREFIX), t) for what, t in self.tflops.items()
+                 if what.startswith(GLUON_PREFIX)]
+        return max(timed, key=lambda x: x[1], default=None)
+
+
+def gluon_fwd_rows(data: dict[str, Any]) -> tuple[list[GluonFwdRow], list[str], list[str]]:
+    """Per problem (in the file's order) the timed candidates; a line for every candidate that
+    was not timed; the names of the diagnostic timings left out."""
+    rows: dict[str, GluonFwdRow] = {}
+    failures, diagnostics = [], []
+    for r in data["timings"]:
+        if not isinstance(r, dict) or "problem" not in r or "what" not in r:
+            raise FormatError(f"a timing without 'problem' and 'what': {str(r)[:120]}")
+        key, what = str(r["problem"]), str(r["what"])
+        if r.get("diagnostic"):
+            # The kernel without its exponentials or its softmax: wrong results by design,
+            # a cost breakdown, never a speed of the forward.
+            diagnostics.append(what)
+            continue
+        if key not in rows:
+            m = PROBLEM_KEY.match(key)
+            if m is None:
+                raise FormatError(f"problem key {key!r} is not Problem.key()'s format")
+            b, hq, hkv, nq, nkv, d = (int(g) for g in m.groups()[:6])
+            rows[key] = GluonFwdRow(m[7], d, nq, nkv, b, hq, hkv, m[8])
+        row, tflops = rows[key], _num(r.get("tflops"))
+        # "error" is the output's relative error (a number every checked row has); "failed"
+        # says the row failed its check or raised, and then its time is no speed.
+        if r.get("failed") or tflops is None:
+            row.failed[what] = _first_sentence(str(r.get("failed") or "not timed"))
+            failures.append(f"{row.name} ({row.shape}) {what}: {row.failed[what]}")
+        else:
+            row.tflops[what] = tflops
+    return list(rows.values()), failures, list(dict.fromkeys(diagnostics))
+
+
+def gluon_checks_text(checks: Any) -> str:
+    """gluon_fwd_bench.py --check's verdicts per variant: "pp 13 of 13 ok"."""
+    if not isinstance(checks, dict) or not checks:
+        return "none in this file (run without `--check`)"
+    out = []
+    for name, results in checks.items():
+        results = results if isinstance(results, list) else []
+        ok = sum(1 for c in results if isinstance(c, dict) and c.get("ok"))
+        skipped = sum(1 for c in results if isinstance(c, dict) and "skipped" in c)
+        out.append(f"`{name}` {ok} of {len(results)} ok"
+                   + (f" ({skipped} skipped)" if skipped else ""))
+    return ", ".join(out)
+
+
+def gluon_fwd_section(src: Source, data: dict[str, Any]) -> Section:
+    rows, failures, diagnostics = gluon_fwd_rows(data)
+    seen = list(dict.fromkeys(w for r in rows for w in (*r.tflops, *r.failed)))
+    baselines = [w for w in GLUON_BASELINES if w in seen]
+    variants = [w for w in seen if w not in GLUON_BASELINES]
+
+    def cell(row: GluonFwdRow, what: str, vs_cudnn: bool) -> str:
+        if what in row.failed:
+            return "failed"  # its time, if any, is no speed: it failed its check or raised
+        t = row.tflops.get(what)
+        ratio = _ratio(t, row.tflops.get(CUDNN)) if vs_cudnn else None
+        return _tf(t) + ("" if ratio is None else f" ({ratio:.2f}x)")
+
+    def best_cell(row: GluonFwdRow) -> str:
+        best = row.best_gluon()
+        ratio = _ratio(best[1], row.tflops.get(CUDNN)) if best else None
+        return "-" if best is None else f"{best[0]} {_x(ratio)}"
+
+    header = ["problem", *(GLUON_BASELINES[w] for w in baselines), *variants,
+              "best Gluon (x cuDNN)"]
+    cells = [[f"{r.name} ({r.shape})", *(cell(r, w, False) for w in baselines),
+              *(cell(r, w, True) for w in variants), best_cell(r)] for r in rows]
+    readings = max((len(r["tflops_readings"]) for r in data["timings"]
+                    if isinstance(r, dict) and isinstance(r.get("tflops_readings"), list)),
+                   default=0)
+    knobs: dict[str, Any] = data["variants"] if isinstance(data.get("variants"), dict) else {}
+    named = [w.removeprefix(GLUON_PREFIX) for w in variants]
+    md = [f"### Gluon forward: `{src.path.name}`", "",
+          "gluon_fwd_bench.py --time: TFLOP/s (forward FLOPs = 4 B H N^2 D, halved for "
+          "causal), each candidate's output checked against an fp32 SDPA before it is timed, "
+          "then timed in rotation with the others"
+          + (f", the median of its {readings} readings" if readings > 1 else "")
+          + ". *cuDNN*, *FA2*: torch SDPA with the backend forced; *Triton flash_fwd*: our "
+          "Triton forward at its default config; *gluon-NAME*: the Gluon forward with the "
+          "variant's knobs (below): TFLOP/s (x cuDNN: over cuDNN's TFLOP/s on the problem). "
+          "*failed*: failed the check or raised (listed below), so no speed. *best Gluon*: the "
+          "fastest variant that passed, which issue 17's targets use. Checks before timing: "
+          f"{gluon_checks_text(data.get('checks'))}.", "", *_table(header, cells), ""]
+    md += [f"- `{n}`: {knobs_text(knobs[n]) if isinstance(knobs.get(n), dict) else '-'}"
+           for n in named]
+    md += [""] if named else []
+    if failures:
+        md += ["Not timed:", "", *(f"- {f}" for f in failures), ""]
+    if diagnostics:
+        names = ", ".join(f"`{d}`" for d in diagnostics)
+        md += [f"Left out: the timings marked diagnostic ({names}): wrong results by design "
+               "(the kernel without its exponentials or without its softmax), a cost breakdown, "
+               "not a speed.", ""]
+    return Section(src, md, gluon_fwd_targets(src.path.name, rows))
+
+
+def gluon_fwd_targets(source: str, rows: list[GluonFwdRow]) -> list[Target]:
+    """Issue 17's forward targets, each on the best passing Gluon variant per problem (named
+    in the row), for the head dims and masks the file has: a file without d256 problems has
+    no d256 target rather than one not measured."""
+    seqlens = " and ".join(_n(n) for n in GLUON_FWD_SEQLENS)
+    out = []
+    for head_dim, threshold in GLUON_FWD_VS_CUDNN.items():
+        # d128 dense and causal apart (as the issue states them), d64 and d256 as one.
+        for causal in ((False, True) if head_dim == 128 else (None,)):
+            keep = [r for r in rows if r.head_dim == head_dim and r.seqlen == r.seqlen_kv
+                    and r.seqlen in GLUON_FWD_SEQLENS and causal in (None, r.causal)]
+            if not keep:
+                continue
+            ratios, missing = [], []
+            for r in keep:
+                best = r.best_gluon()
+                ratio = _ratio(best[1], r.tflops.get(CUDNN)) if best else None
+                if best is None or ratio is None:
+                    missing.append(r.name)  # no Gluon variant passed, or cuDNN failed
+                else:
+                    ratios.append((f"{r.name} by {best[0]}", ratio))
+            mask = "" if causal is None else f", {'causal' if causal else 'dense'}"
+            out.append(min_target(f"Gluon forward best vs cuDNN, d={head_dim}, N = {seqlens}"
+                                  f"{mask}", source, threshold, ratios, missing))
+    return out
+
+
 @dataclass(frozen=True)
 class Kind:
     """Result files whose name starts with ``prefix``: written by ``script``."""
@@ -1470,6 +1666,8 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
          Kind("sweep_quick_trials", "recorded sweep trials (`tuner replay` input)",
               "tuner sweep --record", None),
          Kind("fwd_quick", "forward", "fwd_quick.py", forward_section),
+         Kind("gluon_fwd", "Gluon forward", "gluon_fwd_bench.py --time", gluon_fwd_section,
+              "timings"),
          Kind("fwd_bwd", "forward + backward", "fwd_bwd_bench.py", fwd_bwd_section),
          Kind("masked_fwd_bwd", "masked forward + backward", "masked_fwd_bwd_bench.py",
               masked_section),
@@ -1703,7 +1901,10 @@ def render(sections: list[Section], skipped: list[str], images: dict[str, str],
               "replace, cuDNN on the H100) compare times: ours over SDPA's, at most 1.00x "
               "(dispatch_bench's rows: beyond the file's own noise floor; files with paired "
               "rounds, of dispatch_bench and e2e_hf: no row's paired verdict slower, each "
-              "against its own A/A floor).", ""]
+              "against its own A/A floor). Issue 17's targets (gluon_fwd_bench files) take per "
+              "problem the fastest Gluon variant that passed its check, named in the row, over "
+              f"cuDNN timed in the same run, at N = {' and '.join(map(_n, GLUON_FWD_SEQLENS))} "
+              "only.", ""]
     lines += targets_table(targets) if targets else ["No data for any target."]
     lines.append("")
     for t in targets:

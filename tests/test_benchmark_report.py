@@ -733,3 +733,142 @@ def test_paired_files_report_the_paired_verdicts(report: ModuleType, tmp_path: P
     attention = "tuner.attention time vs SDPA, every row, paired, beyond the A/A floor"
     assert targets[(attention, "dispatch_paired.json")][2:] == [
         "**met**", "1 faster, 1 same within noise (of 2 rows)"]
+
+
+# ----------------------------------------------------------------------------- issue 17
+D128_4K_DENSE = "b4-hq16-hkv16-q4096-kv4096-d128-bfloat16-dense"
+D128_16K_DENSE = "b1-hq16-hkv16-q16384-kv16384-d128-bfloat16-dense"
+D128_16K_CAUSAL = "b1-hq16-hkv16-q16384-kv16384-d128-bfloat16-causal-top_left"
+D64_4K_DENSE = "b4-hq32-hkv32-q4096-kv4096-d64-bfloat16-dense"
+D64_1K_DENSE = "b16-hq32-hkv32-q1024-kv1024-d64-bfloat16-dense"
+
+
+def gluon_timing(problem: str, what: str, tflops: float | None, failed: str = "",
+                 diagnostic: bool = False) -> dict[str, Any]:
+    """A row of gluon_fwd_bench.py's time_problem (3 readings; the median's TFLOP/s)."""
+    row: dict[str, Any] = {"problem": problem, "what": what, "config": "BLOCK_M=128"}
+    if diagnostic:  # time_problem's diag rows: a time, no check, no readings
+        return {**row, "diagnostic": True, "ms": 1.0, "tflops": tflops}
+    row.update(error=0.002, readings_ms=[1.0, 1.0, 1.0])  # every checked row has an error
+    if failed:  # a number beside "failed" (none of time_problem's) would be no speed either
+        return {**row, "failed": failed} | ({"tflops": tflops} if tflops else {})
+    assert tflops is not None
+    return {**row, "ms": 1.0, "tflops": tflops, "tflops_readings": [tflops] * 3}
+
+
+def gluon_file(timings: list[dict[str, Any]]) -> dict[str, Any]:
+    environment = {k: v for k, v in env("").items() if k != "command"}  # argv instead
+    return {"environment": {**environment, "argv": [
+                "benchmarks/gluon_fwd_bench.py", "--check", "--time", "--variants", "a,b",
+                "--json", "/tmp/out dir"]},
+            "variants": {"a": {"BLOCK_M": 128, "BLOCK_N": 128, "consumers": 2,
+                               "pingpong": True, "persistent": False},
+                         "b": {"BLOCK_M": 128, "BLOCK_N": 128, "consumers": 2,
+                               "pingpong": True, "persistent": True},
+                         "c": {"BLOCK_M": 64, "BLOCK_N": 64}},  # known, not timed here
+            "checks": {"a": [{"variant": "a", "ok": True}, {"variant": "a", "ok": True}],
+                       "b": [{"variant": "b", "ok": True},
+                             {"variant": "b", "skipped": "needs sm_90"}]},
+            "timings": timings}
+
+
+def write_gluon_results(directory: Path) -> Path:
+    directory.mkdir()
+
+    def baselines(problem: str, cudnn: float, fa2: float | None = 300.0,
+                  triton: float = 450.0) -> list[dict[str, Any]]:
+        return [gluon_timing(problem, "sdpa-cudnn", cudnn),
+                gluon_timing(problem, "sdpa-fa2", fa2, "" if fa2 else "RuntimeError: no FA2"),
+                gluon_timing(problem, "triton-fwd", triton)]
+
+    (directory / "gluon_fwd_syn.json").write_text(json.dumps(gluon_file([
+        *baselines(D128_4K_DENSE, 600.0, 340.0, 500.0),
+        gluon_timing(D128_4K_DENSE, "gluon-a", 660.0),
+        gluon_timing(D128_4K_DENSE, "gluon-b", 700.0, failed="error 3.0e-01 vs fp32 SDPA"),
+        # wrong by design and the fastest number of the file: never a speed, never "best"
+        gluon_timing(D128_4K_DENSE, "diag1-a", 900.0, diagnostic=True),
+        gluon_timing(D128_4K_DENSE, "diag2-a", 950.0, diagnostic=True),
+        *baselines(D128_16K_CAUSAL, 500.0),
+        gluon_timing(D128_16K_CAUSAL, "gluon-a", 510.0),
+        gluon_timing(D128_16K_CAUSAL, "gluon-b", 540.0),
+        # the flag decides, not the name: a diagnostic under a variant's name is left out too
+        gluon_timing(D128_16K_CAUSAL, "gluon-b", 999.0, diagnostic=True),
+        *baselines(D64_4K_DENSE, 400.0),
+        gluon_timing(D64_4K_DENSE, "gluon-a", 380.0),
+        gluon_timing(D64_4K_DENSE, "gluon-b", 392.0),
+        # N = 1k: in the table, not in issue 17's targets (which name 4k and 16k)
+        *baselines(D64_1K_DENSE, 400.0, fa2=None),
+        gluon_timing(D64_1K_DENSE, "gluon-a", 200.0),
+    ])))
+    # Every Gluon variant failed on one d128 dense problem: that target cannot be met.
+    (directory / "gluon_fwd_failed.json").write_text(json.dumps(gluon_file([
+        *baselines(D128_4K_DENSE, 600.0),
+        gluon_timing(D128_4K_DENSE, "gluon-a", None, failed="RuntimeError: launch failed. x"),
+        *baselines(D128_16K_DENSE, 600.0),
+        gluon_timing(D128_16K_DENSE, "gluon-a", 700.0),
+    ])))
+    # --compile-only writes no timings: listed with the reason, not reported
+    (directory / "gluon_fwd_compile.json").write_text(json.dumps({
+        "environment": {}, "variants": {}, "compile": []}))
+    return directory
+
+
+def test_gluon_fwd_sections_and_targets(report: ModuleType, tmp_path: Path) -> None:
+    write_gluon_results(tmp_path / "results")
+    md = run(report, tmp_path, "--no-plots")
+
+    # provenance: the environment's argv is the command
+    assert ("| `gluon_fwd_syn.json` | Gluon forward | Synthetic GPU | 999.1 | 9.8.0+cu77 | "
+            "9.9.0 | 77.0 | 2030-01-02 03:04 UTC | `benchmarks/gluon_fwd_bench.py --check "
+            "--time --variants a,b --json '/tmp/out dir'` |") in md
+    assert ("`gluon_fwd_compile.json`: not a gluon_fwd_bench.py --time result (no 'timings' "
+            "list), skipped") in md
+
+    gluon = section(md, "### Gluon forward: `gluon_fwd_syn.json`")
+    assert ("| problem | cuDNN TFLOP/s | FA2 | Triton flash_fwd | gluon-a | gluon-b | "
+            "best Gluon (x cuDNN) |") in gluon
+    # a failed variant reads "failed", not a number; the best is the fastest that passed
+    assert "| d128 N4k dense (B4 H16) | 600 | 340 | 500 | 660 (1.10x) | failed | a 1.10x |" \
+        in gluon
+    assert ("| d128 N16k causal (B1 H16) | 500 | 300 | 450 | 510 (1.02x) | 540 (1.08x) | "
+            "b 1.08x |") in gluon
+    assert "| d64 N4k dense (B4 H32) | 400 | 300 | 450 | 380 (0.95x) | 392 (0.98x) | b 0.98x |" \
+        in gluon
+    # a baseline that failed, and a variant not run on the problem
+    assert "| d64 N1k dense (B16 H32) | 400 | failed | 450 | 200 (0.50x) | - | a 0.50x |" in gluon
+    assert "- d128 N4k dense (B4 H16) gluon-b: error 3.0e-01 vs fp32 SDPA" in gluon
+    assert "- d64 N1k dense (B16 H32) sdpa-fa2: RuntimeError: no FA2" in gluon
+    # the diagnostic timings: named as left out, never in the table
+    assert not any(n in gluon for n in ("700", "900", "950", "999", "| diag"))
+    assert ("Left out: the timings marked diagnostic (`diag1-a`, `diag2-a`, `gluon-b`): wrong "
+            "results by design") in gluon
+    assert "the median of its 3 readings" in gluon
+    assert "Checks before timing: `a` 2 of 2 ok, `b` 1 of 2 ok (1 skipped)." in gluon
+    assert "- `a`: 128x128 consumers=2 pingpong\n" in gluon
+    assert "- `b`: 128x128 consumers=2 pingpong persistent\n" in gluon
+    assert "- `c`:" not in gluon
+
+    targets = targets_by_file(md)
+    dense = "Gluon forward best vs cuDNN, d=128, N = 4k and 16k, dense"
+    causal = "Gluon forward best vs cuDNN, d=128, N = 4k and 16k, causal"
+    d64 = "Gluon forward best vs cuDNN, d=64, N = 4k and 16k"
+    assert {k: v for k, v in targets.items() if k[0].startswith("Gluon")} == {
+        # the diagnostic gluon-b at 999 would read 2.00x: the checked 540 counts
+        (dense, "gluon_fwd_syn.json"): [">= 1.05x", "worst 1.10x (d128 N4k dense by a)",
+                                        "**met**", "worst row 5% above"],
+        (causal, "gluon_fwd_syn.json"): [">= 1.05x", "worst 1.08x (d128 N16k causal by b)",
+                                         "**met**", "worst row 3% above"],
+        (d64, "gluon_fwd_syn.json"): [">= 1.00x", "worst 0.98x (d64 N4k dense by b)",
+                                      "**not met**", "worst row 2% short; 0 of 1 rows meet it"],
+        # no variant passed on 4k: met on 16k alone is not met on the target's problems
+        (dense, "gluon_fwd_failed.json"): [
+            ">= 1.05x", "worst 1.17x (d128 N16k dense by a)", "not measured",
+            "worst row 11% above; not measured: d128 N4k dense"],
+    }  # no d256 problem in either file: no d256 target; no causal in the second
+    assert f"- {d64}: d64 N4k dense by b 0.98x\n" in md  # N = 1k is not the target's
+
+
+def test_min_target_without_rows_names_what_is_missing(report: ModuleType) -> None:
+    target = report.min_target("t", "f.json", 1.0, [], ["d128 N4k dense"])
+    assert (target.measured, target.met, target.margin) == (
+        "no rows", None, "not measured: d128 N4k dense")
