@@ -80,8 +80,9 @@ def test_workers_together_measure_exactly_the_budget(budget: int) -> None:
     searches = run_workers(budget, store, runner, finalists=0)
     ok = [r for r in store.known(KEY).values() if r.status == TrialStatus.OK]
     assert len(ok) == budget
-    assert sum(s.stats.measured for s in searches) == budget + sum(
-        s.stats.invalid for s in searches)
+    # A config the constraint rejects is stored as invalid, never run, and does not count:
+    # whether a worker drew it depends on the threads' interleaving (CI drew it once).
+    assert sum(s.stats.measured for s in searches) == budget
     assert set(runner.calls.values()) == {1}  # no config twice
 
 
