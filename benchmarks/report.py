@@ -115,7 +115,9 @@ class Source:
 
 
 @dataclass
-class FwdRow:
+class ProblemRow:
+    """A forward problem as ``Problem.key()`` names it (``problem_row_fields`` reads one)."""
+
     dtype: str
     head_dim: int
     seqlen: int
@@ -123,7 +125,15 @@ class FwdRow:
     batch: int
     heads_q: int
     heads_kv: int
-    variant: str
+    variant: str  # Problem.key()'s last part: dense, causal-top_left, causal-bottom_right, ...
+
+    @property
+    def causal(self) -> bool:
+        return self.variant.startswith("causal")
+
+
+@dataclass
+class FwdRow(ProblemRow):
     default: float | None = None
     best: float | None = None
     best_label: str = ""
@@ -132,10 +142,6 @@ class FwdRow:
     fa2: float | None = None
     cudnn: float | None = None
     flex: float | None = None
-
-    @property
-    def causal(self) -> bool:
-        return self.variant.startswith("causal")
 
     @property
     def dense_mask(self) -> bool:
@@ -538,6 +544,15 @@ def read_meta(path: Path, src: Source) -> None:
 PROBLEM_KEY = re.compile(r"^b(\d+)-hq(\d+)-hkv(\d+)-q(\d+)-kv(\d+)-d(\d+)-([a-z0-9]+)-(.+)$")
 
 
+def problem_row_fields(key: str) -> tuple[str, int, int, int, int, int, int, str]:
+    """``ProblemRow``'s fields, in order, from a ``Problem.key()``."""
+    m = PROBLEM_KEY.match(key)
+    if m is None:
+        raise FormatError(f"problem key {key!r} is not Problem.key()'s format")
+    b, hq, hkv, nq, nkv, d = (int(g) for g in m.groups()[:6])
+    return m[7], d, nq, nkv, b, hq, hkv, m[8]
+
+
 def fwd_rows(data: dict[str, Any]) -> list[FwdRow]:
     rows: dict[str, FwdRow] = {}
     for r in data["rows"]:
@@ -545,11 +560,7 @@ def fwd_rows(data: dict[str, Any]) -> list[FwdRow]:
             raise FormatError(f"a row without 'problem' and 'kernel': {str(r)[:120]}")
         key, kernel = str(r["problem"]), str(r["kernel"])
         if key not in rows:
-            m = PROBLEM_KEY.match(key)
-            if m is None:
-                raise FormatError(f"problem key {key!r} is not Problem.key()'s format")
-            b, hq, hkv, nq, nkv, d = (int(g) for g in m.groups()[:6])
-            rows[key] = FwdRow(m[7], d, nq, nkv, b, hq, hkv, m[8])
+            rows[key] = FwdRow(*problem_row_fields(key))
         row, tflops = rows[key], _num(r.get("tflops"))
         if tflops is None:
             continue  # failed, wrong result or not timed: not a number to report
@@ -1481,23 +1492,11 @@ CUDNN = "sdpa-cudnn"
 
 
 @dataclass
-class GluonFwdRow:
+class GluonFwdRow(ProblemRow):
     """One problem of gluon_fwd_bench.py --time: each candidate's TFLOP/s, or why it has none."""
 
-    dtype: str
-    head_dim: int
-    seqlen: int
-    seqlen_kv: int
-    batch: int
-    heads_q: int
-    heads_kv: int
-    variant: str  # Problem.key()'s last part: dense, causal-top_left, causal-bottom_right
     tflops: dict[str, float] = field(default_factory=dict)  # what -> median TFLOP/s
     failed: dict[str, str] = field(default_factory=dict)  # what -> why it was not timed
-
-    @property
-    def causal(self) -> bool:
-        return self.variant.startswith("causal")
 
     @property
     def name(self) -> str:
@@ -1538,11 +1537,7 @@ def gluon_fwd_rows(data: dict[str, Any]) -> tuple[list[GluonFwdRow], list[str], 
             diagnostics.append(what)
             continue
         if key not in rows:
-            m = PROBLEM_KEY.match(key)
-            if m is None:
-                raise FormatError(f"problem key {key!r} is not Problem.key()'s format")
-            b, hq, hkv, nq, nkv, d = (int(g) for g in m.groups()[:6])
-            rows[key] = GluonFwdRow(m[7], d, nq, nkv, b, hq, hkv, m[8])
+            rows[key] = GluonFwdRow(*problem_row_fields(key))
         row, tflops = rows[key], _num(r.get("tflops"))
         # "error" is the output's relative error (a number every checked row has); "failed"
         # says the row failed its check or raised, and then its time is no speed.
