@@ -45,7 +45,6 @@ from templates.standin_tensor import StandinTensor
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon_fwd_kernel")
 HEAD_DIMS = (64, 128, 256)
-DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles: the mbarriers and the warp-specialize state.
 BARRIER_BYTES = 512
 # Registers a consumer thread needs beyond its tiles (addresses, softmax temporaries, loop
@@ -120,11 +119,8 @@ def rows_per_consumer(config: GluonFwdConfig) -> int:
 def shared_memory_estimate(problem: Problem, config: GluonFwdConfig) -> int:
     """Bytes of shared memory: the Q tile (reused for O; two of them in a persistent program
     where they fit), the K and V rings, P when it goes through shared memory, the barriers."""
+    assert kernel is not None  # without Gluon every problem is rejected before this
     d = problem.head_dim
-    if kernel is None:  # every problem is rejected anyway (``unsupported``)
-        q_tile = config.BLOCK_M * d * DTYPE_BYTES
-        kv = 2 * config.kv_stages * config.BLOCK_N * d * DTYPE_BYTES
-        return q_tile + kv + BARRIER_BYTES
     cfg = config.to_dict()
     return kernel.shared_memory_bytes(d, cfg, kernel.q_slots(d, cfg)) + BARRIER_BYTES
 
