@@ -31,6 +31,7 @@ from templates.base import (
     knob,
     relative_error,
 )
+from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo
 from templates.gluon_template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
@@ -143,13 +144,14 @@ class GluonFwdTemplate(GluonTemplate):
     description = ("FlashAttention-3-style forward for Hopper in Gluon: TMA loads through an "
                    "mbarrier ring, async wgmma with softmax under the PV GEMM, optional "
                    "producer warp and ping-pong consumer warpgroups; dense, causal top-left "
-                   "or bottom-right, GQA/MQA, head dim 64/128/256, fp16/bf16; returns "
-                   "(o, lse).")
+                   "or bottom-right, block masks (their lists walked by the producer warp), "
+                   "GQA/MQA, head dim 64/128/256, fp16/bf16; returns (o, lse).")
     config_cls = GluonFwdConfig
     kernel = kernel
     gluon_missing = GLUON_MISSING
     head_dims = HEAD_DIMS
     head_dims_why = "one TMA box and wgmma tile"
+    block_masks = True
 
     def source_modules(self) -> Sequence[str]:
         # The kernel module launches through these (inlined into the standalone source too).
@@ -164,6 +166,13 @@ class GluonFwdTemplate(GluonTemplate):
 
     # -- the space ----------------------------------------------------------------------------
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
+        # A problem's mask pattern is built with the default block size (make_inputs).
+        mask_block = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE) if problem.mask != "none" else None
+        return self.run_constraint(problem, config, device, mask_block)
+
+    def run_constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo,
+                       mask_block: tuple[int, int] | None) -> str | None:
+        """``constraint`` for a call whose block mask (if any) has blocks ``mask_block``."""
         cfg = self.config(config)
         assert isinstance(cfg, GluonFwdConfig)
         reason = self.unsupported_on(problem, device)
@@ -175,7 +184,11 @@ class GluonFwdTemplate(GluonTemplate):
             return "persistent needs warp_specialize=True (the producer warp walks the tiles)"
         if cfg.persistent and cfg.ctas_per_sm > 1:
             return "persistent programs take a whole SM each; use ctas_per_sm=1"
-        if cfg.persistent and problem.causal != "none" and not cfg.longest_first:
+        if mask_block is not None:
+            reason = block_mask_reason(cfg, mask_block)
+            if reason:
+                return reason
+        elif cfg.persistent and problem.causal != "none" and not cfg.longest_first:
             return ("a persistent grid walks causal tiles longest first (its static "
                     "assignment is balanced only so): use longest_first=True")
         rows = rows_per_consumer(cfg)
@@ -205,21 +218,38 @@ class GluonFwdTemplate(GluonTemplate):
         return None
 
     def default_config(self, problem: Problem, device: DeviceInfo) -> GluonFwdConfig:
+        mask_block = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE) if problem.mask != "none" else None
+        return self.run_default(problem, device, mask_block)
+
+    def run_default(self, problem: Problem, device: DeviceInfo,
+                    mask_block: tuple[int, int] | None) -> GluonFwdConfig:
+        """``default_config`` for a call whose block mask (if any) has blocks ``mask_block``:
+        the heuristic's config fitted to them, then cheaper ones until one fits."""
         start = _heuristic(problem)
+        if mask_block is not None:
+            start = fit_to_block_mask(start, mask_block)
         for candidate in _shrinking(start):
-            if self.constraint(problem, candidate, device) is None:
+            if self.run_constraint(problem, candidate, device, mask_block) is None:
                 return candidate
-        raise RuntimeError(f"no gluon_fwd config fits {problem.key()} on {device.name}")
+        blocks = f" with a block mask of blocks {mask_block}" if mask_block else ""
+        raise ValueError(f"no gluon_fwd config fits {problem.key()}{blocks} on {device.name}")
 
     # -- running and checking -----------------------------------------------------------------
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
-        return random_inputs(problem, device, seed)
+        inputs = random_inputs(problem, device, seed)
+        if problem.mask != "none":
+            from templates.flash_fwd import _pattern_mask  # cached per problem and device
+
+            inputs["block_mask"] = _pattern_mask(problem.mask, problem.seqlen_q,
+                                                 problem.seqlen_kv, str(device))
+        return inputs
 
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
         cfg = self.config(config)
         assert isinstance(cfg, GluonFwdConfig)
         return gluon_attention_fwd(inputs["q"], inputs["k"], inputs["v"],
-                                   causal=inputs["causal"], scale=inputs["scale"], config=cfg)
+                                   causal=inputs["causal"], scale=inputs["scale"], config=cfg,
+                                   block_mask=inputs.get("block_mask"))
 
     def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
         """The one launch ``run`` makes, over stand-in tensors."""
@@ -232,14 +262,19 @@ class GluonFwdTemplate(GluonTemplate):
         q, o = StandinTensor(dtype, q_shape), StandinTensor(dtype, q_shape)
         k, v = StandinTensor(dtype, kv_shape), StandinTensor(dtype, kv_shape)
         lse = StandinTensor(torch.float32, q_shape[:3])
+        block_mask = (StandinBlockMask(problem.seqlen_q, problem.seqlen_kv)
+                      if problem.mask != "none" else None)
         plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
-                                 scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict())
-        return [(kernel._gluon_fwd_kernel, plan.grid, plan.args(q, k, v, o, lse),
+                                 scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict(),
+                                 block_mask=block_mask)
+        return [(kernel._gluon_fwd_kernel, plan.grid, plan.args(q, k, v, o, lse, block_mask),
                  dict(plan.options))]
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
+        block_mask = inputs.get("block_mask")
         return attention_reference(inputs["q"], inputs["k"], inputs["v"],
-                                   causal=inputs["causal"], scale=inputs["scale"])
+                                   causal=inputs["causal"], scale=inputs["scale"],
+                                   mask=None if block_mask is None else block_mask.to_dense())
 
     def error(self, out: Any, ref: Any) -> float:
         """Largest of the relative errors of o and of lse (its -inf rows must match exactly)."""
@@ -267,6 +302,51 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 '''
 
 
+def block_mask_reason(config: GluonFwdConfig, block_size: tuple[int, int]) -> str | None:
+    """Why ``config`` cannot walk a block mask of ``block_size`` (query, kv), None if it
+    can."""
+    if block_size[0] % config.BLOCK_M or block_size[1] % config.BLOCK_N:
+        return (f"BLOCK_M ({config.BLOCK_M}) and BLOCK_N ({config.BLOCK_N}) must divide the "
+                f"block mask's block size {block_size} (query, kv): a tile reads one mask row")
+    if not config.warp_specialize:
+        return ("the producer warp walks a block mask's lists: use warp_specialize=True")
+    if config.longest_first:
+        return ("a block mask's tiles run in its rows' order (the mask sets their lengths): "
+                "use longest_first=False")
+    return None
+
+
+def fit_to_block_mask(config: GluonFwdConfig, block_size: tuple[int, int]) -> GluonFwdConfig:
+    """``config`` with tiles no larger than the mask's blocks (powers of two both, so the
+    smaller divides the larger) and no longest-first order; ValueError for blocks under 64
+    (a consumer's wgmma tile is 64 rows, a key block at least 64 keys)."""
+    if min(block_size) < 64:
+        raise ValueError(f"gluon_fwd walks block masks of blocks of at least 64 x 64, but got "
+                         f"a block mask of blocks {tuple(block_size)}")
+    consumers = max(1, min(config.consumers, block_size[0] // 64))
+    return dataclasses.replace(config, BLOCK_M=min(config.BLOCK_M, block_size[0]),
+                               BLOCK_N=min(config.BLOCK_N, block_size[1]), consumers=consumers,
+                               pingpong=config.pingpong and consumers == 2, longest_first=False)
+
+
+@dataclass(frozen=True)
+class StandinBlockMask:
+    """The geometry of a block mask of the default block size, broadcast over batch and heads,
+    with stand-in tensors: what a launch reads from a ``BlockMask``, for compile checks."""
+
+    seqlen_q: int
+    seqlen_kv: int
+    block_size: tuple[int, int] = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
+
+    def kernel_args(self) -> list[Any]:
+        nq = -(-self.seqlen_q // self.block_size[0])
+        nk = -(-self.seqlen_kv // self.block_size[1])
+        counts, lists = StandinTensor(torch.int32, [1, 1, nq]), StandinTensor(torch.int32,
+                                                                               [1, 1, nq, nk])
+        tiles = StandinTensor(torch.uint8, [1, *self.block_size])
+        return [counts, lists, counts, lists, lists, tiles, 0, 0, 0, 0, nk]
+
+
 def _heuristic(problem: Problem) -> GluonFwdConfig:
     """Starting point per head dim, before fitting it to the constraints: FA3's shape (two
     ping-pong consumer warpgroups of 64 rows, a producer warp, 128-key blocks; 64-key blocks
@@ -282,7 +362,8 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     causal = problem.causal != "none"
     block_n = 64 if problem.head_dim > 128 else 128
     return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,
-                          warp_specialize=True, pingpong=True, longest_first=causal,
+                          warp_specialize=True, pingpong=True,
+                          longest_first=causal and problem.mask == "none",
                           persistent=problem.head_dim <= 128)
 
 
@@ -310,9 +391,11 @@ def compile_for(problem: Problem, config: KernelConfig) -> Any:
 # ----------------------------------------------------------------------------- entry point
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         causal: bool | str = False, scale: float | None = None,
-                        config: GluonFwdConfig | Mapping[str, object] | None = None
+                        config: GluonFwdConfig | Mapping[str, object] | None = None,
+                        block_mask: BlockMask | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on a Hopper GPU: (o, lse) of softmax(scale * q k^T [causal]) v.
+    """Attention forward on a Hopper GPU: (o, lse) of softmax(scale * q k^T [causal]
+    [block mask]) v.
 
     Args:
         q: (B, H_q, N_q, D) float16 or bfloat16 on a CUDA device of compute capability 9.x,
@@ -322,7 +405,10 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             "bottom_right" (j <= i + N_kv - N_q, as FlashAttention-2 with a KV cache).
         scale: softmax scale (> 0), default 1/sqrt(D).
         config: a ``GluonFwdConfig`` or a mapping of its fields; None takes the template's
-            default for this problem.
+            default for this problem (fitted to the block mask's blocks, if one is given).
+        block_mask: a ``BlockMask`` for (N_q, N_kv), batch and head dims 1 or B / H_q, on q's
+            device: only the blocks it lists are computed (with ``causal`` too, both apply).
+            BLOCK_M and BLOCK_N must divide its block size (the default's 128 do).
 
     Returns:
         o (B, H_q, N_q, D) in q's dtype, contiguous or laid out as q (``output_strides``);
@@ -335,23 +421,27 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     if kernel is None:
         raise RuntimeError(GLUON_MISSING)
-    key = _plan_key(q, k, v, causal, scale, config)
+    key = _plan_key(q, k, v, causal, scale, config, block_mask)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _validated_plan(q, k, v, causal, scale, config)
+        plan = _validated_plan(q, k, v, causal, scale, config, block_mask)
         _PLANS.put(key, plan)
     if plan.copy_inputs:
         q, k, v = kernel.tma_ready(q), kernel.tma_ready(k), kernel.tma_ready(v)
-    return plan(q, k, v)
+    return plan(q, k, v, block_mask)
 
 
 _PLANS: PlanCache[Any] = PlanCache(maxsize=1024)
 
 
-def _plan_key(q: Any, k: Any, v: Any, causal: Any, scale: Any, config: Any
+
+def _plan_key(q: Any, k: Any, v: Any, causal: Any, scale: Any, config: Any, block_mask: Any
               ) -> tuple[object, ...] | None:
     """What ``_validated_plan`` reads from its arguments (shapes, strides, dtype, device,
-    16-byte alignment, causal, scale, config), or None where no plan is kept."""
+    16-byte alignment, causal, scale, config, the block mask's geometry), or None where no
+    plan is kept."""
+    if kernel is None or (block_mask is not None and not isinstance(block_mask, BlockMask)):
+        return None
     if config is not None and not isinstance(config, GluonFwdConfig):
         if not isinstance(config, Mapping):
             return None
@@ -363,22 +453,28 @@ def _plan_key(q: Any, k: Any, v: Any, causal: Any, scale: Any, config: Any
         return (q.__class__, k.__class__, v.__class__, q.shape, k.shape, v.shape,
                 q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                 q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
-                causal.__class__, causal, scale.__class__, scale, config)
+                causal.__class__, causal, scale.__class__, scale, config,
+                kernel.mask_key(block_mask))
     except (AttributeError, TypeError, RuntimeError):
         return None
 
 
 def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | str,
-                    scale: float | None, config: GluonFwdConfig | Mapping[str, object] | None
-                    ) -> Any:
+                    scale: float | None, config: GluonFwdConfig | Mapping[str, object] | None,
+                    block_mask: BlockMask | None) -> Any:
     assert kernel is not None
     causal_mode, softmax_scale = kernel.validate_inputs(q, k, v, causal, scale)
     if softmax_scale <= 0:
         raise ValueError(f"scale must be positive (the unmasked softmax takes the row max "
                          f"before scaling), but got {softmax_scale}")
-    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
+    if block_mask is not None:
+        from templates.flash_fwd import check_block_mask
+
+        check_block_mask(block_mask, q, k)
+    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config,
+                                 None if block_mask is None else block_mask.block_size)
     plan = kernel.LaunchPlan(q, k, causal_mode=causal_mode, scale=softmax_scale,
-                             config=cfg.to_dict())
+                             config=cfg.to_dict(), block_mask=block_mask)
     plan.copy_inputs = any(kernel.tma_layout_problem(t, name) is not None
                            for name, t in (("q", q), ("k", k), ("v", v)))
     return plan

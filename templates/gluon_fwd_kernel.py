@@ -104,14 +104,16 @@ def _mma_layout(num_warps, n):
 
 # ----------------------------------------------------------------------------- softmax
 @gluon.jit
-def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                   DIAG: gl.constexpr):
+def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, tile_base,
+                   tile_on, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                   SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """One online-softmax step on the raw scores ``s`` (rows x BLOCK_N, fp32): returns
     (p, m_new, l_new, alpha) with p = exp2(s * qk_scale - m_new) and alpha the factor that
-    rescales what was accumulated before. MASKED blocks hide keys past N_kv and, for causal,
-    keys past each row's diagonal; a row with no visible key so far keeps m = -inf, and
-    shifts by 0 instead so that p and alpha are exactly 0, never NaN.
+    rescales what was accumulated before. MASKED blocks hide keys past N_kv, for causal
+    keys past each row's diagonal, and (SPARSE, where ``tile_on``) what the block mask's
+    partial tile hides: its uint8 rows start at ``tile_base``, ``MASK_BLOCK_KV`` apart. A
+    row with no visible key so far keeps m = -inf, and shifts by 0 instead so that p and
+    alpha are exactly 0, never NaN.
 
     ``DIAG`` (timing experiments only): 1 drops the exponentials of the unmasked step
     (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s), both wrong results;
@@ -123,6 +125,12 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset,
         if CAUSAL:
             visible = visible & (gl.expand_dims(keys, 0)
                                  <= gl.expand_dims(offs_m + causal_offset, 1))
+        if SPARSE:
+            rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            tile = gl.load(tile_base + gl.expand_dims(rows * MASK_BLOCK_KV, 1)
+                           + gl.expand_dims(cols, 0), mask=visible & tile_on, other=1)
+            visible = visible & (tile != 0)
         s = gl.where(visible, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -172,15 +180,21 @@ def _refill(desc, bufs, ready, slot, b, kv_h, j, n_blocks, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset,
+def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                 LONGEST_FIRST: gl.constexpr):
-    """(b, h, kv_h, bh, m0, n_blocks, n_full) of tile t. Tiles of one head are consecutive
-    (its K/V stay in L2 while they run). LONGEST_FIRST (causal): tiles come in groups of
-    ``head_group`` heads (1 outside persistent grids), each group's tiles by decreasing
-    length, from the query tile that sees most keys down, head after head within a length:
-    a group's K/V stay in L2 while a persistent grid walks it in rounds of similar lengths.
-    KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks."""
+                 LONGEST_FIRST: gl.constexpr, SPARSE: gl.constexpr,
+                 MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
+    """(b, h, kv_h, bh, m0, n_blocks, n_full, lrow) of tile t. Tiles of one head are
+    consecutive (its K/V stay in L2 while they run). LONGEST_FIRST (causal): tiles come in
+    groups of ``head_group`` heads (1 outside persistent grids), each group's tiles by
+    decreasing length, from the query tile that sees most keys down, head after head within
+    a length: a group's K/V stay in L2 while a persistent grid walks it in rounds of similar
+    lengths. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
+
+    SPARSE: the tile walks the KV blocks its block-mask row lists (``lists``, see
+    ``_kv_start``), full ones first, in steps of BLOCK_N keys; ``lrow`` is where that row's
+    lists start (0 otherwise). Causal full blocks that cross a row's diagonal are masked by
+    the caller (``_needs_mask``)."""
     if LONGEST_FIRST:
         per_group = head_group * n_q_tiles
         within = t % per_group
@@ -193,16 +207,78 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset,
     h = bh % H_Q
     kv_h = h // GROUP
     m0 = tile * BLOCK_M
-    if CAUSAL:
+    lrow = 0
+    if SPARSE:
+        SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
+        (full_counts, _, partial_counts, _, _, _, stride_cb, stride_ch, stride_ib, stride_ih,
+         stride_iq) = lists
+        mask_row = m0 // MASK_BLOCK_Q
+        counts = b * stride_cb + h * stride_ch + mask_row
+        lrow = b * stride_ib + h * stride_ih + mask_row * stride_iq
+        n_full = gl.load(full_counts + counts) * SUB
+        n_blocks = n_full + gl.load(partial_counts + counts) * SUB
+    elif CAUSAL:
         # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
         kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
         first_row_sees = gl.maximum(m0 + causal_offset + 1, 0)
         n_full = gl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N)
+        n_blocks = gl.cdiv(kv_end, BLOCK_N)
     else:
-        kv_end = N_KV
         n_full = N_KV // BLOCK_N
-    n_blocks = gl.cdiv(kv_end, BLOCK_N)
-    return b, h, kv_h, bh, m0, n_blocks, n_full
+        n_blocks = gl.cdiv(N_KV, BLOCK_N)
+    return b, h, kv_h, bh, m0, n_blocks, n_full, lrow
+
+
+@gluon.jit
+def _kv_start(j, n_full, lrow, lists, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr,
+              MASK_BLOCK_KV: gl.constexpr):
+    """The first key of the tile's KV block j: j * BLOCK_N, or (SPARSE) step j of the walk
+    over the mask row's listed blocks, full ones then partial ones, each MASK_BLOCK_KV //
+    BLOCK_N steps long (``lists``: the counts, indices, tile ids and tiles of
+    ``BlockMask.kernel_args`` and its strides)."""
+    if SPARSE:
+        SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
+        full_indices = lists[1]
+        partial_indices = lists[3]
+        if j < n_full:
+            block = gl.load(full_indices + lrow + j // SUB)
+        else:
+            block = gl.load(partial_indices + lrow + (j - n_full) // SUB)
+        start = block * MASK_BLOCK_KV + (j % SUB) * BLOCK_N
+    else:
+        start = j * BLOCK_N
+    return start
+
+
+@gluon.jit
+def _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, SPARSE: gl.constexpr):
+    """Whether KV block j (keys from ``start_n``) takes the masked softmax for rows from m0:
+    past the unmasked blocks [0, n_full), or (SPARSE and causal) a listed full block that
+    crosses the first row's diagonal (dense causal tiles count those in n_full already)."""
+    masked = j >= n_full
+    if SPARSE and CAUSAL:
+        masked = masked | (start_n + BLOCK_N - 1 > m0 + causal_offset)
+    return masked
+
+
+@gluon.jit
+def _mask_tile(j, n_full, lrow, m0, lists, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr,
+               MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
+    """(SPARSE) Where the uint8 mask of KV block j for the rows from m0 starts, and whether
+    block j is a partial one (a full block has no tile: the address is then unused);
+    otherwise (an unused address, False)."""
+    if SPARSE:
+        SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
+        partial = j >= n_full
+        # Slot 0 of the row is readable even where the row lists no partial block.
+        tile_id = gl.load(lists[4] + lrow + gl.maximum(j - n_full, 0) // SUB)
+        base = (lists[5] + tile_id.to(gl.int64) * (MASK_BLOCK_Q * MASK_BLOCK_KV)
+                + (m0 % MASK_BLOCK_Q) * MASK_BLOCK_KV + (j % SUB) * BLOCK_N)
+    else:
+        partial = False
+        base = lists[5]
+    return base, partial
 
 
 @gluon.jit
@@ -233,9 +309,11 @@ def _program_tile(r, SNAKE: gl.constexpr):
 
 @gluon.jit
 def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                   v_ready, k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, it0, tc,
+                   v_ready, k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, n_full, lrow,
+                   lists, it0, tc,
                    Q_LOADS: gl.constexpr, Q_ROWS: gl.constexpr, KV_STAGES: gl.constexpr,
-                   BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr):
+                   BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
+                   SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """The producer warp, one tile (the program's ``tc``-th): the query rows of each consumer
     into its Q buffer ``tc % Q_SLOTS`` (in a persistent program, once that consumer released
     what the buffer held), then K and V block by block, each into its ring slot once every
@@ -254,12 +332,13 @@ def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_em
         g = it0 + j
         slot = g % KV_STAGES
         phase = ((g // KV_STAGES) & 1) ^ 1
+        start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
+        _tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+        _tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
 # ----------------------------------------------------------------------------- consumer
@@ -302,18 +381,20 @@ def _wait_pv(o_tok, p_op, p, P_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_smem, k_desc,
-              v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h,
-              offs_m, N_KV, causal_offset, qk_scale,
+def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev0, q_smem,
+              p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+              turns, b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-              PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, DIAG: gl.constexpr):
+              PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, SPARSE: gl.constexpr,
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
-    tensor cores; blocks from n_full on take the masked softmax (causal diagonal, N_kv tail).
-    Ring positions count from ``it0``, ping-pong turns from ``ev0`` (earlier tiles of a
-    persistent program). Carries (acc, P_{j-1} as the A operand in registers (or a
-    placeholder when P_SMEM keeps it in ``p_smem``), m, l, alpha)."""
+    tensor cores; blocks that ``_needs_mask`` take the masked softmax (causal diagonal, N_kv
+    tail, a block mask's partial blocks). Ring positions count from ``it0``, ping-pong turns
+    from ``ev0`` (earlier tiles of a persistent program). Carries (acc, P_{j-1} as the A
+    operand in registers (or a placeholder when P_SMEM keeps it in ``p_smem``), m, l,
+    alpha)."""
     s_layout: gl.constexpr = offs_m.type.layout.parent
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -324,6 +405,10 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_
         phase = (g // KV_STAGES) & 1
         prev = (g - 1) % KV_STAGES
         prev_phase = ((g - 1) // KV_STAGES) & 1
+        # (SPARSE: list reads, issued before the waits so that they land under the GEMMs.)
+        start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
+        tile_base, tile_on = _mask_tile(j, n_full, lrow, m0, lists, BLOCK_N, SPARSE,
+                                        MASK_BLOCK_Q, MASK_BLOCK_KV)
         if PINGPONG:
             mbarrier.wait(turns.index(ME), (ev0 + j) & 1)
         mbarrier.wait(k_ready.index(slot), phase)
@@ -340,14 +425,14 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_
         # The softmax sits in basic blocks of their own (the branch between the masked and the
         # unmasked step): in straight-line code ptxas moved the PV wait above the
         # exponentials (seen in the SASS), so the softmax no longer ran under the PV GEMM.
-        if j >= n_full:
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N,
-                                                N_KV, causal_offset, True, CAUSAL, BLOCK_N,
-                                                DIAG)
+        if _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
+                                                causal_offset, tile_base, tile_on, True,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
         else:
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N,
-                                                N_KV, causal_offset, False, CAUSAL, BLOCK_N,
-                                                DIAG)
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
+                                                causal_offset, tile_base, tile_on, False,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
         else:
@@ -380,14 +465,14 @@ def _release_o_buffer(q_empty, q_buf, tc):
 @gluon.jit
 def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                    q_bufs, p_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                   k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, N_Q,
-                   N_KV, causal_offset, qk_scale, it0, ev0, tc,
+                   k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, lrow,
+                   lists, N_Q, N_KV, causal_offset, qk_scale, it0, ev0, tc,
                    ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                    PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                   Q_SLOTS: gl.constexpr,
-                   DIAG: gl.constexpr):
+                   Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                   MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """One consumer, one tile: ``ROWS`` query rows (from row ``q_row0 + ME * ROWS`` of the
     head) over ``NUM_WARPS`` warps, against every KV block of the tile's range; writes its
     rows of O and LSE. Without WARP_SPECIALIZE it also issues the loads.
@@ -409,6 +494,8 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    # Only the producer warp walks a block mask's lists (the template refuses the rest).
+    gl.static_assert(WARP_SPECIALIZE or not SPARSE)
     if not WARP_SPECIALIZE:
         # The consumer warps load for themselves: Q, then the first KV_STAGES blocks.
         mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
@@ -438,6 +525,9 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     if n_blocks > 0:
         # -- block 0: S_0 alone.
         slot0 = it0 % KV_STAGES
+        start0 = _kv_start(0, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
+        tile_base, tile_on = _mask_tile(0, n_full, lrow, m0, lists, BLOCK_N, SPARSE,
+                                        MASK_BLOCK_Q, MASK_BLOCK_KV)
         if PINGPONG:
             mbarrier.wait(turns.index(ME), ev0 & 1)
         mbarrier.wait(k_ready.index(slot0), (it0 // KV_STAGES) & 1)
@@ -452,12 +542,14 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot0), count=1)
-        if n_full > 0:
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, 0, N_KV,
-                                                causal_offset, False, CAUSAL, BLOCK_N, DIAG)
+        if _needs_mask(0, start0, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
+                                                causal_offset, tile_base, tile_on, True,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
         else:
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, 0, N_KV,
-                                                causal_offset, True, CAUSAL, BLOCK_N, DIAG)
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
+                                                causal_offset, tile_base, tile_on, False,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
         # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
         # in shared memory.
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
@@ -468,10 +560,11 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
 
         # -- blocks 1..n_blocks-1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
-            acc, p_op, m_i, l_i, alpha, n_full, n_blocks, it0, ev0, q_smem, p_smem, k_desc,
-            v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, b, kv_h,
-            offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
-            WARP_SPECIALIZE, PINGPONG, P_SMEM, DIAG)
+            acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev0, q_smem,
+            p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
+            b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
+            KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
+            MASK_BLOCK_KV, DIAG)
         if O_FROM_REGISTERS:
             # Every GEMM that reads Q has completed: the producer may load the next tile's.
             mbarrier.arrive(q_empty.index(q_buf), count=1)
@@ -530,12 +623,13 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
 @gluon.jit
 def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
-              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
               ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-              PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, DIAG: gl.constexpr):
+              PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr,
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """A consumer over its program's tiles: one (tile = program id), or, persistent, one per
     round (``_program_tile``), with ring, turn and Q-buffer phases carried across tiles."""
     if PINGPONG and ME == 1:
@@ -546,59 +640,62 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
         ev0 = 0
         for tc in range(_program_tiles(n_tiles, LONGEST_FIRST)):
             t = _program_tile(tc, LONGEST_FIRST)
-            b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
-                t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, BLOCK_M, BLOCK_N, CAUSAL,
-                LONGEST_FIRST)
+            b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
+                t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
+                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
             _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                            v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                           b, h, kv_h, bh, m0, n_blocks, n_full, N_Q, N_KV, causal_offset,
-                           qk_scale, it0, ev0, tc, ME, NUM_WARPS, ROWS, HEAD_DIM,
-                           BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
-                           PERSISTENT, Q_SLOTS, DIAG)
+                           b, h, kv_h, bh, m0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
+                           causal_offset, qk_scale, it0, ev0, tc, ME, NUM_WARPS, ROWS,
+                           HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG,
+                           P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+                           DIAG)
             it0 += n_blocks
             if n_blocks > 0:
                 ev0 += n_blocks + 1
         # The last tile's O store must have read shared memory before the program ends.
         tma.store_wait(0)
     else:
-        b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
-            gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, BLOCK_M,
-            BLOCK_N,
-            CAUSAL, LONGEST_FIRST)
+        b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
+            gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
+            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
         _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                        v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, b,
-                       h, kv_h, bh, m0, n_blocks, n_full, N_Q, N_KV, causal_offset, qk_scale,
-                       0, 0, 0, ME, NUM_WARPS, ROWS, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
-                       WARP_SPECIALIZE, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, DIAG)
+                       h, kv_h, bh, m0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
+                       causal_offset, qk_scale, 0, 0, 0, ME, NUM_WARPS, ROWS, HEAD_DIM,
+                       BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
+                       PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
               v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
-              causal_offset,
+              causal_offset, lists,
               Q_LOADS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr):
+              LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
+              SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """The producer warp over its program's tiles (the consumers' sequence)."""
     if PERSISTENT:
         it0 = 0
         for tc in range(_program_tiles(n_tiles, LONGEST_FIRST)):
             t = _program_tile(tc, LONGEST_FIRST)
-            b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
-                t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, BLOCK_M, BLOCK_N, CAUSAL,
-                LONGEST_FIRST)
+            b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
+                t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
+                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
             _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                           k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks, it0,
-                           tc, Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT, Q_SLOTS)
+                           k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks,
+                           n_full, lrow, lists, it0, tc, Q_LOADS, ROWS, KV_STAGES, BLOCK_N,
+                           PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_KV)
             it0 += n_blocks
     else:
-        b, h, kv_h, bh, m0, n_blocks, n_full = _tile_coords(
-            gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, BLOCK_M,
-            BLOCK_N,
-            CAUSAL, LONGEST_FIRST)
+        b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
+            gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
+            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
         _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                       k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks, 0, 0,
-                       Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT, Q_SLOTS)
+                       k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks, n_full,
+                       lrow, lists, 0, 0, Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT,
+                       Q_SLOTS, SPARSE, MASK_BLOCK_KV)
 
 
 # Every partition of a warp-specialized program takes the same arguments (worker partitions
@@ -606,76 +703,84 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 @gluon.jit
 def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                       q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                      n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                      n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                       NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
                       PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                       Q_SLOTS: gl.constexpr,
-                      DIAG: gl.constexpr):
+                      SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                      MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """The default partition of a warp-specialized program: consumer 0."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
-              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 0, NUM_WARPS, ROWS,
+              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 0, NUM_WARPS, ROWS,
               HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, Q_SLOTS, DIAG)
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)
 
 
 @gluon.jit
 def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                      q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                      NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                      Q_SLOTS: gl.constexpr,
-                     DIAG: gl.constexpr):
+                     SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
-              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 1, NUM_WARPS, ROWS,
+              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 1, NUM_WARPS, ROWS,
               HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, Q_SLOTS, DIAG)
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)
 
 
 @gluon.jit
 def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                         v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                         n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset,
-                        qk_scale,
+                        qk_scale, lists,
                         NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
                         P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
-                        DIAG: gl.constexpr):
+                        SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                        MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """The producer partition (one warp)."""
     Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
     _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
               v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
-              causal_offset,
-              Q_LOADS, ROWS, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PERSISTENT,
-              Q_SLOTS)
+              causal_offset, lists, Q_LOADS, ROWS, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+              LONGEST_FIRST, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
 
 
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "GROUP", "n_q_tiles",
-                              "n_tiles", "head_group"])
+                              "n_tiles", "head_group", "stride_cb", "stride_ch", "stride_ib",
+                              "stride_ih", "stride_iq"])
 def _gluon_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, LSE,
+    FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
     N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles, head_group, qk_scale,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-    Q_SLOTS: gl.constexpr,
-    DIAG: gl.constexpr, num_warps: gl.constexpr,
+    Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+    MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Program p owns tile p (in _tile_coords' order) or, persistent, one tile per round of
-    # ``grid`` tiles (_program_tile).
+    # ``grid`` tiles (_program_tile). SPARSE: a block mask's lists (``BlockMask.kernel_args``
+    # order; dense launches pass LSE and zeros, compiled out) travel as one tuple.
+    lists = (FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
+             PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq)
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -720,49 +825,49 @@ def _gluon_fwd_kernel(
                 (_consumer_default, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
+                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
                 (_consumer_second, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
+                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_default, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     num_warps,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
+                    n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, DIAG)),
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                   q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                  n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, 0,
-                  num_warps,
-                  ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, False,
-                  False, P_SMEM, False, 1, DIAG)
+                  n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
+                  0, num_warps, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+                  LONGEST_FIRST, False, False, P_SMEM, False, 1, SPARSE, MASK_BLOCK_Q,
+                  MASK_BLOCK_KV, DIAG)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -787,19 +892,24 @@ def register_budget(config: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
-                   diag: int = 0) -> dict[str, Any]:
+                   diag: int = 0, mask_block: tuple[int, int] | None = None) -> dict[str, Any]:
     """The kernel's constexprs and launch options for a config (``diag``: timing
-    experiments only, see ``_softmax_block``)."""
+    experiments only, see ``_softmax_block``; ``mask_block``: the block size of the block
+    mask the kernel walks, None without one)."""
     ws = bool(config["warp_specialize"])
     maxnreg, consumer_regs = register_budget(config)
+    block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
+    mask_block_q, mask_block_kv = mask_block or (block_m, block_n)
     options: dict[str, Any] = dict(
-        HEAD_DIM=head_dim, BLOCK_M=int(config["BLOCK_M"]), BLOCK_N=int(config["BLOCK_N"]),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         KV_STAGES=int(config["kv_stages"]), CAUSAL=causal,
-        LONGEST_FIRST=bool(config["longest_first"]) and causal,
+        # A block mask's tiles come in its lists' order (their lengths are the mask's).
+        LONGEST_FIRST=bool(config["longest_first"]) and causal and mask_block is None,
         WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
-        PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config), DIAG=diag,
-        num_warps=consumer_warps(config),
+        PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
+        SPARSE=mask_block is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
+        DIAG=diag, num_warps=consumer_warps(config),
     )
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg
@@ -870,10 +980,12 @@ class LaunchPlan:
     copy_inputs = False
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
-                 config: Mapping[str, Any], diag: int = 0, sm_count: int | None = None
-                 ) -> None:
+                 config: Mapping[str, Any], diag: int = 0, sm_count: int | None = None,
+                 block_mask: Any = None) -> None:
         """``sm_count`` sizes a persistent grid: q's GPU's multiprocessor count by default
-        (132, an H100's, for stand-in tensors)."""
+        (132, an H100's, for stand-in tensors). ``block_mask``: a ``BlockMask`` (or anything
+        with its ``block_size`` and ``kernel_args``) the kernel walks; calls then pass one of
+        the same geometry (``mask_key``)."""
         batch, heads_q, seqlen_q, head_dim = q.shape
         heads_kv, seqlen_kv = k.shape[1], k.shape[2]
         block_m = int(config["BLOCK_M"])
@@ -886,14 +998,18 @@ class LaunchPlan:
                 sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                             if isinstance(q, torch.Tensor) and q.is_cuda else 132)
             self.grid = (min(n_tiles, sm_count),)
-            if causal:
+            if causal and block_mask is None:
                 group = head_group(batch * heads_q, n_q_tiles,
                                    2 * seqlen_kv * head_dim * 2, sm_count)
                 self.grid = (causal_grid(group * n_q_tiles, sm_count),)
         else:
             self.grid = (n_tiles,)
         self.out_shape = (batch, heads_q, seqlen_q, head_dim)
-        self.options = launch_options(head_dim, causal, config, diag)
+        self.sparse = block_mask is not None
+        self.options = launch_options(head_dim, causal, config, diag,
+                                      tuple(block_mask.block_size) if self.sparse else None)
+        # The lists' strides (counts per batch and head, lists per batch, head and row).
+        self.mask_strides = list(block_mask.kernel_args()[6:]) if self.sparse else [0] * 5
         # A persistent grid with one Q buffer per consumer stores O from registers as a
         # contiguous tensor; a TMA store takes any layout.
         self.out_strides = ((heads_q * seqlen_q * head_dim, seqlen_q * head_dim, head_dim, 1)
@@ -923,12 +1039,21 @@ class LaunchPlan:
     def descriptors(self, q: Any, k: Any, v: Any, o: Any) -> list[Any]:
         return [make(t) for make, t in zip(self._descriptors, (q, k, v, o), strict=True)]
 
-    def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any) -> list[Any]:
-        """The kernel's arguments (``o`` laid out as ``out_strides``, as the plan allocates it)."""
-        return [*self.descriptors(q, k, v, o), o, lse, *self.scalars]
+    def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any, block_mask: Any = None
+             ) -> list[Any]:
+        """The kernel's arguments (``o`` laid out as ``out_strides``, as the plan allocates it;
+        without a block mask its six tensors are ``lse``, never read)."""
+        lists = block_mask.kernel_args()[:6] if self.sparse else [lse] * 6
+        return [*self.descriptors(q, k, v, o), o, lse, *lists, *self.scalars,
+                *self.mask_strides]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse) on q, k, v (and, for a plan made with one, a block mask of the same
+        geometry)."""
+        if self.sparse != (block_mask is not None):
+            raise ValueError("this launch plan was made " + (
+                "for a block mask: pass one" if self.sparse else "without a block mask"))
         o = torch.empty_strided(self.out_shape, self.out_strides, device=q.device, dtype=q.dtype)
         if DEBUG_POISON:
             o.fill_(float("nan"))
@@ -940,21 +1065,25 @@ class LaunchPlan:
             self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
         if self._device_guard and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
-                self._launch_on_current(q, k, v, o, lse)
+                self._launch_on_current(q, k, v, o, lse, block_mask)
         else:
-            self._launch_on_current(q, k, v, o, lse)
+            self._launch_on_current(q, k, v, o, lse, block_mask)
         return o, lse
 
     def _launch_on_current(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           o: torch.Tensor, lse: torch.Tensor) -> None:
+                           o: torch.Tensor, lse: torch.Tensor, block_mask: Any) -> None:
         o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o_ptr | lse_ptr) % 16:
-            _gluon_fwd_kernel[self.grid](*self.args(q, k, v, o, lse), **self.options)
+        if self.sparse or (q.data_ptr() | k.data_ptr() | v.data_ptr() | o_ptr | lse_ptr) % 16:
+            # (Block masks: their tensors change with every mask, through the JIT's binder.)
+            _gluon_fwd_kernel[self.grid](*self.args(q, k, v, o, lse, block_mask),
+                                         **self.options)
             return
         stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
         # Out and LSE as addresses: the launcher then makes no driver call for them.
-        if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *self.scalars):
-            self._launch.launch_on(stream, q, k, v, o, o, lse, *self.scalars)
+        if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *[lse_ptr] * 6,
+                                       *self.scalars, *self.mask_strides):
+            self._launch.launch_on(stream, q, k, v, o, o, lse, *[lse] * 6, *self.scalars,
+                                   *self.mask_strides)
 
 
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1001,9 +1130,23 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return mode, float(scale)
 
 
+def mask_key(block_mask: Any) -> tuple[object, ...] | None:
+    """What a launch plan reads from a block mask (its geometry, the lists' strides and
+    the 16-byte alignment of its tensors: Triton specializes on it), None for none."""
+    if block_mask is None:
+        return None
+    args = block_mask.kernel_args()
+    return (tuple(block_mask.shape), tuple(block_mask.block_size), tuple(args[6:]),
+            tuple(t.data_ptr() % 16 == 0 for t in args[:6]), block_mask.device)
+
+
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: str,
-           scale: float, config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel on validated CUDA inputs with a config given as a plain mapping."""
+           scale: float, config: Mapping[str, Any], block_mask: Any = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on validated CUDA inputs with a config given as a plain mapping (and a
+    block mask already checked against q and k, or None)."""
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
-    return LaunchPlan(q, k, causal_mode=causal_mode, scale=scale, config=config)(q, k, v)
+    plan = LaunchPlan(q, k, causal_mode=causal_mode, scale=scale, config=config,
+                      block_mask=block_mask)
+    return plan(q, k, v, block_mask)
 

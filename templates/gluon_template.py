@@ -14,6 +14,7 @@ import torch
 
 from templates.base import KernelConfig, KernelLaunch, Problem, Template
 from templates.device import DeviceInfo, current_device
+from templates.mask_mods import pattern_problem
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -43,6 +44,8 @@ class GluonTemplate(Template):
     # Why the head dims stop where they do, said after a rejected head dim.
     head_dims_why: ClassVar[str]
     standalone_entry: ClassVar[str]
+    # Whether the kernel walks a BlockMask's lists (problems with a ``mask`` pattern).
+    block_masks: ClassVar[bool] = False
 
     def source_modules(self) -> Sequence[str]:
         mods = [__name__, type(self).__module__]
@@ -56,7 +59,11 @@ class GluonTemplate(Template):
         if self.gluon_missing:
             return self.gluon_missing
         if problem.mask != "none":
-            return f"{self.name} has no block masks (dense and causal only)"
+            if not self.block_masks:
+                return f"{self.name} has no block masks (dense and causal only)"
+            reason = pattern_problem(problem.mask, problem.seqlen_q, problem.seqlen_kv)
+            if reason:
+                return reason
         if problem.dtype not in TORCH_DTYPES:
             return f"{self.name} takes float16 or bfloat16, but got {problem.dtype}"
         if problem.head_dim not in self.head_dims:
@@ -85,10 +92,24 @@ class GluonTemplate(Template):
             raise NotImplementedError(self.gluon_missing)
         return self._kernel_module_with_config(self.kernel, self.standalone_entry, config)
 
+    def run_constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo,
+                       mask_block: tuple[int, int] | None) -> str | None:
+        """``constraint`` for a call whose block mask (if any) has blocks ``mask_block``:
+        templates with ``block_masks`` override it (and ``run_default``)."""
+        assert mask_block is None, f"{self.name} takes no block masks"
+        return self.constraint(problem, config, device)
+
+    def run_default(self, problem: Problem, device: DeviceInfo,
+                    mask_block: tuple[int, int] | None) -> KernelConfig:
+        assert mask_block is None, f"{self.name} takes no block masks"
+        return self.default_config(problem, device)
+
     def config_to_run(self, q: torch.Tensor, k: torch.Tensor, causal_mode: str,
-                      config: KernelConfig | Mapping[str, object] | None) -> KernelConfig:
+                      config: KernelConfig | Mapping[str, object] | None,
+                      mask_block: tuple[int, int] | None = None) -> KernelConfig:
         """The config an entry point runs on validated inputs: ``config`` checked against the
-        problem and the device (ValueError saying why not), or the default where None."""
+        problem, the device and the blocks of the call's block mask, if any (ValueError
+        saying why not), or the default where None."""
         if config is not None and not isinstance(config, (self.config_cls, Mapping)):
             raise TypeError(f"config must be a {self.config_cls.__name__}, a mapping of its "
                             f"fields or None, but got {type(config).__name__}")
@@ -97,9 +118,9 @@ class GluonTemplate(Template):
         problem = problem_of(q, k, causal_mode)
         device = current_device(q.device.index)
         if config is None:
-            return self.default_config(problem, device)
+            return self.run_default(problem, device, mask_block)
         cfg = self.config(config)
-        reason = self.constraint(problem, cfg, device)
+        reason = self.run_constraint(problem, cfg, device, mask_block)
         if reason:
             raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on "
                              f"{device.name}: {reason}")
