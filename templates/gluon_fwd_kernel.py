@@ -183,8 +183,9 @@ def _refill(desc, bufs, ready, slot, b, kv_h, j, n_blocks, BLOCK_N: gl.constexpr
 def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                  LONGEST_FIRST: gl.constexpr, SPARSE: gl.constexpr,
-                 MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
-    """(b, h, kv_h, bh, m0, n_blocks, n_full, lrow) of tile t. Tiles of one head are
+                 MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, WARPS: gl.constexpr):
+    """(b, h, kv_h, bh, m0, n_blocks, n_full, lrow) of tile t (``WARPS``: the calling
+    partition's). Tiles of one head are
     consecutive (its K/V stay in L2 while they run). LONGEST_FIRST (causal): tiles come in
     groups of ``head_group`` heads (1 outside persistent grids), each group's tiles by
     decreasing length, from the query tile that sees most keys down, head after head within
@@ -215,8 +216,18 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
         mask_row = m0 // MASK_BLOCK_Q
         counts = b * stride_cb + h * stride_ch + mask_row
         lrow = b * stride_ib + h * stride_ih + mask_row * stride_iq
-        n_full = gl.load(full_counts + counts) * SUB
-        n_blocks = n_full + gl.load(partial_counts + counts) * SUB
+        n_full_listed = gl.load(full_counts + counts)
+        n_partial_listed = gl.load(partial_counts + counts)
+        if CAUSAL:
+            # Listed blocks wholly right of the tile's last row's diagonal are hidden from
+            # every row: the lists ascend, so the walk stops before them.
+            kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
+            blocks_end = gl.cdiv(kv_end, MASK_BLOCK_KV)
+            n_full_listed = _listed_before(lists[1] + lrow, n_full_listed, blocks_end, WARPS)
+            n_partial_listed = _listed_before(lists[3] + lrow, n_partial_listed, blocks_end,
+                                              WARPS)
+        n_full = n_full_listed * SUB
+        n_blocks = n_full + n_partial_listed * SUB
     elif CAUSAL:
         # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
         kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
@@ -227,6 +238,20 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
         n_full = N_KV // BLOCK_N
         n_blocks = gl.cdiv(N_KV, BLOCK_N)
     return b, h, kv_h, bh, m0, n_blocks, n_full, lrow
+
+
+@gluon.jit
+def _listed_before(entries, count, blocks_end, WARPS: gl.constexpr):
+    """How many of the ``count`` ascending block indices at ``entries`` are below
+    ``blocks_end`` (read ``32 * WARPS`` at a time by the calling partition's warps)."""
+    CHUNK: gl.constexpr = 32 * WARPS
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    n = count * 0
+    for c in range(0, count, CHUNK):
+        offs = c + gl.arange(0, CHUNK, layout=layout)
+        block = gl.load(entries + offs, mask=offs < count, other=2147483647)
+        n += gl.sum((block < blocks_end).to(gl.int32), 0)
+    return n
 
 
 @gluon.jit
@@ -642,7 +667,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
             t = _program_tile(tc, LONGEST_FIRST)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
-                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
             _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                            v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                            b, h, kv_h, bh, m0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
@@ -658,7 +683,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
-            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            NUM_WARPS)
         _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                        v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, b,
                        h, kv_h, bh, m0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
@@ -682,7 +708,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
             t = _program_tile(tc, LONGEST_FIRST)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
-                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
             _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                            k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks,
                            n_full, lrow, lists, it0, tc, Q_LOADS, ROWS, KV_STAGES, BLOCK_N,
@@ -691,7 +717,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
-            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
         _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                        k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks, n_full,
                        lrow, lists, 0, 0, Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT,

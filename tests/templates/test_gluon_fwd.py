@@ -278,10 +278,10 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
         # Other versions allocate registers differently (3.9 spills 8 bytes at d128 causal).
         allowed = 0 if triton.__version__.startswith("3.6") else 64
         if Problem.from_dict(job["problem"]).mask != "none":
-            # A block mask's walk spills (48 bytes at d128 in 3.6, 144 in 3.9): a partial
-            # tile's 64 uint8 per thread in flight beside S, O and P (docs/gluon_notes.md,
+            # A block mask's walk spills (112 bytes at d128 in 3.6, 216 in 3.9): scalars of
+            # the lists' walk beside S, O and P, a few per KV step (docs/gluon_notes.md,
             # "Block masks"). A bound, so that a change that spills more shows up.
-            allowed = 64 if triton.__version__.startswith("3.6") else 160
+            allowed = 128 if triton.__version__.startswith("3.6") else 256
         assert kernel["stack_bytes"] <= allowed, f"registers spilled: {out}"
         problem = Problem.from_dict(job["problem"])
         cfg = GluonFwdConfig.from_dict(job["config"])
