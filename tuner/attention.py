@@ -421,14 +421,16 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             # GLUON has no training templates: the dispatcher never chooses it for a call that
             # needs a gradient, and forcing it on one raises in ``choose``.
             assert not needs_grad, "the Gluon forward has no backward"
-            gluon_config = choice.config
-            assert isinstance(gluon_config, GluonFwdConfig)
-            # k4, v4 keep their H_kv heads: the Gluon kernel groups query heads itself. (The
-            # ignore: block_mask is the argument of the mask-aware gluon_fwd landing beside this.)
-            o, _ = gluon_fwd.gluon_attention_fwd(  # type: ignore[call-arg]
-                q4, k4, v4, causal="top_left" if is_causal else "none", scale=scale,
-                config=gluon_config, block_mask=block_mask)
-            return o.reshape(q.shape)
+            gluon_config = _gluon_mask_config(choice.config, block_mask.block_size)
+            if gluon_config is None:
+                # Blocks the Gluon kernel cannot walk (under its 64-row tiles): ours, with the
+                # dense problem's configs fitted to them below.
+                choice = None
+            else:  # k4, v4 keep their H_kv heads: the Gluon kernel groups query heads itself
+                o, _ = gluon_fwd.gluon_attention_fwd(
+                    q4, k4, v4, causal="top_left" if is_causal else "none", scale=scale,
+                    config=gluon_config, block_mask=block_mask)
+                return o.reshape(q.shape)
     if choice is not None and all(r.measured for r in choice.resolved):
         # Ours measured on this mask problem: the measured configs (those it was priced by).
         config, bwd_config = choice.resolved[0].config, (
@@ -451,6 +453,22 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.reshape(q.shape)
 
 
+def _gluon_mask_config(config: KernelConfig, block_size: tuple[int, int]
+                       ) -> GluonFwdConfig | None:
+    """The Gluon config that runs a block mask of ``block_size``: ``config`` where it walks
+    those blocks (one measured on a mask problem walks the sweep's 128-blocks), else fitted to
+    them (``gluon_fwd.fit_to_block_mask``: a dense problem's causal config runs longest tiles
+    first, which a mask's row order forbids); None where no fitting can."""
+    assert isinstance(config, GluonFwdConfig)
+    if gluon_fwd.block_mask_reason(config, block_size) is None:
+        return config
+    try:
+        fitted = gluon_fwd.fit_to_block_mask(config, block_size)
+    except ValueError:  # blocks under the kernel's 64-row tiles
+        return None
+    return None if gluon_fwd.block_mask_reason(fitted, block_size) else fitted
+
+
 def _block_mask_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                        enable_gqa: bool, needs_grad: bool, block_mask: object) -> Choice | None:
     """Who runs a block-mask call: our block-sparse kernels, compiled FlexAttention or (Hopper,
@@ -459,8 +477,9 @@ def _block_mask_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_cau
     problem's configs, as before Flex was a candidate: a mask with no pattern (no measurement
     can price it), or another implementation than flash, flex or gluon forced.
     ``use_implementation("flex")`` forces Flex; ``"gluon"`` the Gluon forward (on a mask
-    without a pattern, with the dense problem's config); forcing ``flash`` on a mask with a
-    pattern runs ours with its measurements of that problem where it has some."""
+    without a pattern, with the dense problem's config, fitted to the mask's blocks by
+    ``_gluon_mask_config``); forcing ``flash`` on a mask with a pattern runs ours with its
+    measurements of that problem where it has some."""
     from templates.block_mask import BlockMask
     from templates.torch_flex import FlexConfig
 

@@ -3,10 +3,11 @@ where it is measured faster on the mask's named problem (or is forced), never on
 a gradient, never an elementwise ``attn_mask``.
 
 The CPU stands in for an H100 here: the calls' device is the H100 of tests/api/serving_data
-(the measurements are stored for it), and ``gluon_attention_fwd`` is a recorder answering with
-the reference (Gluon kernels do not run under the interpreter); our kernels run under the
-interpreter. The recorder is reached only through the dispatcher's Gluon branch: the dense
-Gluon plan (``tuner.implementations``) holds its own reference to the real function."""
+(the measurements are stored for it), and ``gluon_attention_fwd`` is a recorder that checks
+its config as the real one does and answers with the reference (Gluon kernels do not run
+under the interpreter); our kernels run under the interpreter. The recorder is reached only
+through the dispatcher's Gluon branch: the dense Gluon plan (``tuner.implementations``) holds
+its own reference to the real function."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from tests.api.serving_data import H100, item
 from tests.tuner.test_dispatch import store
 from tuner.dispatch import Call, choose
 
-pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper", "gluon_takes_block_masks")
+pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
 
 PATTERN = "sliding:64"
 N = 256  # two 128-blocks each way: the block below the diagonal is partly visible
@@ -47,18 +48,6 @@ def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def gluon_takes_block_masks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gluon_fwd as it is once its block masks land (templates/gluon_fwd.py, changed beside
-    this): a mask problem unsupported only where its dense problem is. Where the template
-    takes masks already, it is left as it is."""
-    if GLUON.unsupported(MASKED) is None:
-        return
-    dense_checks = type(GLUON).unsupported
-    monkeypatch.setattr(type(GLUON), "unsupported", lambda self, problem: dense_checks(
-        self, dataclasses.replace(problem, mask="none")))
-
-
-@pytest.fixture
 def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Calls of templates.gluon_fwd.gluon_attention_fwd, answered with the reference."""
     calls: list[dict[str, Any]] = []
@@ -66,6 +55,10 @@ def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     def recorder(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append({"k_heads": k.shape[1], **kwargs})
+        # What the real entry checks (GluonTemplate.config_to_run) before it launches.
+        call_problem = templates.gluon_fwd.problem_of(q, k, kwargs["causal"])
+        assert GLUON.run_constraint(call_problem, kwargs["config"], H100,
+                                    kwargs["block_mask"].block_size) is None
         o, lse = attention_reference(q, k, v, causal=kwargs["causal"],
                                      scale=kwargs["scale"] or q.shape[-1] ** -0.5,
                                      mask=kwargs["block_mask"].to_dense())
@@ -99,8 +92,10 @@ def inputs(requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, tor
     return q, k, v
 
 
-def mask(pattern: str | None = PATTERN) -> BlockMask:
-    return dataclasses.replace(pattern_block_mask(PATTERN, N, N), pattern=pattern)
+def mask(pattern: str | None = PATTERN, block: int = 128) -> BlockMask:
+    """The pattern's mask, named ``pattern`` (None: unnamed), of blocks ``block``."""
+    return dataclasses.replace(pattern_block_mask(PATTERN, N, N, block_size=block),
+                               pattern=pattern)
 
 
 def attend(block_mask: BlockMask, requires_grad: bool = False) -> torch.Tensor:
@@ -167,6 +162,22 @@ def test_unmeasured_or_slower_gluon_does_not_run(tmp_path: Path,
     assert not gluon_calls
 
 
+def test_a_mask_of_smaller_blocks_runs_gluon_fitted_to_them_or_ours_below_its_tiles(
+        tmp_path: Path, gluon_calls: list[dict[str, Any]]) -> None:
+    """The measured config walks the sweep's 128-blocks; a mask of the pattern with 64-blocks
+    (``from_mask_mod(pattern=...)``) runs it with tiles fitted to them, one of 32-blocks
+    (under the kernel's 64-row tiles) runs ours."""
+    store_gluon_fastest(tmp_path, gluon_config_not_the_default())
+    with torch.no_grad():
+        out = attend(mask(block=64))
+        [call] = gluon_calls
+        assert call["config"].BLOCK_M <= 64 and call["config"].BLOCK_N <= 64
+        assert_is_the_reference(out, mask(block=64))
+        out = attend(mask(block=32))
+    assert len(gluon_calls) == 1
+    assert_is_the_reference(out, mask(block=32))
+
+
 def test_a_mask_without_a_pattern_does_not_run_gluon_unforced(
         tmp_path: Path, gluon_calls: list[dict[str, Any]]) -> None:
     store_gluon_fastest(tmp_path, gluon_config_not_the_default())
@@ -190,14 +201,16 @@ def test_an_attn_mask_never_runs_gluon(tmp_path: Path,
 # ----------------------------------------------------------------------------- forced
 def test_use_implementation_forces_gluon_on_a_mask(gluon_calls: list[dict[str, Any]]) -> None:
     """Nothing measured: the mask problem's default config; a mask without a pattern: the
-    dense problem's (no measurement names it)."""
+    dense problem's (no measurement names it), fitted to the mask's blocks (the dense causal
+    default runs longest tiles first, which a mask's row order forbids)."""
     with torch.no_grad(), tuner.use_implementation("gluon"):
         out = attend(mask())
         attend(mask(pattern=None))
     named, unnamed = gluon_calls
     assert named["config"] == GLUON.default_config(MASKED, H100)
-    dense = dataclasses.replace(MASKED, mask="none")
-    assert unnamed["config"] == GLUON.default_config(dense, H100)
+    dense_default = GLUON.default_config(dataclasses.replace(MASKED, mask="none"), H100)
+    assert dense_default.longest_first
+    assert unnamed["config"] == templates.gluon_fwd.fit_to_block_mask(dense_default, (128, 128))
     assert unnamed["block_mask"].pattern is None
     assert_is_the_reference(out, mask())
 
