@@ -1,5 +1,5 @@
-"""Block-mask calls: does ``tuner.attention`` run the faster of our block-sparse kernels and
-compiled FlexAttention? Side by side, one process.
+"""Block-mask calls: does ``tuner.attention`` run the fastest of our block-sparse kernels,
+compiled FlexAttention and (inference on Hopper) our Gluon forward? Side by side, one process.
 
     python benchmarks/masked_dispatch_bench.py --db sqlite:///tuner.db --json masked.json
     python benchmarks/masked_dispatch_bench.py --smoke     # one tiny row on the CPU (forward)
@@ -18,6 +18,8 @@ kept):
   sweep measured on the mask's problem; where none, the dense problem's tuned configs fitted
   to the mask),
 * ``flex``: compiled FlexAttention (``use_implementation("flex")``, its tuned config),
+* ``gluon``: on a Hopper GPU with Gluon, inference rows only (it has no backward): the Gluon
+  forward (``use_implementation("gluon")``, its tuned config or default),
 * ``flash again``: ``flash`` timed as another candidate, the row's noise floor,
 * ``tuner.attention``: the dispatcher's choice with the database ``--db`` (a sweep of
   dispatch_masked.toml; none: ours everywhere).
@@ -54,6 +56,7 @@ from benchmarks.dispatch_bench import (  # noqa: E402
 from benchmarks.dispatch_bench import inputs_for as dense_inputs_for  # noqa: E402
 from templates.base import Problem  # noqa: E402
 from templates.device import current_device, interpreter_active  # noqa: E402
+from templates.gluon_fwd import GLUON_MISSING  # noqa: E402
 from templates.mask_mods import pattern_block_mask  # noqa: E402
 from templates.torch_sdpa import sdpa  # noqa: E402
 from tuner.attention import clear_plans  # noqa: E402
@@ -63,7 +66,7 @@ from tuner.settings import load_settings  # noqa: E402
 from tuner.suites import load_spec_file  # noqa: E402
 
 SPEC = Path(__file__).resolve().parent / "specs" / "dispatch_masked.toml"
-SINGLES = ("flash", "flex", "flash again")
+SINGLES = ("flash", "flex", "gluon", "flash again")
 
 
 @dataclass
@@ -125,8 +128,15 @@ def _forced(name: str) -> Callable[..., torch.Tensor]:
     return call
 
 
-def candidates() -> dict[str, Callable[..., torch.Tensor]]:
-    return {"flash": _forced("flash"), "flex": _forced("flex"),
+def gluon_runs(device: str) -> bool:
+    """Whether the Gluon forward can run here: a Hopper GPU and a triton with Gluon."""
+    return device == "cuda" and not GLUON_MISSING and current_device().family == "hopper"
+
+
+def candidates(device: str, training: bool) -> dict[str, Callable[..., torch.Tensor]]:
+    """The row's candidates; Gluon only for inference rows (no backward) where it runs."""
+    gluon = {"gluon": _forced("gluon")} if not training and gluon_runs(device) else {}
+    return {"flash": _forced("flash"), "flex": _forced("flex"), **gluon,
             "flash again": _forced("flash"), "tuner.attention": tuner.attention}
 
 
@@ -143,8 +153,9 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
         row.chosen = (f"{choice.implementation.name} {choice.config.key()}" if choice
                       else "flash (CPU: no device to price)")
         row.why = choice.why if choice else ""
-        row.ms, row.errors, row.spread, _ = check_and_time(candidates(), t, training, ref,
-                                                           TOLERANCE[p.dtype], bench, rounds)
+        row.ms, row.errors, row.spread, _ = check_and_time(candidates(device, training), t,
+                                                           training, ref, TOLERANCE[p.dtype],
+                                                           bench, rounds)
         out.append(row)
         del t, ref
         if device == "cuda":

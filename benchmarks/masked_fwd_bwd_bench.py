@@ -14,11 +14,13 @@ contiguous; rows d128 N=16k, d128 N=4k, d64 N=16k, each with three masks built a
 Per row, side by side in one process: ours (``flash_attention(q, k, v, block_mask=...)``,
 default configs) forward and forward + backward, then (while the budget lasts) a short grid
 of backward configs, FlexAttention (``torch.compile(flex_attention, dynamic=False)`` with
-``create_block_mask`` of the same mask_mod) forward and forward + backward, and SDPA with the
-mask as a dense bool ``attn_mask``: the cuDNN backend if it takes the mask, else the
-efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring
-grad, the autograd graph built, no backward. One forward + backward call is
-``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
+``create_block_mask`` of the same mask_mod) forward and forward + backward, on a Hopper GPU
+with Gluon our Gluon forward (``gluon_attention_fwd(q, k, v, block_mask=...)``, the
+template's default config; forward only: it has no backward), and SDPA with the mask as a
+dense bool ``attn_mask``: the cuDNN backend if it takes the mask, else the efficient one (FA2
+takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
+graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
+call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
 
 FLOPs count only the visible work. Forward = 4 * B * H * D * P, where P is the number of
 visible (query, key) pairs of the mask (counted exactly from the dense mask) and 4 = two
@@ -34,7 +36,7 @@ float32 on the same bf16 inputs with the dense mask (the efficient backend on th
 relative error (norm of the difference / norm of the reference) at most the bf16 tolerance,
 1e-2. A call that fails the check is reported as failed and never timed. Timing:
 triton.testing.do_bench(warmup=25, rep=100, return_mode="median"). The exit status is 1 if
-any of our calls fails its check.
+any of our calls (ours, the grid, Gluon) fails its check.
 
 The budget (--budget-s, default 240) counts compile time too (Triton, and Inductor for each
 row's FlexAttention graphs): no row starts after it (those left out are listed), and the
@@ -70,6 +72,7 @@ from templates.block_mask import BlockMask, MaskMod  # noqa: E402
 from templates.device import current_device, interpreter_active  # noqa: E402
 from templates.flash_bwd import TEMPLATE as BWD  # noqa: E402
 from templates.flash_bwd import BwdConfig, block_mask_tile_reason, fit_to_block_mask  # noqa: E402
+from templates.gluon_fwd import GLUON_MISSING, gluon_attention_fwd  # noqa: E402
 from templates.mask_mods import (  # noqa: E402
     document_mask,
     or_masks,
@@ -80,6 +83,7 @@ from templates.mask_mods import (  # noqa: E402
 TOKENS, HIDDEN = 16384, 2048
 FWD_BWD_FACTOR = 3.5  # PROTOCOL: forward + backward = 3.5 x the forward's FLOPs
 OUTPUTS = ("o", "dq", "dk", "dv")
+FORWARD_ONLY = ("gluon",)  # no backward: no forward + backward step
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Call = Callable[[], tuple[torch.Tensor, ...]]
 
@@ -172,7 +176,7 @@ def dense_mask(mod: MaskMod, seqlen: int, device: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- rows
 @dataclass
 class Measurement:
-    impl: str  # ours, ours-grid, flex, sdpa-cudnn, sdpa-efficient
+    impl: str  # ours, ours-grid, flex, gluon, sdpa-cudnn, sdpa-efficient
     step: str  # fwd, fwd+bwd
     status: str  # timed; wrong (failed the check, not timed); error (raised, not timed)
     ms: float | None = None
@@ -250,7 +254,8 @@ def reference(t: dict[str, torch.Tensor], dense: torch.Tensor) -> tuple[torch.Te
     return (o.detach(), *grads)
 
 
-def steps(attention: Attention, t: dict[str, torch.Tensor]) -> list[tuple[str, Call]]:
+def steps(attention: Attention, t: dict[str, torch.Tensor], backward: bool = True
+          ) -> list[tuple[str, Call]]:
     def forward() -> tuple[torch.Tensor, ...]:
         return (attention(t["q"], t["k"], t["v"]),)
 
@@ -258,7 +263,7 @@ def steps(attention: Attention, t: dict[str, torch.Tensor]) -> list[tuple[str, C
         o = attention(t["q"], t["k"], t["v"])
         return (o, *torch.autograd.grad(o, (t["q"], t["k"], t["v"]), t["do"]))
 
-    return [("fwd", forward), ("fwd+bwd", forward_backward)]
+    return [("fwd", forward), ("fwd+bwd", forward_backward)] if backward else [("fwd", forward)]
 
 
 def measure(setup: Setup, case: Case, impl: str, step: str, call: Call,
@@ -291,6 +296,19 @@ def ours(block_mask: BlockMask, bwd_config: dict[str, Any] | None = None) -> Att
         return flash_attention(q, k, v, block_mask=block_mask, bwd_config=bwd_config)
 
     return attention
+
+
+def gluon(block_mask: BlockMask) -> Attention:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # An inference kernel: the inputs' autograd flag means nothing to it.
+        return gluon_attention_fwd(q.detach(), k.detach(), v.detach(), block_mask=block_mask)[0]
+
+    return attention
+
+
+def gluon_runs(setup: Setup) -> bool:
+    """Whether the Gluon forward can run here: a Hopper GPU and a triton with Gluon."""
+    return setup.device == "cuda" and not GLUON_MISSING and current_device().family == "hopper"
 
 
 @cache
@@ -339,6 +357,8 @@ def log(row: Row, m: Measurement) -> None:
 def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], Attention]]]:
     """Name and builder of each implementation a row times, ours first."""
     built: list[tuple[str, Callable[[], Attention]]] = [("ours", partial(ours, case.block_mask))]
+    if gluon_runs(setup):
+        built.append(("gluon", partial(gluon, case.block_mask)))
     if setup.baselines:
         from torch.nn.attention import SDPBackend
 
@@ -349,7 +369,8 @@ def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], At
 
 
 def measure_row(setup: Setup, head_dim: int, seqlen: int, pattern: str) -> Row:
-    """Ours with default configs, then FlexAttention and SDPA (the first backend that runs)."""
+    """Ours with default configs, then Gluon (forward only, where it runs), FlexAttention
+    and SDPA (the first backend that runs)."""
     case = prepare(setup, head_dim, seqlen, pattern)
     row, t = case.row, case.tensors
     for impl, build in implementations(setup, case):
@@ -361,7 +382,7 @@ def measure_row(setup: Setup, head_dim: int, seqlen: int, pattern: str) -> Row:
             row.results.append(Measurement(impl, "fwd", "error", note=repr(exc)[:300]))
             log(row, row.results[-1])
             continue
-        for step, call in steps(attention, t):
+        for step, call in steps(attention, t, backward=impl not in FORWARD_ONLY):
             row.results.append(measure(setup, case, impl, step, call))
             log(row, row.results[-1])
     return row
@@ -422,11 +443,11 @@ def smoke_environment() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the table
-def ratio(ours_m: Measurement | None, flex_m: Measurement | None) -> str:
-    """ours/Flex: Flex's time over ours (the TFLOP/s ratio; > 1 where ours is faster)."""
-    if ours_m is None or flex_m is None or not ours_m.ms or not flex_m.ms:
+def ratio(a: Measurement | None, b: Measurement | None) -> str:
+    """a/b: b's time over a's (the TFLOP/s ratio; > 1 where a is faster)."""
+    if a is None or b is None or not a.ms or not b.ms:
         return "-"
-    return f"{flex_m.ms / ours_m.ms:.2f}x"
+    return f"{b.ms / a.ms:.2f}x"
 
 
 def print_tables(rows: list[Row]) -> None:
@@ -435,19 +456,23 @@ def print_tables(rows: list[Row]) -> None:
         def cell(m: Measurement | None, value: str = value) -> str:
             return "-" if m is None else f"{getattr(m, value):.{1 if value == 'tflops' else 3}f}"
 
-        print(f"\n{unit}; ours/flex = flex ms / ours ms; best = default or grid backward")
+        print(f"\n{unit}; ours/flex = flex ms / ours ms; gluon/ours = ours ms / gluon ms; "
+              f"best = default or grid backward")
         head = (f"{'row':34} {'vis':>5} {'ours fwd':>9} {'flex fwd':>9} {'ours/flex':>9} "
+                f"{'gluon fwd':>9} {'gluon/ours':>10} "
                 f"{'ours f+b':>9} {'best f+b':>9} {'flex f+b':>9} {'best/flex':>9} "
                 f"{'sdpa fwd':>9} {'sdpa f+b':>9}  sdpa backend")
         print(head)
         print("-" * len(head))
         for r in rows:
             ours_fwd, flex_fwd = r.timed(("ours",), "fwd"), r.timed(("flex",), "fwd")
+            gluon_fwd = r.timed(("gluon",), "fwd")
             best, flex_fb = r.timed(("ours", "ours-grid"), "fwd+bwd"), r.timed(("flex",),
                                                                                 "fwd+bwd")
             sdpa_fb = r.timed(sdpa_impls, "fwd+bwd")
             print(f"{r.name:34} {r.visible_fraction:5.3f} {cell(ours_fwd):>9} "
                   f"{cell(flex_fwd):>9} {ratio(ours_fwd, flex_fwd):>9} "
+                  f"{cell(gluon_fwd):>9} {ratio(gluon_fwd, ours_fwd):>10} "
                   f"{cell(r.timed(('ours',), 'fwd+bwd')):>9} {cell(best):>9} "
                   f"{cell(flex_fb):>9} {ratio(best, flex_fb):>9} "
                   f"{cell(r.timed(sdpa_impls, 'fwd')):>9} {cell(sdpa_fb):>9}  "
@@ -504,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
              "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"({time.monotonic() - start:.0f} s)")
     print_tables(rows)
-    wrong = any(m.status == "wrong" and m.impl.startswith("ours") for r in rows for m in r.results)
+    wrong = any(m.status == "wrong" and (m.impl.startswith("ours") or m.impl == "gluon")
+                for r in rows for m in r.results)
     return 1 if wrong else 0
 
 

@@ -12,7 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
+
+
+def test_gluon_is_a_candidate_of_inference_rows_where_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = load_benchmark_script("masked_dispatch_bench")
+    assert not bench.gluon_runs("cpu")
+    assert "gluon" not in bench.candidates("cpu", False)
+    monkeypatch.setattr(bench, "gluon_runs", lambda device: True)  # a Hopper GPU with Gluon
+    assert list(bench.candidates("cuda", False)) == [
+        "flash", "flex", "gluon", "flash again", "tuner.attention"]
+    assert "gluon" not in bench.candidates("cuda", True)  # no backward
+    row = bench.Row({}, False, "row", ms={"flash": 2.0, "flex": 3.0, "gluon": 1.0,
+                                          "flash again": 2.0, "tuner.attention": 1.0})
+    assert row.verdicts() == {"vs_flash": 2.0, "vs_best": 1.0}  # gluon is a single candidate
 
 
 @pytest.mark.slow

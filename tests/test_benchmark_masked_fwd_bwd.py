@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from templates.attention_reference import attention_reference
 from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
 
 SCRIPT = BENCHMARKS / "masked_fwd_bwd_bench.py"
@@ -117,6 +118,37 @@ def test_a_matching_output_is_timed_and_counts_visible_flops(bench: ModuleType,
     assert list(both.errors) == ["o", "dq", "dk", "dv"]
     assert fwd.tflops == pytest.approx(row.fwd_flops / 2e-3 / 1e12)
     assert both.tflops == pytest.approx(3.5 * fwd.tflops)
+
+
+# ----------------------------------------------------------------------------- Gluon
+def test_gluon_where_it_runs_is_checked_and_timed_forward_only(
+        bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On a Hopper GPU with Gluon: its forward beside ours, checked, timed, in the table
+    (stood in for by the reference here: Gluon kernels need a Hopper GPU)."""
+    assert not bench.gluon_runs(bench.SMOKE)
+    masks: list[Any] = []
+
+    def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                            block_mask: Any) -> tuple[torch.Tensor, None]:
+        assert not (q.requires_grad or k.requires_grad or v.requires_grad)
+        masks.append(block_mask)
+        o, _ = attention_reference(q, k, v, causal="none", scale=q.shape[-1] ** -0.5,
+                                   mask=block_mask.to_dense())
+        return o.to(q.dtype), None
+
+    monkeypatch.setattr(bench, "gluon_runs", lambda setup: True)
+    monkeypatch.setattr(bench, "gluon_attention_fwd", gluon_attention_fwd)
+    setup = dataclasses.replace(bench.SMOKE, timer=lambda call: 2.0)
+    row = bench.measure_row(setup, 16, 64, "sliding-causal:8")
+    assert [(m.impl, m.step, m.status) for m in row.results] == [
+        ("ours", "fwd", "timed"), ("ours", "fwd+bwd", "timed"), ("gluon", "fwd", "timed")]
+    assert len(masks) == 1 and masks[0].block_size == (32, 32)  # checked once, then timed
+    assert list(row.results[2].errors) == ["o"]
+    bench.print_tables([row])
+    table = capsys.readouterr().out
+    assert "gluon fwd" in table and "gluon/ours" in table
+    assert "1.00x" in table  # gluon/ours: both 2 ms (ours/flex and best/flex: no Flex, "-")
 
 
 # ----------------------------------------------------------------------------- the smoke run

@@ -20,10 +20,11 @@ MISTRAL = Problem(1, 32, 8, 8192, 8192, 128, "bfloat16", "none", "sliding_causal
 SPEC = BENCHMARKS / "specs" / "dispatch_sliding_hf.toml"
 
 
-def test_the_spec_holds_the_mistral_layer_for_ours_and_flex() -> None:
+def test_the_spec_holds_the_mistral_layer_for_ours_flex_and_gluon() -> None:
     spec = load_spec_file(SPEC)
     assert spec.problems == (MISTRAL,)
-    assert set(spec.templates) == {"flash_fwd", "flash_bwd", "torch_flex", "torch_flex_train"}
+    assert set(spec.templates) == {"flash_fwd", "flash_bwd", "torch_flex", "torch_flex_train",
+                                   "gluon_fwd"}
     assert sliding_block_mask(8192, 4096, torch.device("cpu")).pattern == MISTRAL.mask
 
 

@@ -18,10 +18,10 @@ unmeasured problem runs torch SDPA exactly as the user's code would have. Calls 
 ours takes (``dropout_p > 0``, a value head dim other than the query's, float64) and calls
 with an elementwise ``attn_mask`` (no measurement can price an arbitrary mask) run torch SDPA
 too; ``use_implementation("flash")`` forces ours where it can run (masks included).
-``block_mask`` (a ``tuner.BlockMask``) runs our block-sparse kernels or compiled FlexAttention:
-only its blocks are computed, which SDPA cannot do; rows that see no key give zeros. Flex runs
-only where measured faster on the mask's named problem (``BlockMask.pattern``; docs/DISPATCH.md,
-"Block masks").
+``block_mask`` (a ``tuner.BlockMask``) runs our block-sparse kernels, compiled FlexAttention
+or, on Hopper without a gradient, the Gluon forward: only its blocks are computed, which SDPA
+cannot do; rows that see no key give zeros. Flex and Gluon run only where measured faster on
+the mask's named problem (``BlockMask.pattern``; docs/DISPATCH.md, "Block masks").
 
 How a call runs:
 
@@ -49,9 +49,11 @@ import torch
 # that first, triton.language's own jit helpers (tl.zeros, ...) would be compiled-mode objects
 # and every interpreted launch would fail.
 import templates  # noqa: F401
+from templates import gluon_fwd
 from templates.base import KernelConfig, Problem
 from templates.device import DeviceInfo, cpu_device, current_device, interpreter_active
 from templates.flash_fwd import DTYPE_NAMES
+from templates.gluon_fwd import GluonFwdConfig
 from templates.kernel_common import output_strides
 from templates.registry import get_template
 from templates.torch_sdpa import SdpaConfig, sdpa
@@ -366,7 +368,9 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       enable_gqa: bool, block_mask: object | None) -> torch.Tensor:
     """attn_mask / block_mask: the dense problem's tuned forward and backward configs, fitted
     to the block mask's tiles, through the masked kernels and ``FlashAttentionFunction``
-    (differentiable w.r.t. q, k, v). Not cached per shape: a mask changes every call."""
+    (differentiable w.r.t. q, k, v); a block mask may instead run compiled Flex or, without a
+    gradient, the Gluon forward (``_block_mask_choice``). Not cached per shape: a mask changes
+    every call."""
     from templates import flash_fwd_kernel
     from templates.autograd import flash_attention
     from templates.block_mask import BlockMask
@@ -413,6 +417,20 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             assert isinstance(flex_config, FlexConfig)
             return flex(q4, k4, v4, block_mask, causal="top_left" if is_causal else "none",
                         scale=scale, enable_gqa=enable_gqa, config=flex_config).reshape(q.shape)
+        if choice is not None and choice.implementation.name == implementations.GLUON.name:
+            # GLUON has no training templates: the dispatcher never chooses it for a call that
+            # needs a gradient, and forcing it on one raises in ``choose``.
+            assert not needs_grad, "the Gluon forward has no backward"
+            gluon_config = _gluon_mask_config(choice.config, block_mask.block_size)
+            if gluon_config is None:
+                # Blocks the Gluon kernel cannot walk (under its 64-row tiles): ours, with the
+                # dense problem's configs fitted to them below.
+                choice = None
+            else:  # k4, v4 keep their H_kv heads: the Gluon kernel groups query heads itself
+                o, _ = gluon_fwd.gluon_attention_fwd(
+                    q4, k4, v4, causal="top_left" if is_causal else "none", scale=scale,
+                    config=gluon_config, block_mask=block_mask)
+                return o.reshape(q.shape)
     if choice is not None and all(r.measured for r in choice.resolved):
         # Ours measured on this mask problem: the measured configs (those it was priced by).
         config, bwd_config = choice.resolved[0].config, (
@@ -435,22 +453,43 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.reshape(q.shape)
 
 
+def _gluon_mask_config(config: KernelConfig, block_size: tuple[int, int]
+                       ) -> GluonFwdConfig | None:
+    """The Gluon config that runs a block mask of ``block_size``: ``config`` where it walks
+    those blocks (one measured on a mask problem walks the sweep's 128-blocks), else fitted to
+    them (``gluon_fwd.fit_to_block_mask``: a dense problem's causal config runs longest tiles
+    first, which a mask's row order forbids); None where no fitting can."""
+    assert isinstance(config, GluonFwdConfig)
+    if gluon_fwd.block_mask_reason(config, block_size) is None:
+        return config
+    try:
+        fitted = gluon_fwd.fit_to_block_mask(config, block_size)
+    except ValueError:  # blocks under the kernel's 64-row tiles
+        return None
+    return None if gluon_fwd.block_mask_reason(fitted, block_size) else fitted
+
+
 def _block_mask_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                        enable_gqa: bool, needs_grad: bool, block_mask: object) -> Choice | None:
-    """Who runs a block-mask call: our block-sparse kernels or compiled FlexAttention, by the
-    stored measurements of the mask's named problem (``BlockMask.pattern``: its shapes, causal
-    mode and pattern). None: ours with the dense problem's configs, as before Flex was a
-    candidate: a mask with no pattern (no measurement can price it), or another implementation
-    than flash or flex forced. ``use_implementation("flex")`` forces Flex; forcing ``flash`` on a
-    mask with a pattern runs ours with its measurements of that problem where it has some."""
+    """Who runs a block-mask call: our block-sparse kernels, compiled FlexAttention or (Hopper,
+    no gradient) the Gluon forward, by the stored measurements of the mask's named problem
+    (``BlockMask.pattern``: its shapes, causal mode and pattern). None: ours with the dense
+    problem's configs, as before Flex was a candidate: a mask with no pattern (no measurement
+    can price it), or another implementation than flash, flex or gluon forced.
+    ``use_implementation("flex")`` forces Flex; ``"gluon"`` the Gluon forward (on a mask
+    without a pattern, with the dense problem's config, fitted to the mask's blocks by
+    ``_gluon_mask_config``); forcing ``flash`` on a mask with a pattern runs ours with its
+    measurements of that problem where it has some."""
     from templates.block_mask import BlockMask
     from templates.torch_flex import FlexConfig
 
     assert isinstance(block_mask, BlockMask)
     name = forced()
-    if name not in (None, "flex", "flash"):
+    if name not in (None, "flex", "flash", implementations.GLUON.name):
         return None
     if block_mask.pattern is None:
+        if name == implementations.GLUON.name:  # raises if it cannot run the call
+            return keep(choose(_call(q, k, v, is_causal, enable_gqa, needs_grad)))
         if name != "flex":
             return None
         return Choice(implementations.FLEX, (Resolved(FlexConfig(), "default", "default"),),

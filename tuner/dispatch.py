@@ -18,9 +18,10 @@ The rule (docs/DISPATCH.md):
 * Otherwise torch SDPA runs as the user's code would have run it: ours must be measured
   faster to be chosen.
 * ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
-* A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``)
-  and compiled FlexAttention (``flex``) on its own bucket: the fastest priced runs where ours
-  is priced; otherwise ours, what ran before Flex was a candidate.
+* A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``),
+  compiled FlexAttention (``flex``) and, forward only on Hopper, the Gluon forward (``gluon``)
+  on its own bucket: the fastest priced runs where ours is priced; otherwise ours, what ran
+  before Flex was a candidate.
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
 the process's answers for their buckets (``tuner.lookup``: stable within a process), so a
@@ -292,8 +293,8 @@ def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...
 
 def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     """A block-mask problem (``Problem.mask`` a named pattern): the implementations serving it
-    (ours, ``flash``, and compiled FlexAttention, ``flex``; torch SDPA cannot skip tiles) priced
-    on the problem's own bucket. Ours priced: the fastest priced runs. Ours not priced: ours,
+    (ours, ``flash``, compiled FlexAttention, ``flex``, and without a gradient on Hopper the
+    Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own bucket. Ours priced: the fastest priced runs. Ours not priced: ours,
     as before Flex was a candidate (no neighbour is consulted: a mask's ratio on another shape
     is no measurement of this one)."""
     estimates = tuple(price(impl, call, resolve) for impl in _IMPLEMENTATIONS.values()
