@@ -149,8 +149,11 @@ def test_a_gluon_plan_launches_directly_after_its_first_call(
     for desc, jit_desc, tensor in zip(launched[:4], jit_args[:4], (q, k, v), strict=False):
         assert type(desc) is type(jit_desc) and desc.base is tensor
         assert (desc.block_shape, desc.layout) == (jit_desc.block_shape, jit_desc.layout)
-    assert all(isinstance(p, int) and p % 16 == 0 for p in launched[4:6])  # Out, LSE
-    assert launched[6:] == tuple(jit_args[6:]) == tuple(plan.scalars)
+    # Out, LSE, and the block mask's six tensors (LSE, compiled out in a dense launch).
+    assert all(isinstance(p, int) and p % 16 == 0 for p in launched[4:12])
+    assert launched[5:12] == (launched[5],) * 7
+    assert all(t is jit_args[5] for t in jit_args[6:12])
+    assert launched[12:] == tuple(jit_args[12:]) == (*plan.scalars, *plan.mask_strides)
     assert direct_args[9 + len(jit_args):] == tuple(
         v for name, v in plan.options.items() if name != "maxnreg")
 
