@@ -166,9 +166,7 @@ class GluonFwdTemplate(GluonTemplate):
 
     # -- the space ----------------------------------------------------------------------------
     def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
-        # A problem's mask pattern is built with the default block size (make_inputs).
-        mask_block = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE) if problem.mask != "none" else None
-        return self.run_constraint(problem, config, device, mask_block)
+        return self.run_constraint(problem, config, device, _pattern_mask_block(problem))
 
     def run_constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo,
                        mask_block: tuple[int, int] | None) -> str | None:
@@ -218,8 +216,7 @@ class GluonFwdTemplate(GluonTemplate):
         return None
 
     def default_config(self, problem: Problem, device: DeviceInfo) -> GluonFwdConfig:
-        mask_block = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE) if problem.mask != "none" else None
-        return self.run_default(problem, device, mask_block)
+        return self.run_default(problem, device, _pattern_mask_block(problem))
 
     def run_default(self, problem: Problem, device: DeviceInfo,
                     mask_block: tuple[int, int] | None) -> GluonFwdConfig:
@@ -300,6 +297,12 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal_mode, softmax_scale = validate_inputs(q, k, v, causal, scale)
     return launch(q, k, v, causal_mode=causal_mode, scale=softmax_scale, config=CONFIG)
 '''
+
+
+def _pattern_mask_block(problem: Problem) -> tuple[int, int] | None:
+    """The blocks of a problem's mask pattern: built with the default block size
+    (``make_inputs``); None for an unmasked problem."""
+    return (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE) if problem.mask != "none" else None
 
 
 def block_mask_reason(config: GluonFwdConfig, block_size: tuple[int, int]) -> str | None:

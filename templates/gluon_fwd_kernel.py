@@ -185,12 +185,11 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
                  LONGEST_FIRST: gl.constexpr, SPARSE: gl.constexpr,
                  MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, WARPS: gl.constexpr):
     """(b, h, kv_h, bh, m0, n_blocks, n_full, lrow) of tile t (``WARPS``: the calling
-    partition's). Tiles of one head are
-    consecutive (its K/V stay in L2 while they run). LONGEST_FIRST (causal): tiles come in
-    groups of ``head_group`` heads (1 outside persistent grids), each group's tiles by
-    decreasing length, from the query tile that sees most keys down, head after head within
-    a length: a group's K/V stay in L2 while a persistent grid walks it in rounds of similar
-    lengths. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
+    partition's). Tiles of one head are consecutive (its K/V stay in L2 while they run).
+    LONGEST_FIRST (causal): tiles come in groups of ``head_group`` heads (1 outside persistent
+    grids), each group's tiles by decreasing length, from the query tile that sees most keys
+    down, head after head within a length: a group's K/V stay in L2 while a persistent grid
+    walks it in rounds of similar lengths. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
 
     SPARSE: the tile walks the KV blocks its block-mask row lists (``lists``, see
     ``_kv_start``), full ones first, in steps of BLOCK_N keys; ``lrow`` is where that row's
@@ -209,6 +208,9 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
     kv_h = h // GROUP
     m0 = tile * BLOCK_M
     lrow = 0
+    if CAUSAL:
+        # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
+        kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
     if SPARSE:
         SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
         (full_counts, _, partial_counts, _, _, _, stride_cb, stride_ch, stride_ib, stride_ih,
@@ -221,7 +223,6 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
         if CAUSAL:
             # Listed blocks wholly right of the tile's last row's diagonal are hidden from
             # every row: the lists ascend, so the walk stops before them.
-            kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
             blocks_end = gl.cdiv(kv_end, MASK_BLOCK_KV)
             n_full_listed = _listed_before(lists[1] + lrow, n_full_listed, blocks_end, WARPS)
             n_partial_listed = _listed_before(lists[3] + lrow, n_partial_listed, blocks_end,
@@ -229,8 +230,6 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
         n_full = n_full_listed * SUB
         n_blocks = n_full + n_partial_listed * SUB
     elif CAUSAL:
-        # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
-        kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
         first_row_sees = gl.maximum(m0 + causal_offset + 1, 0)
         n_full = gl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N)
         n_blocks = gl.cdiv(kv_end, BLOCK_N)
@@ -868,7 +867,8 @@ def _gluon_fwd_kernel(
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+                    DIAG)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -878,14 +878,16 @@ def _gluon_fwd_kernel(
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     num_warps,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+                    DIAG)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
-                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+                    DIAG)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,

@@ -294,8 +294,9 @@ def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...
 def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     """A block-mask problem (``Problem.mask`` a named pattern): the implementations serving it
     (ours, ``flash``, compiled FlexAttention, ``flex``, and without a gradient on Hopper the
-    Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own bucket. Ours priced: the fastest priced runs. Ours not priced: ours,
-    as before Flex was a candidate (no neighbour is consulted: a mask's ratio on another shape
+    Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own
+    bucket. Ours priced: the fastest priced runs. Ours not priced: ours, as before Flex was a
+    candidate (no neighbour is consulted: a mask's ratio on another shape
     is no measurement of this one)."""
     estimates = tuple(price(impl, call, resolve) for impl in _IMPLEMENTATIONS.values()
                       if impl.why_not(call) is None)
