@@ -18,7 +18,8 @@ it times, with fresh random inputs and after checking each output against a floa
 * ``tuner.attention``: the dispatcher's choice for this device with the database ``--db`` (a
   sweep of the same specs stored there; none: every row runs SDPA).
 
-Training rows time forward + backward (``out.backward(do)``) and check dq, dk, dv.
+Training rows time forward + backward (``out.backward(do)``) and check dq, dk, dv; there
+``gluon`` is the Gluon forward with cuDNN's backward (``gluon_cudnn_train``).
 Verdicts per row: ``vs sdpa`` = sdpa time / tuner time (>= 1.00 means never slower) and
 ``vs best`` = the fastest single candidate's time / tuner time, both of medians over rounds.
 Those medians come from separate readings, so drift between them counts; ``paired`` pairs
@@ -199,7 +200,7 @@ def run_rows(rows: list[tuple[Problem, bool]], device: str, bench: Callable[...,
         row.chosen = f"{choice.implementation.name} {choice.config.key()}"
         row.why = choice.why
         fns = {name: fn for name, fn in candidates(p, on_gpu).items()
-               if not (training and name in ("decode", "gluon"))}  # those have no backward
+               if not (training and name == "decode")}  # it has no backward (gluon's: cuDNN's)
         row.ms, row.errors, row.spread, row.rounds_ms = check_and_time(
             fns, t, training, ref, TOLERANCE[p.dtype], bench, train_rounds if training else rounds)
         if {"sdpa", "sdpa again", "tuner.attention"} <= set(row.rounds_ms):

@@ -134,7 +134,8 @@ def gluon_runs(device: str) -> bool:
 
 
 def candidates(device: str, training: bool) -> dict[str, Callable[..., torch.Tensor]]:
-    """The row's candidates; Gluon only for inference rows (no backward) where it runs."""
+    """The row's candidates; Gluon only for inference rows where it runs (its backward is
+    cuDNN's, which takes no block mask)."""
     gluon = {"gluon": _forced("gluon")} if not training and gluon_runs(device) else {}
     return {"flash": _forced("flash"), "flex": _forced("flex"), **gluon,
             "flash again": _forced("flash"), "tuner.attention": tuner.attention}

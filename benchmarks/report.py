@@ -28,6 +28,9 @@ only the targets' thresholds are written here):
 - ``gluon_fwd*.json``      ``benchmarks/gluon_fwd_bench.py --time``: the Gluon forward's
                            variants beside SDPA cuDNN / FA2 and our Triton forward, per
                            problem (its diagnostic timings, wrong by design, left out);
+- ``gluon_cudnn_train*.json`` benchmarks/gluon_cudnn_train_bench.py: a training step by the
+                           Gluon forward and cuDNN's backward against SDPA's (cuDNN both
+                           ways), paired rounds, and the parts alone;
 - ``fwd_compile_sweep*``, ``sweep_quick_trials*``, ``decode_probe*``  compile data, the
                            recorded trials of a sweep (``tuner replay``'s input) and the first
                            decode probes: listed, not reported.
@@ -1641,6 +1644,41 @@ def gluon_fwd_targets(source: str, rows: list[GluonFwdRow]) -> list[Target]:
     return out
 
 
+def hybrid_train_section(src: Source, data: dict[str, Any]) -> Section:
+    """gluon_cudnn_train_bench.py --time: per row the medians of paired rounds."""
+    rows = data["time"]
+    cells = []
+    try:
+        for r in rows:
+            ms = r["ms"]
+            cells.append([f"d{r['d']} {_n(int(r['n']))} {'causal' if r['causal'] else 'dense'}",
+                          _ms(_num(ms["sdpa"])), _ms(_num(ms["hybrid"])),
+                          _x(_num(r["speedup_median"])),
+                          f"{min(r['sdpa_over_hybrid_per_round']):.3f}-"
+                          f"{max(r['sdpa_over_hybrid_per_round']):.3f}",
+                          f"{_ms(_num(ms['cudnn_fwd']))} / {_ms(_num(ms['gluon_fwd']))}",
+                          _x(_ratio(_num(ms["cudnn_fwd"]), _num(ms["gluon_fwd"]))),
+                          _ms(_num(ms["cudnn_bwd"])),
+                          f"{max(r['errors_vs_reference'].values()):.1e}"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"a row without {exc}") from exc
+    checks = data.get("check") or []
+    passed = sum(1 for c in checks if c.get("ok"))
+    md = [f"### Training step, Gluon forward + cuDNN backward: `{src.path.name}`", "",
+          "gluon_cudnn_train_bench.py's rows (bf16, 16k tokens per batch, H = 2048 / D): "
+          "*sdpa* is SDPA's cuDNN forward + backward through autograd (what a model runs), "
+          "*hybrid* the Gluon forward (gluon_fwd's default) with cuDNN's backward fed its o and "
+          "logsumexp (`templates/cudnn_bwd.py`); ms are medians of paired rounds, *x* the "
+          "median of sdpa / hybrid within each round, then its range over the rounds; the "
+          "parts alone last. Every timed gradient was checked against the autograd "
+          f"reference (largest relative error shown). Odd-shape checks passed: {passed} of "
+          f"{len(checks)}.", ""]
+    md += _table(["row", "sdpa ms", "hybrid ms", "sdpa / hybrid", "rounds",
+                  "fwd ms: cuDNN / Gluon", "Gluon fwd x cuDNN", "cuDNN bwd ms", "error"], cells)
+    md.append("")
+    return Section(src, md, [])
+
+
 @dataclass(frozen=True)
 class Kind:
     """Result files whose name starts with ``prefix``: written by ``script``."""
@@ -1664,6 +1702,8 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
          Kind("gluon_fwd", "Gluon forward", "gluon_fwd_bench.py --time", gluon_fwd_section,
               "timings"),
          Kind("fwd_bwd", "forward + backward", "fwd_bwd_bench.py", fwd_bwd_section),
+         Kind("gluon_cudnn_train", "training step: Gluon forward + cuDNN backward",
+              "gluon_cudnn_train_bench.py --time", hybrid_train_section, "time"),
          Kind("masked_fwd_bwd", "masked forward + backward", "masked_fwd_bwd_bench.py",
               masked_section),
          Kind("decode", "decode", "decode_bench.py", decode_section),

@@ -23,7 +23,7 @@ def test_gluon_is_a_candidate_of_inference_rows_where_it_runs(
     monkeypatch.setattr(bench, "gluon_runs", lambda device: True)  # a Hopper GPU with Gluon
     assert list(bench.candidates("cuda", False)) == [
         "flash", "flex", "gluon", "flash again", "tuner.attention"]
-    assert "gluon" not in bench.candidates("cuda", True)  # no backward
+    assert "gluon" not in bench.candidates("cuda", True)  # its backward takes no block mask
     row = bench.Row({}, False, "row", ms={"flash": 2.0, "flex": 3.0, "gluon": 1.0,
                                           "flash again": 2.0, "tuner.attention": 1.0})
     assert row.verdicts() == {"vs_flash": 2.0, "vs_best": 1.0}  # gluon is a single candidate

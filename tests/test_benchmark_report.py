@@ -872,3 +872,26 @@ def test_min_target_without_rows_names_what_is_missing(report: ModuleType) -> No
     target = report.min_target("t", "f.json", 1.0, [], ["d128 N4k dense"])
     assert (target.measured, target.met, target.margin) == (
         "no rows", None, "not measured: d128 N4k dense")
+
+
+def test_gluon_cudnn_train_section(report: ModuleType, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    row = {"d": 128, "n": 16384, "causal": True,
+           "errors_vs_reference": {"sdpa": 2.4e-3, "hybrid": 2.5e-3},
+           "ms": {"sdpa": 7.2, "hybrid": 7.0, "cudnn_fwd": 1.9, "gluon_fwd": 1.7,
+                  "cudnn_bwd": 5.4},
+           "sdpa_over_hybrid_per_round": [1.01, 1.03, 1.05], "speedup_median": 1.03}
+    data = {"device": "Synthetic GPU", "torch": "9.8.0", "triton": "9.9.0", "date": "2030-01-02",
+            "command": "python3 benchmarks/gluon_cudnn_train_bench.py --time",
+            "check": [{"ok": True}, {"ok": False}], "time": [row]}
+    (results / "gluon_cudnn_train_syn.json").write_text(json.dumps(data))
+    (results / "gluon_cudnn_train_bad.json").write_text(json.dumps({"time": [{"d": 64}]}))
+    md = run(report, tmp_path, "--no-plots")
+    part = section(md, "### Training step, Gluon forward + cuDNN backward: "
+                       "`gluon_cudnn_train_syn.json`")
+    assert ("| d128 16k causal | 7.200 | 7.000 | 1.03x | 1.010-1.050 | 1.900 / 1.700 | 1.12x | "
+            "5.400 | 2.5e-03 |") in part
+    assert "Odd-shape checks passed: 1 of 2." in part
+    assert ("- `gluon_cudnn_train_bad.json`: not a gluon_cudnn_train_bench.py --time result "
+            "(a row without 'ms'), skipped") in md

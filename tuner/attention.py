@@ -11,8 +11,9 @@ of H_kv; ``attn_mask`` with ``is_causal=True`` does what this torch's SDPA does 
 (combines them, or raises, depending on the torch version): it runs torch SDPA.
 
 Which implementation runs is ``tuner.dispatch``'s choice (docs/DISPATCH.md): torch SDPA (its
-best measured backend), our Triton flash kernels, or the split-KV decode kernel for one query
-token against a long KV. Nothing but a stored measurement on this device makes ours run (of
+best measured backend), our Triton flash kernels, the split-KV decode kernel for one query
+token against a long KV, or on Hopper the Gluon forward (paired, for a gradient, with cuDNN's
+backward). Nothing but a stored measurement on this device makes ours run (of
 the problem's bucket, or of a neighbouring bucket where torch SDPA was measured too): an
 unmeasured problem runs torch SDPA exactly as the user's code would have. Calls no kernel of
 ours takes (``dropout_p > 0``, a value head dim other than the query's, float64) and calls
@@ -28,11 +29,14 @@ How a call runs:
 * eager, no grad needed: a per-layout plan (checked shapes, the choice, a launch function)
   from a dict, then its launch. This is the hot path: keep it tiny.
 * a gradient needed: the choice per layout; torch SDPA is called as such (torch's autograd),
-  ours through the custom op ``tuner::attention_fwd`` (``torch.library``), whose backward is
-  the op ``tuner::attention_bwd`` running the ``flash_bwd`` template.
+  flash through the custom op ``tuner::attention_fwd`` (``torch.library``), whose backward is
+  the op ``tuner::attention_bwd`` running the ``flash_bwd`` template; gluon through
+  ``tuner::gluon_attention_fwd``, whose backward is cuDNN's (``tuner::cudnn_attention_bwd``,
+  fed the Gluon forward's o and logsumexp: ``templates.cudnn_bwd``).
 * under ``torch.compile``: the choice is made at trace time (``assume_constant_result``); SDPA
-  is traced as SDPA, flash as the custom op ``tuner::attention_fwd``, the forward-only kernels
-  (decode, gluon) as ``tuner::attention_inference`` (custom ops: Dynamo keeps them in the graph).
+  is traced as SDPA, ours with a gradient as those custom ops, the forward-only calls (decode,
+  gluon without a gradient) as ``tuner::attention_inference`` (custom ops: Dynamo keeps them
+  in the graph).
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ from tuner.lookup import Resolved, keep_config, resolve_config
 __all__ = ["attention", "clear_plans", "plan_for"]
 
 BACKWARD_TEMPLATE_NAME = "flash_bwd"
+# The Gluon implementation's training template: its config runs the Gluon forward of a call
+# that needs a gradient (whose backward is cuDNN's, ``templates.cudnn_bwd``).
+GLUON_TRAINING_TEMPLATE_NAME = "gluon_cudnn_train"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Plans are per exact shape; a decode loop makes one per step. Past this many, start over
 # (rebuilding a plan is cheap once its shape bucket's config is cached by the resolver).
@@ -92,7 +99,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         choice = keep(_choose(query, key, value, is_causal, enable_gqa, needs_grad=True))
         if choice.implementation.name == "sdpa":
             return _sdpa_with(choice, query, key, value, is_causal, scale, enable_gqa)
-        return torch.ops.tuner.attention_fwd(query, key, value, is_causal, scale, enable_gqa)[0]
+        return _training_op(choice.implementation.name)(query, key, value, is_causal, scale,
+                                                        enable_gqa)[0]
     if block_mask is not None:
         if attn_mask is not None:
             raise ValueError("pass attn_mask or block_mask, not both")
@@ -115,6 +123,7 @@ def clear_plans() -> None:
 
     _PLANS.clear()
     _FLASH_PLANS.clear()
+    _GLUON_TRAIN_PLANS.clear()
     _BWD_CONFIGS.clear()
     clear_decode_plans()
     get_resolver().clear()
@@ -245,8 +254,9 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     name = _traced_choice(",".join(str(n) for n in q.shape), ",".join(str(n) for n in k.shape),
                           str(q.dtype).removeprefix("torch."), str(q.device), is_causal,
                           needs_grad)
-    if name == "flash":  # ours runs as the custom op, which Dynamo keeps in the graph
-        return torch.ops.tuner.attention_fwd(q, k, v, is_causal, scale, enable_gqa)[0]
+    if name == "flash" or (needs_grad and name == implementations.GLUON.name):
+        # ours with a backward runs as a custom op with autograd, which Dynamo keeps in the graph
+        return _training_op(name)(q, k, v, is_causal, scale, enable_gqa)[0]
     if not name.startswith("sdpa:"):  # decode, gluon: forward-only kernels, chosen without grad
         return torch.ops.tuner.attention_inference(q, k, v, is_causal, scale, enable_gqa, name)
     return sdpa(q, k, v, backend=name.removeprefix("sdpa:"), is_causal=is_causal, scale=scale,
@@ -264,6 +274,7 @@ class _Plan:
 
 _PLANS: dict[tuple[object, ...], _Plan] = {}  # inference: the chosen implementation's o
 _FLASH_PLANS: dict[tuple[object, ...], _Plan] = {}  # the custom op: flash's (o, lse)
+_GLUON_TRAIN_PLANS: dict[tuple[object, ...], _Plan] = {}  # the Gluon training op: (o, lse)
 _now = time.monotonic
 
 
@@ -362,6 +373,23 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return plan.run(q, k, v)  # type: ignore[return-value]
 
 
+def _gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) by the Gluon forward with the config its training template
+    (``gluon_cudnn_train``) resolves for this problem (the custom op's forward)."""
+    key = (*_problem_key(q, k, v, is_causal, scale, enable_gqa), *_layout_key(q, k, v))
+    plan = _GLUON_TRAIN_PLANS.get(key)
+    if plan is None or plan.expires_at <= _now():
+        check_inputs(q, k, v, enable_gqa)
+        resolved = _resolve_template(GLUON_TRAINING_TEMPLATE_NAME, q, k, is_causal)
+        run = implementations.build_gluon_pair(
+            q, k, v, is_causal, scale, enable_gqa,
+            Choice(implementations.GLUON, (resolved,), "op"))
+        plan = _keep(_GLUON_TRAIN_PLANS, key, _Plan(run, resolved, resolved.expires_at))
+    assert plan.run is not None
+    return plan.run(q, k, v)  # type: ignore[return-value]
+
+
 @torch.compiler.disable  # runs eagerly under torch.compile (one graph break per call)
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
@@ -418,9 +446,14 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return flex(q4, k4, v4, block_mask, causal="top_left" if is_causal else "none",
                         scale=scale, enable_gqa=enable_gqa, config=flex_config).reshape(q.shape)
         if choice is not None and choice.implementation.name == implementations.GLUON.name:
-            # GLUON has no training templates: the dispatcher never chooses it for a call that
-            # needs a gradient, and forcing it on one raises in ``choose``.
-            assert not needs_grad, "the Gluon forward has no backward"
+            if needs_grad:
+                # Gluon's backward is cuDNN's, which takes no block mask: its training template
+                # refuses mask problems, so ``choose`` never picks it for a named mask; forced
+                # on a mask without a name, the dense problem's choice is no answer.
+                raise ValueError(
+                    "use_implementation('gluon') cannot run a block-mask call that needs a "
+                    "gradient: the Gluon implementation's backward is cuDNN's, which takes no "
+                    "block mask; use 'flash' or 'flex', or call it under torch.no_grad()")
             gluon_config = _gluon_mask_config(choice.config, block_mask.block_size)
             if gluon_config is None:
                 # Blocks the Gluon kernel cannot walk (under its 64-row tiles): ours, with the
@@ -582,18 +615,85 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[objec
     ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa  # type: ignore[attr-defined]
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor | None,
-              grad_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    if grad_o is None:  # o did not reach the loss
-        return None, None, None, None, None, None
-    q, k, v, o, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-    dq, dk, dv = torch.ops.tuner.attention_bwd(grad_o, q, k, v, o, lse,
-                                               ctx.is_causal, ctx.scale,  # type: ignore[attr-defined]
-                                               ctx.enable_gqa)  # type: ignore[attr-defined]
-    return dq, dk, dv, None, None, None
+def _backward_by(op_name: str) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+    """The autograd backward of a forward op of ours: the backward op ``tuner::<op_name>``
+    on what ``_setup_context`` saved."""
+
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor | None,
+                 grad_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if grad_o is None:  # o did not reach the loss
+            return None, None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        op = getattr(torch.ops.tuner, op_name)
+        dq, dk, dv = op(grad_o, q, k, v, o, lse, ctx.is_causal,  # type: ignore[attr-defined]
+                        ctx.scale, ctx.enable_gqa)  # type: ignore[attr-defined]
+        return dq, dk, dv, None, None, None
+
+    return backward
 
 
-_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_attention_fwd.register_autograd(_backward_by("attention_bwd"), setup_context=_setup_context)
+
+
+@torch.library.custom_op("tuner::gluon_attention_fwd", mutates_args=())
+def _gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                         scale: float | None, enable_gqa: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) by the Gluon forward, as ``tuner::attention_fwd``'s; its backward is cuDNN's
+    (``tuner::cudnn_attention_bwd``)."""
+    o, lse = _gluon_forward(q, k, v, is_causal, scale, enable_gqa)
+    return _in_op_layout(o, q), lse
+
+
+_gluon_attention_fwd.register_fake(_attention_fwd_fake)
+
+
+@torch.library.custom_op("tuner::cudnn_attention_bwd", mutates_args=())
+def _cudnn_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                         scale: float | None, enable_gqa: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by cuDNN's backward from the Gluon forward's o and lse, laid out as
+    ``torch.empty_like`` of q, k, v."""
+    from templates.cudnn_bwd import cudnn_attention_bwd
+
+    q4, kv4 = shapes_4d(q, k)
+    grads = cudnn_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
+                                v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
+                                causal=is_causal, scale=scale)
+    return tuple(_laid_out_like(g.reshape(t.shape), t)  # type: ignore[return-value]
+                 for g, t in zip(grads, (q, k, v), strict=True))
+
+
+@_cudnn_attention_bwd.register_fake
+def _cudnn_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                              is_causal: bool, scale: float | None, enable_gqa: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _laid_out_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``grad`` itself where it is laid out as ``torch.empty_like(t)`` (what the fake says),
+    else a copy so laid out."""
+    like = torch.empty_like(t)
+    if grad.stride() == like.stride():
+        return grad
+    return like.copy_(grad)
+
+
+_gluon_attention_fwd.register_autograd(_backward_by("cudnn_attention_bwd"),
+                                       setup_context=_setup_context)
+
+
+def _training_op(implementation: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The custom op (with its autograd) that runs a call needing a gradient by one of ours:
+    flash both ways, or the Gluon forward with cuDNN's backward."""
+    if implementation == implementations.GLUON.name:
+        return torch.ops.tuner.gluon_attention_fwd  # type: ignore[no-any-return]
+    assert implementation == implementations.FLASH.name, (
+        f"{implementation} has no training op: the dispatcher chooses it without a gradient")
+    return torch.ops.tuner.attention_fwd  # type: ignore[no-any-return]
 
 
 _BWD_CONFIGS: dict[tuple[object, ...], tuple[object, float]] = {}

@@ -158,27 +158,32 @@ def _serves_gluon(call: Call) -> str | None:
     return None
 
 
-def build_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+def build_gluon_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                     scale: float | None, enable_gqa: bool, choice: Choice
+                     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                   tuple[torch.Tensor, torch.Tensor]]:
+    """The Gluon forward with the choice's config: (o, lse) in the inputs' shape."""
     config = choice.config
     assert isinstance(config, GluonFwdConfig)
     q4, kv4 = shapes_4d(q, k)
-    out_shape = tuple(q.shape)
+    out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
     causal = "top_left" if is_causal else "none"
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        o, _ = gluon_attention_fwd(q.reshape(q4), k.reshape(kv4), v.reshape(kv4),
-                                   causal=causal, scale=scale, config=config)
-        return o.reshape(out_shape)
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = gluon_attention_fwd(q.reshape(q4), k.reshape(kv4), v.reshape(kv4),
+                                     causal=causal, scale=scale, config=config)
+        return o.reshape(out_shape), lse.reshape(lse_shape)
 
     return run
 
 
 GLUON = register_implementation(Implementation(
-    name="gluon", forward="gluon_fwd", training=(),
-    serves=_serves_gluon, build=build_gluon,
+    name="gluon", forward="gluon_fwd", training=("gluon_cudnn_train",),
+    serves=_serves_gluon, build=lambda *args: _output_only(build_gluon_pair(*args)),
     description="the project's warp-specialized Gluon forward for Hopper (FA3-style ping-pong "
-                "consumer warpgroups, TMA producer warp); inference only for now"))
+                "consumer warpgroups, TMA producer warp); for a gradient, with torch's cuDNN "
+                "backward fed its o and logsumexp (gluon_cudnn_train)"))
 
 
 # ----------------------------------------------------------------------------- FlexAttention

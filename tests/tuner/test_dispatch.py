@@ -140,15 +140,27 @@ def test_decode_does_not_serve_causal_or_longer_queries_or_gradients(device: str
         tuner.attention(q, k, v, enable_gqa=True)
 
 
-def test_gluon_serves_hopper_inference_only(device: str) -> None:
+def test_gluon_serves_hopper_only_and_gradients_only_where_cudnn_takes_them(
+        device: str) -> None:
+    """For a gradient, gluon is priced by gluon_cudnn_train (its forward, cuDNN's backward):
+    dense and causal problems, but no block masks and no bottom-right causal with N_q != N_kv
+    (cuDNN's causal is top-left)."""
     [gluon] = [i for i in implementations() if i.name == "gluon"]
     p = Problem(batch=1, heads_q=4, heads_kv=2, seqlen_q=64, seqlen_kv=64, head_dim=64,
                 dtype="bfloat16")
     hopper = dataclasses.replace(current_device(), name="NVIDIA H100 80GB HBM3",
                                  compute_capability="9.0")
     ampere = dataclasses.replace(hopper, name="NVIDIA A100", compute_capability="8.0")
-    assert "no backward" in (gluon.why_not(Call(p, True, hopper)) or "")
+    assert gluon.templates_for(Call(p, True, hopper)) == ("gluon_cudnn_train",)
+    assert gluon.why_not(Call(p, True, hopper)) is None
+    assert gluon.why_not(Call(dataclasses.replace(p, causal="top_left"), True, hopper)) is None
+    masked = dataclasses.replace(p, causal="top_left", mask="sliding:64")
+    assert gluon.why_not(Call(masked, False, hopper)) is None
+    assert "no block mask" in (gluon.why_not(Call(masked, True, hopper)) or "")
+    cache = dataclasses.replace(p, seqlen_q=16, causal="bottom_right")
+    assert "top-left" in (gluon.why_not(Call(cache, True, hopper)) or "")
     assert "Hopper" in (gluon.why_not(Call(p, False, ampere)) or "")
+    assert "Hopper" in (gluon.why_not(Call(p, True, ampere)) or "")
     if not current_device().compute_capability.startswith("9."):
         assert gluon.why_not(Call(p, False, current_device())) is not None
 

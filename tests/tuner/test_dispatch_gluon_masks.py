@@ -148,8 +148,10 @@ def test_a_gradient_never_runs_gluon(tmp_path: Path, gluon_calls: list[dict[str,
     out = attend(block_mask, requires_grad=True)
     assert not gluon_calls and out.requires_grad
     assert_is_the_reference(out.detach(), block_mask)
-    with tuner.use_implementation("gluon"), pytest.raises(ValueError, match="no backward"):
-        attend(block_mask, requires_grad=True)
+    with tuner.use_implementation("gluon"), pytest.raises(ValueError, match="no block mask"):
+        attend(block_mask, requires_grad=True)  # its backward is cuDNN's
+    with tuner.use_implementation("gluon"), pytest.raises(ValueError, match="no block mask"):
+        attend(mask(pattern=None), requires_grad=True)  # no name: the dense choice, refused
     assert not gluon_calls
 
 
