@@ -175,8 +175,8 @@ def tune_specs(sizes: dict[str, int]) -> dict[str, str]:
                f'mask = "sliding_causal:{sizes["window"]}"}}'
                for n in sorted({sizes["prefill"], 2 * sizes["window"]})]
     return {
-        "dense": spec(["torch_sdpa", "flash_fwd", "gluon_fwd", "torch_sdpa_train", "flash_bwd"],
-                      dense),
+        "dense": spec(["torch_sdpa", "flash_fwd", "gluon_fwd", "torch_sdpa_train", "flash_bwd",
+                       "gluon_cudnn_train"], dense),
         "decode": spec(["torch_sdpa", "flash_decode", "flash_fwd", "gluon_fwd"], decode),
         "sliding": spec(["flash_fwd", "torch_flex", "flash_bwd", "torch_flex_train"], sliding),
     }

@@ -23,7 +23,9 @@ def test_tune_specs_load_one_family_each(tmp_path: Path) -> None:
     assert {p.seqlen_q for p in decode.problems} == {1}
     assert sorted(p.seqlen_kv for p in decode.problems) == [2048, 4096]
     assert "flash_decode" in decode.templates
-    assert not {"flash_bwd", "torch_sdpa_train", "torch_flex_train"} & set(decode.templates)
+    assert not {"flash_bwd", "torch_sdpa_train", "torch_flex_train",
+                "gluon_cudnn_train"} & set(decode.templates)
+    assert {"torch_sdpa_train", "gluon_cudnn_train"} <= set(specs["dense"].templates)
     assert "flash_decode" not in specs["dense"].templates + specs["sliding"].templates
     assert sorted((p.batch, p.seqlen_q) for p in specs["dense"].problems) == [(1, 8192), (2, 4096)]
     assert {p.causal for p in specs["dense"].problems} == {"top_left"}
