@@ -1,11 +1,13 @@
 """A/B of one gluon_fwd timing switch in one process: the template's default config as it
-ships (DIAG 0) against the same config with ``--diag N`` (templates/gluon_fwd_kernel.py,
-``_softmax_block``'s list; 3 = a persistent consumer waits for its O store at once), beside
-cuDNN, on the PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is
-checked against an fp32 reference first; readings rotate over the candidates.
+ships (A) against the same config (B) with ``--diag N`` (templates/gluon_fwd_kernel.py,
+``_softmax_block``'s list; 3 = a persistent consumer waits for its O store at once) and/or
+with ``--kernel-order`` (a persistent causal grid walks the kernel's own longest-first order,
+two rounds per head group, instead of the host's ``lpt_schedule``), beside cuDNN, on the
+PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
+an fp32 reference first; readings rotate over the candidates.
 
-    python3 benchmarks/gluon_fwd_ab.py --diag 3 [--head-dims 128,64] [--seqlens 512,...]
-        [--rounds 5] [--json DIR]
+    python3 benchmarks/gluon_fwd_ab.py (--diag 3 | --kernel-order) [--head-dims 128,64]
+        [--seqlens 512,...] [--causal none,top_left] [--rounds 5] [--json DIR]
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
-def ab_problem(problem: Any, diag: int, rounds: int, device: Any) -> dict[str, Any]:
-    """One problem: cuDNN, the default config (A) and the same with DIAG ``diag`` (B),
-    checked against fp32, then ``rounds`` readings each in rotation (medians)."""
+def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any
+               ) -> dict[str, Any]:
+    """One problem: cuDNN, the default config (A) and the same with DIAG ``diag`` and (if
+    ``kernel_order``) the kernel's own causal order (B), checked against fp32, then
+    ``rounds`` readings each in rotation (medians)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from benchmarks.gluon_fwd_bench import bench_ms, reference_fp32
+    from benchmarks.paired import round_orders
     from templates import gluon_fwd_kernel
     from templates.base import relative_error
     from templates.gluon_fwd import TEMPLATE
@@ -45,24 +50,40 @@ def ab_problem(problem: Any, diag: int, rounds: int, device: Any) -> dict[str, A
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     fns: dict[str, Any] = {"cudnn": cudnn}
-    for side, value in (("A", 0), ("B", diag)):
+    for side, value, host_schedule in (("A", 0, True), ("B", diag, not kernel_order)):
         plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal,
                                            scale=inputs["scale"], config=cfg.to_dict(),
-                                           diag=value)
+                                           diag=value, host_schedule=host_schedule)
         fns[side] = lambda plan=plan: plan(q, k, v)[0]
     errors = {name: relative_error(fn(), ref) for name, fn in fns.items()}
     readings: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            readings[name].append(bench_ms(fn))
+    for order in round_orders(list(fns), rounds):  # rotated and mirrored: no fixed follower
+        for name in order:
+            readings[name].append(bench_ms(fns[name]))
     ms = {name: statistics.median(r) for name, r in readings.items()}
     return {"problem": problem.key(), "config": cfg.key(), "ms": ms, "readings_ms": readings,
-            "errors": errors}
+            "errors": errors, "grid": {"A": fns_grid(cfg, problem, q, k, inputs, True),
+                                       "B": fns_grid(cfg, problem, q, k, inputs,
+                                                     not kernel_order)}}
+
+
+def fns_grid(cfg: Any, problem: Any, q: Any, k: Any, inputs: dict[str, Any],
+             host_schedule: bool) -> int:
+    """Programs of the side's launch."""
+    from templates import gluon_fwd_kernel
+
+    return gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal, scale=inputs["scale"],
+                                       config=cfg.to_dict(),
+                                       host_schedule=host_schedule).grid[0]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--diag", type=int, required=True, help="the B side's DIAG value")
+    parser.add_argument("--diag", type=int, default=0, help="the B side's DIAG value")
+    parser.add_argument("--kernel-order", action="store_true",
+                        help="the B side walks the kernel's own causal order, not the host's "
+                             "schedule")
+    parser.add_argument("--causal", default="none,top_left")
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
     parser.add_argument("--rounds", type=int, default=5)
@@ -71,6 +92,8 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a Hopper GPU")
+    if not args.diag and not args.kernel_order:
+        parser.error("give the B side a switch: --diag N and/or --kernel-order")
 
     from benchmarks.gluon_fwd_bench import environment, protocol_problems
     from templates.device import current_device
@@ -79,8 +102,11 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     head_dims = [int(d) for d in args.head_dims.split(",")]
     seqlens = tuple(int(n) for n in args.seqlens.split(","))
+    causal = args.causal.split(",")
     for problem in protocol_problems(head_dims, seqlens):
-        row = ab_problem(problem, args.diag, args.rounds, device)
+        if problem.causal not in causal:
+            continue
+        row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device)
         rows.append(row)
         ms = row["ms"]
         print(f"{problem.key():58s} B/A time {ms['B'] / ms['A']:.3f}x   x cuDNN: "
@@ -90,7 +116,7 @@ def main() -> int:
         out = Path(args.json) / "gluon_fwd_ab.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"environment": environment(), "diag": args.diag,
-                                   "rows": rows}, indent=1))
+                                   "kernel_order": args.kernel_order, "rows": rows}, indent=1))
     return 0
 
 

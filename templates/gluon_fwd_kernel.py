@@ -28,9 +28,9 @@ One kernel, specialized by constexprs:
     ping-pong). Without it, the consumer warpgroups form one partition that runs in step;
   * ``PERSISTENT``: one program per SM walks tiles in rounds; with two Q buffers per
     consumer (``Q_SLOTS``, where they fit) the next tile's Q loads during this one and O
-    leaves by TMA through this tile's buffer; causal tiles come longest first in head groups
-    walked in two opposite rounds by half a group's programs (``causal_grid``), so every
-    program gets the same work;
+    leaves by TMA through this tile's buffer; causal tiles come from the host's schedule
+    (``lpt_schedule``: head groups in turn, each group's tiles longest first, each to the
+    program with the least work so far), so every SM gets about the same work;
   * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
   * causal top-left (SDPA) or bottom-right (FA2 with a KV cache) through ``causal_offset``.
 
@@ -44,8 +44,9 @@ sees no key gets o = 0 and lse = -inf.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,6 +88,14 @@ SMEM_PER_PROGRAM = 227 * 1024 - 1024
 # K/V bytes a persistent causal grid keeps in L2 at a time (its head groups, see
 # ``head_group``): well under the H100's 50 MB, which the Q and O traffic shares.
 L2_KV_BYTES = 16 * 1024 * 1024
+
+# What a tile costs beyond its KV blocks, in blocks, for the persistent causal schedule
+# (``lpt_schedule``): a GUESS (the Q load, the unoverlapped first S and last PV GEMMs and the
+# epilogue, about one block's work), not calibrated.
+TILE_OVERHEAD_BLOCKS = 1
+# Above this many tiles a persistent causal grid keeps the kernel's own order: the host's
+# schedule costs a heap operation per tile in Python (about 1 s per million) at the plan.
+MAX_SCHEDULED_TILES = 1 << 17
 
 # Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
 # so an element the kernel forgets to write shows up as NaN instead of stale memory.
@@ -186,16 +195,17 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
                  MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, WARPS: gl.constexpr):
     """(b, h, kv_h, bh, m0, n_blocks, n_full, lrow) of tile t (``WARPS``: the calling
     partition's). Tiles of one head are consecutive (its K/V stay in L2 while they run).
-    LONGEST_FIRST (causal): tiles come in groups of ``head_group`` heads (1 outside persistent
-    grids), each group's tiles by decreasing length, from the query tile that sees most keys
-    down, head after head within a length: a group's K/V stay in L2 while a persistent grid
-    walks it in rounds of similar lengths. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
+    LONGEST_FIRST == 1 (causal): tiles come in groups of ``head_group`` heads (1 outside
+    persistent grids), each group's tiles by decreasing length, from the query tile that sees
+    most keys down, head after head within a length: a group's K/V stay in L2 while a
+    persistent grid walks it in rounds of similar lengths. LONGEST_FIRST == 2: t is a tile
+    of the host's schedule (``lpt_schedule``), numbered as without an order. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
 
     SPARSE: the tile walks the KV blocks its block-mask row lists (``lists``, see
     ``_kv_start``), full ones first, in steps of BLOCK_N keys; ``lrow`` is where that row's
     lists start (0 otherwise). Causal full blocks that cross a row's diagonal are masked by
     the caller (``_needs_mask``)."""
-    if LONGEST_FIRST:
+    if LONGEST_FIRST == 1:
         per_group = head_group * n_q_tiles
         within = t % per_group
         tile = n_q_tiles - 1 - within // head_group
@@ -214,7 +224,7 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
     if SPARSE:
         SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
         (full_counts, _, partial_counts, _, _, _, stride_cb, stride_ch, stride_ib, stride_ih,
-         stride_iq) = lists
+         stride_iq, _) = lists
         mask_row = m0 // MASK_BLOCK_Q
         counts = b * stride_cb + h * stride_ch + mask_row
         lrow = b * stride_ib + h * stride_ih + mask_row * stride_iq
@@ -306,26 +316,32 @@ def _mask_tile(j, n_full, lrow, m0, lists, BLOCK_N: gl.constexpr, SPARSE: gl.con
 
 
 @gluon.jit
-def _program_tiles(n_tiles, SNAKE: gl.constexpr):
+def _program_tiles(n_tiles, lists, ORDER: gl.constexpr):
     """How many tiles this program of a persistent grid walks (see ``_program_tile``)."""
     p = gl.program_id(0)
+    if ORDER == 2:
+        # The host's schedule: grid + 1 offsets into the tile list that follows them.
+        return gl.load(lists[11] + p + 1) - gl.load(lists[11] + p)
     grid = gl.num_programs(0)
     rounds = gl.cdiv(n_tiles, grid)
     last = (rounds - 1) * grid + p
-    if SNAKE:  # noqa: SIM102  (a constexpr, then a run-time condition)
+    if ORDER == 1:  # noqa: SIM102  (a constexpr, then a run-time condition)
         if (rounds - 1) % 2 == 1:
             last = (rounds - 1) * grid + grid - 1 - p
     return gl.where(last < n_tiles, rounds, rounds - 1)
 
 
 @gluon.jit
-def _program_tile(r, SNAKE: gl.constexpr):
-    """The tile this program of a persistent grid takes in round r: grid-stride, or (SNAKE)
-    with the direction reversed every other round, so that over tiles sorted longest first
-    no program takes the longer tile of every round."""
+def _program_tile(r, lists, ORDER: gl.constexpr):
+    """The tile this program of a persistent grid takes in round r: grid-stride; with ORDER
+    1 (the kernel's longest-first order) the direction reversed every other round, so that
+    no program takes the longer tile of every round; with ORDER 2 its r-th tile of the
+    host's schedule (``lpt_schedule``)."""
     p = gl.program_id(0)
     grid = gl.num_programs(0)
-    if SNAKE:  # noqa: SIM102  (a constexpr, then a run-time condition)
+    if ORDER == 2:
+        return gl.load(lists[11] + grid + 1 + gl.load(lists[11] + p) + r)
+    if ORDER == 1:  # noqa: SIM102  (a constexpr, then a run-time condition)
         if r % 2 == 1:
             p = grid - 1 - p
     return r * grid + p
@@ -662,8 +678,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
     if PERSISTENT:
         it0 = 0
         ev0 = 0
-        for tc in range(_program_tiles(n_tiles, LONGEST_FIRST)):
-            t = _program_tile(tc, LONGEST_FIRST)
+        for tc in range(_program_tiles(n_tiles, lists, LONGEST_FIRST)):
+            t = _program_tile(tc, lists, LONGEST_FIRST)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
                 BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
@@ -703,8 +719,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
     """The producer warp over its program's tiles (the consumers' sequence)."""
     if PERSISTENT:
         it0 = 0
-        for tc in range(_program_tiles(n_tiles, LONGEST_FIRST)):
-            t = _program_tile(tc, LONGEST_FIRST)
+        for tc in range(_program_tiles(n_tiles, lists, LONGEST_FIRST)):
+            t = _program_tile(tc, lists, LONGEST_FIRST)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
                 BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
@@ -792,7 +808,7 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
 def _gluon_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, LSE,
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
-    N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles, head_group, qk_scale,
+    Schedule, N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles, head_group, qk_scale,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
@@ -802,10 +818,11 @@ def _gluon_fwd_kernel(
     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Program p owns tile p (in _tile_coords' order) or, persistent, one tile per round of
-    # ``grid`` tiles (_program_tile). SPARSE: a block mask's lists (``BlockMask.kernel_args``
-    # order; dense launches pass LSE and zeros, compiled out) travel as one tuple.
+    # ``grid`` tiles or its part of the host's ``Schedule`` (_program_tile). SPARSE: a block
+    # mask's lists (``BlockMask.kernel_args`` order; dense launches pass LSE and zeros, compiled
+    # out) travel as one tuple, and the schedule with them (LONGEST_FIRST == 2; else LSE).
     lists = (FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
-             PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq)
+             PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, Schedule)
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -920,10 +937,13 @@ def register_budget(config: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
-                   diag: int = 0, mask_block: tuple[int, int] | None = None) -> dict[str, Any]:
+                   diag: int = 0, mask_block: tuple[int, int] | None = None,
+                   host_schedule: bool = True) -> dict[str, Any]:
     """The kernel's constexprs and launch options for a config (``diag``: timing
     experiments only, see ``_softmax_block``; ``mask_block``: the block size of the block
-    mask the kernel walks, None without one)."""
+    mask the kernel walks, None without one; ``host_schedule``: a persistent longest-first
+    grid walks the host's ``lpt_schedule``, else the kernel's own order in two rounds per
+    head group)."""
     ws = bool(config["warp_specialize"])
     maxnreg, consumer_regs = register_budget(config)
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
@@ -932,7 +952,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         KV_STAGES=int(config["kv_stages"]), CAUSAL=causal,
         # A block mask's tiles come in its lists' order (their lengths are the mask's).
-        LONGEST_FIRST=bool(config["longest_first"]) and causal and mask_block is None,
+        LONGEST_FIRST=tile_order(config, causal, mask_block is not None, host_schedule),
         WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
@@ -942,6 +962,53 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg
     return options
+
+
+def tile_order(config: Mapping[str, Any], causal: bool, sparse: bool,
+               host_schedule: bool = True) -> int:
+    """The kernel's LONGEST_FIRST: 0 tiles in order, 1 longest first in the kernel's own
+    order (``_tile_coords``), 2 a persistent grid's host-made schedule (``lpt_schedule``)."""
+    if not (config["longest_first"] and causal and not sparse):
+        return 0
+    return 2 if config["persistent"] and host_schedule else 1
+
+
+def lpt_schedule(n_q_tiles: int, batch_heads: int, group: int, costs: Sequence[int],
+                 programs: int) -> list[int]:
+    """A persistent causal grid's tiles per program: ``programs + 1`` offsets, then the
+    tiles (``bh * n_q_tiles + query tile``) of program 0, of program 1, ...
+
+    Tiles are taken in head groups of ``group`` heads (their K/V stay in L2 while they run),
+    each group's by decreasing cost (``costs[m]``, query tile m's, the same for every head),
+    and each goes to the program with the least work so far (LPT list scheduling): every
+    one of the grid's programs is used (the kernel's own order balances only half a group's
+    tiles over as many programs: 128 of an H100's 132 SMs on the standard problems), and the
+    short tiles that come last even the loads out."""
+    loads = [(0, p) for p in range(programs)]
+    owned: list[list[int]] = [[] for _ in range(programs)]
+    longest_first = sorted(range(n_q_tiles), key=lambda m: (-costs[m], m))
+    for g0 in range(0, batch_heads, group):
+        for m in longest_first:
+            for bh in range(g0, min(g0 + group, batch_heads)):
+                load, p = heapq.heappop(loads)
+                owned[p].append(bh * n_q_tiles + m)
+                heapq.heappush(loads, (load + costs[m], p))
+    offsets = [0]
+    for tiles in owned:
+        offsets.append(offsets[-1] + len(tiles))
+    return offsets + [t for tiles in owned for t in tiles]
+
+
+def causal_tile_costs(n_q_tiles: int, block_m: int, block_n: int, seqlen_kv: int,
+                      causal_offset: int) -> list[int]:
+    """Each causal query tile's work in KV blocks (as ``_tile_coords`` counts them), plus
+    ``TILE_OVERHEAD_BLOCKS`` for what every tile pays (its Q load, first S and last PV GEMMs
+    alone, the epilogue)."""
+    costs = []
+    for m in range(n_q_tiles):
+        kv_end = max(min(seqlen_kv, m * block_m + block_m + causal_offset), 0)
+        costs.append(-(-kv_end // block_n) + TILE_OVERHEAD_BLOCKS)
+    return costs
 
 
 def shared_memory_bytes(head_dim: int, config: Mapping[str, Any], q_slots: int) -> int:
@@ -1009,11 +1076,12 @@ class LaunchPlan:
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, Any], diag: int = 0, sm_count: int | None = None,
-                 block_mask: Any = None) -> None:
+                 block_mask: Any = None, host_schedule: bool = True) -> None:
         """``sm_count`` sizes a persistent grid: q's GPU's multiprocessor count by default
         (132, an H100's, for stand-in tensors). ``block_mask``: a ``BlockMask`` (or anything
         with its ``block_size`` and ``kernel_args``) the kernel walks; calls then pass one of
-        the same geometry (``mask_key``)."""
+        the same geometry (``mask_key``). ``host_schedule`` False: a persistent causal grid
+        keeps the kernel's own order (A/B timings only)."""
         batch, heads_q, seqlen_q, head_dim = q.shape
         heads_kv, seqlen_kv = k.shape[1], k.shape[2]
         block_m = int(config["BLOCK_M"])
@@ -1021,21 +1089,31 @@ class LaunchPlan:
         n_q_tiles = -(-seqlen_q // block_m)
         n_tiles = n_q_tiles * batch * heads_q
         group = 1
+        offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
+        self.sparse = block_mask is not None
+        self.options = launch_options(head_dim, causal, config, diag,
+                                      tuple(block_mask.block_size) if self.sparse else None,
+                                      host_schedule and n_tiles <= MAX_SCHEDULED_TILES)
+        # The host's tile schedule (LONGEST_FIRST 2), an int32 tensor on q's device.
+        self.schedule: Any = None
         if config["persistent"]:
             if sm_count is None:
                 sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                             if isinstance(q, torch.Tensor) and q.is_cuda else 132)
             self.grid = (min(n_tiles, sm_count),)
-            if causal and block_mask is None:
+            if self.options["LONGEST_FIRST"]:
                 group = head_group(batch * heads_q, n_q_tiles,
                                    2 * seqlen_kv * head_dim * 2, sm_count)
+            if self.options["LONGEST_FIRST"] == 2:
+                costs = causal_tile_costs(n_q_tiles, block_m, int(config["BLOCK_N"]),
+                                          seqlen_kv, offset)
+                self.schedule = _int32_tensor(
+                    lpt_schedule(n_q_tiles, batch * heads_q, group, costs, self.grid[0]), q)
+            elif self.options["LONGEST_FIRST"] == 1:
                 self.grid = (causal_grid(group * n_q_tiles, sm_count),)
         else:
             self.grid = (n_tiles,)
         self.out_shape = (batch, heads_q, seqlen_q, head_dim)
-        self.sparse = block_mask is not None
-        self.options = launch_options(head_dim, causal, config, diag,
-                                      tuple(block_mask.block_size) if self.sparse else None)
         # The lists' strides (counts per batch and head, lists per batch, head and row).
         self.mask_strides = list(block_mask.kernel_args()[6:]) if self.sparse else [0] * 5
         # A persistent grid with one Q buffer per consumer stores O from registers as a
@@ -1044,7 +1122,6 @@ class LaunchPlan:
                             if self.options["PERSISTENT"] and self.options["Q_SLOTS"] == 1
                             else output_strides(self.out_shape, tuple(q.stride())))
         self.lse_shape = (batch, heads_q, seqlen_q)
-        offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
         self.scalars = [seqlen_q, seqlen_kv, offset, heads_q, heads_q // heads_kv, n_q_tiles,
                         n_tiles, group, scale * LOG2_E]
         bits = 16
@@ -1070,9 +1147,11 @@ class LaunchPlan:
     def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any, block_mask: Any = None
              ) -> list[Any]:
         """The kernel's arguments (``o`` laid out as ``out_strides``, as the plan allocates it;
-        without a block mask its six tensors are ``lse``, never read)."""
+        without a block mask its six tensors are ``lse``, never read, and so is the schedule
+        without one)."""
         lists = block_mask.kernel_args()[:6] if self.sparse else [lse] * 6
-        return [*self.descriptors(q, k, v, o), o, lse, *lists, *self.scalars,
+        schedule = lse if self.schedule is None else self.schedule
+        return [*self.descriptors(q, k, v, o), o, lse, *lists, schedule, *self.scalars,
                 *self.mask_strides]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1108,10 +1187,18 @@ class LaunchPlan:
             return
         stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
         # Out and LSE as addresses: the launcher then makes no driver call for them.
+        schedule = lse if self.schedule is None else self.schedule
         if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *[lse_ptr] * 6,
-                                       *self.scalars, *self.mask_strides):
-            self._launch.launch_on(stream, q, k, v, o, o, lse, *[lse] * 6, *self.scalars,
-                                   *self.mask_strides)
+                                       schedule.data_ptr(), *self.scalars, *self.mask_strides):
+            self._launch.launch_on(stream, q, k, v, o, o, lse, *[lse] * 6, schedule,
+                                   *self.scalars, *self.mask_strides)
+
+
+def _int32_tensor(values: list[int], like: Any) -> Any:
+    """``values`` as an int32 tensor on ``like``'s device (a stand-in for a stand-in)."""
+    if isinstance(like, torch.Tensor):
+        return torch.tensor(values, dtype=torch.int32, device=like.device)
+    return type(like)(torch.int32, [len(values)])
 
 
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -127,8 +127,11 @@ def test_direct_launch_switched_off_or_a_hook_keeps_the_jit_path(
     assert [c[0] for c in kernel.calls] == ["jit", "jit", "jit"]
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 def test_a_gluon_plan_launches_directly_after_its_first_call(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, persistent: bool) -> None:
+    """Dense launches pass LSE for the block mask's six tensors and (without a persistent
+    causal schedule) for the schedule: the kernel never reads them."""
     from templates.gluon_fwd import GluonFwdConfig
     from templates.gluon_fwd import kernel as gluon
 
@@ -138,8 +141,10 @@ def test_a_gluon_plan_launches_directly_after_its_first_call(
     monkeypatch.setattr(gluon, "_gluon_fwd_kernel", kernel)
     q = torch.randn(1, 4, 128, 64, dtype=torch.float16)
     k, v = (torch.randn(1, 2, 192, 64, dtype=torch.float16) for _ in range(2))
-    plan = gluon.LaunchPlan(q, k, causal_mode="top_left", scale=0.125,
-                            config=GluonFwdConfig().to_dict())
+    config = GluonFwdConfig(persistent=persistent, longest_first=persistent)
+    plan = gluon.LaunchPlan(q, k, causal_mode="top_left", scale=0.125, config=config.to_dict(),
+                            sm_count=132)
+    assert (plan.schedule is not None) == persistent
     plan(q, k, v)
     plan(q, k, v)
     (_, jit_args, jit_kwargs), (_, direct_args) = kernel.calls
@@ -149,11 +154,16 @@ def test_a_gluon_plan_launches_directly_after_its_first_call(
     for desc, jit_desc, tensor in zip(launched[:4], jit_args[:4], (q, k, v), strict=False):
         assert type(desc) is type(jit_desc) and desc.base is tensor
         assert (desc.block_shape, desc.layout) == (jit_desc.block_shape, jit_desc.layout)
-    # Out, LSE, and the block mask's six tensors (LSE, compiled out in a dense launch).
-    assert all(isinstance(p, int) and p % 16 == 0 for p in launched[4:12])
+    # Out, LSE, the block mask's six tensors (LSE, compiled out in a dense launch) and the
+    # schedule (LSE where there is none).
+    assert all(isinstance(p, int) and p % 16 == 0 for p in launched[4:13])
     assert launched[5:12] == (launched[5],) * 7
     assert all(t is jit_args[5] for t in jit_args[6:12])
-    assert launched[12:] == tuple(jit_args[12:]) == (*plan.scalars, *plan.mask_strides)
+    if persistent:
+        assert jit_args[12] is plan.schedule and launched[12] == plan.schedule.data_ptr()
+    else:
+        assert jit_args[12] is jit_args[5] and launched[12] == launched[5]
+    assert launched[13:] == tuple(jit_args[13:]) == (*plan.scalars, *plan.mask_strides)
     assert direct_args[9 + len(jit_args):] == tuple(
         v for name, v in plan.options.items() if name != "maxnreg")
 

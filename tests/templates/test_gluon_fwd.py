@@ -129,20 +129,76 @@ def test_head_groups_of_a_persistent_causal_grid() -> None:
 
 
 @needs_gluon
-def test_a_persistent_causal_grid_walks_each_head_group_in_two_rounds() -> None:
-    from templates.gluon_fwd_kernel import LaunchPlan, causal_grid
+def test_the_kernels_own_causal_order_walks_each_head_group_in_two_rounds() -> None:
+    """What a persistent causal grid did before the host's schedule, kept for A/B timings
+    (``host_schedule=False``) and for problems of more tiles than the schedule takes."""
+    from templates.gluon_fwd_kernel import MAX_SCHEDULED_TILES, LaunchPlan, causal_grid
 
     assert causal_grid(256, 132) == 128
     assert causal_grid(57, 132) == 29  # an odd count: the last program takes one tile less
     assert causal_grid(1000, 132) == 132  # one head's tiles beyond two rounds: all SMs
     q = StandinTensor(torch.bfloat16, [4, 16, 4096, 128])
     cfg = GluonFwdConfig(persistent=True, longest_first=True).to_dict()
-    plan = LaunchPlan(q, q, causal_mode="top_left", scale=0.1, config=cfg, sm_count=132)
+    plan = LaunchPlan(q, q, causal_mode="top_left", scale=0.1, config=cfg, sm_count=132,
+                      host_schedule=False)
     assert plan.grid == (128,)  # groups of 8 heads x 32 tiles
     assert plan.scalars[7] == 8  # head_group
+    assert plan.options["LONGEST_FIRST"] == 1 and plan.schedule is None
+    many = StandinTensor(torch.bfloat16, [MAX_SCHEDULED_TILES // 32 + 1, 1, 4096, 128])
+    assert LaunchPlan(many, many, causal_mode="top_left", scale=0.1, config=cfg,
+                      sm_count=132).options["LONGEST_FIRST"] == 1
     dense = LaunchPlan(q, q, causal_mode="none", scale=0.1,
                        config=GluonFwdConfig(persistent=True).to_dict(), sm_count=132)
-    assert dense.grid == (132,) and dense.scalars[7] == 1
+    assert dense.grid == (132,) and dense.scalars[7] == 1 and dense.schedule is None
+
+
+@needs_gluon
+def test_a_persistent_causal_grid_walks_the_hosts_schedule_on_every_sm() -> None:
+    from templates.gluon_fwd_kernel import LaunchPlan, _gluon_fwd_kernel
+
+    q = StandinTensor(torch.bfloat16, [4, 16, 4096, 128])
+    cfg = GluonFwdConfig(persistent=True, longest_first=True).to_dict()
+    plan = LaunchPlan(q, q, causal_mode="top_left", scale=0.1, config=cfg, sm_count=132)
+    assert plan.grid == (132,) and plan.options["LONGEST_FIRST"] == 2
+    assert plan.schedule.dtype == torch.int32 and plan.schedule.shape == [133 + 64 * 32]
+    args = plan.args(q, q, q, q, StandinTensor(torch.float32, [4, 16, 4096]))
+    runtime = [p.name for p in _gluon_fwd_kernel.params if not p.is_constexpr]
+    assert len(args) == len(runtime) and args[runtime.index("Schedule")] is plan.schedule
+
+
+def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> None:
+    from templates.gluon_fwd_kernel import (
+        TILE_OVERHEAD_BLOCKS,
+        causal_tile_costs,
+        lpt_schedule,
+    )
+
+    n_q_tiles, heads, group, programs = 32, 64, 8, 132
+    costs = causal_tile_costs(n_q_tiles, 128, 128, 4096, 0)
+    assert costs == [m + 1 + TILE_OVERHEAD_BLOCKS for m in range(32)]
+    schedule = lpt_schedule(n_q_tiles, heads, group, costs, programs)
+    offsets, tiles = schedule[:programs + 1], schedule[programs + 1:]
+    assert offsets[0] == 0 and offsets[-1] == len(tiles) == n_q_tiles * heads
+    assert sorted(tiles) == list(range(n_q_tiles * heads))  # each tile exactly once
+    loads = [sum(costs[t % n_q_tiles] for t in tiles[offsets[p]:offsets[p + 1]])
+             for p in range(programs)]
+    assert min(loads) > 0  # every program works
+    assert max(loads) - min(loads) <= max(costs)  # LPT: within one tile of each other
+    assert max(loads) <= sum(loads) / programs * 1.02  # here: within 2% of the mean
+    # Head groups run in order: every program's tiles of group g come before group g + 1's,
+    # and within a group its tiles get shorter.
+    for p in range(programs):
+        mine = tiles[offsets[p]:offsets[p + 1]]
+        groups = [t // n_q_tiles // group for t in mine]
+        assert groups == sorted(groups)
+        for g in set(groups):
+            lengths = [costs[t % n_q_tiles] for t in mine if t // n_q_tiles // group == g]
+            assert lengths == sorted(lengths, reverse=True)
+    # Bottom-right causal with N_q < N_kv: every tile sees the first keys; none is empty.
+    assert causal_tile_costs(2, 128, 128, 1000, 1000 - 200) == [
+        8 + TILE_OVERHEAD_BLOCKS, 8 + TILE_OVERHEAD_BLOCKS]
+    # Two programs, three tiles: the longest alone, the two shorter ones together.
+    assert lpt_schedule(3, 1, 1, [5, 3, 1], 2) == [0, 1, 3, 0, 1, 2]
 
 
 def test_unsupported_problems() -> None:
