@@ -28,6 +28,9 @@ only the targets' thresholds are written here):
 - ``gluon_fwd*.json``      ``benchmarks/gluon_fwd_bench.py --time``: the Gluon forward's
                            variants beside SDPA cuDNN / FA2 and our Triton forward, per
                            problem (its diagnostic timings, wrong by design, left out);
+- ``winners*.json``        ``tuner winners --json`` after a sweep of a suite: which
+                           implementation won each stored problem (issue 17's target: ours on
+                           >= 75% of ``standard``);
 - ``gluon_cudnn_train*.json`` benchmarks/gluon_cudnn_train_bench.py: a training step by the
                            Gluon forward and cuDNN's backward against SDPA's (cuDNN both
                            ways), paired rounds, and the parts alone;
@@ -1679,6 +1682,53 @@ def hybrid_train_section(src: Source, data: dict[str, Any]) -> Section:
     return Section(src, md, [])
 
 
+# Issue 17: our kernels the stored winners on at least this share of `standard`'s problems.
+WINNERS_SHARE_TARGET = 0.75
+
+
+def winners_section(src: Source, data: dict[str, Any]) -> Section:
+    """``tuner winners --json``: per problem the winner, its margin over the runner-up, and
+    torch SDPA's time over our best's."""
+    cells, ours = [], 0
+    try:
+        for r in sorted(data["rows"], key=lambda r: (int(r["problem"]["head_dim"]),
+                                                     str(r["problem"]["causal"]),
+                                                     int(r["problem"]["seqlen_q"]))):
+            p, ms = r["problem"], r["median_ms"]
+            mine = [_num(v) for k, v in ms.items() if k != "sdpa" and _num(v) is not None]
+            best_ours = min(mine) if mine else None
+            ours += r["winner"] != "sdpa"
+            cells.append([f"d{p['head_dim']} {_n(int(p['seqlen_q']))} "
+                          f"{'dense' if p['causal'] == 'none' else 'causal'} "
+                          f"(B{p['batch']} H{p['heads_q']})", str(r["winner"]),
+                          _x(_num(r["margin"])), _x(_ratio(_num(ms.get("sdpa")), best_ours)),
+                          ", ".join(f"{k} {_ms(_num(v))}" for k, v in sorted(ms.items()))])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"a row without {exc}") from exc
+    share = ours / len(cells) if cells else None
+    md = [f"### Stored winners: `{src.path.name}`", "",
+          "`tuner winners --json` after a sweep: per problem the implementation the dispatcher "
+          "runs (fastest in the sweep's head-to-head), its *margin* over the runner-up, and "
+          "*SDPA / ours*: torch SDPA's time over our fastest kernel's (above 1: ours is "
+          "faster). Times in ms, medians of the head-to-head's rounds.", ""]
+    md += _table(["problem", "winner", "margin", "SDPA / ours", "ms"], cells)
+    md.append("")
+    target = Target(
+        "our kernels the stored winners of `standard`", src.path.name,
+        f">= {100 * WINNERS_SHARE_TARGET:.0f}% of problems",
+        f"{ours} of {len(cells)}" if cells else "no rows",
+        None if share is None else share >= WINNERS_SHARE_TARGET,
+        "not measured" if share is None else _share_margin(ours, len(cells)))
+    return Section(src, md, [target])
+
+
+def _share_margin(ours: int, rows: int) -> str:
+    need = math.ceil(WINNERS_SHARE_TARGET * rows)
+    if ours >= need:
+        return f"{100 * ours / rows:.0f}%, {ours - need} above the {need} needed"
+    return f"{100 * ours / rows:.0f}%, {need - ours} short of the {need} needed"
+
+
 @dataclass(frozen=True)
 class Kind:
     """Result files whose name starts with ``prefix``: written by ``script``."""
@@ -1687,7 +1737,8 @@ class Kind:
     label: str
     script: str
     build: Callable[[Source, dict[str, Any]], Section] | None  # None: listed, not reported
-    rows_key: str = "rows"  # what the file must hold: a list (or a dict where rows_type says)
+    # What the file must hold: a list (or a dict where rows_type says); "": the file is the list.
+    rows_key: str = "rows"
     rows_type: type = list
     why_not: str = ""  # for a kind listed, not reported: why
 
@@ -1718,7 +1769,8 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
          Kind("decode_grid", "decode config grid", "decode_grid.py", decode_grid_section,
               rows_type=dict),
          Kind("e2e_hf", "end to end (transformers)", "e2e_hf.py", e2e_section, "results",
-              dict)]
+              dict),
+         Kind("winners", "stored winners", "tuner winners --json", winners_section, "")]
 
 
 def kind_of(path: Path) -> Kind | None:
@@ -1747,8 +1799,12 @@ def load(results: Path) -> tuple[list[Section], list[str]]:
             continue
         try:
             data = json.loads(path.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get(kind.rows_key),
-                                                            kind.rows_type):
+            if kind.rows_key == "":  # the file is the rows
+                if not isinstance(data, list):
+                    raise FormatError("not a list of rows")
+                data = {"rows": data}
+            elif not isinstance(data, dict) or not isinstance(data.get(kind.rows_key),
+                                                              kind.rows_type):
                 raise FormatError(f"no '{kind.rows_key}' {kind.rows_type.__name__}")
             src = read_source(path, kind.label, data)
             read_meta(path, src)

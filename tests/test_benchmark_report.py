@@ -895,3 +895,32 @@ def test_gluon_cudnn_train_section(report: ModuleType, tmp_path: Path) -> None:
     assert "Odd-shape checks passed: 1 of 2." in part
     assert ("- `gluon_cudnn_train_bad.json`: not a gluon_cudnn_train_bench.py --time result "
             "(a row without 'ms'), skipped") in md
+
+
+def test_winners_section_and_its_share_target(report: ModuleType, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+
+    def row(d: int, n: int, causal: str, winner: str, ms: dict[str, float]) -> dict[str, Any]:
+        return {"problem": {"batch": 16384 // n, "heads_q": 2048 // d, "head_dim": d,
+                            "seqlen_q": n, "causal": causal},
+                "winner": winner, "margin": 1.05, "median_ms": ms}
+
+    rows = [row(128, 4096, "none", "gluon", {"sdpa": 1.05, "gluon": 1.0, "flash": 1.2}),
+            row(64, 512, "top_left", "sdpa", {"sdpa": 0.8, "gluon": 1.0}),
+            row(128, 1024, "top_left", "flash", {"sdpa": 1.1, "flash": 1.0}),
+            row(64, 1024, "none", "gluon", {"sdpa": 1.0, "gluon": 0.99})]
+    (results / "winners_syn.json").write_text(json.dumps(rows))
+    (results / "winners_bad.json").write_text(json.dumps({"rows": rows}))
+    md = run(report, tmp_path, "--no-plots")
+    part = section(md, "### Stored winners: `winners_syn.json`")
+    # by head dim, then dense before causal, then length; SDPA / ours against our fastest
+    assert part.index("| d64 1k dense") < part.index("| d64 512 causal") < part.index(
+        "| d128 4k dense") < part.index("| d128 1k causal")
+    assert ("| d128 4k dense (B4 H16) | gluon | 1.05x | 1.05x | flash 1.200, gluon 1.000, "
+            "sdpa 1.050 |") in part
+    assert "| d64 512 causal (B32 H32) | sdpa | 1.05x | 0.80x | gluon 1.000, sdpa 0.800 |" in part
+    targets = targets_by_file(md)
+    assert targets[("our kernels the stored winners of `standard`", "winners_syn.json")] == [
+        ">= 75% of problems", "3 of 4", "**met**", "75%, 0 above the 3 needed"]
+    assert "- `winners_bad.json`: not a tuner winners --json result (not a list of rows)" in md
