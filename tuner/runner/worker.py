@@ -15,28 +15,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import signal
 import sys
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tuner.runner.parent_death import die_with_parent
+
 __all__ = ["worker_main"]
-
-
-def _die_with_parent() -> None:
-    # A worker stuck in a hung kernel never reads its pipe, so it would not notice that the
-    # sweep was killed (SIGKILL included); ask Linux to kill it when its parent goes.
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _redirect_output(log_path: str | None) -> None:
@@ -64,7 +50,9 @@ def _no_core_dumps() -> None:
 
 
 def worker_main(conn: Connection, env: dict[str, str], log_path: str | None) -> None:
-    _die_with_parent()
+    # A worker stuck in a hung kernel never reads its pipe, so it would not notice that the
+    # sweep was killed (SIGKILL included).
+    die_with_parent()
     _no_core_dumps()
     os.environ.update(env)  # before torch is imported: CUDA_VISIBLE_DEVICES, TRITON_*
     _redirect_output(log_path)
