@@ -2,11 +2,13 @@
 ships (A) against the same config (B) with ``--diag N`` (templates/gluon_fwd_kernel.py,
 ``_softmax_block``'s list; 3 = a persistent consumer waits for its O store at once) and/or
 with ``--kernel-order`` (a persistent causal grid walks the kernel's own longest-first order,
-two rounds per head group, instead of the host's ``lpt_schedule``), beside cuDNN, on the
+two rounds per head group, instead of the host's ``lpt_schedule``) and/or with
+``--tile-overhead N`` (the schedule's cost of a tile beyond its KV blocks), beside cuDNN, on the
 PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
 an fp32 reference first; readings rotate over the candidates.
 
-    python3 benchmarks/gluon_fwd_ab.py (--diag 3 | --kernel-order) [--head-dims 128,64]
+    python3 benchmarks/gluon_fwd_ab.py (--diag 3 | --kernel-order | --tile-overhead 2)
+        [--head-dims 128,64]
         [--seqlens 512,...] [--causal none,top_left] [--rounds 5] [--json DIR]
 """
 
@@ -25,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
-def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any
-               ) -> dict[str, Any]:
+def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any,
+               tile_overhead: int | None = None) -> dict[str, Any]:
     """One problem: cuDNN, the default config (A) and the same with DIAG ``diag`` and (if
     ``kernel_order``) the kernel's own causal order (B), checked against fp32, then
     ``rounds`` readings each in rotation (medians)."""
@@ -50,10 +52,15 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     fns: dict[str, Any] = {"cudnn": cudnn}
-    for side, value, host_schedule in (("A", 0, True), ("B", diag, not kernel_order)):
+    default_overhead = gluon_fwd_kernel.TILE_OVERHEAD_BLOCKS
+    for side, value, host_schedule, overhead in (
+            ("A", 0, True, default_overhead),
+            ("B", diag, not kernel_order, default_overhead if tile_overhead is None
+             else tile_overhead)):
         plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal,
                                            scale=inputs["scale"], config=cfg.to_dict(),
-                                           diag=value, host_schedule=host_schedule)
+                                           diag=value, host_schedule=host_schedule,
+                                           tile_overhead=overhead)
         fns[side] = lambda plan=plan: plan(q, k, v)[0]
     errors = {name: relative_error(fn(), ref) for name, fn in fns.items()}
     readings: dict[str, list[float]] = {name: [] for name in fns}
@@ -83,6 +90,8 @@ def main() -> int:
     parser.add_argument("--kernel-order", action="store_true",
                         help="the B side walks the kernel's own causal order, not the host's "
                              "schedule")
+    parser.add_argument("--tile-overhead", type=int, default=None,
+                        help="the B side's schedule cost of a tile beyond its KV blocks")
     parser.add_argument("--causal", default="none,top_left")
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
@@ -92,8 +101,8 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a Hopper GPU")
-    if not args.diag and not args.kernel_order:
-        parser.error("give the B side a switch: --diag N and/or --kernel-order")
+    if not args.diag and not args.kernel_order and args.tile_overhead is None:
+        parser.error("give the B side a switch: --diag N, --kernel-order, --tile-overhead N")
 
     from benchmarks.gluon_fwd_bench import environment, protocol_problems
     from templates.device import current_device
@@ -106,7 +115,8 @@ def main() -> int:
     for problem in protocol_problems(head_dims, seqlens):
         if problem.causal not in causal:
             continue
-        row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device)
+        row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device,
+                         args.tile_overhead)
         rows.append(row)
         ms = row["ms"]
         print(f"{problem.key():58s} B/A time {ms['B'] / ms['A']:.3f}x   x cuDNN: "
@@ -116,7 +126,8 @@ def main() -> int:
         out = Path(args.json) / "gluon_fwd_ab.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"environment": environment(), "diag": args.diag,
-                                   "kernel_order": args.kernel_order, "rows": rows}, indent=1))
+                                   "kernel_order": args.kernel_order,
+                                   "tile_overhead": args.tile_overhead, "rows": rows}, indent=1))
     return 0
 
 

@@ -90,8 +90,9 @@ SMEM_PER_PROGRAM = 227 * 1024 - 1024
 L2_KV_BYTES = 16 * 1024 * 1024
 
 # What a tile costs beyond its KV blocks, in blocks, for the persistent causal schedule
-# (``lpt_schedule``): a GUESS (the Q load, the unoverlapped first S and last PV GEMMs and the
-# epilogue, about one block's work), not calibrated.
+# (``lpt_schedule``): the Q load, the unoverlapped first S and last PV GEMMs and the epilogue,
+# about one block's work. Insensitive: 3 instead read -0.6% to +1.5% against 1 on the H100
+# at 512-2k causal, d64 and d128 (docs/gluon_notes.md).
 TILE_OVERHEAD_BLOCKS = 1
 # Above this many tiles a persistent causal grid keeps the kernel's own order: the host's
 # schedule costs a heap operation per tile in Python at the plan (2^17 tiles: 74 ms here).
@@ -1000,14 +1001,14 @@ def lpt_schedule(n_q_tiles: int, batch_heads: int, group: int, costs: Sequence[i
 
 
 def causal_tile_costs(n_q_tiles: int, block_m: int, block_n: int, seqlen_kv: int,
-                      causal_offset: int) -> list[int]:
+                      causal_offset: int, overhead: int = TILE_OVERHEAD_BLOCKS) -> list[int]:
     """Each causal query tile's work in KV blocks (as ``_tile_coords`` counts them), plus
-    ``TILE_OVERHEAD_BLOCKS`` for what every tile pays (its Q load, first S and last PV GEMMs
-    alone, the epilogue)."""
+    ``overhead`` for what every tile pays (its Q load, first S and last PV GEMMs alone, the
+    epilogue)."""
     costs = []
     for m in range(n_q_tiles):
         kv_end = max(min(seqlen_kv, m * block_m + block_m + causal_offset), 0)
-        costs.append(-(-kv_end // block_n) + TILE_OVERHEAD_BLOCKS)
+        costs.append(-(-kv_end // block_n) + overhead)
     return costs
 
 
@@ -1076,12 +1077,14 @@ class LaunchPlan:
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, Any], diag: int = 0, sm_count: int | None = None,
-                 block_mask: Any = None, host_schedule: bool = True) -> None:
+                 block_mask: Any = None, host_schedule: bool = True,
+                 tile_overhead: int = TILE_OVERHEAD_BLOCKS) -> None:
         """``sm_count`` sizes a persistent grid: q's GPU's multiprocessor count by default
         (132, an H100's, for stand-in tensors). ``block_mask``: a ``BlockMask`` (or anything
         with its ``block_size`` and ``kernel_args``) the kernel walks; calls then pass one of
         the same geometry (``mask_key``). ``host_schedule`` False: a persistent causal grid
-        keeps the kernel's own order (A/B timings only)."""
+        keeps the kernel's own order; ``tile_overhead``: the schedule's per-tile cost beyond
+        its KV blocks (both for A/B timings only)."""
         batch, heads_q, seqlen_q, head_dim = q.shape
         heads_kv, seqlen_kv = k.shape[1], k.shape[2]
         block_m = int(config["BLOCK_M"])
@@ -1106,7 +1109,7 @@ class LaunchPlan:
                                    2 * seqlen_kv * head_dim * 2, sm_count)
             if self.options["LONGEST_FIRST"] == 2:
                 costs = causal_tile_costs(n_q_tiles, block_m, int(config["BLOCK_N"]),
-                                          seqlen_kv, offset)
+                                          seqlen_kv, offset, tile_overhead)
                 self.schedule = _int32_tensor(
                     lpt_schedule(n_q_tiles, batch * heads_q, group, costs, self.grid[0]), q)
             elif self.options["LONGEST_FIRST"] == 1:
