@@ -52,6 +52,7 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     fns: dict[str, Any] = {"cudnn": cudnn}
+    grids: dict[str, int] = {}
     default_overhead = gluon_fwd_kernel.TILE_OVERHEAD_BLOCKS
     for side, value, host_schedule, overhead in (
             ("A", 0, True, default_overhead),
@@ -62,6 +63,7 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
                                            diag=value, host_schedule=host_schedule,
                                            tile_overhead=overhead)
         fns[side] = lambda plan=plan: plan(q, k, v)[0]
+        grids[side] = plan.grid[0]
     errors = {name: relative_error(fn(), ref) for name, fn in fns.items()}
     readings: dict[str, list[float]] = {name: [] for name in fns}
     for order in round_orders(list(fns), rounds):  # rotated and mirrored: no fixed follower
@@ -69,19 +71,7 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
             readings[name].append(bench_ms(fns[name]))
     ms = {name: statistics.median(r) for name, r in readings.items()}
     return {"problem": problem.key(), "config": cfg.key(), "ms": ms, "readings_ms": readings,
-            "errors": errors, "grid": {"A": fns_grid(cfg, problem, q, k, inputs, True),
-                                       "B": fns_grid(cfg, problem, q, k, inputs,
-                                                     not kernel_order)}}
-
-
-def fns_grid(cfg: Any, problem: Any, q: Any, k: Any, inputs: dict[str, Any],
-             host_schedule: bool) -> int:
-    """Programs of the side's launch."""
-    from templates import gluon_fwd_kernel
-
-    return gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal, scale=inputs["scale"],
-                                       config=cfg.to_dict(),
-                                       host_schedule=host_schedule).grid[0]
+            "errors": errors, "grid": grids}
 
 
 def main() -> int:

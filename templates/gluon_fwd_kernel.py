@@ -1110,8 +1110,8 @@ class LaunchPlan:
             if self.options["LONGEST_FIRST"] == 2:
                 costs = causal_tile_costs(n_q_tiles, block_m, int(config["BLOCK_N"]),
                                           seqlen_kv, offset, tile_overhead)
-                self.schedule = _int32_tensor(
-                    lpt_schedule(n_q_tiles, batch * heads_q, group, costs, self.grid[0]), q)
+                self.schedule = _schedule(q, n_q_tiles, batch * heads_q, group, costs,
+                                          self.grid[0])
             elif self.options["LONGEST_FIRST"] == 1:
                 self.grid = (causal_grid(group * n_q_tiles, sm_count),)
         else:
@@ -1197,11 +1197,24 @@ class LaunchPlan:
                                    *self.scalars, *self.mask_strides)
 
 
-def _int32_tensor(values: list[int], like: Any) -> Any:
-    """``values`` as an int32 tensor on ``like``'s device (a stand-in for a stand-in)."""
+def _schedule(like: Any, n_q_tiles: int, batch_heads: int, group: int, costs: list[int],
+              programs: int) -> Any:
+    """``lpt_schedule`` as an int32 tensor on ``like``'s device, or for a stand-in ``like`` a
+    stand-in of its length (nothing to compute)."""
     if isinstance(like, torch.Tensor):
-        return torch.tensor(values, dtype=torch.int32, device=like.device)
-    return type(like)(torch.int32, [len(values)])
+        return _schedule_tensor(like.device, n_q_tiles, batch_heads, group, tuple(costs),
+                                programs)
+    return type(like)(torch.int32, [programs + 1 + n_q_tiles * batch_heads])
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_tensor(device: torch.device, n_q_tiles: int, batch_heads: int, group: int,
+                     costs: tuple[int, ...], programs: int) -> torch.Tensor:
+    # Cached: a plan is made per call where nothing keeps plans (``launch``, the standalone
+    # source's entry), and the schedule is a Python heap walk over every tile plus a copy to
+    # the GPU. The kernel only reads it, so plans of one problem share it.
+    return torch.tensor(lpt_schedule(n_q_tiles, batch_heads, group, costs, programs),
+                        dtype=torch.int32, device=device)
 
 
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -546,10 +546,14 @@ def _op_output_strides(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
 def _in_op_layout(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``o`` itself where it is laid out as the fakes say (every kernel of ours on 4-D
     inputs), else a copy so laid out."""
-    strides = _op_output_strides(q, o.shape[-1])
-    if o.stride() == strides:
-        return o
-    return torch.empty_strided(o.shape, strides, dtype=o.dtype, device=o.device).copy_(o)
+    return _with_strides(o, _op_output_strides(q, o.shape[-1]))
+
+
+def _with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``t`` itself where it has ``strides`` (what an op's fake says), else a copy with them."""
+    if t.stride() == tuple(strides):
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
 @torch.library.custom_op("tuner::attention_fwd", mutates_args=())
@@ -661,7 +665,9 @@ def _cudnn_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     grads = cudnn_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
                                 v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
                                 causal=is_causal, scale=scale)
-    return tuple(_laid_out_like(g.reshape(t.shape), t)  # type: ignore[return-value]
+    # Laid out as the fake's torch.empty_like (its strides read off a meta tensor).
+    return tuple(_with_strides(g.reshape(t.shape),  # type: ignore[return-value]
+                               torch.empty_like(t, device="meta").stride())
                  for g, t in zip(grads, (q, k, v), strict=True))
 
 
@@ -671,15 +677,6 @@ def _cudnn_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                               is_causal: bool, scale: float | None, enable_gqa: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _laid_out_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``grad`` itself where it is laid out as ``torch.empty_like(t)`` (what the fake says),
-    else a copy so laid out."""
-    like = torch.empty_like(t)
-    if grad.stride() == like.stride():
-        return grad
-    return like.copy_(grad)
 
 
 _gluon_attention_fwd.register_autograd(_backward_by("cudnn_attention_bwd"),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import tuner
 from db.session import dispose_engine, session_scope
 from templates.base import Problem
-from templates.device import current_device
+from templates.device import DeviceInfo, current_device
 from templates.flash_decode import decode_reference
 from templates.registry import get_template
 from tests.api.serving_data import bundle, item
@@ -33,12 +33,14 @@ def problem_of(q: torch.Tensor, k: torch.Tensor, *, causal: str = "none") -> Pro
                    dtype="float32", causal=causal)
 
 
-def measured(template: str, p: Problem, tflops: float, config: dict[str, Any] | None = None
-             ) -> dict[str, Any]:
-    """A stored best of ``template`` for ``p`` on this machine at ``tflops``."""
+def measured(template: str, p: Problem, tflops: float, config: dict[str, Any] | None = None,
+             device: DeviceInfo | None = None) -> dict[str, Any]:
+    """A stored best of ``template`` for ``p`` on ``device`` (default: this machine) at
+    ``tflops``: ``config`` or the template's default."""
     t = get_template(template)
-    cfg = t.config(config) if config is not None else t.default_config(p, current_device())
-    return item(p, device=current_device(), template=t.name, template_version=t.version(),
+    device = device or current_device()
+    cfg = t.config(config) if config is not None else t.default_config(p, device)
+    return item(p, device=device, template=t.name, template_version=t.version(),
                 config=cfg.to_dict(), tflops=tflops, median_ms=t.flops(p) / (tflops * 1e9),
                 default_tflops=None)
 

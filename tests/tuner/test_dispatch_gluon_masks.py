@@ -22,11 +22,12 @@ import torch
 import templates.gluon_fwd
 import tuner
 from templates.attention_reference import attention_reference
-from templates.base import Problem
+from templates.base import Problem, Template
 from templates.block_mask import BlockMask
 from templates.mask_mods import pattern_block_mask
 from templates.registry import get_template
-from tests.api.serving_data import H100, item
+from tests.api.serving_data import H100
+from tests.tuner.test_dispatch import measured as measured_on
 from tests.tuner.test_dispatch import store
 from tuner.dispatch import Call, choose
 
@@ -71,17 +72,16 @@ def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def measured(template: str, tflops: float, config: dict[str, Any] | None = None
              ) -> dict[str, Any]:
     """A stored best of ``template`` for the mask problem on the H100."""
-    t = get_template(template)
-    cfg = t.config(config) if config is not None else t.default_config(MASKED, H100)
-    return item(MASKED, device=H100, template=t.name, template_version=t.version(),
-                config=cfg.to_dict(), tflops=tflops, median_ms=t.flops(MASKED) / (tflops * 1e9),
-                default_tflops=None)
+    return measured_on(template, MASKED, tflops, config, device=H100)
 
 
-def gluon_config_not_the_default() -> dict[str, Any]:
-    cfg = GLUON.default_config(MASKED, H100).to_dict()
+def gluon_config_not_the_default(template: Template = GLUON, problem: Problem = MASKED
+                                 ) -> dict[str, Any]:
+    """A config of a Gluon template that runs ``problem`` on the H100 other than its default
+    (the other ring depth)."""
+    cfg = template.default_config(problem, H100).to_dict()
     other = {**cfg, "kv_stages": 3 if cfg["kv_stages"] == 2 else 2}
-    assert GLUON.constraint(MASKED, GLUON.config(other), H100) is None
+    assert template.constraint(problem, template.config(other), H100) is None
     return other
 
 

@@ -24,8 +24,10 @@ from templates.attention_reference import attention_reference
 from templates.base import Problem
 from templates.flash_bwd import reference_grads
 from templates.registry import get_template
-from tests.api.serving_data import H100, item
+from tests.api.serving_data import H100
+from tests.tuner.test_dispatch import measured as measured_on
 from tests.tuner.test_dispatch import store
+from tests.tuner.test_dispatch_gluon_masks import gluon_config_not_the_default
 from tuner.attention import _cudnn_attention_bwd, _gluon_attention_fwd
 from tuner.dispatch import Call, choose
 
@@ -89,20 +91,10 @@ def closed_form_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: tor
     return dq, per_kv_head(dk), per_kv_head(dv)
 
 
-def measured(template: str, tflops: float, problem: Problem = PROBLEM,
-             config: dict[str, Any] | None = None) -> dict[str, Any]:
-    t = get_template(template)
-    cfg = t.config(config) if config is not None else t.default_config(problem, H100)
-    return item(problem, device=H100, template=t.name, template_version=t.version(),
-                config=cfg.to_dict(), tflops=tflops, median_ms=t.flops(problem) / (tflops * 1e9),
-                default_tflops=None)
-
-
-def config_not_the_default() -> dict[str, Any]:
-    cfg = TRAIN.default_config(PROBLEM, H100).to_dict()
-    other = {**cfg, "kv_stages": 3 if cfg["kv_stages"] == 2 else 2}
-    assert TRAIN.constraint(PROBLEM, TRAIN.config(other), H100) is None
-    return other
+def measured(template: str, tflops: float, config: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """A stored best of ``template`` for the training problem on the H100."""
+    return measured_on(template, PROBLEM, tflops, config, device=H100)
 
 
 def leaves(layout: str = "bhnd") -> tuple[torch.Tensor, ...]:
@@ -127,7 +119,7 @@ def assert_reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_gluon_measured_faster_trains_with_its_forward_and_cudnns_backward(
         tmp_path: Path, calls: dict[str, list[dict[str, Any]]], layout: str) -> None:
-    cfg = config_not_the_default()
+    cfg = gluon_config_not_the_default(TRAIN, PROBLEM)
     store(tmp_path, measured("torch_sdpa_train", 100.0), measured("flash_fwd", 10.0),
           measured("flash_bwd", 10.0), measured("gluon_cudnn_train", 110.0, config=cfg))
     choice = choose(Call(PROBLEM, True, H100))
