@@ -128,9 +128,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     ``DIAG`` (timing experiments only): 1 drops the exponentials of the unmasked step
     (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s), both wrong results;
     3 (right results) makes a persistent consumer wait for its O store at once instead of
-    under the next tile's first GEMM (``_release_o_buffer``); 4 (right results) leaves the
-    row sum to the tensor cores (``_issue_rowsum``): ``l_i`` is then their (rows x 8)
-    accumulator and passes through unchanged."""
+    under the next tile's first GEMM (``_release_o_buffer``)."""
     if MASKED:
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         visible = gl.expand_dims(keys < N_KV, 0)
@@ -148,10 +146,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_shift, 1))
         alpha = gl.exp2(m_i - m_shift)
-        if DIAG == 4:
-            l_new = l_i
-        else:
-            l_new = l_i * alpha + gl.sum(p, 1)
+        l_new = l_i * alpha + gl.sum(p, 1)
     elif DIAG == 2:
         p = s
         m_new = m_i
@@ -166,10 +161,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
-        if DIAG == 4:
-            l_new = l_i
-        else:
-            l_new = l_i * alpha + gl.sum(p, 1)
+        l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
 
@@ -430,37 +422,8 @@ def _wait_pv(o_tok, p_op, p, P_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _issue_rowsum(p_op, ones_smem, l_acc, alpha, ROWSUM: gl.constexpr):
-    """ROWSUM (DIAG 4): l = l * alpha + P 1 on the tensor cores, asynchronously, as a
-    (rows x 8) accumulator whose columns are equal (``ones_smem``: 8 x BLOCK_N ones), instead
-    of 64 FADDs and the shuffles of a row sum per thread; P is the bf16/fp16 operand the PV
-    GEMM reads, so O's numerator and l sum the same values. Without ROWSUM: a placeholder."""
-    if ROWSUM:
-        l_layout: gl.constexpr = l_acc.type.layout
-        l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
-        pl = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=l_layout,
-                                                        k_width=2))
-        tok = warpgroup_mma(pl, ones_smem.permute((1, 0)), l_acc, is_async=True)
-    else:
-        tok = l_acc
-    return tok
-
-
-@gluon.jit
-def _wait_pv_rowsum(o_tok, l_tok, p_op, p, l_acc, P_SMEM: gl.constexpr,
-                    ROWSUM: gl.constexpr):
-    """``_wait_pv`` that also returns the row-sum GEMM's accumulator (ROWSUM) or ``l_acc``
-    unchanged."""
-    if ROWSUM:
-        acc, l_acc, p_op, p = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_op, p))
-    else:
-        acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
-    return acc, p, l_acc
-
-
-@gluon.jit
 def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev0, q_smem,
-              p_smem, ones_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+              p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
               turns, b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
@@ -477,7 +440,6 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([offs_m.shape[0], BLOCK_N], gl.float32, s_layout)
-    ROWSUM: gl.constexpr = DIAG == 4
     for j in range(1, n_blocks):
         g = it0 + j
         slot = g % KV_STAGES
@@ -498,11 +460,9 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
         mbarrier.wait(v_ready.index(prev), prev_phase)
         v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
-        l_tok = _issue_rowsum(p_op, ones_smem, l_i, alpha, ROWSUM)
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
-        # S_j is the oldest group in flight; PV_{j-1} (and the row sum) may go on.
-        s = warpgroup_mma_wait(2 if ROWSUM else 1, deps=(s_tok,))
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
         # The softmax sits in basic blocks of their own (the branch between the masked and the
         # unmasked step): in straight-line code ptxas moved the PV wait above the
         # exponentials (seen in the SASS), so the softmax no longer ran under the PV GEMM.
@@ -521,7 +481,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
             # warp are never persistent, so it0 = 0 and j is the block index).
             _warps_barrier()
             _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, n_blocks, BLOCK_N)
-        acc, p, l_i = _wait_pv_rowsum(o_tok, l_tok, p_op, p, l_i, P_SMEM, ROWSUM)
+        acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
         if WARP_SPECIALIZE:
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -588,19 +548,12 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     m0 = q_row0 + ME * ROWS
     offs_m = m0 + gl.arange(0, ROWS, layout=row_s)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    ROWSUM: gl.constexpr = DIAG == 4
-    if ROWSUM:
-        # The row sums as the tensor cores leave them (_issue_rowsum).
-        l_i = gl.zeros([ROWS, 8], gl.float32, _mma_layout(NUM_WARPS, 8))
-    else:
-        l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     q_buf = ME * Q_SLOTS + tc % Q_SLOTS
     q_smem = q_bufs.index(q_buf).reshape([ROWS, HEAD_DIM])
     p_smem = p_bufs.index(ME)
-    # ROWSUM: p_bufs holds each consumer's ones (P lives in registers then).
-    ones_smem = p_bufs.index(ME)
     # P's registers (a placeholder when P lives in p_smem).
     p_op = gl.to_tensor(0) if P_SMEM else gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
     mbarrier.wait(q_ready.index(q_buf), (tc // Q_SLOTS) & 1)
@@ -649,7 +602,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         # -- blocks 1..n_blocks-1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
             acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev0, q_smem,
-            p_smem, ones_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
+            p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
             b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
             KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
             MASK_BLOCK_KV, DIAG)
@@ -666,10 +619,9 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
         v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
-        l_tok = _issue_rowsum(p_op, ones_smem, l_i, alpha, ROWSUM)
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
-        acc, p, l_i = _wait_pv_rowsum(o_tok, l_tok, p_op, p, l_i, P_SMEM, ROWSUM)
+        acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         if WARP_SPECIALIZE:
             mbarrier.arrive(v_empty.index(slot), count=1)
     else:
@@ -679,10 +631,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
             _release_o_buffer(q_empty, prev_buf, tc)
 
     # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
-    if ROWSUM:
-        l_o = gl.convert_layout(gl.max(l_i, 1), row_o)
-    else:
-        l_o = gl.convert_layout(l_i, row_o)
+    l_o = gl.convert_layout(l_i, row_o)
     m_o = gl.convert_layout(m_i, row_o)
     seen = l_o > 0.0
     l_safe = gl.where(seen, l_o, 1.0)
@@ -724,13 +673,6 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
               MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
     """A consumer over its program's tiles: one (tile = program id), or, persistent, one per
     round (``_program_tile``), with ring, turn and Q-buffer phases carried across tiles."""
-    if DIAG == 4:
-        # The row-sum GEMM's B operand: this consumer's 8 x BLOCK_N ones in p_bufs[ME].
-        gl.static_assert(not P_SMEM)
-        ones_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NUM_WARPS, 1], [1, 0])
-        p_bufs.index(ME).store(gl.full([8, BLOCK_N], 1.0, q_desc.dtype, ones_layout))
-        fence_async_shared()
-        _warps_barrier()
     if PINGPONG and ME == 1:
         # Consumer 1 hands the first turn to consumer 0.
         mbarrier.arrive(turns.index(0), count=1)
@@ -891,9 +833,6 @@ def _gluon_fwd_kernel(
     if P_SMEM:
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)
         p_bufs = gl.allocate_shared_memory(dtype, [Q_LOADS, ROWS, BLOCK_N], p_layout)
-    elif DIAG == 4:  # each consumer's ones for the row-sum GEMM (_issue_rowsum)
-        p_bufs = gl.allocate_shared_memory(
-            dtype, [Q_LOADS, 8, BLOCK_N], gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype))
     else:  # unused
         p_bufs = gl.allocate_shared_memory(dtype, [Q_LOADS, 8, 8],
                                            gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
