@@ -7,7 +7,8 @@ two rounds per head group, instead of the host's ``lpt_schedule``) and/or with
 PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
 an fp32 reference first; readings rotate over the candidates.
 
-    python3 benchmarks/gluon_fwd_ab.py (--diag 3 | --kernel-order | --tile-overhead 2)
+    python3 benchmarks/gluon_fwd_ab.py (--diag 3 | --kernel-order | --tile-overhead 2
+                                        | --config kv_stages=3 ...)
         [--head-dims 128,64]
         [--seqlens 512,...] [--causal none,top_left] [--rounds 5] [--json DIR]
 """
@@ -27,11 +28,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
+def config_overrides(pairs: list[str]) -> dict[str, str]:
+    """``KNOB=VALUE`` strings as a dict (values are parsed by ``changed_config``)."""
+    out = {}
+    for pair in pairs:
+        knob, sep, value = pair.partition("=")
+        if not sep or not knob or not value:
+            raise ValueError(f"--config takes KNOB=VALUE, got {pair!r}")
+        out[knob] = value
+    return out
+
+
+def changed_config(cfg: Any, overrides: dict[str, str]) -> Any:
+    """``cfg`` with ``overrides``' knobs set (booleans as true/false/1/0, else integers)."""
+    values = cfg.to_dict()
+    for knob, text in overrides.items():
+        if knob not in values:
+            raise ValueError(f"unknown knob {knob!r}; the knobs: {sorted(values)}")
+        if isinstance(values[knob], bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{knob} is a boolean knob: true/false/1/0, got {text!r}")
+            values[knob] = text.lower() in ("true", "1")
+        else:
+            values[knob] = int(text)
+    return type(cfg)(**values)
+
+
 def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any,
-               tile_overhead: int | None = None) -> dict[str, Any]:
-    """One problem: cuDNN, the default config (A) and the same with DIAG ``diag`` and (if
-    ``kernel_order``) the kernel's own causal order (B), checked against fp32, then
-    ``rounds`` readings each in rotation (medians)."""
+               tile_overhead: int | None = None,
+               overrides: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """One problem: cuDNN, the default config (A) and the same with DIAG ``diag``, (if
+    ``kernel_order``) the kernel's own causal order and the knobs of ``overrides`` (B),
+    checked against fp32, then ``rounds`` readings each in rotation (medians). None when the
+    template refuses B's config for this problem."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -46,6 +75,11 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
     causal = problem.causal != "none"
     ref = reference_fp32(q, k, v, causal)
     cfg = TEMPLATE.default_config(problem, device)
+    cfg_b = changed_config(cfg, overrides or {})
+    refusal = TEMPLATE.constraint(problem, cfg_b, device)
+    if refusal is not None:
+        print(f"{problem.key():58s} B's config refused: {refusal}", flush=True)
+        return None
 
     def cudnn() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -54,12 +88,12 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
     fns: dict[str, Any] = {"cudnn": cudnn}
     grids: dict[str, int] = {}
     default_overhead = gluon_fwd_kernel.TILE_OVERHEAD_BLOCKS
-    for side, value, host_schedule, overhead in (
-            ("A", 0, True, default_overhead),
-            ("B", diag, not kernel_order, default_overhead if tile_overhead is None
+    for side, config, value, host_schedule, overhead in (
+            ("A", cfg, 0, True, default_overhead),
+            ("B", cfg_b, diag, not kernel_order, default_overhead if tile_overhead is None
              else tile_overhead)):
         plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal,
-                                           scale=inputs["scale"], config=cfg.to_dict(),
+                                           scale=inputs["scale"], config=config.to_dict(),
                                            diag=value, host_schedule=host_schedule,
                                            tile_overhead=overhead)
         fns[side] = lambda plan=plan: plan(q, k, v)[0]
@@ -70,7 +104,8 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
         for name in order:
             readings[name].append(bench_ms(fns[name]))
     ms = {name: statistics.median(r) for name, r in readings.items()}
-    return {"problem": problem.key(), "config": cfg.key(), "ms": ms, "readings_ms": readings,
+    return {"problem": problem.key(), "config": cfg.key(), "config_b": cfg_b.key(), "ms": ms,
+            "readings_ms": readings,
             "errors": errors, "grid": grids}
 
 
@@ -82,6 +117,9 @@ def main() -> int:
                              "schedule")
     parser.add_argument("--tile-overhead", type=int, default=None,
                         help="the B side's schedule cost of a tile beyond its KV blocks")
+    parser.add_argument("--config", action="append", default=[], metavar="KNOB=VALUE",
+                        help="the B side's config: the default with this knob changed "
+                             "(repeatable)")
     parser.add_argument("--causal", default="none,top_left")
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
@@ -91,8 +129,14 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a Hopper GPU")
-    if not args.diag and not args.kernel_order and args.tile_overhead is None:
-        parser.error("give the B side a switch: --diag N, --kernel-order, --tile-overhead N")
+    if (not args.diag and not args.kernel_order and args.tile_overhead is None
+            and not args.config):
+        parser.error("give the B side a switch: --diag N, --kernel-order, --tile-overhead N, "
+                     "--config KNOB=VALUE")
+    try:
+        overrides = config_overrides(args.config)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     from benchmarks.gluon_fwd_bench import environment, protocol_problems
     from templates.device import current_device
@@ -106,7 +150,9 @@ def main() -> int:
         if problem.causal not in causal:
             continue
         row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device,
-                         args.tile_overhead)
+                         args.tile_overhead, overrides)
+        if row is None:
+            continue
         rows.append(row)
         ms = row["ms"]
         print(f"{problem.key():58s} B/A time {ms['B'] / ms['A']:.3f}x   x cuDNN: "
@@ -117,7 +163,8 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"environment": environment(), "diag": args.diag,
                                    "kernel_order": args.kernel_order,
-                                   "tile_overhead": args.tile_overhead, "rows": rows}, indent=1))
+                                   "tile_overhead": args.tile_overhead,
+                                   "config": overrides, "rows": rows}, indent=1))
     return 0
 
 

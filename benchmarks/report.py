@@ -28,15 +28,19 @@ only the targets' thresholds are written here):
 - ``gluon_fwd*.json``      ``benchmarks/gluon_fwd_bench.py --time``: the Gluon forward's
                            variants beside SDPA cuDNN / FA2 and our Triton forward, per
                            problem (its diagnostic timings, wrong by design, left out);
+- ``gluon_fwd_ab*.json``   ``benchmarks/gluon_fwd_ab.py``: one switch of the Gluon forward
+                           (a DIAG value, the causal order, the schedule's tile cost, changed
+                           knobs) against its default, beside cuDNN, rounds rotated;
 - ``winners*.json``        ``tuner winners --json`` after a sweep of a suite: which
                            implementation won each stored problem (issue 17's target: ours on
                            >= 75% of ``standard``);
 - ``gluon_cudnn_train*.json`` benchmarks/gluon_cudnn_train_bench.py: a training step by the
                            Gluon forward and cuDNN's backward against SDPA's (cuDNN both
                            ways), paired rounds, and the parts alone;
-- ``fwd_compile_sweep*``, ``sweep_quick_trials*``, ``decode_probe*``  compile data, the
-                           recorded trials of a sweep (``tuner replay``'s input) and the first
-                           decode probes: listed, not reported.
+- ``fwd_compile_sweep*``, ``sweep_quick_trials*``, ``decode_probe*``, ``search_winners*``
+                           compile data, the recorded trials of a sweep (``tuner replay``'s
+                           input), the first decode probes and the winners of a sweep of part
+                           of a suite: listed, not reported.
 
 Any other file is listed as skipped with the reason, so a new benchmark's results never break
 the report. A sidecar ``NAME.meta.json`` beside ``NAME.json`` states what the result file does
@@ -58,6 +62,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -1682,6 +1687,58 @@ def hybrid_train_section(src: Source, data: dict[str, Any]) -> Section:
     return Section(src, md, [])
 
 
+# What gluon_fwd_ab.py's DIAG values did (templates/gluon_fwd_kernel.py's ``_softmax_block``;
+# 4 lived only in commit 0ae5ad6, reverted after its A/B).
+DIAG_MEANINGS = {
+    1: "no exponentials (wrong results by design: timing only)",
+    2: "no softmax at all (wrong results by design: timing only)",
+    3: "the O store waited for at once",
+    4: "the row sum on the tensor cores (commit 0ae5ad6, reverted)",
+}
+
+
+def _ab_switch(data: dict[str, Any]) -> str:
+    """What gluon_fwd_ab.py's B side changed, in words."""
+    parts = []
+    if data.get("diag"):
+        meaning = DIAG_MEANINGS.get(data["diag"])
+        parts.append(f"DIAG {data['diag']}" + (f" ({meaning})" if meaning else ""))
+    if data.get("kernel_order"):
+        parts.append("the kernel's own causal order instead of the host's schedule")
+    if data.get("tile_overhead") is not None:
+        parts.append(f"the schedule's tile overhead {data['tile_overhead']}")
+    parts += [f"{knob}={value}" for knob, value in sorted((data.get("config") or {}).items())]
+    return ", ".join(parts) or "nothing (an A/A run)"
+
+
+def gluon_ab_section(src: Source, data: dict[str, Any]) -> Section:
+    """gluon_fwd_ab.py: per problem B's time over A's, the median of the per-round ratios
+    with their range, and each side against cuDNN."""
+    cells = []
+    try:
+        for r in data["rows"]:
+            ms, readings = r["ms"], r["readings_ms"]
+            per_round = [b / a for a, b in zip(readings["A"], readings["B"], strict=True)]
+            cells.append([str(r["problem"]), f"{statistics.median(per_round):.3f}",
+                          f"{min(per_round):.3f}-{max(per_round):.3f}", str(len(per_round)),
+                          _x(_ratio(_num(ms["cudnn"]), _num(ms["A"]))),
+                          _x(_ratio(_num(ms["cudnn"]), _num(ms["B"]))),
+                          f"{max(r['errors'].values()):.1e}"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"a row without {exc}") from exc
+    md = [f"### Gluon forward A/B: `{src.path.name}`", "",
+          f"gluon_fwd_ab.py: A is gluon_fwd's default config, B the same with "
+          f"{_ab_switch(data)}; cuDNN beside them, readings rotated over the three in each "
+          f"round. *B / A time*: the median over rounds of B's time over A's in the same round "
+          f"(below 1: B is faster), then its range; *x cuDNN*: cuDNN's median time over each "
+          f"side's. Every output was checked against fp32 first (largest relative error "
+          f"shown).", ""]
+    md += _table(["problem", "B / A time", "rounds' range", "rounds", "A x cuDNN",
+                  "B x cuDNN", "error"], cells)
+    md.append("")
+    return Section(src, md, [])
+
+
 # Issue 17: our kernels the stored winners on at least this share of `standard`'s problems.
 WINNERS_SHARE_TARGET = 0.75
 
@@ -1752,6 +1809,7 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
          Kind("fwd_quick", "forward", "fwd_quick.py", forward_section),
          Kind("gluon_fwd", "Gluon forward", "gluon_fwd_bench.py --time", gluon_fwd_section,
               "timings"),
+         Kind("gluon_fwd_ab", "Gluon forward A/B", "gluon_fwd_ab.py", gluon_ab_section),
          Kind("fwd_bwd", "forward + backward", "fwd_bwd_bench.py", fwd_bwd_section),
          Kind("gluon_cudnn_train", "training step: Gluon forward + cuDNN backward",
               "gluon_cudnn_train_bench.py --time", hybrid_train_section, "time"),
@@ -1770,7 +1828,11 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
               rows_type=dict),
          Kind("e2e_hf", "end to end (transformers)", "e2e_hf.py", e2e_section, "results",
               dict),
-         Kind("winners", "stored winners", "tuner winners --json", winners_section, "")]
+         Kind("winners", "stored winners", "tuner winners --json", winners_section, ""),
+         Kind("search_winners", "stored winners of a sweep of part of a suite",
+              "tuner winners --json", None, "",
+              why_not="issue 17's share of winners is about the whole `standard` suite; "
+                      "docs/gluon_notes.md reads these")]
 
 
 def kind_of(path: Path) -> Kind | None:

@@ -924,3 +924,30 @@ def test_winners_section_and_its_share_target(report: ModuleType, tmp_path: Path
     assert targets[("our kernels the stored winners of `standard`", "winners_syn.json")] == [
         ">= 75% of problems", "3 of 4", "**met**", "75%, 0 above the 3 needed"]
     assert "- `winners_bad.json`: not a tuner winners --json result (not a list of rows)" in md
+
+
+def test_gluon_ab_section_pairs_readings_by_round(report: ModuleType, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    # B is 10% faster in two rounds of three and 20% slower in one: the median of the
+    # per-round ratios is 0.9, while the ratio of the medians would read 1.0.
+    row = {"problem": "b4-hq16-hkv16-q4096-kv4096-d128-bfloat16-dense", "config": "c",
+           "ms": {"cudnn": 1.1, "A": 1.0, "B": 1.0},
+           "readings_ms": {"cudnn": [1.1, 1.1, 1.1], "A": [1.0, 1.0, 1.0 / 1.2],
+                           "B": [0.9, 0.9, 1.0]},
+           "errors": {"cudnn": 1e-3, "A": 2e-3, "B": 3e-3}, "grid": {"A": 132, "B": 132}}
+    (results / "gluon_fwd_ab_syn.json").write_text(json.dumps(
+        {"environment": env("gluon_fwd_ab.py --config kv_stages=3"), "diag": 2,
+         "kernel_order": False, "tile_overhead": None, "config": {"kv_stages": "3"},
+         "rows": [row]}))
+    broken = dict(row, readings_ms={"A": [1.0], "B": [1.0, 2.0], "cudnn": [1.0]})
+    (results / "gluon_fwd_ab_bad.json").write_text(json.dumps({"diag": 0, "rows": [broken]}))
+    md = run(report, tmp_path, "--no-plots")
+    part = section(md, "### Gluon forward A/B: `gluon_fwd_ab_syn.json`")
+    assert "DIAG 2 (no softmax at all (wrong results by design" in part
+    assert "kv_stages=3" in part
+    assert ("| b4-hq16-hkv16-q4096-kv4096-d128-bfloat16-dense | 0.900 | 0.900-1.200 | 3 | "
+            "1.10x | 1.10x | 3.0e-03 |") in part
+    # Unequal reading counts cannot be paired by round: the file is reported as skipped.
+    assert "`gluon_fwd_ab_bad.json`" in md
+    assert "### Gluon forward A/B: `gluon_fwd_ab_bad.json`" not in md

@@ -1,0 +1,31 @@
+"""benchmarks/gluon_fwd_ab.py's --config: the B side's knobs, parsed and checked on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from templates.gluon_fwd import GluonFwdConfig
+from tests.benchmark_scripts import load_benchmark_script
+
+ab = load_benchmark_script("gluon_fwd_ab")
+
+
+def test_config_overrides_change_only_the_named_knobs() -> None:
+    default = GluonFwdConfig()
+    changed = ab.changed_config(default, ab.config_overrides(["kv_stages=3", "pingpong=false"]))
+    assert changed.kv_stages == 3 and changed.pingpong is False
+    rest = {k: v for k, v in changed.to_dict().items() if k not in ("kv_stages", "pingpong")}
+    assert rest == {k: v for k, v in default.to_dict().items()
+                    if k not in ("kv_stages", "pingpong")}
+    assert ab.changed_config(default, ab.config_overrides(["persistent=1"])).persistent is True
+
+
+@pytest.mark.parametrize(("pairs", "message"), [
+    (["kv_stages"], "--config takes KNOB=VALUE, got 'kv_stages'"),
+    (["=3"], "--config takes KNOB=VALUE"),
+    (["stages=3"], "unknown knob 'stages'; the knobs: ['BLOCK_M'"),
+    (["pingpong=maybe"], "pingpong is a boolean knob: true/false/1/0, got 'maybe'"),
+])
+def test_bad_config_overrides_say_what_is_allowed(pairs: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        ab.changed_config(GluonFwdConfig(), ab.config_overrides(pairs))
