@@ -54,6 +54,17 @@ def changed_config(cfg: Any, overrides: dict[str, str]) -> Any:
     return type(cfg)(**values)
 
 
+def result_name(diag: int, kernel_order: bool, tile_overhead: int | None,
+                overrides: dict[str, str]) -> str:
+    """The JSON file's name, after the B side's switch, so that A/Bs of different switches
+    written to one folder do not overwrite each other."""
+    parts = [f"diag{diag}"] if diag else []
+    parts += ["kernel_order"] if kernel_order else []
+    parts += [f"tile_overhead{tile_overhead}"] if tile_overhead is not None else []
+    parts += [f"{knob}{value}" for knob, value in sorted(overrides.items())]
+    return "gluon_fwd_ab_" + "_".join(parts) + ".json"
+
+
 def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any,
                tile_overhead: int | None = None,
                overrides: dict[str, str] | None = None) -> dict[str, Any] | None:
@@ -125,7 +136,8 @@ def main() -> int:
     parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=os.environ.get("OUT", ""),
-                        help="folder for gluon_fwd_ab.json (default $OUT)")
+                        help="folder for the results, gluon_fwd_ab_<switch>.json "
+                             "(default $OUT)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a Hopper GPU")
@@ -159,7 +171,8 @@ def main() -> int:
               f"A {ms['cudnn'] / ms['A']:.3f}, B {ms['cudnn'] / ms['B']:.3f}   "
               f"max error {max(row['errors'].values()):.1e}", flush=True)
     if args.json:
-        out = Path(args.json) / "gluon_fwd_ab.json"
+        out = Path(args.json) / result_name(args.diag, args.kernel_order, args.tile_overhead,
+                                            overrides)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"environment": environment(), "diag": args.diag,
                                    "kernel_order": args.kernel_order,

@@ -29,3 +29,13 @@ def test_config_overrides_change_only_the_named_knobs() -> None:
 def test_bad_config_overrides_say_what_is_allowed(pairs: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         ab.changed_config(GluonFwdConfig(), ab.config_overrides(pairs))
+
+
+def test_results_of_different_switches_get_different_files() -> None:
+    names = {ab.result_name(1, False, None, {}), ab.result_name(2, False, None, {}),
+             ab.result_name(0, True, None, {}), ab.result_name(0, False, 3, {}),
+             ab.result_name(0, False, None, {"kv_stages": "3"}),
+             ab.result_name(0, False, None, {"kv_stages": "4", "pingpong": "false"})}
+    assert len(names) == 6
+    assert ab.result_name(0, False, None, {"kv_stages": "3"}) == "gluon_fwd_ab_kv_stages3.json"
+    assert all(n.startswith("gluon_fwd_ab_") for n in names)  # report.py's prefix
