@@ -105,6 +105,11 @@ class GluonFwdConfig(KernelConfig):
         "the next tile's Q and K/V while the consumers finish the current one (no per-program "
         "launch or prologue), at the cost of a static assignment (causal: longest first, in "
         "L2-sized head groups, every other round reversed). Needs warp_specialize.")
+    tree_max: bool = knob(
+        False, (False, True),
+        "The softmax's row max of each score block as a tree of independent maxima instead "
+        "of one dependent chain per row (the same instructions, shorter latency): ahead at "
+        "d64, behind at d128 dense on the H100 (docs/gluon_notes.md).")
     ctas_per_sm: int = knob(
         1, (1, 2),
         "Programs meant to share an SM: the register budget (maxnreg) is split between them "
@@ -361,13 +366,16 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     16k, d64 causal 0.76 / 0.55 to 1.02 / 1.04. At D = 256 (one Q buffer per consumer fits)
     the persistent grid was not ahead in run 3, so it stays off there. Within noise (~5%):
     3 stages; clearly behind: 64-key blocks at D <= 128, P through shared memory, two
-    programs per SM, no producer warp, consumers in step (runs 1-3)."""
+    programs per SM, no producer warp, consumers in step (runs 1-3). The row max as a tree
+    at d64 only: against the chain, 7 rounds (session #11), d64 2k-16k 0.95-0.99 of the time
+    (causal 4k/16k 0.967/0.951), 512-1k 0.99-1.01; d128 1.00-1.02, so not there."""
     causal = problem.causal != "none"
     block_n = 64 if problem.head_dim > 128 else 128
     return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,
                           warp_specialize=True, pingpong=True,
                           longest_first=causal and problem.mask == "none",
-                          persistent=problem.head_dim <= 128)
+                          persistent=problem.head_dim <= 128,
+                          tree_max=problem.head_dim == 64)
 
 
 def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:

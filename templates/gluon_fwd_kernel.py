@@ -113,10 +113,38 @@ def _mma_layout(num_warps, n):
 
 
 # ----------------------------------------------------------------------------- softmax
+@gluon.constexpr_function
+def _halvings(n):
+    """How many times a row of ``n`` columns halves before 8 are left (the columns of one
+    wgmma accumulator row that lie in different registers of a thread)."""
+    k = 0
+    while n > 8:
+        n //= 2
+        k += 1
+    return k
+
+
+@gluon.jit
+def _row_max(x, like, TREE: gl.constexpr):
+    """Row maxima of a (rows x n) wgmma accumulator tile, in the layout of ``like``. ``gl.max`` folds
+    a thread's values of a row in one dependent chain (31 deep at n = 128; its FMNMXs were the
+    largest stall of the d64 softmax in ncu's samples); TREE halves the columns instead
+    (independent maxima, log2(n / 8) levels, the same instruction count, all in registers).
+    The same tree for the row sum measured slower (docs/gluon_notes.md)."""
+    if TREE:
+        ROWS: gl.constexpr = x.shape[0]
+        for _ in gl.static_range(_halvings(x.shape[1])):
+            x = gl.max(gl.reshape(x, [ROWS, 2, x.shape[1] // 2]), axis=1)
+        out = gl.convert_layout(gl.max(x, axis=1), like.type.layout)
+    else:
+        out = gl.max(x, axis=1)
+    return out
+
+
 @gluon.jit
 def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, tile_base,
                    tile_on, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                   SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
+                   SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """One online-softmax step on the raw scores ``s`` (rows x BLOCK_N, fp32): returns
     (p, m_new, l_new, alpha) with p = exp2(s * qk_scale - m_new) and alpha the factor that
     rescales what was accumulated before. MASKED blocks hide keys past N_kv, for causal
@@ -142,7 +170,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
                            + gl.expand_dims(cols, 0), mask=visible & tile_on, other=1)
             visible = visible & (tile != 0)
         s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_shift, 1))
         alpha = gl.exp2(m_i - m_shift)
@@ -153,12 +181,12 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         alpha = l_i * 0.0 + 1.0
         l_new = l_i
     elif DIAG == 1:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
         p = s * qk_scale - gl.expand_dims(m_new, 1)
         alpha = m_i - m_new
         l_new = l_i * alpha + gl.sum(p, 1)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + gl.sum(p, 1)
@@ -428,7 +456,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
               PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, SPARSE: gl.constexpr,
-              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
     tensor cores; blocks that ``_needs_mask`` take the masked softmax (causal diagonal, N_kv
@@ -469,11 +497,11 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
         if _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
                                                 causal_offset, tile_base, tile_on, True,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
         else:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
                                                 causal_offset, tile_base, tile_on, False,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
         else:
@@ -513,7 +541,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                    CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                    PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                   MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
+                   MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """One consumer, one tile: ``ROWS`` query rows (from row ``q_row0 + ME * ROWS`` of the
     head) over ``NUM_WARPS`` warps, against every KV block of the tile's range; writes its
     rows of O and LSE. Without WARP_SPECIALIZE it also issues the loads.
@@ -586,11 +614,11 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         if _needs_mask(0, start0, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
                                                 causal_offset, tile_base, tile_on, True,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
         else:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
                                                 causal_offset, tile_base, tile_on, False,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
         # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
         # in shared memory.
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
@@ -605,7 +633,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
             p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
             b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
             KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
-            MASK_BLOCK_KV, DIAG)
+            MASK_BLOCK_KV, DIAG, TREE_MAX)
         if O_FROM_REGISTERS:
             # Every GEMM that reads Q has completed: the producer may load the next tile's.
             mbarrier.arrive(q_empty.index(q_buf), count=1)
@@ -670,7 +698,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr,
-              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """A consumer over its program's tiles: one (tile = program id), or, persistent, one per
     round (``_program_tile``), with ring, turn and Q-buffer phases carried across tiles."""
     if PINGPONG and ME == 1:
@@ -690,7 +718,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
                            causal_offset, qk_scale, it0, ev0, tc, ME, NUM_WARPS, ROWS,
                            HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG,
                            P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                           DIAG)
+                           DIAG, TREE_MAX)
             it0 += n_blocks
             if n_blocks > 0:
                 ev0 += n_blocks + 1
@@ -706,7 +734,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
                        h, kv_h, bh, m0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
                        causal_offset, qk_scale, 0, 0, 0, ME, NUM_WARPS, ROWS, HEAD_DIM,
                        BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
-                       PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)
+                       PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 @gluon.jit
@@ -752,14 +780,14 @@ def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, 
                       PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                       Q_SLOTS: gl.constexpr,
                       SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                      MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
+                      MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """The default partition of a warp-specialized program: consumer 0."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 0, NUM_WARPS, ROWS,
               HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 @gluon.jit
@@ -772,14 +800,14 @@ def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k
                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                      Q_SLOTS: gl.constexpr,
                      SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
+                     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 1, NUM_WARPS, ROWS,
               HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 @gluon.jit
@@ -793,7 +821,7 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
                         LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
                         P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
                         SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                        MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr):
+                        MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """The producer partition (one warp)."""
     Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
     _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
@@ -816,7 +844,7 @@ def _gluon_fwd_kernel(
     WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
     Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-    MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr,
+    MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Program p owns tile p (in _tile_coords' order) or, persistent, one tile per round of
     # ``grid`` tiles or its part of the host's ``Schedule`` (_program_tile). SPARSE: a block
@@ -871,14 +899,14 @@ def _gluon_fwd_kernel(
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
+                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)),
                 (_consumer_second, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)),
+                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
@@ -886,7 +914,7 @@ def _gluon_fwd_kernel(
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                    DIAG)),
+                    DIAG, TREE_MAX)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -897,7 +925,7 @@ def _gluon_fwd_kernel(
                     num_warps,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                    DIAG)),
+                    DIAG, TREE_MAX)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
@@ -905,7 +933,7 @@ def _gluon_fwd_kernel(
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                    DIAG)),
+                    DIAG, TREE_MAX)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
@@ -913,7 +941,7 @@ def _gluon_fwd_kernel(
                   n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                   0, num_warps, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
                   LONGEST_FIRST, False, False, P_SMEM, False, 1, SPARSE, MASK_BLOCK_Q,
-                  MASK_BLOCK_KV, DIAG)
+                  MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -958,7 +986,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
         SPARSE=mask_block is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
-        DIAG=diag, num_warps=consumer_warps(config),
+        DIAG=diag, TREE_MAX=bool(config["tree_max"]), num_warps=consumer_warps(config),
     )
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg
