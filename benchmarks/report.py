@@ -1701,7 +1701,9 @@ def _ab_switch(data: dict[str, Any]) -> str:
     """What gluon_fwd_ab.py's B side changed, in words."""
     parts = []
     if data.get("diag"):
-        meaning = DIAG_MEANINGS.get(data["diag"])
+        # A file may say what its DIAG meant: the numbers of experiments that were not kept
+        # are reused by later ones.
+        meaning = data.get("diag_meaning") or DIAG_MEANINGS.get(data["diag"])
         parts.append(f"DIAG {data['diag']}" + (f" ({meaning})" if meaning else ""))
     if data.get("kernel_order"):
         parts.append("the kernel's own causal order instead of the host's schedule")

@@ -950,4 +950,22 @@ def test_gluon_ab_section_pairs_readings_by_round(report: ModuleType, tmp_path: 
             "1.10x | 1.10x | 3.0e-03 |") in part
     # Unequal reading counts cannot be paired by round: the file is reported as skipped.
     assert "`gluon_fwd_ab_bad.json`" in md
+
+
+def test_gluon_ab_section_prefers_the_files_own_diag_meaning(report: ModuleType,
+                                                             tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    row = {"problem": "b4-hq32-hkv32-q4096-kv4096-d64-bfloat16-dense", "config": "c",
+           "ms": {"cudnn": 1.0, "A": 1.0, "B": 1.1},
+           "readings_ms": {"cudnn": [1.0], "A": [1.0], "B": [1.1]},
+           "errors": {"cudnn": 1e-3, "A": 2e-3, "B": 2e-3}, "grid": {"A": 132, "B": 132}}
+    (results / "gluon_fwd_ab_reused.json").write_text(json.dumps(
+        {"environment": env("gluon_fwd_ab.py --diag 2"), "diag": 2, "kernel_order": False,
+         "tile_overhead": None, "config": {}, "diag_meaning": "an experiment not kept",
+         "rows": [row]}))
+    md = run(report, tmp_path, "--no-plots")
+    part = section(md, "### Gluon forward A/B: `gluon_fwd_ab_reused.json`")
+    assert "DIAG 2 (an experiment not kept)" in part
+    assert "no softmax at all" not in part
     assert "### Gluon forward A/B: `gluon_fwd_ab_bad.json`" not in md
