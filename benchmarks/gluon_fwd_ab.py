@@ -7,8 +7,8 @@ two rounds per head group, instead of the host's ``lpt_schedule``) and/or with
 PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
 an fp32 reference first; readings rotate over the candidates.
 
-    python3 benchmarks/gluon_fwd_ab.py (--diag 3 | --kernel-order | --tile-overhead 2
-                                        | --config kv_stages=3 ...)
+    python3 benchmarks/gluon_fwd_ab.py (--diag 3 [--diag-meaning TEXT] | --kernel-order
+                                        | --tile-overhead 2 | --config kv_stages=3 ...)
         [--head-dims 128,64]
         [--seqlens 512,...] [--causal none,top_left] [--rounds 5] [--json DIR]
 """
@@ -63,6 +63,16 @@ def result_name(diag: int, kernel_order: bool, tile_overhead: int | None,
     parts += [f"tile_overhead{tile_overhead}"] if tile_overhead is not None else []
     parts += [f"{knob}{value}" for knob, value in sorted(overrides.items())]
     return "gluon_fwd_ab_" + "_".join(parts) + ".json"
+
+
+def result_payload(env: dict[str, Any], diag: int, diag_meaning: str | None,
+                   kernel_order: bool, tile_overhead: int | None, overrides: dict[str, str],
+                   rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result file's content; ``diag_meaning`` (what the DIAG did, in words) only when
+    given: benchmarks/report.py prefers it to its own list of DIAG values."""
+    meaning = {"diag_meaning": diag_meaning} if diag_meaning else {}
+    return {"environment": env, "diag": diag, **meaning, "kernel_order": kernel_order,
+            "tile_overhead": tile_overhead, "config": overrides, "rows": rows}
 
 
 def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any,
@@ -123,6 +133,9 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--diag", type=int, default=0, help="the B side's DIAG value")
+    parser.add_argument("--diag-meaning", default=None,
+                        help="what the DIAG value does, in words, kept in the result file "
+                             "(an experiment's DIAG number is reused once it is reverted)")
     parser.add_argument("--kernel-order", action="store_true",
                         help="the B side walks the kernel's own causal order, not the host's "
                              "schedule")
@@ -174,10 +187,9 @@ def main() -> int:
         out = Path(args.json) / result_name(args.diag, args.kernel_order, args.tile_overhead,
                                             overrides)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"environment": environment(), "diag": args.diag,
-                                   "kernel_order": args.kernel_order,
-                                   "tile_overhead": args.tile_overhead,
-                                   "config": overrides, "rows": rows}, indent=1))
+        out.write_text(json.dumps(result_payload(
+            environment(), args.diag, args.diag_meaning, args.kernel_order, args.tile_overhead,
+            overrides, rows), indent=1))
     return 0
 
 

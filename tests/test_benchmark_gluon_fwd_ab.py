@@ -39,3 +39,9 @@ def test_results_of_different_switches_get_different_files() -> None:
     assert len(names) == 6
     assert ab.result_name(0, False, None, {"kv_stages": "3"}) == "gluon_fwd_ab_kv_stages3.json"
     assert all(n.startswith("gluon_fwd_ab_") for n in names)  # report.py's prefix
+
+
+def test_a_diag_meaning_is_kept_only_when_given() -> None:
+    kept = ab.result_payload({}, 5, "the row max as a tree", False, None, {}, [])
+    assert kept["diag_meaning"] == "the row max as a tree" and kept["diag"] == 5
+    assert "diag_meaning" not in ab.result_payload({}, 5, None, False, None, {}, [])
