@@ -126,11 +126,11 @@ def _halvings(n):
 
 @gluon.jit
 def _row_max(x, like, TREE: gl.constexpr):
-    """Row maxima of a (rows x n) wgmma accumulator tile, in the layout of ``like``. ``gl.max`` folds
-    a thread's values of a row in one dependent chain (31 deep at n = 128; its FMNMXs were the
-    largest stall of the d64 softmax in ncu's samples); TREE halves the columns instead
-    (independent maxima, log2(n / 8) levels, the same instruction count, all in registers).
-    The same tree for the row sum measured slower (docs/gluon_notes.md)."""
+    """Row maxima of a (rows x n) wgmma accumulator tile, in the layout of ``like``.
+    ``gl.max`` folds a thread's values of a row in one dependent chain (31 deep at n = 128;
+    its FMNMXs were the largest stall of the d64 softmax in ncu's samples); TREE halves the
+    columns instead (independent maxima, log2(n / 8) levels, the same instruction count, all
+    in registers). The same tree for the row sum measured slower (docs/gluon_notes.md)."""
     if TREE:
         ROWS: gl.constexpr = x.shape[0]
         for _ in gl.static_range(_halvings(x.shape[1])):
@@ -144,7 +144,8 @@ def _row_max(x, like, TREE: gl.constexpr):
 @gluon.jit
 def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, tile_base,
                    tile_on, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                   SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
+                   SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
+                   TREE_MAX: gl.constexpr):
     """One online-softmax step on the raw scores ``s`` (rows x BLOCK_N, fp32): returns
     (p, m_new, l_new, alpha) with p = exp2(s * qk_scale - m_new) and alpha the factor that
     rescales what was accumulated before. MASKED blocks hide keys past N_kv, for causal
@@ -456,7 +457,8 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
               PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, SPARSE: gl.constexpr,
-              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
+              TREE_MAX: gl.constexpr):
     """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
     tensor cores; blocks that ``_needs_mask`` take the masked softmax (causal diagonal, N_kv
@@ -497,11 +499,13 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
         if _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
                                                 causal_offset, tile_base, tile_on, True,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
         else:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
                                                 causal_offset, tile_base, tile_on, False,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
         else:
@@ -614,11 +618,13 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         if _needs_mask(0, start0, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
                                                 causal_offset, tile_base, tile_on, True,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
         else:
             p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
                                                 causal_offset, tile_base, tile_on, False,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
         # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
         # in shared memory.
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
@@ -698,7 +704,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr,
-              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
+              TREE_MAX: gl.constexpr):
     """A consumer over its program's tiles: one (tile = program id), or, persistent, one per
     round (``_program_tile``), with ring, turn and Q-buffer phases carried across tiles."""
     if PINGPONG and ME == 1:
@@ -844,7 +851,8 @@ def _gluon_fwd_kernel(
     WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
     Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-    MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr, num_warps: gl.constexpr,
+    MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     # Program p owns tile p (in _tile_coords' order) or, persistent, one tile per round of
     # ``grid`` tiles or its part of the host's ``Schedule`` (_program_tile). SPARSE: a block
@@ -899,14 +907,16 @@ def _gluon_fwd_kernel(
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)),
+                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
+                    TREE_MAX)),
                 (_consumer_second, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)),
+                    P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
+                    TREE_MAX)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
