@@ -110,12 +110,6 @@ class GluonFwdConfig(KernelConfig):
         "The softmax's row max of each score block as a tree of independent maxima instead "
         "of one dependent chain per row (the same instructions, shorter latency): ahead at "
         "d64, behind at d128 dense on the H100 (docs/gluon_notes.md).")
-    overlap_tiles: bool = knob(
-        False, (False, True),
-        "Persistent grids with two Q buffers per consumer: the next tile's first QK^T GEMM "
-        "is issued with this tile's last PV GEMM and its softmax runs under it, this tile's "
-        "epilogue after, so no batch of one lone GEMM sits between two tiles (most of the "
-        "per-tile cost at short sequences).")
     ctas_per_sm: int = knob(
         1, (1, 2),
         "Programs meant to share an SM: the register budget (maxnreg) is split between them "
@@ -191,11 +185,6 @@ class GluonFwdTemplate(GluonTemplate):
             return "pingpong needs warp_specialize=True and consumers=2"
         if cfg.persistent and not cfg.warp_specialize:
             return "persistent needs warp_specialize=True (the producer warp walks the tiles)"
-        if cfg.overlap_tiles and not (cfg.persistent and kernel is not None and kernel.q_slots(
-                problem.head_dim, cfg.to_dict()) == 2):
-            return ("overlap_tiles needs persistent=True and room in shared memory for two "
-                    "Q buffers per consumer beside the K/V ring (D <= 128; at D = 128 with "
-                    "128-key blocks, kv_stages <= 2)")
         if cfg.persistent and cfg.ctas_per_sm > 1:
             return "persistent programs take a whole SM each; use ctas_per_sm=1"
         if mask_block is not None:

@@ -194,26 +194,6 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     return p, m_new, l_new, alpha
 
 
-@gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, offs_m, j, start_n, n_full, m0, N_KV, causal_offset,
-                  tile_base, tile_on, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                  SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
-                  TREE_MAX: gl.constexpr):
-    """``_softmax_block`` of KV block j, masked where ``_needs_mask`` says so. The two steps
-    sit in basic blocks of their own (the run-time branch): in straight-line code ptxas moved
-    the PV wait above the exponentials (seen in the SASS), so the softmax no longer ran under
-    the PV GEMM."""
-    if _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
-                                            causal_offset, tile_base, tile_on, True, CAUSAL,
-                                            BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
-    else:
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
-                                            causal_offset, tile_base, tile_on, False, CAUSAL,
-                                            BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
-    return p, m_i, l_i, alpha
-
-
 # ----------------------------------------------------------------------------- loads
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, j,
@@ -410,20 +390,6 @@ def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_em
     consumer released the block that held it. ``it0`` counts the blocks of earlier tiles
     (ring position and phase); empty barriers start in phase 0, so the first pass through
     a ring waits for nothing."""
-    _load_q(q_desc, q_bufs, q_ready, q_empty, b, h, q_row0, tc, Q_LOADS, Q_ROWS, PERSISTENT,
-            Q_SLOTS)
-    for j in range(n_blocks):
-        _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, b,
-                       kv_h, j, it0, n_full, lrow, lists, KV_STAGES, BLOCK_N, SPARSE,
-                       MASK_BLOCK_KV)
-
-
-@gluon.jit
-def _load_q(q_desc, q_bufs, q_ready, q_empty, b, h, q_row0, tc, Q_LOADS: gl.constexpr,
-            Q_ROWS: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr):
-    """The query rows of the program's ``tc``-th tile, each consumer's into its Q buffer
-    ``tc % Q_SLOTS`` (in a persistent program, once that consumer released what the buffer
-    held)."""
     q_phase = (tc // Q_SLOTS) & 1
     for c in gl.static_range(Q_LOADS):
         q_buf = c * Q_SLOTS + tc % Q_SLOTS
@@ -432,69 +398,17 @@ def _load_q(q_desc, q_bufs, q_ready, q_empty, b, h, q_row0, tc, Q_LOADS: gl.cons
         mbarrier.expect(q_ready.index(q_buf), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q_row0 + c * Q_ROWS, 0], q_ready.index(q_buf),
                   q_bufs.index(q_buf))
-
-
-@gluon.jit
-def _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, b, kv_h,
-                   j, it0, n_full, lrow, lists, KV_STAGES: gl.constexpr,
-                   BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
-    """K and V of a tile's KV block j (ring position ``it0 + j``), each into its ring slot
-    once every consumer released the block that held it."""
-    g = it0 + j
-    slot = g % KV_STAGES
-    phase = ((g // KV_STAGES) & 1) ^ 1
-    start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
-    mbarrier.wait(k_empty.index(slot), phase)
-    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-    _tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
-    mbarrier.wait(v_empty.index(slot), phase)
-    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-    _tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
-
-
-@gluon.jit
-def _producer_overlapped(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group,
-                         H_Q, GROUP, N_KV, causal_offset, lists, Q_LOADS: gl.constexpr,
-                         ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         LONGEST_FIRST: gl.constexpr, SPARSE: gl.constexpr,
-                         MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
-    """The producer of overlapped tiles (``_consumer_overlapped``). The next tile's Q is
-    needed at this tile's last KV block, so it loads early: right after KV block 1 (block 0
-    for a tile of one block, at once for a tile of none), when the consumers hand its buffer
-    back (under their step-1 GEMMs; earlier would wait on the O store). Issued with the next
-    tile's K/V, as ``_producer`` does, it would arrive a step too late at short sequences."""
-    n_prog = _program_tiles(n_tiles, lists, LONGEST_FIRST)
-    if n_prog > 0:
-        b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
-            _program_tile(0, lists, LONGEST_FIRST), n_q_tiles, head_group, H_Q, GROUP, N_KV,
-            causal_offset, lists, BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE,
-            MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
-        _load_q(q_desc, q_bufs, q_ready, q_empty, b, h, m0, 0, Q_LOADS, ROWS, True, 2)
-    it0 = 0
-    for tc in range(n_prog):
-        b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
-            _program_tile(tc, lists, LONGEST_FIRST), n_q_tiles, head_group, H_Q, GROUP, N_KV,
-            causal_offset, lists, BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE,
-            MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
-        nb, nh, nkv_h, nbh, nm0, n_blocks_next, n_full_next, lrow_next = _tile_coords(
-            _program_tile(gl.minimum(tc + 1, n_prog - 1), lists, LONGEST_FIRST), n_q_tiles,
-            head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M, BLOCK_N, CAUSAL,
-            LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
-        has_next = tc + 1 < n_prog
-        q_after = gl.minimum(n_blocks - 1, 1)  # -1: a tile without KV blocks
-        if has_next & (q_after < 0):
-            _load_q(q_desc, q_bufs, q_ready, q_empty, nb, nh, nm0, tc + 1, Q_LOADS, ROWS,
-                    True, 2)
-        for j in range(n_blocks):
-            _load_kv_block(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                           b, kv_h, j, it0, n_full, lrow, lists, KV_STAGES, BLOCK_N, SPARSE,
-                           MASK_BLOCK_KV)
-            if has_next & (j == q_after):
-                _load_q(q_desc, q_bufs, q_ready, q_empty, nb, nh, nm0, tc + 1, Q_LOADS, ROWS,
-                        True, 2)
-        it0 += n_blocks
+    for j in range(n_blocks):
+        g = it0 + j
+        slot = g % KV_STAGES
+        phase = ((g // KV_STAGES) & 1) ^ 1
+        start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
 # ----------------------------------------------------------------------------- consumer
@@ -544,16 +458,14 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
               KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
               PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, SPARSE: gl.constexpr,
               MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
-              TREE_MAX: gl.constexpr, q_empty, release_buf, release_on,
-              RELEASE: gl.constexpr):
+              TREE_MAX: gl.constexpr):
     """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
     tensor cores; blocks that ``_needs_mask`` take the masked softmax (causal diagonal, N_kv
     tail, a block mask's partial blocks). Ring positions count from ``it0``, ping-pong turns
     from ``ev0`` (earlier tiles of a persistent program). Carries (acc, P_{j-1} as the A
     operand in registers (or a placeholder when P_SMEM keeps it in ``p_smem``), m, l,
-    alpha). RELEASE (tile overlap): under step 1's GEMMs, Q buffer ``release_buf`` goes
-    back to the producer once its O store read it, where ``release_on``."""
+    alpha)."""
     s_layout: gl.constexpr = offs_m.type.layout.parent
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -580,13 +492,20 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
-        if RELEASE:  # noqa: SIM102  (a constexpr, then a run-time condition)
-            if j == 1:
-                _release_o_buffer(q_empty, release_buf, release_on)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, j, start_n, n_full,
-                                           m0, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
-                                           BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+        # The softmax sits in basic blocks of their own (the branch between the masked and the
+        # unmasked step): in straight-line code ptxas moved the PV wait above the
+        # exponentials (seen in the SASS), so the softmax no longer ran under the PV GEMM.
+        if _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
+                                                causal_offset, tile_base, tile_on, True,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
+        else:
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
+                                                causal_offset, tile_base, tile_on, False,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
         else:
@@ -607,12 +526,12 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
 
 
 @gluon.jit
-def _release_o_buffer(q_empty, q_buf, on):
+def _release_o_buffer(q_empty, q_buf, tc):
     """A persistent consumer with two Q buffers: once the TMA store of the previous tile's O
     has read buffer ``q_buf``, hand it back, so the producer may load the tile after next
-    into it (where ``on``: the program's first tile has no previous one)."""
+    into it (``tc`` counts this program's tiles: the first has no previous one)."""
     tma.store_wait(0)
-    if on:
+    if tc > 0:
         mbarrier.arrive(q_empty.index(q_buf), count=1)
 
 
@@ -646,6 +565,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     # Only the producer warp walks a block mask's lists (the template refuses the rest).
     gl.static_assert(WARP_SPECIALIZE or not SPARSE)
@@ -691,13 +611,20 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
         if DEFER_O_WAIT:
-            _release_o_buffer(q_empty, prev_buf, tc > 0)
+            _release_o_buffer(q_empty, prev_buf, tc)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot0), count=1)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, start0, n_full,
-                                           m0, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
-                                           BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+        if _needs_mask(0, start0, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
+                                                causal_offset, tile_base, tile_on, True,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
+        else:
+            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
+                                                causal_offset, tile_base, tile_on, False,
+                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
+                                                TREE_MAX)
         # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
         # in shared memory.
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
@@ -712,64 +639,32 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
             p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
             b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
             KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
-            MASK_BLOCK_KV, DIAG, TREE_MAX, q_empty, 0, False, False)
+            MASK_BLOCK_KV, DIAG, TREE_MAX)
         if O_FROM_REGISTERS:
             # Every GEMM that reads Q has completed: the producer may load the next tile's.
             mbarrier.arrive(q_empty.index(q_buf), count=1)
 
         # -- the last PV GEMM.
-        acc = _last_pv(acc, p_op, alpha, p_smem, v_bufs, v_ready, v_empty, turns,
-                       it0 + n_blocks - 1, ev0 + n_blocks, q_empty, 0, False, ME, HEAD_DIM,
-                       BLOCK_N, KV_STAGES, WARP_SPECIALIZE, PINGPONG, P_SMEM, False)
+        last = it0 + n_blocks - 1
+        slot = last % KV_STAGES
+        if PINGPONG:
+            mbarrier.wait(turns.index(ME), (ev0 + n_blocks) & 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
+        v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - ME), count=1)
+        acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
+        if WARP_SPECIALIZE:
+            mbarrier.arrive(v_empty.index(slot), count=1)
     else:
         if O_FROM_REGISTERS:
             mbarrier.arrive(q_empty.index(q_buf), count=1)
         if DEFER_O_WAIT:
-            _release_o_buffer(q_empty, prev_buf, tc > 0)
+            _release_o_buffer(q_empty, prev_buf, tc)
 
-    _store_tile(acc, m_i, l_i, o_desc, Out, LSE, q_bufs, q_empty, q_buf, b, h, bh, m0, N_Q,
-                ROWS, HEAD_DIM, O_FROM_REGISTERS, DEFER_O_WAIT, PERSISTENT)
-
-
-@gluon.jit
-def _last_pv(acc, p_op, alpha, p_smem, v_bufs, v_ready, v_empty, turns, last, ev, q_empty,
-             release_buf, release_on, ME: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-             PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, RELEASE: gl.constexpr):
-    """A tile's last PV GEMM alone (ring position ``last``, the ``ev``-th GEMM batch of the
-    program): returns the finished accumulator. RELEASE: as in ``_kv_steps``."""
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    slot = last % KV_STAGES
-    if PINGPONG:
-        mbarrier.wait(turns.index(ME), ev & 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
-    v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - ME), count=1)
-    if RELEASE:
-        _release_o_buffer(q_empty, release_buf, release_on)
-    if P_SMEM:
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-    else:
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-    if WARP_SPECIALIZE:
-        mbarrier.arrive(v_empty.index(slot), count=1)
-    return acc
-
-
-@gluon.jit
-def _store_tile(acc, m_i, l_i, o_desc, Out, LSE, q_bufs, q_empty, q_buf, b, h, bh, m0, N_Q,
-                ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, O_FROM_REGISTERS: gl.constexpr,
-                DEFER_O_WAIT: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The epilogue of one consumer's ``ROWS`` rows from ``m0``: normalize, then store LSE
-    and O; rows that saw no key get o = 0 and lse = -inf (never NaN). O goes out from
-    registers (O_FROM_REGISTERS) or through Q buffer ``q_buf`` by TMA; DEFER_O_WAIT leaves
-    waiting for that store's read of the buffer to a later GEMM batch."""
-    o_layout: gl.constexpr = acc.type.layout
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = q_bufs.dtype
+    # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
     l_o = gl.convert_layout(l_i, row_o)
     m_o = gl.convert_layout(m_i, row_o)
     seen = l_o > 0.0
@@ -789,7 +684,7 @@ def _store_tile(acc, m_i, l_i, o_desc, Out, LSE, q_bufs, q_empty, q_buf, b, h, b
     else:
         # O leaves through this consumer's Q buffer (every GEMM that read Q has completed)
         # and a TMA store, which drops the rows past N_q.
-        q_bufs.index(q_buf).reshape([ROWS, HEAD_DIM]).store(o.to(dtype))
+        q_smem.store(o.to(dtype))
         fence_async_shared()
         _tma_store(o_desc, [b, h, m0, 0], q_bufs.index(q_buf))
         if not DEFER_O_WAIT:
@@ -798,202 +693,6 @@ def _store_tile(acc, m_i, l_i, o_desc, Out, LSE, q_bufs, q_empty, q_buf, b, h, b
             if PERSISTENT:
                 # The producer may load the tile after next into this buffer.
                 mbarrier.arrive(q_empty.index(q_buf), count=1)
-
-
-@gluon.jit
-def _next_tile_first_block(acc, p_op, alpha, q_smem, p_smem, k_bufs, v_bufs, k_ready, v_ready,
-                           k_empty, v_empty, turns, it_next, ev, n_full, lrow, lists, m0, offs_m, N_KV, causal_offset,
-                           qk_scale, ME: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
-                           SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                           MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
-                           TREE_MAX: gl.constexpr):
-    """One GEMM batch across two tiles: S_0 of the next tile (Q in ``q_smem``, its block 0 at
-    ring position ``it_next``, rows from ``m0``) with the last PV GEMM of this one (the block
-    before it in the ring), and the next tile's first softmax under that PV GEMM, as a step
-    of ``_kv_steps`` does within a tile. Returns (this tile's finished accumulator, the next
-    tile's P_0 as the PV GEMM's A operand, m, l, alpha)."""
-    s_layout: gl.constexpr = offs_m.type.layout.parent
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    slot0 = it_next % KV_STAGES
-    last = it_next - 1
-    slot = last % KV_STAGES
-    start0 = _kv_start(0, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
-    tile_base, tile_on = _mask_tile(0, n_full, lrow, m0, lists, BLOCK_N, SPARSE, MASK_BLOCK_Q,
-                                    MASK_BLOCK_KV)
-    if PINGPONG:
-        mbarrier.wait(turns.index(ME), ev & 1)
-    mbarrier.wait(k_ready.index(slot0), (it_next // KV_STAGES) & 1)
-    k_smem = k_bufs.index(slot0).reshape([BLOCK_N, HEAD_DIM])
-    s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)),
-                          gl.zeros([offs_m.shape[0], BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
-    v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - ME), count=1)
-    s = warpgroup_mma_wait(1, deps=(s_tok,))
-    m_i = gl.full([offs_m.shape[0]], float("-inf"), gl.float32, offs_m.type.layout)
-    l_i = gl.full([offs_m.shape[0]], 0.0, gl.float32, offs_m.type.layout)
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, start0, n_full, m0,
-                                       N_KV, causal_offset, tile_base, tile_on, CAUSAL,
-                                       BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
-    mbarrier.arrive(k_empty.index(slot0), count=1)
-    acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
-    p_op = _stage_p(p, p_op, p_smem, P_SMEM)
-    mbarrier.arrive(v_empty.index(slot), count=1)
-    return acc, p_op, m_i, l_i, alpha
-
-
-@gluon.jit
-def _consumer_overlapped(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
-                         v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
-                         n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset,
-                         qk_scale, lists, ME: gl.constexpr, NUM_WARPS: gl.constexpr,
-                         ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
-                         P_SMEM: gl.constexpr, SPARSE: gl.constexpr,
-                         MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
-                         DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
-    """A persistent consumer with two Q buffers whose tiles overlap (``OVERLAP``): the next
-    tile's S_0 is issued with this tile's last PV GEMM (``_next_tile_first_block``), its
-    softmax runs under that GEMM, and this tile's epilogue follows. Without it, every tile
-    starts with S_0 alone and ends with PV alone, two batches of one GEMM whose softmax and
-    epilogue nothing in this warpgroup hides: about one block's worth of idle tensor cores
-    per tile, most of the time at short sequences (4 blocks per tile at 512 keys).
-
-    Loop state: ``started`` says the current tile's block 0 was done by the previous
-    transition (its coordinates then carried); ``pending`` that the previous tile's O store
-    still holds its Q buffer, which goes back to the producer under the next GEMM batch
-    (block 0 alone, step 1, the next transition or the last PV); ``ev`` counts the
-    program's GEMM batches (ping-pong turn phases), ``it0`` its KV blocks (ring phases).
-    Tiles without KV blocks break the chain: the tile before ends with its PV alone."""
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    p_smem = p_bufs.index(ME)
-    n_prog = _program_tiles(n_tiles, lists, LONGEST_FIRST)
-    b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
-        _program_tile(0, lists, LONGEST_FIRST), n_q_tiles, head_group, H_Q, GROUP, N_KV,
-        causal_offset, lists, BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q,
-        MASK_BLOCK_KV, NUM_WARPS)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
-    alpha = gl.full([ROWS], 0.0, gl.float32, row_s)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    p_op = gl.to_tensor(0) if P_SMEM else gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-    it0 = 0
-    ev = 0
-    started = False
-    pending = False
-    for tc in range(n_prog):
-        q_buf = ME * 2 + tc % 2
-        prev_buf = ME * 2 + (tc + 1) % 2
-        q_smem = q_bufs.index(q_buf).reshape([ROWS, HEAD_DIM])
-        if not started:
-            b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
-                _program_tile(tc, lists, LONGEST_FIRST), n_q_tiles, head_group, H_Q, GROUP,
-                N_KV, causal_offset, lists, BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE,
-                MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
-            rows0 = m0 + ME * ROWS
-            offs_m = rows0 + gl.arange(0, ROWS, layout=row_s)
-            mbarrier.wait(q_ready.index(q_buf), (tc // 2) & 1)
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-            l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            if n_blocks > 0:
-                # -- block 0 alone (the tile before ended with its PV alone, or none came).
-                slot0 = it0 % KV_STAGES
-                start0 = _kv_start(0, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
-                tile_base, tile_on = _mask_tile(0, n_full, lrow, rows0, lists, BLOCK_N, SPARSE,
-                                                MASK_BLOCK_Q, MASK_BLOCK_KV)
-                if PINGPONG:
-                    mbarrier.wait(turns.index(ME), ev & 1)
-                mbarrier.wait(k_ready.index(slot0), (it0 // KV_STAGES) & 1)
-                k_smem = k_bufs.index(slot0).reshape([BLOCK_N, HEAD_DIM])
-                s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)),
-                                      gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                                      use_acc=False, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turns.index(1 - ME), count=1)
-                _release_o_buffer(q_empty, prev_buf, pending)
-                pending = False
-                s = warpgroup_mma_wait(0, deps=(s_tok,))
-                mbarrier.arrive(k_empty.index(slot0), count=1)
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, start0,
-                                                   n_full, rows0, N_KV, causal_offset,
-                                                   tile_base, tile_on, CAUSAL, BLOCK_N, SPARSE,
-                                                   MASK_BLOCK_KV, DIAG, TREE_MAX)
-                p_op = _stage_p(p, p_op, p_smem, P_SMEM)
-                ev += 1
-        rows0 = m0 + ME * ROWS
-        offs_m = rows0 + gl.arange(0, ROWS, layout=row_s)
-        if n_blocks > 0:
-            # -- blocks 1..n_blocks-1 (ev - 1: the batch of block 0).
-            acc, p_op, m_i, l_i, alpha = _kv_steps(
-                acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev - 1, q_smem,
-                p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                turns, b, kv_h, rows0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM,
-                BLOCK_N, KV_STAGES, CAUSAL, True, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
-                MASK_BLOCK_KV, DIAG, TREE_MAX, q_empty, prev_buf, pending, True)
-            if n_blocks > 1:
-                pending = False
-            ev += n_blocks - 1
-        # -- the transition: the next tile's coordinates (the last tile reads its own again).
-        (nb, nh, nkv_h, nbh, nm0, n_blocks_next, n_full_next, lrow_next) = _tile_coords(
-            _program_tile(gl.minimum(tc + 1, n_prog - 1), lists, LONGEST_FIRST), n_q_tiles,
-            head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M, BLOCK_N, CAUSAL,
-            LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
-        chain = (n_blocks > 0) & (tc + 1 < n_prog) & (n_blocks_next > 0)
-        if chain:
-            next_buf = ME * 2 + (tc + 1) % 2
-            # A tile of one block had no step 1: the previous tile's buffer still waits to go
-            # back, and the next tile's Q loads into it.
-            _release_o_buffer(q_empty, prev_buf, pending)
-            pending = False
-            mbarrier.wait(q_ready.index(next_buf), ((tc + 1) // 2) & 1)
-            next_rows0 = nm0 + ME * ROWS
-            next_offs_m = next_rows0 + gl.arange(0, ROWS, layout=row_s)
-            acc, p_op, m_next, l_next, alpha = _next_tile_first_block(
-                acc, p_op, alpha, q_bufs.index(next_buf).reshape([ROWS, HEAD_DIM]), p_smem,
-                k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, it0 + n_blocks, ev,
-                n_full_next, lrow_next, lists,
-                next_rows0, next_offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
-                KV_STAGES, CAUSAL, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
-                TREE_MAX)
-            ev += 1
-            _store_tile(acc, m_i, l_i, o_desc, Out, LSE, q_bufs, q_empty, q_buf, b, h, bh,
-                        rows0, N_Q, ROWS, HEAD_DIM, False, True, True)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            m_i = m_next
-            l_i = l_next
-            b, h, kv_h, bh, m0, n_blocks_cur = nb, nh, nkv_h, nbh, nm0, n_blocks
-            n_full, lrow = n_full_next, lrow_next
-            n_blocks = n_blocks_next
-            it0 += n_blocks_cur
-            started = True
-        else:
-            if n_blocks > 0:
-                acc = _last_pv(acc, p_op, alpha, p_smem, v_bufs, v_ready, v_empty, turns,
-                               it0 + n_blocks - 1, ev, q_empty, prev_buf, pending, ME, HEAD_DIM,
-                               BLOCK_N, KV_STAGES, True, PINGPONG, P_SMEM, True)
-                ev += 1
-            else:
-                # No GEMM to hide it under: the previous tile's buffer goes back now.
-                _release_o_buffer(q_empty, prev_buf, pending)
-            _store_tile(acc, m_i, l_i, o_desc, Out, LSE, q_bufs, q_empty, q_buf, b, h, bh,
-                        rows0, N_Q, ROWS, HEAD_DIM, False, True, True)
-            it0 += n_blocks
-            started = False
-        pending = True
-    # The last tile's O store must have read shared memory before the program ends.
-    tma.store_wait(0)
 
 
 @gluon.jit
@@ -1006,21 +705,13 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr,
               MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
-              TREE_MAX: gl.constexpr, OVERLAP: gl.constexpr):
+              TREE_MAX: gl.constexpr):
     """A consumer over its program's tiles: one (tile = program id), or, persistent, one per
     round (``_program_tile``), with ring, turn and Q-buffer phases carried across tiles."""
     if PINGPONG and ME == 1:
         # Consumer 1 hands the first turn to consumer 0.
         mbarrier.arrive(turns.index(0), count=1)
-    if OVERLAP:
-        gl.static_assert(PERSISTENT and Q_SLOTS == 2 and WARP_SPECIALIZE)
-        _consumer_overlapped(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
-                             v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                             turns, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV,
-                             causal_offset, qk_scale, lists, ME, NUM_WARPS, ROWS, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
-                             P_SMEM, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
-    elif PERSISTENT:
+    if PERSISTENT:
         it0 = 0
         ev0 = 0
         for tc in range(_program_tiles(n_tiles, lists, LONGEST_FIRST)):
@@ -1060,16 +751,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
               Q_LOADS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
-              SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
-              OVERLAP: gl.constexpr):
+              SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """The producer warp over its program's tiles (the consumers' sequence)."""
-    if OVERLAP:
-        _producer_overlapped(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                             k_ready, v_ready, k_empty, v_empty, n_tiles, n_q_tiles,
-                             head_group, H_Q, GROUP, N_KV, causal_offset, lists, Q_LOADS, ROWS,
-                             BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, SPARSE,
-                             MASK_BLOCK_Q, MASK_BLOCK_KV)
-    elif PERSISTENT:
+    if PERSISTENT:
         it0 = 0
         for tc in range(_program_tiles(n_tiles, lists, LONGEST_FIRST)):
             t = _program_tile(tc, lists, LONGEST_FIRST)
@@ -1103,16 +787,14 @@ def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, 
                       PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                       Q_SLOTS: gl.constexpr,
                       SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                      MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
-                      TREE_MAX: gl.constexpr, OVERLAP: gl.constexpr):
+                      MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """The default partition of a warp-specialized program: consumer 0."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 0, NUM_WARPS, ROWS,
               HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX,
-              OVERLAP)
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 @gluon.jit
@@ -1125,16 +807,14 @@ def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k
                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                      Q_SLOTS: gl.constexpr,
                      SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
-                      TREE_MAX: gl.constexpr, OVERLAP: gl.constexpr):
+                     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 1, NUM_WARPS, ROWS,
               HEAD_DIM,
               BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
-              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX,
-              OVERLAP)
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 @gluon.jit
@@ -1148,14 +828,13 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
                         LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
                         P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
                         SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                        MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
-                      TREE_MAX: gl.constexpr, OVERLAP: gl.constexpr):
+                        MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """The producer partition (one warp)."""
     Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
     _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
               v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
               causal_offset, lists, Q_LOADS, ROWS, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-              LONGEST_FIRST, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, OVERLAP)
+              LONGEST_FIRST, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -1173,7 +852,6 @@ def _gluon_fwd_kernel(
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
     Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr,
-    OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     # Program p owns tile p (in _tile_coords' order) or, persistent, one tile per round of
@@ -1230,7 +908,7 @@ def _gluon_fwd_kernel(
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
                     P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
-                    TREE_MAX, OVERLAP)),
+                    TREE_MAX)),
                 (_consumer_second, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
@@ -1238,7 +916,7 @@ def _gluon_fwd_kernel(
                     WG_WARPS, ROWS,
                     HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
                     P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
-                    TREE_MAX, OVERLAP)),
+                    TREE_MAX)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
@@ -1246,7 +924,7 @@ def _gluon_fwd_kernel(
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                    DIAG, TREE_MAX, OVERLAP)),
+                    DIAG, TREE_MAX)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -1257,7 +935,7 @@ def _gluon_fwd_kernel(
                     num_warps,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                    DIAG, TREE_MAX, OVERLAP)),
+                    DIAG, TREE_MAX)),
                 (_producer_partition, (
                     q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
@@ -1265,7 +943,7 @@ def _gluon_fwd_kernel(
                     PRODUCER_WARPS,
                     ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                    DIAG, TREE_MAX, OVERLAP)),
+                    DIAG, TREE_MAX)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
@@ -1273,7 +951,7 @@ def _gluon_fwd_kernel(
                   n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                   0, num_warps, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
                   LONGEST_FIRST, False, False, P_SMEM, False, 1, SPARSE, MASK_BLOCK_Q,
-                  MASK_BLOCK_KV, DIAG, TREE_MAX, False)
+                  MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -1318,8 +996,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
         SPARSE=mask_block is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
-        DIAG=diag, TREE_MAX=bool(config["tree_max"]),
-        OVERLAP=bool(config["overlap_tiles"]), num_warps=consumer_warps(config),
+        DIAG=diag, TREE_MAX=bool(config["tree_max"]), num_warps=consumer_warps(config),
     )
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg

@@ -281,7 +281,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonFwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="kv_stages"):
         GluonFwdConfig(kv_stages=5)
-    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
 
 
 @needs_gluon
@@ -361,14 +361,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                        warp_specialize=True, pingpong=False, ctas_per_sm=2),
     "persistent": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2,
                        warp_specialize=True, pingpong=True, persistent=True),
-    # Tiles chained across the transition (next S_0 with this PV_last); the bottom-right
-    # cases put tiles without KV blocks between chained ones.
-    "persistent-overlap": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2,
-                               warp_specialize=True, pingpong=True, persistent=True,
-                               overlap_tiles=True),
-    "in-step-overlap": dict(BLOCK_M=128, BLOCK_N=128, kv_stages=2, consumers=2,
-                            warp_specialize=True, pingpong=False, persistent=True,
-                            overlap_tiles=True),
 }
 GPU_CASES = [
     (1, 2, 2, 77, 77, 128, "bfloat16", "none"),
@@ -449,7 +441,6 @@ MASK_VARIANTS: dict[str, dict[str, Any]] = {
     "not-persistent": dict(persistent=False),
     "in-step": dict(pingpong=False, persistent=False),
     "n64": dict(BLOCK_N=64, kv_stages=4),  # two kernel steps per mask block
-    "overlap": dict(overlap_tiles=True),  # rows that list nothing break the chain of tiles
 }
 MASK_PATTERNS = ("random:0.05", "random:0.5", "random:0.95", "sliding:300", "document:3",
                  "prefix:700", "causal", "sliding_causal:1024")
