@@ -194,6 +194,26 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     return p, m_new, l_new, alpha
 
 
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, offs_m, j, start_n, n_full, m0, N_KV, causal_offset,
+                  tile_base, tile_on, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                  SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
+                  TREE_MAX: gl.constexpr):
+    """``_softmax_block`` of KV block j, masked where ``_needs_mask`` says so. The two steps
+    sit in basic blocks of their own (the run-time branch): in straight-line code ptxas moved
+    the PV wait above the exponentials (seen in the SASS), so the softmax no longer ran under
+    the PV GEMM."""
+    if _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
+                                            causal_offset, tile_base, tile_on, True, CAUSAL,
+                                            BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+    else:
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
+                                            causal_offset, tile_base, tile_on, False, CAUSAL,
+                                            BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
+    return p, m_i, l_i, alpha
+
+
 # ----------------------------------------------------------------------------- loads
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, j,
@@ -493,19 +513,9 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
         if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        # The softmax sits in basic blocks of their own (the branch between the masked and the
-        # unmasked step): in straight-line code ptxas moved the PV wait above the
-        # exponentials (seen in the SASS), so the softmax no longer ran under the PV GEMM.
-        if _needs_mask(j, start_n, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
-                                                causal_offset, tile_base, tile_on, True,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
-                                                TREE_MAX)
-        else:
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV,
-                                                causal_offset, tile_base, tile_on, False,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
-                                                TREE_MAX)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, j, start_n, n_full,
+                                           m0, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
+                                           BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot), count=1)
         else:
@@ -615,16 +625,9 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot0), count=1)
-        if _needs_mask(0, start0, n_full, m0, causal_offset, BLOCK_N, CAUSAL, SPARSE):
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
-                                                causal_offset, tile_base, tile_on, True,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
-                                                TREE_MAX)
-        else:
-            p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, offs_m, start0, N_KV,
-                                                causal_offset, tile_base, tile_on, False,
-                                                CAUSAL, BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG,
-                                                TREE_MAX)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, start0, n_full,
+                                           m0, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
+                                           BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
         # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
         # in shared memory.
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
