@@ -10,7 +10,8 @@ an fp32 reference first; readings rotate over the candidates.
     python3 benchmarks/gluon_fwd_ab.py (--diag 3 [--diag-meaning TEXT] | --kernel-order
                                         | --tile-overhead 2 | --config kv_stages=3 ...)
         [--head-dims 128,64]
-        [--seqlens 512,...] [--causal none,top_left] [--rounds 5] [--json DIR]
+        [--seqlens 512,...] [--shapes BxHxNxD,...] [--causal none,top_left] [--rounds 5]
+        [--json DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ def config_overrides(pairs: list[str]) -> dict[str, str]:
         if not sep or not knob or not value:
             raise ValueError(f"--config takes KNOB=VALUE, got {pair!r}")
         out[knob] = value
+    return out
+
+
+def shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """``BxHxNxD,...`` as (B, H, N, D) tuples."""
+    out = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--shapes takes BxHxNxD items, got {item!r}")
+        b, h, n, d = (int(p) for p in parts)
+        out.append((b, h, n, d))
     return out
 
 
@@ -147,6 +160,9 @@ def main() -> int:
     parser.add_argument("--causal", default="none,top_left")
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
+    parser.add_argument("--shapes", default="",
+                        help="BxHxNxD,... (bf16, self-attention) instead of the PROTOCOL "
+                             "shapes of --head-dims and --seqlens")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=os.environ.get("OUT", ""),
                         help="folder for the results, gluon_fwd_ab_<switch>.json "
@@ -160,10 +176,13 @@ def main() -> int:
                      "--config KNOB=VALUE")
     try:
         overrides = config_overrides(args.config)
+        if args.shapes:
+            shapes(args.shapes)
     except ValueError as exc:
         parser.error(str(exc))
 
     from benchmarks.gluon_fwd_bench import environment, protocol_problems
+    from templates.base import Problem
     from templates.device import current_device
 
     device = current_device()
@@ -171,7 +190,10 @@ def main() -> int:
     head_dims = [int(d) for d in args.head_dims.split(",")]
     seqlens = tuple(int(n) for n in args.seqlens.split(","))
     causal = args.causal.split(",")
-    for problem in protocol_problems(head_dims, seqlens):
+    problems = (protocol_problems(head_dims, seqlens) if not args.shapes else
+                [Problem(b, h, h, n, n, d, "bfloat16", c) for b, h, n, d in shapes(args.shapes)
+                 for c in causal])
+    for problem in problems:
         if problem.causal not in causal:
             continue
         row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device,

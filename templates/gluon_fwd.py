@@ -110,6 +110,12 @@ class GluonFwdConfig(KernelConfig):
         "The softmax's row max of each score block as a tree of independent maxima instead "
         "of one dependent chain per row (the same instructions, shorter latency): ahead at "
         "d64, behind at d128 dense on the H100 (docs/gluon_notes.md).")
+    split_tail: bool = knob(
+        False, (False, True),
+        "Dense persistent grids whose last round is partial (tiles not a multiple of the "
+        "SMs): that round's tiles are cut into pieces of KV blocks spread over every SM, "
+        "their partial results combined by the piece that ends last, where the host's cost "
+        "model says the grid ends sooner (``split_schedule``); else as False.")
     ctas_per_sm: int = knob(
         1, (1, 2),
         "Programs meant to share an SM: the register budget (maxnreg) is split between them "
@@ -187,6 +193,12 @@ class GluonFwdTemplate(GluonTemplate):
             return "persistent needs warp_specialize=True (the producer warp walks the tiles)"
         if cfg.persistent and cfg.ctas_per_sm > 1:
             return "persistent programs take a whole SM each; use ctas_per_sm=1"
+        if cfg.split_tail and not cfg.persistent:
+            return "split_tail cuts the last round of a persistent grid: needs persistent=True"
+        if cfg.split_tail and (problem.causal != "none" or mask_block is not None):
+            return ("split_tail cuts dense tiles only (causal grids balance whole tiles "
+                    "longest first, block masks walk their rows' lists): use "
+                    "split_tail=False")
         if mask_block is not None:
             reason = block_mask_reason(cfg, mask_block)
             if reason:
@@ -334,7 +346,8 @@ def fit_to_block_mask(config: GluonFwdConfig, block_size: tuple[int, int]) -> Gl
     consumers = max(1, min(config.consumers, block_size[0] // 64))
     return dataclasses.replace(config, BLOCK_M=min(config.BLOCK_M, block_size[0]),
                                BLOCK_N=min(config.BLOCK_N, block_size[1]), consumers=consumers,
-                               pingpong=config.pingpong and consumers == 2, longest_first=False)
+                               pingpong=config.pingpong and consumers == 2, longest_first=False,
+                               split_tail=False)
 
 
 @dataclass(frozen=True)
@@ -368,14 +381,21 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     3 stages; clearly behind: 64-key blocks at D <= 128, P through shared memory, two
     programs per SM, no producer warp, consumers in step (runs 1-3). The row max as a tree
     at d64 only: against the chain, 7 rounds (session #11), d64 2k-16k 0.95-0.99 of the time
-    (causal 4k/16k 0.967/0.951), 512-1k 0.99-1.01; d128 1.00-1.02, so not there."""
+    (causal 4k/16k 0.967/0.951), 512-1k 0.99-1.01; d128 1.00-1.02, so not there. The last
+    round cut into pieces (``split_tail``) at d128 dense only: against whole tiles
+    (session #13, 5-7 rounds) d128 4k 0.991-0.993 of the time, 16k 0.966-0.969, 2k
+    0.993-1.010 (512-1k: the cost model leaves them whole); d64 16k 0.961-0.988 but 512-2k
+    1.007-1.026 (unexplained: the same with the combining compiled out)."""
     causal = problem.causal != "none"
+    persistent = problem.head_dim <= 128
     block_n = 64 if problem.head_dim > 128 else 128
     return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,
                           warp_specialize=True, pingpong=True,
                           longest_first=causal and problem.mask == "none",
-                          persistent=problem.head_dim <= 128,
-                          tree_max=problem.head_dim == 64)
+                          persistent=persistent,
+                          tree_max=problem.head_dim == 64,
+                          split_tail=(persistent and not causal and problem.mask == "none"
+                                      and problem.head_dim == 128))
 
 
 def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
@@ -388,7 +408,7 @@ def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
         for stages in range(cfg.kv_stages - 1, 0, -1):
             out.append(dataclasses.replace(out[-1], kv_stages=stages))
     out.append(dataclasses.replace(out[-1], BLOCK_M=64, consumers=1, pingpong=False,
-                                   persistent=False))
+                                   persistent=False, split_tail=False))
     return out
 
 

@@ -43,11 +43,12 @@ sees no key gets o = 0 and lse = -inf.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -94,9 +95,18 @@ L2_KV_BYTES = 16 * 1024 * 1024
 # about one block's work. Insensitive: 3 instead read -0.6% to +1.5% against 1 on the H100
 # at 512-2k causal, d64 and d128 (docs/gluon_notes.md).
 TILE_OVERHEAD_BLOCKS = 1
+# What a piece of a split tile (``split_schedule``) costs beyond its blocks and the tile
+# overhead, in KV blocks, per piece of its tile: its partial result stored (the unnormalized
+# O, m, l of its rows: 33 KiB at d128) and, for the last piece, every partial read back.
+COMBINE_BLOCKS_PER_PIECE = 0.5
 # Above this many tiles a persistent causal grid keeps the kernel's own order: the host's
 # schedule costs a heap operation per tile in Python at the plan (2^17 tiles: 74 ms here).
 MAX_SCHEDULED_TILES = 1 << 17
+# The host's schedule (``TILE_ORDER`` 2 and 3): per entry, the tile, its first and end KV
+# blocks (``WHOLE``: to the tile's end), and for a tile cut into pieces this piece's slot of
+# the split workspace, the tile's first slot and its piece count (-1, -1, 1: a whole tile).
+SCHEDULE_ENTRY = gl.constexpr(6)
+WHOLE = gl.constexpr(1 << 30)
 
 # Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
 # so an element the kernel forgets to write shows up as NaN instead of stale memory.
@@ -157,7 +167,8 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     ``DIAG`` (timing experiments only): 1 drops the exponentials of the unmasked step
     (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s), both wrong results;
     3 (right results) makes a persistent consumer wait for its O store at once instead of
-    under the next tile's first GEMM (``_release_o_buffer``)."""
+    under the next tile's first GEMM (``_release_o_buffer``); 7 drops the combining of a
+    split tile's pieces (each writes its own, wrong, O and LSE)."""
     if MASKED:
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         visible = gl.expand_dims(keys < N_KV, 0)
@@ -241,21 +252,21 @@ def _refill(desc, bufs, ready, slot, b, kv_h, j, n_blocks, BLOCK_N: gl.constexpr
 @gluon.jit
 def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                 LONGEST_FIRST: gl.constexpr, SPARSE: gl.constexpr,
+                 TILE_ORDER: gl.constexpr, SPARSE: gl.constexpr,
                  MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, WARPS: gl.constexpr):
     """(b, h, kv_h, bh, m0, n_blocks, n_full, lrow) of tile t (``WARPS``: the calling
     partition's). Tiles of one head are consecutive (its K/V stay in L2 while they run).
-    LONGEST_FIRST == 1 (causal): tiles come in groups of ``head_group`` heads (1 outside
+    TILE_ORDER == 1 (causal): tiles come in groups of ``head_group`` heads (1 outside
     persistent grids), each group's tiles by decreasing length, from the query tile that sees
     most keys down, head after head within a length: a group's K/V stay in L2 while a
-    persistent grid walks it in rounds of similar lengths. LONGEST_FIRST == 2: t is a tile
+    persistent grid walks it in rounds of similar lengths. TILE_ORDER == 2: t is a tile
     of the host's schedule (``lpt_schedule``), numbered as without an order. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
 
     SPARSE: the tile walks the KV blocks its block-mask row lists (``lists``, see
     ``_kv_start``), full ones first, in steps of BLOCK_N keys; ``lrow`` is where that row's
     lists start (0 otherwise). Causal full blocks that cross a row's diagonal are masked by
     the caller (``_needs_mask``)."""
-    if LONGEST_FIRST == 1:
+    if TILE_ORDER == 1:
         per_group = head_group * n_q_tiles
         within = t % per_group
         tile = n_q_tiles - 1 - within // head_group
@@ -274,7 +285,7 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
     if SPARSE:
         SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
         (full_counts, _, partial_counts, _, _, _, stride_cb, stride_ch, stride_ib, stride_ih,
-         stride_iq, _) = lists
+         stride_iq, _, _, _) = lists
         mask_row = m0 // MASK_BLOCK_Q
         counts = b * stride_cb + h * stride_ch + mask_row
         lrow = b * stride_ib + h * stride_ih + mask_row * stride_iq
@@ -367,12 +378,17 @@ def _mask_tile(j, n_full, lrow, m0, lists, BLOCK_N: gl.constexpr, SPARSE: gl.con
 
 @gluon.jit
 def _program_tiles(n_tiles, lists, ORDER: gl.constexpr):
-    """How many tiles this program of a persistent grid walks (see ``_program_tile``)."""
+    """How many tiles (or pieces of tiles) this program of a persistent grid walks (see
+    ``_program_tile``)."""
     p = gl.program_id(0)
-    if ORDER == 2:
-        # The host's schedule: grid + 1 offsets into the tile list that follows them.
-        return gl.load(lists[11] + p + 1) - gl.load(lists[11] + p)
     grid = gl.num_programs(0)
+    if ORDER >= 2:
+        # The host's schedule: grid + 1 offsets into the entries that follow them.
+        listed = gl.load(lists[11] + p + 1) - gl.load(lists[11] + p)
+        if ORDER == 3:
+            # The whole rounds come before the listed pieces.
+            listed += n_tiles // grid
+        return listed
     rounds = gl.cdiv(n_tiles, grid)
     last = (rounds - 1) * grid + p
     if ORDER == 1:  # noqa: SIM102  (a constexpr, then a run-time condition)
@@ -382,24 +398,49 @@ def _program_tiles(n_tiles, lists, ORDER: gl.constexpr):
 
 
 @gluon.jit
-def _program_tile(r, lists, ORDER: gl.constexpr):
-    """The tile this program of a persistent grid takes in round r: grid-stride; with ORDER
-    1 (the kernel's longest-first order) the direction reversed every other round, so that
-    no program takes the longer tile of every round; with ORDER 2 its r-th tile of the
-    host's schedule (``lpt_schedule``)."""
+def _program_tile(r, n_tiles, lists, ORDER: gl.constexpr):
+    """What this program of a persistent grid takes in round r: (tile, first KV block, end
+    block, piece, base, count). The tile comes by grid stride; with ORDER 1 (the kernel's
+    longest-first order) the direction reversed every other round, so that no program takes
+    the longer tile of every round; with ORDER 2 it is the program's r-th entry of the
+    host's schedule (``lpt_schedule``); with ORDER 3 the whole rounds go by grid stride and
+    the rest are the program's entries of the host's schedule (``split_schedule``), which
+    cuts the last round's tiles into ``count`` pieces run by different programs: ``piece``
+    is this one's slot among the tile's slots ``base .. base + count - 1`` of the split
+    workspace, -1 for a whole tile. The blocks [first, end) are capped by the tile's own
+    count (end ``WHOLE``: all of them)."""
     p = gl.program_id(0)
     grid = gl.num_programs(0)
     if ORDER == 2:
-        return gl.load(lists[11] + grid + 1 + gl.load(lists[11] + p) + r)
+        entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + r) * SCHEDULE_ENTRY
+        return (gl.load(entry), gl.to_tensor(0), gl.to_tensor(WHOLE), gl.to_tensor(-1),
+                gl.to_tensor(-1), gl.to_tensor(1))
     if ORDER == 1:  # noqa: SIM102  (a constexpr, then a run-time condition)
         if r % 2 == 1:
             p = grid - 1 - p
-    return r * grid + p
+    tile = r * grid + p
+    first = gl.to_tensor(0)
+    end = gl.to_tensor(WHOLE)
+    piece = gl.to_tensor(-1)
+    base = gl.to_tensor(-1)
+    count = gl.to_tensor(1)
+    if ORDER == 3:
+        # (No loads for the whole rounds: their tiles start without waiting on memory.)
+        rounds = n_tiles // grid
+        if r >= rounds:
+            entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + r - rounds) * SCHEDULE_ENTRY
+            tile = gl.load(entry)
+            first = gl.load(entry + 1)
+            end = gl.load(entry + 2)
+            piece = gl.load(entry + 3)
+            base = gl.load(entry + 4)
+            count = gl.load(entry + 5)
+    return tile, first, end, piece, base, count
 
 
 @gluon.jit
 def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                   v_ready, k_empty, v_empty, b, h, kv_h, q_row0, n_blocks, n_full, lrow,
+                   v_ready, k_empty, v_empty, b, h, kv_h, q_row0, first, end, n_full, lrow,
                    lists, it0, tc,
                    Q_LOADS: gl.constexpr, Q_ROWS: gl.constexpr, KV_STAGES: gl.constexpr,
                    BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
@@ -407,9 +448,10 @@ def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_em
     """The producer warp, one tile (the program's ``tc``-th): the query rows of each consumer
     into its Q buffer ``tc % Q_SLOTS`` (in a persistent program, once that consumer released
     what the buffer held), then K and V block by block, each into its ring slot once every
-    consumer released the block that held it. ``it0`` counts the blocks of earlier tiles
-    (ring position and phase); empty barriers start in phase 0, so the first pass through
-    a ring waits for nothing."""
+    consumer released the block that held it: blocks [first, end) of the tile (all of them
+    but for a piece of a split tile). ``it0`` counts the blocks of earlier tiles (ring
+    position and phase); empty barriers start in phase 0, so the first pass through a ring
+    waits for nothing."""
     q_phase = (tc // Q_SLOTS) & 1
     for c in gl.static_range(Q_LOADS):
         q_buf = c * Q_SLOTS + tc % Q_SLOTS
@@ -418,8 +460,8 @@ def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_em
         mbarrier.expect(q_ready.index(q_buf), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q_row0 + c * Q_ROWS, 0], q_ready.index(q_buf),
                   q_bufs.index(q_buf))
-    for j in range(n_blocks):
-        g = it0 + j
+    for j in range(first, end):
+        g = it0 + j - first
         slot = g % KV_STAGES
         phase = ((g // KV_STAGES) & 1) ^ 1
         start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
@@ -471,7 +513,7 @@ def _wait_pv(o_tok, p_op, p, P_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev0, q_smem,
+def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0, ev0, q_smem,
               p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
               turns, b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -479,18 +521,19 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
               PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, SPARSE: gl.constexpr,
               MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
               TREE_MAX: gl.constexpr):
-    """KV blocks j in [1, n_blocks): S_j = Q K_j^T is issued together with
+    """KV blocks j in [first + 1, end): S_j = Q K_j^T is issued together with
     O += P_{j-1} V_{j-1}, and the softmax of block j runs while the PV GEMM is still on the
     tensor cores; blocks that ``_needs_mask`` take the masked softmax (causal diagonal, N_kv
-    tail, a block mask's partial blocks). Ring positions count from ``it0``, ping-pong turns
-    from ``ev0`` (earlier tiles of a persistent program). Carries (acc, P_{j-1} as the A
+    tail, a block mask's partial blocks). Block j's ring position is ``it0 + j``, its
+    ping-pong turn ``ev0 + j`` (the caller offsets both by earlier tiles of a persistent
+    program and by ``first``). Carries (acc, P_{j-1} as the A
     operand in registers (or a placeholder when P_SMEM keeps it in ``p_smem``), m, l,
     alpha)."""
     s_layout: gl.constexpr = offs_m.type.layout.parent
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([offs_m.shape[0], BLOCK_N], gl.float32, s_layout)
-    for j in range(1, n_blocks):
+    for j in range(first + 1, end):
         g = it0 + j
         slot = g % KV_STAGES
         phase = (g // KV_STAGES) & 1
@@ -522,7 +565,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
             # Every warp is done with K_j: refill its slot (programs without the producer
             # warp are never persistent, so it0 = 0 and j is the block index).
             _warps_barrier()
-            _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, n_blocks, BLOCK_N)
+            _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, end, BLOCK_N)
         acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
         if WARP_SPECIALIZE:
@@ -530,8 +573,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev
         else:
             # Every warp is done with V_{j-1}: refill its slot.
             _warps_barrier()
-            _refill(v_desc, v_bufs, v_ready, prev, b, kv_h, j - 1 + KV_STAGES, n_blocks,
-                    BLOCK_N)
+            _refill(v_desc, v_bufs, v_ready, prev, b, kv_h, j - 1 + KV_STAGES, end, BLOCK_N)
     return acc, p_op, m_i, l_i, alpha
 
 
@@ -548,22 +590,25 @@ def _release_o_buffer(q_empty, q_buf, tc):
 @gluon.jit
 def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                    q_bufs, p_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                   k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, n_blocks, n_full, lrow,
-                   lists, N_Q, N_KV, causal_offset, qk_scale, it0, ev0, tc,
+                   k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, first, end, n_full, lrow,
+                   lists, N_Q, N_KV, causal_offset, qk_scale, it0, ev0, tc, piece, base, count,
                    ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                    PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                   MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
+                   MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr,
+                   SPLIT: gl.constexpr):
     """One consumer, one tile: ``ROWS`` query rows (from row ``q_row0 + ME * ROWS`` of the
-    head) over ``NUM_WARPS`` warps, against every KV block of the tile's range; writes its
-    rows of O and LSE. Without WARP_SPECIALIZE it also issues the loads.
+    head) over ``NUM_WARPS`` warps, against the tile's KV blocks [first, end); writes its
+    rows of O and LSE. Without WARP_SPECIALIZE it also issues the loads. SPLIT: the tile may
+    be one of ``count`` pieces (``piece`` >= 0), combined by the last one to end
+    (``_combine_pieces``).
 
     Pingpong: each consumer takes turns[ME] before issuing its GEMMs of a block and hands
     turns[1 - ME] over right after, so the two consumers' GEMMs alternate on the tensor cores
-    and each one's softmax runs under the other's GEMMs. Every consumer issues n_blocks + 1
-    GEMM batches per tile (S_0; S_j with PV_{j-1}; PV_last), the k-th of the program waiting
+    and each one's softmax runs under the other's GEMMs. Every consumer issues n + 1 GEMM
+    batches per tile of n = end - first blocks (S_first; S_j with PV_{j-1}; PV_last), the k-th of the program waiting
     on phase k & 1 (``ev0`` batches came before this tile).
 
     Q (and O) buffer: ``tc % Q_SLOTS`` of this consumer for the program's ``tc``-th tile. With
@@ -585,7 +630,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         _tma_load(q_desc, [b, h, q_row0, 0], q_ready.index(0), q_bufs.index(0))
         for i in gl.static_range(KV_STAGES):
             _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, i, KV_STAGES,
-                     BLOCK_N, i < n_blocks)
+                     BLOCK_N, i < end)
 
     m0 = q_row0 + ME * ROWS
     offs_m = m0 + gl.arange(0, ROWS, layout=row_s)
@@ -605,11 +650,11 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     DEFER_O_WAIT: gl.constexpr = PERSISTENT and Q_SLOTS == 2 and DIAG != 3
     prev_buf = ME * Q_SLOTS + (tc + 1) % Q_SLOTS
 
-    if n_blocks > 0:
-        # -- block 0: S_0 alone.
+    if end > first:
+        # -- the first block: S alone.
         slot0 = it0 % KV_STAGES
-        start0 = _kv_start(0, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
-        tile_base, tile_on = _mask_tile(0, n_full, lrow, m0, lists, BLOCK_N, SPARSE,
+        start0 = _kv_start(first, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
+        tile_base, tile_on = _mask_tile(first, n_full, lrow, m0, lists, BLOCK_N, SPARSE,
                                         MASK_BLOCK_Q, MASK_BLOCK_KV)
         if PINGPONG:
             mbarrier.wait(turns.index(ME), ev0 & 1)
@@ -625,7 +670,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         if WARP_SPECIALIZE:
             mbarrier.arrive(k_empty.index(slot0), count=1)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, 0, start0, n_full,
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, offs_m, first, start0, n_full,
                                            m0, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
                                            BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG, TREE_MAX)
         # P: the A operand of the PV GEMM, in registers (16-bit: half the registers of S) or
@@ -634,11 +679,12 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         if not WARP_SPECIALIZE:
             # Every warp is done with K_0: refill its slot (V_0 is read in the next step).
             _warps_barrier()
-            _refill(k_desc, k_bufs, k_ready, 0, b, kv_h, KV_STAGES, n_blocks, BLOCK_N)
+            _refill(k_desc, k_bufs, k_ready, 0, b, kv_h, KV_STAGES, end, BLOCK_N)
 
-        # -- blocks 1..n_blocks-1.
+        # -- blocks first + 1 .. end - 1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
-            acc, p_op, m_i, l_i, alpha, n_full, n_blocks, lrow, lists, it0, ev0, q_smem,
+            acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0 - first,
+            ev0 - first, q_smem,
             p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
             b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
             KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
@@ -648,10 +694,10 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
             mbarrier.arrive(q_empty.index(q_buf), count=1)
 
         # -- the last PV GEMM.
-        last = it0 + n_blocks - 1
+        last = it0 + end - first - 1
         slot = last % KV_STAGES
         if PINGPONG:
-            mbarrier.wait(turns.index(ME), (ev0 + n_blocks) & 1)
+            mbarrier.wait(turns.index(ME), (ev0 + end - first) & 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
         v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
@@ -667,9 +713,36 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         if DEFER_O_WAIT:
             _release_o_buffer(q_empty, prev_buf, tc)
 
-    # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
+    # -- epilogue: a piece of a split tile hands its partial over; the tile's O and LSE.
     l_o = gl.convert_layout(l_i, row_o)
     m_o = gl.convert_layout(m_i, row_o)
+    if SPLIT and DIAG != 7:
+        CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+        acc, m_o, l_o, owner = _combine_pieces(acc, m_o, l_o, piece, base, count, lists, ME,
+                                               CONSUMERS)
+        if owner:
+            _write_tile(acc, m_o, l_o, o_desc, Out, LSE, q_bufs, q_smem, q_buf, b, h, bh, m0,
+                        N_Q, ROWS, HEAD_DIM, O_FROM_REGISTERS)
+    else:
+        _write_tile(acc, m_o, l_o, o_desc, Out, LSE, q_bufs, q_smem, q_buf, b, h, bh, m0, N_Q,
+                    ROWS, HEAD_DIM, O_FROM_REGISTERS)
+    if not O_FROM_REGISTERS and not DEFER_O_WAIT:
+        # Waits until the copy has read the buffer, not until it reached global memory.
+        tma.store_wait(0)
+        if PERSISTENT:
+            # The producer may load the tile after next into this buffer.
+            mbarrier.arrive(q_empty.index(q_buf), count=1)
+
+
+@gluon.jit
+def _write_tile(acc, m_o, l_o, o_desc, Out, LSE, q_bufs, q_smem, q_buf, b, h, bh, m0, N_Q,
+                ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, O_FROM_REGISTERS: gl.constexpr):
+    """A consumer's rows of O (normalized) and LSE; rows that saw no key get o = 0 and
+    lse = -inf (never NaN). O leaves from registers or, through the consumer's Q buffer, by a
+    TMA store that the caller waits for."""
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = o_desc.dtype
     seen = l_o > 0.0
     l_safe = gl.where(seen, l_o, 1.0)
     o = acc / gl.expand_dims(l_safe, 1)
@@ -690,12 +763,59 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         q_smem.store(o.to(dtype))
         fence_async_shared()
         _tma_store(o_desc, [b, h, m0, 0], q_bufs.index(q_buf))
-        if not DEFER_O_WAIT:
-            # Waits until the copy has read the buffer, not until it reached global memory.
-            tma.store_wait(0)
-            if PERSISTENT:
-                # The producer may load the tile after next into this buffer.
-                mbarrier.arrive(q_empty.index(q_buf), count=1)
+
+
+@gluon.jit
+def _combine_pieces(acc, m_o, l_o, piece, base, count, lists, ME: gl.constexpr,
+                    CONSUMERS: gl.constexpr):
+    """A consumer's rows of a piece of a split tile (``piece`` >= 0, see ``_program_tile``):
+    stores its partial result (the unnormalized O, m and l of its rows) in slot ``piece`` of
+    the split workspace (``lists[12]``) and counts itself in at the tile's counter
+    (``lists[13]``). The piece that counts in last combines the slots ``base .. base + count
+    - 1`` in that order (so the result does not depend on which piece ended last), sets the
+    counter back to 0 for the next launch, and returns the tile's (acc, m, l, True); the
+    others return (.., False) and the tile is not theirs to write. A whole tile (piece -1)
+    returns its own values and True."""
+    owner = piece < 0
+    if piece >= 0:
+        partials = lists[12]
+        counters = lists[13]
+        o_layout: gl.constexpr = acc.type.layout
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        ROWS: gl.constexpr = acc.shape[0]
+        D: gl.constexpr = acc.shape[1]
+        # One slot per consumer: its rows' O, then m, then l (fp32).
+        SLOT: gl.constexpr = ROWS * (D + 2)
+        rows = gl.arange(0, ROWS, layout=row_o)
+        offs = (gl.expand_dims(rows, 1) * D
+                + gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0))
+        mine = partials + (piece * CONSUMERS + ME).to(gl.int64) * SLOT
+        gl.store(mine + offs, acc)
+        gl.store(mine + ROWS * D + rows, m_o)
+        gl.store(mine + ROWS * D + ROWS + rows, l_o)
+        # Every warp has stored before the one thread that runs the atomic releases them.
+        _warps_barrier()
+        counter = counters + base * CONSUMERS + ME
+        owner = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
+        if owner:
+            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+            m_o = gl.full([ROWS], float("-inf"), gl.float32, row_o)
+            l_o = gl.zeros([ROWS], gl.float32, row_o)
+            for i in range(count):
+                part = partials + ((base + i) * CONSUMERS + ME).to(gl.int64) * SLOT
+                # .cg: from L2, where the other programs' stores are (not this SM's L1).
+                m_k = gl.load(part + ROWS * D + rows, cache_modifier=".cg")
+                l_k = gl.load(part + ROWS * D + ROWS + rows, cache_modifier=".cg")
+                acc_k = gl.load(part + offs, cache_modifier=".cg")
+                m_new = gl.maximum(m_o, m_k)
+                shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+                a = gl.exp2(m_o - shift)
+                c = gl.exp2(m_k - shift)
+                acc = acc * gl.expand_dims(a, 1) + acc_k * gl.expand_dims(c, 1)
+                l_o = l_o * a + l_k * c
+                m_o = m_new
+    return acc, m_o, l_o, owner
 
 
 @gluon.jit
@@ -704,7 +824,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
               head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
               ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+              KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr,
               MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
@@ -717,34 +837,36 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
     if PERSISTENT:
         it0 = 0
         ev0 = 0
-        for tc in range(_program_tiles(n_tiles, lists, LONGEST_FIRST)):
-            t = _program_tile(tc, lists, LONGEST_FIRST)
+        for tc in range(_program_tiles(n_tiles, lists, TILE_ORDER)):
+            t, first, end, piece, base, count = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
-                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
+                BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
+            end = gl.minimum(end, n_blocks)
             _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                            v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                           b, h, kv_h, bh, m0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
-                           causal_offset, qk_scale, it0, ev0, tc, ME, NUM_WARPS, ROWS,
-                           HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG,
-                           P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                           DIAG, TREE_MAX)
-            it0 += n_blocks
-            if n_blocks > 0:
-                ev0 += n_blocks + 1
+                           b, h, kv_h, bh, m0, first, end, n_full, lrow, lists, N_Q, N_KV,
+                           causal_offset, qk_scale, it0, ev0, tc, piece, base, count, ME,
+                           NUM_WARPS, ROWS, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
+                           WARP_SPECIALIZE, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE,
+                           MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX, TILE_ORDER == 3)
+            it0 += end - first
+            if end > first:
+                ev0 += end - first + 1
         # The last tile's O store must have read shared memory before the program ends.
         tma.store_wait(0)
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
-            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            BLOCK_M, BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
             NUM_WARPS)
         _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
                        v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, b,
-                       h, kv_h, bh, m0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
-                       causal_offset, qk_scale, 0, 0, 0, ME, NUM_WARPS, ROWS, HEAD_DIM,
-                       BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
-                       PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
+                       h, kv_h, bh, m0, 0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
+                       causal_offset, qk_scale, 0, 0, 0, -1, -1, 1, ME, NUM_WARPS, ROWS,
+                       HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
+                       PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX,
+                       False)
 
 
 @gluon.jit
@@ -753,27 +875,28 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
               causal_offset, lists,
               Q_LOADS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
+              TILE_ORDER: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
               SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """The producer warp over its program's tiles (the consumers' sequence)."""
     if PERSISTENT:
         it0 = 0
-        for tc in range(_program_tiles(n_tiles, lists, LONGEST_FIRST)):
-            t = _program_tile(tc, lists, LONGEST_FIRST)
+        for tc in range(_program_tiles(n_tiles, lists, TILE_ORDER)):
+            t, first, end, _, _, _ = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
-                BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
+                BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
+            end = gl.minimum(end, n_blocks)
             _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                           k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks,
+                           k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, first, end,
                            n_full, lrow, lists, it0, tc, Q_LOADS, ROWS, KV_STAGES, BLOCK_N,
                            PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_KV)
-            it0 += n_blocks
+            it0 += end - first
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
-            BLOCK_M, BLOCK_N, CAUSAL, LONGEST_FIRST, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
+            BLOCK_M, BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
         _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
-                       k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, n_blocks, n_full,
+                       k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, 0, n_blocks, n_full,
                        lrow, lists, 0, 0, Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT,
                        Q_SLOTS, SPARSE, MASK_BLOCK_KV)
 
@@ -786,7 +909,7 @@ def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, 
                       n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                       NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+                      CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
                       PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                       Q_SLOTS: gl.constexpr,
                       SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
@@ -796,7 +919,7 @@ def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, 
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 0, NUM_WARPS, ROWS,
               HEAD_DIM,
-              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
+              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, True, PINGPONG, P_SMEM,
               PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
@@ -806,7 +929,7 @@ def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k
                      n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                      NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+                     CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                      Q_SLOTS: gl.constexpr,
                      SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
@@ -816,7 +939,7 @@ def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
               head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 1, NUM_WARPS, ROWS,
               HEAD_DIM,
-              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, True, PINGPONG, P_SMEM,
+              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, True, PINGPONG, P_SMEM,
               PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
@@ -828,7 +951,7 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
                         NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
+                        TILE_ORDER: gl.constexpr, PINGPONG: gl.constexpr,
                         P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
                         SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                         MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
@@ -837,7 +960,7 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
     _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
               v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
               causal_offset, lists, Q_LOADS, ROWS, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-              LONGEST_FIRST, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
+              TILE_ORDER, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -847,10 +970,10 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
 def _gluon_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, LSE,
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
-    Schedule, N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles, head_group, qk_scale,
+    Schedule, Partials, Counters, N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles, head_group, qk_scale,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
     Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
@@ -860,9 +983,11 @@ def _gluon_fwd_kernel(
     # Program p owns tile p (in _tile_coords' order) or, persistent, one tile per round of
     # ``grid`` tiles or its part of the host's ``Schedule`` (_program_tile). SPARSE: a block
     # mask's lists (``BlockMask.kernel_args`` order; dense launches pass LSE and zeros, compiled
-    # out) travel as one tuple, and the schedule with them (LONGEST_FIRST == 2; else LSE).
+    # out) travel as one tuple, and the schedule with them (TILE_ORDER >= 2; else LSE), and
+    # the split workspace and its counters (TILE_ORDER == 3; else LSE).
     lists = (FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
-             PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, Schedule)
+             PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, Schedule,
+             Partials, Counters)
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -909,7 +1034,7 @@ def _gluon_fwd_kernel(
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, PINGPONG,
                     P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
                     TREE_MAX)),
                 (_consumer_second, (
@@ -917,7 +1042,7 @@ def _gluon_fwd_kernel(
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, PINGPONG,
                     P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
                     TREE_MAX)),
                 (_producer_partition, (
@@ -925,7 +1050,7 @@ def _gluon_fwd_kernel(
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
-                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
                     DIAG, TREE_MAX)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -936,7 +1061,7 @@ def _gluon_fwd_kernel(
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     num_warps,
-                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
                     DIAG, TREE_MAX)),
                 (_producer_partition, (
@@ -944,7 +1069,7 @@ def _gluon_fwd_kernel(
                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
-                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, LONGEST_FIRST,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER,
                     PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
                     DIAG, TREE_MAX)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -953,7 +1078,7 @@ def _gluon_fwd_kernel(
                   q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                   n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                   0, num_warps, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-                  LONGEST_FIRST, False, False, P_SMEM, False, 1, SPARSE, MASK_BLOCK_Q,
+                  TILE_ORDER, False, False, P_SMEM, False, 1, SPARSE, MASK_BLOCK_Q,
                   MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
@@ -980,12 +1105,12 @@ def register_budget(config: Mapping[str, Any]) -> tuple[int, int]:
 
 def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
                    diag: int = 0, mask_block: tuple[int, int] | None = None,
-                   host_schedule: bool = True) -> dict[str, Any]:
+                   host_schedule: bool = True, split: bool = False) -> dict[str, Any]:
     """The kernel's constexprs and launch options for a config (``diag``: timing
     experiments only, see ``_softmax_block``; ``mask_block``: the block size of the block
     mask the kernel walks, None without one; ``host_schedule``: a persistent longest-first
     grid walks the host's ``lpt_schedule``, else the kernel's own order in two rounds per
-    head group)."""
+    head group; ``split``: a dense persistent grid walks the host's ``split_schedule``)."""
     ws = bool(config["warp_specialize"])
     maxnreg, consumer_regs = register_budget(config)
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
@@ -994,7 +1119,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         KV_STAGES=int(config["kv_stages"]), CAUSAL=causal,
         # A block mask's tiles come in its lists' order (their lengths are the mask's).
-        LONGEST_FIRST=tile_order(config, causal, mask_block is not None, host_schedule),
+        TILE_ORDER=tile_order(config, causal, mask_block is not None, host_schedule, split),
         WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
@@ -1007,18 +1132,21 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
 
 
 def tile_order(config: Mapping[str, Any], causal: bool, sparse: bool,
-               host_schedule: bool = True) -> int:
-    """The kernel's LONGEST_FIRST: 0 tiles in order, 1 longest first in the kernel's own
-    order (``_tile_coords``), 2 a persistent grid's host-made schedule (``lpt_schedule``)."""
+               host_schedule: bool = True, split: bool = False) -> int:
+    """The kernel's TILE_ORDER: 0 tiles in order, 1 longest first in the kernel's own
+    order (``_tile_coords``), 2 a persistent grid's host-made schedule (``lpt_schedule``),
+    3 a dense persistent grid's host-made schedule with its last round's tiles cut into
+    pieces (``split_schedule``)."""
+    if split:
+        return 3
     if not (config["longest_first"] and causal and not sparse):
         return 0
     return 2 if config["persistent"] and host_schedule else 1
 
 
 def lpt_schedule(n_q_tiles: int, batch_heads: int, group: int, costs: Sequence[int],
-                 programs: int) -> list[int]:
-    """A persistent causal grid's tiles per program: ``programs + 1`` offsets, then the
-    tiles (``bh * n_q_tiles + query tile``) of program 0, of program 1, ...
+                 programs: int) -> list[list[int]]:
+    """A persistent causal grid's tiles (``bh * n_q_tiles + query tile``), per program.
 
     Tiles are taken in head groups of ``group`` heads (their K/V stay in L2 while they run),
     each group's by decreasing cost (``costs[m]``, query tile m's, the same for every head),
@@ -1035,10 +1163,94 @@ def lpt_schedule(n_q_tiles: int, batch_heads: int, group: int, costs: Sequence[i
                 load, p = heapq.heappop(loads)
                 owned[p].append(bh * n_q_tiles + m)
                 heapq.heappush(loads, (load + costs[m], p))
+    return owned
+
+
+def whole_tile(tile: int) -> tuple[int, ...]:
+    """A schedule entry (``SCHEDULE_ENTRY`` ints, see ``_program_tile``) for a whole tile."""
+    return (tile, 0, WHOLE.value, -1, -1, 1)
+
+
+def schedule_table(entries: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
+    """The schedule as the kernel reads it: ``programs + 1`` offsets (in entries), then the
+    entries of program 0, of program 1, ... flattened."""
     offsets = [0]
-    for tiles in owned:
-        offsets.append(offsets[-1] + len(tiles))
-    return offsets + [t for tiles in owned for t in tiles]
+    for mine in entries:
+        offsets.append(offsets[-1] + len(mine))
+    return offsets + [x for mine in entries for entry in mine for x in entry]
+
+
+class SplitSchedule(NamedTuple):
+    """A dense persistent grid's schedule with its last round cut into pieces: ``entries``
+    per program, ``slots`` of the split workspace, and the cost model's lengths (in KV
+    blocks) of the last round with and without the cut."""
+
+    entries: list[list[tuple[int, ...]]]
+    slots: int
+    tail_cost: float
+    whole_cost: float
+
+
+def split_schedule(n_tiles: int, blocks: int, programs: int,
+                   overhead: float = TILE_OVERHEAD_BLOCKS,
+                   combine: float = COMBINE_BLOCKS_PER_PIECE) -> SplitSchedule | None:
+    """Whole tiles in rounds of ``programs`` (tile ``r * programs + p`` to program p, as the
+    kernel's own order), then the ``n_tiles % programs`` tiles of the last, partial round cut
+    into pieces of KV blocks spread over more programs, stream-K style: the tail's
+    ``rest * blocks`` blocks split evenly over ``workers`` programs, each cut where a tile
+    ends, so a program takes one or two pieces. A piece costs its blocks plus ``overhead``,
+    plus, for a tile of c pieces, c x ``combine`` (its partial stored, the last piece reading
+    them all back); the worker count with the shortest tail wins. None where the last round
+    is full or no cut shortens it."""
+    rounds, rest = divmod(n_tiles, programs)
+    whole_cost = blocks + overhead
+    if rest == 0 or blocks < 2:
+        return None
+    best: tuple[float, int] | None = None
+    for workers in range(rest + 1, programs + 1):
+        cost = max(_worker_costs(rest, blocks, workers, overhead, combine))
+        if best is None or cost < best[0]:
+            best = (cost, workers)
+    if best is None or best[0] >= whole_cost:
+        return None
+    cost, workers = best
+    entries = [[whole_tile(r * programs + p) for r in range(rounds)] for p in range(programs)]
+    slots = 0
+    tail0 = rounds * programs
+    for i, pieces in enumerate(_tail_pieces(rest, blocks, workers)):
+        if len(pieces) == 1:
+            (worker, _, _), = pieces
+            entries[worker].append(whole_tile(tail0 + i))
+            continue
+        for k, (worker, first, end) in enumerate(pieces):
+            entries[worker].append((tail0 + i, first, end, slots + k, slots, len(pieces)))
+        slots += len(pieces)
+    return SplitSchedule(entries, slots, cost, whole_cost)
+
+
+def _tail_pieces(rest: int, blocks: int, workers: int) -> list[list[tuple[int, int, int]]]:
+    """Per tail tile, its pieces as (worker, first block, end block): the tail's blocks
+    (tile after tile) split evenly over ``workers``, cut where a worker's share ends."""
+    total = rest * blocks
+    bounds = [w * total // workers for w in range(workers + 1)]
+    cuts = sorted(set(bounds) | {i * blocks for i in range(rest + 1)})
+    tiles: list[list[tuple[int, int, int]]] = [[] for _ in range(rest)]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        if b > a:
+            worker = bisect.bisect_right(bounds, a) - 1
+            tile = a // blocks
+            tiles[tile].append((worker, a - tile * blocks, b - tile * blocks))
+    return tiles
+
+
+def _worker_costs(rest: int, blocks: int, workers: int, overhead: float,
+                  combine: float) -> list[float]:
+    costs = [0.0] * workers
+    for pieces in _tail_pieces(rest, blocks, workers):
+        extra = combine * len(pieces) if len(pieces) > 1 else 0.0
+        for worker, first, end in pieces:
+            costs[worker] += end - first + overhead + extra
+    return costs
 
 
 def causal_tile_costs(n_q_tiles: int, block_m: int, block_n: int, seqlen_kv: int,
@@ -1135,28 +1347,45 @@ class LaunchPlan:
         group = 1
         offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
         self.sparse = block_mask is not None
+        persistent = bool(config["persistent"])
+        if persistent and sm_count is None:
+            sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                        if isinstance(q, torch.Tensor) and q.is_cuda else 132)
+        # A dense persistent grid whose last round is partial: that round's tiles cut into
+        # pieces over every SM, where the cost model says it ends sooner (``split_schedule``).
+        self.split: SplitSchedule | None = None
+        split_args: tuple[int, int, int] = (0, 0, 0)
+        if (persistent and config.get("split_tail") and not causal and not self.sparse
+                and host_schedule and n_tiles <= MAX_SCHEDULED_TILES):
+            assert sm_count is not None
+            split_args = (n_tiles, -(-seqlen_kv // int(config["BLOCK_N"])), sm_count)
+            self.split = _split_schedule(*split_args)
         self.options = launch_options(head_dim, causal, config, diag,
                                       tuple(block_mask.block_size) if self.sparse else None,
-                                      host_schedule and n_tiles <= MAX_SCHEDULED_TILES)
-        # The host's tile schedule (LONGEST_FIRST 2), an int32 tensor on q's device.
+                                      host_schedule and n_tiles <= MAX_SCHEDULED_TILES,
+                                      self.split is not None)
+        # The host's tile schedule (TILE_ORDER 2 and 3), an int32 tensor on q's device.
         self.schedule: Any = None
-        if config["persistent"]:
-            if sm_count is None:
-                sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                            if isinstance(q, torch.Tensor) and q.is_cuda else 132)
+        if persistent:
+            assert sm_count is not None
             self.grid = (min(n_tiles, sm_count),)
-            if self.options["LONGEST_FIRST"]:
+            if self.options["TILE_ORDER"] in (1, 2):
                 group = head_group(batch * heads_q, n_q_tiles,
                                    2 * seqlen_kv * head_dim * 2, sm_count)
-            if self.options["LONGEST_FIRST"] == 2:
+            if self.split is not None:
+                self.grid = (sm_count,)
+                self.schedule = _schedule(q, _split_table, *split_args)
+            elif self.options["TILE_ORDER"] == 2:
                 costs = causal_tile_costs(n_q_tiles, block_m, int(config["BLOCK_N"]),
                                           seqlen_kv, offset, tile_overhead)
-                self.schedule = _schedule(q, n_q_tiles, batch * heads_q, group, costs,
-                                          self.grid[0])
-            elif self.options["LONGEST_FIRST"] == 1:
+                self.schedule = _schedule(q, _causal_table, n_q_tiles, batch * heads_q, group,
+                                          tuple(costs), self.grid[0])
+            elif self.options["TILE_ORDER"] == 1:
                 self.grid = (causal_grid(group * n_q_tiles, sm_count),)
         else:
             self.grid = (n_tiles,)
+        # The split workspace per (device, stream): see ``workspace``.
+        self._workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.out_shape = (batch, heads_q, seqlen_q, head_dim)
         # The lists' strides (counts per batch and head, lists per batch, head and row).
         self.mask_strides = list(block_mask.kernel_args()[6:]) if self.sparse else [0] * 5
@@ -1195,8 +1424,32 @@ class LaunchPlan:
         without one)."""
         lists = block_mask.kernel_args()[:6] if self.sparse else [lse] * 6
         schedule = lse if self.schedule is None else self.schedule
-        return [*self.descriptors(q, k, v, o), o, lse, *lists, schedule, *self.scalars,
-                *self.mask_strides]
+        partials, counters = self.workspace(lse)
+        return [*self.descriptors(q, k, v, o), o, lse, *lists, schedule, partials, counters,
+                *self.scalars, *self.mask_strides]
+
+    def workspace(self, lse: Any) -> tuple[Any, Any]:
+        """(partials, counters) of a split plan (``split_schedule``) on ``lse``'s device and
+        its current stream: fp32 room for every piece's partial result (one slot per piece
+        and consumer: its rows' O, m and l) and an int32 counter per split tile and
+        consumer, zeroed once. The piece that counts in last sets its counter back to 0, so
+        launches on one stream, which run in order, share them; another stream gets its
+        own. Without a split, ``lse`` twice (never read)."""
+        if self.split is None:
+            return lse, lse
+        block_m, head_dim = self.options["BLOCK_M"], self.options["HEAD_DIM"]
+        consumers = 2 if self.options["PINGPONG"] else 1
+        sizes = (self.split.slots * block_m * (head_dim + 2), self.split.slots * consumers)
+        if not isinstance(lse, torch.Tensor):  # a stand-in (compile checks)
+            return type(lse)(torch.float32, [sizes[0]]), type(lse)(torch.int32, [sizes[1]])
+        stream = current_stream(lse.device.index) if lse.is_cuda else 0
+        key = (lse.device.index or 0, stream)
+        found = self._workspaces.get(key)
+        if found is None:
+            found = (torch.empty(sizes[0], dtype=torch.float32, device=lse.device),
+                     torch.zeros(sizes[1], dtype=torch.int32, device=lse.device))
+            self._workspaces[key] = found
+        return found
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1232,30 +1485,50 @@ class LaunchPlan:
         stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
         # Out and LSE as addresses: the launcher then makes no driver call for them.
         schedule = lse if self.schedule is None else self.schedule
+        partials, counters = self.workspace(lse)
         if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *[lse_ptr] * 6,
-                                       schedule.data_ptr(), *self.scalars, *self.mask_strides):
-            self._launch.launch_on(stream, q, k, v, o, o, lse, *[lse] * 6, schedule,
-                                   *self.scalars, *self.mask_strides)
+                                       schedule.data_ptr(), partials.data_ptr(),
+                                       counters.data_ptr(), *self.scalars, *self.mask_strides):
+            self._launch.launch_on(stream, q, k, v, o, o, lse, *[lse] * 6, schedule, partials,
+                                   counters, *self.scalars, *self.mask_strides)
 
 
-def _schedule(like: Any, n_q_tiles: int, batch_heads: int, group: int, costs: list[int],
-              programs: int) -> Any:
-    """``lpt_schedule`` as an int32 tensor on ``like``'s device, or for a stand-in ``like`` a
-    stand-in of its length (nothing to compute)."""
+def _schedule(like: Any, table: Any, *args: Any) -> Any:
+    """The schedule ``table(*args)`` as an int32 tensor on ``like``'s device, or for a
+    stand-in ``like`` a stand-in of its length."""
     if isinstance(like, torch.Tensor):
-        return _schedule_tensor(like.device, n_q_tiles, batch_heads, group, tuple(costs),
-                                programs)
-    return type(like)(torch.int32, [programs + 1 + n_q_tiles * batch_heads])
+        return _schedule_tensor(like.device, table, args)
+    return type(like)(torch.int32, [len(table(*args))])
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule_tensor(device: torch.device, n_q_tiles: int, batch_heads: int, group: int,
-                     costs: tuple[int, ...], programs: int) -> torch.Tensor:
+def _schedule_tensor(device: torch.device, table: Any, args: tuple[Any, ...]) -> torch.Tensor:
     # Cached: a plan is made per call where nothing keeps plans (``launch``, the standalone
-    # source's entry), and the schedule is a Python heap walk over every tile plus a copy to
-    # the GPU. The kernel only reads it, so plans of one problem share it.
-    return torch.tensor(lpt_schedule(n_q_tiles, batch_heads, group, costs, programs),
-                        dtype=torch.int32, device=device)
+    # source's entry), and a schedule is a Python walk over every tile plus a copy to the
+    # GPU. The kernel only reads it, so plans of one problem share it.
+    return torch.tensor(table(*args), dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_table(n_q_tiles: int, batch_heads: int, group: int, costs: tuple[int, ...],
+                  programs: int) -> tuple[int, ...]:
+    owned = lpt_schedule(n_q_tiles, batch_heads, group, costs, programs)
+    return tuple(schedule_table([[whole_tile(t) for t in mine] for mine in owned]))
+
+
+@functools.lru_cache(maxsize=64)
+def _split_schedule(n_tiles: int, blocks: int, programs: int) -> SplitSchedule | None:
+    return split_schedule(n_tiles, blocks, programs)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_table(n_tiles: int, blocks: int, programs: int) -> tuple[int, ...]:
+    # The kernel walks the whole rounds by grid stride (``_program_tile``): only the last
+    # round's entries are listed.
+    split = _split_schedule(n_tiles, blocks, programs)
+    assert split is not None
+    rounds = n_tiles // programs
+    return tuple(schedule_table([mine[rounds:] for mine in split.entries]))
 
 
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -45,3 +45,11 @@ def test_a_diag_meaning_is_kept_only_when_given() -> None:
     kept = ab.result_payload({}, 5, "the row max as a tree", False, None, {}, [])
     assert kept["diag_meaning"] == "the row max as a tree" and kept["diag"] == 5
     assert "diag_meaning" not in ab.result_payload({}, 5, None, False, None, {}, [])
+
+
+def test_shapes_parse_and_name_what_is_wrong() -> None:
+    assert ab.shapes("1x8x4096x128,2X12x1024x64") == [(1, 8, 4096, 128), (2, 12, 1024, 64)]
+    with pytest.raises(ValueError, match="BxHxNxD"):
+        ab.shapes("1x8x4096")
+    with pytest.raises(ValueError, match="BxHxNxD"):
+        ab.shapes("1x8xNx128")

@@ -55,6 +55,8 @@ def test_default_configs_fit_every_protocol_problem_and_odd_ones() -> None:
         assert TEMPLATE.constraint(problem, cfg, H100) is None, (problem.key(), cfg.key())
         assert cfg.longest_first == (problem.causal != "none")
         assert cfg.tree_max == (problem.head_dim == 64)  # measured ahead at d64 only
+        # Measured ahead at d128 dense only (docs/gluon_notes.md, "split tails").
+        assert cfg.split_tail == (problem.head_dim == 128 and problem.causal == "none")
         assert shared_memory_estimate(problem, cfg) <= H100.smem_per_block
 
 
@@ -88,6 +90,12 @@ def test_constraints_name_what_is_wrong() -> None:
     assert TEMPLATE.constraint(causal, GluonFwdConfig(persistent=True, longest_first=True),
                                H100) is None
     assert TEMPLATE.constraint(problem, GluonFwdConfig(persistent=True), H100) is None
+    reason = TEMPLATE.constraint(problem, GluonFwdConfig(split_tail=True), H100)
+    assert reason is not None and "split_tail" in reason and "persistent=True" in reason
+    split = GluonFwdConfig(persistent=True, split_tail=True)
+    assert TEMPLATE.constraint(problem, split, H100) is None
+    reason = TEMPLATE.constraint(causal, dataclasses.replace(split, longest_first=True), H100)
+    assert reason is not None and "dense tiles only" in reason
     a100 = TARGETS["a100"]
     reason = TEMPLATE.constraint(problem, GluonFwdConfig(), a100)
     assert reason is not None and "Hopper" in reason
@@ -144,10 +152,10 @@ def test_the_kernels_own_causal_order_walks_each_head_group_in_two_rounds() -> N
                       host_schedule=False)
     assert plan.grid == (128,)  # groups of 8 heads x 32 tiles
     assert plan.scalars[7] == 8  # head_group
-    assert plan.options["LONGEST_FIRST"] == 1 and plan.schedule is None
+    assert plan.options["TILE_ORDER"] == 1 and plan.schedule is None
     many = StandinTensor(torch.bfloat16, [MAX_SCHEDULED_TILES // 32 + 1, 1, 4096, 128])
     assert LaunchPlan(many, many, causal_mode="top_left", scale=0.1, config=cfg,
-                      sm_count=132).options["LONGEST_FIRST"] == 1
+                      sm_count=132).options["TILE_ORDER"] == 1
     dense = LaunchPlan(q, q, causal_mode="none", scale=0.1,
                        config=GluonFwdConfig(persistent=True).to_dict(), sm_count=132)
     assert dense.grid == (132,) and dense.scalars[7] == 1 and dense.schedule is None
@@ -155,13 +163,14 @@ def test_the_kernels_own_causal_order_walks_each_head_group_in_two_rounds() -> N
 
 @needs_gluon
 def test_a_persistent_causal_grid_walks_the_hosts_schedule_on_every_sm() -> None:
-    from templates.gluon_fwd_kernel import LaunchPlan, _gluon_fwd_kernel
+    from templates.gluon_fwd_kernel import SCHEDULE_ENTRY, LaunchPlan, _gluon_fwd_kernel
 
     q = StandinTensor(torch.bfloat16, [4, 16, 4096, 128])
     cfg = GluonFwdConfig(persistent=True, longest_first=True).to_dict()
     plan = LaunchPlan(q, q, causal_mode="top_left", scale=0.1, config=cfg, sm_count=132)
-    assert plan.grid == (132,) and plan.options["LONGEST_FIRST"] == 2
-    assert plan.schedule.dtype == torch.int32 and plan.schedule.shape == [133 + 64 * 32]
+    assert plan.grid == (132,) and plan.options["TILE_ORDER"] == 2
+    assert plan.schedule.dtype == torch.int32
+    assert plan.schedule.shape == [133 + 64 * 32 * SCHEDULE_ENTRY.value]
     args = plan.args(q, q, q, q, StandinTensor(torch.float32, [4, 16, 4096]))
     runtime = [p.name for p in _gluon_fwd_kernel.params if not p.is_constexpr]
     assert len(args) == len(runtime) and args[runtime.index("Schedule")] is plan.schedule
@@ -177,9 +186,12 @@ def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> 
     n_q_tiles, heads, group, programs = 32, 64, 8, 132
     costs = causal_tile_costs(n_q_tiles, 128, 128, 4096, 0)
     assert costs == [m + 1 + TILE_OVERHEAD_BLOCKS for m in range(32)]
-    schedule = lpt_schedule(n_q_tiles, heads, group, costs, programs)
-    offsets, tiles = schedule[:programs + 1], schedule[programs + 1:]
-    assert offsets[0] == 0 and offsets[-1] == len(tiles) == n_q_tiles * heads
+    owned = lpt_schedule(n_q_tiles, heads, group, costs, programs)
+    offsets = [0]
+    for mine in owned:
+        offsets.append(offsets[-1] + len(mine))
+    tiles = [t for mine in owned for t in mine]
+    assert len(owned) == programs and offsets[-1] == n_q_tiles * heads
     assert sorted(tiles) == list(range(n_q_tiles * heads))  # each tile exactly once
     loads = [sum(costs[t % n_q_tiles] for t in tiles[offsets[p]:offsets[p + 1]])
              for p in range(programs)]
@@ -199,7 +211,92 @@ def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> 
     assert causal_tile_costs(2, 128, 128, 1000, 1000 - 200) == [
         8 + TILE_OVERHEAD_BLOCKS, 8 + TILE_OVERHEAD_BLOCKS]
     # Two programs, three tiles: the longest alone, the two shorter ones together.
-    assert lpt_schedule(3, 1, 1, [5, 3, 1], 2) == [0, 1, 3, 0, 1, 2]
+    assert lpt_schedule(3, 1, 1, [5, 3, 1], 2) == [[0], [1, 2]]
+
+
+@pytest.mark.parametrize("n_tiles,blocks,programs", [
+    (2048, 32, 132),  # d128 4k of PROTOCOL: 15 rounds and 68 tiles
+    (4096, 32, 132),  # d64 4k: 31 rounds and 4 tiles
+    (4096, 4, 132),   # d64 512: 4 tiles of 4 blocks
+    (2048, 16, 132),
+    (64, 16, 132),    # fewer tiles than SMs: the whole grid is the last round
+    (133, 7, 132),    # one tile more than a round, of an odd length
+    (1010, 3, 100),
+])
+def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
+        n_tiles: int, blocks: int, programs: int) -> None:
+    from templates.gluon_fwd_kernel import WHOLE, split_schedule
+
+    split = split_schedule(n_tiles, blocks, programs)
+    rounds = n_tiles // programs
+    assert split is not None and len(split.entries) == programs
+    assert split.tail_cost < split.whole_cost
+    # The whole rounds first, in the kernel's own order: tile r * programs + p.
+    for p, mine in enumerate(split.entries):
+        assert [e[0] for e in mine[:rounds]] == [r * programs + p for r in range(rounds)]
+        assert all(e[1:] == (0, WHOLE.value, -1, -1, 1) for e in mine[:rounds])
+        assert len(mine) - rounds <= 2  # a worker's share of the tail: one or two pieces
+    # Every block of every tile runs exactly once; a cut tile's pieces name its slots.
+    runs: dict[int, list[tuple[int, ...]]] = {}
+    for mine in split.entries:
+        for entry in mine:
+            runs.setdefault(entry[0], []).append(entry)
+    assert sorted(runs) == list(range(n_tiles))
+    slots = []
+    for tile, entries in runs.items():
+        if len(entries) == 1:
+            assert entries[0][1:] == (0, WHOLE.value, -1, -1, 1), (tile, entries)
+            continue
+        entries.sort(key=lambda e: e[1])
+        assert [e[1] for e in entries][0] == 0 and entries[-1][2] == blocks
+        assert all(a[2] == b[1] for a, b in zip(entries, entries[1:], strict=False))
+        assert all(e[1] < e[2] for e in entries)  # no empty piece
+        base, count = entries[0][4], len(entries)
+        assert all(e[4] == base and e[5] == count for e in entries)
+        assert sorted(e[3] for e in entries) == list(range(base, base + count))
+        slots += [e[3] for e in entries]
+    assert sorted(slots) == list(range(split.slots))
+
+
+def test_the_split_schedule_leaves_full_rounds_and_short_tiles_whole() -> None:
+    from templates.gluon_fwd_kernel import split_schedule
+
+    assert split_schedule(2112, 32, 132) is None  # 16 full rounds
+    assert split_schedule(200, 1, 132) is None  # one block per tile: nothing to cut
+    # 4-block tiles, 68 of them in the last round: two pieces would cost more than a tile.
+    assert split_schedule(2048, 4, 132) is None
+    # PROTOCOL's d128 4k: the last round shrinks from 33 blocks' cost to about 21.
+    split = split_schedule(2048, 32, 132)
+    assert split is not None and split.whole_cost == 33 and split.tail_cost <= 22
+
+
+@needs_gluon
+def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
+    from templates.gluon_fwd_kernel import SCHEDULE_ENTRY, LaunchPlan, _gluon_fwd_kernel
+
+    q = StandinTensor(torch.bfloat16, [4, 16, 4096, 128])
+    lse = StandinTensor(torch.float32, [4, 16, 4096])
+    cfg = GluonFwdConfig(persistent=True, split_tail=True).to_dict()
+    plan = LaunchPlan(q, q, causal_mode="none", scale=0.1, config=cfg, sm_count=132)
+    assert plan.options["TILE_ORDER"] == 3 and plan.grid == (132,)
+    assert plan.split is not None
+    # Listed: the last round's entries only (the kernel walks whole rounds by grid stride).
+    listed = sum(len(mine) - 2048 // 132 for mine in plan.split.entries)
+    assert plan.schedule.shape == [133 + listed * SCHEDULE_ENTRY.value]
+    partials, counters = plan.workspace(lse)
+    # A slot per piece and consumer: 64 rows of O (128 columns), m and l, in fp32.
+    assert partials.shape == [plan.split.slots * 2 * 64 * 130]
+    assert counters.dtype == torch.int32 and counters.shape == [plan.split.slots * 2]
+    args = plan.args(q, q, q, q, lse)
+    runtime = [p.name for p in _gluon_fwd_kernel.params if not p.is_constexpr]
+    assert len(args) == len(runtime)
+    assert args[runtime.index("Partials")].shape == partials.shape
+    assert args[runtime.index("Counters")].dtype == torch.int32
+    # A full last round (66 heads x 32 tiles = 16 rounds) keeps the kernel's own order.
+    q66 = StandinTensor(torch.bfloat16, [1, 66, 4096, 128])
+    plain = LaunchPlan(q66, q66, causal_mode="none", scale=0.1, config=cfg, sm_count=132)
+    assert plain.options["TILE_ORDER"] == 0 and plain.schedule is None and plain.split is None
+    assert plain.workspace(lse) == (lse, lse)
 
 
 def test_unsupported_problems() -> None:
@@ -253,7 +350,7 @@ def test_launch_plan_with_a_block_mask() -> None:
                       block_mask=mask)
     # Not the causal head groups: every SM takes tiles in the mask rows' order.
     assert plan.grid == (132,) and plan.scalars[7] == 1
-    assert plan.options["SPARSE"] and not plan.options["LONGEST_FIRST"]
+    assert plan.options["SPARSE"] and not plan.options["TILE_ORDER"]
     assert (plan.options["MASK_BLOCK_Q"], plan.options["MASK_BLOCK_KV"]) == (128, 128)
     assert plan.mask_strides == [0, 0, 0, 0, 32]
     args = plan.args(q, q, q, q, StandinTensor(torch.float32, [1, 16, 4096]), mask)
@@ -281,7 +378,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonFwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="kv_stages"):
         GluonFwdConfig(kv_stages=5)
-    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
 
 
 @needs_gluon
@@ -334,6 +431,8 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
         # The configs were calibrated with triton 3.6 (the GPU machines'): no spill there.
         # Other versions allocate registers differently (3.9 spills 8 bytes at d128 causal).
         allowed = 0 if triton.__version__.startswith("3.6") else 64
+        if job["config"]["split_tail"] and not triton.__version__.startswith("3.6"):
+            allowed = 128  # 3.9: 112 bytes at d128 dense with the pieces' combining (3.6: 0)
         if Problem.from_dict(job["problem"]).mask != "none":
             # A block mask's walk spills (112 bytes at d128 in 3.6, 216 in 3.9): scalars of
             # the lists' walk beside S, O and P, a few per KV step (docs/gluon_notes.md,
@@ -433,6 +532,54 @@ def test_strided_inputs_and_errors_on_the_gpu() -> None:
         gluon_attention_fwd(q, inputs["k"], inputs["v"], config={"warp_specialize": False})
     with pytest.raises(ValueError, match="scale must be positive"):
         gluon_attention_fwd(q, inputs["k"], inputs["v"], scale=-1.0)
+
+
+# ----------------------------------------------------------------------------- GPU: split tails
+SPLIT_CASES = [
+    (1, 2, 2, 3333, 3333, 64, "float16"),  # 54 tiles of 27 blocks, the last one masked
+    (2, 4, 2, 1000, 1000, 128, "bfloat16"),  # GQA: 64 tiles of 8 blocks
+    (1, 3, 1, 300, 1100, 64, "bfloat16"),  # MQA, N_q < N_kv: 9 tiles of 9 blocks
+    (4, 17, 17, 2048, 2048, 128, "bfloat16"),  # 8 rounds and 32 tiles
+    (4, 17, 17, 2048, 2048, 128, "float16"),
+    (2, 33, 33, 4096, 4096, 64, "bfloat16"),  # 16 rounds and 0 tiles: no split
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: Problem(*c).key())
+def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of the last round's tiles, combined by the last to end: right, the same bits
+    on every run (combined in slot order, whoever ends last), counters back at zero."""
+    if not is_hopper():
+        pytest.skip("gluon_fwd needs a Hopper GPU")
+    from templates import gluon_fwd_kernel
+    from templates.device import current_device
+
+    monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
+    problem = Problem(*case, "none")
+    cfg = dataclasses.replace(TEMPLATE.default_config(problem, current_device()),
+                              persistent=True, split_tail=True)
+    assert TEMPLATE.constraint(problem, cfg, current_device()) is None
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=7)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode="none", scale=inputs["scale"],
+                                       config=cfg.to_dict())
+    n_tiles = plan.scalars[6]
+    assert (plan.split is None) == (n_tiles % plan.grid[0] == 0), (n_tiles, plan.grid)
+    runs = [plan(q, k, v) for _ in range(4)]
+    ref = TEMPLATE.reference(inputs)
+    err = TEMPLATE.error(runs[0], ref)
+    assert err <= TEMPLATE.tolerance(problem), (cfg.key(), err)
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+    if plan.split is not None:
+        _, counters = plan.workspace(runs[0][1])
+        torch.cuda.synchronize()
+        assert int(counters.abs().sum()) == 0
+    # The same tiles whole: within rounding of the split result.
+    whole = TEMPLATE.run(inputs, dataclasses.replace(cfg, split_tail=False))
+    assert TEMPLATE.error(runs[0], whole) <= TEMPLATE.tolerance(problem)
 
 
 # ----------------------------------------------------------------------------- GPU: block masks
