@@ -96,9 +96,15 @@ L2_KV_BYTES = 16 * 1024 * 1024
 # at 512-2k causal, d64 and d128 (docs/gluon_notes.md).
 TILE_OVERHEAD_BLOCKS = 1
 # What a piece of a split tile (``split_schedule``) costs beyond its blocks and the tile
-# overhead, in KV blocks, per piece of its tile: its partial result stored (the unnormalized
-# O, m, l of its rows: 33 KiB at d128) and, for the last piece, every partial read back.
-COMBINE_BLOCKS_PER_PIECE = 0.5
+# overhead, per piece of its tile, in KV blocks of 128 keys at d128 (twice as many at d64,
+# whose blocks take half the time): its partial result stored (the unnormalized O, m, l of
+# its rows), the release and acquire, the last piece reading every partial back. Measured on
+# the H100 (session #13, docs/gluon_notes.md): 64 tiles of 8 blocks cut in two took 1.157x
+# the time of whole ones, 64 of 16 blocks 0.93x: about 6 blocks per cut tile of two pieces.
+COMBINE_BLOCKS_PER_PIECE = 3.0
+# A split that the cost model says shortens the whole grid by less than this fraction is
+# not made: within the A/B noise (about 1%) it gained nothing measurable (d128 2k).
+MIN_SPLIT_GAIN = 0.01
 # Above this many tiles a persistent causal grid keeps the kernel's own order: the host's
 # schedule costs a heap operation per tile in Python at the plan (2^17 tiles: 74 ms here).
 MAX_SCHEDULED_TILES = 1 << 17
@@ -1191,27 +1197,30 @@ class SplitSchedule(NamedTuple):
     whole_cost: float
 
 
-def split_schedule(n_tiles: int, blocks: int, programs: int,
+def split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int = 128,
                    overhead: float = TILE_OVERHEAD_BLOCKS,
-                   combine: float = COMBINE_BLOCKS_PER_PIECE) -> SplitSchedule | None:
+                   combine: float | None = None) -> SplitSchedule | None:
     """Whole tiles in rounds of ``programs`` (tile ``r * programs + p`` to program p, as the
     kernel's own order), then the ``n_tiles % programs`` tiles of the last, partial round cut
     into pieces of KV blocks spread over more programs, stream-K style: the tail's
     ``rest * blocks`` blocks split evenly over ``workers`` programs, each cut where a tile
     ends, so a program takes one or two pieces. A piece costs its blocks plus ``overhead``,
-    plus, for a tile of c pieces, c x ``combine`` (its partial stored, the last piece reading
-    them all back); the worker count with the shortest tail wins. None where the last round
-    is full or no cut shortens it."""
+    plus, for a tile of c pieces, c x ``combine`` (``COMBINE_BLOCKS_PER_PIECE`` by default,
+    scaled to ``head_dim``'s blocks); the
+    worker count with the shortest tail wins. None where the last round is full, or where
+    the cut shortens the grid (its whole rounds and the last) by less than
+    ``MIN_SPLIT_GAIN``."""
     rounds, rest = divmod(n_tiles, programs)
     whole_cost = blocks + overhead
     if rest == 0 or blocks < 2:
         return None
+    combine = (COMBINE_BLOCKS_PER_PIECE if combine is None else combine) * 128 / head_dim
     best: tuple[float, int] | None = None
     for workers in range(rest + 1, programs + 1):
         cost = max(_worker_costs(rest, blocks, workers, overhead, combine))
         if best is None or cost < best[0]:
             best = (cost, workers)
-    if best is None or best[0] >= whole_cost:
+    if best is None or whole_cost - best[0] < MIN_SPLIT_GAIN * (rounds + 1) * whole_cost:
         return None
     cost, workers = best
     entries = [[whole_tile(r * programs + p) for r in range(rounds)] for p in range(programs)]
@@ -1354,11 +1363,11 @@ class LaunchPlan:
         # A dense persistent grid whose last round is partial: that round's tiles cut into
         # pieces over every SM, where the cost model says it ends sooner (``split_schedule``).
         self.split: SplitSchedule | None = None
-        split_args: tuple[int, int, int] = (0, 0, 0)
+        split_args: tuple[int, int, int, int] = (0, 0, 0, 0)
         if (persistent and config.get("split_tail") and not causal and not self.sparse
                 and host_schedule and n_tiles <= MAX_SCHEDULED_TILES):
             assert sm_count is not None
-            split_args = (n_tiles, -(-seqlen_kv // int(config["BLOCK_N"])), sm_count)
+            split_args = (n_tiles, -(-seqlen_kv // int(config["BLOCK_N"])), sm_count, head_dim)
             self.split = _split_schedule(*split_args)
         self.options = launch_options(head_dim, causal, config, diag,
                                       tuple(block_mask.block_size) if self.sparse else None,
@@ -1517,15 +1526,16 @@ def _causal_table(n_q_tiles: int, batch_heads: int, group: int, costs: tuple[int
 
 
 @functools.lru_cache(maxsize=64)
-def _split_schedule(n_tiles: int, blocks: int, programs: int) -> SplitSchedule | None:
-    return split_schedule(n_tiles, blocks, programs)
+def _split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int
+                    ) -> SplitSchedule | None:
+    return split_schedule(n_tiles, blocks, programs, head_dim)
 
 
 @functools.lru_cache(maxsize=64)
-def _split_table(n_tiles: int, blocks: int, programs: int) -> tuple[int, ...]:
+def _split_table(n_tiles: int, blocks: int, programs: int, head_dim: int) -> tuple[int, ...]:
     # The kernel walks the whole rounds by grid stride (``_program_tile``): only the last
     # round's entries are listed.
-    split = _split_schedule(n_tiles, blocks, programs)
+    split = _split_schedule(n_tiles, blocks, programs, head_dim)
     assert split is not None
     rounds = n_tiles // programs
     return tuple(schedule_table([mine[rounds:] for mine in split.entries]))

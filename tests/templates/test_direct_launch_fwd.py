@@ -130,8 +130,9 @@ def test_direct_launch_switched_off_or_a_hook_keeps_the_jit_path(
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_gluon_plan_launches_directly_after_its_first_call(
         monkeypatch: pytest.MonkeyPatch, persistent: bool) -> None:
-    """Dense launches pass LSE for the block mask's six tensors and (without a persistent
-    causal schedule) for the schedule: the kernel never reads them."""
+    """Dense launches pass LSE for the block mask's six tensors, (without a persistent
+    causal schedule) for the schedule and (without a split) for the split workspace: the
+    kernel never reads them."""
     from templates.gluon_fwd import GluonFwdConfig
     from templates.gluon_fwd import kernel as gluon
 
@@ -163,7 +164,11 @@ def test_a_gluon_plan_launches_directly_after_its_first_call(
         assert jit_args[12] is plan.schedule and launched[12] == plan.schedule.data_ptr()
     else:
         assert jit_args[12] is jit_args[5] and launched[12] == launched[5]
-    assert launched[13:] == tuple(jit_args[13:]) == (*plan.scalars, *plan.mask_strides)
+    # The split workspace (partials, counters): LSE where the grid is not split.
+    assert plan.split is None
+    assert all(t is jit_args[5] for t in jit_args[13:15]) and launched[13:15] == (
+        launched[5],) * 2
+    assert launched[15:] == tuple(jit_args[15:]) == (*plan.scalars, *plan.mask_strides)
     assert direct_args[9 + len(jit_args):] == tuple(
         v for name, v in plan.options.items() if name != "maxnreg")
 
