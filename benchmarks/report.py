@@ -1694,6 +1694,7 @@ DIAG_MEANINGS = {
     2: "no softmax at all (wrong results by design: timing only)",
     3: "the O store waited for at once",
     4: "the row sum on the tensor cores (commit 0ae5ad6, reverted)",
+    7: "a split tile's pieces not combined (wrong O for cut tiles: timing only)",
 }
 
 
