@@ -382,10 +382,10 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     programs per SM, no producer warp, consumers in step (runs 1-3). The row max as a tree
     at d64 only: against the chain, 7 rounds (session #11), d64 2k-16k 0.95-0.99 of the time
     (causal 4k/16k 0.967/0.951), 512-1k 0.99-1.01; d128 1.00-1.02, so not there. The last
-    round cut into pieces (``split_tail``) at d128 dense only: against whole tiles
-    (session #13, 5-7 rounds) d128 4k 0.991-0.993 of the time, 16k 0.966-0.969, 2k
-    0.993-1.010 (512-1k: the cost model leaves them whole); d64 16k 0.961-0.988 but 512-2k
-    1.007-1.026 (unexplained: the same with the combining compiled out)."""
+    round cut into pieces (``split_tail``, dense; its cost model decides where to cut):
+    against whole tiles (session #13, 7 rounds) grids of 32-64 tiles 0.60-0.89 of the time
+    at d128 and 0.62-0.73 at d64, PROTOCOL 8k/16k 0.98-0.99 (the model leaves 512-4k
+    whole; cut, d64 2k and under read 1.01-1.03)."""
     causal = problem.causal != "none"
     persistent = problem.head_dim <= 128
     block_n = 64 if problem.head_dim > 128 else 128
@@ -394,8 +394,7 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
                           longest_first=causal and problem.mask == "none",
                           persistent=persistent,
                           tree_max=problem.head_dim == 64,
-                          split_tail=(persistent and not causal and problem.mask == "none"
-                                      and problem.head_dim == 128))
+                          split_tail=persistent and not causal and problem.mask == "none")
 
 
 def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
