@@ -112,10 +112,11 @@ class GluonFwdConfig(KernelConfig):
         "d64, behind at d128 dense on the H100 (docs/gluon_notes.md).")
     split_tail: bool = knob(
         False, (False, True),
-        "Dense persistent grids whose last round is partial (tiles not a multiple of the "
-        "SMs): that round's tiles are cut into pieces of KV blocks spread over every SM, "
-        "their partial results combined by the piece that ends last, where the host's cost "
-        "model says the grid ends sooner (``split_schedule``); else as False.")
+        "Persistent grids: tiles cut into pieces of KV blocks run by different SMs, their "
+        "partial results combined by the piece that ends last, where the host's cost model "
+        "says the grid ends sooner; else as False. Dense: the last, partial round's tiles "
+        "(``split_schedule``); causal: the longest tiles of a grid too small for whole "
+        "tiles to balance (``cut_lpt_schedule``).")
     ctas_per_sm: int = knob(
         1, (1, 2),
         "Programs meant to share an SM: the register budget (maxnreg) is split between them "
@@ -195,10 +196,9 @@ class GluonFwdTemplate(GluonTemplate):
             return "persistent programs take a whole SM each; use ctas_per_sm=1"
         if cfg.split_tail and not cfg.persistent:
             return "split_tail cuts the last round of a persistent grid: needs persistent=True"
-        if cfg.split_tail and (problem.causal != "none" or mask_block is not None):
-            return ("split_tail cuts dense tiles only (causal grids balance whole tiles "
-                    "longest first, block masks walk their rows' lists): use "
-                    "split_tail=False")
+        if cfg.split_tail and mask_block is not None:
+            return ("split_tail does not cut a block mask's tiles (they walk their rows' "
+                    "lists): use split_tail=False")
         if mask_block is not None:
             reason = block_mask_reason(cfg, mask_block)
             if reason:
@@ -382,10 +382,10 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     programs per SM, no producer warp, consumers in step (runs 1-3). The row max as a tree
     at d64 only: against the chain, 7 rounds (session #11), d64 2k-16k 0.95-0.99 of the time
     (causal 4k/16k 0.967/0.951), 512-1k 0.99-1.01; d128 1.00-1.02, so not there. The last
-    round cut into pieces (``split_tail``, dense; its cost model decides where to cut):
-    against whole tiles (session #13, 7 rounds) grids of 32-64 tiles 0.60-0.89 of the time
-    at d128 and 0.62-0.73 at d64, PROTOCOL 8k/16k 0.98-0.99 (the model leaves 512-4k
-    whole; cut, d64 2k and under read 1.01-1.03)."""
+    round cut into pieces (``split_tail``; its cost models decide where to cut): against
+    whole tiles (session #13, 7 rounds) dense grids of 32-64 tiles 0.60-0.89 of the time at
+    d128 and 0.62-0.73 at d64, PROTOCOL 8k/16k 0.98-0.99 (the model leaves 512-4k whole;
+    cut, d64 2k and under read 1.01-1.03); causal grids of 16-128 tiles 0.51-0.93."""
     causal = problem.causal != "none"
     persistent = problem.head_dim <= 128
     block_n = 64 if problem.head_dim > 128 else 128
@@ -394,7 +394,7 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
                           longest_first=causal and problem.mask == "none",
                           persistent=persistent,
                           tree_max=problem.head_dim == 64,
-                          split_tail=persistent and not causal and problem.mask == "none")
+                          split_tail=persistent and problem.mask == "none")
 
 
 def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:

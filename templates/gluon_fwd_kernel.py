@@ -413,10 +413,15 @@ def _program_tile(r, n_tiles, lists, ORDER: gl.constexpr):
     the rest are the program's entries of the host's schedule (``split_schedule``), which
     cuts the last round's tiles into ``count`` pieces run by different programs: ``piece``
     is this one's slot among the tile's slots ``base .. base + count - 1`` of the split
-    workspace, -1 for a whole tile. The blocks [first, end) are capped by the tile's own
-    count (end ``WHOLE``: all of them)."""
+    workspace, -1 for a whole tile; with ORDER 4 every tile or piece is an entry of a
+    causal grid's schedule (``cut_lpt_schedule``). The blocks [first, end) are capped by the
+    tile's own count (end ``WHOLE``: all of them)."""
     p = gl.program_id(0)
     grid = gl.num_programs(0)
+    if ORDER == 4:
+        entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + r) * SCHEDULE_ENTRY
+        return (gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3),
+                gl.load(entry + 4), gl.load(entry + 5))
     if ORDER == 2:
         entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + r) * SCHEDULE_ENTRY
         return (gl.load(entry), gl.to_tensor(0), gl.to_tensor(WHOLE), gl.to_tensor(-1),
@@ -858,7 +863,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
                            causal_offset, qk_scale, it0, ev0, tc, piece, base, count, ME,
                            NUM_WARPS, ROWS, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
                            WARP_SPECIALIZE, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE,
-                           MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX, TILE_ORDER == 3)
+                           MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX, TILE_ORDER >= 3)
             it0 += end - first
             if end > first:
                 ev0 += end - first + 1
@@ -993,7 +998,7 @@ def _gluon_fwd_kernel(
     # ``grid`` tiles or its part of the host's ``Schedule`` (_program_tile). SPARSE: a block
     # mask's lists (``BlockMask.kernel_args`` order; dense launches pass LSE and zeros, compiled
     # out) travel as one tuple, and the schedule with them (TILE_ORDER >= 2; else LSE), and
-    # the split workspace and its counters (TILE_ORDER == 3; else LSE).
+    # the split workspace and its counters (TILE_ORDER 3 and 4; else LSE).
     lists = (FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
              PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, Schedule,
              Partials, Counters)
@@ -1145,9 +1150,10 @@ def tile_order(config: Mapping[str, Any], causal: bool, sparse: bool,
     """The kernel's TILE_ORDER: 0 tiles in order, 1 longest first in the kernel's own
     order (``_tile_coords``), 2 a persistent grid's host-made schedule (``lpt_schedule``),
     3 a dense persistent grid's host-made schedule with its last round's tiles cut into
-    pieces (``split_schedule``)."""
+    pieces (``split_schedule``), 4 a causal one's with its longest tiles cut
+    (``cut_lpt_schedule``)."""
     if split:
-        return 3
+        return 4 if causal else 3
     if not (config["longest_first"] and causal and not sparse):
         return 0
     return 2 if config["persistent"] and host_schedule else 1
@@ -1190,14 +1196,15 @@ def schedule_table(entries: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
 
 
 class SplitSchedule(NamedTuple):
-    """A dense persistent grid's schedule with its last round cut into pieces: ``entries``
-    per program, ``slots`` of the split workspace, and the cost model's lengths (in KV
-    blocks) of the last round with and without the cut."""
+    """A persistent grid's schedule with tiles cut into pieces: ``entries`` per program,
+    ``slots`` of the split workspace, and the cost model's lengths (in KV blocks) of what
+    the cuts shorten (a dense grid's last round; a causal grid's longest program) with and
+    without them."""
 
     entries: list[list[tuple[int, ...]]]
     slots: int
-    tail_cost: float
-    whole_cost: float
+    cut_cost: float
+    uncut_cost: float
 
 
 def split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int = 128,
@@ -1238,6 +1245,82 @@ def split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int = 128
             entries[worker].append((tail0 + i, first, end, slots + k, slots, len(pieces)))
         slots += len(pieces)
     return SplitSchedule(entries, slots, cost, whole_cost)
+
+
+def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], programs: int,
+                     head_dim: int = 128, overhead: float = TILE_OVERHEAD_BLOCKS,
+                     combine: float | None = None) -> SplitSchedule | None:
+    """A persistent causal grid whose longest tiles outlast the average program (few tiles,
+    of very unequal lengths: a short batch of few heads). For each cap below the longest
+    tile's cost (``blocks[m]``, query tile m's KV blocks, plus ``overhead``), the tiles above
+    it are cut into the fewest near-equal pieces that fit it (a piece of a tile of c pieces
+    costs c x ``combine`` more, as in ``split_schedule``), and tiles and pieces go longest
+    first to the program with the least work so far (LPT, as ``lpt_schedule`` but without
+    head groups: a grid this small keeps every head's K/V in L2); the cap with the shortest
+    longest program wins. None where no tile outlasts the average program or no cap
+    shortens the longest program by ``MIN_SPLIT_GAIN``."""
+    combine = (COMBINE_BLOCKS_PER_PIECE if combine is None else combine) * 128 / head_dim
+    whole = [n + overhead for n in blocks]
+    if max(whole) <= batch_heads * sum(whole) / programs:
+        return None
+    uncut = _lpt_makespan(sorted((w for w in whole for _ in range(batch_heads)),
+                                 reverse=True), programs)
+    best: tuple[float, list[tuple[float, int, int, int, int, int]]] | None = None
+    for cap in sorted(set(whole), reverse=True)[1:]:
+        items = _cut_items(n_q_tiles, batch_heads, blocks, overhead, combine, cap)
+        if items is None:
+            continue
+        makespan = _lpt_makespan([it[0] for it in items], programs)
+        if best is None or makespan < best[0]:
+            best = (makespan, items)
+    if best is None or uncut - best[0] < MIN_SPLIT_GAIN * uncut:
+        return None
+    loads = [(0.0, p) for p in range(programs)]
+    entries: list[list[tuple[int, ...]]] = [[] for _ in range(programs)]
+    bases: dict[int, int] = {}
+    slots = 0
+    for cost, tile, k, count, first, end in best[1]:
+        load, p = heapq.heappop(loads)
+        if count == 1:
+            entries[p].append(whole_tile(tile))
+        else:
+            if tile not in bases:
+                bases[tile] = slots
+                slots += count
+            entries[p].append((tile, first, end, bases[tile] + k, bases[tile], count))
+        heapq.heappush(loads, (load + cost, p))
+    return SplitSchedule(entries, slots, best[0], uncut)
+
+
+def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead: float,
+               combine: float, cap: float) -> list[tuple[float, int, int, int, int, int]] | None:
+    """Every tile, or its pieces where it costs more than ``cap``, as (cost, tile, piece k,
+    piece count, first block, end block), longest first; None where a tile cannot be cut
+    to fit ``cap``."""
+    items = []
+    for m, n in enumerate(blocks):
+        count = 1
+        if n + overhead > cap:
+            fits = [c for c in range(2, n + 1) if -(-n // c) + overhead + combine * c <= cap]
+            if not fits:
+                return None
+            count = fits[0]
+        extra = combine * count if count > 1 else 0.0
+        for bh in range(batch_heads):
+            for k in range(count):
+                first, end = k * n // count, (k + 1) * n // count
+                items.append((end - first + overhead + extra, bh * n_q_tiles + m, k, count,
+                              first, end))
+    return sorted(items, key=lambda it: (-it[0], it[1], it[2]))
+
+
+def _lpt_makespan(costs: Sequence[float], programs: int) -> float:
+    """The longest program of an LPT assignment of ``costs`` (given longest first)."""
+    loads = [0.0] * programs
+    heapq.heapify(loads)
+    for cost in costs:
+        heapq.heappush(loads, heapq.heappop(loads) + cost)
+    return max(loads)
 
 
 def _tail_pieces(rest: int, blocks: int, workers: int) -> list[list[tuple[int, int, int]]]:
@@ -1366,12 +1449,21 @@ class LaunchPlan:
         # A dense persistent grid whose last round is partial: that round's tiles cut into
         # pieces over every SM, where the cost model says it ends sooner (``split_schedule``).
         self.split: SplitSchedule | None = None
-        split_args: tuple[int, int, int, int] = (0, 0, 0, 0)
-        if (persistent and config.get("split_tail") and not causal and not self.sparse
-                and host_schedule and n_tiles <= MAX_SCHEDULED_TILES):
+        split_args: tuple[Any, ...] = ()
+        split_table: Any = None
+        if (persistent and config.get("split_tail") and not self.sparse and host_schedule
+                and n_tiles <= MAX_SCHEDULED_TILES):
             assert sm_count is not None
-            split_args = (n_tiles, -(-seqlen_kv // int(config["BLOCK_N"])), sm_count, head_dim)
-            self.split = _split_schedule(*split_args)
+            block_n = int(config["BLOCK_N"])
+            if causal:
+                # (A causal grid of few tiles: its longest ones cut, ``cut_lpt_schedule``.)
+                blocks = tuple(causal_tile_costs(n_q_tiles, block_m, block_n, seqlen_kv,
+                                                 offset, 0))
+                split_args = (n_q_tiles, batch * heads_q, blocks, sm_count, head_dim)
+                self.split, split_table = _cut_lpt_schedule(*split_args), _cut_lpt_table
+            else:
+                split_args = (n_tiles, -(-seqlen_kv // block_n), sm_count, head_dim)
+                self.split, split_table = _split_schedule(*split_args), _split_table
         self.options = launch_options(head_dim, causal, config, diag,
                                       tuple(block_mask.block_size) if self.sparse else None,
                                       host_schedule and n_tiles <= MAX_SCHEDULED_TILES,
@@ -1386,7 +1478,7 @@ class LaunchPlan:
                                    2 * seqlen_kv * head_dim * 2, sm_count)
             if self.split is not None:
                 self.grid = (sm_count,)
-                self.schedule = _schedule(q, _split_table, *split_args)
+                self.schedule = _schedule(q, split_table, *split_args)
             elif self.options["TILE_ORDER"] == 2:
                 costs = causal_tile_costs(n_q_tiles, block_m, int(config["BLOCK_N"]),
                                           seqlen_kv, offset, tile_overhead)
@@ -1532,6 +1624,20 @@ def _causal_table(n_q_tiles: int, batch_heads: int, group: int, costs: tuple[int
 def _split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int
                     ) -> SplitSchedule | None:
     return split_schedule(n_tiles, blocks, programs, head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: tuple[int, ...], programs: int,
+                      head_dim: int) -> SplitSchedule | None:
+    return cut_lpt_schedule(n_q_tiles, batch_heads, blocks, programs, head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _cut_lpt_table(n_q_tiles: int, batch_heads: int, blocks: tuple[int, ...], programs: int,
+                   head_dim: int) -> tuple[int, ...]:
+    split = _cut_lpt_schedule(n_q_tiles, batch_heads, blocks, programs, head_dim)
+    assert split is not None
+    return tuple(schedule_table(split.entries))
 
 
 @functools.lru_cache(maxsize=64)

@@ -55,8 +55,8 @@ def test_default_configs_fit_every_protocol_problem_and_odd_ones() -> None:
         assert TEMPLATE.constraint(problem, cfg, H100) is None, (problem.key(), cfg.key())
         assert cfg.longest_first == (problem.causal != "none")
         assert cfg.tree_max == (problem.head_dim == 64)  # measured ahead at d64 only
-        # Dense persistent grids (d64, d128): the cost model decides where to cut.
-        assert cfg.split_tail == (problem.head_dim <= 128 and problem.causal == "none")
+        # Persistent grids (d64, d128): the cost model decides where to cut.
+        assert cfg.split_tail == (problem.head_dim <= 128)
         assert shared_memory_estimate(problem, cfg) <= H100.smem_per_block
 
 
@@ -94,8 +94,11 @@ def test_constraints_name_what_is_wrong() -> None:
     assert reason is not None and "split_tail" in reason and "persistent=True" in reason
     split = GluonFwdConfig(persistent=True, split_tail=True)
     assert TEMPLATE.constraint(problem, split, H100) is None
-    reason = TEMPLATE.constraint(causal, dataclasses.replace(split, longest_first=True), H100)
-    assert reason is not None and "dense tiles only" in reason
+    assert TEMPLATE.constraint(causal, dataclasses.replace(split, longest_first=True),
+                               H100) is None
+    masked = dataclasses.replace(problem, mask="sliding:256")
+    reason = TEMPLATE.constraint(masked, split, H100)
+    assert reason is not None and "block mask" in reason and "split_tail=False" in reason
     a100 = TARGETS["a100"]
     reason = TEMPLATE.constraint(problem, GluonFwdConfig(), a100)
     assert reason is not None and "Hopper" in reason
@@ -231,7 +234,7 @@ def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
     split = split_schedule(n_tiles, blocks, programs, combine=0.5)
     rounds = n_tiles // programs
     assert split is not None and len(split.entries) == programs
-    assert split.tail_cost < split.whole_cost
+    assert split.cut_cost < split.uncut_cost
     # The whole rounds first, in the kernel's own order: tile r * programs + p.
     for p, mine in enumerate(split.entries):
         assert [e[0] for e in mine[:rounds]] == [r * programs + p for r in range(rounds)]
@@ -272,10 +275,50 @@ def test_the_split_schedule_cuts_only_where_the_h100_measured_a_gain() -> None:
     assert split_schedule(2048, 16, 132) is None and split_schedule(2048, 32, 132) is None
     for blocks in (64, 128):
         split = split_schedule(2048, blocks, 132)
-        assert split is not None and split.tail_cost < split.whole_cost
+        assert split is not None and split.cut_cost < split.uncut_cost
     # d64 blocks take half the time, so the same combine costs twice as many of them.
     assert split_schedule(4096, 32, 132, head_dim=64) is None
     assert split_schedule(64, 16, 132, head_dim=64) is None
+
+
+@pytest.mark.parametrize("heads,n,head_dim", [(1, 8192, 128), (2, 4096, 64), (4, 4096, 128),
+                                               (1, 2048, 128)])
+def test_a_small_causal_grid_cuts_its_longest_tiles(heads: int, n: int, head_dim: int) -> None:
+    from templates.gluon_fwd_kernel import WHOLE, causal_tile_costs, cut_lpt_schedule
+
+    n_q_tiles = n // 128
+    blocks = causal_tile_costs(n_q_tiles, 128, 128, n, 0, 0)
+    split = cut_lpt_schedule(n_q_tiles, heads, blocks, 132, head_dim)
+    assert split is not None and split.cut_cost < split.uncut_cost
+    covered: dict[int, list[tuple[int, int]]] = {}
+    slots = []
+    for mine in split.entries:
+        costs = []
+        for tile, first, end, piece, base, count in mine:
+            n_blocks = blocks[tile % n_q_tiles]
+            covered.setdefault(tile, []).append((first, min(end, n_blocks)))
+            if piece >= 0:
+                assert base <= piece < base + count and count > 1
+                slots.append(piece)
+            else:
+                assert (first, end, base, count) == (0, WHOLE.value, -1, 1)
+            costs.append(min(end, n_blocks) - first)
+        assert costs == sorted(costs, reverse=True)  # longest first within a program
+    assert sorted(covered) == list(range(heads * n_q_tiles))
+    for tile, ranges in covered.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == blocks[tile % n_q_tiles]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert sorted(slots) == list(range(split.slots))
+
+
+def test_a_causal_grid_of_many_tiles_stays_whole() -> None:
+    from templates.gluon_fwd_kernel import causal_tile_costs, cut_lpt_schedule
+
+    # PROTOCOL's causal problems: whole tiles balance over 132 SMs (``lpt_schedule``).
+    for heads, n in ((64, 4096), (16, 16384), (512, 512)):
+        blocks = causal_tile_costs(n // 128, 128, 128, n, 0, 0)
+        assert cut_lpt_schedule(n // 128, heads, blocks, 132) is None
 
 
 @needs_gluon
@@ -305,6 +348,13 @@ def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
     plain = LaunchPlan(q66, q66, causal_mode="none", scale=0.1, config=cfg, sm_count=132)
     assert plain.options["TILE_ORDER"] == 0 and plain.schedule is None and plain.split is None
     assert plain.workspace(lse) == (lse, lse)
+    # A causal grid of 64 tiles (1 x 2 heads x 4k): its longest tiles cut, every entry listed.
+    q2 = StandinTensor(torch.bfloat16, [1, 2, 4096, 128])
+    causal = LaunchPlan(q2, q2, causal_mode="top_left", scale=0.1, sm_count=132,
+                        config=dict(cfg, longest_first=True))
+    assert causal.options["TILE_ORDER"] == 4 and causal.split is not None
+    listed = sum(len(mine) for mine in causal.split.entries)
+    assert causal.schedule.shape == [133 + listed * SCHEDULE_ENTRY.value]
 
 
 def test_unsupported_problems() -> None:
@@ -551,14 +601,23 @@ SPLIT_CASES = [
     (4, 17, 17, 2048, 2048, 128, "float16"),
     (2, 33, 33, 4096, 4096, 64, "bfloat16"),  # 16 rounds and 0 tiles: no split
 ]
+# Causal grids of few tiles, their longest tiles cut (``cut_lpt_schedule``).
+CAUSAL_SPLIT_CASES = [
+    (1, 2, 2, 4096, 4096, 128, "bfloat16", "top_left"),  # 64 tiles of 1-32 blocks
+    (1, 3, 1, 2000, 2000, 64, "float16", "top_left"),  # MQA, odd length: 48 tiles
+    (1, 2, 2, 1500, 3333, 128, "bfloat16", "bottom_right"),  # N_q < N_kv: long first tiles
+    (1, 1, 1, 8192, 8192, 64, "bfloat16", "top_left"),
+]
+SPLIT_CACHES = ("_split_schedule", "_split_table", "_cut_lpt_schedule", "_cut_lpt_table")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: Problem(*c).key())
+@pytest.mark.parametrize("case", [(*c, "none") for c in SPLIT_CASES] + CAUSAL_SPLIT_CASES,
+                         ids=lambda c: Problem(*c).key())
 def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pieces of the last round's tiles, combined by the last to end: right, the same bits
-    on every run (combined in slot order, whoever ends last), counters back at zero."""
+    """Pieces of tiles, combined by the last to end: right, the same bits on every run
+    (combined in slot order, whoever ends last), counters back at zero."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
     from templates import gluon_fwd_kernel
@@ -568,18 +627,21 @@ def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
     # Every case cut (a cheap combine, any gain), whatever the cost model would choose.
     monkeypatch.setattr(gluon_fwd_kernel, "COMBINE_BLOCKS_PER_PIECE", 0.5)
     monkeypatch.setattr(gluon_fwd_kernel, "MIN_SPLIT_GAIN", 0.0)
-    for cache in (gluon_fwd_kernel._split_schedule, gluon_fwd_kernel._split_table):
-        cache.cache_clear()
-    problem = Problem(*case, "none")
+    for name in SPLIT_CACHES:
+        getattr(gluon_fwd_kernel, name).cache_clear()
+    problem = Problem(*case)
     cfg = dataclasses.replace(TEMPLATE.default_config(problem, current_device()),
                               persistent=True, split_tail=True)
     assert TEMPLATE.constraint(problem, cfg, current_device()) is None
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=7)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode="none", scale=inputs["scale"],
+    plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal, scale=inputs["scale"],
                                        config=cfg.to_dict())
     n_tiles = plan.scalars[6]
-    assert (plan.split is None) == (n_tiles % plan.grid[0] == 0), (n_tiles, plan.grid)
+    if problem.causal == "none":
+        assert (plan.split is None) == (n_tiles % plan.grid[0] == 0), (n_tiles, plan.grid)
+    else:
+        assert plan.split is not None and plan.options["TILE_ORDER"] == 4
     runs = [plan(q, k, v) for _ in range(4)]
     ref = TEMPLATE.reference(inputs)
     err = TEMPLATE.error(runs[0], ref)
@@ -593,8 +655,8 @@ def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
     # The same tiles whole: within rounding of the split result.
     whole = TEMPLATE.run(inputs, dataclasses.replace(cfg, split_tail=False))
     assert TEMPLATE.error(runs[0], whole) <= TEMPLATE.tolerance(problem)
-    for cache in (gluon_fwd_kernel._split_schedule, gluon_fwd_kernel._split_table):
-        cache.cache_clear()  # (plans made with the real model from here on)
+    for name in SPLIT_CACHES:
+        getattr(gluon_fwd_kernel, name).cache_clear()  # (the real model from here on)
 
 
 # ----------------------------------------------------------------------------- GPU: block masks
