@@ -31,6 +31,11 @@ One kernel, specialized by constexprs:
     leaves by TMA through this tile's buffer; causal tiles come from the host's schedule
     (``lpt_schedule``: head groups in turn, each group's tiles longest first, each to the
     program with the least work so far), so every SM gets about the same work;
+  * split tiles (``split_tail``, persistent grids): where whole tiles leave SMs idle (a
+    dense grid's partial last round, a causal grid of few tiles), the host's schedule cuts
+    tiles into pieces of KV blocks run by different programs (``split_schedule``,
+    ``cut_lpt_schedule``); each piece stores its unnormalized O, m and l, and the piece
+    that counts in last at the tile's counter combines them (``_combine_pieces``);
   * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
   * causal top-left (SDPA) or bottom-right (FA2 with a KV cache) through ``causal_offset``.
 
@@ -108,7 +113,7 @@ MIN_SPLIT_GAIN = 0.01
 # Above this many tiles a persistent causal grid keeps the kernel's own order: the host's
 # schedule costs a heap operation per tile in Python at the plan (2^17 tiles: 74 ms here).
 MAX_SCHEDULED_TILES = 1 << 17
-# The host's schedule (``TILE_ORDER`` 2 and 3): per entry, the tile, its first and end KV
+# The host's schedule (``TILE_ORDER`` 2-4): per entry, the tile, its first and end KV
 # blocks (``WHOLE``: to the tile's end), and for a tile cut into pieces this piece's slot of
 # the split workspace, the tile's first slot and its piece count (-1, -1, 1: a whole tile).
 SCHEDULE_ENTRY = gl.constexpr(6)
@@ -265,8 +270,9 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
     TILE_ORDER == 1 (causal): tiles come in groups of ``head_group`` heads (1 outside
     persistent grids), each group's tiles by decreasing length, from the query tile that sees
     most keys down, head after head within a length: a group's K/V stay in L2 while a
-    persistent grid walks it in rounds of similar lengths. TILE_ORDER == 2: t is a tile
-    of the host's schedule (``lpt_schedule``), numbered as without an order. KV blocks [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
+    persistent grid walks it in rounds of similar lengths. TILE_ORDER 2-4: t is a tile of
+    the host's schedule (``_program_tile``), numbered as without an order. KV blocks
+    [0, n_full) need no mask, [n_full, n_blocks) do; n_full <= n_blocks.
 
     SPARSE: the tile walks the KV blocks its block-mask row lists (``lists``, see
     ``_kv_start``), full ones first, in steps of BLOCK_N keys; ``lrow`` is where that row's
@@ -619,8 +625,8 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     Pingpong: each consumer takes turns[ME] before issuing its GEMMs of a block and hands
     turns[1 - ME] over right after, so the two consumers' GEMMs alternate on the tensor cores
     and each one's softmax runs under the other's GEMMs. Every consumer issues n + 1 GEMM
-    batches per tile of n = end - first blocks (S_first; S_j with PV_{j-1}; PV_last), the k-th of the program waiting
-    on phase k & 1 (``ev0`` batches came before this tile).
+    batches per tile of n = end - first blocks (S_first; S_j with PV_{j-1}; PV_last), the
+    k-th of the program waiting on phase k & 1 (``ev0`` batches came before this tile).
 
     Q (and O) buffer: ``tc % Q_SLOTS`` of this consumer for the program's ``tc``-th tile. With
     one slot, a persistent program hands it back once its last S GEMM completed (the next
@@ -984,7 +990,8 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
 def _gluon_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, LSE,
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
-    Schedule, Partials, Counters, N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles, head_group, qk_scale,
+    Schedule, Partials, Counters, N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles,
+    head_group, qk_scale,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
