@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from templates import direct_launch, tensor_maps
+from templates import direct_launch, gluon_schedule, tensor_maps
 from templates.attention_reference import (
     attention_reference,
     forward_bytes,
@@ -167,7 +167,8 @@ class GluonFwdTemplate(GluonTemplate):
 
     def source_modules(self) -> Sequence[str]:
         # The kernel module launches through these (inlined into the standalone source too).
-        return [*super().source_modules(), direct_launch.__name__, tensor_maps.__name__]
+        return [*super().source_modules(), direct_launch.__name__, tensor_maps.__name__,
+                gluon_schedule.__name__]
 
     # -- the problem --------------------------------------------------------------------------
     def flops(self, problem: Problem) -> float:

@@ -48,12 +48,10 @@ sees no key gets o = 0 and lse = -inf.
 
 from __future__ import annotations
 
-import bisect
 import functools
-import heapq
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from triton.experimental import gluon
@@ -79,6 +77,22 @@ from templates.gluon_common import (  # noqa: F401  re-exported for the template
     tma_layout_problem,
     tma_ready,
 )
+from templates.gluon_schedule import (  # noqa: F401  some re-exported: tests, benchmarks
+    ENTRY_INTS,
+    L2_KV_BYTES,
+    MAX_SCHEDULED_TILES,
+    TILE_OVERHEAD_BLOCKS,
+    WHOLE_BLOCKS,
+    SplitSchedule,
+    causal_grid,
+    causal_tile_costs,
+    cut_lpt_schedule,
+    head_group,
+    lpt_schedule,
+    schedule_table,
+    split_schedule,
+    whole_tile,
+)
 from templates.kernel_common import output_strides
 
 HEAD_DIMS = (64, 128, 256)
@@ -91,33 +105,11 @@ REGISTER_FILE = 65536
 # Dynamic shared memory one program may use on sm_90 (227 KiB), less what Triton adds (the
 # mbarriers, the warp-specialize state).
 SMEM_PER_PROGRAM = 227 * 1024 - 1024
-# K/V bytes a persistent causal grid keeps in L2 at a time (its head groups, see
-# ``head_group``): well under the H100's 50 MB, which the Q and O traffic shares.
-L2_KV_BYTES = 16 * 1024 * 1024
 
-# What a tile costs beyond its KV blocks, in blocks, for the persistent causal schedule
-# (``lpt_schedule``): the Q load, the unoverlapped first S and last PV GEMMs and the epilogue,
-# about one block's work. Insensitive: 3 instead read -0.6% to +1.5% against 1 on the H100
-# at 512-2k causal, d64 and d128 (docs/gluon_notes.md).
-TILE_OVERHEAD_BLOCKS = 1
-# What a piece of a split tile (``split_schedule``) costs beyond its blocks and the tile
-# overhead, per piece of its tile, in KV blocks of 128 keys at d128 (twice as many at d64,
-# whose blocks take half the time): its partial result stored (the unnormalized O, m, l of
-# its rows), the release and acquire, the last piece reading every partial back. Measured on
-# the H100 (session #13, docs/gluon_notes.md): 64 tiles of 8 blocks cut in two took 1.157x
-# the time of whole ones, 64 of 16 blocks 0.93x: about 6 blocks per cut tile of two pieces.
-COMBINE_BLOCKS_PER_PIECE = 3.0
-# A split that the cost model says shortens the whole grid by less than this fraction is
-# not made: within the A/B noise (about 1%) it gained nothing measurable (d128 2k).
-MIN_SPLIT_GAIN = 0.01
-# Above this many tiles a persistent causal grid keeps the kernel's own order: the host's
-# schedule costs a heap operation per tile in Python at the plan (2^17 tiles: 74 ms here).
-MAX_SCHEDULED_TILES = 1 << 17
-# The host's schedule (``TILE_ORDER`` 2-4): per entry, the tile, its first and end KV
-# blocks (``WHOLE``: to the tile's end), and for a tile cut into pieces this piece's slot of
-# the split workspace, the tile's first slot and its piece count (-1, -1, 1: a whole tile).
-SCHEDULE_ENTRY = gl.constexpr(6)
-WHOLE = gl.constexpr(1 << 30)
+
+# The host's schedule as the kernel reads it (``_program_tile``; ``templates.gluon_schedule``).
+SCHEDULE_ENTRY = gl.constexpr(ENTRY_INTS)
+WHOLE = gl.constexpr(WHOLE_BLOCKS)
 
 # Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
 # so an element the kernel forgets to write shows up as NaN instead of stale memory.
@@ -1166,207 +1158,6 @@ def tile_order(config: Mapping[str, Any], causal: bool, sparse: bool,
     return 2 if config["persistent"] and host_schedule else 1
 
 
-def lpt_schedule(n_q_tiles: int, batch_heads: int, group: int, costs: Sequence[int],
-                 programs: int) -> list[list[int]]:
-    """A persistent causal grid's tiles (``bh * n_q_tiles + query tile``), per program.
-
-    Tiles are taken in head groups of ``group`` heads (their K/V stay in L2 while they run),
-    each group's by decreasing cost (``costs[m]``, query tile m's, the same for every head),
-    and each goes to the program with the least work so far (LPT list scheduling): every
-    one of the grid's programs is used (the kernel's own order balances only half a group's
-    tiles over as many programs: 128 of an H100's 132 SMs on the standard problems), and the
-    short tiles that come last even the loads out."""
-    loads = [(0, p) for p in range(programs)]
-    owned: list[list[int]] = [[] for _ in range(programs)]
-    longest_first = sorted(range(n_q_tiles), key=lambda m: (-costs[m], m))
-    for g0 in range(0, batch_heads, group):
-        for m in longest_first:
-            for bh in range(g0, min(g0 + group, batch_heads)):
-                load, p = heapq.heappop(loads)
-                owned[p].append(bh * n_q_tiles + m)
-                heapq.heappush(loads, (load + costs[m], p))
-    return owned
-
-
-def whole_tile(tile: int) -> tuple[int, ...]:
-    """A schedule entry (``SCHEDULE_ENTRY`` ints, see ``_program_tile``) for a whole tile."""
-    return (tile, 0, WHOLE.value, -1, -1, 1)
-
-
-def schedule_table(entries: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
-    """The schedule as the kernel reads it: ``programs + 1`` offsets (in entries), then the
-    entries of program 0, of program 1, ... flattened."""
-    offsets = [0]
-    for mine in entries:
-        offsets.append(offsets[-1] + len(mine))
-    return offsets + [x for mine in entries for entry in mine for x in entry]
-
-
-class SplitSchedule(NamedTuple):
-    """A persistent grid's schedule with tiles cut into pieces: ``entries`` per program,
-    ``slots`` of the split workspace, and the cost model's lengths (in KV blocks) of what
-    the cuts shorten (a dense grid's last round; a causal grid's longest program) with and
-    without them."""
-
-    entries: list[list[tuple[int, ...]]]
-    slots: int
-    cut_cost: float
-    uncut_cost: float
-
-
-def split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int = 128,
-                   overhead: float = TILE_OVERHEAD_BLOCKS,
-                   combine: float | None = None) -> SplitSchedule | None:
-    """Whole tiles in rounds of ``programs`` (tile ``r * programs + p`` to program p, as the
-    kernel's own order), then the ``n_tiles % programs`` tiles of the last, partial round cut
-    into pieces of KV blocks spread over more programs, stream-K style: the tail's
-    ``rest * blocks`` blocks split evenly over ``workers`` programs, each cut where a tile
-    ends, so a program takes one or two pieces. A piece costs its blocks plus ``overhead``,
-    plus, for a tile of c pieces, c x ``combine`` (``COMBINE_BLOCKS_PER_PIECE`` by default,
-    scaled to ``head_dim``'s blocks); the
-    worker count with the shortest tail wins. None where the last round is full, or where
-    the cut shortens the grid (its whole rounds and the last) by less than
-    ``MIN_SPLIT_GAIN``."""
-    rounds, rest = divmod(n_tiles, programs)
-    whole_cost = blocks + overhead
-    if rest == 0 or blocks < 2:
-        return None
-    combine = (COMBINE_BLOCKS_PER_PIECE if combine is None else combine) * 128 / head_dim
-    best: tuple[float, int] | None = None
-    for workers in range(rest + 1, programs + 1):
-        cost = max(_worker_costs(rest, blocks, workers, overhead, combine))
-        if best is None or cost < best[0]:
-            best = (cost, workers)
-    if best is None or whole_cost - best[0] < MIN_SPLIT_GAIN * (rounds + 1) * whole_cost:
-        return None
-    cost, workers = best
-    entries = [[whole_tile(r * programs + p) for r in range(rounds)] for p in range(programs)]
-    slots = 0
-    tail0 = rounds * programs
-    for i, pieces in enumerate(_tail_pieces(rest, blocks, workers)):
-        if len(pieces) == 1:
-            (worker, _, _), = pieces
-            entries[worker].append(whole_tile(tail0 + i))
-            continue
-        for k, (worker, first, end) in enumerate(pieces):
-            entries[worker].append((tail0 + i, first, end, slots + k, slots, len(pieces)))
-        slots += len(pieces)
-    return SplitSchedule(entries, slots, cost, whole_cost)
-
-
-def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], programs: int,
-                     head_dim: int = 128, overhead: float = TILE_OVERHEAD_BLOCKS,
-                     combine: float | None = None) -> SplitSchedule | None:
-    """A persistent causal grid whose longest tiles outlast the average program (few tiles,
-    of very unequal lengths: a short batch of few heads). For each cap below the longest
-    tile's cost (``blocks[m]``, query tile m's KV blocks, plus ``overhead``), the tiles above
-    it are cut into the fewest near-equal pieces that fit it (a piece of a tile of c pieces
-    costs c x ``combine`` more, as in ``split_schedule``), and tiles and pieces go longest
-    first to the program with the least work so far (LPT, as ``lpt_schedule`` but without
-    head groups: a grid this small keeps every head's K/V in L2); the cap with the shortest
-    longest program wins. None where no tile outlasts the average program or no cap
-    shortens the longest program by ``MIN_SPLIT_GAIN``."""
-    combine = (COMBINE_BLOCKS_PER_PIECE if combine is None else combine) * 128 / head_dim
-    whole = [n + overhead for n in blocks]
-    if max(whole) <= batch_heads * sum(whole) / programs:
-        return None
-    uncut = _lpt_makespan(sorted((w for w in whole for _ in range(batch_heads)),
-                                 reverse=True), programs)
-    best: tuple[float, list[tuple[float, int, int, int, int, int]]] | None = None
-    for cap in sorted(set(whole), reverse=True)[1:]:
-        items = _cut_items(n_q_tiles, batch_heads, blocks, overhead, combine, cap)
-        if items is None:
-            continue
-        makespan = _lpt_makespan([it[0] for it in items], programs)
-        if best is None or makespan < best[0]:
-            best = (makespan, items)
-    if best is None or uncut - best[0] < MIN_SPLIT_GAIN * uncut:
-        return None
-    loads = [(0.0, p) for p in range(programs)]
-    entries: list[list[tuple[int, ...]]] = [[] for _ in range(programs)]
-    bases: dict[int, int] = {}
-    slots = 0
-    for cost, tile, k, count, first, end in best[1]:
-        load, p = heapq.heappop(loads)
-        if count == 1:
-            entries[p].append(whole_tile(tile))
-        else:
-            if tile not in bases:
-                bases[tile] = slots
-                slots += count
-            entries[p].append((tile, first, end, bases[tile] + k, bases[tile], count))
-        heapq.heappush(loads, (load + cost, p))
-    return SplitSchedule(entries, slots, best[0], uncut)
-
-
-def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead: float,
-               combine: float, cap: float) -> list[tuple[float, int, int, int, int, int]] | None:
-    """Every tile, or its pieces where it costs more than ``cap``, as (cost, tile, piece k,
-    piece count, first block, end block), longest first; None where a tile cannot be cut
-    to fit ``cap``."""
-    items = []
-    for m, n in enumerate(blocks):
-        count = 1
-        if n + overhead > cap:
-            fits = [c for c in range(2, n + 1) if -(-n // c) + overhead + combine * c <= cap]
-            if not fits:
-                return None
-            count = fits[0]
-        extra = combine * count if count > 1 else 0.0
-        for bh in range(batch_heads):
-            for k in range(count):
-                first, end = k * n // count, (k + 1) * n // count
-                items.append((end - first + overhead + extra, bh * n_q_tiles + m, k, count,
-                              first, end))
-    return sorted(items, key=lambda it: (-it[0], it[1], it[2]))
-
-
-def _lpt_makespan(costs: Sequence[float], programs: int) -> float:
-    """The longest program of an LPT assignment of ``costs`` (given longest first)."""
-    loads = [0.0] * programs
-    heapq.heapify(loads)
-    for cost in costs:
-        heapq.heappush(loads, heapq.heappop(loads) + cost)
-    return max(loads)
-
-
-def _tail_pieces(rest: int, blocks: int, workers: int) -> list[list[tuple[int, int, int]]]:
-    """Per tail tile, its pieces as (worker, first block, end block): the tail's blocks
-    (tile after tile) split evenly over ``workers``, cut where a worker's share ends."""
-    total = rest * blocks
-    bounds = [w * total // workers for w in range(workers + 1)]
-    cuts = sorted(set(bounds) | {i * blocks for i in range(rest + 1)})
-    tiles: list[list[tuple[int, int, int]]] = [[] for _ in range(rest)]
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        if b > a:
-            worker = bisect.bisect_right(bounds, a) - 1
-            tile = a // blocks
-            tiles[tile].append((worker, a - tile * blocks, b - tile * blocks))
-    return tiles
-
-
-def _worker_costs(rest: int, blocks: int, workers: int, overhead: float,
-                  combine: float) -> list[float]:
-    costs = [0.0] * workers
-    for pieces in _tail_pieces(rest, blocks, workers):
-        extra = combine * len(pieces) if len(pieces) > 1 else 0.0
-        for worker, first, end in pieces:
-            costs[worker] += end - first + overhead + extra
-    return costs
-
-
-def causal_tile_costs(n_q_tiles: int, block_m: int, block_n: int, seqlen_kv: int,
-                      causal_offset: int, overhead: int = TILE_OVERHEAD_BLOCKS) -> list[int]:
-    """Each causal query tile's work in KV blocks (as ``_tile_coords`` counts them), plus
-    ``overhead`` for what every tile pays (its Q load, first S and last PV GEMMs alone, the
-    epilogue)."""
-    costs = []
-    for m in range(n_q_tiles):
-        kv_end = max(min(seqlen_kv, m * block_m + block_m + causal_offset), 0)
-        costs.append(-(-kv_end // block_n) + overhead)
-    return costs
-
-
 def shared_memory_bytes(head_dim: int, config: Mapping[str, Any], q_slots: int) -> int:
     """Bytes of the tiles in shared memory: Q (and O) buffers, the K and V rings, P when it
     goes through shared memory."""
@@ -1383,28 +1174,6 @@ def q_slots(head_dim: int, config: Mapping[str, Any]) -> int:
     if config["persistent"] and shared_memory_bytes(head_dim, config, 2) <= SMEM_PER_PROGRAM:
         return 2
     return 1
-
-
-def head_group(batch_heads: int, n_q_tiles: int, kv_bytes_per_head: int, sm_count: int
-               ) -> int:
-    """Heads per group of a persistent causal grid's longest-first order (``_tile_coords``):
-    the most heads, dividing ``batch_heads``, whose tiles make at most two rounds of one
-    program per SM and whose K/V fit in ``L2_KV_BYTES``."""
-    best = 1
-    for g in range(1, batch_heads + 1):
-        if batch_heads % g == 0 and g * n_q_tiles <= 2 * sm_count and g * kv_bytes_per_head \
-                <= L2_KV_BYTES:
-            best = g
-    return best
-
-
-def causal_grid(group_tiles: int, sm_count: int) -> int:
-    """Programs of a persistent causal grid: half a head group's tiles, so that each group is
-    walked in two rounds, the second in the opposite direction (snake). A group's tiles come
-    by decreasing length, so program p takes the p-th longest tile and the p-th shortest:
-    every program gets the same work (with a full grid, groups cut across rounds and the
-    snake paired tiles at random: 0.71-0.79x cuDNN on H100, docs/gluon_notes.md run 5)."""
-    return max(1, min(sm_count, -(-group_tiles // 2)))
 
 
 def q_rows_per_load(config: Mapping[str, Any]) -> int:

@@ -124,7 +124,7 @@ def test_persistent_programs_take_two_q_buffers_where_they_fit() -> None:
 
 @needs_gluon
 def test_head_groups_of_a_persistent_causal_grid() -> None:
-    from templates.gluon_fwd_kernel import L2_KV_BYTES, head_group
+    from templates.gluon_schedule import L2_KV_BYTES, head_group
 
     kv_4k_d128 = 2 * 4096 * 128 * 2  # K and V of one head, bytes
     # 64 heads x 32 tiles at 4k: groups of 8 heads (256 tiles, two rounds of 132 programs).
@@ -144,7 +144,8 @@ def test_head_groups_of_a_persistent_causal_grid() -> None:
 def test_the_kernels_own_causal_order_walks_each_head_group_in_two_rounds() -> None:
     """What a persistent causal grid did before the host's schedule, kept for A/B timings
     (``host_schedule=False``) and for problems of more tiles than the schedule takes."""
-    from templates.gluon_fwd_kernel import MAX_SCHEDULED_TILES, LaunchPlan, causal_grid
+    from templates.gluon_fwd_kernel import LaunchPlan
+    from templates.gluon_schedule import MAX_SCHEDULED_TILES, causal_grid
 
     assert causal_grid(256, 132) == 128
     assert causal_grid(57, 132) == 29  # an odd count: the last program takes one tile less
@@ -180,11 +181,7 @@ def test_a_persistent_causal_grid_walks_the_hosts_schedule_on_every_sm() -> None
 
 
 def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> None:
-    from templates.gluon_fwd_kernel import (
-        TILE_OVERHEAD_BLOCKS,
-        causal_tile_costs,
-        lpt_schedule,
-    )
+    from templates.gluon_schedule import TILE_OVERHEAD_BLOCKS, causal_tile_costs, lpt_schedule
 
     n_q_tiles, heads, group, programs = 32, 64, 8, 132
     costs = causal_tile_costs(n_q_tiles, 128, 128, 4096, 0)
@@ -228,7 +225,7 @@ def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> 
 ])
 def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
         n_tiles: int, blocks: int, programs: int) -> None:
-    from templates.gluon_fwd_kernel import WHOLE, split_schedule
+    from templates.gluon_schedule import WHOLE_BLOCKS, split_schedule
 
     # A cheap combine, so that every case is cut: this checks the cutting, not the model.
     split = split_schedule(n_tiles, blocks, programs, combine=0.5)
@@ -238,7 +235,7 @@ def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
     # The whole rounds first, in the kernel's own order: tile r * programs + p.
     for p, mine in enumerate(split.entries):
         assert [e[0] for e in mine[:rounds]] == [r * programs + p for r in range(rounds)]
-        assert all(e[1:] == (0, WHOLE.value, -1, -1, 1) for e in mine[:rounds])
+        assert all(e[1:] == (0, WHOLE_BLOCKS, -1, -1, 1) for e in mine[:rounds])
         assert len(mine) - rounds <= 2  # a worker's share of the tail: one or two pieces
     # Every block of every tile runs exactly once; a cut tile's pieces name its slots.
     runs: dict[int, list[tuple[int, ...]]] = {}
@@ -249,7 +246,7 @@ def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
     slots = []
     for tile, entries in runs.items():
         if len(entries) == 1:
-            assert entries[0][1:] == (0, WHOLE.value, -1, -1, 1), (tile, entries)
+            assert entries[0][1:] == (0, WHOLE_BLOCKS, -1, -1, 1), (tile, entries)
             continue
         entries.sort(key=lambda e: e[1])
         assert [e[1] for e in entries][0] == 0 and entries[-1][2] == blocks
@@ -264,7 +261,7 @@ def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
 
 def test_the_split_schedule_cuts_only_where_the_h100_measured_a_gain() -> None:
     """The cost model against session #13's A/Bs (docs/gluon_notes.md, "Split tails")."""
-    from templates.gluon_fwd_kernel import split_schedule
+    from templates.gluon_schedule import split_schedule
 
     assert split_schedule(2112, 32, 132) is None  # 16 full rounds
     assert split_schedule(200, 1, 132) is None  # one block per tile: nothing to cut
@@ -284,7 +281,7 @@ def test_the_split_schedule_cuts_only_where_the_h100_measured_a_gain() -> None:
 @pytest.mark.parametrize("heads,n,head_dim", [(1, 8192, 128), (2, 4096, 64), (4, 4096, 128),
                                                (1, 2048, 128)])
 def test_a_small_causal_grid_cuts_its_longest_tiles(heads: int, n: int, head_dim: int) -> None:
-    from templates.gluon_fwd_kernel import WHOLE, causal_tile_costs, cut_lpt_schedule
+    from templates.gluon_schedule import WHOLE_BLOCKS, causal_tile_costs, cut_lpt_schedule
 
     n_q_tiles = n // 128
     blocks = causal_tile_costs(n_q_tiles, 128, 128, n, 0, 0)
@@ -301,7 +298,7 @@ def test_a_small_causal_grid_cuts_its_longest_tiles(heads: int, n: int, head_dim
                 assert base <= piece < base + count and count > 1
                 slots.append(piece)
             else:
-                assert (first, end, base, count) == (0, WHOLE.value, -1, 1)
+                assert (first, end, base, count) == (0, WHOLE_BLOCKS, -1, 1)
             costs.append(min(end, n_blocks) - first)
         assert costs == sorted(costs, reverse=True)  # longest first within a program
     assert sorted(covered) == list(range(heads * n_q_tiles))
@@ -313,7 +310,7 @@ def test_a_small_causal_grid_cuts_its_longest_tiles(heads: int, n: int, head_dim
 
 
 def test_a_causal_grid_of_many_tiles_stays_whole() -> None:
-    from templates.gluon_fwd_kernel import causal_tile_costs, cut_lpt_schedule
+    from templates.gluon_schedule import causal_tile_costs, cut_lpt_schedule
 
     # PROTOCOL's causal problems: whole tiles balance over 132 SMs (``lpt_schedule``).
     for heads, n in ((64, 4096), (16, 16384), (512, 512)):
@@ -620,13 +617,13 @@ def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
     (combined in slot order, whoever ends last), counters back at zero."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd_kernel
+    from templates import gluon_fwd_kernel, gluon_schedule
     from templates.device import current_device
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
     # Every case cut (a cheap combine, any gain), whatever the cost model would choose.
-    monkeypatch.setattr(gluon_fwd_kernel, "COMBINE_BLOCKS_PER_PIECE", 0.5)
-    monkeypatch.setattr(gluon_fwd_kernel, "MIN_SPLIT_GAIN", 0.0)
+    monkeypatch.setattr(gluon_schedule, "COMBINE_BLOCKS_PER_PIECE", 0.5)
+    monkeypatch.setattr(gluon_schedule, "MIN_SPLIT_GAIN", 0.0)
     for name in SPLIT_CACHES:
         getattr(gluon_fwd_kernel, name).cache_clear()
     problem = Problem(*case)
