@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -72,7 +73,8 @@ def lpt_schedule(n_q_tiles: int, batch_heads: int, group: int, costs: Sequence[i
 
 
 def whole_tile(tile: int) -> tuple[int, ...]:
-    """A schedule entry (``SCHEDULE_ENTRY`` ints, see ``_program_tile``) for a whole tile."""
+    """A schedule entry (``ENTRY_INTS`` ints, see the kernel's ``_program_tile``) for a whole
+    tile."""
     return (tile, 0, WHOLE_BLOCKS, -1, -1, 1)
 
 
@@ -106,10 +108,9 @@ def split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int = 128
     ``rest * blocks`` blocks split evenly over ``workers`` programs, each cut where a tile
     ends, so a program takes one or two pieces. A piece costs its blocks plus ``overhead``,
     plus, for a tile of c pieces, c x ``combine`` (``COMBINE_BLOCKS_PER_PIECE`` by default,
-    scaled to ``head_dim``'s blocks); the
-    worker count with the shortest tail wins. None where the last round is full, or where
-    the cut shortens the grid (its whole rounds and the last) by less than
-    ``MIN_SPLIT_GAIN``."""
+    scaled to ``head_dim``'s blocks); the worker count with the shortest tail wins. None
+    where the last round is full, or where the cut shortens the grid (its whole rounds and
+    the last) by less than ``MIN_SPLIT_GAIN``."""
     rounds, rest = divmod(n_tiles, programs)
     whole_cost = blocks + overhead
     if rest == 0 or blocks < 2:
@@ -156,7 +157,9 @@ def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], pr
     uncut = _lpt_makespan(sorted((w for w in whole for _ in range(batch_heads)),
                                  reverse=True), programs)
     best: tuple[float, list[tuple[float, int, int, int, int, int]]] | None = None
-    for cap in sorted(set(whole), reverse=True)[1:]:
+    # (A cap far below the average program adds combines and cannot shorten the longest.)
+    floor = batch_heads * sum(whole) / programs / 2
+    for cap in [c for c in sorted(set(whole), reverse=True)[1:] if c >= floor]:
         items = _cut_items(n_q_tiles, batch_heads, blocks, overhead, combine, cap)
         if items is None:
             continue
@@ -191,10 +194,10 @@ def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead
     for m, n in enumerate(blocks):
         count = 1
         if n + overhead > cap:
-            fits = [c for c in range(2, n + 1) if -(-n // c) + overhead + combine * c <= cap]
-            if not fits:
+            found = _fewest_pieces(n, overhead, combine, cap)
+            if found is None:
                 return None
-            count = fits[0]
+            count = found
         extra = combine * count if count > 1 else 0.0
         for bh in range(batch_heads):
             for k in range(count):
@@ -202,6 +205,17 @@ def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead
                 items.append((end - first + overhead + extra, bh * n_q_tiles + m, k, count,
                               first, end))
     return sorted(items, key=lambda it: (-it[0], it[1], it[2]))
+
+
+def _fewest_pieces(n: int, overhead: float, combine: float, cap: float) -> int | None:
+    """The fewest pieces (at least 2) of a tile of ``n`` blocks whose largest fits ``cap``,
+    or None. A piece of c costs ceil(n / c) + overhead + combine * c, which falls until c is
+    about sqrt(n / combine) and rises after: no count past that fits if none before did."""
+    last = min(n, int(math.isqrt(int(n / combine)) + 2) if combine > 0 else n)
+    for count in range(2, last + 1):
+        if -(-n // count) + overhead + combine * count <= cap:
+            return count
+    return None
 
 
 def _lpt_makespan(costs: Sequence[float], programs: int) -> float:
