@@ -4,7 +4,8 @@
     python benchmarks/dispatch_bench.py --smoke      # tiny rows on the CPU interpreter (CI)
 
 For every row (a problem of ``benchmarks/specs/dispatch_*.toml``: the standard forward shapes,
-a Llama-3-8B prefill, decode rows with one query token against 4k-128k of KV, training rows)
+a Llama-3-8B prefill, decode rows with one query token against 4k-128k of KV, training rows;
+``--specs small``: grids of fewer query tiles than SMs, where gluon_fwd cuts tiles)
 it times, with fresh random inputs and after checking each output against a float32 reference:
 
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` as a user's code calls it
