@@ -176,8 +176,7 @@ def main() -> int:
                      "--config KNOB=VALUE")
     try:
         overrides = config_overrides(args.config)
-        if args.shapes:
-            shapes(args.shapes)
+        shape_list = shapes(args.shapes) if args.shapes else []
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -190,8 +189,8 @@ def main() -> int:
     head_dims = [int(d) for d in args.head_dims.split(",")]
     seqlens = tuple(int(n) for n in args.seqlens.split(","))
     causal = args.causal.split(",")
-    problems = (protocol_problems(head_dims, seqlens) if not args.shapes else
-                [Problem(b, h, h, n, n, d, "bfloat16", c) for b, h, n, d in shapes(args.shapes)
+    problems = (protocol_problems(head_dims, seqlens) if not shape_list else
+                [Problem(b, h, h, n, n, d, "bfloat16", c) for b, h, n, d in shape_list
                  for c in causal])
     for problem in problems:
         if problem.causal not in causal:

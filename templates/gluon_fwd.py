@@ -196,7 +196,7 @@ class GluonFwdTemplate(GluonTemplate):
         if cfg.persistent and cfg.ctas_per_sm > 1:
             return "persistent programs take a whole SM each; use ctas_per_sm=1"
         if cfg.split_tail and not cfg.persistent:
-            return "split_tail cuts the last round of a persistent grid: needs persistent=True"
+            return "split_tail cuts the tiles of a persistent grid: needs persistent=True"
         if cfg.split_tail and mask_block is not None:
             return ("split_tail does not cut a block mask's tiles (they walk their rows' "
                     "lists): use split_tail=False")
@@ -382,8 +382,8 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     3 stages; clearly behind: 64-key blocks at D <= 128, P through shared memory, two
     programs per SM, no producer warp, consumers in step (runs 1-3). The row max as a tree
     at d64 only: against the chain, 7 rounds (session #11), d64 2k-16k 0.95-0.99 of the time
-    (causal 4k/16k 0.967/0.951), 512-1k 0.99-1.01; d128 1.00-1.02, so not there. The last
-    round cut into pieces (``split_tail``; its cost models decide where to cut): against
+    (causal 4k/16k 0.967/0.951), 512-1k 0.99-1.01; d128 1.00-1.02, so not there. Tiles cut
+    into pieces (``split_tail``; its cost models decide where to cut): against
     whole tiles (session #13, 7 rounds) dense grids of 32-64 tiles 0.60-0.89 of the time at
     d128 and 0.62-0.73 at d64, PROTOCOL 8k/16k 0.98-0.99 (the model leaves 512-4k whole;
     cut, d64 2k and under read 1.01-1.03); causal grids of 16-128 tiles 0.51-0.93."""

@@ -417,9 +417,7 @@ def _program_tile(r, n_tiles, lists, ORDER: gl.constexpr):
     p = gl.program_id(0)
     grid = gl.num_programs(0)
     if ORDER == 4:
-        entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + r) * SCHEDULE_ENTRY
-        return (gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3),
-                gl.load(entry + 4), gl.load(entry + 5))
+        return _listed_entry(lists, p, grid, r)
     if ORDER == 2:
         entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + r) * SCHEDULE_ENTRY
         return (gl.load(entry), gl.to_tensor(0), gl.to_tensor(WHOLE), gl.to_tensor(-1),
@@ -437,14 +435,17 @@ def _program_tile(r, n_tiles, lists, ORDER: gl.constexpr):
         # (No loads for the whole rounds: their tiles start without waiting on memory.)
         rounds = n_tiles // grid
         if r >= rounds:
-            entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + r - rounds) * SCHEDULE_ENTRY
-            tile = gl.load(entry)
-            first = gl.load(entry + 1)
-            end = gl.load(entry + 2)
-            piece = gl.load(entry + 3)
-            base = gl.load(entry + 4)
-            count = gl.load(entry + 5)
+            tile, first, end, piece, base, count = _listed_entry(lists, p, grid, r - rounds)
     return tile, first, end, piece, base, count
+
+
+@gluon.jit
+def _listed_entry(lists, p, grid, k):
+    """Program p's k-th entry of the host's schedule (``lists[11]``: grid + 1 offsets, then
+    ``SCHEDULE_ENTRY`` ints per entry): (tile, first, end, piece, base, count)."""
+    entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + k) * SCHEDULE_ENTRY
+    return (gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3),
+            gl.load(entry + 4), gl.load(entry + 5))
 
 
 @gluon.jit
@@ -1123,7 +1124,8 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
     experiments only, see ``_softmax_block``; ``mask_block``: the block size of the block
     mask the kernel walks, None without one; ``host_schedule``: a persistent longest-first
     grid walks the host's ``lpt_schedule``, else the kernel's own order in two rounds per
-    head group; ``split``: a dense persistent grid walks the host's ``split_schedule``)."""
+    head group; ``split``: a persistent grid walks the host's schedule of cut tiles,
+    ``split_schedule`` or, causal, ``cut_lpt_schedule``)."""
     ws = bool(config["warp_specialize"])
     maxnreg, consumer_regs = register_budget(config)
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
@@ -1222,8 +1224,9 @@ class LaunchPlan:
         if persistent and sm_count is None:
             sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                         if isinstance(q, torch.Tensor) and q.is_cuda else 132)
-        # A dense persistent grid whose last round is partial: that round's tiles cut into
-        # pieces over every SM, where the cost model says it ends sooner (``split_schedule``).
+        # Tiles cut into pieces where whole ones leave SMs idle and the cost model says the
+        # grid ends sooner: a dense grid's partial last round (``split_schedule``), a causal
+        # grid of few tiles (``cut_lpt_schedule``).
         self.split: SplitSchedule | None = None
         split_args: tuple[Any, ...] = ()
         split_table: Any = None
@@ -1244,7 +1247,7 @@ class LaunchPlan:
                                       tuple(block_mask.block_size) if self.sparse else None,
                                       host_schedule and n_tiles <= MAX_SCHEDULED_TILES,
                                       self.split is not None)
-        # The host's tile schedule (TILE_ORDER 2 and 3), an int32 tensor on q's device.
+        # The host's tile schedule (TILE_ORDER 2-4), an int32 tensor on q's device.
         self.schedule: Any = None
         if persistent:
             assert sm_count is not None
@@ -1308,9 +1311,9 @@ class LaunchPlan:
         return [*self.descriptors(q, k, v, o), o, lse, *lists, schedule, partials, counters,
                 *self.scalars, *self.mask_strides]
 
-    def workspace(self, lse: Any) -> tuple[Any, Any]:
-        """(partials, counters) of a split plan (``split_schedule``) on ``lse``'s device and
-        its current stream: fp32 room for every piece's partial result (one slot per piece
+    def workspace(self, lse: Any, stream: int | None = None) -> tuple[Any, Any]:
+        """(partials, counters) of a split plan (``split_schedule``, ``cut_lpt_schedule``) on
+        ``lse``'s device and its current stream (``stream``: already looked up): fp32 room for every piece's partial result (one slot per piece
         and consumer: its rows' O, m and l) and an int32 counter per split tile and
         consumer, zeroed once. The piece that counts in last sets its counter back to 0, so
         launches on one stream, which run in order, share them; another stream gets its
@@ -1322,7 +1325,8 @@ class LaunchPlan:
         sizes = (self.split.slots * block_m * (head_dim + 2), self.split.slots * consumers)
         if not isinstance(lse, torch.Tensor):  # a stand-in (compile checks)
             return type(lse)(torch.float32, [sizes[0]]), type(lse)(torch.int32, [sizes[1]])
-        stream = current_stream(lse.device.index) if lse.is_cuda else 0
+        if stream is None:
+            stream = current_stream(lse.device.index) if lse.is_cuda else 0
         key = (lse.device.index or 0, stream)
         found = self._workspaces.get(key)
         if found is None:
@@ -1365,7 +1369,7 @@ class LaunchPlan:
         stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
         # Out and LSE as addresses: the launcher then makes no driver call for them.
         schedule = lse if self.schedule is None else self.schedule
-        partials, counters = self.workspace(lse)
+        partials, counters = self.workspace(lse, stream)
         if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *[lse_ptr] * 6,
                                        schedule.data_ptr(), partials.data_ptr(),
                                        counters.data_ptr(), *self.scalars, *self.mask_strides):
