@@ -48,6 +48,7 @@ sees no key gets o = 0 and lse = -inf.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Mapping
@@ -1247,7 +1248,10 @@ class LaunchPlan:
                                       tuple(block_mask.block_size) if self.sparse else None,
                                       host_schedule and n_tiles <= MAX_SCHEDULED_TILES,
                                       self.split is not None)
-        # The host's tile schedule (TILE_ORDER 2-4), an int32 tensor on q's device.
+        # The host's tile schedule (TILE_ORDER 2-4): what makes it (``table(*args)``), and
+        # the int32 tensor on q's device that eager launches read (None until the first one
+        # where the plan was made inside a CUDA graph's capture: ``launch_tensors``).
+        self.schedule_source: tuple[Any, tuple[Any, ...]] | None = None
         self.schedule: Any = None
         if persistent:
             assert sm_count is not None
@@ -1257,16 +1261,18 @@ class LaunchPlan:
                                    2 * seqlen_kv * head_dim * 2, sm_count)
             if self.split is not None:
                 self.grid = (sm_count,)
-                self.schedule = _schedule(q, split_table, *split_args)
+                self.schedule_source = (split_table, split_args)
             elif self.options["TILE_ORDER"] == 2:
                 costs = causal_tile_costs(n_q_tiles, block_m, int(config["BLOCK_N"]),
                                           seqlen_kv, offset, tile_overhead)
-                self.schedule = _schedule(q, _causal_table, n_q_tiles, batch * heads_q, group,
-                                          tuple(costs), self.grid[0])
+                self.schedule_source = (_causal_table, (n_q_tiles, batch * heads_q, group,
+                                                        tuple(costs), self.grid[0]))
             elif self.options["TILE_ORDER"] == 1:
                 self.grid = (causal_grid(group * n_q_tiles, sm_count),)
         else:
             self.grid = (n_tiles,)
+        if self.schedule_source is not None and not _capturing(q):
+            self.schedule = _schedule(q, *self.schedule_source)
         # The split workspace per (device, stream): see ``workspace``.
         self._workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.out_shape = (batch, heads_q, seqlen_q, head_dim)
@@ -1306,18 +1312,40 @@ class LaunchPlan:
         without a block mask its six tensors are ``lse``, never read, and so is the schedule
         without one)."""
         lists = block_mask.kernel_args()[:6] if self.sparse else [lse] * 6
-        schedule = lse if self.schedule is None else self.schedule
-        partials, counters = self.workspace(lse)
-        return [*self.descriptors(q, k, v, o), o, lse, *lists, schedule, partials, counters,
+        return [*self.descriptors(q, k, v, o), o, lse, *lists, *self.launch_tensors(lse),
                 *self.scalars, *self.mask_strides]
 
-    def workspace(self, lse: Any, stream: int | None = None) -> tuple[Any, Any]:
+    def launch_tensors(self, lse: Any, stream: int | None = None) -> tuple[Any, Any, Any]:
+        """(schedule, partials, counters) for a launch that writes ``lse`` on its current
+        stream (``stream``: already looked up); ``lse`` for each one the kernel never reads.
+
+        Inside a CUDA graph's capture (checked only where it matters: a split plan, or a
+        schedule not made yet) the launch gets what stays valid in the graph and nothing
+        kept from it reaches eager launches: the schedule made for eager launches where
+        there is one, else a copy the graph makes at each replay; a workspace of its own
+        (``workspace``)."""
+        if self.schedule_source is None:  # (no schedule: no split either)
+            return lse, lse, lse
+        capturing = (self.split is not None or self.schedule is None) and _capturing(lse)
+        schedule = self.schedule
+        if schedule is None:  # (the plan was made inside a capture)
+            schedule = _schedule(lse, *self.schedule_source, capturing=capturing)
+            if not capturing:
+                self.schedule = schedule
+        return (schedule, *self.workspace(lse, stream, capturing))
+
+    def workspace(self, lse: Any, stream: int | None = None, capturing: bool = False
+                  ) -> tuple[Any, Any]:
         """(partials, counters) of a split plan (``split_schedule``, ``cut_lpt_schedule``) on
-        ``lse``'s device and its current stream (``stream``: already looked up): fp32 room for every piece's partial result (one slot per piece
-        and consumer: its rows' O, m and l) and an int32 counter per split tile and
-        consumer, zeroed once. The piece that counts in last sets its counter back to 0, so
-        launches on one stream, which run in order, share them; another stream gets its
-        own. Without a split, ``lse`` twice (never read)."""
+        ``lse``'s device and its current stream (``stream``: already looked up): fp32 room
+        for every piece's partial result (one slot per piece and consumer: its rows' O, m
+        and l) and an int32 counter per split tile and consumer, zeroed once. The piece that
+        counts in last sets its counter back to 0, so launches on one stream, which run in
+        order, share them; another stream gets its own. ``capturing``: a launch captured
+        into a CUDA graph gets a set of its own from the graph's pool, zeroed at each replay
+        and never shared (two graphs captured on one stream may replay at once on two, and
+        memory zeroed only at a replay is no use to an eager launch). Without a split,
+        ``lse`` twice (never read)."""
         if self.split is None:
             return lse, lse
         block_m, head_dim = self.options["BLOCK_M"], self.options["HEAD_DIM"]
@@ -1325,6 +1353,9 @@ class LaunchPlan:
         sizes = (self.split.slots * block_m * (head_dim + 2), self.split.slots * consumers)
         if not isinstance(lse, torch.Tensor):  # a stand-in (compile checks)
             return type(lse)(torch.float32, [sizes[0]]), type(lse)(torch.int32, [sizes[1]])
+        if capturing:
+            return (torch.empty(sizes[0], dtype=torch.float32, device=lse.device),
+                    torch.zeros(sizes[1], dtype=torch.int32, device=lse.device))
         if stream is None:
             stream = current_stream(lse.device.index) if lse.is_cuda else 0
         key = (lse.device.index or 0, stream)
@@ -1368,8 +1399,7 @@ class LaunchPlan:
             return
         stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
         # Out and LSE as addresses: the launcher then makes no driver call for them.
-        schedule = lse if self.schedule is None else self.schedule
-        partials, counters = self.workspace(lse, stream)
+        schedule, partials, counters = self.launch_tensors(lse, stream)
         if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *[lse_ptr] * 6,
                                        schedule.data_ptr(), partials.data_ptr(),
                                        counters.data_ptr(), *self.scalars, *self.mask_strides):
@@ -1377,20 +1407,49 @@ class LaunchPlan:
                                    counters, *self.scalars, *self.mask_strides)
 
 
-def _schedule(like: Any, table: Any, *args: Any) -> Any:
+def _capturing(like: Any) -> bool:
+    """Whether a launch on ``like``'s device goes into a CUDA graph being captured now."""
+    return (isinstance(like, torch.Tensor) and like.is_cuda
+            and torch.cuda.is_current_stream_capturing())
+
+
+# Schedules made for eager launches, by (device, table, args): a plan is made per call where
+# nothing keeps plans (``launch``, the standalone source's entry), and a schedule is a Python
+# walk over every tile plus a copy to the GPU. The kernel only reads it, so plans of one
+# problem share it. Dropping one here frees nothing a plan (or a graph captured through it)
+# still holds.
+_SCHEDULES: dict[tuple[Any, ...], torch.Tensor] = {}
+MAX_KEPT_SCHEDULES = 64
+# Host copies of the schedules that captured graphs copy to the GPU, pinned (torch 2.11 refuses
+# a copy from pageable memory inside a capture: seen on the H200): a graph's copy node
+# reads its host memory at every replay, so these stay for the process's life.
+_GRAPH_SCHEDULES: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _schedule(like: Any, table: Any, args: tuple[Any, ...], capturing: bool = False) -> Any:
     """The schedule ``table(*args)`` as an int32 tensor on ``like``'s device, or for a
-    stand-in ``like`` a stand-in of its length."""
-    if isinstance(like, torch.Tensor):
-        return _schedule_tensor(like.device, table, args)
-    return type(like)(torch.int32, [len(table(*args))])
-
-
-@functools.lru_cache(maxsize=64)
-def _schedule_tensor(device: torch.device, table: Any, args: tuple[Any, ...]) -> torch.Tensor:
-    # Cached: a plan is made per call where nothing keeps plans (``launch``, the standalone
-    # source's entry), and a schedule is a Python walk over every tile plus a copy to the
-    # GPU. The kernel only reads it, so plans of one problem share it.
-    return torch.tensor(table(*args), dtype=torch.int32, device=device)
+    stand-in ``like`` a stand-in of its length. ``capturing`` (a CUDA graph is being
+    captured, where no copy from the host may wait): the eager one where it is made, else
+    a copy from kept host memory that the graph repeats at each replay, not kept."""
+    if not isinstance(like, torch.Tensor):
+        return type(like)(torch.int32, [len(table(*args))])
+    key = (like.device, table, args)
+    made = _SCHEDULES.get(key)
+    if made is not None:
+        return made
+    if capturing:
+        host = _GRAPH_SCHEDULES.get((table, args))
+        if host is None:
+            host = _GRAPH_SCHEDULES.setdefault(
+                (table, args), torch.tensor(table(*args), dtype=torch.int32).pin_memory())
+        return host.to(like.device, non_blocking=True)
+    made = torch.tensor(table(*args), dtype=torch.int32, device=like.device)
+    if len(_SCHEDULES) >= MAX_KEPT_SCHEDULES:
+        # (Another thread may have been there first.)
+        with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+            del _SCHEDULES[next(iter(_SCHEDULES))]
+    _SCHEDULES[key] = made
+    return made
 
 
 @functools.lru_cache(maxsize=64)

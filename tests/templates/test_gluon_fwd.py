@@ -354,6 +354,50 @@ def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
     assert causal.schedule.shape == [133 + listed * SCHEDULE_ENTRY.value]
 
 
+@needs_gluon
+def test_what_a_captured_launch_gets_is_never_kept_for_eager_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a CUDA graph's capture (simulated on CPU tensors) a split plan's launch gets a
+    workspace of its own each time and the schedule the plan keeps, or, for a plan made
+    inside the capture, a copy that is not kept; eager launches afterwards make and keep
+    their own (``test_a_plan_first_made_inside_a_graph_capture_replays_right``: on the GPU)."""
+    from templates import gluon_fwd_kernel
+    from templates.gluon_fwd_kernel import LaunchPlan
+
+    cfg = GluonFwdConfig(persistent=True, split_tail=True).to_dict()
+    q = torch.zeros(1, 1, 4096, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1, 4096)
+
+    def plan() -> Any:
+        return LaunchPlan(q, q, causal_mode="none", scale=0.1, config=cfg, sm_count=132)
+
+    monkeypatch.setattr(gluon_fwd_kernel, "_SCHEDULES", {})
+    monkeypatch.setattr(gluon_fwd_kernel, "_GRAPH_SCHEDULES", {})
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # (no CUDA here)
+    eager_plan = plan()
+    assert eager_plan.split is not None and eager_plan.schedule is not None
+    kept = eager_plan.launch_tensors(lse)
+    monkeypatch.setattr(gluon_fwd_kernel, "_capturing", lambda like: True)
+    captured = [eager_plan.launch_tensors(lse) for _ in range(2)]
+    for schedule, partials, counters in captured:
+        assert schedule is eager_plan.schedule  # made before the capture: valid in it
+        assert partials is not kept[1] and counters is not kept[2]
+        assert not counters.any()
+    assert captured[0][2] is not captured[1][2]
+    made_inside = plan()
+    assert made_inside.schedule is None
+    assert made_inside.launch_tensors(lse)[0] is eager_plan.schedule  # the eager one, shared
+    monkeypatch.setattr(gluon_fwd_kernel, "_SCHEDULES", {})
+    copied = made_inside.launch_tensors(lse)[0]  # no eager schedule to share: a copy
+    assert torch.equal(copied, eager_plan.schedule)
+    assert made_inside.schedule is None and not made_inside._workspaces
+    assert not gluon_fwd_kernel._SCHEDULES and len(gluon_fwd_kernel._GRAPH_SCHEDULES) == 1
+    monkeypatch.setattr(gluon_fwd_kernel, "_capturing", lambda like: False)
+    after = made_inside.launch_tensors(lse)
+    assert made_inside.schedule is after[0] and torch.equal(after[0], eager_plan.schedule)
+    assert made_inside.launch_tensors(lse)[1:] == after[1:]  # kept from here on
+
+
 def test_unsupported_problems() -> None:
     assert "float16 or bfloat16" in str(TEMPLATE.unsupported(
         Problem(1, 2, 2, 64, 64, 64, "float32")))
@@ -654,6 +698,62 @@ def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
     assert TEMPLATE.error(runs[0], whole) <= TEMPLATE.tolerance(problem)
     for name in SPLIT_CACHES:
         getattr(gluon_fwd_kernel, name).cache_clear()  # (the real model from here on)
+
+
+# A plan first made inside a CUDA graph's capture, for each kind of host schedule.
+CAPTURED_GRIDS = [
+    ((1, 1, 4096, 128, False), 3),  # 32 dense tiles cut over every SM (``split_schedule``)
+    ((1, 2, 4096, 128, True), 4),  # 64 causal tiles, the longest cut (``cut_lpt_schedule``)
+    ((2, 8, 2048, 64, True), 2),  # 512 causal tiles whole, in the LPT order (``lpt_schedule``)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("shape", "tile_order"), CAPTURED_GRIDS,
+                         ids=[f"order{o}" for _, o in CAPTURED_GRIDS])
+def test_a_plan_first_made_inside_a_graph_capture_replays_right(
+        shape: tuple[Any, ...], tile_order: int) -> None:
+    """The plan, its schedule and its split workspace made while a CUDA graph is captured:
+    two graphs captured on one stream replay at once on two streams to the eager bits, and
+    an eager call on the capture stream afterwards is right too (nothing the captures made,
+    valid only inside their graphs, was kept for it)."""
+    if not is_hopper():
+        pytest.skip("gluon_fwd needs a Hopper GPU")
+    from templates import gluon_fwd, gluon_fwd_kernel
+    from templates.gluon_fwd import gluon_attention_fwd
+
+    batch, heads, n, head_dim, causal = shape
+    q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+
+    def run() -> torch.Tensor:
+        return gluon_attention_fwd(q, k, v, causal=causal)[0]
+
+    eager = run()  # (compiles the kernel: a capture cannot)
+    gluon_fwd._PLANS.clear()
+    gluon_fwd_kernel._SCHEDULES.clear()
+    capture_stream = torch.cuda.Stream()
+    capture_stream.wait_stream(torch.cuda.current_stream())
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    outs = []
+    for graph in graphs:
+        with torch.cuda.graph(graph, stream=capture_stream):
+            outs.append(run())
+    plan = next(iter(gluon_fwd._PLANS._entries.values()))[0]
+    assert plan.options["TILE_ORDER"] == tile_order and plan.schedule is None
+    assert not plan._workspaces
+    with torch.cuda.stream(capture_stream):
+        after = run()
+    torch.cuda.synchronize()
+    assert torch.equal(after, eager)
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for stream, graph in zip(streams, graphs, strict=True):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        assert torch.equal(out, eager)
 
 
 # ----------------------------------------------------------------------------- GPU: block masks
