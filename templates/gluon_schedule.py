@@ -66,9 +66,9 @@ def lpt_schedule(n_q_tiles: int, batch_heads: int, group: int, costs: Sequence[i
     for g0 in range(0, batch_heads, group):
         for m in longest_first:
             for bh in range(g0, min(g0 + group, batch_heads)):
-                load, p = heapq.heappop(loads)
+                load, p = loads[0]  # (the least loaded: (load, program) pairs are unique)
                 owned[p].append(bh * n_q_tiles + m)
-                heapq.heappush(loads, (load + costs[m], p))
+                heapq.heapreplace(loads, (load + costs[m], p))
     return owned
 
 
@@ -156,23 +156,17 @@ def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], pr
         return None
     uncut = _lpt_makespan(sorted((w for w in whole for _ in range(batch_heads)),
                                  reverse=True), programs)
-    best: tuple[float, list[tuple[float, int, int, int, int, int]]] | None = None
-    # (A cap far below the average program adds combines and cannot shorten the longest.)
-    floor = batch_heads * sum(whole) / programs / 2
-    for cap in [c for c in sorted(set(whole), reverse=True)[1:] if c >= floor]:
-        items = _cut_items(n_q_tiles, batch_heads, blocks, overhead, combine, cap)
-        if items is None:
-            continue
-        makespan = _lpt_makespan([it[0] for it in items], programs)
-        if best is None or makespan < best[0]:
-            best = (makespan, items)
+    best = _best_cap(blocks, batch_heads, programs, overhead, combine,
+                     uncut - MIN_SPLIT_GAIN * uncut)
     if best is None or uncut - best[0] < MIN_SPLIT_GAIN * uncut:
         return None
     loads = [(0.0, p) for p in range(programs)]
     entries: list[list[tuple[int, ...]]] = [[] for _ in range(programs)]
     bases: dict[int, int] = {}
     slots = 0
-    for cost, tile, k, count, first, end in best[1]:
+    items = _cut_items(n_q_tiles, batch_heads, blocks, overhead, combine, best[1])
+    assert items is not None  # (``_best_cap`` priced its costs)
+    for cost, tile, k, count, first, end in items:
         load, p = heapq.heappop(loads)
         if count == 1:
             entries[p].append(whole_tile(tile))
@@ -183,6 +177,40 @@ def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], pr
             entries[p].append((tile, first, end, bases[tile] + k, bases[tile], count))
         heapq.heappush(loads, (load + cost, p))
     return SplitSchedule(entries, slots, best[0], uncut)
+
+
+def _best_cap(blocks: Sequence[int], batch_heads: int, programs: int, overhead: float,
+              combine: float, enough: float) -> tuple[float, float] | None:
+    """(longest program, cap) of the cap whose ``_cut_items`` LPT assignment has the shortest
+    longest program (the highest cap of equals), among caps below the longest tile's cost
+    but not far below the average program (there cuts add combines and cannot shorten the
+    longest), wherever that program is at most ``enough``; else a cap no better, or None.
+
+    Caps are taken from the highest down, each priced by the LPT makespan of its costs alone
+    (``_cut_costs``) after two lower bounds of it: the cap itself (a tile of exactly that
+    cost stays whole), and the work spread evenly over the programs, which only grows as the
+    cap falls (more pieces, each paying its combine), so the scan ends once that leaves no
+    room. The same answer as an LPT run of every cap's items, in a fraction of the time
+    (docs/gluon_notes.md, "Planning time")."""
+    whole = [n + overhead for n in blocks]
+    floor = batch_heads * sum(whole) / programs / 2
+    best: tuple[float, float] | None = None
+    slack = 1 - 1e-9  # (the bounds less a relative 1e-9, for rounding)
+    fewest = [2] * len(blocks)
+    for cap in [c for c in sorted(set(whole), reverse=True)[1:] if c >= floor]:
+        costs = _cut_costs(blocks, overhead, combine, cap, fewest)
+        if costs is None:  # (a tile that cannot be cut to fit this cap fits no lower one)
+            break
+        room = enough if best is None else min(enough, best[0])
+        spread = batch_heads * sum(costs) / programs * slack
+        if spread > room or (best is not None and spread >= best[0]):
+            break
+        if cap * slack > room or (best is not None and cap * slack >= best[0]):
+            continue
+        makespan = _lpt_makespan(sorted(costs * batch_heads, reverse=True), programs)
+        if best is None or makespan < best[0]:
+            best = (makespan, cap)
+    return best
 
 
 def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead: float,
@@ -207,12 +235,38 @@ def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead
     return sorted(items, key=lambda it: (-it[0], it[1], it[2]))
 
 
-def _fewest_pieces(n: int, overhead: float, combine: float, cap: float) -> int | None:
-    """The fewest pieces (at least 2) of a tile of ``n`` blocks whose largest fits ``cap``,
-    or None. A piece of c costs ceil(n / c) + overhead + combine * c, which falls until c is
-    about sqrt(n / combine) and rises after: no count past that fits if none before did."""
+def _cut_costs(blocks: Sequence[int], overhead: float, combine: float, cap: float,
+               fewest: list[int]) -> list[float] | None:
+    """One head's ``_cut_items`` costs under ``cap`` (the same values, not in order), or
+    None where ``_cut_items`` is. ``fewest``: per tile, a piece count no lower cap can go
+    under (2, or what a higher cap needed), updated here: the caps come highest first."""
+    costs = []
+    for m, n in enumerate(blocks):
+        if n + overhead <= cap:
+            costs.append(n + overhead + 0.0)
+            continue
+        count = fewest[m]
+        if n < 2 or -(-n // count) + overhead + combine * count > cap:  # (as _fewest_pieces)
+            found = _fewest_pieces(n, overhead, combine, cap, count)
+            if found is None:
+                return None
+            count = fewest[m] = found
+        extra = combine * count
+        # (Pieces of n // count blocks, n % count of them one more: as ``_cut_items`` cuts.)
+        short, longer = divmod(n, count)
+        costs.extend([short + 1 + overhead + extra] * longer)
+        costs.extend([short + overhead + extra] * (count - longer))
+    return costs
+
+
+def _fewest_pieces(n: int, overhead: float, combine: float, cap: float, least: int = 2
+                   ) -> int | None:
+    """The fewest pieces (at least ``least``, at least 2) of a tile of ``n`` blocks whose
+    largest fits ``cap``, or None. A piece of c costs ceil(n / c) + overhead + combine * c,
+    which falls until c is about sqrt(n / combine) and rises after: no count past that fits
+    if none before did."""
     last = min(n, int(math.isqrt(int(n / combine)) + 2) if combine > 0 else n)
-    for count in range(2, last + 1):
+    for count in range(max(2, least), last + 1):
         if -(-n // count) + overhead + combine * count <= cap:
             return count
     return None
@@ -221,9 +275,8 @@ def _fewest_pieces(n: int, overhead: float, combine: float, cap: float) -> int |
 def _lpt_makespan(costs: Sequence[float], programs: int) -> float:
     """The longest program of an LPT assignment of ``costs`` (given longest first)."""
     loads = [0.0] * programs
-    heapq.heapify(loads)
     for cost in costs:
-        heapq.heappush(loads, heapq.heappop(loads) + cost)
+        heapq.heapreplace(loads, loads[0] + cost)
     return max(loads)
 
 

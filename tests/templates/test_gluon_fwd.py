@@ -318,6 +318,56 @@ def test_a_causal_grid_of_many_tiles_stays_whole() -> None:
         assert cut_lpt_schedule(n // 128, heads, blocks, 132) is None
 
 
+def _every_cap(blocks: list[int], heads: int, programs: int, overhead: float,
+               combine: float) -> tuple[float, float] | None:
+    """(longest program, cap) as an LPT run of every cap's items finds it (the shortest
+    longest program, the highest cap of equals): ``_best_cap``'s answer, the slow way."""
+    from templates import gluon_schedule
+
+    whole = [n + overhead for n in blocks]
+    floor = heads * sum(whole) / programs / 2
+    best = None
+    for cap in [c for c in sorted(set(whole), reverse=True)[1:] if c >= floor]:
+        items = gluon_schedule._cut_items(len(blocks), heads, blocks, overhead, combine, cap)
+        if items is not None:
+            makespan = gluon_schedule._lpt_makespan([it[0] for it in items], programs)
+            if best is None or makespan < best[0]:
+                best = (makespan, cap)
+    return best
+
+
+def test_the_cut_schedules_scan_finds_the_best_of_every_cap() -> None:
+    """``_best_cap`` runs LPT only for caps its bounds leave in play, and ends early; its
+    answer is the one of every cap, on causal grids and on tiles of random lengths (ties,
+    empty tiles, other combines and overheads)."""
+    import random
+
+    from templates import gluon_schedule
+    from templates.gluon_schedule import causal_tile_costs
+
+    rng = random.Random(3)
+    cases = [(causal_tile_costs(-(-n // 128), 128, 128, n + off, off, 0), heads, 132, 1, 3.0)
+             for n, heads, off in ((4096, 1, 0), (8192, 1, 0), (16384, 1, 0), (8192, 2, 0),
+                                   (4096, 4, 0), (2048, 8, 0), (3000, 2, 500), (6000, 1, 0))]
+    cases += [([rng.randint(0, 120) for _ in range(rng.randint(2, 90))], rng.randint(1, 3),
+                rng.choice([16, 78, 132]), rng.choice([0, 1, 2.5]),
+                rng.choice([0.0, 0.5, 3.0, 6.0])) for _ in range(40)]
+    found = 0
+    for blocks, heads, programs, overhead, combine in cases:
+        whole = [n + overhead for n in blocks]
+        uncut = gluon_schedule._lpt_makespan(
+            sorted((w for w in whole for _ in range(heads)), reverse=True), programs)
+        enough = uncut - gluon_schedule.MIN_SPLIT_GAIN * uncut
+        want = _every_cap(blocks, heads, programs, overhead, combine)
+        got = gluon_schedule._best_cap(blocks, heads, programs, overhead, combine, enough)
+        if want is not None and want[0] <= enough:
+            assert got == want, (blocks, heads, programs, overhead, combine)
+            found += 1
+        else:
+            assert got is None or (want is not None and got[0] >= want[0])
+    assert found >= 20  # (most cases have a cut that pays: the comparison is not vacuous)
+
+
 @needs_gluon
 def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
     from templates.gluon_fwd_kernel import SCHEDULE_ENTRY, LaunchPlan, _gluon_fwd_kernel
