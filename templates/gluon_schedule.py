@@ -187,7 +187,7 @@ def _best_cap(blocks: Sequence[int], batch_heads: int, programs: int, overhead: 
     longest), wherever that program is at most ``enough``; else a cap no better, or None.
 
     Caps are taken from the highest down, each priced by the LPT makespan of its costs alone
-    (``_cut_costs``) after two lower bounds of it: the cap itself (a tile of exactly that
+    (``_cut_costs``; the piece counts carried from cap to cap) after two lower bounds of it: the cap itself (a tile of exactly that
     cost stays whole), and the work spread evenly over the programs, which only grows as the
     cap falls (more pieces, each paying its combine), so the scan ends once that leaves no
     room. The same answer as an LPT run of every cap's items, in a fraction of the time
@@ -198,9 +198,10 @@ def _best_cap(blocks: Sequence[int], batch_heads: int, programs: int, overhead: 
     slack = 1 - 1e-9  # (the bounds less a relative 1e-9, for rounding)
     fewest = [2] * len(blocks)
     for cap in [c for c in sorted(set(whole), reverse=True)[1:] if c >= floor]:
-        costs = _cut_costs(blocks, overhead, combine, cap, fewest)
-        if costs is None:  # (a tile that cannot be cut to fit this cap fits no lower one)
+        counts = _piece_counts(blocks, overhead, combine, cap, fewest)
+        if counts is None:  # (a tile that cannot be cut to fit this cap fits no lower one)
             break
+        costs = _cut_costs(blocks, overhead, combine, counts)
         room = enough if best is None else min(enough, best[0])
         spread = batch_heads * sum(costs) / programs * slack
         if spread > room or (best is not None and spread >= best[0]):
@@ -218,14 +219,11 @@ def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead
     """Every tile, or its pieces where it costs more than ``cap``, as (cost, tile, piece k,
     piece count, first block, end block), longest first; None where a tile cannot be cut
     to fit ``cap``."""
+    counts = _piece_counts(blocks, overhead, combine, cap, [2] * len(blocks))
+    if counts is None:
+        return None
     items = []
-    for m, n in enumerate(blocks):
-        count = 1
-        if n + overhead > cap:
-            found = _fewest_pieces(n, overhead, combine, cap)
-            if found is None:
-                return None
-            count = found
+    for m, (n, count) in enumerate(zip(blocks, counts, strict=True)):
         extra = combine * count if count > 1 else 0.0
         for bh in range(batch_heads):
             for k in range(count):
@@ -235,15 +233,32 @@ def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead
     return sorted(items, key=lambda it: (-it[0], it[1], it[2]))
 
 
-def _cut_costs(blocks: Sequence[int], overhead: float, combine: float, cap: float,
-               fewest: list[int]) -> list[float] | None:
-    """One head's ``_cut_items`` costs under ``cap`` (the same values, not in order), or
-    None where ``_cut_items`` is. ``fewest``: per tile, a piece count no lower cap can go
-    under (2, or what a higher cap needed), updated here: the caps come highest first."""
+def _cut_costs(blocks: Sequence[int], overhead: float, combine: float, counts: list[int]
+               ) -> list[float]:
+    """One head's ``_cut_items`` costs for tiles cut into ``counts`` pieces (the same values,
+    not in their order)."""
     costs = []
+    for n, count in zip(blocks, counts, strict=True):
+        if count == 1:
+            costs.append(n + overhead + 0.0)
+            continue
+        extra = combine * count
+        # (Pieces of n // count blocks, n % count of them one more: as ``_cut_items`` cuts.)
+        short, longer = divmod(n, count)
+        costs.extend([short + 1 + overhead + extra] * longer)
+        costs.extend([short + overhead + extra] * (count - longer))
+    return costs
+
+
+def _piece_counts(blocks: Sequence[int], overhead: float, combine: float, cap: float,
+                  fewest: list[int]) -> list[int] | None:
+    """Per tile, the fewest pieces it is cut into to fit ``cap`` (1: it fits whole), or None
+    where one cannot be cut to fit. ``fewest``: per tile, a count no lower cap can go under
+    (2, or what a higher cap needed), updated here for a scan of caps highest first."""
+    counts = []
     for m, n in enumerate(blocks):
         if n + overhead <= cap:
-            costs.append(n + overhead + 0.0)
+            counts.append(1)
             continue
         count = fewest[m]
         if n < 2 or -(-n // count) + overhead + combine * count > cap:  # (as _fewest_pieces)
@@ -251,12 +266,8 @@ def _cut_costs(blocks: Sequence[int], overhead: float, combine: float, cap: floa
             if found is None:
                 return None
             count = fewest[m] = found
-        extra = combine * count
-        # (Pieces of n // count blocks, n % count of them one more: as ``_cut_items`` cuts.)
-        short, longer = divmod(n, count)
-        costs.extend([short + 1 + overhead + extra] * longer)
-        costs.extend([short + overhead + extra] * (count - longer))
-    return costs
+        counts.append(count)
+    return counts
 
 
 def _fewest_pieces(n: int, overhead: float, combine: float, cap: float, least: int = 2
