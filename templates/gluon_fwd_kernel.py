@@ -1319,20 +1319,18 @@ class LaunchPlan:
         """(schedule, partials, counters) for a launch that writes ``lse`` on its current
         stream (``stream``: already looked up); ``lse`` for each one the kernel never reads.
 
-        Inside a CUDA graph's capture (checked only where it matters: a split plan, or a
-        schedule not made yet) the launch gets what stays valid in the graph and nothing
-        kept from it reaches eager launches: the schedule made for eager launches where
-        there is one, else a copy the graph makes at each replay; a workspace of its own
-        (``workspace``)."""
+        A launch captured into a CUDA graph (checked only for plans with a schedule) reads
+        nothing an eager launch or another graph writes, nor anything a cache of ours may
+        free while the graph lives: the schedule through ``_graph_schedule``, a workspace of
+        its own (``workspace``)."""
         if self.schedule_source is None:  # (no schedule: no split either)
             return lse, lse, lse
-        capturing = (self.split is not None or self.schedule is None) and _capturing(lse)
-        schedule = self.schedule
-        if schedule is None:  # (the plan was made inside a capture)
-            schedule = _schedule(lse, *self.schedule_source, capturing=capturing)
-            if not capturing:
-                self.schedule = schedule
-        return (schedule, *self.workspace(lse, stream, capturing))
+        if _capturing(lse):
+            return (_graph_schedule(lse, self.schedule, *self.schedule_source),
+                    *self.workspace(lse, stream, capturing=True))
+        if self.schedule is None:  # (the plan was made inside a capture)
+            self.schedule = _schedule(lse, *self.schedule_source)
+        return (self.schedule, *self.workspace(lse, stream))
 
     def workspace(self, lse: Any, stream: int | None = None, capturing: bool = False
                   ) -> tuple[Any, Any]:
@@ -1416,33 +1414,27 @@ def _capturing(like: Any) -> bool:
 # Schedules made for eager launches, by (device, table, args): a plan is made per call where
 # nothing keeps plans (``launch``, the standalone source's entry), and a schedule is a Python
 # walk over every tile plus a copy to the GPU. The kernel only reads it, so plans of one
-# problem share it. Dropping one here frees nothing a plan (or a graph captured through it)
-# still holds.
+# problem share it. Dropping one here frees nothing a plan still holds.
 _SCHEDULES: dict[tuple[Any, ...], torch.Tensor] = {}
 MAX_KEPT_SCHEDULES = 64
-# Host copies of the schedules that captured graphs copy to the GPU, pinned (torch 2.11 refuses
-# a copy from pageable memory inside a capture: seen on the H200): a graph's copy node
-# reads its host memory at every replay, so these stay for the process's life.
-_GRAPH_SCHEDULES: dict[tuple[Any, ...], torch.Tensor] = {}
+# What captured graphs read of the schedules, kept for the process's life: a graph replays
+# with the addresses it was captured with, long after any plan or cache of ours let go (a
+# plan cache evicts plans that only graph replays use). Eager schedules by address, and
+# pinned host copies (torch 2.11 refuses a copy from pageable memory inside a capture: seen
+# on the H200) by (table, args).
+_GRAPH_HELD: dict[int, torch.Tensor] = {}
+_GRAPH_HOST_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
-def _schedule(like: Any, table: Any, args: tuple[Any, ...], capturing: bool = False) -> Any:
-    """The schedule ``table(*args)`` as an int32 tensor on ``like``'s device, or for a
-    stand-in ``like`` a stand-in of its length. ``capturing`` (a CUDA graph is being
-    captured, where no copy from the host may wait): the eager one where it is made, else
-    a copy from kept host memory that the graph repeats at each replay, not kept."""
+def _schedule(like: Any, table: Any, args: tuple[Any, ...]) -> Any:
+    """The schedule ``table(*args)`` as an int32 tensor on ``like``'s device (made once and
+    kept in ``_SCHEDULES``), or for a stand-in ``like`` a stand-in of its length."""
     if not isinstance(like, torch.Tensor):
         return type(like)(torch.int32, [len(table(*args))])
     key = (like.device, table, args)
     made = _SCHEDULES.get(key)
     if made is not None:
         return made
-    if capturing:
-        host = _GRAPH_SCHEDULES.get((table, args))
-        if host is None:
-            host = _GRAPH_SCHEDULES.setdefault(
-                (table, args), torch.tensor(table(*args), dtype=torch.int32).pin_memory())
-        return host.to(like.device, non_blocking=True)
     made = torch.tensor(table(*args), dtype=torch.int32, device=like.device)
     if len(_SCHEDULES) >= MAX_KEPT_SCHEDULES:
         # (Another thread may have been there first.)
@@ -1450,6 +1442,23 @@ def _schedule(like: Any, table: Any, args: tuple[Any, ...], capturing: bool = Fa
             del _SCHEDULES[next(iter(_SCHEDULES))]
     _SCHEDULES[key] = made
     return made
+
+
+def _graph_schedule(like: torch.Tensor, eager: torch.Tensor | None, table: Any,
+                    args: tuple[Any, ...]) -> torch.Tensor:
+    """The schedule ``table(*args)`` for a launch being captured into a CUDA graph, where no
+    copy from the host may wait: ``eager`` (the plan's) or another made before the capture,
+    held from now on for the process's life; else a copy from pinned host memory (held too)
+    that the graph repeats at each replay, into the graph's own pool."""
+    made = eager if eager is not None else _SCHEDULES.get((like.device, table, args))
+    if made is not None:
+        _GRAPH_HELD.setdefault(made.data_ptr(), made)
+        return made
+    host = _GRAPH_HOST_TABLES.get((table, args))
+    if host is None:
+        host = _GRAPH_HOST_TABLES.setdefault(
+            (table, args), torch.tensor(table(*args), dtype=torch.int32).pin_memory())
+    return host.to(like.device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=64)

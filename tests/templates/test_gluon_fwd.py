@@ -408,9 +408,10 @@ def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
 def test_what_a_captured_launch_gets_is_never_kept_for_eager_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a CUDA graph's capture (simulated on CPU tensors) a split plan's launch gets a
-    workspace of its own each time and the schedule the plan keeps, or, for a plan made
-    inside the capture, a copy that is not kept; eager launches afterwards make and keep
-    their own (``test_a_plan_first_made_inside_a_graph_capture_replays_right``: on the GPU)."""
+    workspace of its own each time, and a schedule held for the process's life: the one
+    made before the capture, or, for a plan made inside it with none made, a copy that no
+    eager launch gets; eager launches afterwards make and keep their own
+    (``test_a_plan_first_made_inside_a_graph_capture_replays_right``: on the GPU)."""
     from templates import gluon_fwd_kernel
     from templates.gluon_fwd_kernel import LaunchPlan
 
@@ -421,8 +422,8 @@ def test_what_a_captured_launch_gets_is_never_kept_for_eager_ones(
     def plan() -> Any:
         return LaunchPlan(q, q, causal_mode="none", scale=0.1, config=cfg, sm_count=132)
 
-    monkeypatch.setattr(gluon_fwd_kernel, "_SCHEDULES", {})
-    monkeypatch.setattr(gluon_fwd_kernel, "_GRAPH_SCHEDULES", {})
+    for name in ("_SCHEDULES", "_GRAPH_HELD", "_GRAPH_HOST_TABLES"):
+        monkeypatch.setattr(gluon_fwd_kernel, name, {})
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # (no CUDA here)
     eager_plan = plan()
     assert eager_plan.split is not None and eager_plan.schedule is not None
@@ -434,17 +435,19 @@ def test_what_a_captured_launch_gets_is_never_kept_for_eager_ones(
         assert partials is not kept[1] and counters is not kept[2]
         assert not counters.any()
     assert captured[0][2] is not captured[1][2]
+    assert list(gluon_fwd_kernel._GRAPH_HELD.values()) == [eager_plan.schedule]
     made_inside = plan()
     assert made_inside.schedule is None
     assert made_inside.launch_tensors(lse)[0] is eager_plan.schedule  # the eager one, shared
     monkeypatch.setattr(gluon_fwd_kernel, "_SCHEDULES", {})
-    copied = made_inside.launch_tensors(lse)[0]  # no eager schedule to share: a copy
+    copied = made_inside.launch_tensors(lse)[0]  # none made before the capture: a copy
     assert torch.equal(copied, eager_plan.schedule)
     assert made_inside.schedule is None and not made_inside._workspaces
-    assert not gluon_fwd_kernel._SCHEDULES and len(gluon_fwd_kernel._GRAPH_SCHEDULES) == 1
+    assert not gluon_fwd_kernel._SCHEDULES and len(gluon_fwd_kernel._GRAPH_HOST_TABLES) == 1
     monkeypatch.setattr(gluon_fwd_kernel, "_capturing", lambda like: False)
     after = made_inside.launch_tensors(lse)
-    assert made_inside.schedule is after[0] and torch.equal(after[0], eager_plan.schedule)
+    assert made_inside.schedule is after[0] and after[0] is not copied
+    assert torch.equal(after[0], eager_plan.schedule)
     assert made_inside.launch_tensors(lse)[1:] == after[1:]  # kept from here on
 
 
@@ -766,9 +769,10 @@ CAPTURED_GRIDS = [
 def test_a_plan_first_made_inside_a_graph_capture_replays_right(
         shape: tuple[Any, ...], tile_order: int) -> None:
     """The plan, its schedule and its split workspace made while a CUDA graph is captured:
-    two graphs captured on one stream replay at once on two streams to the eager bits, and
-    an eager call on the capture stream afterwards is right too (nothing the captures made,
-    valid only inside their graphs, was kept for it)."""
+    an eager call on the capture stream afterwards is right (nothing the captures made,
+    valid only inside their graphs, was kept for it), and three graphs captured on one
+    stream (two before that call, one after) replay at once on three streams to the eager
+    bits."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
     from templates import gluon_fwd, gluon_fwd_kernel
@@ -798,6 +802,12 @@ def test_a_plan_first_made_inside_a_graph_capture_replays_right(
         after = run()
     torch.cuda.synchronize()
     assert torch.equal(after, eager)
+    # A third graph, captured once the plan has its eager schedule: that one, held for good.
+    graphs.append(torch.cuda.CUDAGraph())
+    with torch.cuda.graph(graphs[-1], stream=capture_stream):
+        outs.append(run())
+    assert plan.schedule is not None
+    assert gluon_fwd_kernel._GRAPH_HELD.get(plan.schedule.data_ptr()) is plan.schedule
     streams = [torch.cuda.Stream() for _ in graphs]
     for stream, graph in zip(streams, graphs, strict=True):
         stream.wait_stream(torch.cuda.current_stream())
