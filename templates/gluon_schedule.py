@@ -117,9 +117,20 @@ def split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int = 128
         return None
     combine = (COMBINE_BLOCKS_PER_PIECE if combine is None else combine) * 128 / head_dim
     best: tuple[float, int] | None = None
-    for workers in range(rest + 1, programs + 1):
+    enough = whole_cost - MIN_SPLIT_GAIN * (rounds + 1) * whole_cost
+    # Worker counts from the most down, each after a lower bound of its tail (less a
+    # relative 1e-9, for rounding): more workers than tiles cut a tile, and a worker with a
+    # piece of it pays its share, an overhead and two combines at least. The bound only
+    # grows as the count falls, so the scan ends once it leaves no room to beat the best or
+    # to gain MIN_SPLIT_GAIN: the same choice as pricing every count (the cheapest tail,
+    # the fewest workers of equals) in a fraction of the plan's time (docs/gluon_notes.md,
+    # "Planning time").
+    for workers in range(programs, rest, -1):
+        bound = ((rest * blocks) // workers + overhead + 2 * combine) * (1 - 1e-9)
+        if bound > enough or (best is not None and bound > best[0]):
+            break
         cost = max(_worker_costs(rest, blocks, workers, overhead, combine))
-        if best is None or cost < best[0]:
+        if best is None or cost <= best[0]:
             best = (cost, workers)
     if best is None or whole_cost - best[0] < MIN_SPLIT_GAIN * (rounds + 1) * whole_cost:
         return None

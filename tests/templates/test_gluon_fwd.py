@@ -318,6 +318,54 @@ def test_a_causal_grid_of_many_tiles_stays_whole() -> None:
         assert cut_lpt_schedule(n // 128, heads, blocks, 132) is None
 
 
+def test_the_split_schedules_scan_finds_the_best_worker_count() -> None:
+    """``split_schedule`` prices only the worker counts its bound leaves in play; what it
+    makes is what pricing every count makes (the cheapest tail, the fewest workers of
+    equals), on dense grids of every kind of last round."""
+    import random
+
+    from templates import gluon_schedule
+
+    def every_count(n_tiles: int, blocks: int, programs: int, overhead: float,
+                    combine: float) -> tuple[float, int] | None:
+        rounds, rest = divmod(n_tiles, programs)
+        if rest == 0 or blocks < 2:
+            return None
+        best = None
+        for workers in range(rest + 1, programs + 1):
+            cost = max(gluon_schedule._worker_costs(rest, blocks, workers, overhead, combine))
+            if best is None or cost < best[0]:
+                best = (cost, workers)
+        whole = blocks + overhead
+        if best is None or whole - best[0] < gluon_schedule.MIN_SPLIT_GAIN * (rounds + 1) * whole:
+            return None
+        return best
+
+    rng = random.Random(4)
+    cases = [(1024, 32, 132, 1, 3.0), (64, 64, 132, 1, 3.0), (64, 16, 132, 1, 3.0),
+             (2048, 128, 132, 1, 3.0), (128, 64, 132, 1, 6.0), (8192, 256, 132, 1, 3.0),
+             # (Cut by a hair: the gain just over MIN_SPLIT_GAIN.)
+             (551, 46, 16, 1, 3.0), (148, 46, 16, 1, 9.0)]
+    cases += [(rng.randint(1, 700), rng.randint(1, 150), rng.choice([16, 78, 132]),
+               rng.choice([0, 1, 2.5]), rng.choice([0.0, 0.5, 3.0, 9.0])) for _ in range(60)]
+    cut = 0
+    for n_tiles, blocks, programs, overhead, combine in cases:
+        want = every_count(n_tiles, blocks, programs, overhead, combine)
+        got = gluon_schedule.split_schedule(n_tiles, blocks, programs, overhead=overhead,
+                                            combine=combine)
+        assert (got is None) == (want is None), (n_tiles, blocks, programs, overhead, combine)
+        if got is not None and want is not None:
+            assert got.cut_cost == want[0], (n_tiles, blocks, programs, overhead, combine)
+            # The same worker count: the tail's pieces on the same programs.
+            tail0 = n_tiles - n_tiles % programs
+            on = {p for p, mine in enumerate(got.entries) if any(e[0] >= tail0 for e in mine)}
+            rest = n_tiles % programs
+            assert on == {w for pieces in gluon_schedule._tail_pieces(rest, blocks, want[1])
+                          for w, _, _ in pieces}
+            cut += 1
+    assert cut >= 15  # (most cases are cut: the comparison is not vacuous)
+
+
 def _every_cap(blocks: list[int], heads: int, programs: int, overhead: float,
                combine: float) -> tuple[float, float] | None:
     """(longest program, cap) as an LPT run of every cap's items finds it (the shortest
