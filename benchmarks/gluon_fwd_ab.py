@@ -44,9 +44,9 @@ def shapes(text: str) -> list[tuple[int, int, int, int]]:
     """``BxHxNxD,...`` as (B, H, N, D) tuples."""
     out = []
     for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--shapes takes BxHxNxD items, got {item!r}")
+        parts = item.strip().lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shapes takes BxHxNxD items of positive integers, got {item!r}")
         b, h, n, d = (int(p) for p in parts)
         out.append((b, h, n, d))
     return out

@@ -24,6 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gluon_fwd_ab import shapes as parse_shapes  # noqa: E402
+
 # Causal grids of few heads at long lengths (where ``cut_lpt_schedule`` searches), large causal
 # grids (the LPT schedule), dense grids with a partial last round (``split_schedule``).
 DEFAULT_SHAPES = ("1x1x8192x128", "1x1x16384x128", "1x1x32768x128", "1x2x16384x128",
@@ -31,18 +33,6 @@ DEFAULT_SHAPES = ("1x1x8192x128", "1x1x16384x128", "1x1x32768x128", "1x2x16384x1
                   "1x1x65536x128")
 SCHEDULE_CACHES = ("_split_schedule", "_split_table", "_cut_lpt_schedule", "_cut_lpt_table",
                    "_causal_table")
-
-
-def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
-    """``BxHxNxD,...`` as (B, H, N, D) tuples."""
-    out = []
-    for item in text.split(","):
-        parts = item.strip().lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"--shapes takes BxHxNxD items of positive integers, got {item!r}")
-        b, h, n, d = (int(p) for p in parts)
-        out.append((b, h, n, d))
-    return out
 
 
 def plan_times(shape: tuple[int, int, int, int], causal: str, repeats: int) -> dict[str, Any]:
