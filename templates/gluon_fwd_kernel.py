@@ -1351,18 +1351,18 @@ class LaunchPlan:
         sizes = (self.split.slots * block_m * (head_dim + 2), self.split.slots * consumers)
         if not isinstance(lse, torch.Tensor):  # a stand-in (compile checks)
             return type(lse)(torch.float32, [sizes[0]]), type(lse)(torch.int32, [sizes[1]])
-        if capturing:
-            return (torch.empty(sizes[0], dtype=torch.float32, device=lse.device),
-                    torch.zeros(sizes[1], dtype=torch.int32, device=lse.device))
-        if stream is None:
-            stream = current_stream(lse.device.index) if lse.is_cuda else 0
-        key = (lse.device.index or 0, stream)
-        found = self._workspaces.get(key)
-        if found is None:
-            found = (torch.empty(sizes[0], dtype=torch.float32, device=lse.device),
-                     torch.zeros(sizes[1], dtype=torch.int32, device=lse.device))
-            self._workspaces[key] = found
-        return found
+        if not capturing:
+            if stream is None:
+                stream = current_stream(lse.device.index) if lse.is_cuda else 0
+            key = (lse.device.index or 0, stream)
+            found = self._workspaces.get(key)
+            if found is not None:
+                return found
+        made = (torch.empty(sizes[0], dtype=torch.float32, device=lse.device),
+                torch.zeros(sizes[1], dtype=torch.int32, device=lse.device))
+        if not capturing:
+            self._workspaces[key] = made
+        return made
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
