@@ -589,76 +589,6 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0, 
 
 
 @gluon.jit
-def _half_last_block(acc, p_op, m_i, l_i, alpha, offs_m, j, g, ev, q_smem, k_bufs, v_bufs,
-                     k_ready, v_ready, k_empty, v_empty, turns, q_empty, prev_buf, tc, N_KV,
-                     causal_offset, qk_scale, ME: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                     PINGPONG: gl.constexpr, HAS_PREV: gl.constexpr,
-                     RELEASE_PREV_O: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
-                     DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
-    """A causal tile's last KV block j (ring position ``g``, ping-pong batch ``ev``) for a
-    consumer whose rows see none of its upper half of keys (the diagonal crosses the block's
-    lower half for these rows): S = Q K_j[:BLOCK_N/2]^T, its masked softmax and
-    O += P V_j[:BLOCK_N/2], half the GEMMs and the exponentials of a whole block. The same
-    barriers and turns as a whole block, so the other consumer does not notice. HAS_PREV:
-    the S GEMM goes with the PV GEMM of block j - 1 (P_{j-1} in ``p_op``); else block j is
-    the tile's only one (RELEASE_PREV_O: then the previous tile's O buffer goes back under
-    it, as ``_consumer_tile``'s first block does). Returns (acc, m, l), m and l in the
-    layout of ``m_i``."""
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, HALF_N)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_layout: gl.constexpr = acc.type.layout
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    slot = g % KV_STAGES
-    phase = (g // KV_STAGES) & 1
-    if PINGPONG:
-        mbarrier.wait(turns.index(ME), ev & 1)
-    mbarrier.wait(k_ready.index(slot), phase)
-    k_half = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF_N)
-    s_tok = warpgroup_mma(q_smem, k_half.permute((1, 0)),
-                          gl.zeros([offs_m.shape[0], HALF_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    if HAS_PREV:
-        prev = (g - 1) % KV_STAGES
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(prev), ((g - 1) // KV_STAGES) & 1)
-        v_prev = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-        o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - ME), count=1)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-    else:
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - ME), count=1)
-        if RELEASE_PREV_O:
-            _release_o_buffer(q_empty, prev_buf, tc)
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
-    p, m_h, l_h, alpha_h = _softmax_block(
-        s, gl.convert_layout(m_i, row_s), gl.convert_layout(l_i, row_s), qk_scale,
-        gl.convert_layout(offs_m, row_s), j * BLOCK_N, N_KV, causal_offset, N_KV, False, True,
-        True, HALF_N, False, MASK_BLOCK_KV, DIAG, TREE_MAX)
-    mbarrier.arrive(k_empty.index(slot), count=1)
-    if HAS_PREV:
-        acc, p_op, p = warpgroup_mma_wait(0, deps=(o_tok, p_op, p))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-    p_half = gl.convert_layout(p.to(p_op.dtype), p_layout)
-    # -- the last PV GEMM, over the lower half of V_j.
-    if PINGPONG:
-        mbarrier.wait(turns.index(ME), (ev + 1) & 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha_h, row_o), 1)
-    mbarrier.wait(v_ready.index(slot), phase)
-    v_half = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF_N)
-    o_tok = warpgroup_mma(p_half, v_half, acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - ME), count=1)
-    acc, p_half = warpgroup_mma_wait(0, deps=(o_tok, p_half))
-    mbarrier.arrive(v_empty.index(slot), count=1)
-    return acc, gl.convert_layout(m_h, m_i.type.layout), gl.convert_layout(l_h, l_i.type.layout)
-
-
-@gluon.jit
 def _release_o_buffer(q_empty, q_buf, tc):
     """A persistent consumer with two Q buffers: once the TMA store of the previous tile's O
     has read buffer ``q_buf``, hand it back, so the producer may load the tile after next
@@ -730,29 +660,8 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     # With two, the previous tile's O store is waited for under this tile's first GEMM.
     DEFER_O_WAIT: gl.constexpr = PERSISTENT and Q_SLOTS == 2 and DIAG != 3
     prev_buf = ME * Q_SLOTS + (tc + 1) % Q_SLOTS
-    # A causal tile's last block where these rows see only its lower half of keys (64-row
-    # consumers of 128-key blocks: the upper consumer on the diagonal) runs at half width
-    # (``_half_last_block``). Only under the producer warp and with P in registers.
-    HALF: gl.constexpr = (CAUSAL and not SPARSE and WARP_SPECIALIZE and not P_SMEM
-                          and ROWS * 2 == BLOCK_N and DIAG == 8)
-    if HALF:
-        half_last = (end > first) & (m0 + ROWS - 1 + causal_offset
-                                     < (end - 1) * BLOCK_N + BLOCK_N // 2)
-        half_only = half_last & (end - first == 1)
-    else:
-        half_last = False
-        half_only = False
 
-    if half_only:
-        # -- the tile's one block, at half width.
-        acc, m_i, l_i = _half_last_block(
-            acc, p_op, m_i, l_i, l_i, offs_m, first, it0, ev0, q_smem, k_bufs, v_bufs,
-            k_ready, v_ready, k_empty, v_empty, turns, q_empty, prev_buf, tc, N_KV,
-            causal_offset, qk_scale, ME, NUM_WARPS, HEAD_DIM, BLOCK_N, KV_STAGES, PINGPONG,
-            False, DEFER_O_WAIT, MASK_BLOCK_KV, DIAG, TREE_MAX)
-        if O_FROM_REGISTERS:
-            mbarrier.arrive(q_empty.index(q_buf), count=1)
-    elif end > first:
+    if end > first:
         # -- the first block: S alone.
         slot0 = it0 % KV_STAGES
         start0 = _kv_start(first, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
@@ -783,48 +692,32 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
             _warps_barrier()
             _refill(k_desc, k_bufs, k_ready, 0, b, kv_h, KV_STAGES, end, BLOCK_N)
 
-        # -- blocks first + 1 .. end - 1 (.. end - 2 where the last one is half).
-        if HALF:  # noqa: SIM108  (a constexpr branch: the else side needs no cast)
-            body_end = end - half_last.to(gl.int32)
-        else:
-            body_end = end
+        # -- blocks first + 1 .. end - 1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
-            acc, p_op, m_i, l_i, alpha, n_full, first, body_end, lrow, lists, it0 - first,
+            acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0 - first,
             ev0 - first, q_smem,
             p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
             b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
             KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
             MASK_BLOCK_KV, DIAG, TREE_MAX)
-        if half_last:
-            # -- the last block at half width, with the PV GEMM of the one before.
-            acc, m_i, l_i = _half_last_block(
-                acc, p_op, m_i, l_i, alpha, offs_m, end - 1, it0 + end - first - 1,
-                ev0 + end - first - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty,
-                v_empty, turns, q_empty, prev_buf, tc, N_KV, causal_offset, qk_scale, ME,
-                NUM_WARPS, HEAD_DIM, BLOCK_N, KV_STAGES, PINGPONG, True, False, MASK_BLOCK_KV,
-                DIAG, TREE_MAX)
-            if O_FROM_REGISTERS:
-                mbarrier.arrive(q_empty.index(q_buf), count=1)
-        else:
-            if O_FROM_REGISTERS:
-                # Every GEMM that reads Q has completed: the producer may load the next
-                # tile's.
-                mbarrier.arrive(q_empty.index(q_buf), count=1)
+        if O_FROM_REGISTERS:
+            # Every GEMM that reads Q has completed: the producer may load the next tile's.
+            mbarrier.arrive(q_empty.index(q_buf), count=1)
 
-            # -- the last PV GEMM.
-            last = it0 + end - first - 1
-            slot = last % KV_STAGES
-            if PINGPONG:
-                mbarrier.wait(turns.index(ME), (ev0 + end - first) & 1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
-            v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-            o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
-            if PINGPONG:
-                mbarrier.arrive(turns.index(1 - ME), count=1)
-            acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
-            if WARP_SPECIALIZE:
-                mbarrier.arrive(v_empty.index(slot), count=1)
+        # -- the last PV GEMM.
+        last = it0 + end - first - 1
+        slot = last % KV_STAGES
+        if PINGPONG:
+            mbarrier.wait(turns.index(ME), (ev0 + end - first) & 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
+        v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - ME), count=1)
+        acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
+        if WARP_SPECIALIZE:
+            mbarrier.arrive(v_empty.index(slot), count=1)
     else:
         if O_FROM_REGISTERS:
             mbarrier.arrive(q_empty.index(q_buf), count=1)
