@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # so a GPU test in a file named nowhere here still runs, and counts as "other".
 GROUPS: dict[str, tuple[str, ...]] = {
     "fwd": ("tests/templates/test_flash_fwd.py", "tests/templates/test_block_sparse.py",
-            "tests/templates/test_gluon_fwd.py", "tests/templates/test_direct_launch_fwd.py"),
+            "tests/templates/test_gluon_fwd.py", "tests/templates/test_gluon_pack_gqa.py",
+            "tests/templates/test_direct_launch_fwd.py"),
     "bwd": ("tests/templates/test_flash_bwd.py", "tests/templates/test_block_sparse_bwd.py",
             "tests/templates/test_gluon_bwd.py", "tests/templates/test_torch_flex.py",
             "tests/templates/test_gluon_cudnn_train.py"),

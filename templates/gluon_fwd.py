@@ -117,6 +117,12 @@ class GluonFwdConfig(KernelConfig):
         "says the grid ends sooner; else as False. Dense: the last, partial round's tiles "
         "(``split_schedule``); causal: the longest tiles of a grid too small for whole "
         "tiles to balance (``cut_lpt_schedule``).")
+    pack_gqa: bool = knob(
+        False, (False, True),
+        "GQA/MQA: the query heads of each KV head stacked into one head of their rows, so a "
+        "tile of few queries per head fills its rows and each K/V block is loaded once for "
+        "the group (causal masks map each row back to its query). Pays where N_q leaves "
+        "most of a tile's rows empty (decoding several tokens, short chunks of a prompt).")
     ctas_per_sm: int = knob(
         1, (1, 2),
         "Programs meant to share an SM: the register budget (maxnreg) is split between them "
@@ -157,7 +163,8 @@ class GluonFwdTemplate(GluonTemplate):
                    "mbarrier ring, async wgmma with softmax under the PV GEMM, optional "
                    "producer warp and ping-pong consumer warpgroups; dense, causal top-left "
                    "or bottom-right, block masks (their lists walked by the producer warp), "
-                   "GQA/MQA, head dim 64/128/256, fp16/bf16; returns (o, lse).")
+                   "GQA/MQA (query heads packed per KV head where it pays), head dim "
+                   "64/128/256, fp16/bf16; returns (o, lse).")
     config_cls = GluonFwdConfig
     kernel = kernel
     gluon_missing = GLUON_MISSING
@@ -197,6 +204,10 @@ class GluonFwdTemplate(GluonTemplate):
             return "persistent programs take a whole SM each; use ctas_per_sm=1"
         if cfg.split_tail and not cfg.persistent:
             return "split_tail cuts the tiles of a persistent grid: needs persistent=True"
+        if cfg.pack_gqa and problem.heads_q == problem.heads_kv:
+            return (f"pack_gqa stacks the query heads that share a KV head: needs heads_q > "
+                    f"heads_kv, but this problem has {problem.heads_q} of each; use "
+                    f"pack_gqa=False")
         if cfg.split_tail and mask_block is not None:
             return ("split_tail does not cut a block mask's tiles (they walk their rows' "
                     "lists): use split_tail=False")
@@ -274,14 +285,16 @@ class GluonFwdTemplate(GluonTemplate):
         dtype = TORCH_DTYPES[problem.dtype]
         q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
         kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
-        q, o = StandinTensor(dtype, q_shape), StandinTensor(dtype, q_shape)
+        q = StandinTensor(dtype, q_shape)
         k, v = StandinTensor(dtype, kv_shape), StandinTensor(dtype, kv_shape)
-        lse = StandinTensor(torch.float32, q_shape[:3])
         block_mask = (StandinBlockMask(problem.seqlen_q, problem.seqlen_kv)
                       if problem.mask != "none" else None)
         plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
                                  scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict(),
                                  block_mask=block_mask)
+        # (As the plan allocates them: packed GQA runs on (B, H_kv, group x N_q) rows.)
+        o = StandinTensor(dtype, list(plan.out_shape))
+        lse = StandinTensor(torch.float32, list(plan.lse_shape))
         return [(kernel._gluon_fwd_kernel, plan.grid, plan.args(q, k, v, o, lse, block_mask),
                  dict(plan.options))]
 
@@ -334,6 +347,9 @@ def block_mask_reason(config: GluonFwdConfig, block_size: tuple[int, int]) -> st
     if config.longest_first:
         return ("a block mask's tiles run in its rows' order (the mask sets their lengths): "
                 "use longest_first=False")
+    if config.pack_gqa:
+        return ("pack_gqa does not walk a block mask (its rows are one head's queries): "
+                "use pack_gqa=False")
     return None
 
 
@@ -348,7 +364,7 @@ def fit_to_block_mask(config: GluonFwdConfig, block_size: tuple[int, int]) -> Gl
     return dataclasses.replace(config, BLOCK_M=min(config.BLOCK_M, block_size[0]),
                                BLOCK_N=min(config.BLOCK_N, block_size[1]), consumers=consumers,
                                pingpong=config.pingpong and consumers == 2, longest_first=False,
-                               split_tail=False)
+                               split_tail=False, pack_gqa=False)
 
 
 @dataclass(frozen=True)
@@ -386,7 +402,11 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     into pieces (``split_tail``; its cost models decide where to cut): against
     whole tiles (session #13, 7 rounds) dense grids of 32-64 tiles 0.60-0.89 of the time at
     d128 and 0.62-0.73 at d64, PROTOCOL 8k/16k 0.98-0.99 (the model leaves 512-4k whole;
-    cut, d64 2k and under read 1.01-1.03); causal grids of 16-128 tiles 0.51-0.93."""
+    cut, d64 2k and under read 1.01-1.03); causal grids of 16-128 tiles 0.51-0.93. GQA
+    packed (``pack_gqa``) where that fills the tiles' rows clearly better
+    (``packing_fills_rows``): on the H200 (session #15) 0.49-0.81 of the unpacked time with
+    few queries per head on a grid of enough tiles (B 8, or a 16k cache), 0.97-1.04 on
+    the smallest grids."""
     causal = problem.causal != "none"
     persistent = problem.head_dim <= 128
     block_n = 64 if problem.head_dim > 128 else 128
@@ -395,7 +415,23 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
                           longest_first=causal and problem.mask == "none",
                           persistent=persistent,
                           tree_max=problem.head_dim == 64,
-                          split_tail=persistent and problem.mask == "none")
+                          split_tail=persistent and problem.mask == "none",
+                          pack_gqa=packing_fills_rows(problem, 128))
+
+
+def packing_fills_rows(problem: Problem, block_m: int) -> bool:
+    """Whether packed GQA (``pack_gqa``) fills the tiles' rows clearly better: the share of
+    rows that hold a query unpacked under 3/4 of the share packed (N_q = 16 of 4 heads: 1
+    tile of 64 queries instead of 4 of 16; N_q a multiple of BLOCK_M: no gain). On the H200
+    a smaller gain did not pay: N_q = 200 of 4 heads (7 tiles instead of 8) read 1.00x
+    dense and 0.96x causal (docs/gluon_notes.md, "Packed GQA"). Not with a block mask
+    (refused)."""
+    group = problem.heads_q // problem.heads_kv
+    if group == 1 or problem.mask != "none":
+        return False
+    def filled(rows: int) -> float:
+        return rows / (-(-rows // block_m) * block_m)
+    return filled(problem.seqlen_q) < 0.75 * filled(group * problem.seqlen_q)
 
 
 def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:

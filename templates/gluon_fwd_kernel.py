@@ -36,7 +36,10 @@ One kernel, specialized by constexprs:
     tiles into pieces of KV blocks run by different programs (``split_schedule``,
     ``cut_lpt_schedule``); each piece stores its unnormalized O, m and l, and the piece
     that counts in last at the tile's counter combines them (``_combine_pieces``);
-  * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``;
+  * GQA/MQA by indexing: query head ``h`` reads kv head ``h // (H_q // H_kv)``; or packed
+    (``pack_gqa``): the plan views q as (B, H_kv, H_q / H_kv x N_q, D), so one tile holds
+    several query heads' rows and each K/V block is loaded once for them, the causal mask
+    taking each row's query within its head (``_query_rows``);
   * causal top-left (SDPA) or bottom-right (FA2 with a KV cache) through ``causal_offset``.
 
 Outputs: ``o`` (B, H_q, N_q, D) in the input dtype (laid out as q where q is a (B, N, H, D)
@@ -285,12 +288,14 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
     m0 = tile * BLOCK_M
     lrow = 0
     if CAUSAL:
-        # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right).
-        kv_end = gl.maximum(gl.minimum(N_KV, m0 + BLOCK_M + causal_offset), 0)
+        # Row i sees keys j <= i + causal_offset (0 top-left, N_kv - N_q bottom-right), i
+        # its query's index in its head (``_query_rows``: a packed GQA tile spans heads).
+        first_q, last_q = _query_rows(m0, BLOCK_M, lists[14], lists[15])
+        kv_end = gl.maximum(gl.minimum(N_KV, last_q + 1 + causal_offset), 0)
     if SPARSE:
         SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
         (full_counts, _, partial_counts, _, _, _, stride_cb, stride_ch, stride_ib, stride_ih,
-         stride_iq, _, _, _) = lists
+         stride_iq, _, _, _, _, _) = lists
         mask_row = m0 // MASK_BLOCK_Q
         counts = b * stride_cb + h * stride_ch + mask_row
         lrow = b * stride_ib + h * stride_ih + mask_row * stride_iq
@@ -306,13 +311,30 @@ def _tile_coords(t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, list
         n_full = n_full_listed * SUB
         n_blocks = n_full + n_partial_listed * SUB
     elif CAUSAL:
-        first_row_sees = gl.maximum(m0 + causal_offset + 1, 0)
+        first_row_sees = gl.maximum(first_q + causal_offset + 1, 0)
         n_full = gl.minimum(first_row_sees // BLOCK_N, N_KV // BLOCK_N)
         n_blocks = gl.cdiv(kv_end, BLOCK_N)
     else:
         n_full = N_KV // BLOCK_N
         n_blocks = gl.cdiv(N_KV, BLOCK_N)
     return b, h, kv_h, bh, m0, n_blocks, n_full, lrow
+
+
+@gluon.jit
+def _query_rows(m0, ROWS: gl.constexpr, q_per_head, PACKED: gl.constexpr):
+    """(first, last) query index, within its head, of the tile rows [m0, m0 + ROWS) for the
+    causal bounds. Unpacked the rows are the queries. PACKED GQA (the query heads of one KV
+    head stacked, ``q_per_head`` rows each; ``pack_gqa``): a tile within one head maps its
+    rows, and one that spans heads takes every query of a head (0 .. q_per_head - 1), as
+    the mask then sees both ends. ``gluon_schedule.query_rows`` is the host's copy."""
+    first = m0
+    last = m0 + ROWS - 1
+    if PACKED:
+        head = m0 // q_per_head
+        within = head == last // q_per_head
+        first = gl.where(within, m0 - head * q_per_head, 0)
+        last = gl.where(within, last - head * q_per_head, q_per_head - 1)
+    return first, last
 
 
 @gluon.jit
@@ -644,7 +666,10 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
                      BLOCK_N, i < end)
 
     m0 = q_row0 + ME * ROWS
+    # The rows' query indices for the causal mask (in their heads, where GQA is packed).
     offs_m = m0 + gl.arange(0, ROWS, layout=row_s)
+    if CAUSAL and lists[15]:
+        offs_m = offs_m % lists[14]
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -979,13 +1004,13 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
 
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "GROUP", "n_q_tiles",
-                              "n_tiles", "head_group", "stride_cb", "stride_ch", "stride_ib",
+                              "n_tiles", "head_group", "q_per_head", "stride_cb", "stride_ch", "stride_ib",
                               "stride_ih", "stride_iq"])
 def _gluon_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, LSE,
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
     Schedule, Partials, Counters, N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles,
-    head_group, qk_scale,
+    head_group, qk_scale, q_per_head,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
@@ -993,16 +1018,18 @@ def _gluon_fwd_kernel(
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
     Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
     MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr,
-    num_warps: gl.constexpr,
+    PACK_GQA: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Program p owns tile p (in _tile_coords' order) or, persistent, one tile per round of
     # ``grid`` tiles or its part of the host's ``Schedule`` (_program_tile). SPARSE: a block
     # mask's lists (``BlockMask.kernel_args`` order; dense launches pass LSE and zeros, compiled
     # out) travel as one tuple, and the schedule with them (TILE_ORDER >= 2; else LSE), and
-    # the split workspace and its counters (TILE_ORDER 3 and 4; else LSE).
+    # the split workspace and its counters (TILE_ORDER 3 and 4; else LSE), and the query
+    # rows per head of a packed GQA group and whether it is packed (a constexpr: unpacked
+    # code compiles as without it), see ``_query_rows``.
     lists = (FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
              PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, Schedule,
-             Partials, Counters)
+             Partials, Counters, q_per_head if PACK_GQA else 0, PACK_GQA)
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -1118,15 +1145,23 @@ def register_budget(config: Mapping[str, Any]) -> tuple[int, int]:
     return maxnreg, consumer - consumer % 8
 
 
+def packs_gqa(config: Mapping[str, Any], group: int) -> bool:
+    """Whether a launch packs GQA: the config asks (``pack_gqa``, absent from configs made
+    before the knob) and ``group`` (H_q / H_kv) query heads share each KV head."""
+    return bool(config.get("pack_gqa")) and group > 1
+
+
 def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
                    diag: int = 0, mask_block: tuple[int, int] | None = None,
-                   host_schedule: bool = True, split: bool = False) -> dict[str, Any]:
+                   host_schedule: bool = True, split: bool = False, group: int = 1
+                   ) -> dict[str, Any]:
     """The kernel's constexprs and launch options for a config (``diag``: timing
     experiments only, see ``_softmax_block``; ``mask_block``: the block size of the block
     mask the kernel walks, None without one; ``host_schedule``: a persistent longest-first
     grid walks the host's ``lpt_schedule``, else the kernel's own order in two rounds per
     head group; ``split``: a persistent grid walks the host's schedule of cut tiles,
-    ``split_schedule`` or, causal, ``cut_lpt_schedule``)."""
+    ``split_schedule`` or, causal, ``cut_lpt_schedule``; ``group``: query heads per KV
+    head, for ``pack_gqa``)."""
     ws = bool(config["warp_specialize"])
     maxnreg, consumer_regs = register_budget(config)
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
@@ -1140,7 +1175,8 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
         SPARSE=mask_block is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
-        DIAG=diag, TREE_MAX=bool(config["tree_max"]), num_warps=consumer_warps(config),
+        DIAG=diag, TREE_MAX=bool(config["tree_max"]), PACK_GQA=packs_gqa(config, group),
+        num_warps=consumer_warps(config),
     )
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg
@@ -1216,11 +1252,27 @@ class LaunchPlan:
         heads_kv, seqlen_kv = k.shape[1], k.shape[2]
         block_m = int(config["BLOCK_M"])
         causal = causal_mode != "none"
+        offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
+        self.sparse = block_mask is not None
+        # Packed GQA (``pack_gqa``): the H_q / H_kv query heads of each KV head stacked into
+        # one head of that many times N_q rows (a view of a contiguous q), so that tiles of a
+        # few queries per head fill their rows and each K/V block serves the whole group.
+        # The kernel then sees H_kv heads of rows; the causal mask maps each row back to its
+        # query (``_query_rows``, ``q_per_head``).
+        self.q_shape = (batch, heads_q, seqlen_q, head_dim)
+        gqa_group = heads_q // heads_kv
+        self.pack = packs_gqa(config, gqa_group)
+        q_per_head = 0
+        if self.pack:
+            if self.sparse:
+                raise ValueError("pack_gqa does not walk a block mask (its rows are one "
+                                 "head's queries): use pack_gqa=False")
+            q_per_head = seqlen_q
+            heads_q, seqlen_q = heads_kv, seqlen_q * (heads_q // heads_kv)
+        self.packed_q_shape = (batch, heads_q, seqlen_q, head_dim)
         n_q_tiles = -(-seqlen_q // block_m)
         n_tiles = n_q_tiles * batch * heads_q
         group = 1
-        offset = seqlen_kv - seqlen_q if causal_mode == "bottom_right" else 0
-        self.sparse = block_mask is not None
         persistent = bool(config["persistent"])
         if persistent and sm_count is None:
             sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -1238,7 +1290,7 @@ class LaunchPlan:
             if causal:
                 # (A causal grid of few tiles: its longest ones cut, ``cut_lpt_schedule``.)
                 blocks = tuple(causal_tile_costs(n_q_tiles, block_m, block_n, seqlen_kv,
-                                                 offset, 0))
+                                                 offset, 0, q_per_head))
                 split_args = (n_q_tiles, batch * heads_q, blocks, sm_count, head_dim)
                 self.split, split_table = _cut_lpt_schedule(*split_args), _cut_lpt_table
             else:
@@ -1247,7 +1299,7 @@ class LaunchPlan:
         self.options = launch_options(head_dim, causal, config, diag,
                                       tuple(block_mask.block_size) if self.sparse else None,
                                       host_schedule and n_tiles <= MAX_SCHEDULED_TILES,
-                                      self.split is not None)
+                                      self.split is not None, gqa_group)
         # The host's tile schedule (TILE_ORDER 2-4): what makes it (``table(*args)``), and
         # the int32 tensor on q's device that eager launches read (None until the first one
         # where the plan was made inside a CUDA graph's capture: ``launch_tensors``).
@@ -1264,7 +1316,7 @@ class LaunchPlan:
                 self.schedule_source = (split_table, split_args)
             elif self.options["TILE_ORDER"] == 2:
                 costs = causal_tile_costs(n_q_tiles, block_m, int(config["BLOCK_N"]),
-                                          seqlen_kv, offset, tile_overhead)
+                                          seqlen_kv, offset, tile_overhead, q_per_head)
                 self.schedule_source = (_causal_table, (n_q_tiles, batch * heads_q, group,
                                                         tuple(costs), self.grid[0]))
             elif self.options["TILE_ORDER"] == 1:
@@ -1279,13 +1331,15 @@ class LaunchPlan:
         # The lists' strides (counts per batch and head, lists per batch, head and row).
         self.mask_strides = list(block_mask.kernel_args()[6:]) if self.sparse else [0] * 5
         # A persistent grid with one Q buffer per consumer stores O from registers as a
-        # contiguous tensor; a TMA store takes any layout.
+        # contiguous tensor; a TMA store takes any layout. Packed, o is contiguous (its view
+        # as (B, H_q, N_q, D) is the caller's).
         self.out_strides = ((heads_q * seqlen_q * head_dim, seqlen_q * head_dim, head_dim, 1)
-                            if self.options["PERSISTENT"] and self.options["Q_SLOTS"] == 1
+                            if self.pack or (self.options["PERSISTENT"]
+                                             and self.options["Q_SLOTS"] == 1)
                             else output_strides(self.out_shape, tuple(q.stride())))
         self.lse_shape = (batch, heads_q, seqlen_q)
         self.scalars = [seqlen_q, seqlen_kv, offset, heads_q, heads_q // heads_kv, n_q_tiles,
-                        n_tiles, group, scale * LOG2_E]
+                        n_tiles, group, scale * LOG2_E, q_per_head]
         bits = 16
         q_block = [1, 1, q_rows_per_load(config), head_dim]
         kv_block = [1, 1, int(config["BLOCK_N"]), head_dim]
@@ -1306,14 +1360,25 @@ class LaunchPlan:
     def descriptors(self, q: Any, k: Any, v: Any, o: Any) -> list[Any]:
         return [make(t) for make, t in zip(self._descriptors, (q, k, v, o), strict=True)]
 
+    def packed(self, q: Any) -> Any:
+        """q as the kernel reads it: itself, or packed (``pack_gqa``) as (B, H_kv,
+        H_q / H_kv x N_q, D), a view where q's layout allows one, else a copy (a stand-in
+        of that shape for a stand-in q)."""
+        if not self.pack:
+            return q
+        if isinstance(q, torch.Tensor):
+            return q.reshape(self.packed_q_shape)
+        return type(q)(q.dtype, list(self.packed_q_shape))
+
     def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any, block_mask: Any = None
              ) -> list[Any]:
-        """The kernel's arguments (``o`` laid out as ``out_strides``, as the plan allocates it;
+        """The kernel's arguments (``o`` and ``lse`` as the plan allocates them: ``out_shape``
+        laid out as ``out_strides``, ``lse_shape``; q packed here where the plan packs GQA;
         without a block mask its six tensors are ``lse``, never read, and so is the schedule
         without one)."""
         lists = block_mask.kernel_args()[:6] if self.sparse else [lse] * 6
-        return [*self.descriptors(q, k, v, o), o, lse, *lists, *self.launch_tensors(lse),
-                *self.scalars, *self.mask_strides]
+        return [*self.descriptors(self.packed(q), k, v, o), o, lse, *lists,
+                *self.launch_tensors(lse), *self.scalars, *self.mask_strides]
 
     def launch_tensors(self, lse: Any, stream: int | None = None) -> tuple[Any, Any, Any]:
         """(schedule, partials, counters) for a launch that writes ``lse`` on its current
@@ -1371,6 +1436,7 @@ class LaunchPlan:
         if self.sparse != (block_mask is not None):
             raise ValueError("this launch plan was made " + (
                 "for a block mask: pass one" if self.sparse else "without a block mask"))
+        q_rows = self.packed(q)
         o = torch.empty_strided(self.out_shape, self.out_strides, device=q.device, dtype=q.dtype)
         if DEBUG_POISON:
             o.fill_(float("nan"))
@@ -1382,9 +1448,11 @@ class LaunchPlan:
             self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
         if self._device_guard and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
-                self._launch_on_current(q, k, v, o, lse, block_mask)
+                self._launch_on_current(q_rows, k, v, o, lse, block_mask)
         else:
-            self._launch_on_current(q, k, v, o, lse, block_mask)
+            self._launch_on_current(q_rows, k, v, o, lse, block_mask)
+        if self.pack:
+            return o.view(self.q_shape), lse.view(self.q_shape[:3])
         return o, lse
 
     def _launch_on_current(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -203,12 +203,10 @@ def _best_cap(blocks: Sequence[int], batch_heads: int, programs: int, overhead: 
     cap falls (more pieces, each paying its combine), so the scan ends once that leaves no
     room. The same answer as an LPT run of every cap's items, in a fraction of the time
     (docs/gluon_notes.md, "Planning time")."""
-    whole = [n + overhead for n in blocks]
-    floor = batch_heads * sum(whole) / programs / 2
     best: tuple[float, float] | None = None
     slack = 1 - 1e-9  # (the bounds less a relative 1e-9, for rounding)
     fewest = [2] * len(blocks)
-    for cap in [c for c in sorted(set(whole), reverse=True)[1:] if c >= floor]:
+    for cap in candidate_caps(blocks, batch_heads, programs, overhead, combine):
         counts = _piece_counts(blocks, overhead, combine, cap, fewest)
         if counts is None:  # (a tile that cannot be cut to fit this cap fits no lower one)
             break
@@ -223,6 +221,22 @@ def _best_cap(blocks: Sequence[int], batch_heads: int, programs: int, overhead: 
         if best is None or makespan < best[0]:
             best = (makespan, cap)
     return best
+
+
+def candidate_caps(blocks: Sequence[int], batch_heads: int, programs: int, overhead: float,
+                   combine: float) -> list[float]:
+    """The caps ``_best_cap`` tries, highest first: each tile cost below the longest's, and
+    the cost of a piece of the longest tile cut into 2, 3, ... pieces (what a grid of equal
+    tiles has to cut to: one query tile per head, as a few queries at the end of a long
+    cache make), none below half the average program (there cuts add combines and cannot
+    shorten the longest)."""
+    whole = [n + overhead for n in blocks]
+    top = max(whole)
+    floor = batch_heads * sum(whole) / programs / 2
+    longest = max(blocks)
+    last = min(longest, int(math.isqrt(int(longest / combine)) + 2) if combine > 0 else longest)
+    pieces = {-(-longest // count) + overhead + combine * count for count in range(2, last + 1)}
+    return sorted((c for c in set(whole) | pieces if floor <= c < top), reverse=True)
 
 
 def _cut_items(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], overhead: float,
@@ -328,15 +342,31 @@ def _worker_costs(rest: int, blocks: int, workers: int, overhead: float,
 
 
 def causal_tile_costs(n_q_tiles: int, block_m: int, block_n: int, seqlen_kv: int,
-                      causal_offset: int, overhead: int = TILE_OVERHEAD_BLOCKS) -> list[int]:
+                      causal_offset: int, overhead: int = TILE_OVERHEAD_BLOCKS,
+                      q_per_head: int = 0) -> list[int]:
     """Each causal query tile's work in KV blocks (as ``_tile_coords`` counts them), plus
     ``overhead`` for what every tile pays (its Q load, first S and last PV GEMMs alone, the
-    epilogue)."""
+    epilogue). ``q_per_head`` > 0: packed GQA rows (``query_rows``)."""
     costs = []
     for m in range(n_q_tiles):
-        kv_end = max(min(seqlen_kv, m * block_m + block_m + causal_offset), 0)
+        last = query_rows(m * block_m, block_m, q_per_head)[1]
+        kv_end = max(min(seqlen_kv, last + 1 + causal_offset), 0)
         costs.append(-(-kv_end // block_n) + overhead)
     return costs
+
+
+def query_rows(m0: int, rows: int, q_per_head: int) -> tuple[int, int]:
+    """(first, last) query index, within its head, of the tile rows [m0, m0 + rows), as the
+    kernel's ``_query_rows`` bounds a causal tile: the rows themselves, or with GQA packed
+    (each KV head's query heads stacked, ``q_per_head`` rows each) the mapped rows of a tile
+    within one head, every query (0 .. q_per_head - 1) of one that spans heads."""
+    last = m0 + rows - 1
+    if q_per_head <= 0:
+        return m0, last
+    head = m0 // q_per_head
+    if head == last // q_per_head:
+        return m0 - head * q_per_head, last - head * q_per_head
+    return 0, q_per_head - 1
 
 
 def head_group(batch_heads: int, n_q_tiles: int, kv_bytes_per_head: int, sm_count: int

@@ -372,10 +372,8 @@ def _every_cap(blocks: list[int], heads: int, programs: int, overhead: float,
     longest program, the highest cap of equals): ``_best_cap``'s answer, the slow way."""
     from templates import gluon_schedule
 
-    whole = [n + overhead for n in blocks]
-    floor = heads * sum(whole) / programs / 2
     best = None
-    for cap in [c for c in sorted(set(whole), reverse=True)[1:] if c >= floor]:
+    for cap in gluon_schedule.candidate_caps(blocks, heads, programs, overhead, combine):
         items = gluon_schedule._cut_items(len(blocks), heads, blocks, overhead, combine, cap)
         if items is not None:
             makespan = gluon_schedule._lpt_makespan([it[0] for it in items], programs)
@@ -396,7 +394,8 @@ def test_the_cut_schedules_scan_finds_the_best_of_every_cap() -> None:
     rng = random.Random(3)
     cases = [(causal_tile_costs(-(-n // 128), 128, 128, n + off, off, 0), heads, 132, 1, 3.0)
              for n, heads, off in ((4096, 1, 0), (8192, 1, 0), (16384, 1, 0), (8192, 2, 0),
-                                   (4096, 4, 0), (2048, 8, 0), (3000, 2, 500), (6000, 1, 0))]
+                                   (4096, 4, 0), (2048, 8, 0), (3000, 2, 500), (6000, 1, 0),
+                                   (16, 8, 4080), (64, 3, 16320))]  # one tile a head
     cases += [([rng.randint(0, 120) for _ in range(rng.randint(2, 90))], rng.randint(1, 3),
                 rng.choice([16, 78, 132]), rng.choice([0, 1, 2.5]),
                 rng.choice([0.0, 0.5, 3.0, 6.0])) for _ in range(40)]
@@ -578,7 +577,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonFwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="kv_stages"):
         GluonFwdConfig(kv_stages=5)
-    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonFwdConfig.grid_size() == 3 * 2 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
 
 
 @needs_gluon
