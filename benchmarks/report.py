@@ -31,6 +31,8 @@ only the targets' thresholds are written here):
 - ``gluon_fwd_ab*.json``   ``benchmarks/gluon_fwd_ab.py``: one switch of the Gluon forward
                            (a DIAG value, the causal order, the schedule's tile cost, changed
                            knobs) against its default, beside cuDNN, rounds rotated;
+- ``gluon_pack_gqa*.json`` ``benchmarks/gluon_pack_gqa.py``: the Gluon forward with GQA packed
+                           and unpacked beside torch SDPA, on GQA shapes of few queries;
 - ``winners*.json``        ``tuner winners --json`` after a sweep of a suite: which
                            implementation won each stored problem (issue 17's target: ours on
                            >= 75% of ``standard``);
@@ -1742,6 +1744,36 @@ def gluon_ab_section(src: Source, data: dict[str, Any]) -> Section:
     return Section(src, md, [])
 
 
+def pack_gqa_section(src: Source, data: dict[str, Any]) -> Section:
+    """gluon_pack_gqa.py: per GQA problem, torch SDPA (GQA in the call, and on K/V expanded
+    beforehand), gluon_fwd unpacked and packed, in microseconds, and the ratios."""
+    cells = []
+    try:
+        for r in data["rows"]:
+            ms = {k: _num(v) for k, v in r["ms"].items()}
+            sdpa = [v for k, v in ms.items() if k.startswith("sdpa") and v is not None]
+            packed = ms.get("gluon_packed")
+            cells.append([str(r["problem"]),
+                          *(f"{1e3 * v:.1f}" if (v := ms.get(k)) is not None else "-"
+                            for k in ("sdpa", "sdpa_expanded", "gluon", "gluon_packed")),
+                          _x(_ratio(ms.get("gluon"), packed)),
+                          _x(_ratio(min(sdpa) if sdpa else None, packed)),
+                          "yes" if r["default_packs"] else "no"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"a row without {exc}") from exc
+    md = [f"### Packed GQA: `{src.path.name}`", "",
+          "gluon_pack_gqa.py: gluon_fwd's default config unpacked and packed (`pack_gqa`: each "
+          "KV head's query heads stacked into one head of rows) beside torch SDPA with "
+          "`enable_gqa` and on K/V expanded beforehand (bottom-right causal as "
+          "`causal_lower_right`), readings rotated; medians in microseconds. *unpacked / "
+          "packed* and *SDPA / packed* are time ratios (above 1: packed is faster; SDPA: the "
+          "faster of its two); *default packs*: what `packing_fills_rows` chooses.", ""]
+    md += _table(["problem", "SDPA", "SDPA expanded", "gluon", "gluon packed",
+                  "unpacked / packed", "SDPA / packed", "default packs"], cells)
+    md.append("")
+    return Section(src, md, [])
+
+
 # Issue 17: our kernels the stored winners on at least this share of `standard`'s problems.
 WINNERS_SHARE_TARGET = 0.75
 
@@ -1816,6 +1848,8 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
          Kind("gluon_fwd", "Gluon forward", "gluon_fwd_bench.py --time", gluon_fwd_section,
               "timings"),
          Kind("gluon_fwd_ab", "Gluon forward A/B", "gluon_fwd_ab.py", gluon_ab_section),
+         Kind("gluon_pack_gqa", "Gluon forward, packed GQA", "gluon_pack_gqa.py",
+              pack_gqa_section),
          Kind("fwd_bwd", "forward + backward", "fwd_bwd_bench.py", fwd_bwd_section),
          Kind("gluon_cudnn_train", "training step: Gluon forward + cuDNN backward",
               "gluon_cudnn_train_bench.py --time", hybrid_train_section, "time"),

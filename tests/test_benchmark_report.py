@@ -973,3 +973,26 @@ def test_gluon_ab_section_prefers_the_files_own_diag_meaning(report: ModuleType,
     assert "DIAG 2 (an experiment not kept)" in part
     assert "no softmax at all" not in part
     assert "### Gluon forward A/B: `gluon_fwd_ab_bad.json`" not in md
+
+
+def test_pack_gqa_section_gives_times_and_ratios(report: ModuleType, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    row = {"problem": "b8-hq32-hkv8-q16-kv4096-d128-bfloat16-dense", "default_packs": True,
+           "config": "c", "ms": {"sdpa": 0.1074, "sdpa_expanded": 0.1365, "gluon": 0.1067,
+                                 "gluon_packed": 0.0527},
+           "readings_ms": {}, "errors": {}, "refused": {}}
+    refused = dict(row, problem="b1-hq32-hkv8-q1-kv4096-d128-bfloat16-dense",
+                   default_packs=False, ms={"sdpa_expanded": 0.03, "gluon": 0.031,
+                                            "gluon_packed": 0.0312})
+    (results / "gluon_pack_gqa_syn.json").write_text(json.dumps(
+        {"environment": env("gluon_pack_gqa.py --rounds 5"), "rows": [row, refused]}))
+    (results / "gluon_pack_gqa_bad.json").write_text(json.dumps({"rows": [{"ms": {}}]}))
+    md = run(report, tmp_path, "--no-plots")
+    part = section(md, "### Packed GQA: `gluon_pack_gqa_syn.json`")
+    assert ("| b8-hq32-hkv8-q16-kv4096-d128-bfloat16-dense | 107.4 | 136.5 | 106.7 | 52.7 | "
+            "2.02x | 2.04x | yes |") in part
+    # An SDPA call that refused the problem is left out of the best SDPA, shown as "-".
+    assert ("| b1-hq32-hkv8-q1-kv4096-d128-bfloat16-dense | - | 30.0 | 31.0 | 31.2 | 0.99x | "
+            "0.96x | no |") in part
+    assert "`gluon_pack_gqa_bad.json`" in md
