@@ -3,12 +3,14 @@ ships (A) against the same config (B) with ``--diag N`` (templates/gluon_fwd_ker
 ``_softmax_block``'s list; 3 = a persistent consumer waits for its O store at once) and/or
 with ``--kernel-order`` (a persistent causal grid walks the kernel's own longest-first order,
 two rounds per head group, instead of the host's ``lpt_schedule``) and/or with
-``--tile-overhead N`` (the schedule's cost of a tile beyond its KV blocks), beside cuDNN, on the
-PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
+``--tile-overhead N`` (the schedule's cost of a tile beyond its KV blocks) and/or with
+``--combine X`` (the split schedules' cost of a piece, ``COMBINE_BLOCKS_PER_PIECE``), beside
+cuDNN, on the PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
 an fp32 reference first; readings rotate over the candidates.
 
     python3 benchmarks/gluon_fwd_ab.py (--diag 3 [--diag-meaning TEXT] | --kernel-order
-                                        | --tile-overhead 2 | --config kv_stages=3 ...)
+                                        | --tile-overhead 2 | --combine 1.5
+                                        | --config kv_stages=3 ...)
         [--head-dims 128,64]
         [--seqlens 512,...] [--shapes BxHxNxD,...] [--causal none,top_left] [--rounds 5]
         [--json DIR]
@@ -68,29 +70,32 @@ def changed_config(cfg: Any, overrides: dict[str, str]) -> Any:
 
 
 def result_name(diag: int, kernel_order: bool, tile_overhead: int | None,
-                overrides: dict[str, str]) -> str:
+                overrides: dict[str, str], combine: float | None = None) -> str:
     """The JSON file's name, after the B side's switch, so that A/Bs of different switches
     written to one folder do not overwrite each other."""
     parts = [f"diag{diag}"] if diag else []
     parts += ["kernel_order"] if kernel_order else []
     parts += [f"tile_overhead{tile_overhead}"] if tile_overhead is not None else []
+    parts += [f"combine{combine:g}"] if combine is not None else []
     parts += [f"{knob}{value}" for knob, value in sorted(overrides.items())]
     return "gluon_fwd_ab_" + "_".join(parts) + ".json"
 
 
 def result_payload(env: dict[str, Any], diag: int, diag_meaning: str | None,
                    kernel_order: bool, tile_overhead: int | None, overrides: dict[str, str],
-                   rows: list[dict[str, Any]]) -> dict[str, Any]:
+                   rows: list[dict[str, Any]], combine: float | None = None) -> dict[str, Any]:
     """The result file's content; ``diag_meaning`` (what the DIAG did, in words) only when
     given: benchmarks/report.py prefers it to its own list of DIAG values."""
     meaning = {"diag_meaning": diag_meaning} if diag_meaning else {}
     return {"environment": env, "diag": diag, **meaning, "kernel_order": kernel_order,
-            "tile_overhead": tile_overhead, "config": overrides, "rows": rows}
+            "tile_overhead": tile_overhead, "combine": combine, "config": overrides,
+            "rows": rows}
 
 
 def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any,
                tile_overhead: int | None = None,
-               overrides: dict[str, str] | None = None) -> dict[str, Any] | None:
+               overrides: dict[str, str] | None = None,
+               combine: float | None = None) -> dict[str, Any] | None:
     """One problem: cuDNN, the default config (A) and the same with DIAG ``diag``, (if
     ``kernel_order``) the kernel's own causal order and the knobs of ``overrides`` (B),
     checked against fp32, then ``rounds`` readings each in rotation (medians). None when the
@@ -122,14 +127,14 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
     fns: dict[str, Any] = {"cudnn": cudnn}
     grids: dict[str, int] = {}
     default_overhead = gluon_fwd_kernel.TILE_OVERHEAD_BLOCKS
-    for side, config, value, host_schedule, overhead in (
-            ("A", cfg, 0, True, default_overhead),
+    for side, config, value, host_schedule, overhead, piece_cost in (
+            ("A", cfg, 0, True, default_overhead, None),
             ("B", cfg_b, diag, not kernel_order, default_overhead if tile_overhead is None
-             else tile_overhead)):
+             else tile_overhead, combine)):
         plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal,
                                            scale=inputs["scale"], config=config.to_dict(),
                                            diag=value, host_schedule=host_schedule,
-                                           tile_overhead=overhead)
+                                           tile_overhead=overhead, combine=piece_cost)
         fns[side] = lambda plan=plan: plan(q, k, v)[0]
         grids[side] = plan.grid[0]
     errors = {name: relative_error(fn(), ref) for name, fn in fns.items()}
@@ -154,6 +159,9 @@ def main() -> int:
                              "schedule")
     parser.add_argument("--tile-overhead", type=int, default=None,
                         help="the B side's schedule cost of a tile beyond its KV blocks")
+    parser.add_argument("--combine", type=float, default=None,
+                        help="the B side's split schedules' cost of a piece, in KV blocks per "
+                             "piece of its tile (default: COMBINE_BLOCKS_PER_PIECE)")
     parser.add_argument("--config", action="append", default=[], metavar="KNOB=VALUE",
                         help="the B side's config: the default with this knob changed "
                              "(repeatable)")
@@ -171,9 +179,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         parser.error("needs a Hopper GPU")
     if (not args.diag and not args.kernel_order and args.tile_overhead is None
-            and not args.config):
+            and args.combine is None and not args.config):
         parser.error("give the B side a switch: --diag N, --kernel-order, --tile-overhead N, "
-                     "--config KNOB=VALUE")
+                     "--combine X, --config KNOB=VALUE")
     try:
         overrides = config_overrides(args.config)
         shape_list = shapes(args.shapes) if args.shapes else []
@@ -196,7 +204,7 @@ def main() -> int:
         if problem.causal not in causal:
             continue
         row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device,
-                         args.tile_overhead, overrides)
+                         args.tile_overhead, overrides, args.combine)
         if row is None:
             continue
         rows.append(row)
@@ -206,11 +214,11 @@ def main() -> int:
               f"max error {max(row['errors'].values()):.1e}", flush=True)
     if args.json:
         out = Path(args.json) / result_name(args.diag, args.kernel_order, args.tile_overhead,
-                                            overrides)
+                                            overrides, args.combine)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result_payload(
             environment(), args.diag, args.diag_meaning, args.kernel_order, args.tile_overhead,
-            overrides, rows), indent=1))
+            overrides, rows, args.combine), indent=1))
     return 0
 
 

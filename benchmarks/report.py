@@ -1712,6 +1712,8 @@ def _ab_switch(data: dict[str, Any]) -> str:
         parts.append("the kernel's own causal order instead of the host's schedule")
     if data.get("tile_overhead") is not None:
         parts.append(f"the schedule's tile overhead {data['tile_overhead']}")
+    if data.get("combine") is not None:
+        parts.append(f"the split schedules' piece cost {data['combine']:g} blocks per piece")
     parts += [f"{knob}={value}" for knob, value in sorted((data.get("config") or {}).items())]
     return ", ".join(parts) or "nothing (an A/A run)"
 

@@ -1241,13 +1241,15 @@ class LaunchPlan:
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, Any], diag: int = 0, sm_count: int | None = None,
                  block_mask: Any = None, host_schedule: bool = True,
-                 tile_overhead: int = TILE_OVERHEAD_BLOCKS) -> None:
+                 tile_overhead: int = TILE_OVERHEAD_BLOCKS,
+                 combine: float | None = None) -> None:
         """``sm_count`` sizes a persistent grid: q's GPU's multiprocessor count by default
         (132, an H100's, for stand-in tensors). ``block_mask``: a ``BlockMask`` (or anything
         with its ``block_size`` and ``kernel_args``) the kernel walks; calls then pass one of
         the same geometry (``mask_key``). ``host_schedule`` False: a persistent causal grid
         keeps the kernel's own order; ``tile_overhead``: the schedule's per-tile cost beyond
-        its KV blocks (both for A/B timings only)."""
+        its KV blocks; ``combine``: the split schedules' cost of a piece per piece of its
+        tile (``COMBINE_BLOCKS_PER_PIECE`` by default) (all three for A/B timings only)."""
         batch, heads_q, seqlen_q, head_dim = q.shape
         heads_kv, seqlen_kv = k.shape[1], k.shape[2]
         block_m = int(config["BLOCK_M"])
@@ -1291,10 +1293,11 @@ class LaunchPlan:
                 # (A causal grid of few tiles: its longest ones cut, ``cut_lpt_schedule``.)
                 blocks = tuple(causal_tile_costs(n_q_tiles, block_m, block_n, seqlen_kv,
                                                  offset, 0, q_per_head))
-                split_args = (n_q_tiles, batch * heads_q, blocks, sm_count, head_dim)
+                split_args = (n_q_tiles, batch * heads_q, blocks, sm_count, head_dim,
+                              combine)
                 self.split, split_table = _cut_lpt_schedule(*split_args), _cut_lpt_table
             else:
-                split_args = (n_tiles, -(-seqlen_kv // block_n), sm_count, head_dim)
+                split_args = (n_tiles, -(-seqlen_kv // block_n), sm_count, head_dim, combine)
                 self.split, split_table = _split_schedule(*split_args), _split_table
         self.options = launch_options(head_dim, causal, config, diag,
                                       tuple(block_mask.block_size) if self.sparse else None,
@@ -1537,30 +1540,32 @@ def _causal_table(n_q_tiles: int, batch_heads: int, group: int, costs: tuple[int
 
 
 @functools.lru_cache(maxsize=64)
-def _split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int
-                    ) -> SplitSchedule | None:
-    return split_schedule(n_tiles, blocks, programs, head_dim)
+def _split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int,
+                    combine: float | None = None) -> SplitSchedule | None:
+    return split_schedule(n_tiles, blocks, programs, head_dim, combine=combine)
 
 
 @functools.lru_cache(maxsize=64)
 def _cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: tuple[int, ...], programs: int,
-                      head_dim: int) -> SplitSchedule | None:
-    return cut_lpt_schedule(n_q_tiles, batch_heads, blocks, programs, head_dim)
+                      head_dim: int, combine: float | None = None) -> SplitSchedule | None:
+    return cut_lpt_schedule(n_q_tiles, batch_heads, blocks, programs, head_dim,
+                            combine=combine)
 
 
 @functools.lru_cache(maxsize=64)
 def _cut_lpt_table(n_q_tiles: int, batch_heads: int, blocks: tuple[int, ...], programs: int,
-                   head_dim: int) -> tuple[int, ...]:
-    split = _cut_lpt_schedule(n_q_tiles, batch_heads, blocks, programs, head_dim)
+                   head_dim: int, combine: float | None = None) -> tuple[int, ...]:
+    split = _cut_lpt_schedule(n_q_tiles, batch_heads, blocks, programs, head_dim, combine)
     assert split is not None
     return tuple(schedule_table(split.entries))
 
 
 @functools.lru_cache(maxsize=64)
-def _split_table(n_tiles: int, blocks: int, programs: int, head_dim: int) -> tuple[int, ...]:
+def _split_table(n_tiles: int, blocks: int, programs: int, head_dim: int,
+                 combine: float | None = None) -> tuple[int, ...]:
     # The kernel walks the whole rounds by grid stride (``_program_tile``): only the last
     # round's entries are listed.
-    split = _split_schedule(n_tiles, blocks, programs, head_dim)
+    split = _split_schedule(n_tiles, blocks, programs, head_dim, combine)
     assert split is not None
     rounds = n_tiles // programs
     return tuple(schedule_table([mine[rounds:] for mine in split.entries]))

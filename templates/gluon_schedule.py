@@ -30,13 +30,16 @@ L2_KV_BYTES = 16 * 1024 * 1024
 # about one block's work. Insensitive: 3 instead read -0.6% to +1.5% against 1 on the H100
 # at 512-2k causal, d64 and d128 (docs/gluon_notes.md).
 TILE_OVERHEAD_BLOCKS = 1
-# What a piece of a split tile (``split_schedule``) costs beyond its blocks and the tile
-# overhead, per piece of its tile, in KV blocks of 128 keys at d128 (twice as many at d64,
-# whose blocks take half the time): its partial result stored (the unnormalized O, m, l of
-# its rows), the release and acquire, the last piece reading every partial back. Measured on
-# the H100 (session #13, docs/gluon_notes.md): 64 tiles of 8 blocks cut in two took 1.157x
-# the time of whole ones, 64 of 16 blocks 0.93x: about 6 blocks per cut tile of two pieces.
-COMBINE_BLOCKS_PER_PIECE = 3.0
+# What a piece of a split tile (``split_schedule``, ``cut_lpt_schedule``) costs beyond its
+# blocks and the tile overhead, per piece of its tile, in KV blocks of 128 keys at d128
+# (twice as many at d64, whose blocks take half the time): its partial result stored (the
+# unnormalized O, m, l of its rows), the release and acquire, the last piece reading every
+# partial back. Session #13 (H100) set 3 from 64 tiles of 8 blocks cut in two (1.157x the
+# time of whole ones) and of 16 blocks (0.93x). Session #15 (H200, docs/gluon_notes.md,
+# "The split model's piece cost"): 2 leaves those two grids as 3 did and cuts small causal
+# grids finer, 0.87-0.92x the time of 3 (one head at 4k and 8k, 4 heads at 2k), the dense
+# 32-tile grid 0.95x; 1 cut the 8-block tiles too and lost there (1.04-1.08x).
+COMBINE_BLOCKS_PER_PIECE = 2.0
 # A split that the cost model says shortens the whole grid by less than this fraction is
 # not made: within the A/B noise (about 1%) it gained nothing measurable (d128 2k).
 MIN_SPLIT_GAIN = 0.01

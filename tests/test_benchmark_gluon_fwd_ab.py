@@ -35,8 +35,11 @@ def test_results_of_different_switches_get_different_files() -> None:
     names = {ab.result_name(1, False, None, {}), ab.result_name(2, False, None, {}),
              ab.result_name(0, True, None, {}), ab.result_name(0, False, 3, {}),
              ab.result_name(0, False, None, {"kv_stages": "3"}),
-             ab.result_name(0, False, None, {"kv_stages": "4", "pingpong": "false"})}
-    assert len(names) == 6
+             ab.result_name(0, False, None, {"kv_stages": "4", "pingpong": "false"}),
+             ab.result_name(0, False, None, {}, 1.5), ab.result_name(0, False, None, {}, 0.75)}
+    assert len(names) == 8
+    assert ab.result_name(0, False, None, {}, 1.5) == "gluon_fwd_ab_combine1.5.json"
+    assert ab.result_payload({}, 0, None, False, None, {}, [], 1.5)["combine"] == 1.5
     assert ab.result_name(0, False, None, {"kv_stages": "3"}) == "gluon_fwd_ab_kv_stages3.json"
     assert all(n.startswith("gluon_fwd_ab_") for n in names)  # report.py's prefix
 
