@@ -6,6 +6,7 @@ Hopper GPU (``gpu`` marker): numerics against the reference."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from templates.gluon_fwd import GLUON_MISSING, TEMPLATE, GluonFwdConfig, packing
 from templates.gluon_schedule import causal_tile_costs, query_rows
 from templates.offline_target import TARGETS
 from templates.standin_tensor import StandinTensor
-from tests.templates.gluon_checks import compile_reports, is_hopper
+from tests.templates.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -107,6 +108,23 @@ def test_a_packed_plan_runs_the_kv_heads_rows() -> None:
     unpacked = kernel.LaunchPlan(q, k, causal_mode="bottom_right", scale=1.0,
                                  config=dataclasses.replace(cfg, pack_gqa=False).to_dict())
     assert not unpacked.pack and unpacked.scalars[-1] == 0 and unpacked.scalars[6] == 64
+
+
+@needs_gluon
+def test_an_exported_packed_kernel_plans_as_the_template_does(tmp_path: Path) -> None:
+    """The standalone source (``tuner export``) of a packed config: its own LaunchPlan packs
+    and prices the causal tiles by its own copy of ``query_rows``."""
+    problem = Problem(2, 32, 8, 16, 4096, 128, "bfloat16", "bottom_right")
+    cfg = TEMPLATE.default_config(problem, H100)
+    source = TEMPLATE.standalone_source(cfg)
+    assert "'pack_gqa': True" in source and "from templates" not in source
+    module = import_standalone(source, tmp_path / "gluon_fwd_packed.py")
+    q = StandinTensor(torch.bfloat16, [2, 32, 16, 128])
+    k = StandinTensor(torch.bfloat16, [2, 8, 4096, 128])
+    plan = module.LaunchPlan(q, k, causal_mode="bottom_right", scale=1.0,
+                             config=cfg.to_dict())
+    assert plan.pack and plan.out_shape == (2, 8, 64, 128) and plan.scalars[-1] == 16
+    assert module.query_rows(0, 128, 16) == (0, 15)
 
 
 @needs_gluon
