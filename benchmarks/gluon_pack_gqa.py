@@ -134,13 +134,13 @@ def main() -> int:
             ms = {name: row["ms"].get(name, float("nan"))
                   for name in ("sdpa", "sdpa_expanded", "gluon", "gluon_packed")}
             best_sdpa = min(ms["sdpa"], ms["sdpa_expanded"])
+            refused = f" refused: {row['refused']}" if row["refused"] else ""
             print(f"{problem.key():58s} us: sdpa {1e3 * ms['sdpa']:8.1f} expanded "
                   f"{1e3 * ms['sdpa_expanded']:8.1f} gluon {1e3 * ms['gluon']:8.1f} packed "
                   f"{1e3 * ms['gluon_packed']:8.1f}   unpacked/packed "
                   f"{ms['gluon'] / ms['gluon_packed']:.2f}x  best sdpa/packed "
                   f"{best_sdpa / ms['gluon_packed']:.2f}x  (default packs: "
-                  f"{row['default_packs']}){' refused: ' + str(row['refused']) if row['refused'] else ''}",
-                  flush=True)
+                  f"{row['default_packs']}){refused}", flush=True)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

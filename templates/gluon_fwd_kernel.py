@@ -1004,8 +1004,8 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
 
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "GROUP", "n_q_tiles",
-                              "n_tiles", "head_group", "q_per_head", "stride_cb", "stride_ch", "stride_ib",
-                              "stride_ih", "stride_iq"])
+                              "n_tiles", "head_group", "q_per_head", "stride_cb", "stride_ch",
+                              "stride_ib", "stride_ih", "stride_iq"])
 def _gluon_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, LSE,
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,

@@ -156,13 +156,14 @@ def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], pr
                      head_dim: int = 128, overhead: float = TILE_OVERHEAD_BLOCKS,
                      combine: float | None = None) -> SplitSchedule | None:
     """A persistent causal grid whose longest tiles outlast the average program (few tiles,
-    of very unequal lengths: a short batch of few heads). For each cap below the longest
-    tile's cost (``blocks[m]``, query tile m's KV blocks, plus ``overhead``), the tiles above
-    it are cut into the fewest near-equal pieces that fit it (a piece of a tile of c pieces
-    costs c x ``combine`` more, as in ``split_schedule``), and tiles and pieces go longest
-    first to the program with the least work so far (LPT, as ``lpt_schedule`` but without
-    head groups: a grid this small keeps every head's K/V in L2); the cap with the shortest
-    longest program wins. None where no tile outlasts the average program or no cap
+    of very unequal lengths: a short batch of few heads; or of equal ones, one query tile per
+    head: a few queries at the end of a long cache). For each cap of ``candidate_caps``
+    (below the longest tile's cost: ``blocks[m]``, query tile m's KV blocks, plus
+    ``overhead``), the tiles above it are cut into the fewest near-equal pieces that fit it
+    (a piece of a tile of c pieces costs c x ``combine`` more, as in ``split_schedule``), and
+    tiles and pieces go longest first to the program with the least work so far (LPT, as
+    ``lpt_schedule`` but without head groups: a grid this small keeps every head's K/V in
+    L2); the cap with the shortest longest program wins. None where no tile outlasts the average program or no cap
     shortens the longest program by ``MIN_SPLIT_GAIN``."""
     combine = (COMBINE_BLOCKS_PER_PIECE if combine is None else combine) * 128 / head_dim
     whole = [n + overhead for n in blocks]
@@ -196,16 +197,15 @@ def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], pr
 def _best_cap(blocks: Sequence[int], batch_heads: int, programs: int, overhead: float,
               combine: float, enough: float) -> tuple[float, float] | None:
     """(longest program, cap) of the cap whose ``_cut_items`` LPT assignment has the shortest
-    longest program (the highest cap of equals), among caps below the longest tile's cost
-    but not far below the average program (there cuts add combines and cannot shorten the
-    longest), wherever that program is at most ``enough``; else a cap no better, or None.
+    longest program (the highest cap of equals), among ``candidate_caps``, wherever that
+    program is at most ``enough``; else a cap no better, or None.
 
     Caps are taken from the highest down, each priced by the LPT makespan of its costs alone
-    (``_cut_costs``; the piece counts carried from cap to cap) after two lower bounds of it: the cap itself (a tile of exactly that
-    cost stays whole), and the work spread evenly over the programs, which only grows as the
-    cap falls (more pieces, each paying its combine), so the scan ends once that leaves no
-    room. The same answer as an LPT run of every cap's items, in a fraction of the time
-    (docs/gluon_notes.md, "Planning time")."""
+    (``_cut_costs``; the piece counts carried from cap to cap) after two lower bounds of it:
+    the cap itself (a tile of exactly that cost stays whole), and the work spread evenly over
+    the programs, which only grows as the cap falls (more pieces, each paying its combine),
+    so the scan ends once that leaves no room. The same answer as an LPT run of every cap's
+    items, in a fraction of the time (docs/gluon_notes.md, "Planning time")."""
     best: tuple[float, float] | None = None
     slack = 1 - 1e-9  # (the bounds less a relative 1e-9, for rounding)
     fewest = [2] * len(blocks)
