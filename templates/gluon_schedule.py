@@ -163,8 +163,8 @@ def cut_lpt_schedule(n_q_tiles: int, batch_heads: int, blocks: Sequence[int], pr
     (a piece of a tile of c pieces costs c x ``combine`` more, as in ``split_schedule``), and
     tiles and pieces go longest first to the program with the least work so far (LPT, as
     ``lpt_schedule`` but without head groups: a grid this small keeps every head's K/V in
-    L2); the cap with the shortest longest program wins. None where no tile outlasts the average program or no cap
-    shortens the longest program by ``MIN_SPLIT_GAIN``."""
+    L2); the cap with the shortest longest program wins. None where no tile outlasts the
+    average program or no cap shortens the longest program by ``MIN_SPLIT_GAIN``."""
     combine = (COMBINE_BLOCKS_PER_PIECE if combine is None else combine) * 128 / head_dim
     whole = [n + overhead for n in blocks]
     if max(whole) <= batch_heads * sum(whole) / programs:
