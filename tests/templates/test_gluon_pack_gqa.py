@@ -63,6 +63,31 @@ def test_packed_causal_bounds_cover_every_rows_keys(q_per_head: int, seqlen_kv: 
             assert (first, last) == (0, q_per_head - 1)
 
 
+@pytest.mark.parametrize("heads,q_per_head,seqlen_kv", [(8, 16, 4096), (8, 64, 16384),
+                                                        (32, 0, 4096), (3, 1, 3000)])
+def test_a_causal_grid_of_equal_tiles_is_cut(heads: int, q_per_head: int,
+                                             seqlen_kv: int) -> None:
+    """One query tile per head (a few queries at the end of a cache, packed or not): every
+    tile costs the same, and the schedule still cuts them over the idle SMs, every block of
+    each tile in exactly one piece (before ``candidate_caps`` it had no cap to try)."""
+    from templates.gluon_schedule import cut_lpt_schedule
+
+    queries = q_per_head or 16
+    blocks = causal_tile_costs(1, 128, 128, seqlen_kv, seqlen_kv - queries, 0, q_per_head)
+    split = cut_lpt_schedule(1, heads, blocks, 132)
+    assert split is not None and split.cut_cost < split.uncut_cost
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for mine in split.entries:
+        for tile, first, end, _, _, count in mine:
+            assert count > 1  # every tile is cut
+            pieces.setdefault(tile, []).append((first, end))
+    assert sorted(pieces) == list(range(heads))
+    for ranges in pieces.values():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == blocks[0]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
 def test_pack_gqa_constraints_and_default() -> None:
     gqa = Problem(2, 32, 8, 16, 4096, 128, "bfloat16", "bottom_right")
     mha = dataclasses.replace(gqa, heads_kv=32)
