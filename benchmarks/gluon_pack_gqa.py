@@ -48,8 +48,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int, int, int]]:
     return out
 
 
-def candidates(problem: Any, inputs: dict[str, Any], device: Any) -> dict[str, Any]:
-    """name -> a function returning the output, for one problem."""
+def candidates(problem: Any, inputs: dict[str, Any], device: Any, cfg: Any) -> dict[str, Any]:
+    """name -> a function returning the output, for one problem (``cfg``: gluon_fwd's default
+    config for it, run unpacked and packed)."""
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
@@ -61,7 +62,6 @@ def candidates(problem: Any, inputs: dict[str, Any], device: Any) -> dict[str, A
     mask = (causal_lower_right(problem.seqlen_q, problem.seqlen_kv)
             if problem.causal == "bottom_right" else None)
     k_all, v_all = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    cfg = TEMPLATE.default_config(problem, device)
     fns: dict[str, Any] = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                        is_causal=is_causal, enable_gqa=True),
@@ -83,7 +83,8 @@ def time_problem(problem: Any, rounds: int, device: Any) -> dict[str, Any]:
 
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)
     ref = TEMPLATE.reference(inputs)[0]
-    fns = candidates(problem, inputs, device)
+    cfg = TEMPLATE.default_config(problem, device)
+    fns = candidates(problem, inputs, device, cfg)
     errors: dict[str, float] = {}
     refused: dict[str, str] = {}
     for name, fn in list(fns.items()):
@@ -101,7 +102,6 @@ def time_problem(problem: Any, rounds: int, device: Any) -> dict[str, Any]:
         for name in order:
             readings[name].append(bench_ms(fns[name]))
     ms = {name: statistics.median(r) for name, r in readings.items()}
-    cfg = TEMPLATE.default_config(problem, device)
     return {"problem": problem.key(), "default_packs": cfg.pack_gqa, "config": cfg.key(),
             "ms": ms, "readings_ms": readings, "errors": errors, "refused": refused}
 

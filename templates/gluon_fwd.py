@@ -295,8 +295,8 @@ class GluonFwdTemplate(GluonTemplate):
         # (As the plan allocates them: packed GQA runs on (B, H_kv, group x N_q) rows.)
         o = StandinTensor(dtype, list(plan.out_shape))
         lse = StandinTensor(torch.float32, list(plan.lse_shape))
-        return [(kernel._gluon_fwd_kernel, plan.grid, plan.args(q, k, v, o, lse, block_mask),
-                 dict(plan.options))]
+        return [(kernel._gluon_fwd_kernel, plan.grid,
+                 plan.args(plan.packed(q), k, v, o, lse, block_mask), dict(plan.options))]
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         block_mask = inputs.get("block_mask")

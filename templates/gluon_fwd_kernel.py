@@ -1145,23 +1145,17 @@ def register_budget(config: Mapping[str, Any]) -> tuple[int, int]:
     return maxnreg, consumer - consumer % 8
 
 
-def packs_gqa(config: Mapping[str, Any], group: int) -> bool:
-    """Whether a launch packs GQA: the config asks (``pack_gqa``, absent from configs made
-    before the knob) and ``group`` (H_q / H_kv) query heads share each KV head."""
-    return bool(config.get("pack_gqa")) and group > 1
-
-
 def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
                    diag: int = 0, mask_block: tuple[int, int] | None = None,
-                   host_schedule: bool = True, split: bool = False, group: int = 1
+                   host_schedule: bool = True, split: bool = False, pack_gqa: bool = False
                    ) -> dict[str, Any]:
     """The kernel's constexprs and launch options for a config (``diag``: timing
     experiments only, see ``_softmax_block``; ``mask_block``: the block size of the block
     mask the kernel walks, None without one; ``host_schedule``: a persistent longest-first
     grid walks the host's ``lpt_schedule``, else the kernel's own order in two rounds per
     head group; ``split``: a persistent grid walks the host's schedule of cut tiles,
-    ``split_schedule`` or, causal, ``cut_lpt_schedule``; ``group``: query heads per KV
-    head, for ``pack_gqa``)."""
+    ``split_schedule`` or, causal, ``cut_lpt_schedule``; ``pack_gqa``: the launch packs
+    GQA, ``LaunchPlan.pack``)."""
     ws = bool(config["warp_specialize"])
     maxnreg, consumer_regs = register_budget(config)
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
@@ -1175,7 +1169,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
         SPARSE=mask_block is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
-        DIAG=diag, TREE_MAX=bool(config["tree_max"]), PACK_GQA=packs_gqa(config, group),
+        DIAG=diag, TREE_MAX=bool(config["tree_max"]), PACK_GQA=pack_gqa,
         num_warps=consumer_warps(config),
     )
     if ws or int(config["ctas_per_sm"]) > 1:
@@ -1263,14 +1257,15 @@ class LaunchPlan:
         # query (``_query_rows``, ``q_per_head``).
         self.q_shape = (batch, heads_q, seqlen_q, head_dim)
         gqa_group = heads_q // heads_kv
-        self.pack = packs_gqa(config, gqa_group)
+        # (``pack_gqa`` is absent from configs made before the knob.)
+        self.pack = bool(config.get("pack_gqa")) and gqa_group > 1
         q_per_head = 0
         if self.pack:
             if self.sparse:
                 raise ValueError("pack_gqa does not walk a block mask (its rows are one "
                                  "head's queries): use pack_gqa=False")
             q_per_head = seqlen_q
-            heads_q, seqlen_q = heads_kv, seqlen_q * (heads_q // heads_kv)
+            heads_q, seqlen_q = heads_kv, seqlen_q * gqa_group
         self.packed_q_shape = (batch, heads_q, seqlen_q, head_dim)
         n_q_tiles = -(-seqlen_q // block_m)
         n_tiles = n_q_tiles * batch * heads_q
@@ -1302,7 +1297,7 @@ class LaunchPlan:
         self.options = launch_options(head_dim, causal, config, diag,
                                       tuple(block_mask.block_size) if self.sparse else None,
                                       host_schedule and n_tiles <= MAX_SCHEDULED_TILES,
-                                      self.split is not None, gqa_group)
+                                      self.split is not None, self.pack)
         # The host's tile schedule (TILE_ORDER 2-4): what makes it (``table(*args)``), and
         # the int32 tensor on q's device that eager launches read (None until the first one
         # where the plan was made inside a CUDA graph's capture: ``launch_tensors``).
@@ -1375,13 +1370,13 @@ class LaunchPlan:
 
     def args(self, q: Any, k: Any, v: Any, o: Any, lse: Any, block_mask: Any = None
              ) -> list[Any]:
-        """The kernel's arguments (``o`` and ``lse`` as the plan allocates them: ``out_shape``
-        laid out as ``out_strides``, ``lse_shape``; q packed here where the plan packs GQA;
+        """The kernel's arguments (q as the kernel reads it, ``packed``; ``o`` and ``lse`` as
+        the plan allocates them: ``out_shape`` laid out as ``out_strides``, ``lse_shape``;
         without a block mask its six tensors are ``lse``, never read, and so is the schedule
         without one)."""
         lists = block_mask.kernel_args()[:6] if self.sparse else [lse] * 6
-        return [*self.descriptors(self.packed(q), k, v, o), o, lse, *lists,
-                *self.launch_tensors(lse), *self.scalars, *self.mask_strides]
+        return [*self.descriptors(q, k, v, o), o, lse, *lists, *self.launch_tensors(lse),
+                *self.scalars, *self.mask_strides]
 
     def launch_tensors(self, lse: Any, stream: int | None = None) -> tuple[Any, Any, Any]:
         """(schedule, partials, counters) for a launch that writes ``lse`` on its current

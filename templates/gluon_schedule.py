@@ -237,8 +237,8 @@ def candidate_caps(blocks: Sequence[int], batch_heads: int, programs: int, overh
     top = max(whole)
     floor = batch_heads * sum(whole) / programs / 2
     longest = max(blocks)
-    last = min(longest, int(math.isqrt(int(longest / combine)) + 2) if combine > 0 else longest)
-    pieces = {-(-longest // count) + overhead + combine * count for count in range(2, last + 1)}
+    pieces = {_largest_piece(longest, count, overhead, combine)
+              for count in range(2, _most_pieces(longest, combine) + 1)}
     return sorted((c for c in set(whole) | pieces if floor <= c < top), reverse=True)
 
 
@@ -289,7 +289,7 @@ def _piece_counts(blocks: Sequence[int], overhead: float, combine: float, cap: f
             counts.append(1)
             continue
         count = fewest[m]
-        if n < 2 or -(-n // count) + overhead + combine * count > cap:  # (as _fewest_pieces)
+        if n < 2 or _largest_piece(n, count, overhead, combine) > cap:  # (as _fewest_pieces)
             found = _fewest_pieces(n, overhead, combine, cap, count)
             if found is None:
                 return None
@@ -301,14 +301,23 @@ def _piece_counts(blocks: Sequence[int], overhead: float, combine: float, cap: f
 def _fewest_pieces(n: int, overhead: float, combine: float, cap: float, least: int = 2
                    ) -> int | None:
     """The fewest pieces (at least ``least``, at least 2) of a tile of ``n`` blocks whose
-    largest fits ``cap``, or None. A piece of c costs ceil(n / c) + overhead + combine * c,
-    which falls until c is about sqrt(n / combine) and rises after: no count past that fits
-    if none before did."""
-    last = min(n, int(math.isqrt(int(n / combine)) + 2) if combine > 0 else n)
-    for count in range(max(2, least), last + 1):
-        if -(-n // count) + overhead + combine * count <= cap:
+    largest fits ``cap``, or None (no count past ``_most_pieces`` fits if none before did)."""
+    for count in range(max(2, least), _most_pieces(n, combine) + 1):
+        if _largest_piece(n, count, overhead, combine) <= cap:
             return count
     return None
+
+
+def _largest_piece(n: int, count: int, overhead: float, combine: float) -> float:
+    """The cost of the largest of ``count`` pieces of a tile of ``n`` blocks: ceil(n /
+    count) + overhead + combine x count."""
+    return -(-n // count) + overhead + combine * count
+
+
+def _most_pieces(n: int, combine: float) -> int:
+    """The most pieces worth pricing for a tile of ``n`` blocks: the largest piece's cost
+    falls until about sqrt(n / combine) pieces and rises after."""
+    return min(n, int(math.isqrt(int(n / combine)) + 2) if combine > 0 else n)
 
 
 def _lpt_makespan(costs: Sequence[float], programs: int) -> float:
