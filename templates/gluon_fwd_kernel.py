@@ -175,23 +175,24 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s), both wrong results;
     3 (right results) makes a persistent consumer wait for its O store at once instead of
     under the next tile's first GEMM (``_release_o_buffer``); 7 drops the combining of a
-    split tile's pieces (each writes its own, wrong, O and LSE)."""
+    split tile's pieces (each writes its own, wrong, O and LSE); 9 (right results) masks
+    with one compare per score and the unmasked step's FFMA (``_visible``; session #16,
+    compiled only: not yet run on a GPU)."""
     if MASKED:
-        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        visible = gl.expand_dims(keys < N_KV, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(keys, 0)
-                                 <= gl.expand_dims(offs_m + causal_offset, 1))
-        if SPARSE:
-            rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            tile = gl.load(tile_base + gl.expand_dims(rows * MASK_BLOCK_KV, 1)
-                           + gl.expand_dims(cols, 0), mask=visible & tile_on, other=1)
-            visible = visible & (tile != 0)
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX))
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+        visible = _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
+                           BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
+        if DIAG == 9:
+            # Hidden scores become -inf before the scale, which a positive scale keeps: the
+            # max and exp2(s * scale - m) are the unmasked step's instructions (one FFMA).
+            s = gl.where(visible, s, float("-inf"))
+            m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
+        else:
+            s = gl.where(visible, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX))
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - gl.expand_dims(m_shift, 1))
         alpha = gl.exp2(m_i - m_shift)
         l_new = l_i * alpha + gl.sum(p, 1)
     elif DIAG == 2:
@@ -210,6 +211,36 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL: gl.constexpr,
+             BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
+             DIAG: gl.constexpr):
+    """Which scores of a masked block (keys from ``start_n``) a row sees: keys inside N_kv,
+    for causal up to the row's diagonal, and (SPARSE, where ``tile_on``) what the block
+    mask's partial tile keeps (see ``_softmax_block``). DIAG 9 compares each column once
+    with the row's last visible key relative to the block (N_kv's bound folded into it per
+    row); otherwise each key is compared with N_kv and with the row's diagonal."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    if DIAG == 9:
+        if CAUSAL:
+            last_col = gl.minimum(offs_m + causal_offset, N_KV - 1) - start_n
+            visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1)
+        else:
+            visible = gl.expand_dims(cols < N_KV - start_n, 0)
+    else:
+        keys = start_n + cols
+        visible = gl.expand_dims(keys < N_KV, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(keys, 0)
+                                 <= gl.expand_dims(offs_m + causal_offset, 1))
+    if SPARSE:
+        rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+        tile = gl.load(tile_base + gl.expand_dims(rows * MASK_BLOCK_KV, 1)
+                       + gl.expand_dims(cols, 0), mask=visible & tile_on, other=1)
+        visible = visible & (tile != 0)
+    return visible
 
 
 @gluon.jit

@@ -726,6 +726,37 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
         assert torch.all(runs[0][0][..., :blind, :] == 0)
 
 
+# DIAG 9's masking (``_visible``: one compare per score, then the unmasked step's FFMA), an
+# experiment until it is measured: the odd cases, and block masks' partial tiles.
+ONE_COMPARE_CASES = [*GPU_CASES,
+                     (1, 2, 2, 1000, 1000, 64, "float16", "none", "sliding:300"),
+                     (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left", "sliding:256")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ONE_COMPARE_CASES, ids=lambda c: Problem(*c).key())
+def test_one_compare_masking_matches_the_reference_on_the_gpu(
+        case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    if not is_hopper():
+        pytest.skip("gluon_fwd needs a Hopper GPU")
+    from templates import gluon_fwd_kernel
+    from templates.device import current_device
+
+    monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
+    problem = Problem(*case)
+    cfg = TEMPLATE.default_config(problem, current_device())
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+    q, k, v, mask = inputs["q"], inputs["k"], inputs["v"], inputs.get("block_mask")
+    plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal, scale=inputs["scale"],
+                                       config=cfg.to_dict(), diag=9, block_mask=mask)
+    out = plan(q, k, v, mask)
+    assert TEMPLATE.error(out, TEMPLATE.reference(inputs)) <= TEMPLATE.tolerance(problem)
+    # Within rounding of the shipped masking (the same visible keys).
+    shipped = TEMPLATE.run(inputs, cfg)
+    assert TEMPLATE.error(out, shipped) <= TEMPLATE.tolerance(problem)
+    assert torch.equal(torch.isinf(out[1]), torch.isinf(shipped[1]))
+
+
 @pytest.mark.gpu
 def test_strided_inputs_and_errors_on_the_gpu() -> None:
     if not is_hopper():
