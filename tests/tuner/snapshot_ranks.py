@@ -13,15 +13,21 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-WAIT_S = 60.0
+# Generous: four forked ranks and the service share CI's 2 cores with whatever else runs
+# (a clean-clone CI run once took over 60 s for phase 1); a rank that died ends the wait at
+# once instead (``alive``).
+WAIT_S = 180.0
 
 
-def wait_for(path: Path) -> None:
+def wait_for(path: Path, alive: Callable[[], bool] | None = None) -> None:
     deadline = time.monotonic() + WAIT_S
     while not path.exists():
+        if alive is not None and not alive():
+            raise RuntimeError(f"a rank exited before {path.name} appeared")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {WAIT_S:g} s")
         time.sleep(0.02)

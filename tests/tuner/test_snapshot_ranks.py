@@ -126,17 +126,20 @@ def test_four_ranks_pinned_to_a_snapshot_resolve_identical_configs_whatever_the_
     rank_db = f"sqlite:///{tmp_path / 'absent.db'}"  # the ranks have no database of their own
 
     with ranks(tmp_path, problems, rank_db) as context:
+        def alive() -> bool:
+            return all(process.is_alive() for process in context.processes)
+
         service.start()
         with TunerClient(service.url, token=TOKEN) as client:
             snapshot = client.create_snapshot().id
         (tmp_path / "go.json").write_text(json.dumps({"snapshot": snapshot,
                                                       "url": service.url}))
-        wait_for(tmp_path / "phase-1")
+        wait_for(tmp_path / "phase-1", alive)
         service.stop()
         # The database moves on while the service is down: faster configs, more shapes.
         store(db_url, *(tuned(p, 900.0, other=True) for i, p in enumerate(problems) if i % 3 == 0))
         (tmp_path / "stopped").touch()
-        wait_for(tmp_path / "phase-2")
+        wait_for(tmp_path / "phase-2", alive)
         service.start()  # a new service process, on the database as it is now
         (tmp_path / "restarted").touch()
         deadline = time.monotonic() + 120
