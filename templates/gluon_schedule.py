@@ -83,11 +83,14 @@ def whole_tile(tile: int) -> tuple[int, ...]:
 
 def schedule_table(entries: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
     """The schedule as the kernel reads it: ``programs + 1`` offsets (in entries), then the
-    entries of program 0, of program 1, ... flattened."""
+    entries of program 0, of program 1, ... flattened, then one padding entry that no
+    program runs: a program reads its first entry before it knows it has none (the kernel's
+    ``_entry_ahead``), and for the last program that read lands there."""
     offsets = [0]
     for mine in entries:
         offsets.append(offsets[-1] + len(mine))
-    return offsets + [x for mine in entries for entry in mine for x in entry]
+    return offsets + [x for mine in entries for entry in mine for x in entry] + list(
+        whole_tile(0))
 
 
 class SplitSchedule(NamedTuple):
