@@ -12,6 +12,7 @@ prints one JSON report per line, so a compiler crash takes only this process dow
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -105,6 +106,31 @@ def _cubin_resources(cubin: bytes | None) -> tuple[int | None, int | None]:
     if not found:
         return None, None
     return int(found.group(1)), int(found.group(2))
+
+
+# An instruction line of ``cuobjdump -sass``: "/*01a0*/  [@P0 ]OPCODE.MODS operands ;".
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_opcodes(cubin: bytes | None) -> collections.Counter[str] | None:
+    """How many instructions of each opcode (modifiers dropped: ``FFMA.FTZ`` counts as FFMA)
+    the cubin's SASS holds, read by cuobjdump; None without it. A static count (each
+    instruction once, however often it runs): what a kernel change adds or removes."""
+    tool = _cuobjdump()
+    if tool is None or not cubin:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                                 check=False).stdout
+    return count_opcodes(listing)
+
+
+def count_opcodes(listing: str) -> collections.Counter[str]:
+    """``sass_opcodes`` of a ``cuobjdump -sass`` listing."""
+    return collections.Counter(m.group(1) for line in listing.splitlines()
+                               if (m := _SASS_LINE.match(line)))
 
 
 def main() -> int:

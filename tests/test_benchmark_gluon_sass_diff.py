@@ -1,0 +1,57 @@
+"""benchmarks/gluon_sass_diff.py and ``templates.compile_report.count_opcodes``: the opcode
+count of a listing, the diff of two, and one offline compile of a DIAG experiment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from templates.compile_report import count_opcodes
+from templates.gluon_fwd import GLUON_MISSING
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
+
+sass_diff = load_benchmark_script("gluon_sass_diff")
+
+LISTING = """
+        code for sm_90a
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/              @!P0 FFMA.FTZ R2, R3, R4, R5 ;              /* 0x000fe20000010000 */
+        /*0020*/                   FFMA R6, R7, R8, R9 ;                  /* 0x000fe20000010000 */
+        /*0030*/               @P1 BRA 0x80 ;                             /* 0x000fea0003800000 */
+        /*17af0*/                  NOP;                                   /* 0x0000000000007918 */
+        .L_x_1:
+"""
+
+
+def test_opcodes_are_counted_without_modifiers_or_predicates() -> None:
+    assert count_opcodes(LISTING) == {"LDC": 1, "FFMA": 2, "BRA": 1, "NOP": 1}
+
+
+def test_a_diff_keeps_only_what_changed() -> None:
+    a = {"instructions": 4, "stack_bytes": 0, "opcodes": {"FMUL": 2, "FADD": 1, "MUFU": 1}}
+    b = {"instructions": 3, "stack_bytes": 8, "opcodes": {"FFMA": 2, "MUFU": 1}}
+    assert sass_diff.diff_row(a, b) == {"instructions": (4, 3), "stack_bytes": (0, 8),
+                                        "changed": {"FADD": -1, "FFMA": 2, "FMUL": -2}}
+
+
+@pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
+def test_diag_9_takes_the_scale_into_one_ffma_offline(tmp_path: Path) -> None:
+    # One causal d64 shape compiled twice for the H100 (a subprocess: compiling needs the
+    # interpreter off before templates is imported).
+    out = tmp_path / "diff.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gluon_sass_diff.py"), "--diag", "9",
+                           "--shapes", "1x2x512x64", "--causal", "top_left", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    a, b = row["instructions"]
+    assert b < a
+    # Each masked score: no FMUL and FADD of its own, one FFMA as the unmasked step's.
+    assert row["changed"]["FMUL"] < 0 and row["changed"]["FADD"] < 0
+    assert row["changed"]["FFMA"] > 0
