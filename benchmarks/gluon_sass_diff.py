@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -34,28 +33,17 @@ def compiled_counts(shape: tuple[int, int, int, int], causal: str, diag: int,
                     overrides: dict[str, str]) -> dict[str, Any]:
     """The kernel of ``shape``'s default config (with ``overrides``) under ``diag``, compiled
     for the H100: {"instructions", "stack_bytes", "opcodes"}."""
-    import torch
-
-    from templates import gluon_fwd_kernel
     from templates.base import Problem
     from templates.compile_report import _cubin_resources, sass_opcodes
-    from templates.gluon_fwd import TEMPLATE
-    from templates.gluon_template import TORCH_DTYPES
+    from templates.gluon_fwd import TEMPLATE, standin_launch
     from templates.offline_target import offline_target
-    from templates.standin_tensor import StandinTensor
 
     b, h, n, d = shape
     problem = Problem(b, h, h, n, n, d, "bfloat16", causal)
     with offline_target("h100") as device:
         cfg = changed_config(TEMPLATE.default_config(problem, device), overrides)
-        dtype = TORCH_DTYPES[problem.dtype]
-        q = StandinTensor(dtype, [b, h, n, d])
-        plan = gluon_fwd_kernel.LaunchPlan(q, q, causal_mode=causal, scale=1 / math.sqrt(d),
-                                           config=cfg.to_dict(), diag=diag)
-        o = StandinTensor(dtype, list(plan.out_shape))
-        lse = StandinTensor(torch.float32, list(plan.lse_shape))
-        kernel = gluon_fwd_kernel._gluon_fwd_kernel.warmup(
-            *plan.args(plan.packed(q), q, q, o, lse), grid=plan.grid, **dict(plan.options))
+        fn, grid, args, options = standin_launch(problem, cfg, diag)
+        kernel = fn.warmup(*args, grid=grid, **options)
     cubin = kernel.asm["cubin"]
     opcodes = sass_opcodes(cubin)
     if opcodes is None:

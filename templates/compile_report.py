@@ -92,16 +92,23 @@ def _cuobjdump() -> str | None:
     return which("cuobjdump")
 
 
-def _cubin_resources(cubin: bytes | None) -> tuple[int | None, int | None]:
-    """(registers, stack bytes) per thread, read from the cubin by cuobjdump."""
+def _cuobjdump_output(cubin: bytes | None, option: str) -> str | None:
+    """What ``cuobjdump <option>`` prints for the cubin; None without the tool or a cubin."""
     tool = _cuobjdump()
     if tool is None or not cubin:
-        return None, None
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=False).stdout
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True,
+                              check=False).stdout
+
+
+def _cubin_resources(cubin: bytes | None) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) per thread, read from the cubin by cuobjdump."""
+    out = _cuobjdump_output(cubin, "--dump-resource-usage")
+    if out is None:
+        return None, None
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)", out)
     if not found:
         return None, None
@@ -116,15 +123,8 @@ def sass_opcodes(cubin: bytes | None) -> collections.Counter[str] | None:
     """How many instructions of each opcode (modifiers dropped: ``FFMA.FTZ`` counts as FFMA)
     the cubin's SASS holds, read by cuobjdump; None without it. A static count (each
     instruction once, however often it runs): what a kernel change adds or removes."""
-    tool = _cuobjdump()
-    if tool is None or not cubin:
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        listing = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                                 check=False).stdout
-    return count_opcodes(listing)
+    listing = _cuobjdump_output(cubin, "-sass")
+    return None if listing is None else count_opcodes(listing)
 
 
 def count_opcodes(listing: str) -> collections.Counter[str]:

@@ -282,21 +282,8 @@ class GluonFwdTemplate(GluonTemplate):
         if kernel is None or self.unsupported(problem):
             return None
         cfg = self.config(config)
-        dtype = TORCH_DTYPES[problem.dtype]
-        q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
-        kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
-        q = StandinTensor(dtype, q_shape)
-        k, v = StandinTensor(dtype, kv_shape), StandinTensor(dtype, kv_shape)
-        block_mask = (StandinBlockMask(problem.seqlen_q, problem.seqlen_kv)
-                      if problem.mask != "none" else None)
-        plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
-                                 scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict(),
-                                 block_mask=block_mask)
-        # (As the plan allocates them: packed GQA runs on (B, H_kv, group x N_q) rows.)
-        o = StandinTensor(dtype, list(plan.out_shape))
-        lse = StandinTensor(torch.float32, list(plan.lse_shape))
-        return [(kernel._gluon_fwd_kernel, plan.grid,
-                 plan.args(plan.packed(q), k, v, o, lse, block_mask), dict(plan.options))]
+        assert isinstance(cfg, GluonFwdConfig)
+        return [standin_launch(problem, cfg)]
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         block_mask = inputs.get("block_mask")
@@ -447,6 +434,27 @@ def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
     out.append(dataclasses.replace(out[-1], BLOCK_M=64, consumers=1, pingpong=False,
                                    persistent=False, split_tail=False))
     return out
+
+
+def standin_launch(problem: Problem, config: GluonFwdConfig, diag: int = 0) -> KernelLaunch:
+    """The launch of ``config`` for ``problem`` over stand-in tensors (``diag``: a timing
+    experiment's DIAG, see the kernel's ``_softmax_block``; benchmarks/gluon_sass_diff.py)."""
+    assert kernel is not None
+    dtype = TORCH_DTYPES[problem.dtype]
+    q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
+    kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
+    q = StandinTensor(dtype, q_shape)
+    k, v = StandinTensor(dtype, kv_shape), StandinTensor(dtype, kv_shape)
+    block_mask = (StandinBlockMask(problem.seqlen_q, problem.seqlen_kv)
+                  if problem.mask != "none" else None)
+    plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
+                             scale=1.0 / math.sqrt(problem.head_dim), config=config.to_dict(),
+                             diag=diag, block_mask=block_mask)
+    # (As the plan allocates them: packed GQA runs on (B, H_kv, group x N_q) rows.)
+    o = StandinTensor(dtype, list(plan.out_shape))
+    lse = StandinTensor(torch.float32, list(plan.lse_shape))
+    return (kernel._gluon_fwd_kernel, plan.grid,
+            plan.args(plan.packed(q), k, v, o, lse, block_mask), dict(plan.options))
 
 
 def compile_for(problem: Problem, config: KernelConfig) -> Any:

@@ -130,6 +130,19 @@ def _mma_layout(num_warps, n):
 
 
 # ----------------------------------------------------------------------------- softmax
+# Session #16's right-result experiments (``_softmax_block``'s DIAG list), until measured.
+@gluon.constexpr_function
+def _one_compare_masking(diag):
+    """DIAG 9 and 11: ``_visible``'s one compare per score, the unmasked step's FFMA."""
+    return diag == 9 or diag == 11
+
+
+@gluon.constexpr_function
+def _entries_ahead(diag):
+    """DIAG 10 and 11: a persistent program's schedule entries read a tile ahead."""
+    return diag == 10 or diag == 11
+
+
 @gluon.constexpr_function
 def _halvings(n):
     """How many times a row of ``n`` columns halves before 8 are left (the columns of one
@@ -182,7 +195,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     if MASKED:
         visible = _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
                            BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
-        if DIAG == 9 or DIAG == 11:
+        if _one_compare_masking(DIAG):
             # Hidden scores become -inf before the scale, which a positive scale keeps: the
             # max and exp2(s * scale - m) are the unmasked step's instructions (one FFMA).
             s = gl.where(visible, s, float("-inf"))
@@ -220,11 +233,11 @@ def _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL
              DIAG: gl.constexpr):
     """Which scores of a masked block (keys from ``start_n``) a row sees: keys inside N_kv,
     for causal up to the row's diagonal, and (SPARSE, where ``tile_on``) what the block
-    mask's partial tile keeps (see ``_softmax_block``). DIAG 9 (and 11) compares each column once
+    mask's partial tile keeps (see ``_softmax_block``). DIAG 9 and 11 compare each column once
     with the row's last visible key relative to the block (N_kv's bound folded into it per
     row); otherwise each key is compared with N_kv and with the row's diagonal."""
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    if DIAG == 9 or DIAG == 11:
+    if _one_compare_masking(DIAG):
         if CAUSAL:
             last_col = gl.minimum(offs_m + causal_offset, N_KV - 1) - start_n
             visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1)
@@ -919,7 +932,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
         it0 = 0
         ev0 = 0
         n_mine = _program_tiles(n_tiles, lists, TILE_ORDER)
-        AHEAD: gl.constexpr = DIAG == 10 or DIAG == 11
+        AHEAD: gl.constexpr = _entries_ahead(DIAG)
         if AHEAD:
             t, first, end, piece, base, count = _program_tile(0, n_tiles, lists, TILE_ORDER)
         for tc in range(n_mine):
@@ -975,7 +988,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
     if PERSISTENT:
         it0 = 0
         n_mine = _program_tiles(n_tiles, lists, TILE_ORDER)
-        AHEAD: gl.constexpr = DIAG == 10 or DIAG == 11
+        AHEAD: gl.constexpr = _entries_ahead(DIAG)
         if AHEAD:
             t, first, end, _, _, _ = _program_tile(0, n_tiles, lists, TILE_ORDER)
         for tc in range(n_mine):
