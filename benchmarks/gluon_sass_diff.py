@@ -3,9 +3,10 @@ config of each shape compiled for the H100 offline (``templates.offline_target``
 and DIAG B (or the A/B's ``--config`` knobs on the B side), and per shape the instruction
 count, the stack (spilled) bytes and the opcodes whose counts changed.
 
-    TRITON_INTERPRET=0 python benchmarks/gluon_sass_diff.py --diag 9
+    TRITON_INTERPRET=0 python benchmarks/gluon_sass_diff.py --diag 1
     TRITON_INTERPRET=0 PYTHONPATH=/path/to/triton-3.6-site:$PWD \\
-        python benchmarks/gluon_sass_diff.py --diag 10 --shapes 4x32x4096x64 --causal top_left
+        python benchmarks/gluon_sass_diff.py --config tree_max=false --shapes 4x32x4096x64 \\
+        --causal top_left
 
 Counts are static (each instruction once, however often it runs): a change that removes
 instructions from the masked softmax shows there, not how much time it saves; that takes

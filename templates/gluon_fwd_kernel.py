@@ -130,19 +130,6 @@ def _mma_layout(num_warps, n):
 
 
 # ----------------------------------------------------------------------------- softmax
-# Session #16's right-result experiments (``_softmax_block``'s DIAG list), until measured.
-@gluon.constexpr_function
-def _one_compare_masking(diag):
-    """DIAG 9 and 11: ``_visible``'s one compare per score, the unmasked step's FFMA."""
-    return diag == 9 or diag == 11
-
-
-@gluon.constexpr_function
-def _entries_ahead(diag):
-    """DIAG 10 and 11: a persistent program's schedule entries read a tile ahead."""
-    return diag == 10 or diag == 11
-
-
 @gluon.constexpr_function
 def _halvings(n):
     """How many times a row of ``n`` columns halves before 8 are left (the columns of one
@@ -188,25 +175,18 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s), both wrong results;
     3 (right results) makes a persistent consumer wait for its O store at once instead of
     under the next tile's first GEMM (``_release_o_buffer``); 7 drops the combining of a
-    split tile's pieces (each writes its own, wrong, O and LSE); 9 (right results) masks
-    with one compare per score and the unmasked step's FFMA (``_visible``); 10 (right
-    results) loads a persistent program's schedule entries a tile ahead (``_entry_ahead``);
-    11 both 9 and 10 (session #16, compiled only: not yet run on a GPU)."""
+    split tile's pieces (each writes its own, wrong, O and LSE)."""
     if MASKED:
         visible = _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
-                           BLOCK_N, SPARSE, MASK_BLOCK_KV, DIAG)
-        if _one_compare_masking(DIAG):
-            # Hidden scores become -inf before the scale, which a positive scale keeps: the
-            # max and exp2(s * scale - m) are the unmasked step's instructions (one FFMA).
-            s = gl.where(visible, s, float("-inf"))
-            m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
-        else:
-            s = gl.where(visible, s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX))
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+                           BLOCK_N, SPARSE, MASK_BLOCK_KV)
+        # Hidden scores become -inf before the scale, which is positive (checked on the
+        # host): the max and exp2(s * scale - m) are the unmasked step's instructions (one
+        # FFMA per score; scaling first and masking after cost an FMUL, an FSEL and an FADD
+        # more, and 11% of d64 causal's time at 512 tokens, docs/gluon_notes.md).
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
         alpha = gl.exp2(m_i - m_shift)
         l_new = l_i * alpha + gl.sum(p, 1)
     elif DIAG == 2:
@@ -229,26 +209,18 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
 
 @gluon.jit
 def _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL: gl.constexpr,
-             BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
-             DIAG: gl.constexpr):
+             BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """Which scores of a masked block (keys from ``start_n``) a row sees: keys inside N_kv,
     for causal up to the row's diagonal, and (SPARSE, where ``tile_on``) what the block
-    mask's partial tile keeps (see ``_softmax_block``). DIAG 9 and 11 compare each column once
-    with the row's last visible key relative to the block (N_kv's bound folded into it per
-    row); otherwise each key is compared with N_kv and with the row's diagonal."""
+    mask's partial tile keeps (see ``_softmax_block``). Each column is compared once, with
+    the row's last visible key relative to the block (N_kv's bound folded into it per row,
+    so one compare per score instead of two and an AND)."""
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    if _one_compare_masking(DIAG):
-        if CAUSAL:
-            last_col = gl.minimum(offs_m + causal_offset, N_KV - 1) - start_n
-            visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1)
-        else:
-            visible = gl.expand_dims(cols < N_KV - start_n, 0)
+    if CAUSAL:
+        last_col = gl.minimum(offs_m + causal_offset, N_KV - 1) - start_n
+        visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1)
     else:
-        keys = start_n + cols
-        visible = gl.expand_dims(keys < N_KV, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(keys, 0)
-                                 <= gl.expand_dims(offs_m + causal_offset, 1))
+        visible = gl.expand_dims(cols < N_KV - start_n, 0)
     if SPARSE:
         rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
         tile = gl.load(tile_base + gl.expand_dims(rows * MASK_BLOCK_KV, 1)
@@ -514,16 +486,6 @@ def _listed_entry(lists, p, grid, k):
     entry = lists[11] + grid + 1 + (gl.load(lists[11] + p) + k) * SCHEDULE_ENTRY
     return (gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3),
             gl.load(entry + 4), gl.load(entry + 5))
-
-
-@gluon.jit
-def _entry_ahead(tc, n_mine, n_tiles, lists, ORDER: gl.constexpr):
-    """The program's entry after its ``tc``-th (``_program_tile``), the last one's own past
-    its last: DIAG 10 and 11 load it a tile ahead, so that the host schedule's two dependent
-    loads (the program's offset, then the entry) wait under the current tile instead of
-    before the next. (A program without entries still reads its first before the loop: the
-    table ends with a padding entry, ``gluon_schedule.schedule_table``.)"""
-    return _program_tile(gl.minimum(tc + 1, n_mine - 1), n_tiles, lists, ORDER)
 
 
 @gluon.jit
@@ -932,16 +894,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
         it0 = 0
         ev0 = 0
         n_mine = _program_tiles(n_tiles, lists, TILE_ORDER)
-        AHEAD: gl.constexpr = _entries_ahead(DIAG)
-        if AHEAD:
-            t, first, end, piece, base, count = _program_tile(0, n_tiles, lists, TILE_ORDER)
         for tc in range(n_mine):
-            if AHEAD:
-                (t_next, first_next, end_next, piece_next, base_next,
-                 count_next) = _entry_ahead(tc, n_mine, n_tiles, lists, TILE_ORDER)
-            else:
-                t, first, end, piece, base, count = _program_tile(tc, n_tiles, lists,
-                                                                  TILE_ORDER)
+            t, first, end, piece, base, count = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
                 BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
@@ -956,9 +910,6 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
             it0 += end - first
             if end > first:
                 ev0 += end - first + 1
-            if AHEAD:
-                t, first, end, piece, base, count = (t_next, first_next, end_next, piece_next,
-                                                     base_next, count_next)
         # The last tile's O store must have read shared memory before the program ends.
         tma.store_wait(0)
     else:
@@ -982,21 +933,13 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
               Q_LOADS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               TILE_ORDER: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
-              SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
-              DIAG: gl.constexpr):
+              SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """The producer warp over its program's tiles (the consumers' sequence)."""
     if PERSISTENT:
         it0 = 0
         n_mine = _program_tiles(n_tiles, lists, TILE_ORDER)
-        AHEAD: gl.constexpr = _entries_ahead(DIAG)
-        if AHEAD:
-            t, first, end, _, _, _ = _program_tile(0, n_tiles, lists, TILE_ORDER)
         for tc in range(n_mine):
-            if AHEAD:
-                t_next, first_next, end_next, _, _, _ = _entry_ahead(tc, n_mine, n_tiles,
-                                                                     lists, TILE_ORDER)
-            else:
-                t, first, end, _, _, _ = _program_tile(tc, n_tiles, lists, TILE_ORDER)
+            t, first, end, _, _, _ = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
                 BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
@@ -1006,8 +949,6 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
                            n_full, lrow, lists, it0, tc, Q_LOADS, ROWS, KV_STAGES, BLOCK_N,
                            PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_KV)
             it0 += end - first
-            if AHEAD:
-                t, first, end = t_next, first_next, end_next
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
@@ -1077,7 +1018,7 @@ def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs
     _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
               v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
               causal_offset, lists, Q_LOADS, ROWS, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-              TILE_ORDER, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG)
+              TILE_ORDER, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
 
 
 # ----------------------------------------------------------------------------- kernel

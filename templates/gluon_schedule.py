@@ -83,14 +83,11 @@ def whole_tile(tile: int) -> tuple[int, ...]:
 
 def schedule_table(entries: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
     """The schedule as the kernel reads it: ``programs + 1`` offsets (in entries), then the
-    entries of program 0, of program 1, ... flattened, then one padding entry that no
-    program runs: a program reads its first entry before it knows it has none (the kernel's
-    ``_entry_ahead``), and for the last program that read lands there."""
+    entries of program 0, of program 1, ... flattened."""
     offsets = [0]
     for mine in entries:
         offsets.append(offsets[-1] + len(mine))
-    return offsets + [x for mine in entries for entry in mine for x in entry] + list(
-        whole_tile(0))
+    return offsets + [x for mine in entries for entry in mine for x in entry]
 
 
 class SplitSchedule(NamedTuple):

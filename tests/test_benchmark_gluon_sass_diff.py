@@ -40,22 +40,19 @@ def test_a_diff_keeps_only_what_changed() -> None:
 
 
 @pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
-def test_diag_11_compiles_offline_with_one_ffma_per_masked_score(tmp_path: Path) -> None:
-    # DIAG 11 (= 9 + 10, session #16's experiments, not yet run on a GPU) compiled for the
-    # H100 against DIAG 0, one causal d64 shape (a subprocess: compiling needs the
-    # interpreter off before templates is imported). Also keeps both from rotting in CI.
+def test_a_diag_compiles_offline_and_its_opcode_change_shows(tmp_path: Path) -> None:
+    # DIAG 1 (the unmasked step without its exponentials) against DIAG 0, compiled for the
+    # H100, one causal d64 shape (a subprocess: compiling needs the interpreter off before
+    # templates is imported).
     out = tmp_path / "diff.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gluon_sass_diff.py"), "--diag",
-                           "11", "--shapes", "1x2x512x64", "--causal", "top_left", "--json",
+                           "1", "--shapes", "1x2x512x64", "--causal", "top_left", "--json",
                            str(out)],
                           capture_output=True, text=True, env=env, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     a, b = row["instructions"]
     assert b < a
-    # DIAG 9: each masked score loses its own FMUL and FADD for the unmasked step's FFMA.
-    assert row["changed"]["FMUL"] < 0 and row["changed"]["FADD"] < 0
-    assert row["changed"]["FFMA"] > 0
-    # DIAG 10: the first entry of the host's schedule is read before the loop too.
-    assert row["changed"]["LDG"] > 0
+    # The exponentials are MUFU.EX2s: the unmasked step's go, the masked step's stay.
+    assert row["changed"]["MUFU"] < 0

@@ -174,25 +174,21 @@ def test_a_persistent_causal_grid_walks_the_hosts_schedule_on_every_sm() -> None
     plan = LaunchPlan(q, q, causal_mode="top_left", scale=0.1, config=cfg, sm_count=132)
     assert plan.grid == (132,) and plan.options["TILE_ORDER"] == 2
     assert plan.schedule.dtype == torch.int32
-    # 133 offsets, 2048 entries and one padding entry (``schedule_table``).
-    assert plan.schedule.shape == [133 + (64 * 32 + 1) * SCHEDULE_ENTRY.value]
+    # 133 offsets, then 2048 entries (``schedule_table``).
+    assert plan.schedule.shape == [133 + 64 * 32 * SCHEDULE_ENTRY.value]
     args = plan.args(q, q, q, q, StandinTensor(torch.float32, [4, 16, 4096]))
     runtime = [p.name for p in _gluon_fwd_kernel.params if not p.is_constexpr]
     assert len(args) == len(runtime) and args[runtime.index("Schedule")] is plan.schedule
 
 
-def test_a_schedule_table_ends_with_a_padding_entry_no_program_runs() -> None:
+def test_a_schedule_table_lists_offsets_then_each_programs_entries() -> None:
     from templates.gluon_schedule import ENTRY_INTS, WHOLE_BLOCKS, schedule_table, whole_tile
 
     entries = [[whole_tile(5), (7, 0, 3, 0, 0, 2)], [], [(7, 3, 6, 1, 0, 2)], []]
     table = schedule_table(entries)
     assert table[:5] == [0, 2, 2, 3, 3]
-    assert table[5:5 + 3 * ENTRY_INTS] == [5, 0, WHOLE_BLOCKS, -1, -1, 1, 7, 0, 3, 0, 0, 2,
-                                                    7, 3, 6, 1, 0, 2]
-    # The last program has no entry: its read ahead (the kernel's ``_entry_ahead``) of entry
-    # offsets[3] = 3 lands on the padding, inside the table.
-    assert len(table) == 5 + 4 * ENTRY_INTS
-    assert table[5 + 3 * ENTRY_INTS:] == list(whole_tile(0))
+    assert table[5:] == [5, 0, WHOLE_BLOCKS, -1, -1, 1, 7, 0, 3, 0, 0, 2, 7, 3, 6, 1, 0, 2]
+    assert len(table) == 5 + 3 * ENTRY_INTS
 
 
 def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> None:
@@ -442,7 +438,7 @@ def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
     assert plan.split is not None
     # Listed: the last round's entries only (the kernel walks whole rounds by grid stride).
     listed = sum(len(mine) - 2048 // 132 for mine in plan.split.entries)
-    assert plan.schedule.shape == [133 + (listed + 1) * SCHEDULE_ENTRY.value]  # + padding
+    assert plan.schedule.shape == [133 + listed * SCHEDULE_ENTRY.value]
     partials, counters = plan.workspace(lse)
     # A slot per piece and consumer: 64 rows of O (128 columns), m and l, in fp32.
     assert partials.shape == [plan.split.slots * 2 * 64 * 130]
@@ -463,7 +459,7 @@ def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
                         config=dict(cfg, longest_first=True))
     assert causal.options["TILE_ORDER"] == 4 and causal.split is not None
     listed = sum(len(mine) for mine in causal.split.entries)
-    assert causal.schedule.shape == [133 + (listed + 1) * SCHEDULE_ENTRY.value]
+    assert causal.schedule.shape == [133 + listed * SCHEDULE_ENTRY.value]
 
 
 @needs_gluon
@@ -656,10 +652,10 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
             # 8 bytes under 3.6 (P's staging beside 128 score registers), 280 under 3.9.
             allowed = 16 if triton.__version__.startswith("3.6") else 320
         if Problem.from_dict(job["problem"]).mask != "none":
-            # A block mask's walk spills (112 bytes at d128 in 3.6, 216 in 3.9): scalars of
+            # A block mask's walk spills (72 bytes at d128 in 3.6, 304 in 3.9): scalars of
             # the lists' walk beside S, O and P, a few per KV step (docs/gluon_notes.md,
             # "Block masks"). A bound, so that a change that spills more shows up.
-            allowed = 128 if triton.__version__.startswith("3.6") else 256
+            allowed = 96 if triton.__version__.startswith("3.6") else 320
         assert kernel["stack_bytes"] <= allowed, f"registers spilled: {out}"
         problem = Problem.from_dict(job["problem"])
         cfg = GluonFwdConfig.from_dict(job["config"])
@@ -741,24 +737,20 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
         assert torch.all(runs[0][0][..., :blind, :] == 0)
 
 
-# The right-result DIAG experiments of session #16, until they are measured: 9 masks with one
-# compare per score (``_visible``), 10 loads a persistent program's schedule entries a tile
-# ahead (``_entry_ahead``), 11 both. The odd cases, block masks' partial tiles, and
-# persistent grids of each schedule: split dense tails, cut causal tiles, programs left
-# without a tile (3 causal tiles on every SM).
-DIAG_CASES = [*GPU_CASES,
-              (1, 2, 2, 1000, 1000, 64, "float16", "none", "sliding:300"),
-              (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left", "sliding:256"),
-              (4, 17, 17, 2048, 2048, 128, "bfloat16", "none"),
-              (1, 1, 1, 8192, 8192, 64, "bfloat16", "top_left"),
-              (1, 1, 1, 300, 300, 64, "float16", "top_left")]
+# Beyond GPU_CASES, what the masked softmax (one compare per score, -inf before the scale)
+# and the persistent schedules meet: block masks' partial tiles, split dense tails, cut
+# causal tiles, and programs left without a tile (3 causal tiles on every SM).
+SCHEDULE_CASES = [(1, 2, 2, 1000, 1000, 64, "float16", "none", "sliding:300"),
+                  (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left", "sliding:256"),
+                  (4, 17, 17, 2048, 2048, 128, "bfloat16", "none"),
+                  (1, 1, 1, 8192, 8192, 64, "bfloat16", "top_left"),
+                  (1, 1, 1, 300, 300, 64, "float16", "top_left")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("diag", [9, 10, 11])
-@pytest.mark.parametrize("case", DIAG_CASES, ids=lambda c: Problem(*c).key())
-def test_diag_experiments_match_the_reference_on_the_gpu(
-        diag: int, case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=lambda c: Problem(*c).key())
+def test_masks_and_schedules_match_the_reference_on_the_gpu(
+        case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
     from templates import gluon_fwd_kernel
@@ -768,18 +760,9 @@ def test_diag_experiments_match_the_reference_on_the_gpu(
     problem = Problem(*case)
     cfg = TEMPLATE.default_config(problem, current_device())
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
-    q, k, v, mask = inputs["q"], inputs["k"], inputs["v"], inputs.get("block_mask")
-    plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal, scale=inputs["scale"],
-                                       config=cfg.to_dict(), diag=diag, block_mask=mask)
-    runs = [plan(q, k, v, mask) for _ in range(2)]
+    runs = [TEMPLATE.run(inputs, cfg) for _ in range(2)]
     assert TEMPLATE.error(runs[0], TEMPLATE.reference(inputs)) <= TEMPLATE.tolerance(problem)
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    # Within rounding of the shipped kernel (the same visible keys, the same tiles).
-    shipped = TEMPLATE.run(inputs, cfg)
-    assert TEMPLATE.error(runs[0], shipped) <= TEMPLATE.tolerance(problem)
-    assert torch.equal(torch.isinf(runs[0][1]), torch.isinf(shipped[1]))
-    if diag == 10:  # the same instructions on the scores: the same bits
-        assert torch.equal(runs[0][0], shipped[0]) and torch.equal(runs[0][1], shipped[1])
 
 
 @pytest.mark.gpu
