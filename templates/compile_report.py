@@ -27,7 +27,7 @@ from typing import Any
 
 from templates.base import KernelConfig, Problem, Template
 
-__all__ = ["CompileOutcome", "KernelResources", "compile_config", "main"]
+__all__ = ["CompileOutcome", "KernelResources", "compile_config", "main", "wgmma_serialization"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class KernelResources:
     stack_bytes: int | None  # per-thread stack frame: spilled registers live there
     shared_bytes: int  # dynamic shared memory per program
     seconds: float  # compile time (less on a hit in Triton's on-disk cache)
+    # ptxas's note when it serialized the kernel's wgmma GEMMs (each waited for at once: no
+    # GEMM overlaps anything); "" when they pipeline or there are none; None without ptxas.
+    wgmma_serialized: str | None = ""
 
 
 @dataclass(frozen=True)
@@ -72,24 +75,59 @@ def compile_config(template: Template, problem: Problem, config: KernelConfig,
             message = f"{fn.__name__}: {type(exc).__name__}: {exc}"
             return replace(outcome, kernels=kernels, error=message[:2000])
         registers, stack = _cubin_resources(compiled.asm.get("cubin"))
+        seconds = round(time.perf_counter() - start, 3)
         kernels.append(KernelResources(kernel=fn.__name__, registers=registers,
                                        stack_bytes=stack,
                                        shared_bytes=int(compiled.metadata.shared),
-                                       seconds=round(time.perf_counter() - start, 3)))
+                                       seconds=seconds,
+                                       wgmma_serialized=wgmma_serialization(
+                                           compiled.asm.get("ptx"))))
     return replace(outcome, kernels=kernels)
 
 
 @functools.cache
-def _cuobjdump() -> str | None:
+def _nvidia_tool(name: str) -> str | None:
+    """The CUDA tool ``name`` (cuobjdump, ptxas) that triton bundles, else one on PATH."""
     import triton
 
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                           "cuobjdump")
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if os.access(bundled, os.X_OK):
         return bundled
     from shutil import which
 
-    return which("cuobjdump")
+    return which(name)
+
+
+def _cuobjdump() -> str | None:
+    return _nvidia_tool("cuobjdump")
+
+
+_PTX_TARGET = re.compile(r"^\s*\.target\s+(sm_\w+)", re.MULTILINE)
+_SERIALIZED = re.compile(
+    r"\((C75\d\d)\) Potential Performance Loss: (wgmma[^\n]*serialized[^\n]*)")
+
+
+def wgmma_serialization(ptx: str | None) -> str | None:
+    """Whether ptxas serializes the kernel's wgmma GEMMs (then each is waited for as soon as
+    it is issued, so no softmax or load runs under one): its note (``C7511: ...``), "" when it
+    does not or the PTX has no wgmma, None without ptxas. Triton's own compile hides these
+    notes; a kernel change that trips one loses its overlap with no error (an accumulator in
+    flight across a loop's back edge or meeting zeros at a join of two paths, say)."""
+    if not ptx or "wgmma.mma_async" not in ptx:
+        return ""
+    tool = _nvidia_tool("ptxas")
+    target = _PTX_TARGET.search(ptx)
+    if tool is None or target is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([tool, f"-arch={target.group(1)}", "-v", source, "-o",
+                               os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, check=False)
+    notes = _SERIALIZED.findall(done.stdout + done.stderr)
+    return "; ".join(f"{code}: {text}" for code, text in notes)
 
 
 def _cuobjdump_output(cubin: bytes | None, option: str) -> str | None:

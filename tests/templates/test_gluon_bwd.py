@@ -165,6 +165,7 @@ def test_default_configs_compile_for_the_h100() -> None:
         cfg = GluonBwdConfig.from_dict(job["config"])
         allowed = D128_STACK if tile_registers(problem, cfg) >= 192 else 0
         assert main["stack_bytes"] <= allowed, f"registers spilled: {out}"
+        assert main["wgmma_serialized"] == "", out  # ptxas keeps the GEMMs asynchronous
         estimate = shared_memory_estimate(problem, cfg)
         assert 0 <= estimate - main["shared_bytes"] <= 1024, (estimate, main)
         assert main["shared_bytes"] <= H100.smem_per_block

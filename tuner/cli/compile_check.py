@@ -120,12 +120,16 @@ def _print_table(outcomes: list[dict[str, Any]], device_name: str) -> None:
             f"constraint: {outcome['constraint']}" if outcome["constraint"] else ""))
         kernels = outcome["kernels"] or [None]
         for kernel in kernels:
+            serialized = kernel and kernel.get("wgmma_serialized")
+            # (Serialized GEMMs compute the same, without overlapping anything: slower.)
+            row_note = "; ".join(filter(None, [note, serialized and
+                                               f"wgmma serialized ({serialized[:5]})"]))
             table.add_row(
                 outcome["template"], problem_label(outcome["problem"]),
                 kernel["kernel"].lstrip("_") if kernel else "-",
                 _num(kernel and kernel["registers"]), _num(kernel and kernel["stack_bytes"]),
                 f"{kernel['shared_bytes'] / 1024:.0f}" if kernel else "-",
-                f"{kernel['seconds']:.1f}" if kernel else "-", note)
+                f"{kernel['seconds']:.1f}" if kernel else "-", row_note)
     console.print(table)
 
 
