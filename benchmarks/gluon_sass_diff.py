@@ -35,7 +35,7 @@ def compiled_counts(shape: tuple[int, int, int, int], causal: str, diag: int,
     """The kernel of ``shape``'s default config (with ``overrides``) under ``diag``, compiled
     for the H100: {"instructions", "stack_bytes", "opcodes"}."""
     from templates.base import Problem
-    from templates.compile_report import _cubin_resources, sass_opcodes
+    from templates.compile_report import _cubin_resources, sass_opcodes, wgmma_serialization
     from templates.gluon_fwd import TEMPLATE, standin_launch
     from templates.offline_target import offline_target
 
@@ -50,7 +50,8 @@ def compiled_counts(shape: tuple[int, int, int, int], causal: str, diag: int,
     if opcodes is None:
         raise RuntimeError("cuobjdump was not found (triton's bundled one or on PATH)")
     return {"instructions": sum(opcodes.values()), "stack_bytes": _cubin_resources(cubin)[1],
-            "opcodes": dict(opcodes)}
+            "opcodes": dict(opcodes),
+            "wgmma_serialized": wgmma_serialization(kernel.asm.get("ptx"))}
 
 
 def diff_row(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +60,10 @@ def diff_row(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     changed = {op: b["opcodes"].get(op, 0) - a["opcodes"].get(op, 0) for op in names}
     return {"instructions": (a["instructions"], b["instructions"]),
             "stack_bytes": (a["stack_bytes"], b["stack_bytes"]),
-            "changed": {op: delta for op, delta in changed.items() if delta}}
+            "changed": {op: delta for op, delta in changed.items() if delta},
+            # ptxas's note where it serialized a side's GEMMs (docs/gluon_notes.md)
+            "wgmma_serialized": (a.get("wgmma_serialized", ""),
+                                 b.get("wgmma_serialized", ""))}
 
 
 def main() -> int:
@@ -86,6 +90,9 @@ def main() -> int:
             changed = ", ".join(f"{op} {delta:+d}" for op, delta in row["changed"].items())
             print(f"{row['shape']:<16} {causal:<12} instructions {ia} -> {ib}   "
                   f"stack {sa} -> {sb}   {changed}")
+            for side, note in zip("AB", row["wgmma_serialized"], strict=True):
+                if note:
+                    print(f"    {side}: ptxas serialized its wgmma GEMMs: {note}")
     if args.json:
         args.json.write_text(json.dumps({"diag_a": args.diag_a, "diag_b": args.diag,
                                          "config_b": overrides, "rows": rows}, indent=1))

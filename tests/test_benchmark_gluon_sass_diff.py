@@ -35,8 +35,10 @@ def test_opcodes_are_counted_without_modifiers_or_predicates() -> None:
 def test_a_diff_keeps_only_what_changed() -> None:
     a = {"instructions": 4, "stack_bytes": 0, "opcodes": {"FMUL": 2, "FADD": 1, "MUFU": 1}}
     b = {"instructions": 3, "stack_bytes": 8, "opcodes": {"FFMA": 2, "MUFU": 1}}
+    b["wgmma_serialized"] = "C7511: wgmma.mma_async instructions are serialized"
     assert sass_diff.diff_row(a, b) == {"instructions": (4, 3), "stack_bytes": (0, 8),
-                                        "changed": {"FADD": -1, "FFMA": 2, "FMUL": -2}}
+                                        "changed": {"FADD": -1, "FFMA": 2, "FMUL": -2},
+                                        "wgmma_serialized": ("", b["wgmma_serialized"])}
 
 
 @pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -56,3 +58,4 @@ def test_a_diag_compiles_offline_and_its_opcode_change_shows(tmp_path: Path) -> 
     assert b < a
     # The exponentials are MUFU.EX2s: the unmasked step's go, the masked step's stay.
     assert row["changed"]["MUFU"] < 0
+    assert row["wgmma_serialized"] == ["", ""]  # (both pipeline their GEMMs)
