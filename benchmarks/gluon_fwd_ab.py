@@ -6,14 +6,16 @@ two rounds per head group, instead of the host's ``lpt_schedule``) and/or with
 ``--tile-overhead N`` (the schedule's cost of a tile beyond its KV blocks) and/or with
 ``--combine X`` (the split schedules' cost of a piece, ``COMBINE_BLOCKS_PER_PIECE``), beside
 cuDNN, on the PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
-an fp32 reference first; readings rotate over the candidates.
+an fp32 reference first, and a problem where one is wrong (beyond the template's tolerance)
+is not timed (``--allow-wrong`` times a B that is wrong by design, a DIAG that drops work);
+readings rotate over the candidates.
 
     python3 benchmarks/gluon_fwd_ab.py (--diag 3 [--diag-meaning TEXT] | --kernel-order
                                         | --tile-overhead 2 | --combine 1.5
                                         | --config kv_stages=3 ...)
         [--head-dims 128,64]
         [--seqlens 512,...] [--shapes BxHxNxD,...] [--causal none,top_left] [--rounds 5]
-        [--json DIR]
+        [--allow-wrong] [--json DIR]
 """
 
 from __future__ import annotations
@@ -92,14 +94,28 @@ def result_payload(env: dict[str, Any], diag: int, diag_meaning: str | None,
             "rows": rows}
 
 
+def result_check(errors: dict[str, float], tolerance: float,
+                 allow_wrong: bool) -> tuple[str | None, list[str]]:
+    """Whether a problem may be timed: (why not, or None; the sides whose results are wrong,
+    timed anyway). cuDNN and A must be right; B too, unless ``allow_wrong`` (a DIAG that
+    drops work by design). A NaN error counts as wrong."""
+    wrong = sorted(name for name, error in errors.items() if not error <= tolerance)
+    refused = [name for name in wrong if name != "B" or not allow_wrong]
+    if refused:
+        return (", ".join(f"{name}'s error {errors[name]:.1e}" for name in refused)
+                + f" > tolerance {tolerance:.0e}"), wrong
+    return None, wrong
+
+
 def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any,
                tile_overhead: int | None = None,
                overrides: dict[str, str] | None = None,
-               combine: float | None = None) -> dict[str, Any] | None:
+               combine: float | None = None, allow_wrong: bool = False) -> dict[str, Any] | None:
     """One problem: cuDNN, the default config (A) and the same with DIAG ``diag``, (if
     ``kernel_order``) the kernel's own causal order and the knobs of ``overrides`` (B),
     checked against fp32, then ``rounds`` readings each in rotation (medians). None when the
-    template refuses B's config for this problem."""
+    template refuses B's config for this problem, or when a side's results are wrong
+    (``result_check``)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -138,6 +154,12 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
         fns[side] = lambda plan=plan: plan(q, k, v)[0]
         grids[side] = plan.grid[0]
     errors = {name: relative_error(fn(), ref) for name, fn in fns.items()}
+    why, wrong = result_check(errors, TEMPLATE.tolerance(problem), allow_wrong)
+    if why is not None:
+        print(f"{problem.key():58s} not timed: {why}"
+              + ("" if "B" not in why or allow_wrong else
+                 " (--allow-wrong times a DIAG that is wrong by design)"), flush=True)
+        return None
     readings: dict[str, list[float]] = {name: [] for name in fns}
     for order in round_orders(list(fns), rounds):  # rotated and mirrored: no fixed follower
         for name in order:
@@ -145,7 +167,7 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
     ms = {name: statistics.median(r) for name, r in readings.items()}
     return {"problem": problem.key(), "config": cfg.key(), "config_b": cfg_b.key(), "ms": ms,
             "readings_ms": readings,
-            "errors": errors, "grid": grids}
+            "errors": errors, "grid": grids, "wrong_results": wrong}
 
 
 def main() -> int:
@@ -165,6 +187,9 @@ def main() -> int:
     parser.add_argument("--config", action="append", default=[], metavar="KNOB=VALUE",
                         help="the B side's config: the default with this knob changed "
                              "(repeatable)")
+    parser.add_argument("--allow-wrong", action="store_true",
+                        help="time B even where its results are wrong (a DIAG that drops work "
+                             "by design); without it such a problem is not timed")
     parser.add_argument("--causal", default="none,top_left")
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
@@ -204,14 +229,15 @@ def main() -> int:
         if problem.causal not in causal:
             continue
         row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device,
-                         args.tile_overhead, overrides, args.combine)
+                         args.tile_overhead, overrides, args.combine, args.allow_wrong)
         if row is None:
             continue
         rows.append(row)
         ms = row["ms"]
         print(f"{problem.key():58s} B/A time {ms['B'] / ms['A']:.3f}x   x cuDNN: "
               f"A {ms['cudnn'] / ms['A']:.3f}, B {ms['cudnn'] / ms['B']:.3f}   "
-              f"max error {max(row['errors'].values()):.1e}", flush=True)
+              f"max error {max(row['errors'].values()):.1e}"
+              + (" (B wrong by design)" if row["wrong_results"] else ""), flush=True)
     if args.json:
         out = Path(args.json) / result_name(args.diag, args.kernel_order, args.tile_overhead,
                                             overrides, args.combine)

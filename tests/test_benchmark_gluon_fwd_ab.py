@@ -56,3 +56,15 @@ def test_shapes_parse_and_name_what_is_wrong() -> None:
         ab.shapes("1x8x4096")
     with pytest.raises(ValueError, match="BxHxNxD"):
         ab.shapes("1x8xNx128")
+
+
+def test_wrong_results_are_not_timed_unless_b_is_wrong_by_design() -> None:
+    right = {"cudnn": 2e-3, "A": 2e-3, "B": 2e-3}
+    assert ab.result_check(right, 1e-2, allow_wrong=False) == (None, [])
+    wrong_b = {**right, "B": 0.5}
+    why, wrong = ab.result_check(wrong_b, 1e-2, allow_wrong=False)
+    assert why is not None and "B's error 5.0e-01" in why and wrong == ["B"]
+    assert ab.result_check(wrong_b, 1e-2, allow_wrong=True) == (None, ["B"])
+    # cuDNN and A are never allowed to be wrong; NaN is wrong.
+    why, _ = ab.result_check({**right, "A": float("nan")}, 1e-2, allow_wrong=True)
+    assert why is not None and "A's error nan" in why
