@@ -59,3 +59,19 @@ def test_a_diag_compiles_offline_and_its_opcode_change_shows(tmp_path: Path) -> 
     # The exponentials are MUFU.EX2s: the unmasked step's go, the masked step's stay.
     assert row["changed"]["MUFU"] < 0
     assert row["wgmma_serialized"] == ["", ""]  # (both pipeline their GEMMs)
+
+
+@pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
+def test_diag_12_compiles_offline_with_fewer_barrier_operations(tmp_path: Path) -> None:
+    # Session #17's experiment, not yet run on a GPU (S_first without a ping-pong turn):
+    # kept compiling until it is measured, its GEMMs still asynchronous.
+    out = tmp_path / "diff.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gluon_sass_diff.py"), "--diag",
+                           "12", "--shapes", "1x2x512x64", "--causal", "top_left", "--json",
+                           str(out)],
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["changed"]["SYNCS"] < 0  # the turn's mbarrier wait and arrive, per consumer
+    assert row["stack_bytes"][1] == 0 and row["wgmma_serialized"] == ["", ""]

@@ -767,6 +767,30 @@ def test_masks_and_schedules_match_the_reference_on_the_gpu(
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
+# Session #17's DIAG 12 (S_first issued without a ping-pong turn) until it is measured: the
+# same GEMMs and softmax, issued in another order, so the shipped kernel's bits.
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES + SCHEDULE_CASES, ids=lambda c: Problem(*c).key())
+def test_diag_12_gives_the_shipped_kernels_bits_on_the_gpu(
+        case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    if not is_hopper():
+        pytest.skip("gluon_fwd needs a Hopper GPU")
+    from templates import gluon_fwd_kernel
+    from templates.device import current_device
+
+    monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
+    problem = Problem(*case)
+    cfg = TEMPLATE.default_config(problem, current_device())
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+    q, k, v, mask = inputs["q"], inputs["k"], inputs["v"], inputs.get("block_mask")
+    plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal, scale=inputs["scale"],
+                                       config=cfg.to_dict(), diag=12, block_mask=mask)
+    o, lse = plan(q, k, v, mask)
+    assert TEMPLATE.error((o, lse), TEMPLATE.reference(inputs)) <= TEMPLATE.tolerance(problem)
+    shipped = TEMPLATE.run(inputs, cfg)
+    assert torch.equal(o, shipped[0]) and torch.equal(lse, shipped[1])
+
+
 @pytest.mark.gpu
 def test_strided_inputs_and_errors_on_the_gpu() -> None:
     if not is_hopper():
