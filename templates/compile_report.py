@@ -110,7 +110,7 @@ _SERIALIZED = re.compile(
 def wgmma_serialization(ptx: str | None) -> str | None:
     """Whether ptxas serializes the kernel's wgmma GEMMs (then each is waited for as soon as
     it is issued, so no softmax or load runs under one): its note (``C7511: ...``), "" when it
-    does not or the PTX has no wgmma, None without ptxas. Triton's own compile hides these
+    does not or the PTX has no wgmma, None without ptxas or when it fails. Triton's own compile hides these
     notes; a kernel change that trips one loses its overlap with no error (an accumulator in
     flight across a loop's back edge or meeting zeros at a join of two paths, say)."""
     if not ptx or "wgmma.mma_async" not in ptx:
@@ -126,6 +126,8 @@ def wgmma_serialization(ptx: str | None) -> str | None:
         done = subprocess.run([tool, f"-arch={target.group(1)}", "-v", source, "-o",
                                os.path.join(tmp, "kernel.cubin")],
                               capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return None  # (ptxas refused this PTX, e.g. an older one: nothing is known)
     notes = _SERIALIZED.findall(done.stdout + done.stderr)
     return "; ".join(f"{code}: {text}" for code, text in notes)
 

@@ -541,8 +541,8 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     assert kernel is not None
     causal_mode, softmax_scale = kernel.validate_inputs(q, k, v, causal, scale)
     if softmax_scale <= 0:
-        raise ValueError(f"scale must be positive (the unmasked softmax takes the row max "
-                         f"before scaling), but got {softmax_scale}")
+        raise ValueError(f"scale must be positive (the softmax takes the row max, and sets "
+                         f"hidden scores to -inf, before scaling), but got {softmax_scale}")
     if block_mask is not None:
         from templates.flash_fwd import check_block_mask
 

@@ -28,11 +28,13 @@ NOTE = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async ins
         "function 'k'\nptxas info    : Used 168 registers, used 3 barriers\n")
 
 
-def _stand_in_ptxas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prints: str) -> Path:
-    """A ptxas that records its arguments and prints ``prints`` on stderr."""
+def _stand_in_ptxas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prints: str,
+                    status: int = 0) -> Path:
+    """A ptxas that records its arguments, prints ``prints`` on stderr and exits ``status``."""
     (tmp_path / "out.txt").write_text(prints)
     tool = tmp_path / "ptxas"
-    tool.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\ncat {tmp_path}/out.txt >&2\n')
+    tool.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\ncat {tmp_path}/out.txt >&2\n'
+                    f"exit {status}\n")
     tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(compile_report, "_nvidia_tool", lambda name: str(tool))
     return tmp_path / "args"
@@ -63,4 +65,10 @@ def test_without_wgmma_ptxas_is_not_run(tmp_path: Path,
 
 def test_without_ptxas_the_answer_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_report, "_nvidia_tool", lambda name: None)
+    assert wgmma_serialization(PTX) is None
+
+
+def test_a_failing_ptxas_leaves_the_answer_unknown(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _stand_in_ptxas(tmp_path, monkeypatch, "ptxas fatal   : Unsupported .version 8.7\n", 255)
     assert wgmma_serialization(PTX) is None
