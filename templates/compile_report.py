@@ -102,6 +102,19 @@ def _cuobjdump() -> str | None:
     return _nvidia_tool("cuobjdump")
 
 
+@functools.cache
+def _ptxas(target: str) -> str | None:
+    """The ptxas that Triton itself runs for ``target`` (``sm_90a``): triton 3.9 bundles a
+    second, newer one for Hopper and later, and the first rejects 3.9's PTX."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        path = get_ptxas(int(re.sub(r"\D", "", target))).path
+        return path if path and os.access(path, os.X_OK) else None
+    except Exception:  # noqa: BLE001  (another triton's layout: the bundled or PATH one)
+        return _nvidia_tool("ptxas")
+
+
 _PTX_TARGET = re.compile(r"^\s*\.target\s+(sm_\w+)", re.MULTILINE)
 _SERIALIZED = re.compile(
     r"\((C75\d\d)\) Potential Performance Loss: (wgmma[^\n]*serialized[^\n]*)")
@@ -115,8 +128,8 @@ def wgmma_serialization(ptx: str | None) -> str | None:
     flight across a loop's back edge or meeting zeros at a join of two paths, say)."""
     if not ptx or "wgmma.mma_async" not in ptx:
         return ""
-    tool = _nvidia_tool("ptxas")
     target = _PTX_TARGET.search(ptx)
+    tool = _ptxas(target.group(1)) if target else None
     if tool is None or target is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,7 @@ def _stand_in_ptxas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prints: str
     tool.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\ncat {tmp_path}/out.txt >&2\n'
                     f"exit {status}\n")
     tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(compile_report, "_nvidia_tool", lambda name: str(tool))
+    monkeypatch.setattr(compile_report, "_ptxas", lambda target: str(tool))
     return tmp_path / "args"
 
 
@@ -64,7 +64,7 @@ def test_without_wgmma_ptxas_is_not_run(tmp_path: Path,
 
 
 def test_without_ptxas_the_answer_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compile_report, "_nvidia_tool", lambda name: None)
+    monkeypatch.setattr(compile_report, "_ptxas", lambda target: None)
     assert wgmma_serialization(PTX) is None
 
 
@@ -72,3 +72,13 @@ def test_a_failing_ptxas_leaves_the_answer_unknown(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     _stand_in_ptxas(tmp_path, monkeypatch, "ptxas fatal   : Unsupported .version 8.7\n", 255)
     assert wgmma_serialization(PTX) is None
+
+
+def test_the_ptxas_is_the_one_triton_runs_for_the_target() -> None:
+    # (triton 3.9 bundles two; the older one rejects 3.9's PTX, which left the check blind.)
+    tool = compile_report._ptxas("sm_90a")
+    if tool is None:
+        pytest.skip("no ptxas here")
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    assert tool == get_ptxas(90).path
