@@ -749,10 +749,10 @@ SCHEDULE_CASES = [(1, 2, 2, 1000, 1000, 64, "float16", "none", "sliding:300"),
                   (1, 1, 1, 300, 300, 64, "float16", "top_left")]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=lambda c: Problem(*c).key())
-def test_masks_and_schedules_match_the_reference_on_the_gpu(
-        case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+def _default_case_on_the_gpu(case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[Problem, GluonFwdConfig, dict[str, Any]]:
+    """A case's problem, its default config and its inputs on the GPU (seed 3), with the
+    kernel's outputs poisoned first (an unwritten element fails); skips off Hopper."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
     from templates import gluon_fwd_kernel
@@ -761,7 +761,14 @@ def test_masks_and_schedules_match_the_reference_on_the_gpu(
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)
     cfg = TEMPLATE.default_config(problem, current_device())
-    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+    return problem, cfg, TEMPLATE.make_inputs(problem, "cuda", seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=lambda c: Problem(*c).key())
+def test_masks_and_schedules_match_the_reference_on_the_gpu(
+        case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    problem, cfg, inputs = _default_case_on_the_gpu(case, monkeypatch)
     runs = [TEMPLATE.run(inputs, cfg) for _ in range(2)]
     assert TEMPLATE.error(runs[0], TEMPLATE.reference(inputs)) <= TEMPLATE.tolerance(problem)
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
@@ -773,15 +780,9 @@ def test_masks_and_schedules_match_the_reference_on_the_gpu(
 @pytest.mark.parametrize("case", GPU_CASES + SCHEDULE_CASES, ids=lambda c: Problem(*c).key())
 def test_diag_12_gives_the_shipped_kernels_bits_on_the_gpu(
         case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
-    if not is_hopper():
-        pytest.skip("gluon_fwd needs a Hopper GPU")
+    problem, cfg, inputs = _default_case_on_the_gpu(case, monkeypatch)
     from templates import gluon_fwd_kernel
-    from templates.device import current_device
 
-    monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
-    problem = Problem(*case)
-    cfg = TEMPLATE.default_config(problem, current_device())
-    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
     q, k, v, mask = inputs["q"], inputs["k"], inputs["v"], inputs.get("block_mask")
     plan = gluon_fwd_kernel.LaunchPlan(q, k, causal_mode=problem.causal, scale=inputs["scale"],
                                        config=cfg.to_dict(), diag=12, block_mask=mask)
