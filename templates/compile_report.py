@@ -98,10 +98,6 @@ def _nvidia_tool(name: str) -> str | None:
     return which(name)
 
 
-def _cuobjdump() -> str | None:
-    return _nvidia_tool("cuobjdump")
-
-
 @functools.cache
 def _ptxas(target: str) -> str | None:
     """The ptxas that Triton itself runs for ``target`` (``sm_90a``): triton 3.9 bundles a
@@ -123,14 +119,17 @@ _SERIALIZED = re.compile(
 def wgmma_serialization(ptx: str | None) -> str | None:
     """Whether ptxas serializes the kernel's wgmma GEMMs (then each is waited for as soon as
     it is issued, so no softmax or load runs under one): its note (``C7511: ...``), "" when it
-    does not or the PTX has no wgmma, None without ptxas or when it fails. Triton's own compile hides these
-    notes; a kernel change that trips one loses its overlap with no error (an accumulator in
-    flight across a loop's back edge or meeting zeros at a join of two paths, say)."""
+    does not or the PTX has no wgmma, None without ptxas or when it fails. Triton's own
+    compile hides these notes; a kernel change that trips one loses its overlap with no error
+    (an accumulator in flight across a loop's back edge or meeting zeros at a join of two
+    paths, say). ptxas runs a second time here (Triton keeps no output of its own run)."""
     if not ptx or "wgmma.mma_async" not in ptx:
         return ""
     target = _PTX_TARGET.search(ptx)
-    tool = _ptxas(target.group(1)) if target else None
-    if tool is None or target is None:
+    if target is None:
+        return None
+    tool = _ptxas(target.group(1))
+    if tool is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         source = os.path.join(tmp, "kernel.ptx")
@@ -147,7 +146,7 @@ def wgmma_serialization(ptx: str | None) -> str | None:
 
 def _cuobjdump_output(cubin: bytes | None, option: str) -> str | None:
     """What ``cuobjdump <option>`` prints for the cubin; None without the tool or a cubin."""
-    tool = _cuobjdump()
+    tool = _nvidia_tool("cuobjdump")
     if tool is None or not cubin:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -711,8 +711,10 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     O_FROM_REGISTERS: gl.constexpr = PERSISTENT and Q_SLOTS == 1
     # With two, the previous tile's O store is waited for under this tile's first GEMM.
     DEFER_O_WAIT: gl.constexpr = PERSISTENT and Q_SLOTS == 2 and DIAG != 3
-    # Whether S_first takes a ping-pong turn of its own (``_turns_per_tile_beyond_blocks``).
+    # Whether S_first takes a ping-pong turn of its own (``_turns_per_tile_beyond_blocks``);
+    # the turn of block j's GEMM batch (j > first) is then turn0 + j - first.
     S_FIRST_TURN: gl.constexpr = _turns_per_tile_beyond_blocks(DIAG)
+    turn0 = ev0 - 1 + S_FIRST_TURN
     prev_buf = ME * Q_SLOTS + (tc + 1) % Q_SLOTS
 
     if end > first:
@@ -749,7 +751,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         # -- blocks first + 1 .. end - 1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
             acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0 - first,
-            ev0 - first - 1 + S_FIRST_TURN, q_smem,
+            turn0 - first, q_smem,
             p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
             b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
             KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
@@ -762,7 +764,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         last = it0 + end - first - 1
         slot = last % KV_STAGES
         if PINGPONG:
-            mbarrier.wait(turns.index(ME), (ev0 + end - first - 1 + S_FIRST_TURN) & 1)
+            mbarrier.wait(turns.index(ME), (turn0 + end - first) & 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
         v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
@@ -905,8 +907,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
     if PERSISTENT:
         it0 = 0
         ev0 = 0
-        n_mine = _program_tiles(n_tiles, lists, TILE_ORDER)
-        for tc in range(n_mine):
+        for tc in range(_program_tiles(n_tiles, lists, TILE_ORDER)):
             t, first, end, piece, base, count = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
@@ -949,8 +950,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
     """The producer warp over its program's tiles (the consumers' sequence)."""
     if PERSISTENT:
         it0 = 0
-        n_mine = _program_tiles(n_tiles, lists, TILE_ORDER)
-        for tc in range(n_mine):
+        for tc in range(_program_tiles(n_tiles, lists, TILE_ORDER)):
             t, first, end, _, _, _ = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
