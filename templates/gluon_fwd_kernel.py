@@ -131,15 +131,6 @@ def _mma_layout(num_warps, n):
 
 # ----------------------------------------------------------------------------- softmax
 @gluon.constexpr_function
-def _turns_per_tile_beyond_blocks(diag):
-    """Ping-pong turns a consumer takes per tile beyond one per KV block: 1 for S_first's own
-    turn; 0 under DIAG 12 (session #17, a timing experiment until measured), where S_first
-    goes out without a turn, so a consumer that starts a tile first waits for its partner's
-    last PV of the tile before, not for its partner's epilogue."""
-    return 0 if diag == 12 else 1
-
-
-@gluon.constexpr_function
 def _halvings(n):
     """How many times a row of ``n`` columns halves before 8 are left (the columns of one
     wgmma accumulator row that lie in different registers of a thread)."""
@@ -668,8 +659,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     turns[1 - ME] over right after, so the two consumers' GEMMs alternate on the tensor cores
     and each one's softmax runs under the other's GEMMs. Every consumer issues n + 1 GEMM
     batches per tile of n = end - first blocks (S_first; S_j with PV_{j-1}; PV_last), the
-    k-th of the program waiting on phase k & 1 (``ev0`` batches came before this tile); under
-    DIAG 12 S_first takes no turn (n turns per tile, ``S_FIRST_TURN``).
+    k-th of the program waiting on phase k & 1 (``ev0`` batches came before this tile).
 
     Q (and O) buffer: ``tc % Q_SLOTS`` of this consumer for the program's ``tc``-th tile. With
     one slot, a persistent program hands it back once its last S GEMM completed (the next
@@ -711,10 +701,6 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     O_FROM_REGISTERS: gl.constexpr = PERSISTENT and Q_SLOTS == 1
     # With two, the previous tile's O store is waited for under this tile's first GEMM.
     DEFER_O_WAIT: gl.constexpr = PERSISTENT and Q_SLOTS == 2 and DIAG != 3
-    # Whether S_first takes a ping-pong turn of its own (``_turns_per_tile_beyond_blocks``);
-    # the turn of block j's GEMM batch (j > first) is then turn0 + j - first.
-    S_FIRST_TURN: gl.constexpr = _turns_per_tile_beyond_blocks(DIAG)
-    turn0 = ev0 - 1 + S_FIRST_TURN
     prev_buf = ME * Q_SLOTS + (tc + 1) % Q_SLOTS
 
     if end > first:
@@ -723,14 +709,14 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         start0 = _kv_start(first, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
         tile_base, tile_on = _mask_tile(first, n_full, lrow, m0, lists, BLOCK_N, SPARSE,
                                         MASK_BLOCK_Q, MASK_BLOCK_KV)
-        if PINGPONG and S_FIRST_TURN:
+        if PINGPONG:
             mbarrier.wait(turns.index(ME), ev0 & 1)
         mbarrier.wait(k_ready.index(slot0), (it0 // KV_STAGES) & 1)
         k_smem = k_bufs.index(slot0).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
                               is_async=True)
-        if PINGPONG and S_FIRST_TURN:
+        if PINGPONG:
             mbarrier.arrive(turns.index(1 - ME), count=1)
         if DEFER_O_WAIT:
             _release_o_buffer(q_empty, prev_buf, tc)
@@ -751,7 +737,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         # -- blocks first + 1 .. end - 1.
         acc, p_op, m_i, l_i, alpha = _kv_steps(
             acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0 - first,
-            turn0 - first, q_smem,
+            ev0 - first, q_smem,
             p_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns,
             b, kv_h, m0, offs_m, N_KV, causal_offset, qk_scale, ME, HEAD_DIM, BLOCK_N,
             KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM, SPARSE, MASK_BLOCK_Q,
@@ -764,7 +750,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         last = it0 + end - first - 1
         slot = last % KV_STAGES
         if PINGPONG:
-            mbarrier.wait(turns.index(ME), (turn0 + end - first) & 1)
+            mbarrier.wait(turns.index(ME), (ev0 + end - first) & 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
         v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
@@ -922,7 +908,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
                            MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX, TILE_ORDER >= 3)
             it0 += end - first
             if end > first:
-                ev0 += end - first + _turns_per_tile_beyond_blocks(DIAG)
+                ev0 += end - first + 1
         # The last tile's O store must have read shared memory before the program ends.
         tma.store_wait(0)
     else:
