@@ -55,6 +55,13 @@ BARRIER_BYTES = 512
 # compiled without spills and tiles of 224 spilled 128-1344 bytes; with 255 (no producer
 # warp) 176 compiled in 216-227 registers and 224 spilled.
 REGISTER_HEADROOM = 64
+# Registers one wgmma instruction needs beyond its accumulator (m64 x N: N / 2 per thread):
+# ptxas allocates every instruction within the kernel's maxnreg, even in a partition that
+# setmaxnreg raised above it, and asked for 154 at N = 256 (session #18, triton 3.6: two
+# programs per SM, maxnreg 128, 256-key blocks or D = 256 failed with C7602, "Insufficient
+# registers"; the other warp-specialized configs whose maxnreg is under their consumers'
+# budget compiled, d64-d256, docs/gluon_notes.md).
+WGMMA_OPERAND_REGS = 26
 # Shared memory of one SM (H100: 228 KiB), and what the system reserves per program.
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_PROGRAM = 1024
@@ -142,6 +149,12 @@ def shared_memory_estimate(problem: Problem, config: GluonFwdConfig) -> int:
     d = problem.head_dim
     cfg = config.to_dict()
     return kernel.shared_memory_bytes(d, cfg, kernel.q_slots(d, cfg)) + BARRIER_BYTES
+
+
+def kernel_maxnreg(config: GluonFwdConfig) -> int:
+    """The kernel's register limit per thread (maxnreg), which ptxas compiles it within."""
+    assert kernel is not None
+    return kernel.register_budget(config.to_dict())[0]
 
 
 def consumer_registers(config: GluonFwdConfig) -> int:
@@ -234,6 +247,13 @@ class GluonFwdTemplate(GluonTemplate):
         if cfg.ctas_per_sm * (smem + SMEM_RESERVED_PER_PROGRAM) > SMEM_PER_SM:
             return (f"{cfg.ctas_per_sm} programs of about {smem // 1024} KiB of shared memory "
                     f"each do not fit in an SM's {SMEM_PER_SM // 1024} KiB")
+        widest = max(cfg.BLOCK_N, problem.head_dim)  # the N of S = QK^T or of O += PV
+        maxnreg = kernel_maxnreg(cfg)
+        if widest // 2 + WGMMA_OPERAND_REGS > maxnreg:
+            return (f"a GEMM {widest} wide needs about {widest // 2 + WGMMA_OPERAND_REGS} "
+                    f"registers per thread in one instruction, more than the {maxnreg} that "
+                    f"ptxas compiles {cfg.ctas_per_sm} program(s) per SM within: use "
+                    f"ctas_per_sm=1 or BLOCK_N and D of 128 or less")
         live = live_per_thread(problem, cfg)
         budget = consumer_registers(cfg)
         if live > budget - REGISTER_HEADROOM:
