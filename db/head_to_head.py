@@ -65,12 +65,15 @@ def record_head_to_head_reading(s: Session, *, head_to_head_id: int, trial_id: i
     s.flush()
 
 
-def finish_head_to_head(s: Session, *, head_to_head_id: int) -> None:
-    """Mark a session finished: from now on its readings price its candidates."""
+def finish_head_to_head(s: Session, *, head_to_head_id: int, rounds: int | None = None) -> None:
+    """Mark a session finished: from now on its readings price its candidates. ``rounds``:
+    the rounds that ran, where a close call took more than the session started with."""
     row = s.get(HeadToHead, head_to_head_id)
     if row is None:
         raise LookupError(f"no head-to-head with id {head_to_head_id}")
     row.finished_at = utcnow()
+    if rounds is not None:
+        row.rounds = rounds
     s.flush()
 
 

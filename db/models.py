@@ -235,7 +235,8 @@ class RemeasurementClaim(Base):
 class HeadToHead(Base):
     """One side-by-side session of a problem on a device: the stored best config of each of
     its implementations' templates measured in one process, interleaved and rotated over
-    ``rounds`` rounds (``tuner.head_to_head``). Its readings price those bests only once it is
+    ``rounds`` rounds (``tuner.head_to_head``; once finished, the rounds that ran: a close
+    call's two fastest take more). Its readings price those bests only once it is
     finished (``finished_at``): a session killed half-way keeps what it measured, for the
     record, but changes no choice."""
 

@@ -39,6 +39,7 @@ from templates.registry import get_template
 from tuner.errors import TunerError
 from tuner.head_to_head import (
     DEFAULT_HEAD_TO_HEAD_ROUNDS,
+    DEFAULT_MAX_ROUNDS_FACTOR,
     HeadToHeadResult,
     HeadToHeadStore,
     candidates_for,
@@ -107,8 +108,10 @@ class SweepOptions:
     finalists: int = DEFAULT_FINALISTS
     final_repeats: int = DEFAULT_FINAL_REPEATS
     # At the end, per problem of two implementations or more: rounds of their bests measured
-    # side by side, whose medians price them (0: off).
+    # side by side, whose medians price them (0: off); a close call between the two fastest
+    # takes more, up to head_to_head_max_rounds (None: DEFAULT_MAX_ROUNDS_FACTOR x as many).
     head_to_head_rounds: int = DEFAULT_HEAD_TO_HEAD_ROUNDS
+    head_to_head_max_rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_s < 1:
@@ -139,6 +142,13 @@ class SweepOptions:
                              f"e.g. --head-to-head-rounds {DEFAULT_HEAD_TO_HEAD_ROUNDS}; "
                              "--head-to-head-rounds 0 prices each implementation by its own "
                              "search's readings")
+        if (self.head_to_head_max_rounds is not None
+                and self.head_to_head_max_rounds < self.head_to_head_rounds):
+            raise TunerError(f"--head-to-head-max-rounds ({self.head_to_head_max_rounds}) must "
+                             f"be >= --head-to-head-rounds ({self.head_to_head_rounds})",
+                             f"e.g. --head-to-head-max-rounds "
+                             f"{DEFAULT_MAX_ROUNDS_FACTOR * self.head_to_head_rounds}; as "
+                             "many as --head-to-head-rounds gives close calls no more rounds")
 
 
 @dataclass(frozen=True)
@@ -607,8 +617,10 @@ def _head_to_heads(shared: _Shared, device: dict[str, Any],
                 emit(HeadToHeadStarted(label, tuple(c.template.name for c in candidates),
                                        rounds))
                 result = run_head_to_head(
-                    store, runner, candidates, label=label, problem=problem, rounds=rounds,
-                    timeout_s=options.timeout_s, stop=shared.stop,
+                    store, runner, candidates, label=label, problem=problem, device=info,
+                    rounds=rounds,
+                    max_rounds=options.head_to_head_max_rounds, timeout_s=options.timeout_s,
+                    stop=shared.stop,
                     seed=None if options.seed is None else options.seed * 1000 + index)
             except Exception as exc:
                 log.warning("the head-to-head of %s failed; its bests stay as the sweep stored "

@@ -22,6 +22,7 @@ from templates import Problem, current_device, get_template
 from tuner.attention import clear_plans
 from tuner.bundle import make_bundle, store_bundle, validate_bundle
 from tuner.dispatch import Call, Choice, choose
+from tuner.errors import TunerError
 from tuner.head_to_head import compared_templates, rotation
 from tuner.lookup import ConfigResolver, set_resolver
 from tuner.runner.outcome import TrialOutcome, TrialRequest
@@ -250,3 +251,58 @@ def test_bundles_carry_the_sweeps_own_readings(sqlite_url: str, tmp_path: Any) -
         store_bundle(s, validate_bundle(exported))
     dispose_engine(other)
     assert chosen(other).implementation.name == "sdpa"
+
+
+def stored_rounds(url: str) -> list[int]:
+    with session_scope(url, write=False) as s:
+        return list(s.scalars(select(HeadToHead.rounds).order_by(HeadToHead.id)))
+
+
+def test_a_close_call_takes_rounds_until_its_readings_decide(sqlite_url: str) -> None:
+    # Side by side, flash is faster in every round, but the readings swing more than the gap
+    # (ranges overlap): 5 wins of 5 is not enough (p = 1/16), the 6th round decides.
+    sdpa = [1.0] * SWEEP_READINGS + [1.02, 1.05] * 10
+    flash = [1.1] * SWEEP_READINGS + [1.01, 1.04] * 10
+    report = sweep(sqlite_url, ScriptedRunner({"torch_sdpa": sdpa, "flash_fwd": flash}))
+    (result,) = report.head_to_heads
+    assert result.finished and result.rounds == 6 and stored_rounds(sqlite_url) == [6]
+    assert {c.template: len(c.runs_ms) for c in result.candidates} == {
+        "torch_sdpa": 6, "flash_fwd": 6}
+    ((_, readings),) = sessions(sqlite_url)
+    assert [(r, p, t) for r, p, t, _ in readings[-2:]] == [(5, 0, "flash_fwd"),
+                                                         (5, 1, "torch_sdpa")]
+    assert chosen(sqlite_url).implementation.name == "flash"
+
+
+def test_a_tie_stops_at_the_most_rounds(sqlite_url: str) -> None:
+    sdpa = [1.0] * SWEEP_READINGS + [1.0, 1.1] * 10
+    flash = [1.1] * SWEEP_READINGS + [1.1, 1.0] * 10
+    runner = ScriptedRunner({"torch_sdpa": sdpa, "flash_fwd": flash})
+    report = sweep(sqlite_url, runner, head_to_head_max_rounds=7)
+    (result,) = report.head_to_heads
+    assert result.rounds == 7 and stored_rounds(sqlite_url) == [7]
+    assert runner.calls == {"torch_sdpa": SWEEP_READINGS + 7, "flash_fwd": SWEEP_READINGS + 7}
+
+
+def test_a_clear_call_takes_the_rounds_asked_for(sqlite_url: str) -> None:
+    runner = ScriptedRunner({"torch_sdpa": SDPA, "flash_fwd": FLASH})  # 1.2 against 1.0
+    (result,) = sweep(sqlite_url, runner).head_to_heads
+    assert result.rounds == 5 and stored_rounds(sqlite_url) == [5]
+
+
+def test_a_close_call_compares_what_the_dispatcher_prices(sqlite_url: str) -> None:
+    # A training step: SDPA's forward + backward in one template against flash forward plus
+    # flash backward. Per round, flash's sum (2.95, 3.05) beats SDPA's (3.0, 3.1) every time,
+    # the ranges overlapping: all three templates take the 6th round. The forward alone,
+    # 1.0, is not a price of its own, so the two flash templates are never compared.
+    script = {"torch_sdpa_train": [3.0] * SWEEP_READINGS + [3.0, 3.1] * 10,
+              "flash_fwd": [1.0], "flash_bwd": [2.0] * SWEEP_READINGS + [1.95, 2.05] * 10}
+    runner = ScriptedRunner(script)
+    (result,) = sweep(sqlite_url, runner, templates=tuple(script)).head_to_heads
+    assert result.rounds == 6
+    assert runner.calls == dict.fromkeys(script, SWEEP_READINGS + 6)
+
+
+def test_more_rounds_than_the_most_is_refused() -> None:
+    with pytest.raises(TunerError, match=r"--head-to-head-max-rounds \(3\) must be >= "):
+        SweepOptions(head_to_head_rounds=5, head_to_head_max_rounds=3)

@@ -446,9 +446,9 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
         display.handle(HeadToHeadStarted("B1 H2 N32 D16", ("torch_sdpa", "flash_fwd"), 5))
         side_by_side = HeadToHeadResult(
             "B1 H2 N32 D16", TOY_PROBLEM.to_dict(), 5, session=1, finished=True, candidates=[
-                CandidateResult("torch_sdpa", {}, [1.2] * 5, 1.2, 1.0),
-                CandidateResult("flash_fwd", {}, [0.9], failed="wrong_result: error 0.5"),
-                CandidateResult("gluon_fwd", {}, [1.1] * 5, 1.1, 1.1)])
+                CandidateResult("torch_sdpa", {}, dict.fromkeys(range(5), 1.2), 1.2, 1.0),
+                CandidateResult("flash_fwd", {}, {0: 0.9}, failed="wrong_result: error 0.5"),
+                CandidateResult("gluon_fwd", {}, dict.fromkeys(range(5), 1.1), 1.1, 1.1)])
         display.handle(HeadToHeadFinished(side_by_side))
         display.close()
         report = ProblemReport(label=task.label, template="toy_add", template_version="v",

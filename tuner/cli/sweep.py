@@ -75,6 +75,11 @@ def sweep(
                                       "configs measured side by side, rotated; their medians "
                                       "price them for the dispatcher; 0: off (default: the "
                                       "spec's, else 5)", show_default=False)] = None,
+    head_to_head_max_rounds: Annotated[int | None, typer.Option(
+        "--head-to-head-max-rounds", help="rounds a close call between the two fastest may "
+                                          "take (more rounds of those two, until their "
+                                          "readings decide; default: twice "
+                                          "--head-to-head-rounds)", show_default=False)] = None,
     template: Annotated[list[str] | None, typer.Option(
         "--template", help="with --shape: template(s) to tune (default flash_fwd)")] = None,
     shape: Annotated[list[str] | None, typer.Option(
@@ -133,7 +138,8 @@ def sweep(
                                                       DEFAULT_FINAL_REPEATS),
                            head_to_head_rounds=_first_given(
                                head_to_head_rounds, resolved.head_to_head_rounds,
-                               DEFAULT_HEAD_TO_HEAD_ROUNDS))
+                               DEFAULT_HEAD_TO_HEAD_ROUNDS),
+                           head_to_head_max_rounds=head_to_head_max_rounds)
     if note and not json_out:
         console.print(f"[yellow]{note}[/]")
     stop = threading.Event()
@@ -295,8 +301,11 @@ def head_to_head_line(result: Any) -> str:
     ranked = sorted(result.candidates, key=lambda c: (c.median_ms is None, c.median_ms or 0))
     parts = [f"{c.template} {c.median_ms:.4g} ms" if c.median_ms is not None
              else f"{c.template} out ({c.failed})" for c in ranked]
+    counts = sorted({len(c.runs_ms) for c in ranked if c.median_ms is not None})
+    rounds = (f"{counts[0]} rounds" if len(counts) == 1
+              else f"{counts[0]} rounds, {counts[-1]} for the close call")
     return (f"[green]done[/] head-to-head {result.label}: {', '.join(parts)} "
-            f"(medians of {result.rounds} rounds)")
+            f"(medians of {rounds})")
 
 
 def _remeasured(p: Any) -> str:
