@@ -46,6 +46,7 @@ class SideBySide:
     session: int  # the head-to-head's id
     times_ms: tuple[float, ...]
     gflop: float  # the problem's work: TFLOP/s x ms of any one of the readings
+    rounds: tuple[int, ...] = ()  # the round of each reading (pairs it with the others')
 
     @property
     def median_ms(self) -> float:
@@ -94,7 +95,8 @@ class Measured:
     def priced_readings(self) -> Readings:
         """The readings its stored time is the median of: its head-to-head's, else its own."""
         if self.side_by_side is not None:
-            return Readings(self.side_by_side.times_ms, self.side_by_side.session)
+            return Readings(self.side_by_side.times_ms, self.side_by_side.session,
+                            self.side_by_side.rounds)
         return self.readings
 
     @property
@@ -119,6 +121,12 @@ class Readings:
     # The head-to-head (session id) they were read in, side by side with the problem's other
     # implementations (None: its own first reading and re-measurements).
     head_to_head: int | None = None
+    # There: the round of each reading, so that two implementations' readings pair up.
+    rounds: tuple[int, ...] = ()
+
+    def by_round(self) -> dict[int, float]:
+        """Round -> time, of a head-to-head's readings ({} for a search's own)."""
+        return dict(zip(self.rounds, self.times_ms, strict=True)) if self.rounds else {}
 
     @property
     def count(self) -> int:

@@ -95,17 +95,18 @@ def side_by_side_of(s: Session, *, trials: Select[Any]) -> dict[int, TrialSideBy
 def _readings() -> Select[*tuple[Any, ...]]:
     return (select(HeadToHeadReading.trial_id, HeadToHeadReading.head_to_head_id,
                    HeadToHead.finished_at, HeadToHeadReading.status, HeadToHeadReading.reason,
-                   HeadToHeadReading.median_ms, HeadToHeadReading.tflops)
+                   HeadToHeadReading.median_ms, HeadToHeadReading.tflops,
+                   HeadToHeadReading.round)
             .join(HeadToHead, HeadToHeadReading.head_to_head_id == HeadToHead.id)
             .order_by(HeadToHeadReading.head_to_head_id, HeadToHeadReading.id))
 
 
 def _fold(rows: Iterable[Any]) -> dict[int, TrialSideBySide]:
     """``_readings`` rows, in their order (sessions ascending), by trial."""
-    # trial id -> (session id, [(ms, tflops)]) of its latest finished session so far
-    latest: dict[int, tuple[int, list[tuple[float, float]]]] = {}
+    # trial id -> (session id, [(ms, tflops, round)]) of its latest finished session so far
+    latest: dict[int, tuple[int, list[tuple[float, float, int]]]] = {}
     failed: dict[int, str] = {}
-    for trial_id, session, finished_at, status, reason, ms, tflops in rows:
+    for trial_id, session, finished_at, status, reason, ms, tflops, round_ in rows:
         if TrialStatus(status) != TrialStatus.OK or not ms or not tflops:
             failed.setdefault(trial_id, f"{TrialStatus(status).value}: {reason} "
                                         f"(head-to-head {session})")
@@ -115,14 +116,15 @@ def _fold(rows: Iterable[Any]) -> dict[int, TrialSideBySide]:
         current = latest.get(trial_id)
         if current is None or current[0] != session:  # sessions come in ascending order
             current = latest[trial_id] = (session, [])
-        current[1].append((ms, tflops))
+        current[1].append((ms, tflops, round_))
     out: dict[int, TrialSideBySide] = {}
     for trial_id in latest.keys() | failed.keys():
         found = latest.get(trial_id)
         readings = None
         if found is not None:
             session, times = found
-            readings = SideBySide(session=session, times_ms=tuple(ms for ms, _ in times),
-                                  gflop=times[0][0] * times[0][1])
+            readings = SideBySide(session=session, times_ms=tuple(t[0] for t in times),
+                                  gflop=times[0][0] * times[0][1],
+                                  rounds=tuple(t[2] for t in times))
         out[trial_id] = TrialSideBySide(readings, failed.get(trial_id))
     return out

@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 
 import tuner.implementations  # noqa: F401  (registers the implementations)
 from db import crud
-from db.finalists import Measured, choose_best
+from db.finalists import Measured, Readings, choose_best
+from tuner.close_calls import decided
 from tuner.dispatch import BASELINE, get_implementation, implementations
 from tuner.wire import BackendTime, ProblemWinner, WinnersOut
 
@@ -63,12 +64,13 @@ def backend_times(configs: Iterable[tuple[Mapping[str, Any], Measured]]
 
 def rank_problems(rows: Iterable[Any], version_of: VersionOf,
                   sdpa_backends: Mapping[str, dict[str, BackendTime]] | None = None,
-                  head_to_heads: Mapping[int, int] | None = None
+                  head_to_heads: Mapping[int, Readings] | None = None
                   ) -> tuple[list[ProblemWinner], int]:
     """The problems of ``rows`` (``db.models.BestConfig`` of one device, template loaded),
     each with its winner, ranked as the dispatcher ranks; and how many rows were stale.
     ``sdpa_backends``: each SDPA backend's time, by problem key (``backend_times``);
-    ``head_to_heads``: the head-to-head a best's time comes from, by best id."""
+    ``head_to_heads``: by best id, the head-to-head readings a best's time comes from
+    (``Readings.head_to_head`` set)."""
     sdpa_backends = sdpa_backends or {}
     head_to_heads = head_to_heads or {}
     impl_of = forward_templates()
@@ -84,10 +86,11 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
             continue
         entry = by_problem.setdefault(row.problem_key, {
             "problem": dict(row.problem), "tflops": {}, "median_ms": {}, "configs": {},
-            "head_to_head": {}})
+            "head_to_head": {}, "readings": {}})
         impl = impl_of[name]
         if row.id in head_to_heads:
-            entry["head_to_head"][impl] = head_to_heads[row.id]
+            entry["head_to_head"][impl] = head_to_heads[row.id].head_to_head
+            entry["readings"][impl] = head_to_heads[row.id]
         entry["tflops"][impl] = float(row.tflops)
         entry["median_ms"][impl] = float(row.median_ms)
         entry["configs"][impl] = dict(row.config)
@@ -105,8 +108,19 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
             why=("fastest measured" if measured_baseline else
                  f"{baseline.forward} not measured: torch SDPA runs as the user's call would"),
             tflops=tflops, median_ms=entry["median_ms"], configs=entry["configs"],
-            head_to_head=entry["head_to_head"], sdpa_backends=sdpa_backends.get(key, {})))
+            head_to_head=entry["head_to_head"], sdpa_backends=sdpa_backends.get(key, {}),
+            decided=(_decided(entry["readings"].get(winner), entry["readings"].get(runner_up))
+                     if measured_baseline and runner_up else None)))
     return items, stale
+
+
+def _decided(winner: Readings | None, runner_up: Readings | None) -> bool | None:
+    """Whether the winner's and the runner-up's readings of one head-to-head tell them
+    apart (``tuner.close_calls.decided``); None where they do not come from the same one."""
+    if (winner is None or runner_up is None or winner.head_to_head is None
+            or winner.head_to_head != runner_up.head_to_head):
+        return None
+    return decided(winner.by_round(), runner_up.by_round())
 
 
 def stored_winners(s: Session, *, device: str, version_of: VersionOf,
@@ -131,8 +145,7 @@ def stored_winners(s: Session, *, device: str, version_of: VersionOf,
     sdpa = get_implementation(BASELINE).forward
     trials = (crud.measured_configs(s, device_key=key, template_name=sdpa,
                                     template_version=version_of(sdpa)) if rows else {})
-    sessions = {best_id: found.head_to_head
-                for best_id, found in crud.best_readings(s, rows).items()
+    sessions = {best_id: found for best_id, found in crud.best_readings(s, rows).items()
                 if found.head_to_head is not None}
     items, stale = rank_problems(rows, version_of, {
         problem_key: backend_times(configs) for problem_key, configs in trials.items()},

@@ -247,6 +247,11 @@ class ProblemWinner(WireModel):
         description="by implementation whose stored best took part in a finished head-to-head "
                     "of the problem: that head-to-head's id (its tflops and median_ms are the "
                     "median of the side-by-side readings there); others are absent")
+    decided: bool | None = Field(
+        None, description="whether the winner's and the runner-up's readings in the head-to-head "
+                          "both come from tell them apart (their ranges apart, or a sign test "
+                          "over its rounds at p <= 0.05, tuner.close_calls); false: within the "
+                          "readings' noise, either would do; null: not read in one head-to-head")
     sdpa_backends: dict[str, BackendTime] = Field(
         default_factory=dict,
         description="by SDPA backend (torch_sdpa's backend knob: cudnn, flash, efficient, "

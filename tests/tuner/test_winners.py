@@ -263,3 +263,47 @@ def test_the_winners_table_shows_each_sdpa_backend(target: Target) -> None:
     assert code == 0, err
     assert "sdpa backends" in out and "cudnn 0.8 ms, efficient 1.5 ms" in out
     assert "flash" not in out.split("sdpa backends")[1]
+
+
+def side_by_side(s: Session, t: Target, p: Problem, readings: dict[int, list[float]]) -> int:
+    """A finished head-to-head of ``p``: by trial id, its readings round after round; both
+    templates' bests refreshed. Its id."""
+    session = head_to_head.start_head_to_head(s, device_id=t.device_id, problem=p.to_dict(),
+                                              rounds=len(next(iter(readings.values()))))
+    for position, (trial_id, times_ms) in enumerate(readings.items()):
+        for n, ms in enumerate(times_ms):
+            head_to_head.record_head_to_head_reading(
+                s, head_to_head_id=session, trial_id=trial_id, round=n, position=position,
+                status=TrialStatus.OK, median_ms=ms, tflops=SDPA.flops(p) / (ms * 1e9))
+    head_to_head.finish_head_to_head(s, head_to_head_id=session)
+    for template in (t.sdpa, t.flash):
+        crud.refresh_best(s, device_id=t.device_id, template_id=template,
+                          problem_key=SDPA.problem_key(p))
+    return session
+
+
+def test_a_winner_within_its_head_to_heads_noise_says_so(target: Target) -> None:
+    clear, close, apart = small(64), small(128), small(256)
+    with session_scope(target.url) as s:
+        for p, sdpa_ms, flash_ms in (
+                # flash faster in 6 rounds of 6, the ranges overlapping: a sign test decides.
+                (clear, [1.02, 1.05, 1.02, 1.05, 1.02, 1.05], [1.01, 1.04, 1.01, 1.04, 1.01, 1.04]),
+                # flash faster by its median, but in 4 rounds of 6: noise.
+                (close, [1.02, 1.05, 1.02, 1.05, 1.01, 1.01],
+                 [1.00, 1.03, 1.00, 1.03, 1.015, 1.015]),
+                # 3 rounds, the ranges apart.
+                (apart, [1.2, 1.3, 1.25], [1.0, 1.1, 1.05])):
+            sdpa = trial(s, target, p, {"backend": "cudnn"}, sdpa_ms[0])
+            flash = trial(s, target, p, {"BLOCK_M": 64}, flash_ms[0], template=target.flash)
+            side_by_side(s, target, p, {sdpa: sdpa_ms, flash: flash_ms})
+        # Each measured alone, never side by side: nothing to say.
+        alone = small(512)
+        trial(s, target, alone, {"backend": "cudnn"}, 1.0)
+        trial(s, target, alone, {"BLOCK_M": 64}, 0.9, template=target.flash)
+    found = winners_of(target.url)
+    assert {n: (found[n, n].winner, found[n, n].decided) for n in (64, 128, 256, 512)} == {
+        64: ("flash", True), 128: ("flash", False), 256: ("flash", True), 512: ("flash", None)}
+    code, out, err = cli("winners", "--db", target.url)
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if "sdpa" in line and "x " in line]
+    assert sum("(noise)" in line for line in rows) == 1, out

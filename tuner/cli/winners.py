@@ -72,13 +72,16 @@ def winners(
         table.add_column("sdpa backends", overflow="fold")
     for it in found.items:
         margin = f"{it.margin:.2f}x {it.runner_up}" if it.margin else it.why
+        if it.margin and it.decided is False:
+            margin += " (noise)"
         table.add_row(problem_label(it.problem), it.winner, margin,
                       *(fmt_tflops(it.tflops.get(n)) + (" (h2h)" if n in it.head_to_head
                                                          else "") for n in names),
                       *([backends_text(it.sdpa_backends)] if backends else []))
     console.print(table)
     console.print("TFLOP/s of each implementation's stored best; margin: the winner over the "
-                  "runner-up (docs/DISPATCH.md); (h2h): the median of the problem's "
+                  "runner-up (docs/DISPATCH.md), (noise) where their head-to-head's "
+                  "readings do not tell them apart; (h2h): the median of the problem's "
                   "head-to-head, its implementations measured side by side"
                   + ("; sdpa backends: each SDPA backend's best time, fastest first (a failed "
                      "one is not listed)" if backends else ""))
