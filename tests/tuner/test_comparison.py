@@ -12,15 +12,20 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from db import crud, head_to_head
-from db.models import TrialStatus
 from db.session import dispose_engine, session_scope
 from templates import current_device, get_template
 from templates.base import Problem
 from tests.api.serving_data import TOKEN, tuned_config
 from tests.tuner.test_dispatch_through_service import CASES, HERE, seeded
 from tests.tuner.test_sweep_cli import cli
-from tests.tuner.test_winners import SDPA, Target, small, target, trial  # noqa: F401
+from tests.tuner.test_winners import (  # noqa: F401  (target: a fixture)
+    SDPA,
+    Target,
+    side_by_side,
+    small,
+    target,
+    trial,
+)
 from tuner.comparison import compare_in_database
 from tuner.settings import load_settings
 from tuner.wire import BestOut, ImplementationsCompared
@@ -85,17 +90,8 @@ def test_backends_and_head_to_head_times_are_shown(target: Target) -> None:  # n
         trial(s, target, p, {"backend": "efficient"}, 1.8)
         ours = trial(s, target, p, tuned_config(p, current_device()), 0.7,
                      template=target.flash)
-        session = head_to_head.start_head_to_head(s, device_id=target.device_id,
-                                                  problem=p.to_dict(), rounds=3)
-        for n, (a, b) in enumerate(((0.95, 0.9), (0.97, 0.92), (0.96, 0.91))):
-            for position, (trial_id, ms) in enumerate(((sdpa, a), (ours, b))):
-                head_to_head.record_head_to_head_reading(
-                    s, head_to_head_id=session, trial_id=trial_id, round=n, position=position,
-                    status=TrialStatus.OK, median_ms=ms, tflops=SDPA.flops(p) / (ms * 1e9))
-        head_to_head.finish_head_to_head(s, head_to_head_id=session)
-        for template in (target.sdpa, target.flash):
-            crud.refresh_best(s, device_id=target.device_id, template_id=template,
-                              problem_key=SDPA.problem_key(p))
+        session = side_by_side(s, target, p, {sdpa: [0.95, 0.97, 0.96],
+                                              ours: [0.9, 0.92, 0.91]})
     mine, theirs = local(target.url, p), served(target.url, p)
     assert theirs == mine
     assert (mine.winner, mine.runner_up) == ("flash", "sdpa")
