@@ -1783,7 +1783,7 @@ WINNERS_SHARE_TARGET = 0.75
 def winners_section(src: Source, data: dict[str, Any]) -> Section:
     """``tuner winners --json``: per problem the winner, its margin over the runner-up, and
     torch SDPA's time over our best's."""
-    cells, ours = [], 0
+    cells, ours, ours_in_noise = [], 0, 0
     try:
         for r in sorted(data["rows"], key=lambda r: (int(r["problem"]["head_dim"]),
                                                      str(r["problem"]["causal"]),
@@ -1792,10 +1792,14 @@ def winners_section(src: Source, data: dict[str, Any]) -> Section:
             mine = [_num(v) for k, v in ms.items() if k != "sdpa" and _num(v) is not None]
             best_ours = min(mine) if mine else None
             ours += r["winner"] != "sdpa"
+            # (Rows of winners files older than the field have no "decided".)
+            in_noise = r.get("decided") is False
+            ours_in_noise += in_noise and r["winner"] != "sdpa"
             cells.append([f"d{p['head_dim']} {_n(int(p['seqlen_q']))} "
                           f"{'dense' if p['causal'] == 'none' else 'causal'} "
                           f"(B{p['batch']} H{p['heads_q']})", str(r["winner"]),
-                          _x(_num(r["margin"])), _x(_ratio(_num(ms.get("sdpa")), best_ours)),
+                          _x(_num(r["margin"])) + (" (noise)" if in_noise else ""),
+                          _x(_ratio(_num(ms.get("sdpa")), best_ours)),
                           ", ".join(f"{k} {_ms(_num(v))}" for k, v in sorted(ms.items()))])
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"a row without {exc}") from exc
@@ -1804,7 +1808,9 @@ def winners_section(src: Source, data: dict[str, Any]) -> Section:
           "`tuner winners --json` after a sweep: per problem the implementation the dispatcher "
           "runs (fastest in the sweep's head-to-head), its *margin* over the runner-up, and "
           "*SDPA / ours*: torch SDPA's time over our fastest kernel's (above 1: ours is "
-          "faster). Times in ms, medians of the head-to-head's rounds.", ""]
+          "faster). Times in ms, medians of the head-to-head's rounds. *(noise)*: the "
+          "head-to-head's readings do not tell the winner from the runner-up "
+          "(`tuner.close_calls`; files from before that field say nothing).", ""]
     md += _table(["problem", "winner", "margin", "SDPA / ours", "ms"], cells)
     md.append("")
     if "standard" not in src.path.name:
@@ -1815,7 +1821,9 @@ def winners_section(src: Source, data: dict[str, Any]) -> Section:
         f">= {100 * WINNERS_SHARE_TARGET:.0f}% of problems",
         f"{ours} of {len(cells)}" if cells else "no rows",
         None if share is None else share >= WINNERS_SHARE_TARGET,
-        "not measured" if share is None else _share_margin(ours, len(cells)))
+        "not measured" if share is None else _share_margin(ours, len(cells))
+        + (f"; {ours_in_noise} of ours within the head-to-head's noise" if ours_in_noise
+           else ""))
     return Section(src, md, [target])
 
 
