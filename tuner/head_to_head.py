@@ -271,7 +271,7 @@ def run_head_to_head(store: HeadToHeadStore, runner: Runner, candidates: Sequenc
 
 
 def close_call_candidates(results: Sequence[CandidateResult],
-                calls: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
+                          calls: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
     """The candidates to measure in one more round: per call (its implementations, each as
     the indices of its templates' candidates), the two cheapest implementations still in
     the running, priced as the dispatcher prices them (the sum of their templates' medians),
