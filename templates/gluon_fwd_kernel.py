@@ -194,6 +194,8 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
         alpha = gl.exp2(m_i - m_shift)
+        if DIAG == 13:  # a row that has seen no key yet keeps alpha 1, not 0: no rescale
+            alpha = gl.where(m_new == m_i, 1.0, alpha)
         l_new = l_i * alpha + gl.sum(p, 1)
     elif DIAG == 2:
         p = s
