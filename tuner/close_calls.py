@@ -1,9 +1,10 @@
 """Whether a head-to-head's readings decide which of its two fastest candidates is faster, so
 that a close call gets more rounds instead of being settled by noise (``tuner.head_to_head``).
 
-Five rotated rounds decide rows more than ~1% apart; closer rows came out either way from one
-run to the next on the H200 (gluon against cuDNN at d128 2k dense: 0.997x in session #17's
-`standard` sweep, 1.011x in session #18's A/B). Two tests, either of which settles the call:
+Five rotated rounds left rows a few percent apart to noise on the H200: gluon against cuDNN
+at d128 2k dense read 0.997x in session #17's `standard` sweep and 1.011x in session #18's
+A/B, and in session #18's sweep 6 rows with median gaps of 0.6-3.7% stayed undecided over 10
+rounds (docs/gluon_notes.md). Two tests, either of which settles the call:
 
 - the ranges are apart: the leader's slowest reading is faster than the runner-up's fastest;
 - a sign test over the rounds both ran: the leader (the faster median) was faster in so many
