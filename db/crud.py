@@ -606,7 +606,7 @@ def best_readings(s: Session, bests: Sequence[BestConfig]) -> dict[int, Readings
     for best in bests:
         side = priced.get(best.trial_id) if best.trial_id is not None else None
         if side is not None:
-            out[best.id] = Readings(side.times_ms, side.session, side.rounds)
+            out[best.id] = side.readings()
             continue
         found = times.get(best.trial_id) if best.trial_id is not None else None
         out[best.id] = Readings(tuple(found) if found else (best.median_ms,))

@@ -56,6 +56,10 @@ class SideBySide:
     def tflops(self) -> float:
         return self.gflop / self.median_ms
 
+    def readings(self) -> Readings:
+        """These readings as a stored best rests on them (``Readings``)."""
+        return Readings(self.times_ms, self.session, self.rounds)
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -95,8 +99,7 @@ class Measured:
     def priced_readings(self) -> Readings:
         """The readings its stored time is the median of: its head-to-head's, else its own."""
         if self.side_by_side is not None:
-            return Readings(self.side_by_side.times_ms, self.side_by_side.session,
-                            self.side_by_side.rounds)
+            return self.side_by_side.readings()
         return self.readings
 
     @property
