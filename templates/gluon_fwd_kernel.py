@@ -115,10 +115,6 @@ SMEM_PER_PROGRAM = 227 * 1024 - 1024
 SCHEDULE_ENTRY = gl.constexpr(ENTRY_INTS)
 WHOLE = gl.constexpr(WHOLE_BLOCKS)
 
-# DIAG 13 (session #18, a timing experiment until measured): how far (log2 units) a row's
-# exponent shift may lag behind its running max before it moves, so that p <= 2^8 = 256.
-RESCALE_SLACK = gl.constexpr(8.0)
-
 # Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
 # so an element the kernel forgets to write shows up as NaN instead of stale memory.
 DEBUG_POISON = False
@@ -179,9 +175,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
     (p = s * qk_scale - m), 2 drops the whole unmasked softmax (p = s), both wrong results;
     3 (right results) makes a persistent consumer wait for its O store at once instead of
     under the next tile's first GEMM (``_release_o_buffer``); 7 drops the combining of a
-    split tile's pieces (each writes its own, wrong, O and LSE); 13 (right results) lets a
-    row's shift lag behind its max (``_lagging_max``) and skips O's rescale where no row's
-    shift moved (``_rescale``)."""
+    split tile's pieces (each writes its own, wrong, O and LSE)."""
     if MASKED:
         visible = _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL,
                            BLOCK_N, SPARSE, MASK_BLOCK_KV)
@@ -190,12 +184,10 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         # FFMA per score; scaling first and masking after cost an FMUL, an FSEL and an FADD
         # more, and 11% of d64 causal's time at 512 tokens, docs/gluon_notes.md).
         s = gl.where(visible, s, float("-inf"))
-        m_new = _lagging_max(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale, DIAG)
+        m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
         alpha = gl.exp2(m_i - m_shift)
-        if DIAG == 13:  # a row that has seen no key yet keeps alpha 1, not 0: no rescale
-            alpha = gl.where(m_new == m_i, 1.0, alpha)
         l_new = l_i * alpha + gl.sum(p, 1)
     elif DIAG == 2:
         p = s
@@ -208,37 +200,11 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         alpha = m_i - m_new
         l_new = l_i * alpha + gl.sum(p, 1)
     else:
-        m_new = _lagging_max(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale, DIAG)
+        m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
-
-
-@gluon.jit
-def _lagging_max(m_i, block_max, DIAG: gl.constexpr):
-    """A row's new exponent shift: its running max, or under DIAG 13 the old shift until the
-    max passes it by more than RESCALE_SLACK (p = exp2(s * scale - shift) <= 2^8 then, and
-    l and O accumulate against the same shift, so O / l and LSE = shift + log2(l) are the
-    same up to rounding); alpha is then exactly 1 for the rows whose shift stayed."""
-    m_new = gl.maximum(m_i, block_max)
-    if DIAG == 13:
-        m_new = gl.where(m_new > m_i + RESCALE_SLACK, m_new, m_i)
-    return m_new
-
-
-@gluon.jit
-def _rescale(acc, alpha, DIAG: gl.constexpr):
-    """O's rows times alpha (the shift's move since the last block); under DIAG 13 only when
-    some row of this warpgroup moved (alpha < 1): a scalar branch, one reduction across
-    the warpgroup's rows, for HEAD_DIM multiplies per row saved (FA4's lazy rescale)."""
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    if DIAG == 13:
-        if gl.min(alpha, 0) < 1.0:
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    else:
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    return acc
 
 
 @gluon.jit
@@ -614,6 +580,8 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0, 
     operand in registers (or a placeholder when P_SMEM keeps it in ``p_smem``), m, l,
     alpha)."""
     s_layout: gl.constexpr = offs_m.type.layout.parent
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([offs_m.shape[0], BLOCK_N], gl.float32, s_layout)
     for j in range(first + 1, end):
         g = it0 + j
@@ -631,7 +599,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0, 
         k_smem = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-        acc = _rescale(acc, alpha, DIAG)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(prev), prev_phase)
         v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)
@@ -783,7 +751,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         slot = last % KV_STAGES
         if PINGPONG:
             mbarrier.wait(turns.index(ME), (ev0 + end - first) & 1)
-        acc = _rescale(acc, alpha, DIAG)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
         v_smem = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         o_tok = _issue_pv(p_op, p_smem, v_smem, acc, P_SMEM)

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -42,38 +41,21 @@ def test_a_diff_keeps_only_what_changed() -> None:
                                         "wgmma_serialized": ("", b["wgmma_serialized"])}
 
 
-def _offline_diff(tmp_path: Path, diag: int) -> dict[str, Any]:
-    """gluon_sass_diff.py's row for DIAG ``diag`` against DIAG 0, compiled for the H100 on
-    one causal d64 shape (a subprocess: compiling needs the interpreter off before templates
-    is imported)."""
+@pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
+def test_a_diag_compiles_offline_and_its_opcode_change_shows(tmp_path: Path) -> None:
+    # DIAG 1 (the unmasked step without its exponentials) against DIAG 0, compiled for the
+    # H100 on one causal d64 shape (a subprocess: compiling needs the interpreter off before
+    # templates is imported).
     out = tmp_path / "diff.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gluon_sass_diff.py"), "--diag",
-                           str(diag), "--shapes", "1x2x512x64", "--causal", "top_left",
-                           "--json", str(out)],
+                           "1", "--shapes", "1x2x512x64", "--causal", "top_left", "--json",
+                           str(out)],
                           capture_output=True, text=True, env=env, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
-    return dict(row)
-
-
-@pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
-def test_a_diag_compiles_offline_and_its_opcode_change_shows(tmp_path: Path) -> None:
-    # DIAG 1: the unmasked step without its exponentials.
-    row = _offline_diff(tmp_path, 1)
     a, b = row["instructions"]
     assert b < a
     # The exponentials are MUFU.EX2s: the unmasked step's go, the masked step's stay.
     assert row["changed"]["MUFU"] < 0
     assert row["wgmma_serialized"] == ["", ""]  # (both pipeline their GEMMs)
-
-
-@pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
-def test_diag_13_compiles_offline_with_its_gemms_pipelined(tmp_path: Path) -> None:
-    # Session #18's experiment, not yet run on a GPU (O rescaled only where a row's shift
-    # moved): kept compiling until it is measured. Its branch rests on a reduction across
-    # the warpgroup (shuffles, then shared memory between the warps); a branch around the
-    # accumulator must not make ptxas serialize the GEMMs.
-    row = _offline_diff(tmp_path, 13)
-    assert row["changed"]["SHFL"] > 0 and row["changed"]["BAR"] > 0
-    assert row["stack_bytes"][1] == 0 and row["wgmma_serialized"] == ["", ""]
