@@ -401,7 +401,8 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     0.99 / 0.89 at 1k, 1.02 / 1.00 at 4k, 1.02 / 1.02 at 16k; d128 causal 0.87 / 0.70,
     0.97 / 0.83, 1.08 / 0.99, 1.11 / 1.10; d64 dense 0.92 / 0.73 at 512 to 1.01 / 1.00 at
     16k, d64 causal 0.76 / 0.55 to 1.02 / 1.04. At D = 256 (one Q buffer per consumer fits)
-    the persistent grid was not ahead in run 3, so it stays off there. Within noise (~5%):
+    the persistent grid was not ahead in run 3, so it stays off there, except on long causal
+    rows (``_long_causal_d256``, H200, session #19). Within noise (~5%):
     3 stages; clearly behind: 64-key blocks at D <= 128, P through shared memory, two
     programs per SM, no producer warp, consumers in step (runs 1-3). The row max as a tree
     at d64 only: against the chain, 7 rounds (session #11), d64 2k-16k 0.95-0.99 of the time
@@ -416,7 +417,7 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     the smallest grids. 256-key blocks at d64 (P through shared memory; H200, session #16):
     1.06-1.11 of the time dense at 512-4k, 1.08-1.81 causal, 0.98 at 16k dense only."""
     causal = problem.causal != "none"
-    persistent = problem.head_dim <= 128
+    persistent = problem.head_dim <= 128 or _long_causal_d256(problem)
     block_n = 64 if problem.head_dim > 128 else 128
     return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,
                           warp_specialize=True, pingpong=True,
@@ -425,6 +426,26 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
                           tree_max=problem.head_dim == 64,
                           split_tail=persistent and problem.mask == "none",
                           pack_gqa=packing_fills_rows(problem, 128))
+
+
+# The shortest causal rows (N_q) at D = 256 where the persistent grid (the host's longest-first
+# schedule, split tails) is the default; shorter ones keep one program per tile.
+D256_PERSISTENT_CAUSAL_FROM = 4096
+
+
+def _long_causal_d256(problem: Problem) -> bool:
+    """Whether a D = 256 problem takes the persistent grid: causal without a block mask, with
+    at least D256_PERSISTENT_CAUSAL_FROM query rows. At D = 256 only one Q buffer per consumer
+    fits, so a persistent program loads a tile's Q only after the previous tile's last S
+    GEMM; my reading of the numbers below (not measured apart): what the host's schedule
+    gains on causal grids (programs balanced by their tiles' KV blocks) outweighs that wait
+    only once tiles are long. Measured on the H200 (session #19, PROTOCOL shapes, 7 rounds,
+    ``gluon_fwd_ab_h200_d256_persistent_causal.json``), persistent + split tails / one program
+    per tile, time: causal 512 1.139, 1k 1.049, 2k 1.003, 4k 0.948, 8k 0.951, 16k 0.996
+    (session #15: 4k 0.967, 16k 1.012; the long search's TPE: 4k 0.958); dense 1.01-1.12 at
+    every length (``..._dense.json``), so dense stays off."""
+    return (problem.head_dim > 128 and problem.causal != "none" and problem.mask == "none"
+            and problem.seqlen_q >= D256_PERSISTENT_CAUSAL_FROM)
 
 
 def packing_fills_rows(problem: Problem, block_m: int) -> bool:

@@ -55,8 +55,11 @@ def test_default_configs_fit_every_protocol_problem_and_odd_ones() -> None:
         assert TEMPLATE.constraint(problem, cfg, H100) is None, (problem.key(), cfg.key())
         assert cfg.longest_first == (problem.causal != "none")
         assert cfg.tree_max == (problem.head_dim == 64)  # measured ahead at d64 only
-        # Persistent grids (d64, d128): the cost model decides where to cut.
-        assert cfg.split_tail == (problem.head_dim <= 128)
+        # Persistent grids (d64, d128; d256 causal from 4k rows, measured ahead there on the
+        # H200): the cost model decides where to cut.
+        long_causal = problem.causal != "none" and problem.seqlen_q >= 4096
+        assert cfg.persistent == (problem.head_dim <= 128 or long_causal), problem.key()
+        assert cfg.split_tail == cfg.persistent
         assert shared_memory_estimate(problem, cfg) <= H100.smem_per_block
 
 
@@ -617,6 +620,7 @@ COMPILE_JOBS = [
     Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left"),
     Problem(4, 32, 32, 4096, 4096, 64, "float16", "none"),
     Problem(1, 8, 2, 3000, 5000, 256, "bfloat16", "bottom_right"),
+    Problem(4, 8, 8, 4096, 4096, 256, "bfloat16", "top_left"),  # d256 on the persistent grid
 ]
 
 
@@ -754,7 +758,9 @@ SCHEDULE_CASES = [(1, 2, 2, 1000, 1000, 64, "float16", "none", "sliding:300"),
                   (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left", "sliding:256"),
                   (4, 17, 17, 2048, 2048, 128, "bfloat16", "none"),
                   (1, 1, 1, 8192, 8192, 64, "bfloat16", "top_left"),
-                  (1, 1, 1, 300, 300, 64, "float16", "top_left")]
+                  (1, 1, 1, 300, 300, 64, "float16", "top_left"),
+                  # d256 causal from 4k rows: the persistent grid's single Q buffer, GQA
+                  (1, 4, 2, 4099, 4099, 256, "bfloat16", "bottom_right")]
 
 
 @pytest.mark.gpu
