@@ -14,7 +14,8 @@ readings rotate over the candidates.
                                         | --tile-overhead 2 | --combine 1.5
                                         | --config kv_stages=3 ...)
         [--head-dims 128,64]
-        [--seqlens 512,...] [--shapes BxHxNxD,...] [--causal none,top_left] [--rounds 5]
+        [--seqlens 512,...] [--shapes BxHxNxD|BxHqxHkvxNqxNkvxD,...]
+        [--causal none,top_left,bottom_right] [--rounds 5]
         [--allow-wrong] [--json DIR]
 """
 
@@ -53,6 +54,26 @@ def shapes(text: str) -> list[tuple[int, int, int, int]]:
             raise ValueError(f"--shapes takes BxHxNxD items of positive integers, got {item!r}")
         b, h, n, d = (int(p) for p in parts)
         out.append((b, h, n, d))
+    return out
+
+
+def problem_shapes(text: str) -> list[tuple[int, int, int, int, int, int]]:
+    """``--shapes`` items as (B, H_q, H_kv, N_q, N_kv, D): ``BxHxNxD`` (self-attention, one
+    K/V head per query head) or ``BxHqxHkvxNqxNkvxD`` (GQA, N_q != N_kv)."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) == 4:
+            out.extend((b, h, h, n, n, d) for b, h, n, d in shapes(item))
+            continue
+        if len(parts) != 6 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shapes takes BxHxNxD or BxHqxHkvxNqxNkvxD items of positive "
+                             f"integers, got {item!r}")
+        b, hq, hkv, nq, nkv, d = (int(p) for p in parts)
+        if hq % hkv:
+            raise ValueError(f"--shapes item {item!r}: H_q = {hq} is not a multiple of "
+                             f"H_kv = {hkv}")
+        out.append((b, hq, hkv, nq, nkv, d))
     return out
 
 
@@ -128,7 +149,9 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     causal = problem.causal != "none"
-    ref = reference_fp32(q, k, v, causal)
+    plain = problem.heads_q == problem.heads_kv and problem.seqlen_q == problem.seqlen_kv
+    # GQA or N_q != N_kv: the template's own reference (every alignment, K/V heads shared).
+    ref = reference_fp32(q, k, v, causal) if plain else TEMPLATE.reference(inputs)[0]
     cfg = TEMPLATE.default_config(problem, device)
     cfg_b = changed_config(cfg, overrides or {})
     refusal = TEMPLATE.constraint(problem, cfg_b, device)
@@ -136,11 +159,26 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
         print(f"{problem.key():58s} B's config refused: {refusal}", flush=True)
         return None
 
+    gqa = problem.heads_q != problem.heads_kv
+
     def cudnn() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     fns: dict[str, Any] = {"cudnn": cudnn}
+    # torch's is_causal is top-left, and torch hands its lower-right causal bias to other
+    # backends than cuDNN (a dense mask would time cuDNN's masked kernel, 2.7-4.9x slower on
+    # the H200): a bottom-right problem with N_q != N_kv gets no cuDNN column.
+    lower_right = problem.causal == "bottom_right" and problem.seqlen_q != problem.seqlen_kv
+    why_not = "torch gives cuDNN no bottom-right causal mask" if lower_right else None
+    if why_not is None:
+        try:
+            cudnn()
+        except RuntimeError as exc:  # (a shape cuDNN refuses: A and B are still timed)
+            why_not = str(exc).splitlines()[0][:120]
+    if why_not is not None:
+        print(f"{problem.key():58s} no cuDNN column: {why_not}", flush=True)
+        del fns["cudnn"]
     grids: dict[str, int] = {}
     default_overhead = gluon_fwd_kernel.TILE_OVERHEAD_BLOCKS
     for side, config, value, host_schedule, overhead, piece_cost in (
@@ -194,8 +232,8 @@ def main() -> int:
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,16384")
     parser.add_argument("--shapes", default="",
-                        help="BxHxNxD,... (bf16, self-attention) instead of the PROTOCOL "
-                             "shapes of --head-dims and --seqlens")
+                        help="BxHxNxD or BxHqxHkvxNqxNkvxD items (bf16) instead of the "
+                             "PROTOCOL shapes of --head-dims and --seqlens")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=os.environ.get("OUT", ""),
                         help="folder for the results, gluon_fwd_ab_<switch>.json "
@@ -209,7 +247,7 @@ def main() -> int:
                      "--combine X, --config KNOB=VALUE")
     try:
         overrides = config_overrides(args.config)
-        shape_list = shapes(args.shapes) if args.shapes else []
+        shape_list = problem_shapes(args.shapes) if args.shapes else []
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -223,8 +261,8 @@ def main() -> int:
     seqlens = tuple(int(n) for n in args.seqlens.split(","))
     causal = args.causal.split(",")
     problems = (protocol_problems(head_dims, seqlens) if not shape_list else
-                [Problem(b, h, h, n, n, d, "bfloat16", c) for b, h, n, d in shape_list
-                 for c in causal])
+                [Problem(b, hq, hkv, nq, nkv, d, "bfloat16", c)
+                 for b, hq, hkv, nq, nkv, d in shape_list for c in causal])
     for problem in problems:
         if problem.causal not in causal:
             continue
@@ -234,8 +272,9 @@ def main() -> int:
             continue
         rows.append(row)
         ms = row["ms"]
-        print(f"{problem.key():58s} B/A time {ms['B'] / ms['A']:.3f}x   x cuDNN: "
-              f"A {ms['cudnn'] / ms['A']:.3f}, B {ms['cudnn'] / ms['B']:.3f}   "
+        versus = (f"x cuDNN: A {ms['cudnn'] / ms['A']:.3f}, B {ms['cudnn'] / ms['B']:.3f}"
+                  if "cudnn" in ms else "no cuDNN")
+        print(f"{problem.key():58s} B/A time {ms['B'] / ms['A']:.3f}x   {versus}   "
               f"max error {max(row['errors'].values()):.1e}"
               + (" (B wrong by design)" if row["wrong_results"] else ""), flush=True)
     if args.json:

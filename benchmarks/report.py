@@ -1728,8 +1728,8 @@ def gluon_ab_section(src: Source, data: dict[str, Any]) -> Section:
             per_round = [b / a for a, b in zip(readings["A"], readings["B"], strict=True)]
             cells.append([str(r["problem"]), f"{statistics.median(per_round):.3f}",
                           f"{min(per_round):.3f}-{max(per_round):.3f}", str(len(per_round)),
-                          _x(_ratio(_num(ms["cudnn"]), _num(ms["A"]))),
-                          _x(_ratio(_num(ms["cudnn"]), _num(ms["B"]))),
+                          _x(_ratio(_num(ms.get("cudnn")), _num(ms["A"]))),
+                          _x(_ratio(_num(ms.get("cudnn")), _num(ms["B"]))),
                           f"{max(r['errors'].values()):.1e}"])
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"a row without {exc}") from exc

@@ -1,4 +1,4 @@
-"""benchmarks/gluon_fwd_ab.py's --config: the B side's knobs, parsed and checked on the CPU."""
+"""benchmarks/gluon_fwd_ab.py's --config (the B side's knobs) and --shapes, parsed and checked on the CPU."""
 
 from __future__ import annotations
 
@@ -68,3 +68,12 @@ def test_wrong_results_are_not_timed_unless_b_is_wrong_by_design() -> None:
     # cuDNN and A are never allowed to be wrong; NaN is wrong.
     why, _ = ab.result_check({**right, "A": float("nan")}, 1e-2, allow_wrong=True)
     assert why is not None and "A's error nan" in why
+
+
+def test_shapes_take_gqa_and_two_lengths() -> None:
+    assert ab.problem_shapes("2x8x1024x128,1x16x8x4096x16384x256") == [
+        (2, 8, 8, 1024, 1024, 128), (1, 16, 8, 4096, 16384, 256)]
+    with pytest.raises(ValueError, match="not a multiple"):
+        ab.problem_shapes("1x12x8x4096x4096x128")
+    with pytest.raises(ValueError, match="BxHqxHkvxNqxNkvxD"):
+        ab.problem_shapes("1x2x3x4x5")
