@@ -395,7 +395,8 @@ class StandinBlockMask:
 def _heuristic(problem: Problem) -> GluonFwdConfig:
     """Starting point per head dim, before fitting it to the constraints: FA3's shape (two
     ping-pong consumer warpgroups of 64 rows, a producer warp, 128-key blocks; 64-key blocks
-    at D = 256, where 128 would spill), 2 stages, and at D <= 128 the persistent grid.
+    at D = 256, where 128 would spill), 2 stages, and the persistent grid at D <= 128 and for
+    d256 causal from 4k query rows.
     Measured on H100 (bf16, PROTOCOL shapes, docs/gluon_notes.md run 5, medians of 3
     readings, x cuDNN in the same process), persistent / not: d128 dense 0.95 / 0.81 at 512,
     0.99 / 0.89 at 1k, 1.02 / 1.00 at 4k, 1.02 / 1.02 at 16k; d128 causal 0.87 / 0.70,
