@@ -7,7 +7,9 @@ two rounds per head group, instead of the host's ``lpt_schedule``) and/or with
 ``--combine X`` (the split schedules' cost of a piece, ``COMBINE_BLOCKS_PER_PIECE``), beside
 cuDNN, on the PROTOCOL shapes (bf16, 16k tokens per batch, H = 2048 / D). Every output is checked against
 an fp32 reference first, and a problem where one is wrong (beyond the template's tolerance)
-is not timed (``--allow-wrong`` times a B that is wrong by design, a DIAG that drops work);
+is not timed (``--allow-wrong`` times a B that is wrong by design, a DIAG that drops work;
+``--past-constraint`` times a B config the template's constraint refuses, e.g. one that
+spills, to learn what the refusal costs);
 readings rotate over the candidates.
 
     python3 benchmarks/gluon_fwd_ab.py (--diag 3 [--diag-meaning TEXT] | --kernel-order
@@ -16,7 +18,7 @@ readings rotate over the candidates.
         [--head-dims 128,64]
         [--seqlens 512,...] [--shapes BxHxNxD|BxHqxHkvxNqxNkvxD,...]
         [--causal none,top_left,bottom_right] [--rounds 5]
-        [--allow-wrong] [--json DIR]
+        [--allow-wrong] [--past-constraint] [--json DIR]
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def result_check(errors: dict[str, float], tolerance: float,
 def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device: Any,
                tile_overhead: int | None = None,
                overrides: dict[str, str] | None = None,
-               combine: float | None = None, allow_wrong: bool = False) -> dict[str, Any] | None:
+               combine: float | None = None, allow_wrong: bool = False,
+               past_constraint: bool = False) -> dict[str, Any] | None:
     """One problem: cuDNN, the default config (A) and the same with DIAG ``diag``, (if
     ``kernel_order``) the kernel's own causal order and the knobs of ``overrides`` (B),
     checked against fp32, then ``rounds`` readings each in rotation (medians). None when the
@@ -156,8 +159,10 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
     cfg_b = changed_config(cfg, overrides or {})
     refusal = TEMPLATE.constraint(problem, cfg_b, device)
     if refusal is not None:
-        print(f"{problem.key():58s} B's config refused: {refusal}", flush=True)
-        return None
+        print(f"{problem.key():58s} B's config refused: {refusal}"
+              + (" (timed anyway: --past-constraint)" if past_constraint else ""), flush=True)
+        if not past_constraint:
+            return None
 
     gqa = problem.heads_q != problem.heads_kv
 
@@ -205,7 +210,8 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
     ms = {name: statistics.median(r) for name, r in readings.items()}
     return {"problem": problem.key(), "config": cfg.key(), "config_b": cfg_b.key(), "ms": ms,
             "readings_ms": readings,
-            "errors": errors, "grid": grids, "wrong_results": wrong}
+            "errors": errors, "grid": grids, "wrong_results": wrong,
+            "b_refused_by_constraint": refusal}
 
 
 def main() -> int:
@@ -225,6 +231,9 @@ def main() -> int:
     parser.add_argument("--config", action="append", default=[], metavar="KNOB=VALUE",
                         help="the B side's config: the default with this knob changed "
                              "(repeatable)")
+    parser.add_argument("--past-constraint", action="store_true",
+                        help="time B even where the template's constraint refuses its config "
+                             "(a spilling one, say); the refusal is printed")
     parser.add_argument("--allow-wrong", action="store_true",
                         help="time B even where its results are wrong (a DIAG that drops work "
                              "by design); without it such a problem is not timed")
@@ -267,7 +276,8 @@ def main() -> int:
         if problem.causal not in causal:
             continue
         row = ab_problem(problem, args.diag, args.kernel_order, args.rounds, device,
-                         args.tile_overhead, overrides, args.combine, args.allow_wrong)
+                         args.tile_overhead, overrides, args.combine, args.allow_wrong,
+                         args.past_constraint)
         if row is None:
             continue
         rows.append(row)
