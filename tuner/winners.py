@@ -86,10 +86,9 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
             continue
         entry = by_problem.setdefault(row.problem_key, {
             "problem": dict(row.problem), "tflops": {}, "median_ms": {}, "configs": {},
-            "head_to_head": {}, "readings": {}})
+            "readings": {}})
         impl = impl_of[name]
         if row.id in head_to_heads:
-            entry["head_to_head"][impl] = head_to_heads[row.id].head_to_head
             entry["readings"][impl] = head_to_heads[row.id]
         entry["tflops"][impl] = float(row.tflops)
         entry["median_ms"][impl] = float(row.median_ms)
@@ -108,7 +107,9 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
             why=("fastest measured" if measured_baseline else
                  f"{baseline.forward} not measured: torch SDPA runs as the user's call would"),
             tflops=tflops, median_ms=entry["median_ms"], configs=entry["configs"],
-            head_to_head=entry["head_to_head"], sdpa_backends=sdpa_backends.get(key, {}),
+            head_to_head={impl: found.head_to_head
+                          for impl, found in entry["readings"].items()},
+            sdpa_backends=sdpa_backends.get(key, {}),
             decided=(_decided(entry["readings"].get(winner), entry["readings"].get(runner_up))
                      if measured_baseline and runner_up else None)))
     return items, stale
