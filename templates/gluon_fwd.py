@@ -54,7 +54,7 @@ BARRIER_BYTES = 512
 # 3.6, docs/gluon_notes.md): with 240 registers (ping-pong, 1 program per SM) tiles of 176
 # compiled without spills and tiles of 224 spilled 128-1344 bytes; with 255 (no producer
 # warp) 176 compiled in 216-227 registers and 224 spilled.
-REGISTER_HEADROOM = 52
+REGISTER_HEADROOM = 64
 # Registers one wgmma instruction needs beyond its accumulator (m64 x N: N / 2 per thread):
 # ptxas allocates every instruction within the kernel's maxnreg, even in a partition that
 # setmaxnreg raised above it, and asked for 154 at N = 256 (session #18, triton 3.6: two
@@ -80,13 +80,6 @@ class GluonFwdConfig(KernelConfig):
         "Keys per KV block (one TMA load, one QK^T and one PV GEMM). Larger blocks amortize "
         "the per-block softmax bookkeeping and barriers but hold more score registers and "
         "shared memory per stage. 256 fits at d64 only, with P through shared memory.")
-    extra_keys: int = knob(
-        0, (0, 16, 32, 64),
-        "Dense only: keys each KV block holds beyond BLOCK_N, as a second, smaller tile (a "
-        "second TMA copy and two more GEMMs per block, one softmax over both), so that a "
-        "block may hold a number of keys that is not a power of two, as Gluon's tensors "
-        "must be: FA3's 176 keys at d128 and 80 at d256. Needs warp_specialize, P in "
-        "registers and extra_keys < BLOCK_N.")
     kv_stages: int = knob(
         2, (1, 2, 3, 4),
         "K/V blocks the shared-memory ring holds: loads run this many blocks ahead of the "
@@ -173,9 +166,8 @@ def consumer_registers(config: GluonFwdConfig) -> int:
 def live_per_thread(problem: Problem, config: GluonFwdConfig) -> int:
     """fp32-equivalent registers of a consumer thread's tiles (see REGISTER_HEADROOM)."""
     rows = rows_per_consumer(config)
-    keys = config.BLOCK_N + config.extra_keys
-    p_regs = 0 if config.p_from_smem else keys // 2
-    return rows * (problem.head_dim + keys + p_regs) // 128
+    p_regs = 0 if config.p_from_smem else config.BLOCK_N // 2
+    return rows * (problem.head_dim + config.BLOCK_N + p_regs) // 128
 
 
 class GluonFwdTemplate(GluonTemplate):
@@ -229,10 +221,6 @@ class GluonFwdTemplate(GluonTemplate):
             return (f"pack_gqa stacks the query heads that share a KV head: needs heads_q > "
                     f"heads_kv, but this problem has {problem.heads_q} of each; use "
                     f"pack_gqa=False")
-        if cfg.extra_keys:
-            reason = extra_keys_reason(problem, cfg, mask_block)
-            if reason:
-                return reason
         if cfg.split_tail and mask_block is not None:
             return ("split_tail does not cut a block mask's tiles (they walk their rows' "
                     "lists): use split_tail=False")
@@ -251,12 +239,11 @@ class GluonFwdTemplate(GluonTemplate):
             return ("longest_first only reorders causal launches (every non-causal tile has "
                     "the same work); use longest_first=False")
         smem = shared_memory_estimate(problem, cfg)
-        extra = f" + {cfg.extra_keys} keys" if cfg.extra_keys else ""
         if smem > device.smem_per_block:
             return (f"needs about {smem // 1024} KiB of shared memory (Q {cfg.BLOCK_M}x"
                     f"{problem.head_dim} + {cfg.kv_stages} stage(s) of K and V {cfg.BLOCK_N}x"
-                    f"{problem.head_dim}{extra}), more than the "
-                    f"{device.smem_per_block // 1024} KiB a program may use on {device.name}")
+                    f"{problem.head_dim}), more than the {device.smem_per_block // 1024} KiB "
+                    f"a program may use on {device.name}")
         if cfg.ctas_per_sm * (smem + SMEM_RESERVED_PER_PROGRAM) > SMEM_PER_SM:
             return (f"{cfg.ctas_per_sm} programs of about {smem // 1024} KiB of shared memory "
                     f"each do not fit in an SM's {SMEM_PER_SM // 1024} KiB")
@@ -268,12 +255,11 @@ class GluonFwdTemplate(GluonTemplate):
                     f"ptxas compiles {cfg.ctas_per_sm} program(s) per SM within: use "
                     f"ctas_per_sm=1 or BLOCK_N and D of 128 or less")
         live = live_per_thread(problem, cfg)
-        keys = cfg.BLOCK_N + cfg.extra_keys
         budget = consumer_registers(cfg)
         if live > budget - REGISTER_HEADROOM:
             return (f"each consumer thread would hold about {live} registers of tiles "
-                    f"({rows} rows x (D {problem.head_dim} + scores {keys} + P "
-                    f"{keys // 2})) within a budget of {budget} registers "
+                    f"({rows} rows x (D {problem.head_dim} + scores {cfg.BLOCK_N} + P "
+                    f"{cfg.BLOCK_N // 2})) within a budget of {budget} registers "
                     f"({cfg.ctas_per_sm} program(s) per SM): registers would spill; use fewer "
                     f"rows per consumer, smaller blocks or one program per SM")
         return None
@@ -351,22 +337,6 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 '''
 
 
-def extra_keys_reason(problem: Problem, config: GluonFwdConfig,
-                      mask_block: tuple[int, int] | None) -> str | None:
-    """Why ``config``'s ``extra_keys`` (> 0) cannot run ``problem``, None if it can."""
-    if problem.causal != "none" or mask_block is not None:
-        what = "causal" if problem.causal != "none" else "block-masked"
-        return (f"extra_keys walks dense KV blocks only (its masks cover N_kv's end), but "
-                f"this problem is {what}: use extra_keys=0")
-    if not config.warp_specialize or config.p_from_smem:
-        return ("extra_keys needs warp_specialize=True and p_from_smem=False (the producer "
-                "warp loads both tiles of a block; P stays in registers)")
-    if config.extra_keys >= config.BLOCK_N:
-        return (f"extra_keys ({config.extra_keys}) must be smaller than BLOCK_N "
-                f"({config.BLOCK_N}): it is the second, smaller tile of a block")
-    return None
-
-
 def _pattern_mask_block(problem: Problem) -> tuple[int, int] | None:
     """The blocks of a problem's mask pattern: built with the default block size
     (``make_inputs``); None for an unmasked problem."""
@@ -392,7 +362,7 @@ def block_mask_reason(config: GluonFwdConfig, block_size: tuple[int, int]) -> st
 
 def fit_to_block_mask(config: GluonFwdConfig, block_size: tuple[int, int]) -> GluonFwdConfig:
     """``config`` with tiles no larger than the mask's blocks (powers of two both, so the
-    smaller divides the larger), no extra keys and no longest-first order; ValueError for blocks under 64
+    smaller divides the larger) and no longest-first order; ValueError for blocks under 64
     (a consumer's wgmma tile is 64 rows, a key block at least 64 keys)."""
     if min(block_size) < 64:
         raise ValueError(f"gluon_fwd walks block masks of blocks of at least 64 x 64, but got "
@@ -401,7 +371,7 @@ def fit_to_block_mask(config: GluonFwdConfig, block_size: tuple[int, int]) -> Gl
     return dataclasses.replace(config, BLOCK_M=min(config.BLOCK_M, block_size[0]),
                                BLOCK_N=min(config.BLOCK_N, block_size[1]), consumers=consumers,
                                pingpong=config.pingpong and consumers == 2, longest_first=False,
-                               split_tail=False, pack_gqa=False, extra_keys=0)
+                               split_tail=False, pack_gqa=False)
 
 
 @dataclass(frozen=True)
@@ -495,11 +465,8 @@ def packing_fills_rows(problem: Problem, block_m: int) -> bool:
 
 
 def _shrinking(cfg: GluonFwdConfig) -> list[GluonFwdConfig]:
-    """``cfg``, then cheaper variants: no extra keys, fewer stages, smaller key blocks, one
-    consumer."""
+    """``cfg``, then cheaper variants: fewer stages, smaller key blocks, one consumer."""
     out = [cfg]
-    if cfg.extra_keys:
-        out.append(dataclasses.replace(cfg, extra_keys=0))
     for stages in range(cfg.kv_stages - 1, 0, -1):
         out.append(dataclasses.replace(out[-1], kv_stages=stages))
     if out[-1].BLOCK_N > 64:

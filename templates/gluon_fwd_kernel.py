@@ -249,46 +249,6 @@ def _softmax_step(s, m_i, l_i, qk_scale, offs_m, j, start_n, n_full, m0, N_KV, c
     return p, m_i, l_i, alpha
 
 
-@gluon.jit
-def _softmax_pair(s, s2, m_i, l_i, qk_scale, start_n, N_KV, MASKED: gl.constexpr,
-                  TREE_MAX: gl.constexpr):
-    """``_softmax_block`` of a dense KV block held as two score tiles (``BLOCK_N2``): ``s``
-    for the keys from ``start_n``, ``s2`` for the ones after them; returns (p, p2, m_new,
-    l_new, alpha). One running max and sum cover both tiles; MASKED (the block that holds
-    N_kv's end) hides keys past N_kv."""
-    row: gl.constexpr = m_i.type.layout
-    row2: gl.constexpr = gl.SliceLayout(1, s2.type.layout)
-    if MASKED:
-        cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where(gl.expand_dims(cols < N_KV - start_n, 0), s, float("-inf"))
-        cols2 = gl.arange(0, s2.shape[1], layout=gl.SliceLayout(0, s2.type.layout))
-        s2 = gl.where(gl.expand_dims(cols2 < N_KV - start_n - s.shape[1], 0), s2,
-                      float("-inf"))
-    block_max = gl.maximum(_row_max(s, m_i, TREE_MAX),
-                           gl.convert_layout(gl.max(s2, axis=1), row))
-    m_new = gl.maximum(m_i, block_max * qk_scale)
-    # (Dense blocks hold a visible key for every row: m_new is finite.)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    p2 = gl.exp2(s2 * qk_scale - gl.expand_dims(gl.convert_layout(m_new, row2), 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(p, 1) + gl.convert_layout(gl.sum(p2, 1), row)
-    return p, p2, m_new, l_new, alpha
-
-
-@gluon.jit
-def _softmax_pair_step(s, s2, m_i, l_i, qk_scale, j, start_n, n_full, N_KV,
-                       TREE_MAX: gl.constexpr):
-    """``_softmax_pair`` of block j, masked past the unmasked blocks [0, n_full) (each step
-    in a basic block of its own, as ``_softmax_step``'s)."""
-    if j >= n_full:
-        p, p2, m_i, l_i, alpha = _softmax_pair(s, s2, m_i, l_i, qk_scale, start_n, N_KV, True,
-                                               TREE_MAX)
-    else:
-        p, p2, m_i, l_i, alpha = _softmax_pair(s, s2, m_i, l_i, qk_scale, start_n, N_KV, False,
-                                               TREE_MAX)
-    return p, p2, m_i, l_i, alpha
-
-
 # ----------------------------------------------------------------------------- loads
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, j,
@@ -529,20 +489,19 @@ def _listed_entry(lists, p, grid, k):
 
 
 @gluon.jit
-def _producer_tile(q_desc, k_desc, v_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, k2_bufs,
-                   v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, kv_h,
-                   q_row0, first, end, n_full, lrow, lists, it0, tc,
+def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                   v_ready, k_empty, v_empty, b, h, kv_h, q_row0, first, end, n_full, lrow,
+                   lists, it0, tc,
                    Q_LOADS: gl.constexpr, Q_ROWS: gl.constexpr, KV_STAGES: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_N2: gl.constexpr, PERSISTENT: gl.constexpr,
-                   Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
+                   BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
+                   SPARSE: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """The producer warp, one tile (the program's ``tc``-th): the query rows of each consumer
     into its Q buffer ``tc % Q_SLOTS`` (in a persistent program, once that consumer released
     what the buffer held), then K and V block by block, each into its ring slot once every
     consumer released the block that held it: blocks [first, end) of the tile (all of them
     but for a piece of a split tile). ``it0`` counts the blocks of earlier tiles (ring
     position and phase); empty barriers start in phase 0, so the first pass through a ring
-    waits for nothing. ``BLOCK_N2``: each block's last BLOCK_N2 keys go to ``k2_bufs`` and
-    ``v2_bufs`` (a second copy onto the same ready barrier)."""
+    waits for nothing."""
     q_phase = (tc // Q_SLOTS) & 1
     for c in gl.static_range(Q_LOADS):
         q_buf = c * Q_SLOTS + tc % Q_SLOTS
@@ -555,28 +514,13 @@ def _producer_tile(q_desc, k_desc, v_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_b
         g = it0 + j - first
         slot = g % KV_STAGES
         phase = ((g // KV_STAGES) & 1) ^ 1
-        start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N + BLOCK_N2, SPARSE,
-                            MASK_BLOCK_KV)
+        start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
         mbarrier.wait(k_empty.index(slot), phase)
-        if BLOCK_N2 > 0:
-            mbarrier.expect(k_ready.index(slot),
-                            k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
-            _tma_load(k2_desc, [b, kv_h, start_n + BLOCK_N, 0], k_ready.index(slot),
-                      k2_bufs.index(slot))
-        else:
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
-        if BLOCK_N2 > 0:
-            mbarrier.expect(v_ready.index(slot),
-                            v_desc.block_type.nbytes + v2_desc.block_type.nbytes)
-            _tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
-            _tma_load(v2_desc, [b, kv_h, start_n + BLOCK_N, 0], v_ready.index(slot),
-                      v2_bufs.index(slot))
-        else:
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
 # ----------------------------------------------------------------------------- consumer
@@ -684,103 +628,6 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0, 
 
 
 @gluon.jit
-def _pair_blocks(acc, m_i, l_i, q_smem, k_bufs, v_bufs, k2_bufs, v2_bufs, k_ready, v_ready,
-                 k_empty, v_empty, q_empty, turns, q_buf, prev_buf, first, end, n_full, it0,
-                 ev0, tc, N_KV, qk_scale, ME: gl.constexpr, NUM_WARPS: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_N2: gl.constexpr,
-                 KV_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                 O_FROM_REGISTERS: gl.constexpr, DEFER_O_WAIT: gl.constexpr,
-                 TREE_MAX: gl.constexpr):
-    """A consumer's KV blocks [first, end) (end > first) of a dense tile whose blocks hold
-    BLOCK_N + BLOCK_N2 keys, as two tiles each (``BLOCK_N2``: Gluon's tensors are powers of
-    two, the keys per block need not be, FA3's 176 at d128 and 80 at d256): the schedule of
-    ``_consumer_tile`` and ``_kv_steps`` (S_first alone; S_j with PV_{j-1}, the softmax of
-    block j under the PV GEMMs; PV_last) with two GEMMs where they have one and one softmax
-    over both score tiles. Warp-specialized with P in registers (the template refuses the
-    rest). Returns (acc, m, l)."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N)
-    s2_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N2)
-    o_layout: gl.constexpr = acc.type.layout
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    ROWS: gl.constexpr = acc.shape[0]
-    STEP: gl.constexpr = BLOCK_N + BLOCK_N2
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    s2_zero = gl.zeros([ROWS, BLOCK_N2], gl.float32, s2_layout)
-
-    # -- the first block: S alone.
-    slot0 = it0 % KV_STAGES
-    if PINGPONG:
-        mbarrier.wait(turns.index(ME), ev0 & 1)
-    mbarrier.wait(k_ready.index(slot0), (it0 // KV_STAGES) & 1)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(slot0).reshape([BLOCK_N, HEAD_DIM]).permute(
-        (1, 0)), s_zero, use_acc=False, is_async=True)
-    s2_tok = warpgroup_mma(q_smem, k2_bufs.index(slot0).reshape([BLOCK_N2, HEAD_DIM]).permute(
-        (1, 0)), s2_zero, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - ME), count=1)
-    if DEFER_O_WAIT:
-        _release_o_buffer(q_empty, prev_buf, tc)
-    s, s2 = warpgroup_mma_wait(0, deps=(s_tok, s2_tok))
-    mbarrier.arrive(k_empty.index(slot0), count=1)
-    p, p2, m_i, l_i, alpha = _softmax_pair_step(s, s2, m_i, l_i, qk_scale, first, first * STEP,
-                                                n_full, N_KV, TREE_MAX)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    p2_op = gl.convert_layout(p2.to(dtype), p_layout)
-
-    # -- blocks first + 1 .. end - 1 (ring position it0 + j - first, turn ev0 + j - first).
-    for j in range(first + 1, end):
-        g = it0 + j - first
-        slot = g % KV_STAGES
-        prev = (g - 1) % KV_STAGES
-        if PINGPONG:
-            mbarrier.wait(turns.index(ME), (ev0 + j - first) & 1)
-        mbarrier.wait(k_ready.index(slot), (g // KV_STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute(
-            (1, 0)), s_zero, use_acc=False, is_async=True)
-        s2_tok = warpgroup_mma(q_smem, k2_bufs.index(slot).reshape(
-            [BLOCK_N2, HEAD_DIM]).permute((1, 0)), s2_zero, use_acc=False, is_async=True)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(prev), ((g - 1) // KV_STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
-                              is_async=True)
-        o_tok = warpgroup_mma(p2_op, v2_bufs.index(prev).reshape([BLOCK_N2, HEAD_DIM]), o_tok,
-                              is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - ME), count=1)
-        # Both S GEMMs done; the two PV GEMMs still run under the softmax.
-        s, s2 = warpgroup_mma_wait(2, deps=(s_tok, s2_tok))
-        p, p2, m_i, l_i, alpha = _softmax_pair_step(s, s2, m_i, l_i, qk_scale, j, j * STEP,
-                                                    n_full, N_KV, TREE_MAX)
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        acc, p_op, p2_op, p, p2 = warpgroup_mma_wait(0, deps=(o_tok, p_op, p2_op, p, p2))
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        p2_op = gl.convert_layout(p2.to(dtype), p_layout)
-        mbarrier.arrive(v_empty.index(prev), count=1)
-    if O_FROM_REGISTERS:
-        # Every GEMM that reads Q has completed: the producer may load the next tile's.
-        mbarrier.arrive(q_empty.index(q_buf), count=1)
-
-    # -- the last PV GEMMs.
-    last = it0 + end - first - 1
-    slot = last % KV_STAGES
-    if PINGPONG:
-        mbarrier.wait(turns.index(ME), (ev0 + end - first) & 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    mbarrier.wait(v_ready.index(slot), (last // KV_STAGES) & 1)
-    o_tok = warpgroup_mma(p_op, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc,
-                          is_async=True)
-    o_tok = warpgroup_mma(p2_op, v2_bufs.index(slot).reshape([BLOCK_N2, HEAD_DIM]), o_tok,
-                          is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - ME), count=1)
-    acc, p_op, p2_op = warpgroup_mma_wait(0, deps=(o_tok, p_op, p2_op))
-    mbarrier.arrive(v_empty.index(slot), count=1)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _release_o_buffer(q_empty, q_buf, tc):
     """A persistent consumer with two Q buffers: once the TMA store of the previous tile's O
     has read buffer ``q_buf``, hand it back, so the producer may load the tile after next
@@ -792,13 +639,12 @@ def _release_o_buffer(q_empty, q_buf, tc):
 
 @gluon.jit
 def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
-                   q_bufs, p_bufs, k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready,
-                   v_ready,
+                   q_bufs, p_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                    k_empty, v_empty, turns, b, h, kv_h, bh, q_row0, first, end, n_full, lrow,
                    lists, N_Q, N_KV, causal_offset, qk_scale, it0, ev0, tc, piece, base, count,
                    ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_N2: gl.constexpr,
-                   KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                    PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                    MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr,
@@ -818,9 +664,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     Q (and O) buffer: ``tc % Q_SLOTS`` of this consumer for the program's ``tc``-th tile. With
     one slot, a persistent program hands it back once its last S GEMM completed (the next
     tile's Q loads under the last PV GEMM) and stores O from registers; with two, the next
-    tile's Q loads during this whole tile, and O leaves through this tile's buffer by TMA.
-
-    ``BLOCK_N2`` > 0: every KV block holds BLOCK_N + BLOCK_N2 keys (``_pair_blocks``)."""
+    tile's Q loads during this whole tile, and O leaves through this tile's buffer by TMA."""
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM)
@@ -830,9 +674,6 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
 
     # Only the producer warp walks a block mask's lists (the template refuses the rest).
     gl.static_assert(WARP_SPECIALIZE or not SPARSE)
-    # Blocks of two tiles: dense, warp-specialized, P in registers (the template refuses the
-    # rest).
-    gl.static_assert(BLOCK_N2 == 0 or (WARP_SPECIALIZE and not (CAUSAL or SPARSE or P_SMEM)))
     if not WARP_SPECIALIZE:
         # The consumer warps load for themselves: Q, then the first KV_STAGES blocks.
         mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
@@ -862,19 +703,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     DEFER_O_WAIT: gl.constexpr = PERSISTENT and Q_SLOTS == 2 and DIAG != 3
     prev_buf = ME * Q_SLOTS + (tc + 1) % Q_SLOTS
 
-    if BLOCK_N2 > 0:
-        if end > first:
-            acc, m_i, l_i = _pair_blocks(
-                acc, m_i, l_i, q_smem, k_bufs, v_bufs, k2_bufs, v2_bufs, k_ready, v_ready,
-                k_empty, v_empty, q_empty, turns, q_buf, prev_buf, first, end, n_full, it0, ev0,
-                tc, N_KV, qk_scale, ME, NUM_WARPS, HEAD_DIM, BLOCK_N, BLOCK_N2, KV_STAGES,
-                PINGPONG, O_FROM_REGISTERS, DEFER_O_WAIT, TREE_MAX)
-        else:
-            if O_FROM_REGISTERS:
-                mbarrier.arrive(q_empty.index(q_buf), count=1)
-            if DEFER_O_WAIT:
-                _release_o_buffer(q_empty, prev_buf, tc)
-    elif end > first:
+    if end > first:
         # -- the first block: S alone.
         slot0 = it0 % KV_STAGES
         start0 = _kv_start(first, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
@@ -1047,12 +876,11 @@ def _combine_pieces(acc, m_o, l_o, piece, base, count, lists, ME: gl.constexpr,
 
 @gluon.jit
 def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-              k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-              n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-              lists, ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
+              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
+              ME: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_N2: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              TILE_ORDER: gl.constexpr,
+              KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
               WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr,
               MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr,
@@ -1069,15 +897,13 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
             t, first, end, piece, base, count = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
-                BLOCK_N + BLOCK_N2, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                NUM_WARPS)
+                BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, NUM_WARPS)
             end = gl.minimum(end, n_blocks)
             _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
-                           v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready,
-                           k_empty, v_empty, turns, b, h, kv_h, bh, m0, first, end, n_full, lrow,
-                           lists, N_Q, N_KV,
+                           v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+                           b, h, kv_h, bh, m0, first, end, n_full, lrow, lists, N_Q, N_KV,
                            causal_offset, qk_scale, it0, ev0, tc, piece, base, count, ME,
-                           NUM_WARPS, ROWS, HEAD_DIM, BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL,
+                           NUM_WARPS, ROWS, HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL,
                            WARP_SPECIALIZE, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE,
                            MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX, TILE_ORDER >= 3)
             it0 += end - first
@@ -1088,25 +914,23 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, 
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
-            BLOCK_M, BLOCK_N + BLOCK_N2, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q,
-            MASK_BLOCK_KV, NUM_WARPS)
+            BLOCK_M, BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            NUM_WARPS)
         _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
-                       v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                       v_empty, turns, b, h, kv_h, bh, m0, 0, n_blocks, n_full, lrow, lists, N_Q,
-                       N_KV, causal_offset, qk_scale, 0, 0, 0, -1, -1, 1, ME, NUM_WARPS, ROWS,
-                       HEAD_DIM, BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG,
-                       P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
-                       TREE_MAX,
+                       v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, b,
+                       h, kv_h, bh, m0, 0, n_blocks, n_full, lrow, lists, N_Q, N_KV,
+                       causal_offset, qk_scale, 0, 0, 0, -1, -1, 1, ME, NUM_WARPS, ROWS,
+                       HEAD_DIM, BLOCK_N, KV_STAGES, CAUSAL, WARP_SPECIALIZE, PINGPONG, P_SMEM,
+                       PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX,
                        False)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, k2_bufs,
-              v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, n_tiles, n_q_tiles,
-              head_group, H_Q, GROUP, N_KV, causal_offset, lists,
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+              v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
+              causal_offset, lists,
               Q_LOADS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_N2: gl.constexpr, KV_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr,
+              BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               TILE_ORDER: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
               SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr):
     """The producer warp over its program's tiles (the consumers' sequence)."""
@@ -1116,36 +940,31 @@ def _producer(q_desc, k_desc, v_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, 
             t, first, end, _, _, _ = _program_tile(tc, n_tiles, lists, TILE_ORDER)
             b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
                 t, n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists, BLOCK_M,
-                BLOCK_N + BLOCK_N2, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
+                BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
             end = gl.minimum(end, n_blocks)
-            _producer_tile(q_desc, k_desc, v_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs,
-                           k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                           v_empty, b, h, kv_h, m0, first, end, n_full, lrow, lists, it0, tc,
-                           Q_LOADS, ROWS, KV_STAGES, BLOCK_N, BLOCK_N2, PERSISTENT, Q_SLOTS,
-                           SPARSE, MASK_BLOCK_KV)
+            _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
+                           k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, first, end,
+                           n_full, lrow, lists, it0, tc, Q_LOADS, ROWS, KV_STAGES, BLOCK_N,
+                           PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_KV)
             it0 += end - first
     else:
         b, h, kv_h, bh, m0, n_blocks, n_full, lrow = _tile_coords(
             gl.program_id(0), n_q_tiles, head_group, H_Q, GROUP, N_KV, causal_offset, lists,
-            BLOCK_M, BLOCK_N + BLOCK_N2, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
-            1)
-        _producer_tile(q_desc, k_desc, v_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs,
-                       k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                       b, h, kv_h, m0, 0, n_blocks, n_full, lrow, lists, 0, 0, Q_LOADS, ROWS,
-                       KV_STAGES, BLOCK_N, BLOCK_N2, PERSISTENT, Q_SLOTS, SPARSE,
-                       MASK_BLOCK_KV)
+            BLOCK_M, BLOCK_N, CAUSAL, TILE_ORDER, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 1)
+        _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
+                       k_ready, v_ready, k_empty, v_empty, b, h, kv_h, m0, 0, n_blocks, n_full,
+                       lrow, lists, 0, 0, Q_LOADS, ROWS, KV_STAGES, BLOCK_N, PERSISTENT,
+                       Q_SLOTS, SPARSE, MASK_BLOCK_KV)
 
 
 # Every partition of a warp-specialized program takes the same arguments (worker partitions
 # take scalars, descriptors and constexpr objects, no tensors and no plain Python numbers).
 @gluon.jit
-def _consumer_default(q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs,
-                      p_bufs, k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready,
-                      v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles, head_group, H_Q,
-                      GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
+def _consumer_default(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                      q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                      n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                       NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_N2: gl.constexpr,
-                      KV_STAGES: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
                       PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                       Q_SLOTS: gl.constexpr,
@@ -1153,21 +972,19 @@ def _consumer_default(q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE
                       MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """The default partition of a warp-specialized program: consumer 0."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-              k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-              n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-              lists, 0, NUM_WARPS, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2, KV_STAGES,
-              CAUSAL, TILE_ORDER, True, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q,
-              MASK_BLOCK_KV, DIAG, TREE_MAX)
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
+              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 0, NUM_WARPS, ROWS,
+              HEAD_DIM,
+              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, True, PINGPONG, P_SMEM,
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 @gluon.jit
-def _consumer_second(q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs,
-                     p_bufs, k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready,
-                     v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles, head_group, H_Q,
-                     GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
+def _consumer_second(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                      NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_N2: gl.constexpr,
-                     KV_STAGES: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
                      PINGPONG: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                      Q_SLOTS: gl.constexpr,
@@ -1175,20 +992,20 @@ def _consumer_second(q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE,
                      MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """Consumer 1 of a ping-pong program (its own 4-warp partition)."""
     _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-              k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-              n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale,
-              lists, 1, NUM_WARPS, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2, KV_STAGES,
-              CAUSAL, TILE_ORDER, True, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q,
-              MASK_BLOCK_KV, DIAG, TREE_MAX)
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles,
+              head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists, 1, NUM_WARPS, ROWS,
+              HEAD_DIM,
+              BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, True, PINGPONG, P_SMEM,
+              PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG, TREE_MAX)
 
 
 @gluon.jit
-def _producer_partition(q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs,
-                        p_bufs, k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready,
-                        v_ready, k_empty, v_empty, turns, n_tiles, n_q_tiles, head_group, H_Q,
-                        GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
+def _producer_partition(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs,
+                        v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
+                        n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset,
+                        qk_scale, lists,
                         NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_N2: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         TILE_ORDER: gl.constexpr, PINGPONG: gl.constexpr,
                         P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
@@ -1196,10 +1013,9 @@ def _producer_partition(q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, L
                         MASK_BLOCK_KV: gl.constexpr, DIAG: gl.constexpr, TREE_MAX: gl.constexpr):
     """The producer partition (one warp)."""
     Q_LOADS: gl.constexpr = 2 if PINGPONG else 1
-    _producer(q_desc, k_desc, v_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, k2_bufs,
-              v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, n_tiles, n_q_tiles,
-              head_group, H_Q, GROUP, N_KV, causal_offset, lists, Q_LOADS, ROWS, BLOCK_M,
-              BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL,
+    _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+              v_ready, k_empty, v_empty, n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_KV,
+              causal_offset, lists, Q_LOADS, ROWS, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
               TILE_ORDER, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV)
 
 
@@ -1208,13 +1024,13 @@ def _producer_partition(q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, L
                               "n_tiles", "head_group", "q_per_head", "stride_cb", "stride_ch",
                               "stride_ib", "stride_ih", "stride_iq"])
 def _gluon_fwd_kernel(
-    q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE,
+    q_desc, k_desc, v_desc, o_desc, Out, LSE,
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
     Schedule, Partials, Counters, N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, n_tiles,
     head_group, qk_scale, q_per_head,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_N2: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
+    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILE_ORDER: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
     Q_SLOTS: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
@@ -1245,15 +1061,6 @@ def _gluon_fwd_kernel(
                                            gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
     k_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv_block, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv_block, v_desc.layout)
-    if BLOCK_N2 > 0:
-        # The last BLOCK_N2 keys of each KV block (``_pair_blocks``).
-        kv2_block: gl.constexpr = k2_desc.block_type.shape
-        k2_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv2_block, k2_desc.layout)
-        v2_bufs = gl.allocate_shared_memory(dtype, [KV_STAGES] + kv2_block, v2_desc.layout)
-    else:  # unused (k2_desc and v2_desc are k_desc and v_desc again)
-        unused: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 8], dtype)
-        k2_bufs = gl.allocate_shared_memory(dtype, [1, 8, 8], unused)
-        v2_bufs = gl.allocate_shared_memory(dtype, [1, 8, 8], unused)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_LOADS * Q_SLOTS, 1],
                                         mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_LOADS * Q_SLOTS, 1],
@@ -1282,65 +1089,54 @@ def _gluon_fwd_kernel(
         if PINGPONG:
             gl.warp_specialize([
                 (_consumer_default, (
-                    q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs, p_bufs,
-                    k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, turns, n_tiles,
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL, TILE_ORDER,
-                    PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, PINGPONG,
                     P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
                     TREE_MAX)),
                 (_consumer_second, (
-                    q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs, p_bufs,
-                    k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, turns, n_tiles,
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     WG_WARPS, ROWS,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL, TILE_ORDER,
-                    PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER, PINGPONG,
                     P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DIAG,
                     TREE_MAX)),
                 (_producer_partition, (
-                    q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs, p_bufs,
-                    k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, turns, n_tiles,
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
-                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL,
-                    TILE_ORDER, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q,
-                    MASK_BLOCK_KV,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER,
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
                     DIAG, TREE_MAX)),
             ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_default, (
-                    q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs, p_bufs,
-                    k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, turns, n_tiles,
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     num_warps,
-                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL,
-                    TILE_ORDER, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q,
-                    MASK_BLOCK_KV,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER,
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
                     DIAG, TREE_MAX)),
                 (_producer_partition, (
-                    q_desc, k_desc, v_desc, k2_desc, v2_desc, o_desc, Out, LSE, q_bufs, p_bufs,
-                    k_bufs, v_bufs, k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, turns, n_tiles,
+                    q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
+                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
                     n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
                     PRODUCER_WARPS,
-                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2, KV_STAGES, CAUSAL,
-                    TILE_ORDER, PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q,
-                    MASK_BLOCK_KV,
+                    ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, TILE_ORDER,
+                    PINGPONG, P_SMEM, PERSISTENT, Q_SLOTS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
                     DIAG, TREE_MAX)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         _consumer(q_desc, k_desc, v_desc, o_desc, Out, LSE, q_bufs, p_bufs, k_bufs, v_bufs,
-                  k2_bufs, v2_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                  n_tiles, n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset,
-                  qk_scale, lists, 0, num_warps, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_N2,
-                  KV_STAGES, CAUSAL,
+                  q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, n_tiles,
+                  n_q_tiles, head_group, H_Q, GROUP, N_Q, N_KV, causal_offset, qk_scale, lists,
+                  0, num_warps, ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
                   TILE_ORDER, False, False, P_SMEM, False, 1, SPARSE, MASK_BLOCK_Q,
                   MASK_BLOCK_KV, DIAG, TREE_MAX)
 
@@ -1382,7 +1178,7 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
     mask_block_q, mask_block_kv = mask_block or (block_m, block_n)
     options: dict[str, Any] = dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_N2=extra_keys(config),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         KV_STAGES=int(config["kv_stages"]), CAUSAL=causal,
         # A block mask's tiles come in its lists' order (their lengths are the mask's).
         TILE_ORDER=tile_order(config, causal, mask_block is not None, host_schedule, split),
@@ -1396,17 +1192,6 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
     if ws or int(config["ctas_per_sm"]) > 1:
         options["maxnreg"] = maxnreg
     return options
-
-
-def extra_keys(config: Mapping[str, Any]) -> int:
-    """Keys each KV block holds beyond BLOCK_N, as a second tile (``BLOCK_N2``, 0: none;
-    absent from configs made before the knob)."""
-    return int(config.get("extra_keys", 0))
-
-
-def block_keys(config: Mapping[str, Any]) -> int:
-    """Keys per KV block: BLOCK_N plus ``extra_keys``."""
-    return int(config["BLOCK_N"]) + extra_keys(config)
 
 
 def tile_order(config: Mapping[str, Any], causal: bool, sparse: bool,
@@ -1427,7 +1212,7 @@ def shared_memory_bytes(head_dim: int, config: Mapping[str, Any], q_slots: int) 
     """Bytes of the tiles in shared memory: Q (and O) buffers, the K and V rings, P when it
     goes through shared memory."""
     q_tile = int(config["BLOCK_M"]) * head_dim * 2
-    kv = 2 * int(config["kv_stages"]) * block_keys(config) * head_dim * 2
+    kv = 2 * int(config["kv_stages"]) * int(config["BLOCK_N"]) * head_dim * 2
     p_tile = int(config["BLOCK_M"]) * int(config["BLOCK_N"]) * 2 if config["p_from_smem"] else 0
     return q_slots * q_tile + kv + p_tile
 
@@ -1524,8 +1309,7 @@ class LaunchPlan:
                               combine)
                 self.split, split_table = _cut_lpt_schedule(*split_args), _cut_lpt_table
             else:
-                split_args = (n_tiles, -(-seqlen_kv // block_keys(config)), sm_count, head_dim,
-                              combine)
+                split_args = (n_tiles, -(-seqlen_kv // block_n), sm_count, head_dim, combine)
                 self.split, split_table = _split_schedule(*split_args), _split_table
         self.options = launch_options(head_dim, causal, config, diag,
                                       tuple(block_mask.block_size) if self.sparse else None,
@@ -1574,18 +1358,13 @@ class LaunchPlan:
         bits = 16
         q_block = [1, 1, q_rows_per_load(config), head_dim]
         kv_block = [1, 1, int(config["BLOCK_N"]), head_dim]
-        # The second tile of each KV block (``extra_keys``); without one, k and v's
-        # descriptors again (the kernel never reads them).
-        kv2_block = [1, 1, extra_keys(config) or int(config["BLOCK_N"]), head_dim]
         self.q_block, self.kv_block = q_block, kv_block
         self.kv_layout = _host_smem_layout(kv_block, bits)
-        kv2_layout = _host_smem_layout(kv2_block, bits)
         self.q_layout = _host_smem_layout(q_block, bits)
         self._descriptors = [
             PlannedDescriptor(functools.partial(_descriptor, block=block, layout=layout))
             for block, layout in ((q_block, self.q_layout), (kv_block, self.kv_layout),
-                                  (kv_block, self.kv_layout), (kv2_block, kv2_layout),
-                                  (kv2_block, kv2_layout), (q_block, self.q_layout))]
+                                  (kv_block, self.kv_layout), (q_block, self.q_layout))]
         self._launch = DirectLaunch(
             _gluon_fwd_kernel, self.grid,
             {k: v for k, v in self.options.items() if k not in LAUNCH_ONLY_OPTIONS},
@@ -1594,7 +1373,7 @@ class LaunchPlan:
         self._device_guard: bool | None = None
 
     def descriptors(self, q: Any, k: Any, v: Any, o: Any) -> list[Any]:
-        return [make(t) for make, t in zip(self._descriptors, (q, k, v, k, v, o), strict=True)]
+        return [make(t) for make, t in zip(self._descriptors, (q, k, v, o), strict=True)]
 
     def packed(self, q: Any) -> Any:
         """q as the kernel reads it: itself, or packed (``pack_gqa``) as (B, H_kv,
@@ -1702,11 +1481,11 @@ class LaunchPlan:
         stream = current_stream(q.device.index) if q.is_cuda else 0  # (CPU: stand-in tests)
         # Out and LSE as addresses: the launcher then makes no driver call for them.
         schedule, partials, counters = self.launch_tensors(lse, stream)
-        if not self._launch.try_direct(stream, q, k, v, k, v, o, o_ptr, lse_ptr, *[lse_ptr] * 6,
+        if not self._launch.try_direct(stream, q, k, v, o, o_ptr, lse_ptr, *[lse_ptr] * 6,
                                        schedule.data_ptr(), partials.data_ptr(),
                                        counters.data_ptr(), *self.scalars, *self.mask_strides):
-            self._launch.launch_on(stream, q, k, v, k, v, o, o, lse, *[lse] * 6, schedule,
-                                   partials, counters, *self.scalars, *self.mask_strides)
+            self._launch.launch_on(stream, q, k, v, o, o, lse, *[lse] * 6, schedule, partials,
+                                   counters, *self.scalars, *self.mask_strides)
 
 
 def _capturing(like: Any) -> bool:

@@ -152,25 +152,23 @@ def test_a_gluon_plan_launches_directly_after_its_first_call(
     assert jit_kwargs == plan.options  # num_warps once: a constexpr and an option
     assert direct_args[:9] == (*plan._launch.grid, 0, "function", "metadata", None, None, None)
     launched = direct_args[9:9 + len(jit_args)]
-    # q, k, v, then k and v again (the descriptors of the blocks' second tiles).
-    for desc, jit_desc, tensor in zip(launched[:5], jit_args[:5], (q, k, v, k, v),
-                                      strict=False):
+    for desc, jit_desc, tensor in zip(launched[:4], jit_args[:4], (q, k, v), strict=False):
         assert type(desc) is type(jit_desc) and desc.base is tensor
         assert (desc.block_shape, desc.layout) == (jit_desc.block_shape, jit_desc.layout)
     # Out, LSE, the block mask's six tensors (LSE, compiled out in a dense launch) and the
     # schedule (LSE where there is none).
-    assert all(isinstance(p, int) and p % 16 == 0 for p in launched[6:15])
-    assert launched[7:14] == (launched[7],) * 7
-    assert all(t is jit_args[7] for t in jit_args[8:14])
+    assert all(isinstance(p, int) and p % 16 == 0 for p in launched[4:13])
+    assert launched[5:12] == (launched[5],) * 7
+    assert all(t is jit_args[5] for t in jit_args[6:12])
     if persistent:
-        assert jit_args[14] is plan.schedule and launched[14] == plan.schedule.data_ptr()
+        assert jit_args[12] is plan.schedule and launched[12] == plan.schedule.data_ptr()
     else:
-        assert jit_args[14] is jit_args[7] and launched[14] == launched[7]
+        assert jit_args[12] is jit_args[5] and launched[12] == launched[5]
     # The split workspace (partials, counters): LSE where the grid is not split.
     assert plan.split is None
-    assert all(t is jit_args[7] for t in jit_args[15:17]) and launched[15:17] == (
-        launched[7],) * 2
-    assert launched[17:] == tuple(jit_args[17:]) == (*plan.scalars, *plan.mask_strides)
+    assert all(t is jit_args[5] for t in jit_args[13:15]) and launched[13:15] == (
+        launched[5],) * 2
+    assert launched[15:] == tuple(jit_args[15:]) == (*plan.scalars, *plan.mask_strides)
     assert direct_args[9 + len(jit_args):] == tuple(
         v for name, v in plan.options.items() if name != "maxnreg")
 
