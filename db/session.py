@@ -93,6 +93,15 @@ def make_engine(url: str) -> Engine:
         return engine
 
 
+def with_installed_driver(url: str | URL) -> URL:
+    """``url`` with the PostgreSQL driver the project installs (psycopg 3) where it names
+    none: SQLAlchemy's default for a plain ``postgresql://`` is psycopg2, which is absent."""
+    parsed = make_url(url)
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
 def _create_engine(url: str) -> Engine:
     parsed = make_url(url)
     backend = parsed.get_backend_name()
@@ -104,9 +113,7 @@ def _create_engine(url: str) -> Engine:
         event.listen(engine, "begin", _on_sqlite_begin)
         return engine
     if backend == "postgresql":
-        if parsed.drivername == "postgresql":
-            parsed = parsed.set(drivername="postgresql+psycopg")
-        return create_engine(parsed, pool_pre_ping=True)
+        return create_engine(with_installed_driver(parsed), pool_pre_ping=True)
     raise ValueError(f"database backend must be sqlite or postgresql, but got {backend!r} "
                      f"in {parsed.render_as_string(hide_password=True)}")
 

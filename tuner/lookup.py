@@ -522,8 +522,9 @@ class ConfigResolver:
             # Read-only URI: even a bug downstream cannot create or change the file.
             self._engine = create_engine(f"sqlite:///file:{file}?mode=ro&uri=true")
         else:
-            if url.drivername == "postgresql":  # the driver the project installs (psycopg 3)
-                url = url.set(drivername="postgresql+psycopg")
+            from db.session import with_installed_driver
+
+            url = with_installed_driver(url)
             timeout = max(1, math.ceil(self.settings.lookup_timeout))
             self._engine = create_engine(url, pool_pre_ping=True,
                                          connect_args={"connect_timeout": timeout})

@@ -22,6 +22,7 @@ from db.session import (
     make_engine,
     run_in_transaction,
     session_scope,
+    with_installed_driver,
 )
 from tests.db import _data
 
@@ -75,6 +76,10 @@ def test_urls_pick_the_installed_drivers() -> None:
         dispose_engine(url)
     with pytest.raises(ValueError, match="must be sqlite or postgresql, but got 'mysql'"):
         make_engine("mysql://u@h/db")
+    # One rule for every opener (the engine, Optuna's storage, the dispatcher's lookup).
+    assert with_installed_driver(url).drivername == "postgresql+psycopg"
+    assert with_installed_driver("postgresql+psycopg://h/db").drivername == "postgresql+psycopg"
+    assert with_installed_driver("sqlite:///x.db").drivername == "sqlite"
 
 
 def test_session_scope_commits_or_rolls_back(db_url: str) -> None:

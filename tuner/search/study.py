@@ -28,6 +28,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from db.session import with_installed_driver
+
 __all__ = [
     "GRACE_PERIOD_S",
     "HEARTBEAT_INTERVAL_S",
@@ -64,10 +66,7 @@ def study_name(device_key: str, template_name: str, template_version: str,
 def optuna_url(url: str) -> str:
     """The URL Optuna's storage should open: psycopg 3 for a plain postgresql:// URL, as the
     project's own engine does (psycopg2 is not installed)."""
-    parsed = make_url(url)
-    if parsed.drivername == "postgresql":
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    return parsed.render_as_string(hide_password=False)
+    return with_installed_driver(url).render_as_string(hide_password=False)
 
 
 def retry_locked(fn: Callable[[], T], *, attempts: int = 6, backoff_s: float = 0.2) -> T:
