@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from templates.base import KernelConfig, Problem, Template
 from templates.device import CPU_INTERPRETER, DeviceInfo
+from templates.offline_target import TARGETS
 from tuner.demand import UNTUNED
 from tuner.snapshot import SnapshotError
 from tuner.wire import MatchKind
@@ -215,11 +216,9 @@ _SMEM_BY_CC = {"7.0": 96, "7.5": 64, "8.0": 163, "8.6": 99, "8.7": 163, "8.9": 9
                "10.0": 227, "12.0": 99}
 
 # What a device that the service has never seen is assumed to be: the GPU family the project
-# tunes first (H100 SXM). Default-config heuristics only read family, SM count and smem.
-HOPPER_DEFAULT = DeviceInfo(
-    name="NVIDIA H100 80GB HBM3", compute_capability="9.0", sm_count=132,
-    total_memory=80 * 1024**3, smem_per_block=227 * 1024, driver_version="",
-    triton_version="", torch_version="", cuda_version="")
+# tunes first (H100 SXM, the offline compile target's table). Default-config heuristics only
+# read family, SM count and smem.
+HOPPER_DEFAULT = TARGETS["h100"]
 
 
 def smem_for_cc(compute_capability: str) -> int:
