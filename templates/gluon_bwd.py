@@ -72,6 +72,11 @@ class GluonBwdConfig(KernelConfig):
         2, (1, 2),
         "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
         "dK/dV accumulators and S^T rows.")
+    defer_dq: bool = knob(
+        False, (False, True),
+        "Add a step's dQ tile into the fp32 accumulator during the next step's S^T/dP^T "
+        "GEMMs (chunks of one row per warp, atomics from shared memory) instead of after its own GEMMs "
+        "with the tensor cores idle.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:

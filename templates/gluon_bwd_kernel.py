@@ -177,11 +177,16 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
 @gluon.jit
 def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_smem,
               DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+              prev_bh, prev_m0, has_prev,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-              DEBUG: gl.constexpr = 0):
+              DEFER_DQ: gl.constexpr, DEBUG: gl.constexpr = 0):
     """Fold query tile [m0, m0 + BLOCK_M) of query head ``bh`` (its row index b * H_q + h)
-    into the dk, dv accumulators of the KV tile [n0, n0 + BLOCK_N); add its dQ into DQ."""
+    into the dk, dv accumulators of the KV tile [n0, n0 + BLOCK_N); add its dQ into DQ.
+
+    With DEFER_DQ the dQ tile is left staged in ``dq_smem`` and added by the next step (or
+    the kernel's tail: ``_dq_atomics``) while that step's S^T and dP^T GEMMs run; this step
+    adds the previous one's (``prev_bh``, ``prev_m0``) if ``has_prev``."""
     dtype: gl.constexpr = q_smem.dtype
     st_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
     kv_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
@@ -194,6 +199,10 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_
                           is_async=True)
     dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_st, use_acc=False,
                            is_async=True)
+    if DEFER_DQ:
+        # The previous step's dQ tile, added while the tensor cores compute S^T and dP^T.
+        if has_prev:
+            _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -233,9 +242,15 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_
                            use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op, ds_reg = warpgroup_mma_wait(
         0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op, ds_reg))
-    dq_smem.store(dq)
-    _warps_barrier()
-    _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
+    if DEFER_DQ:
+        # Every warp has read the previous tile out of dq_smem before it is overwritten;
+        # the barrier before the ring's refill then publishes this one to the next step.
+        _warps_barrier()
+        dq_smem.store(dq)
+    else:
+        dq_smem.store(dq)
+        _warps_barrier()
+        _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
     return dk, dv
 
 
@@ -249,11 +264,15 @@ def _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
     dq_head = DQ + bh.to(gl.int64) * N_Q * HEAD_DIM
     add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HEAD_DIM, HEAD_DIM // 4],
                                                 [NUM_WARPS, 1], [1, 0])
-    dq = dq_smem.load(add_layout)
-    q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
+    # In chunks of rows: a chunk's fp32 values are the only registers this holds, so it can
+    # run beside GEMMs in flight (DEFER_DQ) without pushing the dK/dV accumulators to spill.
+    CHUNK: gl.constexpr = NUM_WARPS * (32 * 4 // HEAD_DIM)
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
-    offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
-    gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1), sem="relaxed")
+    for c in gl.static_range(BLOCK_M // CHUNK):
+        dq = dq_smem.slice(c * CHUNK, CHUNK, dim=0).load(add_layout)
+        q_rows = m0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, add_layout))
+        offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
+        gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1), sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -264,7 +283,7 @@ def _gluon_bwd_kernel(
     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
-    DEBUG: gl.constexpr = 0,
+    DEFER_DQ: gl.constexpr = False, DEBUG: gl.constexpr = 0,
 ):
     # Program -> (KV tile, batch, kv head); the tiles of one kv head are consecutive (its
     # group's Q and dO stay in L2), tile 0 first (under causal masking it sees the most
@@ -321,6 +340,8 @@ def _gluon_bwd_kernel(
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
+    prev_bh = b * H_Q + h0
+    prev_m0 = first_row
     for t in range(n_steps):
         slot = t % STAGES
         h = h0 + t // n_q_steps
@@ -341,13 +362,15 @@ def _gluon_bwd_kernel(
         if m0 < full_row:
             dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
-                               qk_scale, sm_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                               num_warps, DEBUG)
+                               qk_scale, sm_scale, prev_bh, prev_m0, t > 0, True, CAUSAL,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ, DEBUG)
         else:
             dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
-                               qk_scale, sm_scale, False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                               num_warps, DEBUG)
+                               qk_scale, sm_scale, prev_bh, prev_m0, t > 0, False, CAUSAL,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ, DEBUG)
+        prev_bh = bh
+        prev_m0 = m0
         # Every warp's GEMMs that read this slot (and dS) have completed: refill it.
         if DEBUG & 2:
             fence_async_shared()
@@ -357,6 +380,9 @@ def _gluon_bwd_kernel(
                 ready, slot, t + STAGES, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row,
                 BLOCK_M)
 
+    if DEFER_DQ:
+        if n_steps > 0:  # the last step's dQ tile (published by the loop's last barrier)
+            _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, num_warps)
     # dK and dV leave through K's and V's buffers (every GEMM reading them has completed) and
     # TMA stores, which drop the rows past N_kv. A tile no query sees stores zeros.
     k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).store(dk.to(dtype))
@@ -407,7 +433,8 @@ class LaunchPlan:
         self.kv_layout = _host_smem_layout(self.kv_block, 16)
         self.options: dict[str, Any] = dict(
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=int(config["stages"]),
-            CAUSAL=causal_mode != "none", num_warps=num_warps_of(config))
+            CAUSAL=causal_mode != "none", num_warps=num_warps_of(config),
+            DEFER_DQ=bool(config.get("defer_dq", False)))
         debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
         if debug:
             self.options["DEBUG"] = debug
