@@ -83,7 +83,9 @@ DEBUG_POISON = False
 # Bisecting switches for GPU diagnosis (a constexpr of the main kernel; 0 in production):
 #   2: every GEMM is waited for at once (warpgroup_mma_wait(0)) and the refill is preceded by
 #      fence_async_shared + a barrier of its own (conservative ordering);
-#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest).
+#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest);
+#   8: no exponentials, P^T = S^T (wrong gradients: prices the softmax, as the forward's
+#      DIAG switches; benchmarks/gluon_bwd_price.py times these).
 # The environment variable GLUON_BWD_DEBUG overrides it (read when a launch is planned).
 DEBUG = 0
 
@@ -213,7 +215,11 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_
         s_t = warpgroup_mma_wait(1, deps=(s_tok,))
     # The queries' lse2 along the columns (padded rows: +inf, so P = 0 there).
     lse2 = lse_smem.load(cols)
-    p_t = _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
+    if DEBUG & 8:
+        p_t = s_t
+    else:
+        p_t = _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED,
+                       CAUSAL)
     p16 = p_t.to(dtype)
     p_op = gl.convert_layout(p16, a_layout)
     dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
