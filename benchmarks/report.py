@@ -1882,7 +1882,7 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
          Kind("search_winners", "stored winners of a sweep of part of a suite",
               "tuner winners --json", None, "",
               why_not="issue 17's share of winners is about the whole `standard` suite; "
-                      "docs/gluon_notes.md reads these")]
+                      "notes/gluon_notes.md reads these")]
 
 
 def kind_of(path: Path) -> Kind | None:
