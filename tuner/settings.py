@@ -15,7 +15,7 @@
                          (tuner/pinned.py); unset: lookups ask the database and the service
     TUNER_REFRESH        on: a running process picks up newer answers for problems it already
                          ran (default off: a config a kernel ran with is kept for the
-                         process's life, docs/TUNING.md)
+                         process's life, docs/SERVING.md)
     TUNER_DEMAND         on (default) / off: report the problems run without a tuned config
                          to TUNER_URL, for `tuner worker` to tune (tuner/demand.py)
     TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
