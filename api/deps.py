@@ -112,7 +112,7 @@ async def _slow_down_refusals(request: Request) -> None:
     at most MAX_REFUSAL_DELAY_S), so clients retrying without a valid token are answered at
     that pace, not as fast as they can reconnect. Refused at once, 16 clients sending 8 MB bodies
     came back ~230 times a second, each refusal ~0.6 ms of the service's CPU, and pushed the
-    reads' p99 on two cores from ~4 to ~20 ms (docs/SERVING.md). Waiting costs no CPU."""
+    reads' p99 on two cores from ~4 to ~20 ms (notes/serving_performance.md). Waiting costs no CPU."""
     state = request.app.state
     address = client_address(request)
     if state.held_refusals >= MAX_HELD_REFUSALS:

@@ -8,7 +8,7 @@ a report of 50 items holds the loop for 0.5-2 ms. Reports arriving together (a j
 report at about the same time; ``benchmarks/api_load.py --demand-clients 8`` sends its 8
 clients' reports within a few ms of each other) ran back to back: 8 reports held the loop for
 10-15 ms once a second, and every read arriving meanwhile waited for all of them; that was the
-reads' p99 of 11-12 ms beside 10,000 reports/s, against 2.4-3.2 ms alone (docs/SERVING.md).
+reads' p99 of 11-12 ms beside 10,000 reports/s, against 2.4-3.2 ms alone (notes/serving_performance.md).
 
 ``LoopShare.turn()`` lets one request's work run at a time, in arrival order, and
 ``Slices.pause()`` gives the loop back once ``slice_s`` of work has run since the last time:

@@ -1,7 +1,7 @@
 """Block-sparse forward benchmark: flash_fwd with a BlockMask against the dense kernel and
 against FlexAttention given the same pattern, side by side in one process.
 
-Follows ../shared/bench/PROTOCOL.md (block-sparse rows): bf16, B=1, H=16, N=16k, D=128, mask
+Follows docs/PROTOCOL.md (block-sparse rows): bf16, B=1, H=16, N=16k, D=128, mask
 block 128. Patterns: random blocks at 10% density (~90% sparse), sliding window |i-j| <= 512
 and <= 1024, 8 equal documents, causal. Per pattern: our default config (fitted to the mask)
 and the best of a small grid, our dense kernel (default config, no mask), and compiled

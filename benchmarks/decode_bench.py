@@ -1,6 +1,6 @@
 """Decode benchmark: flash_decode against itself with one split and against torch SDPA.
 
-Follows ../shared/bench/PROTOCOL.md (decode rows): bf16, D=128, 32 query heads over 8 KV
+Follows docs/PROTOCOL.md (decode rows): bf16, D=128, 32 query heads over 8 KV
 heads, one query token; B=1 at 32k and 128k, B=8 at 32k, B=64 at 4k and with mixed lengths
 around 4k (``mixed`` over an 8k cache: lengths 128..8192, mean ~4.1k), contiguous and paged.
 Reports the bytes of K and V read per second (the cache's useful bytes, not GQA repeats)

@@ -1,7 +1,7 @@
 """Forward + backward benchmark: templates.flash_attention (autograd, flash_fwd + flash_bwd)
 against torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION backends, fwd+bwd.
 
-Follows ../shared/bench/PROTOCOL.md (standard suite): bf16, D in 64/128, N in 1k/4k/16k,
+Follows docs/PROTOCOL.md (standard suite): bf16, D in 64/128, N in 1k/4k/16k,
 B = 16384 / N, H = 2048 / D, causal and not, (B, H, N, D) contiguous. TFLOP/s counts
 fwd+bwd as 3.5 x the forward's FLOPs (4 * B * H * N^2 * D, halved for causal). One call is
 ``torch.autograd.grad(attention(q, k, v), (q, k, v), do)``.

@@ -1,4 +1,4 @@
-"""Quick forward benchmark on one GPU, following /work/shared/bench/PROTOCOL.md.
+"""Quick forward benchmark on one GPU, following docs/PROTOCOL.md.
 
 For bf16, 16k tokens per batch, hidden 2048 (H = 2048 / D), D in 64 and 128, N in 4k and 16k,
 causal and not: the flash_fwd template's default config, a small grid of configs (TMA on and

@@ -10,7 +10,7 @@ not the run. Outputs are poisoned with NaN first (an unwritten element fails), c
 the float64/float32 reference (o and lse, the template's error and tolerance), and computed
 three times: a result that changes between runs on the same input is a race.
 
-``--time`` follows ../shared/bench/PROTOCOL.md: bf16, 16k tokens per batch, H = 2048 / D,
+``--time`` follows docs/PROTOCOL.md: bf16, 16k tokens per batch, H = 2048 / D,
 N 4k and 16k, dense and causal, triton.testing.do_bench(warmup=25, rep=100, median) side by
 side in this process with torch SDPA's cuDNN and FA2 backends and the project's Triton
 flash_fwd default. Every output is checked against an fp32 SDPA (EFFICIENT backend) before its

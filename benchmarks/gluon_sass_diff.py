@@ -61,7 +61,7 @@ def diff_row(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return {"instructions": (a["instructions"], b["instructions"]),
             "stack_bytes": (a["stack_bytes"], b["stack_bytes"]),
             "changed": {op: delta for op, delta in changed.items() if delta},
-            # ptxas's note where it serialized a side's GEMMs (docs/gluon_notes.md)
+            # ptxas's note where it serialized a side's GEMMs (notes/gluon_notes.md)
             "wgmma_serialized": (a.get("wgmma_serialized", ""),
                                  b.get("wgmma_serialized", ""))}
 

@@ -1,7 +1,7 @@
 """Masked forward + backward benchmark: templates.flash_attention with a BlockMask against
 compiled FlexAttention given the same mask, and torch SDPA with the mask materialized.
 
-Follows ../shared/bench/PROTOCOL.md: bf16, B = 16384 / N, H = 2048 / D, (B, H, N, D)
+Follows docs/PROTOCOL.md: bf16, B = 16384 / N, H = 2048 / D, (B, H, N, D)
 contiguous; rows d128 N=16k, d128 N=4k, d64 N=16k, each with three masks built at block 128:
 
   * ``sliding-causal:1024``: query i sees keys i-1024 <= j <= i (local causal attention);

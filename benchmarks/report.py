@@ -1,4 +1,8 @@
-"""Benchmark report: docs/benchmarks.md and docs/img/*.png from the JSON in benchmarks/results/.
+"""Benchmark report: a Markdown page and PNG plots from the JSON in benchmarks/results/.
+
+The page is generated, not committed: it goes where ``--out`` says (default
+``build/benchmarks.md``, the plots under ``build/img/``; ``build/`` is git-ignored). The
+curated numbers users read are docs/PERFORMANCE.md.
 
 Reads what the benchmark scripts wrote (every number in the report comes from those files;
 only the targets' thresholds are written here):
@@ -47,8 +51,8 @@ only the targets' thresholds are written here):
 Any other file is listed as skipped with the reason, so a new benchmark's results never break
 the report. A sidecar ``NAME.meta.json`` beside ``NAME.json`` states what the result file does
 not record (``command``, ``date``, ``gpu``, ``driver``, ``torch``, ``triton``, ``cuda``); the
-file's own values win. A hand-written ``benchmarks_notes.md`` beside the report is included
-verbatim.
+file's own values win. The hand-written analysis ``notes/benchmarks_notes.md`` (``--notes``) is
+included verbatim.
 
     pip install -e '.[report]'          # matplotlib, for the plots
     python benchmarks/report.py [--results DIR] [--out FILE] [--img-dir DIR] [--notes FILE]
@@ -73,9 +77,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_OUT = ROOT / "docs" / "benchmarks.md"
-DEFAULT_IMG = ROOT / "docs" / "img"
-NOTES_NAME = "benchmarks_notes.md"
+DEFAULT_OUT = ROOT / "build" / "benchmarks.md"
+DEFAULT_IMG = ROOT / "build" / "img"
+DEFAULT_NOTES = ROOT / "notes" / "benchmarks_notes.md"
 MATPLOTLIB_MISSING = ("report.py draws its plots with matplotlib, which is not installed: "
                       "pip install -e '.[report]' (or pip install 'matplotlib>=3.7'), "
                       "or pass --no-plots for the tables alone")
@@ -1882,7 +1886,7 @@ KINDS = [Kind("fwd_compile_sweep", "compile sweep", "fwd_quick.py --compile-swee
          Kind("search_winners", "stored winners of a sweep of part of a suite",
               "tuner winners --json", None, "",
               why_not="issue 17's share of winners is about the whole `standard` suite; "
-                      "docs/gluon_notes.md reads these")]
+                      "notes/gluon_notes.md reads these")]
 
 
 def kind_of(path: Path) -> Kind | None:
@@ -2088,7 +2092,7 @@ def render(sections: list[Section], skipped: list[str], images: dict[str, str],
              "`benchmarks/results/` (do not edit by hand: change the data or the script and "
              "run it again; the plots need `pip install -e '.[report]'`). Every number below "
              "is read from those files; the benchmark scripts and the protocol they follow "
-             "(`/work/shared/bench/PROTOCOL.md`) say how each was measured. Ratios compare "
+             "(`docs/PROTOCOL.md`) say how each was measured. Ratios compare "
              "implementations timed side by side in one process; files are separate runs.", ""]
     lines += ["## Where the numbers come from", ""]
     lines += provenance(sections) if sections else ["No result files were found."]
@@ -2123,7 +2127,8 @@ def render(sections: list[Section], skipped: list[str], images: dict[str, str],
         lines += [f"<!-- included verbatim from {notes.name}, written by hand -->",
                   notes.read_text().rstrip("\n"), ""]
     else:
-        lines += [f"(no `{notes.name}` beside this file)", ""]
+        lines += [f"(no `{notes.name}` was found: `--notes` names the hand-written "
+                  "analysis)", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -2132,12 +2137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
                         help="directory of result JSON files (default benchmarks/results)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="the Markdown report to write (default docs/benchmarks.md)")
+                        help="the Markdown report to write (default build/benchmarks.md)")
     parser.add_argument("--img-dir", type=Path, default=DEFAULT_IMG,
-                        help="where the PNG plots go (default docs/img)")
-    parser.add_argument("--notes", type=Path, default=None,
-                        help=f"hand-written analysis included verbatim (default {NOTES_NAME} "
-                             "beside --out)")
+                        help="where the PNG plots go (default build/img)")
+    parser.add_argument("--notes", type=Path, default=DEFAULT_NOTES,
+                        help="hand-written analysis included verbatim "
+                             "(default notes/benchmarks_notes.md)")
     parser.add_argument("--no-plots", action="store_true",
                         help="write the tables only (no matplotlib needed)")
     args = parser.parse_args(argv)
@@ -2154,9 +2159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = args.img_dir / s.plot_name
                 s.plot(path)
                 images[s.plot_name] = Path(os.path.relpath(path, args.out.parent)).as_posix()
-    notes = args.notes or args.out.parent / NOTES_NAME
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(sections, skipped, images, notes))
+    args.out.write_text(render(sections, skipped, images, args.notes))
     print(f"wrote {args.out} ({len(sections)} result files, {len(images)} plots"
           f"{f', {len(skipped)} files left out' if skipped else ''})")
     for t in (t for s in sections for t in s.targets):

@@ -3,10 +3,10 @@
 The backward of FlashAttention needs from its forward only o and the logsumexp of the scaled
 scores (one float per query row): it recomputes P = exp(scale q k^T - lse) tile by tile. So a
 forward of ours can pair with cuDNN's backward, the fastest backward on the H100 (ours, Triton
-and Gluon, run at 0.6x of it: docs/gluon_notes.md): torch exposes it as
+and Gluon, run at 0.6x of it: notes/gluon_notes.md): torch exposes it as
 ``aten._scaled_dot_product_cudnn_attention_backward``, which torch's own ring attention feeds
 with logsumexps it merged itself. Its logsumexp is natural-log, (B, H_q, N_q, 1) float32, the
-same numbers as ours (the H100 run in docs/gluon_notes.md, "Gluon forward + cuDNN backward":
+same numbers as ours (the H100 run in notes/gluon_notes.md, "Gluon forward + cuDNN backward":
 equal to 1e-6 on every checked shape).
 
 cuDNN's causal mask is SDPA's (top-left); GQA/MQA are taken as they are (H_q a multiple of

@@ -311,7 +311,7 @@ class FlashDecodeTemplate(Template):
 
     def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
         """Where the H100 probe of the decode rows found the fastest configs (graph-replayed,
-        2026-11-24: B1 32k/128k and B8 32k at 32/8 heads, d128, bf16; docs/DISPATCH.md):
+        2026-11-24: B1 32k/128k and B8 32k at 32/8 heads, d128, bf16; notes/dispatch_measurements.md):
         a grid of one or four programs per SM, 64- or 128-key tiles, three stages, the
         separate combine; and the fused combine of the first. The search starts from them."""
         if device.family not in ("hopper", "blackwell"):

@@ -30,7 +30,7 @@ LOG2E = 1.4426950408889634
 COMBINE_TILE_ELEMS = 4096
 # The fused merge of a row tile may hold more: it runs once, at the end, when registers are
 # free (FUSED_MERGE_TILE_ELEMS per 4 warps; measured on the H100 against 4096: see
-# benchmarks/decode_loop.py's note in docs/DISPATCH.md).
+# benchmarks/decode_loop.py's note in notes/dispatch_measurements.md).
 FUSED_MERGE_TILE_ELEMS = 4096
 COMBINE_MODES = ("separate", "fused")
 # The K/V loads' L2 eviction policy by the kv_load knob's value. (No ".cg" choice: with

@@ -7,7 +7,7 @@ the same backward problems (inputs from ``FlashBwdTemplate.make_inputs``), so th
 backwards compete by measurement. Written for triton 3.6's Gluon; on a triton without Gluon
 the template imports but rejects every problem.
 
-Status (docs/gluon_notes.md, "Third GPU run"): right on the H100 with 64 x 128 tiles, two
+Status (notes/gluon_notes.md, "Third GPU run"): right on the H100 with 64 x 128 tiles, two
 warpgroups and a ring of three (the only config offered); 0.59-0.63x cuDNN's backward at d128,
 so it is in no spec and the dispatcher never runs it.
 """
@@ -43,7 +43,7 @@ DTYPE_BYTES = 2
 BARRIER_BYTES = 512
 # fp32 registers per thread the step's big tiles may hold: the dK and dV accumulators plus
 # the S^T and dP^T tiles, (2 BLOCK_N D + 2 BLOCK_N BLOCK_M) / threads. Calibrated by the
-# offline sm_90 build (triton 3.9, docs/gluon_notes.md): 128 compiled in 186 registers
+# offline sm_90 build (triton 3.9, notes/gluon_notes.md): 128 compiled in 186 registers
 # without spills; 192 in 250-255 registers, without spills (d128, 64x64 tiles, 4 warps) or
 # with 8-24 bytes of stack (d128 64x128 and d64 128x128 tiles, 8 warps); above 192 was not
 # compiled.
@@ -67,7 +67,7 @@ class GluonBwdConfig(KernelConfig):
         3, (3, 4),
         "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
         "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline) nor "
-        "2 (wrong dK/dV on the H100, cause not found: docs/gluon_notes.md).")
+        "2 (wrong dK/dV on the H100, cause not found: notes/gluon_notes.md).")
     consumers: int = knob(
         2, (1, 2),
         "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
@@ -142,7 +142,7 @@ class GluonBwdTemplate(GluonTemplate):
             return (f"each thread would hold about {regs} registers of dK, dV, S^T and dP^T "
                     f"tiles (more than {MAX_TILE_REGISTERS}): registers would spill; use "
                     f"smaller tiles or more consumers")
-        # Measured wrong on the H100, causes not found (docs/gluon_notes.md, "Third GPU run"):
+        # Measured wrong on the H100, causes not found (notes/gluon_notes.md, "Third GPU run"):
         # only 64 x 128 tiles over two warpgroups with a ring of three gave right gradients.
         if cfg.consumers == 1:
             return ("one consumer warpgroup (4 warps) crashed on the H100 with an illegal "

@@ -241,7 +241,7 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_
     # dQ = dS K needs dS with queries along rows: dS^T is transposed in registers by the
     # compiler (through its own scratch) into the A operand. Staging dS^T in a buffer of ours
     # and reading it as a shared-memory A (transposed, or stored untransposed) crashed on the
-    # H100 with an illegal address (docs/gluon_notes.md, "Third GPU run").
+    # H100 with an illegal address (notes/gluon_notes.md, "Third GPU run").
     dq_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
     ds_reg = gl.convert_layout(gl.permute(ds_t, (1, 0)), dq_a)
     dq_tok = warpgroup_mma(ds_reg, k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),

@@ -51,7 +51,7 @@ BARRIER_BYTES = 512
 # Registers a consumer thread needs beyond its tiles (addresses, softmax temporaries, loop
 # state): a config fits when its tiles (``live_per_thread``) stay this far under the
 # consumer's register budget. Calibrated by compiling the space offline for sm_90 (triton
-# 3.6, docs/gluon_notes.md): with 240 registers (ping-pong, 1 program per SM) tiles of 176
+# 3.6, notes/gluon_notes.md): with 240 registers (ping-pong, 1 program per SM) tiles of 176
 # compiled without spills and tiles of 224 spilled 128-1344 bytes; with 255 (no producer
 # warp) 176 compiled in 216-227 registers and 224 spilled.
 REGISTER_HEADROOM = 64
@@ -60,7 +60,7 @@ REGISTER_HEADROOM = 64
 # setmaxnreg raised above it, and asked for 154 at N = 256 (session #18, triton 3.6: two
 # programs per SM, maxnreg 128, 256-key blocks or D = 256 failed with C7602, "Insufficient
 # registers"; the other warp-specialized configs whose maxnreg is under their consumers'
-# budget compiled, d64-d256, docs/gluon_notes.md).
+# budget compiled, d64-d256, notes/gluon_notes.md).
 WGMMA_OPERAND_REGS = 26
 # Shared memory of one SM (H100: 228 KiB), and what the system reserves per program.
 SMEM_PER_SM = 228 * 1024
@@ -116,7 +116,7 @@ class GluonFwdConfig(KernelConfig):
         False, (False, True),
         "The softmax's row max of each score block as a tree of independent maxima instead "
         "of one dependent chain per row (the same instructions, shorter latency): ahead at "
-        "d64, behind at d128 dense on the H100 (docs/gluon_notes.md).")
+        "d64, behind at d128 dense on the H100 (notes/gluon_notes.md).")
     split_tail: bool = knob(
         False, (False, True),
         "Persistent grids: tiles cut into pieces of KV blocks run by different SMs, their "
@@ -397,7 +397,7 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     ping-pong consumer warpgroups of 64 rows, a producer warp, 128-key blocks; 64-key blocks
     at D = 256, where 128 would spill), 2 stages, and the persistent grid at D <= 128 and for
     d256 causal from 4k query rows.
-    Measured on H100 (bf16, PROTOCOL shapes, docs/gluon_notes.md run 5, medians of 3
+    Measured on H100 (bf16, PROTOCOL shapes, notes/gluon_notes.md run 5, medians of 3
     readings, x cuDNN in the same process), persistent / not: d128 dense 0.95 / 0.81 at 512,
     0.99 / 0.89 at 1k, 1.02 / 1.00 at 4k, 1.02 / 1.02 at 16k; d128 causal 0.87 / 0.70,
     0.97 / 0.83, 1.08 / 0.99, 1.11 / 1.10; d64 dense 0.92 / 0.73 at 512 to 1.01 / 1.00 at
@@ -454,7 +454,7 @@ def packing_fills_rows(problem: Problem, block_m: int) -> bool:
     rows that hold a query unpacked under 3/4 of the share packed (N_q = 16 of 4 heads: 1
     tile of 64 queries instead of 4 of 16; N_q a multiple of BLOCK_M: no gain). On the H200
     a smaller gain did not pay: N_q = 200 of 4 heads (7 tiles instead of 8) read 1.00x
-    dense and 0.96x causal (docs/gluon_notes.md, "Packed GQA"). Not with a block mask
+    dense and 0.96x causal (notes/gluon_notes.md, "Packed GQA"). Not with a block mask
     (refused)."""
     group = problem.heads_q // problem.heads_kv
     if group == 1 or problem.mask != "none":

@@ -147,7 +147,7 @@ def _row_max(x, like, TREE: gl.constexpr):
     ``gl.max`` folds a thread's values of a row in one dependent chain (31 deep at n = 128;
     its FMNMXs were the largest stall of the d64 softmax in ncu's samples); TREE halves the
     columns instead (independent maxima, log2(n / 8) levels, the same instruction count, all
-    in registers). The same tree for the row sum measured slower (docs/gluon_notes.md)."""
+    in registers). The same tree for the row sum measured slower (notes/gluon_notes.md)."""
     if TREE:
         ROWS: gl.constexpr = x.shape[0]
         for _ in gl.static_range(_halvings(x.shape[1])):
@@ -182,7 +182,7 @@ def _softmax_block(s, m_i, l_i, qk_scale, offs_m, start_n, N_KV, causal_offset, 
         # Hidden scores become -inf before the scale, which is positive (checked on the
         # host): the max and exp2(s * scale - m) are the unmasked step's instructions (one
         # FFMA per score; scaling first and masking after cost an FMUL, an FSEL and an FADD
-        # more, and 11% of d64 causal's time at 512 tokens, docs/gluon_notes.md).
+        # more, and 11% of d64 causal's time at 512 tokens, notes/gluon_notes.md).
         s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, _row_max(s, m_i, TREE_MAX) * qk_scale)
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -28,14 +28,14 @@ L2_KV_BYTES = 16 * 1024 * 1024
 # What a tile costs beyond its KV blocks, in blocks, for the persistent causal schedule
 # (``lpt_schedule``): the Q load, the unoverlapped first S and last PV GEMMs and the epilogue,
 # about one block's work. Insensitive: 3 instead read -0.6% to +1.5% against 1 on the H100
-# at 512-2k causal, d64 and d128 (docs/gluon_notes.md).
+# at 512-2k causal, d64 and d128 (notes/gluon_notes.md).
 TILE_OVERHEAD_BLOCKS = 1
 # What a piece of a split tile (``split_schedule``, ``cut_lpt_schedule``) costs beyond its
 # blocks and the tile overhead, per piece of its tile, in KV blocks of 128 keys at d128
 # (twice as many at d64, whose blocks take half the time): its partial result stored (the
 # unnormalized O, m, l of its rows), the release and acquire, the last piece reading every
 # partial back. Session #13 (H100) set 3 from 64 tiles of 8 blocks cut in two (1.157x the
-# time of whole ones) and of 16 blocks (0.93x). Session #15 (H200, docs/gluon_notes.md,
+# time of whole ones) and of 16 blocks (0.93x). Session #15 (H200, notes/gluon_notes.md,
 # "The split model's piece cost"): 2 leaves those two grids as 3 did and cuts small causal
 # grids finer, 0.87-0.92x the time of 3 (one head at 4k and 8k, 4 heads at 2k), the dense
 # 32-tile grid 0.95x; 1 cut the 8-block tiles too and lost there (1.04-1.08x).
@@ -126,7 +126,7 @@ def split_schedule(n_tiles: int, blocks: int, programs: int, head_dim: int = 128
     # piece of it pays its share, an overhead and two combines at least. The bound only
     # grows as the count falls, so the scan ends once it leaves no room to beat the best or
     # to gain MIN_SPLIT_GAIN: the same choice as pricing every count (the cheapest tail,
-    # the fewest workers of equals) in a fraction of the plan's time (docs/gluon_notes.md,
+    # the fewest workers of equals) in a fraction of the plan's time (notes/gluon_notes.md,
     # "Planning time").
     for workers in range(programs, rest, -1):
         bound = ((rest * blocks) // workers + overhead + 2 * combine) * (1 - 1e-9)
@@ -205,7 +205,7 @@ def _best_cap(blocks: Sequence[int], batch_heads: int, programs: int, overhead: 
     the cap itself (a tile of exactly that cost stays whole), and the work spread evenly over
     the programs, which only grows as the cap falls (more pieces, each paying its combine),
     so the scan ends once that leaves no room. The same answer as an LPT run of every cap's
-    items, in a fraction of the time (docs/gluon_notes.md, "Planning time")."""
+    items, in a fraction of the time (notes/gluon_notes.md, "Planning time")."""
     best: tuple[float, float] | None = None
     slack = 1 - 1e-9  # (the bounds less a relative 1e-9, for rounding)
     fewest = [2] * len(blocks)
@@ -399,5 +399,5 @@ def causal_grid(group_tiles: int, sm_count: int) -> int:
     walked in two rounds, the second in the opposite direction (snake). A group's tiles come
     by decreasing length, so program p takes the p-th longest tile and the p-th shortest:
     every program gets the same work (with a full grid, groups cut across rounds and the
-    snake paired tiles at random: 0.71-0.79x cuDNN on H100, docs/gluon_notes.md run 5)."""
+    snake paired tiles at random: 0.71-0.79x cuDNN on H100, notes/gluon_notes.md run 5)."""
     return max(1, min(sm_count, -(-group_tiles // 2)))

@@ -5,7 +5,7 @@
 (``torch.compile(flex_attention, dynamic=False)``, as ``benchmarks/masked_fwd_bwd_bench.py``
 times it) is the other way to run a ``tuner.BlockMask`` call: on the H100 our block-sparse
 forward was 1.09-1.37x Flex, but Flex's forward + backward beat ours at d128 by 1.2-1.4x
-(docs/benchmarks_notes.md). Which one runs a block-mask call is decided by measurement
+(notes/benchmarks_notes.md). Which one runs a block-mask call is decided by measurement
 (docs/DISPATCH.md), so Flex is measured like our kernels: in the same trial worker, against the
 same reference, timed by the same timer, stored in the same tables.
 

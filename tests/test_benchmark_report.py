@@ -243,7 +243,8 @@ def write_results(directory: Path) -> Path:
 def run(report: ModuleType, tmp_path: Path, *extra: str) -> str:
     out = tmp_path / "out" / "benchmarks.md"
     code = report.main(["--results", str(tmp_path / "results"), "--out", str(out),
-                        "--img-dir", str(tmp_path / "out" / "img"), *extra])
+                        "--img-dir", str(tmp_path / "out" / "img"),
+                        "--notes", str(tmp_path / "out" / "benchmarks_notes.md"), *extra])
     assert code == 0
     return out.read_text()
 
@@ -394,7 +395,19 @@ def test_missing_files_and_notes(report: ModuleType, tmp_path: Path) -> None:
     md = run(report, tmp_path, "--no-plots")
     assert "No result files were found." in md
     assert "No data for any target." in md
-    assert "(no `benchmarks_notes.md` beside this file)" in md
+    assert ("(no `benchmarks_notes.md` was found: `--notes` names the hand-written analysis)"
+            in md)
+
+
+def test_the_report_is_written_outside_docs_by_default(report: ModuleType) -> None:
+    """The per-run report is generated, not committed: by default it goes to build/ (ignored
+    by git), its plots beside it, and it includes the hand-written analysis from notes/."""
+    root = Path(report.__file__).resolve().parents[1]
+    assert root / "build" / "benchmarks.md" == report.DEFAULT_OUT
+    assert root / "build" / "img" == report.DEFAULT_IMG
+    assert root / "notes" / "benchmarks_notes.md" == report.DEFAULT_NOTES
+    assert report.DEFAULT_NOTES.is_file()
+    assert "/build/" in (root / ".gitignore").read_text().splitlines()
 
 
 def test_missing_matplotlib_is_a_clear_error(report: ModuleType, tmp_path: Path,
@@ -760,7 +773,7 @@ def gluon_file(timings: list[dict[str, Any]]) -> dict[str, Any]:
     environment = {k: v for k, v in env("").items() if k != "command"}  # argv instead
     return {"environment": {**environment, "argv": [
                 "benchmarks/gluon_fwd_bench.py", "--check", "--time", "--variants", "a,b",
-                "--json", "/tmp/out dir"]},
+                "--json", "out dir"]},
             "variants": {"a": {"BLOCK_M": 128, "BLOCK_N": 128, "consumers": 2,
                                "pingpong": True, "persistent": False},
                          "b": {"BLOCK_M": 128, "BLOCK_N": 128, "consumers": 2,
@@ -820,7 +833,7 @@ def test_gluon_fwd_sections_and_targets(report: ModuleType, tmp_path: Path) -> N
     # provenance: the environment's argv is the command
     assert ("| `gluon_fwd_syn.json` | Gluon forward | Synthetic GPU | 999.1 | 9.8.0+cu77 | "
             "9.9.0 | 77.0 | 2030-01-02 03:04 UTC | `benchmarks/gluon_fwd_bench.py --check "
-            "--time --variants a,b --json '/tmp/out dir'` |") in md
+            "--time --variants a,b --json 'out dir'` |") in md
     assert ("`gluon_fwd_compile.json`: not a gluon_fwd_bench.py --time result (no 'timings' "
             "list), skipped") in md
 

@@ -31,7 +31,7 @@ bundle still imports, each config as measured once at its stored time.
 A best priced by a head-to-head (``tuner.head_to_head``: stored at the median of its readings
 side by side with the other implementations' bests) is exported at its own readings' median,
 the one its ``measurements`` give: bundles do not carry head-to-heads, which stay in the
-database they were measured in (docs/DISPATCH.md, "What is left").
+database they were measured in (notes/dispatch_measurements.md, "What is left").
 
 ``validate_bundle`` checks everything before anything is stored: every item's template must
 be registered here at exactly the item's version (a config tuned for other kernel source is

@@ -4,7 +4,7 @@ that a close call gets more rounds instead of being settled by noise (``tuner.he
 Five rotated rounds left rows a few percent apart to noise on the H200: gluon against cuDNN
 at d128 2k dense read 0.997x in session #17's `standard` sweep and 1.011x in session #18's
 A/B, and in session #18's sweep 6 rows with median gaps of 0.6-3.7% stayed undecided over 10
-rounds (docs/gluon_notes.md). Two tests, either of which settles the call:
+rounds (notes/gluon_notes.md). Two tests, either of which settles the call:
 
 - the ranges are apart: the leader's slowest reading is faster than the runner-up's fastest;
 - a sign test over the rounds both ran: the leader (the faster median) was faster in so many

@@ -1,6 +1,6 @@
 """The head-to-head at the end of a sweep: the stored bests of every implementation of a problem
 measured side by side, so that the dispatcher chooses between implementations by readings of
-one session, not by two searches' readings taken minutes apart (docs/DISPATCH.md: gluon and
+one session, not by two searches' readings taken minutes apart (notes/dispatch_measurements.md: gluon and
 cuDNN's SDPA within 1-4% of each other on the H100 were ranked by that noise).
 
 Who takes part: the templates of the sweep that price implementations serving the problem
@@ -61,7 +61,7 @@ __all__ = [
 
 # Rounds per head-to-head: each candidate's time is the median of this many side-by-side
 # readings; as many as benchmarks/dispatch_bench.py's rotated rounds, whose noise floor on the
-# H100 was up to 2.6% (docs/DISPATCH.md). Not yet measured as a head-to-head on a GPU.
+# H100 was up to 2.6% (notes/dispatch_measurements.md). Not yet measured as a head-to-head on a GPU.
 DEFAULT_HEAD_TO_HEAD_ROUNDS = 5
 # Close calls take more rounds, up to this many times ``rounds`` (``tuner.close_calls``).
 DEFAULT_MAX_ROUNDS_FACTOR = 2

@@ -15,7 +15,7 @@
                          (tuner/pinned.py); unset: lookups ask the database and the service
     TUNER_REFRESH        on: a running process picks up newer answers for problems it already
                          ran (default off: a config a kernel ran with is kept for the
-                         process's life, docs/TUNING.md)
+                         process's life, docs/SERVING.md)
     TUNER_DEMAND         on (default) / off: report the problems run without a tuned config
                          to TUNER_URL, for `tuner worker` to tune (tuner/demand.py)
     TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
@@ -149,7 +149,7 @@ class Settings(LogSettings):
         "(bursts of twice as many); past that each is answered after up to 1 s (service)"))
     # A neighbour's ratio is a prediction for another shape, so it must clear the noise of
     # the measurements behind it: sdpa timed against itself read up to 2.6% apart on the
-    # H100 (benchmarks/results/dispatch_h100.json, docs/DISPATCH.md).
+    # H100 (benchmarks/results/dispatch_h100.json, notes/dispatch_measurements.md).
     neighbour_margin: float = Field(0.03, ge=0, le=1, description=(
         "fraction by which an implementation must beat torch SDPA on a neighbouring problem "
         "to run an untuned one"))

@@ -171,7 +171,7 @@ def quick_suite() -> SweepSpec:
 
 
 def standard_suite() -> SweepSpec:
-    """The suite of shared/bench/PROTOCOL.md: N in 512..16k, d in 64, 128, causal and not."""
+    """The suite of docs/PROTOCOL.md: N in 512..16k, d in 64, 128, causal and not."""
     return _suite("standard", _standard_shapes((512, 1024, 2048, 4096, 8192, 16384), (64, 128)),
                   ["bfloat16"], ["none", "top_left"], trials=40)
 

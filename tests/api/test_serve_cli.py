@@ -71,7 +71,7 @@ def test_serve_refuses_before_starting(
 @pytest.mark.parametrize("protocol", [NoDelayH11Protocol, H11Protocol])
 def test_connections_have_nagle_off(protocol: type[H11Protocol]) -> None:
     """As uvicorn's workers get it: a listening socket made with protocol 0, whose accepted
-    connections asyncio leaves with Nagle on (40 ms per keep-alive request, docs/SERVING.md)."""
+    connections asyncio leaves with Nagle on (40 ms per keep-alive request, notes/serving_performance.md)."""
     seen: list[int] = []
 
     class Recording(protocol):  # type: ignore[misc, valid-type]

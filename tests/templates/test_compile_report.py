@@ -22,7 +22,7 @@ PTX = """
 }
 """
 # What triton 3.6's ptxas printed for a kernel whose S accumulator stayed in flight across
-# a persistent loop's back edge (docs/gluon_notes.md).
+# a persistent loop's back edge (notes/gluon_notes.md).
 NOTE = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are "
         "serialized due to insufficient register resources for the wgmma pipeline in the "
         "function 'k'\nptxas info    : Used 168 registers, used 3 barriers\n")

@@ -62,7 +62,7 @@ def test_constraints_name_what_is_wrong() -> None:
     assert reason is not None and "spill" in reason
     reason = TEMPLATE.constraint(problem, GluonBwdConfig(BLOCK_M=128, stages=4), H100)
     assert reason is not None and "shared memory" in reason
-    # Wrong or crashing on the H100 (docs/gluon_notes.md): refused by name.
+    # Wrong or crashing on the H100 (notes/gluon_notes.md): refused by name.
     d64 = Problem(1, 2, 2, 1024, 1024, 64, "bfloat16", "none")
     for cfg, words in ((GluonBwdConfig(BLOCK_N=64, consumers=1), "one consumer"),
                        (GluonBwdConfig(stages=4), "4 stages"),

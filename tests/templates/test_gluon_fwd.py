@@ -282,7 +282,7 @@ def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
 
 
 def test_the_split_schedule_cuts_only_where_the_h100_measured_a_gain() -> None:
-    """The cost model against session #13's A/Bs (docs/gluon_notes.md, "Split tails")."""
+    """The cost model against session #13's A/Bs (notes/gluon_notes.md, "Split tails")."""
     from templates.gluon_schedule import split_schedule
 
     assert split_schedule(2112, 32, 132) is None  # 16 full rounds
@@ -665,7 +665,7 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
             allowed = 16 if triton.__version__.startswith("3.6") else 320
         if Problem.from_dict(job["problem"]).mask != "none":
             # A block mask's walk spills (72 bytes at d128 in 3.6, 304 in 3.9): scalars of
-            # the lists' walk beside S, O and P, a few per KV step (docs/gluon_notes.md,
+            # the lists' walk beside S, O and P, a few per KV step (notes/gluon_notes.md,
             # "Block masks"). A bound, so that a change that spills more shows up.
             allowed = 96 if triton.__version__.startswith("3.6") else 320
         assert kernel["stack_bytes"] <= allowed, f"registers spilled: {out}"
