@@ -37,8 +37,8 @@ from templates.base import Problem, relative_error  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
-    "defer_dq": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                 "defer_dq": True},
+    "eager_dq": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                 "defer_dq": False},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -1,7 +1,7 @@
 """What each piece of the Gluon backward costs on one Hopper GPU: the kernel timed with pieces
 switched off (``GLUON_BWD_DEBUG``, templates/gluon_bwd_kernel.py), beside cuDNN's backward.
 
-    python benchmarks/gluon_bwd_price.py [--json PATH] [--debug 0,4,8,12] [--variants default]
+    python benchmarks/gluon_bwd_price.py [--json PATH] [--debug 0,4,8,12] [--config JSON]
 
 A diagnostic, not a benchmark of anything a user runs: with a piece off the gradients are
 wrong by design (4: no dQ GEMM and atomics; 8: no exponentials; 12: neither, the GEMM skeleton
@@ -55,7 +55,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="")
     parser.add_argument("--debug", default="0,4,8,12")
-    parser.add_argument("--defer-dq", action="store_true", help="time the defer_dq config")
+    parser.add_argument("--config", default="{}",
+                        help="GluonBwdConfig fields as JSON, e.g. '{\"ds_smem\": true}'")
     args = parser.parse_args()
     debugs = [int(d) for d in args.debug.split(",")]
     rows: list[dict[str, Any]] = []
@@ -73,9 +74,10 @@ def main() -> int:
             ref = torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
             cudnn_ms = event_ms(lambda: torch.autograd.grad(out, (qr, kr, vr), do,
                                                             retain_graph=True))
-        row: dict[str, Any] = {"problem": problem.key(), "cudnn_ms": cudnn_ms,
+        row: dict[str, Any] = {"problem": problem.key(), "config": args.config,
+                               "cudnn_ms": cudnn_ms,
                                "cudnn_tflops": flops / cudnn_ms / 1e9}
-        cfg = GluonBwdConfig(defer_dq=args.defer_dq)
+        cfg = GluonBwdConfig(**json.loads(args.config))
         for debug in debugs:
             os.environ["GLUON_BWD_DEBUG"] = str(debug)
 

@@ -24,10 +24,11 @@ incoming gradient ``do``, three launches produce ``dq``, ``dk`` and ``dv``:
         dV  += P^T dO                (A = P^T from registers)
         dS^T = scale * P^T (dP^T - delta)
         dK  += dS^T Q                (A = dS^T from registers)
-        dQ_i = dS K                  (A = dS: dS^T transposed in registers by the compiler)
-    and dQ_i is added into an fp32 buffer with atomics (through shared memory, as 16-byte
-    vector atomics), so dq is not bitwise deterministic: the order of the additions varies
-    between runs. ``scale`` is folded into dS, so dK and dQ come out scaled;
+        dQ_i = dS K                  (A = dS: dS^T staged in shared memory, read transposed)
+    and dQ_i is added into an fp32 buffer with atomics (staged in a swizzled shared tile, as
+    16-byte vector atomics; with ``defer_dq`` under the next step's S^T/dP^T GEMMs), so dq is
+    not bitwise deterministic: the order of the additions varies between runs. ``scale`` is
+    folded into dS, so dK and dQ come out scaled;
   * dq = dq_accum cast to the input dtype (torch).
 
 Masking only where needed: query tiles wholly above the causal diagonal are never visited,
@@ -177,7 +178,7 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
 
 
 @gluon.jit
-def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_smem,
+def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_smem, delta_smem,
               DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
               prev_bh, prev_m0, has_prev,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -242,12 +243,17 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, lse_smem, delta_
     # compiler (through its own scratch) into the A operand. Staging dS^T in a buffer of ours
     # and reading it as a shared-memory A (transposed, or stored untransposed) crashed on the
     # H100 with an illegal address (notes/gluon_notes.md, "Third GPU run").
-    dq_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
-    ds_reg = gl.convert_layout(gl.permute(ds_t, (1, 0)), dq_a)
-    dq_tok = warpgroup_mma(ds_reg, k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+    # dS^T through shared memory: each warpgroup stores its keys' rows, and the dQ GEMM
+    # reads the whole tile transposed (an MN-major A), as Triton's own compiler stages a
+    # transposed dot operand. (A transpose in registers, the compiler's round trip through
+    # its scratch, measured 1-5% slower on the H200.)
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    _warps_barrier()
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                           gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                            use_acc=False, is_async=True)
-    dv, dk, dq, p_op, ds_op, ds_reg = warpgroup_mma_wait(
-        0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op, ds_reg))
+    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
     if DEFER_DQ:
         # Every warp has read the previous tile out of dq_smem before it is overwritten;
         # the barrier before the ring's refill then publishes this one to the next step.
@@ -289,7 +295,7 @@ def _gluon_bwd_kernel(
     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
-    DEFER_DQ: gl.constexpr = False, DEBUG: gl.constexpr = 0,
+    DEFER_DQ: gl.constexpr = True, DEBUG: gl.constexpr = 0,
 ):
     # Program -> (KV tile, batch, kv head); the tiles of one kv head are consecutive (its
     # group's Q and dO stay in L2), tile 0 first (under causal masking it sees the most
@@ -308,8 +314,15 @@ def _gluon_bwd_kernel(
     v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
+    # Swizzled: the accumulator's stores of 8 rows 512 bytes apart then fall on different
+    # banks (unswizzled they hit the same ones: 10-15% of the kernel's time at d128 on the
+    # H200 together with dS staged below, notes/gluon_notes.md).
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                             element_bitwidth=32, rank=2))
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                             element_bitwidth=16, rank=2))
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -366,12 +379,12 @@ def _gluon_bwd_kernel(
         lse_smem = lse_bufs.index(slot)
         delta_smem = delta_bufs.index(slot)
         if m0 < full_row:
-            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem,
+            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
                                qk_scale, sm_scale, prev_bh, prev_m0, t > 0, True, CAUSAL,
                                HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ, DEBUG)
         else:
-            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem,
+            dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem,
                                lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
                                qk_scale, sm_scale, prev_bh, prev_m0, t > 0, False, CAUSAL,
                                HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ, DEBUG)
@@ -440,7 +453,7 @@ class LaunchPlan:
         self.options: dict[str, Any] = dict(
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=int(config["stages"]),
             CAUSAL=causal_mode != "none", num_warps=num_warps_of(config),
-            DEFER_DQ=bool(config.get("defer_dq", False)))
+            DEFER_DQ=bool(config.get("defer_dq", True)))
         debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
         if debug:
             self.options["DEBUG"] = debug
