@@ -21,7 +21,7 @@ def _use_interpreter_without_cuda() -> None:
 _use_interpreter_without_cuda()
 
 # Importing a template module registers its template.
-from templates import gluon_cudnn_train  # noqa: E402, F401  (registers its template)
+from templates import gluon_cudnn_train, gluon_train  # noqa: E402, F401  (register their templates)
 from templates.autograd import flash_attention  # noqa: E402
 from templates.base import KernelConfig, Problem, Template  # noqa: E402
 from templates.block_mask import BlockMask  # noqa: E402
