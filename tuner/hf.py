@@ -25,6 +25,7 @@ tensor) still runs as a block mask.
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -128,7 +129,7 @@ def tuner_mask(batch_size: int, q_length: int, kv_length: int, q_offset: object 
                      device=device, **kwargs)
 
 
-_CHECKED: dict[tuple[object, ...], bool] = {}
+_CHECKED: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], int, bool]] = {}
 
 
 def is_sliding_causal(mask: torch.Tensor, window: int) -> bool:
@@ -137,18 +138,19 @@ def is_sliding_causal(mask: torch.Tensor, window: int) -> bool:
     i - window < j <= i (transformers' rule). Remembered per tensor and version."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
         return False
-    key = (mask.data_ptr(), mask._version, tuple(mask.shape), tuple(mask.stride()), window,
-           mask.device)
-    hit = _CHECKED.get(key)
-    if hit is None:
-        n = mask.shape[-1]
-        rows = torch.arange(n, device=mask.device)[:, None]
-        cols = torch.arange(n, device=mask.device)[None, :]
-        expected = (cols <= rows) & (cols > rows - window)
-        hit = bool(torch.equal(mask, expected.expand_as(mask)))
-        if len(_CHECKED) > 64:  # a few masks per forward; the tensors of old ones are gone
-            _CHECKED.clear()
-        _CHECKED[key] = hit
+    # Per tensor object (weakly: the next forward's mask may be allocated at the same
+    # address, with the same shape and version, and be another mask) and version.
+    seen = _CHECKED.get((id(mask), window))
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return seen[2]
+    n = mask.shape[-1]
+    rows = torch.arange(n, device=mask.device)[:, None]
+    cols = torch.arange(n, device=mask.device)[None, :]
+    expected = (cols <= rows) & (cols > rows - window)
+    hit = bool(torch.equal(mask, expected.expand_as(mask)))
+    if len(_CHECKED) > 64:  # a few masks per forward; the tensors of old ones are gone
+        _CHECKED.clear()
+    _CHECKED[(id(mask), window)] = (weakref.ref(mask), mask._version, hit)
     return hit
 
 

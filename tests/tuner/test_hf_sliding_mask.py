@@ -130,3 +130,18 @@ def test_the_mistral_layer_is_decided_by_its_measurements(tflops: dict[str, floa
     for needs_grad in (False, True):
         choice = decide(Call(p, needs_grad, H100), resolve=priced(tflops), margin=0.03)
         assert choice.implementation.name == winner[needs_grad], choice.why
+
+
+def test_another_mask_at_the_same_address_is_checked_again() -> None:
+    """The next forward's mask may be allocated where the last one was, with its shape and
+    version: it is another tensor object, and is checked anew."""
+    from tuner.hf import is_sliding_causal
+
+    n, window = 12, 4
+    memory = bytearray(hf_mask(n, window).numpy().tobytes())
+    first = torch.frombuffer(memory, dtype=torch.bool).view(1, 1, n, n)
+    assert is_sliding_causal(first, window)
+    memory[5] = 1  # row 0 sees key 5: not the window; written around torch (no version bump)
+    second = torch.frombuffer(memory, dtype=torch.bool).view(1, 1, n, n)
+    assert second.data_ptr() == first.data_ptr() and second._version == first._version
+    assert not is_sliding_causal(second, window)
