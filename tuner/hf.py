@@ -51,7 +51,10 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
                                value[0].transpose(0, 1), kwargs["cu_seq_lens_q"],
                                kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"]),
-                               int(kwargs["max_length_k"]), causal=True, scale=scaling)
+                               int(kwargs["max_length_k"]),
+                               causal=bool(getattr(module, "is_causal", True)
+                                           if is_causal is None else is_causal),
+                               scale=scaling)
         return out.unsqueeze(0).contiguous(), None
     if isinstance(attention_mask, BlockMask) and dropout:
         # The block-mask kernels have no dropout: SDPA with the mask made dense, as before.
@@ -95,7 +98,7 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 def _packed_offsets(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     """Whether the call comes with the collator's packed-sequence offsets for its one row
-    (``cu_seq_lens_q/k``, ``max_length_q/k``) and a causal self-attention layer."""
+    (``cu_seq_lens_q/k``, ``max_length_q/k``) and a self-attention layer without a window."""
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     return (all(kwargs.get(n) is not None for n in names) and query.shape[0] == 1
             and query.shape[2] == key.shape[2] and not kwargs.get("sliding_window"))

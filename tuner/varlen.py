@@ -61,7 +61,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                     v.transpose(0, 1).unsqueeze(0), scale=scale,
                     enable_gqa=q.shape[1] != k.shape[1], block_mask=mask)
-    return out[0].transpose(0, 1)
+    # Contiguous, as FlashAttention returns it (callers .view() it): free for our kernels,
+    # whose output already has q's packed layout; a copy where Flex answered (1, H, T, D).
+    return out[0].transpose(0, 1).contiguous()
 
 
 def document_block_mask(offsets_q: Sequence[int], offsets_k: Sequence[int], *, causal: bool,

@@ -63,11 +63,11 @@ def test_forward_and_gradients_match_the_per_document_loop(
     cu_q, cu_k = cu(offsets_q, device=device), cu(offsets_k, device=device)
     out = varlen_attention(q, k, v, cu_q, cu_k, 133, 133, causal=causal)
     ref = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=causal)
-    assert out.shape == (offsets_q[-1], 4, 16) and out.dtype == dtype
+    assert out.shape == (offsets_q[-1], 4, 16) and out.dtype == dtype and out.is_contiguous()
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want = torch.autograd.grad(ref, (q, k, v), grad)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-3  # benchmarks/dispatch_bench.TOLERANCE
     assert relative_error(out, ref) < tolerance
     for name, g, w in zip("qkv", got, want, strict=True):
         assert relative_error(g, w) < tolerance * 5, name
