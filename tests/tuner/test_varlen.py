@@ -119,7 +119,8 @@ def test_the_mask_has_full_partial_and_skipped_blocks_and_a_priced_pattern() -> 
     assert document_block_mask(CROSS_Q, CROSS_K, causal=True, device="cpu").pattern is None
 
 
-def test_the_mask_is_built_once_for_the_same_documents(monkeypatch: pytest.MonkeyPatch
+def test_the_mask_is_built_once_for_the_same_documents(device: str,
+                                                       monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
     import tuner.varlen
 
@@ -132,12 +133,13 @@ def test_the_mask_is_built_once_for_the_same_documents(monkeypatch: pytest.Monke
         return real(*args)
 
     monkeypatch.setattr(tuner.varlen, "_build_document_mask", counting)
-    q, k, v = inputs(SELF, SELF, torch.float32, "cpu")
+    q, k, v = inputs(SELF, SELF, torch.float32, device)
+    cu_32, cu_64 = cu(SELF, device=device), cu(SELF, torch.int64, device)
     with torch.no_grad():
         for _ in range(3):  # three layers of one step
-            varlen_attention(q, k, v, cu(SELF), cu(SELF, torch.int64), 133, 133, causal=True)
+            varlen_attention(q, k, v, cu_32, cu_64, 133, 133, causal=True)
         assert len(built) == 1
-        varlen_attention(q, k, v, cu(SELF), cu(SELF), 133, 133, causal=False)
+        varlen_attention(q, k, v, cu_32, cu_32, 133, 133, causal=False)
         assert len(built) == 2
     for i in range(tuner.varlen.MAX_CACHED_MASKS + 2):  # the LRU stays small
         document_block_mask([0, i + 1], [0, i + 1], causal=True, device="cpu")
