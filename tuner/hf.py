@@ -19,8 +19,9 @@ Everything else (padded batches, prefills continuing a KV cache, decoding, custo
 ``or_mask_function`` / ``and_mask_function`` rules) gets transformers' "sdpa" mask as before: no
 mask, or a boolean (B, 1, L, S) mask, causality included, which the kernel reads tile by tile
 as SDPA's ``attn_mask``. Query rows that see no key (left padding) give zeros. A dense mask
-that is exactly the causal sliding window (``is_sliding_causal``; checked once per mask
-tensor) still runs as a block mask.
+that is exactly the causal sliding window (``is_sliding_causal``), causal, or block-diagonal
+documents (``tuner.dense_mask``) runs as is_causal or a block mask (checked once per mask
+tensor).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from templates.block_mask import BlockMask
 from templates.mask_mods import pattern_block_mask
 from tuner.attention import attention
+from tuner.dense_mask import recognize_mask
 from tuner.hf_mask import CAUSAL, rule_block_mask
 from tuner.varlen import varlen_attention
 
@@ -83,6 +85,15 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             block_mask=sliding_block_mask(query.shape[2], int(window),
                                                           query.device))
         return out.transpose(1, 2).contiguous(), None
+    if isinstance(attention_mask, torch.Tensor) and not dropout:
+        # A dense mask from transformers' fallback (e.g. a custom mask rule) that is exactly
+        # causal, a window or documents: its block mask (tuner.dense_mask; read once per
+        # mask tensor, refused after 8 sampled rows for left padding).
+        found = recognize_mask(attention_mask, query.shape[2], key.shape[2])
+        if found is not None:
+            out = attention(query, key, value, is_causal=found.is_causal, scale=scaling,
+                            enable_gqa=gqa, block_mask=found.block_mask)
+            return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         # The mask already holds causality (as with transformers' own "sdpa" path).
         causal = False
