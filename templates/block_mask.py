@@ -14,7 +14,8 @@ documents) costs O(N * block) bytes, never O(N^2). As in FlexAttention, the list
 plus ascending indices per query block.
 
 Constructors: ``from_dense`` (a boolean mask), ``from_mask_mod`` (a function of tensor indices,
-evaluated a few query blocks at a time), and the helpers of ``templates.mask_mods`` through it.
+evaluated a few query blocks at a time), ``from_block_kinds`` (the same function evaluated only
+on the blocks a known block structure leaves open), and the helpers of ``templates.mask_mods`` through it.
 ``a & b`` and ``a | b`` combine two masks of one geometry.
 """
 
@@ -26,12 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "BlockMask", "MaskMod"]
+from templates.mask_patterns import pattern_problem
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "EMPTY", "EVALUATE", "FULL", "BlockMask", "MaskMod"]
 
 # FlexAttention's default; the kernel's BLOCK_M and BLOCK_N must divide it.
 DEFAULT_BLOCK_SIZE = 128
 # Elements of a dense chunk built at once by from_mask_mod / combining (16 MiB of bools).
 _CHUNK_ELEMENTS = 1 << 24
+
+# Block kinds for ``BlockMask.from_block_kinds``.
+EMPTY, FULL, EVALUATE = 0, 1, 2
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -119,8 +125,6 @@ class BlockMask:
         if len(devices) > 1:
             raise ValueError(f"BlockMask tensors must be on one device, but got {devices}")
         if self.pattern is not None:
-            from templates.mask_mods import pattern_problem
-
             reason = pattern_problem(self.pattern, self.seqlen_q, self.seqlen_kv)
             if reason:
                 raise ValueError(f"BlockMask.pattern: {reason}")
@@ -210,8 +214,81 @@ class BlockMask:
                 is_partial.flatten(), 0).view(is_partial.shape) - 1
             tiles.append(cells[is_partial].to(torch.uint8))
             n_tiles += tiles[-1].shape[0]
+        return cls._from_blocks(full, partial, tile_of_block, tiles, n_q, n_kv, (qb, kb),
+                                pattern)
+
+    @classmethod
+    def from_block_kinds(cls, kinds: torch.Tensor, mask_mod: MaskMod, N_q: int, N_kv: int,
+                         block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE, *,
+                         pattern: str | None = None) -> BlockMask:
+        """From a block-level classification known beforehand: ``kinds`` (Bm, Hm, nq, nk)
+        integer, per block ``EMPTY`` (0: nothing visible), ``FULL`` (1: all visible) or
+        ``EVALUATE`` (2: ``mask_mod`` decides each element; the block may turn out empty,
+        partial or full). Only the EVALUATE blocks are evaluated, a few thousand at a time:
+        O(their count x block area) work, not O(N_q x N_kv), which is what a document or
+        window mask built per training step needs (a 16k row of packed documents evaluates
+        a few hundred of its 16k blocks). ``mask_mod`` gets index tensors of shape (P, 1, 1)
+        for b and h and (P, Q_BLOCK, 1), (P, 1, KV_BLOCK) for q and kv, clamped into range
+        (elements past N_q or N_kv are not visible, as in ``from_mask_mod``). A FULL block
+        reaching past N_kv is evaluated (a ragged last KV block is never full).
+        The caller vouches for the EMPTY and FULL blocks: they are not checked."""
+        qb, kb = _block_sizes(block_size)
+        nq, nk = _cdiv(N_q, qb), _cdiv(N_kv, kb)
+        if (not isinstance(kinds, torch.Tensor) or kinds.dim() != 4
+                or tuple(kinds.shape[2:]) != (nq, nk) or kinds.dtype.is_floating_point):
+            raise ValueError(f"kinds must be an integer tensor (Bm, Hm, {nq}, {nk}) for "
+                             f"(N_q, N_kv) = {(N_q, N_kv)} in blocks of {(qb, kb)}, but got "
+                             f"{getattr(kinds, 'dtype', type(kinds).__name__)} "
+                             f"{tuple(getattr(kinds, 'shape', ()))}")
+        if kinds.numel() and (int(kinds.min()) < EMPTY or int(kinds.max()) > EVALUATE):
+            raise ValueError(f"kinds must hold EMPTY ({EMPTY}), FULL ({FULL}) or EVALUATE "
+                             f"({EVALUATE}) per block")
+        device = kinds.device
+        complete = _keys_complete(nk, kb, N_kv, device)
+        full = (kinds == FULL) & complete
+        evaluate = (kinds == EVALUATE) | ((kinds == FULL) & ~complete)
+        partial = torch.zeros_like(full)
+        tile_of_block = torch.zeros(kinds.shape, dtype=torch.int64, device=device)
+        b, h, qi, kj = evaluate.nonzero(as_tuple=True)
+        rows = torch.arange(qb, device=device)[None, :, None]
+        cols = torch.arange(kb, device=device)[None, None, :]
+        tiles: list[torch.Tensor] = []
+        n_tiles = 0
+        per_chunk = max(1, _CHUNK_ELEMENTS // (qb * kb))
+        for lo in range(0, b.numel(), per_chunk):
+            cb, ch, cq, ck = (t[lo:lo + per_chunk] for t in (b, h, qi, kj))
+            q_idx = cq[:, None, None] * qb + rows
+            k_idx = ck[:, None, None] * kb + cols
+            out = torch.as_tensor(mask_mod(cb[:, None, None], ch[:, None, None],
+                                           q_idx.clamp(max=N_q - 1), k_idx.clamp(max=N_kv - 1)),
+                                  device=device)
+            if out.dtype != torch.bool:
+                raise TypeError(f"mask_mod must return a bool tensor, but returned {out.dtype}")
+            real_row = q_idx < N_q
+            out = out & real_row & (k_idx < N_kv)
+            # any / all, not a count: a bool sum converts to int64 (3x slower on the CPU).
+            is_full = (out | ~real_row).flatten(1).all(1) & complete[ck]
+            is_partial = out.flatten(1).any(1) & ~is_full
+            full[cb[is_full], ch[is_full], cq[is_full], ck[is_full]] = True
+            where = (cb[is_partial], ch[is_partial], cq[is_partial], ck[is_partial])
+            partial[where] = True
+            tiles.append(out[is_partial].to(torch.uint8))
+            tile_of_block[where] = n_tiles + torch.arange(tiles[-1].shape[0], device=device)
+            n_tiles += tiles[-1].shape[0]
+        return cls._from_blocks(full, partial, tile_of_block, tiles, N_q, N_kv, (qb, kb),
+                                pattern)
+
+    @classmethod
+    def _from_blocks(cls, full: torch.Tensor, partial: torch.Tensor,
+                     tile_of_block: torch.Tensor, tiles: list[torch.Tensor], n_q: int,
+                     n_kv: int, block_size: tuple[int, int], pattern: str | None
+                     ) -> BlockMask:
+        """The lists of classified blocks: ``full`` and ``partial`` (Bm, Hm, nq, nk) bool,
+        ``tile_of_block`` the row of the concatenated ``tiles`` each partial block uses."""
+        qb, kb = block_size
+        nk = full.shape[3]
         partial_tiles = (torch.cat(tiles) if tiles else
-                         torch.zeros(0, qb, kb, dtype=torch.uint8, device=device))
+                         torch.zeros(0, qb, kb, dtype=torch.uint8, device=full.device))
         full_counts, full_indices = _lists(full)
         partial_counts, partial_indices = _lists(partial)
         tile_ids = torch.gather(tile_of_block, 3, partial_indices.long()).to(torch.int32)

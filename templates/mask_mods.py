@@ -12,12 +12,11 @@ from collections.abc import Callable
 import torch
 
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
+from templates.mask_patterns import PATTERNS, parse_pattern, pattern_problem
 
 __all__ = ["and_masks", "causal_mask", "document_mask", "or_masks", "pattern_block_mask",
-           "pattern_density", "prefix_lm_mask", "sliding_window_mask"]
-
-PATTERNS = ("random:<density>", "sliding:<window>", "sliding_causal:<window>",
-            "document:<count>", "prefix:<length>", "causal")
+           "pattern_density", "pattern_problem", "prefix_lm_mask", "sliding_window_mask",
+           "PATTERNS"]
 
 
 def causal_mask(offset: int = 0) -> MaskMod:
@@ -119,41 +118,16 @@ def _random_blocks(density: float, seqlen_q: int, seqlen_kv: int, block: int, se
     return mask_mod
 
 
-def _parse(pattern: str) -> tuple[str, str]:
-    name, _, arg = pattern.partition(":")
-    return name, arg
-
-
-def pattern_problem(pattern: str, seqlen_q: int, seqlen_kv: int) -> str | None:
-    """Why ``pattern`` is not a valid mask for (N_q, N_kv) (None if it is), without building
-    anything: problem validation (e.g. a service query) must stay cheap at any length."""
-    name, arg = _parse(pattern)
-    try:
-        if name == "random" and 0.0 < float(arg) <= 1.0:
-            return None
-        if name in ("sliding", "prefix") and int(arg) >= 0:
-            return None
-        if name == "sliding_causal" and int(arg) >= 1:  # 0 would hide every key
-            return None
-        if name == "document" and 1 <= int(arg) <= seqlen_q and seqlen_q == seqlen_kv:
-            return None
-        if name == "causal" and not arg:
-            return None
-    except ValueError:
-        pass
-    return (f"unknown or malformed mask pattern {pattern!r} for N_q={seqlen_q}, "
-            f"N_kv={seqlen_kv}; patterns: {list(PATTERNS)} (random density in (0, 1], "
-            f"sliding_causal window >= 1, document needs N_q == N_kv)")
-
-
 def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
                      block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0,
                      device: torch.device | str = "cpu") -> MaskMod:
     """The mask_mod of a named pattern: ``random:0.1`` (10% of blocks kept), ``sliding:1024``
     (|i - j| <= 1024, both sides), ``sliding_causal:4096`` (i - 4096 < j <= i: the query and
     the 4095 keys before it, transformers' ``sliding_window`` rule, causality included so the
-    call passes ``is_causal=False``), ``document:4`` (4 equal documents), ``prefix:256``,
-    ``causal``.
+    call passes ``is_causal=False``), ``document:4`` (4 equal documents), ``documents:1024``
+    and ``documents_causal:1024`` (documents of 1024 tokens, the last one what is left,
+    causal within each with the latter: the pattern of packed sequences,
+    ``templates.mask_patterns.documents_pattern``), ``prefix:256``, ``causal``.
 
     ``sliding_causal:<w>`` is a pattern of its own, not ``sliding:<w - 1>`` with a causal
     problem: a causal call applies causality elementwise on every listed block, so the two
@@ -161,7 +135,7 @@ def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
     reason = pattern_problem(pattern, seqlen_q, seqlen_kv)
     if reason:
         raise ValueError(reason)
-    name, arg = _parse(pattern)
+    name, arg = parse_pattern(pattern)
     if name == "random":
         return _random_blocks(float(arg), seqlen_q, seqlen_kv, block_size, seed, device)
     if name == "sliding":
@@ -173,6 +147,10 @@ def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
     if name == "document":
         base, extra = divmod(seqlen_q, int(arg))
         return document_mask([base + (i < extra) for i in range(int(arg))], device=device)
+    if name in ("documents", "documents_causal"):
+        whole, rest = divmod(seqlen_q, int(arg))
+        return document_mask([int(arg)] * whole + ([rest] if rest else []),
+                             causal=name == "documents_causal", device=device)
     return causal_mask()
 
 

@@ -14,6 +14,7 @@ from tuner.attention import attention
 from tuner.decode import decode
 from tuner.dispatch import use_implementation
 from tuner.record import record, record_from_environment
+from tuner.varlen import varlen_attention
 
 if TYPE_CHECKING:
     from tuner.client import TunerClient
@@ -35,7 +36,7 @@ def _log_level_from_environment() -> None:
 _log_level_from_environment()
 
 __all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "record",
-                       "use_implementation"]
+                       "use_implementation", "varlen_attention"]
 
 record_from_environment()  # TUNER_RECORD=path: this process's problems, written at exit
 

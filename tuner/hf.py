@@ -4,26 +4,29 @@
     tuner.hf.register_transformers()
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="tuner")
 
-Registers ``tuner.attention`` in transformers' ``AttentionInterface`` under ``name``, and, for
-the masks transformers builds, the same mask function as its "sdpa" implementation: that one
-returns no mask at all for plain causal or bidirectional attention without padding (the kernel
-then runs its causal or dense path), and a boolean (B, 1, L, S) mask, causality included, for
-padded batches, sliding-window layers and prefills that continue a KV cache: the kernel reads
-it tile by tile as SDPA's ``attn_mask``. Query rows that see no key (left padding) give zeros.
+Registers ``tuner.attention`` in transformers' ``AttentionInterface`` under ``name``, and a
+mask function of its own in ``AttentionMaskInterface``: for a prefill or a training step
+without padding, it reads transformers' mask rule (causal, sliding window, chunked, packed
+documents from ``position_ids``) and builds its ``BlockMask`` directly (``tuner.hf_mask``),
+once per forward (transformers asks once per mask type and shares the answer among the
+layers), kept per segment layout and shape; no L x L mask is made. Plain causal attention gets
+no mask (the dispatcher's causal path). The masks carry their named problem
+(``sliding_causal:<w>``, ``documents_causal:<L>``), so the dispatcher runs ours or Flex for
+them as measured. Packed rows that come with the collator's ``cu_seq_lens_q/k`` kwargs
+(``DataCollatorWithFlattening``) run ``tuner.varlen_attention`` on those offsets.
 
-Sliding-window layers (Mistral, Gemma, ...): transformers hands every layer a dense boolean
-(B, 1, L, S) mask, so SDPA computes all L x S scores and masks most of them away. When that
-mask is exactly the causal sliding window (no padding, a prefill from an empty cache), the
-layer runs as a block mask instead, and only the tiles inside the window are computed. That
-mask is the named pattern ``sliding_causal:<window>``: a sweep of the layer's problem (e.g.
-``benchmarks/specs/dispatch_sliding_hf.toml``) decides whether our block-sparse kernels or
-FlexAttention run it; unswept, ours run. The check reads the mask once per mask tensor
-(transformers passes one tensor to every layer of a forward): one device-to-host sync per
-forward, not per layer.
+Everything else (padded batches, prefills continuing a KV cache, decoding, custom
+``or_mask_function`` / ``and_mask_function`` rules) gets transformers' "sdpa" mask as before: no
+mask, or a boolean (B, 1, L, S) mask, causality included, which the kernel reads tile by tile
+as SDPA's ``attn_mask``. Query rows that see no key (left padding) give zeros. A dense mask
+that is exactly the causal sliding window (``is_sliding_causal``), causal, or block-diagonal
+documents (``tuner.dense_mask``) runs as is_causal or a block mask (checked once per mask
+tensor).
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +35,9 @@ import torch
 from templates.block_mask import BlockMask
 from templates.mask_mods import pattern_block_mask
 from tuner.attention import attention
+from tuner.dense_mask import recognize_mask
+from tuner.hf_mask import CAUSAL, rule_block_mask
+from tuner.varlen import varlen_attention
 
 DEFAULT_NAME = "tuner"
 
@@ -42,6 +48,23 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             is_causal: bool | None = None, **kwargs: Any
                             ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, H, L, D) in, (B, L, H, D) out."""
+    gqa = query.shape[1] != key.shape[1]
+    if _packed_offsets(query, key, kwargs) and dropout == 0.0:
+        out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                               value[0].transpose(0, 1), kwargs["cu_seq_lens_q"],
+                               kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"]),
+                               int(kwargs["max_length_k"]),
+                               causal=bool(getattr(module, "is_causal", True)
+                                           if is_causal is None else is_causal),
+                               scale=scaling)
+        return out.unsqueeze(0).contiguous(), None
+    if isinstance(attention_mask, BlockMask) and dropout:
+        # The block-mask kernels have no dropout: SDPA with the mask made dense, as before.
+        attention_mask = attention_mask.to_dense()
+    if isinstance(attention_mask, BlockMask):  # from tuner_mask: causality included
+        out = attention(query, key, value, dropout_p=dropout, is_causal=False, scale=scaling,
+                        enable_gqa=gqa, block_mask=attention_mask)
+        return out.transpose(1, 2).contiguous(), None
     window = kwargs.get("sliding_window")
     # A window of 0 or less hides every key: no pattern names it, so it stays a dense mask.
     if (window and int(window) > 0 and isinstance(attention_mask, torch.Tensor)
@@ -62,6 +85,15 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             block_mask=sliding_block_mask(query.shape[2], int(window),
                                                           query.device))
         return out.transpose(1, 2).contiguous(), None
+    if isinstance(attention_mask, torch.Tensor) and not dropout:
+        # A dense mask from transformers' fallback (e.g. a custom mask rule) that is exactly
+        # causal, a window or documents: its block mask (tuner.dense_mask; read once per
+        # mask tensor, refused after 8 sampled rows for left padding).
+        found = recognize_mask(attention_mask, query.shape[2], key.shape[2])
+        if found is not None:
+            out = attention(query, key, value, is_causal=found.is_causal, scale=scaling,
+                            enable_gqa=gqa, block_mask=found.block_mask)
+            return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         # The mask already holds causality (as with transformers' own "sdpa" path).
         causal = False
@@ -75,7 +107,43 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.transpose(1, 2).contiguous(), None
 
 
-_CHECKED: dict[tuple[object, ...], bool] = {}
+def _packed_offsets(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the call comes with the collator's packed-sequence offsets for its one row
+    (``cu_seq_lens_q/k``, ``max_length_q/k``) and a self-attention layer without a window."""
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    return (all(kwargs.get(n) is not None for n in names) and query.shape[0] == 1
+            and query.shape[2] == key.shape[2] and not kwargs.get("sliding_window"))
+
+
+def tuner_mask(batch_size: int, q_length: int, kv_length: int, q_offset: object = 0,
+               kv_offset: object = 0, mask_function: Any = None,
+               attention_mask: torch.Tensor | None = None, local_size: int | None = None,
+               allow_is_causal_skip: bool = True, use_vmap: bool = False,
+               device: torch.device | str = "cpu", **kwargs: Any) -> object:
+    """transformers' mask-function signature (``sdpa_mask``'s): a ``BlockMask`` built from
+    ``mask_function`` for a prefill or training step without padding, None for plain causal
+    attention, else transformers' own "sdpa" mask (module docstring)."""
+    from transformers.masking_utils import sdpa_mask  # transformers is an optional dependency
+
+    eligible = (mask_function is not None and not use_vmap and q_length == kv_length > 1
+                and isinstance(q_offset, int) and isinstance(kv_offset, int)
+                and q_offset == 0 and kv_offset == 0
+                and (attention_mask is None or (attention_mask.shape[-1] == kv_length
+                                                and bool(attention_mask.all()))))
+    if eligible:
+        found = rule_block_mask(mask_function, batch_size, q_length, local_size, device)
+        if found is CAUSAL and allow_is_causal_skip:
+            return None
+        if isinstance(found, BlockMask):
+            return found
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                     attention_mask=attention_mask, local_size=local_size,
+                     allow_is_causal_skip=allow_is_causal_skip, use_vmap=use_vmap,
+                     device=device, **kwargs)
+
+
+_CHECKED: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], int, bool]] = {}
 
 
 def is_sliding_causal(mask: torch.Tensor, window: int) -> bool:
@@ -84,18 +152,19 @@ def is_sliding_causal(mask: torch.Tensor, window: int) -> bool:
     i - window < j <= i (transformers' rule). Remembered per tensor and version."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
         return False
-    key = (mask.data_ptr(), mask._version, tuple(mask.shape), tuple(mask.stride()), window,
-           mask.device)
-    hit = _CHECKED.get(key)
-    if hit is None:
-        n = mask.shape[-1]
-        rows = torch.arange(n, device=mask.device)[:, None]
-        cols = torch.arange(n, device=mask.device)[None, :]
-        expected = (cols <= rows) & (cols > rows - window)
-        hit = bool(torch.equal(mask, expected.expand_as(mask)))
-        if len(_CHECKED) > 64:  # a few masks per forward; the tensors of old ones are gone
-            _CHECKED.clear()
-        _CHECKED[key] = hit
+    # Per tensor object (weakly: the next forward's mask may be allocated at the same
+    # address, with the same shape and version, and be another mask) and version.
+    seen = _CHECKED.get((id(mask), window))
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return seen[2]
+    n = mask.shape[-1]
+    rows = torch.arange(n, device=mask.device)[:, None]
+    cols = torch.arange(n, device=mask.device)[None, :]
+    expected = (cols <= rows) & (cols > rows - window)
+    hit = bool(torch.equal(mask, expected.expand_as(mask)))
+    if len(_CHECKED) > 64:  # a few masks per forward; the tensors of old ones are gone
+        _CHECKED.clear()
+    _CHECKED[(id(mask), window)] = (weakref.ref(mask), mask._version, hit)
     return hit
 
 
@@ -119,11 +188,11 @@ def register_transformers(name: str = DEFAULT_NAME) -> str:
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"register_transformers needs transformers >= 4.54 with "
                           f"AttentionInterface and AttentionMaskInterface ({exc}); "
                           "pip install -U transformers") from exc
     AttentionInterface.register(name, tuner_attention_forward)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, tuner_mask)
     return name

@@ -130,3 +130,102 @@ def test_a_padded_sliding_window_mask_is_not_mistaken_for_the_window(device: str
     assert not is_sliding_causal(padded, window)
     assert not is_sliding_causal(exact[..., :-1].contiguous(), window)  # a cached prefix
 
+
+
+# ----------------------------------------------------------------------------- tuner_mask
+DOCS = (90, 130, 80)  # three packed documents, 300 tokens: none a multiple of a tile
+
+
+def packed_position_ids(device: str) -> torch.Tensor:
+    return torch.cat([torch.arange(n, device=device) for n in DOCS])[None]
+
+
+class SquareTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every tensor an op makes whose last two dims are (L, L): a dense mask."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.seen = n, []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2:] == (self.n,) * 2:
+                self.seen.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize(("model", "packed"), [("llama", False), ("llama", True),
+                                               ("mistral", False), ("mistral", True)])
+def test_no_dense_mask_is_made_and_the_logits_match_sdpa(
+        device: str, model: str, packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Causal, sliding-window and packed layers: transformers' mask rule becomes a BlockMask
+    (or no mask, for plain causal) without any (L, L) tensor, and the logits are SDPA's
+    with transformers' own dense masks."""
+    import tuner.hf
+
+    name = register_transformers()
+    make = (lambda attn: tiny_llama(attn, device)) if model == "llama" else (
+        lambda attn: tiny_mistral(attn, device, window=50))
+    sdpa, ours = make("sdpa"), make(name)
+    for m in (sdpa, ours):
+        m.config.max_position_embeddings = 512
+    ours.load_state_dict(sdpa.state_dict())
+    masks: list[object] = []
+    real = tuner.hf.attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        masks.append(kwargs.get("block_mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuner.hf, "attention", spy)
+    ids = torch.randint(0, 64, (1, sum(DOCS)), device=device)
+    kwargs: dict[str, Any] = {"use_cache": False}  # a training-style forward: packing is seen
+    if packed:
+        kwargs["position_ids"] = packed_position_ids(device)
+    with torch.no_grad():
+        expected = sdpa(ids, **kwargs).logits
+        recorder = SquareTensors(sum(DOCS))
+        with recorder:
+            got = ours(ids, **kwargs).logits
+    assert recorder.seen == []
+    want_pattern = {("llama", True): "documents_causal:128", ("mistral", False):
+                    "sliding_causal:50", ("mistral", True): None}
+    if (model, packed) == ("llama", False):
+        assert masks == [None]  # plain causal: the dispatcher's causal path
+    else:
+        assert all(isinstance(m, tuner.BlockMask) for m in masks) and masks
+        assert {m.pattern for m in masks} == {want_pattern[(model, packed)]}  # type: ignore[union-attr]
+        assert len({id(m) for m in masks}) == 1  # one mask per forward, shared by the layers
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_the_collators_offsets_run_varlen_attention(device: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataCollatorWithFlattening's cu_seq_lens_q/k kwargs reach the attention function:
+    the layer runs tuner.varlen_attention on them."""
+    import tuner.hf
+
+    name = register_transformers()
+    sdpa, ours = tiny_llama("sdpa", device), tiny_llama(name, device)
+    for m in (sdpa, ours):
+        m.config.max_position_embeddings = 512
+    ours.load_state_dict(sdpa.state_dict())
+    calls: list[object] = []
+    real = tuner.hf.varlen_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuner.hf, "varlen_attention", spy)
+    offsets = torch.tensor([0, 90, 220, 300], dtype=torch.int32, device=device)
+    ids = torch.randint(0, 64, (1, 300), device=device)
+    position_ids = packed_position_ids(device)
+    with torch.no_grad():
+        expected = sdpa(ids, position_ids=position_ids, use_cache=False).logits
+        got = ours(ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=offsets,
+                   cu_seq_lens_k=offsets, max_length_q=130, max_length_k=130).logits
+    assert len(calls) == 1 and calls[0] is offsets
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)

@@ -130,3 +130,53 @@ def test_the_mistral_layer_is_decided_by_its_measurements(tflops: dict[str, floa
     for needs_grad in (False, True):
         choice = decide(Call(p, needs_grad, H100), resolve=priced(tflops), margin=0.03)
         assert choice.implementation.name == winner[needs_grad], choice.why
+
+
+def test_another_mask_at_the_same_address_is_checked_again() -> None:
+    """The next forward's mask may be allocated where the last one was, with its shape and
+    version: it is another tensor object, and is checked anew."""
+    from tuner.hf import is_sliding_causal
+
+    n, window = 12, 4
+    memory = bytearray(hf_mask(n, window).numpy().tobytes())
+    first = torch.frombuffer(memory, dtype=torch.bool).view(1, 1, n, n)
+    assert is_sliding_causal(first, window)
+    memory[5] = 1  # row 0 sees key 5: not the window; written around torch (no version bump)
+    second = torch.frombuffer(memory, dtype=torch.bool).view(1, 1, n, n)
+    assert second.data_ptr() == first.data_ptr() and second._version == first._version
+    assert not is_sliding_causal(second, window)
+
+
+def test_a_dense_documents_mask_runs_as_its_block_mask(device: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense (B, 1, L, L) mask of packed causal documents (what transformers' fallback
+    hands a layer for a rule it cannot skip) runs as the documents' named block mask; a
+    right-padded one (rows differ between batches) runs as given."""
+    import tuner.hf
+
+    seen: list[dict[str, Any]] = []
+    real = tuner.hf.attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuner.hf, "attention", spy)
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, N, 16, device=device)
+    k, v = torch.randn(2, 2, N, 16, device=device), torch.randn(2, 2, N, 16, device=device)
+    doc = torch.repeat_interleave(torch.arange(2), torch.tensor([70, N - 70])).to(device)
+    rows, cols = torch.arange(N, device=device)[:, None], torch.arange(N, device=device)[None]
+    docs = ((doc[:, None] == doc[None, :]) & (cols <= rows))[None, None].expand(2, 1, N, N)
+    padded = docs.clone()
+    padded[1, :, :, 150:] = False  # the second row's last keys are padding
+    for mask, named in ((docs, True), (padded, False)):
+        out, _ = tuner_attention_forward(torch.nn.Module(), q, k, v, mask)
+        ref = attention_reference(q, k, v, causal="none", scale=0.25, mask=mask)[0]
+        assert_close(out.transpose(1, 2), ref)
+        call = seen.pop()
+        if named:
+            assert call["block_mask"].pattern == "documents_causal:64"  # (70² + 90²) / 160 ~ 81
+            assert call.get("attn_mask") is None
+        else:
+            assert call.get("block_mask") is None and call["attn_mask"] is mask
