@@ -108,7 +108,7 @@ def note(problem: Problem, templates: Iterable[str]) -> None:
 def record(path: str | os.PathLike[str]) -> Iterator[Recorder]:
     """Record every problem run inside the block; the spec is written at its end (also when
     the block raises: what ran until then was real)."""
-    from tuner.attention import clear_plans
+    from tuner.plans import clear_plans
 
     recorder = Recorder(path)
     clear_plans()  # plans made before the block would not be seen again
