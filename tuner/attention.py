@@ -128,7 +128,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     # layout-free plan takes any layout; others have a launch plan per layout).
     key = ("inference", *problem_key(q, k, v, is_causal, scale, enable_gqa, forced()))
     plan = _PLANS.get(key)
-    if plan is None or plan.expires_at <= _now():  # type: ignore[attr-defined]
+    if plan is None or plan.expires_at <= _now():
         check_inputs(q, k, v, enable_gqa)
         if not in_kernel_scope(q, v):  # float64, another value head dim: never kept
             return _outside_kernel_scope(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
@@ -137,7 +137,6 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
         plan = keep_plan(key, Plan(
             impl.plan(q, k, v, is_causal, scale, enable_gqa, choice) if impl.layout_free
             else None, choice, choice.expires_at, None if impl.layout_free else {}))
-    assert isinstance(plan, Plan)
     if plan.run is not None:
         return plan.run(q, k, v)  # type: ignore[return-value]
     assert plan.layouts is not None and isinstance(plan.choice, Choice)

@@ -33,7 +33,7 @@ class Plan:
     layouts: dict[tuple[object, ...], Callable[..., object]] | None = None
 
 
-PLANS: dict[tuple[object, ...], object] = {}
+PLANS: dict[tuple[object, ...], Plan] = {}
 
 
 def keep_plan(key: tuple[object, ...], plan: Plan) -> Plan:

@@ -175,7 +175,7 @@ def _training_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     key = ("flash_fwd", *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
            *layout_key(q, k, v))
     plan = PLANS.get(key)
-    if not isinstance(plan, Plan) or plan.expires_at <= time.monotonic():
+    if plan is None or plan.expires_at <= time.monotonic():
         check_inputs(q, k, v, enable_gqa)
         resolved = resolved_for("flash_fwd", q, k, is_causal)
         plan = keep_plan(key, Plan(forward_plan(q, k, v, is_causal, scale, resolved.config),
@@ -189,7 +189,7 @@ def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> Kerne
     per shape until the resolver's answer expires."""
     key = ("flash_bwd", q.shape, k.shape, q.dtype, q.device, is_causal)
     plan = PLANS.get(key)
-    if not isinstance(plan, Plan) or plan.expires_at <= time.monotonic():
+    if plan is None or plan.expires_at <= time.monotonic():
         resolved = resolved_for("flash_bwd", q, k, is_causal)
         plan = keep_plan(key, Plan(None, Choice(FLASH, (resolved,), "its backward op"),
                                    resolved.expires_at))

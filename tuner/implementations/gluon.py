@@ -130,7 +130,7 @@ def _training_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     key = (TRAINING_TEMPLATE, *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
            *layout_key(q, k, v))
     plan = PLANS.get(key)
-    if not isinstance(plan, Plan) or plan.expires_at <= time.monotonic():
+    if plan is None or plan.expires_at <= time.monotonic():
         check_inputs(q, k, v, enable_gqa)
         resolved = resolved_for(TRAINING_TEMPLATE, q, k, is_causal)
         plan = keep_plan(key, Plan(forward_plan(q, k, is_causal, scale, resolved.config),
