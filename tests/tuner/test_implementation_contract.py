@@ -179,10 +179,15 @@ def test_a_block_masked_call_compiles_in_one_graph_forward_and_backward(
     for mine, theirs in zip(grads, (t.grad for t in copies), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # without a gradient: the inference op, the mask as its tensors
-        out = torch.compile(lambda q, k, v, m: tuner.attention(q, k, v, block_mask=m),
-                            fullgraph=True, backend="aot_eager")(*leaves, mask)
-        torch.testing.assert_close(out, F.scaled_dot_product_attention(
+        infer = torch.compile(lambda q, k, v, m: tuner.attention(q, k, v, block_mask=m),
+                              fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(infer(*leaves, mask), F.scaled_dot_product_attention(
             *leaves, attn_mask=window), rtol=1e-4, atol=1e-4)
+        # Another mask of the same geometry: the op rebuilds it from its tensors.
+        causal = torch.ones(32, 32, dtype=torch.bool, device=device).tril()
+        torch.testing.assert_close(infer(*leaves, BlockMask.from_dense(causal, 16)),
+                                   F.scaled_dot_product_attention(*leaves, attn_mask=causal),
+                                   rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- imports

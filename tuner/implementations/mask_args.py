@@ -6,6 +6,7 @@ one op in a compiled graph, as a dense one is."""
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,11 @@ BLOCK_TENSORS = ("full_counts", "full_indices", "partial_counts", "partial_indic
 # instead of a copy that would build them again on every call.
 _LIVE: weakref.WeakValueDictionary[tuple[object, ...], BlockMask] = (
     weakref.WeakValueDictionary())
+# Masks rebuilt from an op's tensors (a compiled graph's calls never meet the user's object):
+# the last few kept, so the layers of one step that share a mask rebuild it once. Holding
+# them holds their tensors, so no other mask can come back at the same addresses meanwhile.
+REBUILT_KEPT = 4
+_REBUILT: OrderedDict[tuple[object, ...], BlockMask] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class Masked:
             check_block_mask(block_mask, q, k)
             masked = cls(block_mask=block_mask)
             if not torch.compiler.is_compiling():  # (a weak dict is no graph operation)
-                _LIVE[_identity(masked.op_args()[:6])] = block_mask  # type: ignore[arg-type]
+                _LIVE[(*_identity(masked.op_args()[:6]), block_mask.pattern)] = block_mask  # type: ignore[arg-type]
             return masked
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a torch.Tensor, but got "
@@ -92,11 +98,15 @@ class Masked:
         if tensors[0] is None:
             return None if attn_mask is None else cls(attn_mask=attn_mask)  # type: ignore[arg-type]
         assert isinstance(geometry, list) and (pattern is None or isinstance(pattern, str))
-        block_mask = _LIVE.get(_identity(tensors))  # type: ignore[arg-type]
-        if block_mask is None or block_mask.pattern != pattern:
+        key = (*_identity(tensors), pattern)  # type: ignore[arg-type]
+        block_mask = _LIVE.get(key) or _REBUILT.get(key)
+        if block_mask is None:
             fc, fi, pc, pi, ids, tiles = tensors
             block_mask = BlockMask(geometry[0], geometry[1], (geometry[2], geometry[3]),
                                    fc, fi, pc, pi, ids, tiles, pattern)  # type: ignore[arg-type]
+            _REBUILT[key] = block_mask
+            while len(_REBUILT) > REBUILT_KEPT:
+                _REBUILT.popitem(last=False)
         return cls(block_mask=block_mask)
 
 
