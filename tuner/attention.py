@@ -4,23 +4,19 @@ that runs, for each call, the fastest implementation measured on this GPU for it
     import tuner
     out = tuner.attention(q, k, v, is_causal=True, enable_gqa=True)
 
-Semantics follow SDPA (shapes (..., H, L, E), ``is_causal`` top-left, ``scale`` 1/sqrt(E) by
-default, ``enable_gqa``); ``block_mask`` (a ``tuner.BlockMask``) computes only its blocks, rows
-that see no key giving zeros. Which implementation runs is ``tuner.dispatch``'s choice
+Semantics follow SDPA; ``block_mask`` (a ``tuner.BlockMask``) computes only its blocks (rows
+that see no key give zeros). Which implementation runs is ``tuner.dispatch``'s choice
 (docs/DISPATCH.md); dropout, an elementwise ``attn_mask``, float64 or a value head dim other
-than the query's run torch SDPA, as the user's code did (``use_implementation("flash")``
+than the query's run torch SDPA as the user's code did (``use_implementation("flash")``
 forces ours on a mask).
 
 This module validates, chooses and runs; how each implementation runs is its own
-(``tuner.implementations``, whose base class is the contract):
-
-* eager, dense, no gradient (the hot path: keep it tiny): the plan kept in ``tuner.plans``
-  under ("inference", problem) and, per layout, the implementation's ``plan`` run.
-* otherwise (a gradient, a mask, or under torch.compile): the chosen implementation's ``run``:
-  its training op (a ``torch.library`` op with its backward) for a gradient, the op
-  ``tuner::attention_inference`` under torch.compile. Masks travel through both ops as
-  tensors, so masked calls stay in compiled graphs; under torch.compile the choice is made
-  at trace time (``assume_constant_result``).
+(``tuner.implementations``; its base class is the contract). Eager, dense, without a gradient
+(the hot path: keep it tiny), the plan kept in ``tuner.plans`` under ("inference", problem)
+runs, per layout. Otherwise the chosen implementation's ``run``: its training op (a
+``torch.library`` op with its backward) for a gradient, the op ``tuner::attention_inference``
+under torch.compile; masks travel through both as tensors, so masked calls stay in compiled
+graphs. Under torch.compile the choice is made at trace time (``assume_constant_result``).
 """
 
 from __future__ import annotations
@@ -73,7 +69,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError("pass attn_mask or block_mask, not both")
     check_inputs(query, key, value, enable_gqa)
     if block_mask is None and (dropout_p != 0.0 or not in_kernel_scope(query, value)
-                               or (attn_mask is not None and forced() != "flash")):
+                               or (attn_mask is not None and _forced() != "flash")):
         return _outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                      enable_gqa)
     mask = None if attn_mask is None and block_mask is None else Masked.of(
@@ -97,6 +93,13 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     """Which implementation and config ``attention`` runs for these inputs, and why."""
     check_inputs(query, key, value, enable_gqa)
     return choose(call_of(query, key, is_causal, needs_grad))
+
+
+@torch.compiler.assume_constant_result
+def _forced() -> str | None:
+    """``forced()``, read at trace time under torch.compile (Dynamo cannot read a ContextVar),
+    as the choice is."""
+    return forced()
 
 
 def _choose(r: Request) -> Choice:
@@ -153,7 +156,7 @@ def _outside_kernel_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float | None, enable_gqa: bool) -> torch.Tensor:
     """Dropout, an elementwise mask, or inputs no kernel of ours takes: torch SDPA, as the
     user's code ran it; forced to ``flash``, an error saying why ours cannot."""
-    if forced() != "flash":
+    if _forced() != "flash":
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                     scale=scale, enable_gqa=enable_gqa)
     if dropout_p != 0.0:

@@ -190,6 +190,28 @@ def test_a_block_masked_call_compiles_in_one_graph_forward_and_backward(
                                    rtol=1e-4, atol=1e-4)
 
 
+def test_a_forced_attn_mask_call_compiles_in_one_graph_forward_and_backward(
+        device: str, no_tuned_configs: None) -> None:
+    torch.manual_seed(4)
+    leaves = [torch.randn(1, 2, 24, 16, device=device, requires_grad=True) for _ in range(3)]
+    allowed = torch.rand(24, 24, device=device) > 0.3
+    allowed.fill_diagonal_(True)
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor
+              ) -> torch.Tensor:
+        return tuner.attention(q, k, v, attn_mask=m).sum()
+
+    with tuner.use_implementation("flash"):  # (an elementwise mask runs SDPA unless forced)
+        loss = torch.compile(block, fullgraph=True, backend="aot_eager")(*leaves, allowed)
+        loss.backward()
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    ref = F.scaled_dot_product_attention(*copies, attn_mask=allowed).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-4)
+    for mine, theirs in zip(leaves, copies, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- imports
 ROOT = Path(__file__).resolve().parents[2]
 OWN = ("tuner.attention", "tuner.dispatch", "tuner.plans", "tuner.record", "tuner.decode")

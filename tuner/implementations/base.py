@@ -115,6 +115,9 @@ class Implementation:
         if choice is None:  # traced: the eager path, run from the graph by this op
             return torch.ops.tuner.attention_inference(  # type: ignore[no-any-return]
                 r.q, r.k, r.v, r.is_causal, r.scale, r.enable_gqa, self.name, *mask)
+        if r.mask is None:  # (eager dense calls take the hot path; this is for completeness)
+            return self.plan(r.q, r.k, r.v, r.is_causal, r.scale, r.enable_gqa, choice)(
+                r.q, r.k, r.v)
         return self.masked(r, choice)
 
     def masked(self, r: Request, choice: Choice) -> torch.Tensor:
