@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -124,13 +125,15 @@ def test_a_registered_implementation_is_chosen_and_its_plan_runs(toy: Toy) -> No
 def test_a_registered_implementation_trains_through_its_own_op(toy: Toy) -> None:
     torch.manual_seed(1)
     leaves = [torch.randn(1, 2, 20, 16, requires_grad=True) for _ in range(3)]
+    q, k, v = leaves
     grad = torch.randn(1, 2, 20, 16)
     with tuner.use_implementation("toy"):
-        tuner.attention(*leaves, is_causal=True, scale=0.3).backward(grad)
+        tuner.attention(q, k, v, is_causal=True, scale=0.3).backward(grad)
     assert toy.calls == ["training op", "backward op"]
     ours = [t.grad for t in leaves]
     copies = [t.detach().clone().requires_grad_() for t in leaves]
-    F.scaled_dot_product_attention(*copies, is_causal=True, scale=0.3).backward(grad)
+    cq, ck, cv = copies
+    F.scaled_dot_product_attention(cq, ck, cv, is_causal=True, scale=0.3).backward(grad)
     for mine, theirs in zip(ours, (t.grad for t in copies), strict=True):
         assert mine is not None and theirs is not None
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
@@ -147,7 +150,7 @@ def test_a_name_cannot_be_registered_twice_or_empty(toy: Toy) -> None:
 @pytest.mark.parametrize("position", ["query", "key", "value"])
 def test_a_non_tensor_input_is_a_type_error_naming_it(position: str) -> None:
     q = torch.randn(1, 1, 4, 8)
-    args = {"query": q, "key": q, "value": q, position: [[1.0]]}
+    args: dict[str, Any] = {"query": q, "key": q, "value": q, position: [[1.0]]}
     with pytest.raises(TypeError, match=f"{position} must be a torch.Tensor, but got list"):
         tuner.attention(args["query"], args["key"], args["value"])
     with torch.no_grad(), pytest.raises(TypeError, match=f"{position} must be a torch.Tensor"):
@@ -159,6 +162,7 @@ def test_a_block_masked_call_compiles_in_one_graph_forward_and_backward(
         device: str, no_tuned_configs: None) -> None:
     torch.manual_seed(2)
     leaves = [torch.randn(1, 2, 32, 16, device=device, requires_grad=True) for _ in range(3)]
+    q, k, v = leaves
     window = torch.ones(32, 32, dtype=torch.bool, device=device).tril() & torch.ones(
         32, 32, dtype=torch.bool, device=device).triu(-8)
     mask = BlockMask.from_dense(window, 16)
@@ -168,11 +172,12 @@ def test_a_block_masked_call_compiles_in_one_graph_forward_and_backward(
 
     # fullgraph=True raises on any graph break; aot_eager traces the fakes and the backward.
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    loss = compiled(*leaves, mask)
+    loss = compiled(q, k, v, mask)
     loss.backward()
     grads = [t.grad.clone() for t in leaves]  # type: ignore[union-attr]
     copies = [t.detach().clone().requires_grad_() for t in leaves]
-    ref = F.scaled_dot_product_attention(copies[0] * 2, copies[1], copies[2],
+    cq, ck, cv = copies
+    ref = F.scaled_dot_product_attention(cq * 2, ck, cv,
                                          attn_mask=window).relu().sum()
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-4)
@@ -181,12 +186,12 @@ def test_a_block_masked_call_compiles_in_one_graph_forward_and_backward(
     with torch.no_grad():  # without a gradient: the inference op, the mask as its tensors
         infer = torch.compile(lambda q, k, v, m: tuner.attention(q, k, v, block_mask=m),
                               fullgraph=True, backend="aot_eager")
-        torch.testing.assert_close(infer(*leaves, mask), F.scaled_dot_product_attention(
-            *leaves, attn_mask=window), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(infer(q, k, v, mask), F.scaled_dot_product_attention(
+            q, k, v, attn_mask=window), rtol=1e-4, atol=1e-4)
         # Another mask of the same geometry: the op rebuilds it from its tensors.
         causal = torch.ones(32, 32, dtype=torch.bool, device=device).tril()
-        torch.testing.assert_close(infer(*leaves, BlockMask.from_dense(causal, 16)),
-                                   F.scaled_dot_product_attention(*leaves, attn_mask=causal),
+        torch.testing.assert_close(infer(q, k, v, BlockMask.from_dense(causal, 16)),
+                                   F.scaled_dot_product_attention(q, k, v, attn_mask=causal),
                                    rtol=1e-4, atol=1e-4)
 
 
@@ -194,6 +199,7 @@ def test_a_forced_attn_mask_call_compiles_in_one_graph_forward_and_backward(
         device: str, no_tuned_configs: None) -> None:
     torch.manual_seed(4)
     leaves = [torch.randn(1, 2, 24, 16, device=device, requires_grad=True) for _ in range(3)]
+    q, k, v = leaves
     allowed = torch.rand(24, 24, device=device) > 0.3
     allowed.fill_diagonal_(True)
 
@@ -202,10 +208,11 @@ def test_a_forced_attn_mask_call_compiles_in_one_graph_forward_and_backward(
         return tuner.attention(q, k, v, attn_mask=m).sum()
 
     with tuner.use_implementation("flash"):  # (an elementwise mask runs SDPA unless forced)
-        loss = torch.compile(block, fullgraph=True, backend="aot_eager")(*leaves, allowed)
+        loss = torch.compile(block, fullgraph=True, backend="aot_eager")(q, k, v, allowed)
         loss.backward()
     copies = [t.detach().clone().requires_grad_() for t in leaves]
-    ref = F.scaled_dot_product_attention(*copies, attn_mask=allowed).sum()
+    cq, ck, cv = copies
+    ref = F.scaled_dot_product_attention(cq, ck, cv, attn_mask=allowed).sum()
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-4)
     for mine, theirs in zip(leaves, copies, strict=True):
