@@ -1,4 +1,7 @@
-"""Differentiable FlashAttention: the forward and backward templates joined by autograd.
+"""Differentiable FlashAttention: the forward and backward templates joined by autograd,
+with configs given explicitly (the templates' own entry, for their tests and benchmarks;
+``tuner.attention`` runs the same kernels through its op ``tuner::attention_fwd``, which
+finds the tuned configs and stays in compiled graphs).
 
 The forward saves q, k, v, its output o and its logsumexp (one float per query row); the
 backward recomputes the attention probabilities tile by tile from them, so no N_q x N_kv

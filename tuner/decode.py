@@ -17,8 +17,6 @@ same path from the compiled graph.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
@@ -26,19 +24,11 @@ from templates.device import cpu_device, current_device
 from templates.flash_decode import TEMPLATE, FlashDecodeConfig, kept_launch, problem_of
 from templates.flash_decode_kernel import DecodeShape, check_decode_inputs
 from tuner.lookup import Resolved, keep_config, resolve_config
+from tuner.plans import PLANS, Plan, keep_plan
 from tuner.record import note, recording
 
 __all__ = ["decode", "decode_plan_for"]
 
-MAX_PLANS = 4096
-
-
-class _Plan(NamedTuple):
-    resolved: Resolved
-    run: Callable[..., torch.Tensor]  # templates.flash_decode.kept_launch
-
-
-_PLANS: dict[tuple[object, ...], _Plan] = {}
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -60,15 +50,15 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     table = None if block_table is None else (block_table.shape, block_table.stride(),
                                               block_table.dtype, block_table.device,
                                               block_table.data_ptr() % 16 == 0)
-    key = (q.shape, k_cache.shape, q.stride(), k_cache.stride(), v_cache.stride(), q.dtype,
+    key = ("decode", q.shape, k_cache.shape, q.stride(), k_cache.stride(), v_cache.stride(), q.dtype,
            k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device,
            v_cache.shape, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
            cache_seqlens.device, table, q.data_ptr() % 16, k_cache.data_ptr() % 16,
            v_cache.data_ptr() % 16, cache_seqlens.data_ptr() % 16)
-    plan = _PLANS.get(key)
-    if plan is None or plan.resolved.expires_at <= time.monotonic():
+    plan = PLANS.get(key)  # the one plan cache (tuner.plans), mode "decode"
+    if plan is None or plan.expires_at <= time.monotonic():
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, key)
-    return plan.run(q, k_cache, v_cache, cache_seqlens, block_table, scale)
+    return plan.run(q, k_cache, v_cache, cache_seqlens, block_table, scale)  # type: ignore[misc, return-value]
 
 
 @torch.library.custom_op("tuner::decode", mutates_args=())
@@ -95,10 +85,6 @@ def decode_plan_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _resolve(q, shape)
 
 
-def clear_decode_plans() -> None:
-    _PLANS.clear()
-
-
 def _resolve(q: torch.Tensor, shape: DecodeShape) -> Resolved:
     device = current_device(q.device.index) if q.is_cuda else cpu_device()
     return resolve_config(TEMPLATE, problem_of(q, shape), device)
@@ -106,17 +92,13 @@ def _resolve(q: torch.Tensor, shape: DecodeShape) -> Resolved:
 
 def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-          key: tuple[object, ...]) -> _Plan:
+          key: tuple[object, ...]) -> Plan:
     shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
                                 check_contents=False)
     resolved = keep_config(_resolve(q, shape))  # it runs: kept for the process
     config = resolved.config
     assert isinstance(config, FlashDecodeConfig)
-    plan = _Plan(resolved, kept_launch(q, k_cache, v_cache, cache_seqlens, block_table, shape,
-                                       config))
+    run = kept_launch(q, k_cache, v_cache, cache_seqlens, block_table, shape, config)
     if recording():
         note(problem_of(q, shape), [TEMPLATE.name])
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return keep_plan(key, Plan(run, resolved, resolved.expires_at))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from templates.base import Problem
 from tuner.errors import TunerError
+from tuner.plans import clear_plans
 
 __all__ = ["Recorder", "note", "record", "recording"]
 
@@ -108,8 +109,6 @@ def note(problem: Problem, templates: Iterable[str]) -> None:
 def record(path: str | os.PathLike[str]) -> Iterator[Recorder]:
     """Record every problem run inside the block; the spec is written at its end (also when
     the block raises: what ran until then was real)."""
-    from tuner.attention import clear_plans
-
     recorder = Recorder(path)
     clear_plans()  # plans made before the block would not be seen again
     _ACTIVE.append(recorder)

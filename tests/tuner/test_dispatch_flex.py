@@ -8,7 +8,6 @@ the interpreter."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,8 @@ from templates.mask_mods import pattern_block_mask
 from templates.registry import get_template
 from tests.api.serving_data import H100
 from tests.tuner.test_dispatch import measured, store
-from tuner.dispatch import Call, choose, decide
+from tuner.dispatch import Call, choose, choose_masked, decide
+from tuner.implementations.call import call_of
 from tuner.lookup import Resolved
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
@@ -138,7 +138,6 @@ def test_forcing_flash_runs_its_measurements_of_the_pattern(tmp_path: Path,
                                                             device: str) -> None:
     """use_implementation("flash") on a patterned mask runs ours as measured on that problem
     (masked_dispatch_bench's "flash" column), not the dense problem's configs."""
-    attention_module = importlib.import_module("tuner.attention")
     p = masked_problem()
     cfg = get_template("flash_fwd").default_config(p, current_device()).to_dict()
     cfg["num_warps"] = 8 if cfg["num_warps"] == 4 else 4  # not what the fallback would pick
@@ -146,13 +145,15 @@ def test_forcing_flash_runs_its_measurements_of_the_pattern(tmp_path: Path,
     q, k, v = inputs(device)
     mask = pattern_block_mask(PATTERN, N, N, device=device)
     with tuner.use_implementation("flash"):
-        choice = attention_module._block_mask_choice(q, k, v, True, True, False, mask)
+        choice = choose_masked(call_of(q, k, True, False), mask.pattern, mask.block_size)
     assert choice is not None and choice.implementation.name == "flash"
     assert choice.resolved[0].measured and choice.resolved[0].config.to_dict() == cfg
     with tuner.use_implementation("flash"):
         unpatterned = dataclasses.replace(mask, pattern=None)
-        assert attention_module._block_mask_choice(q, k, v, True, True, False,
-                                                   unpatterned) is None
+        # ours with the dense problem's configs (no resolved configs of the mask problem)
+        fallback = choose_masked(call_of(q, k, True, False), unpatterned.pattern,
+                                 unpatterned.block_size)
+        assert fallback.implementation.name == "flash" and fallback.resolved == ()
 
 
 def test_flex_never_serves_dense_calls(device: str) -> None:

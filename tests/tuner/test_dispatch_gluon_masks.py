@@ -39,13 +39,13 @@ SCALE = 64 ** -0.5
 MASKED = Problem(batch=1, heads_q=4, heads_kv=2, seqlen_q=N, seqlen_kv=N, head_dim=64,
                  dtype="bfloat16", causal="top_left", mask=PATTERN)
 GLUON = get_template("gluon_fwd")
-attention_module = importlib.import_module("tuner.attention")
+call_module = importlib.import_module("tuner.implementations.call")
 
 
 @pytest.fixture
 def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU tensors' calls priced and run as an H100's."""
-    monkeypatch.setattr(attention_module, "cpu_device", lambda: H100)
+    monkeypatch.setattr(call_module, "cpu_device", lambda: H100)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from templates.registry import get_template
 from tests.tuner.test_dispatch import measured, store
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
-attention_module = importlib.import_module("tuner.attention")
+flash_module = importlib.import_module("tuner.implementations.flash")
 
 
 def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ def test_a_nearest_neighbours_config_is_not_used(tmp_path: Path, template: str) 
     dense = Problem(1, 4, 2, 64, 64, 16, "float32", "none")
     decode = Problem(1, 4, 2, 1, 64, 16, "float32", "none")  # another bucket: nearest only
     store(tmp_path, measured(template, decode, 100.0, other_config(template, decode)))
-    got = attention_module._mask_fallback_config(template, q, k, False)
+    got = flash_module.mask_fallback_config(template, q, k, False)
     assert got == get_template(template).default_config(dense, current_device())
 
 
@@ -50,5 +50,5 @@ def test_the_dense_problems_own_measurement_is_used(tmp_path: Path, template: st
     dense = Problem(1, 4, 2, 64, 64, 16, "float32", "none")
     cfg = other_config(template, dense)
     store(tmp_path, measured(template, dense, 100.0, cfg))
-    got = attention_module._mask_fallback_config(template, q, k, False)
+    got = flash_module.mask_fallback_config(template, q, k, False)
     assert got == get_template(template).config(cfg)

@@ -13,7 +13,8 @@ import torch
 
 import tuner
 from templates.kernel_common import output_strides
-from tuner.attention import _attention_fwd, _attention_inference
+from tuner.attention import _attention_inference
+from tuner.implementations.flash import _attention_fwd
 
 
 @pytest.fixture(autouse=True)
