@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +73,15 @@ def main() -> int:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qr, kr, vr, is_causal=causal != "none")
             ref = torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
-            cudnn_ms = event_ms(lambda: torch.autograd.grad(out, (qr, kr, vr), do,
-                                                            retain_graph=True))
+            cudnn_ms = event_ms(partial(torch.autograd.grad, out, (qr, kr, vr), do,
+                                        retain_graph=True))
         row: dict[str, Any] = {"problem": problem.key(), "config": args.config,
                                "cudnn_ms": cudnn_ms,
                                "cudnn_tflops": flops / cudnn_ms / 1e9}
         cfg = GluonBwdConfig(**json.loads(args.config))
         for debug in debugs:
-            os.environ["GLUON_BWD_DEBUG"] = str(debug)
-
-            def run() -> Any:
-                return gluon_attention_bwd(do, q, k, v, o, lse, causal=causal, config=cfg)
-
+            os.environ["GLUON_BWD_DEBUG"] = str(debug)  # read when the launch is planned
+            run = partial(gluon_attention_bwd, do, q, k, v, o, lse, causal=causal, config=cfg)
             grads = run()
             if debug == 0:
                 errors = [relative_error(g, r) for g, r in zip(grads, ref, strict=True)]

@@ -202,7 +202,8 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
                           is_async=True)
     dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_st, use_acc=False,
                            is_async=True)
-    if DEFER_DQ:
+    # (Two ifs: the constexpr one is resolved at compile time, the other runs.)
+    if DEFER_DQ:  # noqa: SIM102
         # The previous step's dQ tile, added while the tensor cores compute S^T and dP^T.
         if has_prev:
             _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
@@ -399,7 +400,7 @@ def _gluon_bwd_kernel(
                 ready, slot, t + STAGES, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row,
                 BLOCK_M)
 
-    if DEFER_DQ:
+    if DEFER_DQ:  # noqa: SIM102  (constexpr, then run time)
         if n_steps > 0:  # the last step's dQ tile (published by the loop's last barrier)
             _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, num_warps)
     # dK and dV leave through K's and V's buffers (every GEMM reading them has completed) and

@@ -6,7 +6,8 @@ that runs, for each call, the fastest implementation measured on this GPU for it
 
 Semantics follow SDPA; ``block_mask`` (a ``tuner.BlockMask``) computes only its blocks (rows
 that see no key give zeros). Which implementation runs is ``tuner.dispatch``'s choice
-(docs/DISPATCH.md); dropout, an elementwise ``attn_mask``, float64 or a value head dim other
+(docs/DISPATCH.md); an ``attn_mask`` that is exactly causal, a causal window or documents
+runs as that (``tuner.dense_mask``); dropout, other masks, float64 or a value head dim other
 than the query's run torch SDPA as the user's code did (``use_implementation("flash")``
 forces ours on a mask).
 
@@ -29,6 +30,7 @@ import torch
 # custom ops' first call imports torch._dynamo, which imports triton).
 import templates  # noqa: F401
 from templates.torch_sdpa import sdpa
+from tuner.dense_mask import recognize_mask
 from tuner.dispatch import Choice, choose, choose_masked, forced, keep, use_implementation
 from tuner.implementations import Request, get_implementation
 from tuner.implementations.call import (
@@ -48,7 +50,7 @@ from tuner.plans import PLANS as _PLANS
 
 __all__ = ["MAX_PLANS", "attention", "clear_plans", "plan_for"]
 
-_now = time.monotonic
+_now, _compiling = time.monotonic, torch.compiler.is_compiling
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -68,6 +70,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if attn_mask is not None and block_mask is not None:
         raise ValueError("pass attn_mask or block_mask, not both")
     check_inputs(query, key, value, enable_gqa)
+    if attn_mask is not None and not (_compiling() or is_causal or dropout_p or forced()) \
+            and in_kernel_scope(query, value) and (found := recognize_mask(
+                attn_mask, query.shape[-2], key.shape[-2])) is not None:  # run as what it is
+        return attention(query, key, value, is_causal=found.is_causal, scale=scale,
+                         enable_gqa=enable_gqa, block_mask=found.block_mask)
     if block_mask is None and (dropout_p != 0.0 or not in_kernel_scope(query, value)
                                or (attn_mask is not None and _forced() != "flash")):
         return _outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -97,8 +104,7 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
 
 @torch.compiler.assume_constant_result
 def _forced() -> str | None:
-    """``forced()``, read at trace time under torch.compile (Dynamo cannot read a ContextVar),
-    as the choice is."""
+    """``forced()`` read at trace time, as the choice is (Dynamo cannot read a ContextVar)."""
     return forced()
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from templates.block_mask import BlockMask
+from templates.document_mask import document_block_mask
 from templates.mask_mods import pattern_block_mask
-from tuner.varlen import document_block_mask
 
 __all__ = ["Recognized", "recognize_mask"]
 
@@ -35,11 +35,12 @@ _MAX_SEEN = 64  # a few masks per forward; the tensors of old ones are gone
 
 @dataclass(frozen=True)
 class Recognized:
-    """How to run a recognized mask: ``is_causal`` with no mask, or ``block_mask``."""
+    """How to run a recognized mask: ``is_causal`` (or, with neither, unmasked) with no mask,
+    or ``block_mask``."""
 
     is_causal: bool
     block_mask: BlockMask | None
-    name: str  # "causal", or the block mask's pattern
+    name: str  # "causal", "dense", or the block mask's pattern
 
 
 def recognize_mask(mask: torch.Tensor, seqlen_q: int, seqlen_kv: int) -> Recognized | None:
@@ -53,7 +54,12 @@ def recognize_mask(mask: torch.Tensor, seqlen_q: int, seqlen_kv: int) -> Recogni
     seen = _SEEN.get(id(mask))
     if seen is not None and seen[0]() is mask and seen[1] == mask._version:
         return seen[2]
-    found = _recognize(mask)
+    # Leading dims broadcast (size 1 or stride 0, as ``expand`` makes them) are one mask:
+    # read one of them, never a materialized (B, H, N, N) copy.
+    one = mask
+    while one.dim() > 2 and (one.shape[0] == 1 or one.stride(0) == 0):
+        one = one[0]
+    found = _recognize(one)
     if len(_SEEN) >= _MAX_SEEN:
         _SEEN.clear()
     _SEEN[id(mask)] = (weakref.ref(mask), mask._version, found)
@@ -109,6 +115,8 @@ def _recognize(mask: torch.Tensor) -> Recognized | None:
     offsets = _documents(lo, hi, causal)
     if offsets is None:
         return None
+    if offsets == [0, n] and not causal:
+        return Recognized(False, None, "dense")  # every key visible: no mask at all
     block_mask = document_block_mask(offsets, offsets, causal=causal, device=mask.device)
     return Recognized(False, block_mask, block_mask.pattern or "documents")
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import templates.document_mask
 import tuner
 from templates.base import Problem
 from templates.block_mask import BlockMask
@@ -122,17 +123,15 @@ def test_the_mask_has_full_partial_and_skipped_blocks_and_a_priced_pattern() -> 
 def test_the_mask_is_built_once_for_the_same_documents(device: str,
                                                        monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
-    import tuner.varlen
-
     clear_document_masks()
     built: list[object] = []
-    real = tuner.varlen._build_document_mask
+    real = templates.document_mask._build_document_mask
 
     def counting(*args: Any) -> BlockMask:
         built.append(args)
         return real(*args)
 
-    monkeypatch.setattr(tuner.varlen, "_build_document_mask", counting)
+    monkeypatch.setattr(templates.document_mask, "_build_document_mask", counting)
     q, k, v = inputs(SELF, SELF, torch.float32, device)
     cu_32, cu_64 = cu(SELF, device=device), cu(SELF, torch.int64, device)
     with torch.no_grad():
@@ -141,9 +140,9 @@ def test_the_mask_is_built_once_for_the_same_documents(device: str,
         assert len(built) == 1
         varlen_attention(q, k, v, cu_32, cu_32, 133, 133, causal=False)
         assert len(built) == 2
-    for i in range(tuner.varlen.MAX_CACHED_MASKS + 2):  # the LRU stays small
+    for i in range(templates.document_mask.MAX_CACHED_MASKS + 2):  # the LRU stays small
         document_block_mask([0, i + 1], [0, i + 1], causal=True, device="cpu")
-    assert len(tuner.varlen._MASKS) == tuner.varlen.MAX_CACHED_MASKS
+    assert len(templates.document_mask._MASKS) == templates.document_mask.MAX_CACHED_MASKS
 
 
 def test_a_measured_flex_win_on_the_documents_problem_runs_flex(

@@ -72,3 +72,37 @@ def test_the_answer_is_kept_per_tensor_version() -> None:
     assert recognize_mask(mask, N, N) is first
     mask[250, 10] = False  # in place: a new version, read again
     assert recognize_mask(mask, N, N) is None
+
+
+def test_tuner_attention_runs_a_recognized_mask_as_what_it_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense window / document / causal mask given to tuner.attention runs as its block
+    mask (or is_causal) and gives SDPA's answer with that mask; SDPA never sees the mask."""
+    import importlib
+
+    import tuner
+
+    entry = importlib.import_module("tuner.attention")  # the module (tuner.attention is the function)
+
+    seen: list[object] = []
+    real_sdpa = entry.sdpa
+
+    def spy(*args: object, **kw: object) -> torch.Tensor:
+        seen.append(kw.get("attn_mask"))
+        return real_sdpa(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(entry, "sdpa", spy)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, N, 32, generator=g) for _ in range(3))
+    for mask in ((COLS <= ROWS) & (COLS > ROWS - 40), SAME_DOC & CAUSAL, CAUSAL):
+        seen.clear()
+        out = tuner.attention(q, k, v, attn_mask=mask[None, None])
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        assert all(m is None for m in seen), "SDPA was handed the dense mask"
+    # A mask that is none of them still reaches SDPA as given.
+    other = torch.rand(N, N, generator=g) > 0.5
+    other.fill_diagonal_(True)
+    seen.clear()
+    tuner.attention(q, k, v, attn_mask=other)
+    assert seen and seen[-1] is other
