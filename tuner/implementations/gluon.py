@@ -35,7 +35,7 @@ from tuner.implementations.ops import (
 from tuner.implementations.registry import register_implementation
 from tuner.plans import PLANS, Plan, keep_plan
 
-__all__ = ["Gluon"]
+__all__ = ["Gluon", "forward_plan", "training_plan"]
 
 # Its training template: its config runs the Gluon forward of a call that needs a gradient.
 TRAINING_TEMPLATE = "gluon_cudnn_train"
@@ -123,18 +123,20 @@ class Gluon(Implementation):
 GLUON = register_implementation(Gluon())
 
 
-def _training_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   scale: float | None, enable_gqa: bool) -> Plan:
-    """The Gluon forward of a call that needs a gradient, with the config its training
-    template resolves, kept per problem and layout."""
-    key = (TRAINING_TEMPLATE, *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
+def training_plan(implementation: Implementation, template: str, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+                  enable_gqa: bool) -> Plan:
+    """The Gluon forward of a call that needs a gradient, with the config ``template`` (the
+    implementation's training template, whose knobs are the forward's) resolves, kept per
+    problem and layout."""
+    key = (template, *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
            *layout_key(q, k, v))
     plan = PLANS.get(key)
     if plan is None or plan.expires_at <= time.monotonic():
         check_inputs(q, k, v, enable_gqa)
-        resolved = resolved_for(TRAINING_TEMPLATE, q, k, is_causal)
+        resolved = resolved_for(template, q, k, is_causal)
         plan = keep_plan(key, Plan(forward_plan(q, k, is_causal, scale, resolved.config),
-                                   Choice(GLUON, (resolved,), "its training op"),
+                                   Choice(implementation, (resolved,), "its training op"),
                                    resolved.expires_at))
     return plan
 
@@ -145,7 +147,7 @@ def _gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) by the Gluon forward, as ``tuner::attention_fwd``'s; its backward is cuDNN's
     (``tuner::cudnn_attention_bwd``)."""
-    run = _training_plan(q, k, v, is_causal, scale, enable_gqa).run
+    run = training_plan(GLUON, TRAINING_TEMPLATE, q, k, v, is_causal, scale, enable_gqa).run
     assert run is not None
     o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
     return in_op_layout(o, q), lse
