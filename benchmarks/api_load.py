@@ -230,8 +230,10 @@ async def demand_client(port: int, source: str, rate: float, bodies: list[bytes]
     conn.close()
 
 
-def start_server(url: str, port: int, workers: int,
-                 demand_rate_limit: float | None = None) -> subprocess.Popen[bytes]:
+def start_server(url: str, port: int, workers: int, demand_rate_limit: float | None = None,
+                 cores: list[int] | None = None) -> subprocess.Popen[bytes]:
+    """``tuner serve`` over ``url`` on ``port``, answering /healthz and idle; on ``cores``
+    (its workers inherit them) where given."""
     env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_TOKEN": TOKEN,
            "TUNER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     if demand_rate_limit is not None:
@@ -240,7 +242,8 @@ def start_server(url: str, port: int, workers: int,
     cmd = [sys.executable, "-m", "tuner.cli.app", "serve", "--host", HOST, "--port", str(port)]
     if workers != 1:
         cmd += ["--workers", str(workers)]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, preexec_fn=pin)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
