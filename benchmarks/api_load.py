@@ -235,7 +235,10 @@ def start_server(url: str, port: int, workers: int, demand_rate_limit: float | N
     """``tuner serve`` over ``url`` on ``port``, answering /healthz and idle; on ``cores``
     (its workers inherit them) where given."""
     env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_TOKEN": TOKEN,
-           "TUNER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+           "TUNER_LOG_LEVEL": "WARNING",
+           # this tree first, then what the caller's path holds (e.g. wheels unpacked aside)
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
     if demand_rate_limit is not None:
         env["TUNER_DEMAND_RATE_LIMIT"] = str(demand_rate_limit)
     env.pop("TUNER_URL", None)
