@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import itertools
 import logging
 import time
@@ -318,6 +319,30 @@ class BestCache:
                         versions=versions, fingerprint=mark)
 
 
+# Defaults already computed, by the hardware they are for (least recently used first out).
+_DEFAULTS_KEPT = 4096
+_defaults: OrderedDict[tuple[str, str, Problem, DeviceInfo], dict[str, Any]] = OrderedDict()
+
+
+def default_config(template: Template, problem: Problem, info: DeviceInfo) -> dict[str, Any]:
+    """``template.default_config(problem, info)`` as a dict, computed once per hardware.
+
+    A device's name only labels the templates' error messages (and tells the CPU interpreter
+    apart), so made-up keys naming the same hardware share one computation: a flood of them
+    (issue 19's 300 lookups a second) spent ~40 % of each lookup validating the configs the
+    heuristic tried (cProfile, 2026-11-29)."""
+    hardware = info if info.is_interpreter else dataclasses.replace(info, name="")
+    key = (template.name, template_version(template), problem, hardware)
+    config = _defaults.get(key)
+    if config is None:
+        config = _defaults[key] = template.default_config(problem, info).to_dict()
+        while len(_defaults) > _DEFAULTS_KEPT:
+            _defaults.popitem(last=False)
+    else:
+        _defaults.move_to_end(key)
+    return dict(config)
+
+
 @dataclass(frozen=True)
 class Answered:
     """An answer and the cache entries it was computed from (``api.answer_memo`` keeps it
@@ -365,7 +390,7 @@ async def answer_with_sources(cache: BestCache, *, template: Template, version: 
                             "problem_key": template.problem_key(problem)}
     if found is None:
         answer = BestOut(**base, template_version=current, match="default",
-                         config=template.default_config(problem, info).to_dict())
+                         config=default_config(template, problem, info))
         return Answered(answer, catalog, stored_device, version, bests)
     row: StoredBest = found.candidate
     answer = BestOut(**base, template_version=version, match=found.kind,

@@ -111,3 +111,30 @@ def test_the_memo_keeps_the_most_recently_used_answers(db_url: str) -> None:
         assert asyncio.run(run()) == [b"{}", None, b"{}"]
     finally:
         cache.close()
+
+
+def test_defaults_are_computed_once_per_hardware(client: TestClient, monkeypatch: Any) -> None:
+    """Made-up device keys (not kept as answers) share the default of the hardware they name;
+    each answer is still the template's default for it, named with its own key."""
+    from api import answers
+
+    calls: list[str] = []
+    real = type(FWD).default_config
+
+    def counted(self: Any, p: Any, device: Any) -> Any:
+        calls.append(device.name)
+        return real(self, p, device)
+
+    monkeypatch.setattr(answers, "_defaults", type(answers._defaults)())
+    monkeypatch.setattr(type(FWD), "default_config", counted)
+    p = problem(1024)
+    got = [best(client, p, device=f"made-up-{i}").json() for i in range(3)]
+    assert calls == ["made-up-0"]
+    assert [g["device"] for g in got] == ["made-up-0", "made-up-1", "made-up-2"]
+    assert all(g["config"] == real(FWD, p, answers.device_info_from_key("x")).to_dict()
+               for g in got)
+    # Another shape, or hardware of another compute capability, is computed anew.
+    best(client, problem(2048), device="made-up-0")
+    a100ish = H100.key.replace("cc9.0", "cc8.0").replace("H100", "A100")
+    best(client, p, device=a100ish)
+    assert calls == ["made-up-0", "made-up-0", a100ish.split("|")[0]]
