@@ -382,11 +382,10 @@ def main() -> None:
                 os.sched_setaffinity(0, available)
             one.update({"generator_cores": gen, "dedicated": dedicated})
             result["by_workers"][str(workers)] = one
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+            if args.json:  # after each worker count: a run cut short keeps what it measured
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
     with contextlib.suppress(Exception):
         print(curve_table(result), file=sys.stderr)
 
