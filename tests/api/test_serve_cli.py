@@ -74,7 +74,7 @@ def test_serve_refuses_before_starting(
 @pytest.mark.parametrize("protocol", [NoDelayH11Protocol, serving_protocol(), H11Protocol])
 def test_connections_have_nagle_off(protocol: type[H11Protocol], loop: str) -> None:
     """As uvicorn's workers get it: a listening socket made with protocol 0, whose accepted
-    connections asyncio leaves with Nagle on (40 ms per keep-alive request, docs/SERVING.md).
+    connections asyncio leaves with Nagle on (40 ms per keep-alive request, notes/serving_performance.md).
     The protocol ``tuner serve`` runs is httptools' where it is installed (uvloop's loop too,
     where that is), else h11's (then the first two cases are one). uvloop's loop turns Nagle
     off on every connection itself."""
