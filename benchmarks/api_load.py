@@ -170,16 +170,21 @@ def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of process ``pid`` and its children (uvicorn's workers), from
     /proc; 0 where there is no /proc."""
+    return sum(cpu_seconds_by_process(pid).values())
+
+
+def cpu_seconds_by_process(pid: int) -> dict[int, float]:
+    """``cpu_seconds`` per process: ``pid`` and each of its children."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0.0
+    out: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1]: the parent
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def demand_bodies(n_problems: int, per_request: int, count: int = 1,
