@@ -21,6 +21,7 @@ flood) would otherwise push the fleet's answers out. Bounded (least recently use
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -36,14 +37,22 @@ PATH = "/v1/best"
 
 @dataclass(frozen=True)
 class KeptAnswer:
-    """An answer's JSON and the cache entries it was computed from."""
+    """An answer's JSON and the cache entries it was computed from, weakly referenced: a kept
+    answer never keeps an entry the cache has replaced alive (it could pin one generation of a
+    device's parsed bests per kept answer), and one whose entry is gone is simply not valid."""
 
     body: bytes
-    catalog: Catalog
+    catalog: weakref.ref[Catalog]
     template: Template
     version: str
     device_key: str
-    bests: ParsedBests | None  # None: nothing stored for the template version (catalog alone)
+    bests: weakref.ref[ParsedBests] | None  # None: nothing stored for the version (catalog alone)
+
+    @classmethod
+    def of(cls, body: bytes, catalog: Catalog, template: Template, version: str,
+           device_key: str, bests: ParsedBests | None) -> KeptAnswer:
+        return cls(body, weakref.ref(catalog), template, version, device_key,
+                   None if bests is None else weakref.ref(bests))
 
 
 class AnswerMemo:
@@ -64,10 +73,10 @@ class AnswerMemo:
         kept = self._kept.get(query)
         if kept is None:
             return None
-        if await cache.catalog() is kept.catalog and (
+        if await cache.catalog() is kept.catalog() and (
                 kept.bests is None
                 or await cache.bests(kept.template, kept.version, kept.device_key)
-                is kept.bests):
+                is kept.bests()):
             self._kept.move_to_end(query)
             return kept.body
         del self._kept[query]

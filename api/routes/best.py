@@ -62,6 +62,6 @@ async def best(request: Request) -> Response:
     # pass would validate it a second time.
     body = answer.model_dump_json().encode()
     if answered.stored_device and not query.compare:
-        memo.put(request.scope["query_string"], KeptAnswer(body, answered.catalog, template, answered.version,
+        memo.put(request.scope["query_string"], KeptAnswer.of(body, answered.catalog, template, answered.version,
                                           answer.device, answered.bests))
     return Response(body, media_type="application/json")

@@ -100,7 +100,7 @@ def test_the_memo_keeps_the_most_recently_used_answers(db_url: str) -> None:
     async def run() -> list[bytes | None]:
         catalog = await cache.catalog()
         memo = AnswerMemo(max_entries=2)
-        kept = KeptAnswer(b"{}", catalog, FWD, FWD.version(), "x", None)
+        kept = KeptAnswer.of(b"{}", catalog, FWD, FWD.version(), "x", None)
         memo.put(b"a", kept)
         memo.put(b"b", kept)
         assert await memo.get(b"a", cache) == b"{}"  # a is now the most recently used
@@ -138,3 +138,30 @@ def test_defaults_are_computed_once_per_hardware(client: TestClient, monkeypatch
     a100ish = H100.key.replace("cc9.0", "cc8.0").replace("H100", "A100")
     best(client, p, device=a100ish)
     assert calls == ["made-up-0", "made-up-0", a100ish.split("|")[0]]
+
+
+def test_a_kept_answer_does_not_keep_a_replaced_entry_alive() -> None:
+    """What an answer was computed from is referenced weakly: once the cache replaced it and
+    nothing else holds it, it is freed, and the answer is not valid any more."""
+    import gc
+    import weakref
+
+    from api.answers import Catalog
+
+    class Cache:  # the part of BestCache the memo asks
+        def __init__(self) -> None:
+            self.current = Catalog({}, {}, [], frozenset(), ("first",))
+
+        async def catalog(self) -> Catalog:
+            return self.current
+
+    cache = Cache()
+    memo = AnswerMemo()
+    memo.put(b"q", KeptAnswer.of(b"{}", cache.current, FWD, FWD.version(), "x", None))
+    assert asyncio.run(memo.get(b"q", cache)) == b"{}"  # type: ignore[arg-type]
+    freed = weakref.ref(cache.current)
+    cache.current = Catalog({}, {}, [], frozenset(), ("second",))  # a change was loaded
+    gc.collect()
+    assert freed() is None
+    assert asyncio.run(memo.get(b"q", cache)) is None  # type: ignore[arg-type]
+    assert len(memo) == 0
