@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import itertools
 import logging
 import time
@@ -318,8 +319,52 @@ class BestCache:
                         versions=versions, fingerprint=mark)
 
 
+# Defaults already computed, by the hardware they are for (least recently used first out).
+_DEFAULTS_KEPT = 4096
+_defaults: OrderedDict[tuple[str, str, Problem, DeviceInfo], dict[str, Any]] = OrderedDict()
+
+
+def default_config(template: Template, problem: Problem, info: DeviceInfo) -> dict[str, Any]:
+    """``template.default_config(problem, info)`` as a dict, computed once per hardware.
+
+    A device's name only labels the templates' error messages (and tells the CPU interpreter
+    apart), so made-up keys naming the same hardware share one computation: a flood of them
+    (issue 19's 300 lookups a second) spent ~40 % of each lookup validating the configs the
+    heuristic tried (cProfile, 2026-11-29)."""
+    hardware = info if info.is_interpreter else dataclasses.replace(info, name="")
+    key = (template.name, template_version(template), problem, hardware)
+    config = _defaults.get(key)
+    if config is None:
+        config = _defaults[key] = template.default_config(problem, info).to_dict()
+        while len(_defaults) > _DEFAULTS_KEPT:
+            _defaults.popitem(last=False)
+    else:
+        _defaults.move_to_end(key)
+    return dict(config)
+
+
+@dataclass(frozen=True)
+class Answered:
+    """An answer and the cache entries it was computed from (``api.answer_memo`` keeps it
+    while the cache holds the same ones)."""
+
+    answer: BestOut
+    catalog: Catalog
+    stored_device: bool  # the device is a stored one (else answered from its key alone)
+    version: str  # the template version asked for (or the running one)
+    bests: ParsedBests | None  # the device's bests of that version, if any are stored
+
+
 async def best_answer(cache: BestCache, *, template: Template, version: str | None,
                       problem: Problem, device: str) -> BestOut:
+    """``answer_with_sources``' answer."""
+    answered = await answer_with_sources(cache, template=template, version=version,
+                                         problem=problem, device=device)
+    return answered.answer
+
+
+async def answer_with_sources(cache: BestCache, *, template: Template, version: str | None,
+                              problem: Problem, device: str) -> Answered:
     """Answer on the event loop; only loading from the database goes to a worker thread.
 
     ``device`` is a stored device's key, name or unique key prefix (``AmbiguousDevice`` when
@@ -331,7 +376,8 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
     version = version or current
     catalog = await cache.catalog()
     device_key = catalog.resolve(device)
-    found = None
+    stored_device = device_key is not None
+    found = bests = None
     if device_key is None:  # nothing stored for it: no query, no cache entry
         device_key, info = device, device_info_from_key(device)
     else:
@@ -343,14 +389,17 @@ async def best_answer(cache: BestCache, *, template: Template, version: str | No
                             "problem": problem.to_dict(),
                             "problem_key": template.problem_key(problem)}
     if found is None:
-        return BestOut(**base, template_version=current, match="default",
-                       config=template.default_config(problem, info).to_dict())
+        answer = BestOut(**base, template_version=current, match="default",
+                         config=default_config(template, problem, info))
+        return Answered(answer, catalog, stored_device, version, bests)
     row: StoredBest = found.candidate
-    return BestOut(**base, template_version=version, match=found.kind,
-                   config=found.config.to_dict(), matched_problem=row.problem,
-                   tflops=row.tflops, median_ms=row.median_ms, default_tflops=row.default_tflops,
-                   speedup=row.speedup, readings=row.readings, spread=row.spread,
-                   provenance=row.provenance, neighbours=[
-                       NeighbourOut(problem_key=n.problem_key, problem=n.problem.to_dict(),
-                                    config=n.config.to_dict(), tflops=n.tflops)
-                       for n in found.neighbours.values()])
+    answer = BestOut(**base, template_version=version, match=found.kind,
+                     config=found.config.to_dict(), matched_problem=row.problem,
+                     tflops=row.tflops, median_ms=row.median_ms,
+                     default_tflops=row.default_tflops, speedup=row.speedup,
+                     readings=row.readings, spread=row.spread, provenance=row.provenance,
+                     neighbours=[NeighbourOut(problem_key=n.problem_key,
+                                              problem=n.problem.to_dict(),
+                                              config=n.config.to_dict(), tflops=n.tflops)
+                                 for n in found.neighbours.values()])
+    return Answered(answer, catalog, stored_device, version, bests)

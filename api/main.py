@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from api.answer_memo import AnswerMemo, ServeKeptAnswers
 from api.answers import BestCache
 from api.demand_buffer import DemandBuffer
 from api.demand_check import DemandChecker
@@ -49,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Tuned Triton attention configs per GPU and problem shape.")
     app.state.settings = settings
     app.state.best_cache = BestCache(settings.database_url)
+    app.state.answer_memo = AnswerMemo()  # filled by the route, answered from in front of it
     app.state.demand_checker = DemandChecker()
     app.state.demand_buffer = DemandBuffer(settings.database_url,
                                            max_pending=settings.demand_max_pending)
@@ -61,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.held_refusals = 0
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        path_limits={"/v1/demand": demand.MAX_BODY_BYTES})
+    app.add_middleware(ServeKeptAnswers)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["GET", "POST", "DELETE"],

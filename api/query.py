@@ -23,13 +23,18 @@ def parse_query(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     """A dependency giving ``model`` validated from the query string (422 on any error)."""
 
     async def parse(request: Request) -> M:
-        try:
-            return model.model_validate(dict(request.query_params))
-        except ValidationError as exc:
-            errors = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
-            raise RequestValidationError(errors) from None
+        return validated_query(model, request)
 
     return parse
+
+
+def validated_query(model: type[M], request: Request) -> M:
+    """``model`` validated from the query string of ``request`` (422 on any error)."""
+    try:
+        return model.model_validate(dict(request.query_params))
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
 
 
 def openapi_parameters(model: type[BaseModel]) -> dict[str, Any]:

@@ -170,16 +170,21 @@ def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of process ``pid`` and its children (uvicorn's workers), from
     /proc; 0 where there is no /proc."""
+    return sum(cpu_seconds_by_process(pid).values())
+
+
+def cpu_seconds_by_process(pid: int) -> dict[int, float]:
+    """``cpu_seconds`` per process: ``pid`` and each of its children."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0.0
+    out: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1]: the parent
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def demand_bodies(n_problems: int, per_request: int, count: int = 1,
@@ -230,17 +235,23 @@ async def demand_client(port: int, source: str, rate: float, bodies: list[bytes]
     conn.close()
 
 
-def start_server(url: str, port: int, workers: int,
-                 demand_rate_limit: float | None = None) -> subprocess.Popen[bytes]:
+def start_server(url: str, port: int, workers: int, demand_rate_limit: float | None = None,
+                 cores: list[int] | None = None) -> subprocess.Popen[bytes]:
+    """``tuner serve`` over ``url`` on ``port``, answering /healthz and idle; on ``cores``
+    (its workers inherit them) where given."""
     env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_TOKEN": TOKEN,
-           "TUNER_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+           "TUNER_LOG_LEVEL": "WARNING",
+           # this tree first, then what the caller's path holds (e.g. wheels unpacked aside)
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
     if demand_rate_limit is not None:
         env["TUNER_DEMAND_RATE_LIMIT"] = str(demand_rate_limit)
     env.pop("TUNER_URL", None)
     cmd = [sys.executable, "-m", "tuner.cli.app", "serve", "--host", HOST, "--port", str(port)]
     if workers != 1:
         cmd += ["--workers", str(workers)]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, preexec_fn=pin)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -54,7 +54,7 @@ def serve(
     if db:  # the workers read their settings from the environment (create_app())
         os.environ["TUNER_DATABASE_URL"] = db
     level = settings.log_level.lower()
-    from api.server_protocol import NoDelayH11Protocol
+    from api.server_protocol import serving_protocol
 
     uvicorn.run(APP, factory=True, host=host, port=port, workers=workers, log_level=level,
-                access_log=level in ("debug", "info"), http=NoDelayH11Protocol)
+                access_log=level in ("debug", "info"), http=serving_protocol())
