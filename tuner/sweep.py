@@ -160,6 +160,7 @@ class Task:
     problem: Problem
     problem_key: str
     space: SpaceRestriction = field(default_factory=dict)
+    count: int = 1  # how often the job ran problems of this bucket (a recording's counts)
 
     @property
     def label(self) -> str:
@@ -337,10 +338,14 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
     (where the dispatcher can only pick among what was measured)."""
     spec.import_template_modules()
     templates: list[Template] = []
+    skipped: list[tuple[str, str]] = []
     for name in spec.templates:
         try:
             template = get_template(name)
         except ValueError as exc:
+            if spec.recorded is not None:  # recorded by another release: its problems still
+                skipped.append((name, f"not a template of this release ({exc})"))  # tune
+                continue
             raise TunerError(f"spec {spec.name!r}: {exc}",
                              "use a registered template name (`tuner list templates`)") from None
         try:
@@ -352,18 +357,21 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
                              "spec per template") from None
         templates.append(template)
     tasks: list[Task] = []
-    skipped: list[tuple[str, str]] = []
-    seen: set[tuple[str, str]] = set()
+    index: dict[tuple[str, str], int] = {}
     for problem in spec.problems:
+        count = spec.counts.get(problem, 1)
         for template in templates:
-            task = Task(template, problem, template.problem_key(problem), spec.space)
+            task = Task(template, problem, template.problem_key(problem), spec.space, count)
             why = template.unsupported(problem)
             if why:
                 skipped.append((task.label, why))
                 continue
-            if (template.name, task.problem_key) not in seen:  # one study per shape bucket
-                seen.add((template.name, task.problem_key))
+            at = index.get((template.name, task.problem_key))
+            if at is None:  # one study per shape bucket, counting all of its problems
+                index[(template.name, task.problem_key)] = len(tasks)
                 tasks.append(task)
+            else:
+                tasks[at] = dataclasses.replace(tasks[at], count=tasks[at].count + count)
     if not tasks:
         raise TunerError(f"spec {spec.name!r}: no problem that its templates can run "
                          f"({'; '.join(f'{label}: {why}' for label, why in skipped)})",
