@@ -3,6 +3,7 @@ exactly them (issue 18, item 3). Tiny shapes on the interpreter without a GPU.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -160,3 +161,30 @@ versions = {flash_fwd = "0123456789abcdef", flash_fwd_v0 = "fedcba9876543210"}
     path.write_text(path.read_text().split("[recorded]")[0])
     with pytest.raises(TunerError, match="flash_fwd_v0"):
         expand_tasks(load_spec_file(path))
+
+
+def test_a_recording_sweeps_within_a_budget_and_bad_budgets_are_refused(
+        tmp_path: Path, device: str) -> None:
+    path = tmp_path / "job.toml"
+    q = torch.randn(1, 2, 1, 16, device=device)
+    with tuner.record(path):
+        for length in (20, 24):
+            kv = torch.randn(1, 2, length, 16, device=device)
+            tuner.attention(q, kv, kv)
+    db = f"sqlite:///{tmp_path / 'tuned.db'}"
+    code, out, err = cli("sweep", str(path), "--budget", "10m", "--trials", "1",
+                         "--finalists", "0", "--head-to-head-rounds", "0", "--db", db)
+    assert code == 0, err
+    assert "within the --budget of 600 s" in " ".join(out.split())
+    code, out, err = cli("sweep", str(path), "--budget", "10m", "--trials", "1",
+                         "--finalists", "0", "--head-to-head-rounds", "0", "--db", db,
+                         "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["budget_s"] == 600 and not report["budget_spent"]
+    assert {p["count"] for p in report["problems"] if not p["skipped"]} == {2}
+    code, _, err = cli("sweep", str(path), "--budget", "soon", "--db", db)
+    assert code == 2 and "not a positive duration" in err
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    code, _, err = cli("sweep", str(path), "--budget", "0.001", "--db", fresh)
+    assert code == 2 and "too small for any measurement" in " ".join(err.split())
