@@ -76,6 +76,7 @@ def test_replayed_strategies_and_the_prior_that_finds_a_neighbours_best(
     result = ttt.replay_strategies(recordings, fraction=2.5 / grid, seeds=3, space=space)
     assert {row["budget"] for row in result["problems"]} == {2}
     assert all(row["prior"] >= 1 for row in result["problems"])
+    assert not any(row["default_is_best"] for row in result["problems"])
     prior = result["strategies"]["tpe+prior"]
     assert prior["mean_share_within"] == 1.0 and prior["meets_bar"]
     assert result["strategies"]["tpe"]["mean_share_within"] < 0.9
