@@ -15,6 +15,7 @@ from templates import Problem
 from tests.benchmark_scripts import load_benchmark_script
 from tests.test_tpe_vs_grid import SPEC, planted, recording, write
 from tests.tuner.test_sweep_budget import SlowRunner
+from tests.tuner.test_sweep_cli import cli
 from tuner.replay import load_recorded_file
 from tuner.suites import load_spec_file
 
@@ -88,3 +89,8 @@ def test_replayed_strategies_and_the_prior_that_finds_a_neighbours_best(
                      "--seeds", "1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["strategies"]["tpe+prior"]["meets_bar"]
     assert not math.isnan(full["strategies"]["random"]["mean_share_within"])
+    # The same through `tuner replay --prior`: two measurements each, the planted best found.
+    code, printed, err = cli("replay", "--from", str(path), "--spec", str(SPEC), "--prior",
+                             "--sampler", "tpe", "--budget", "2", "--seeds", "2", "--json")
+    assert code == 0, err
+    assert [s["worst_fraction_of_best"] for s in json.loads(printed)] == [1.0, 1.0]
