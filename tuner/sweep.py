@@ -657,6 +657,9 @@ def _work_budgeted(shared: _Shared, worker: int, device: dict[str, Any],
                                        shared.tasks[i], store_of(shared.tasks[i]))
                                     for i in probes}, info)
                   if shared.options.prune and len(probes) > 1 else {})
+        for index in indices:
+            if index not in probes or shared.tasks[index].template.name in beaten:
+                budget.skip(index)  # its share goes to the contenders
         for index, probe in probes.items():
             task = shared.tasks[index]
             if task.template.name in beaten:

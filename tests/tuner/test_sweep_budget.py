@@ -63,6 +63,10 @@ def test_the_time_left_is_shared_by_weight_and_what_one_leaves_goes_on() -> None
     budget.reserve_readings = 5  # head-to-heads to come: 10 s at 2 s a reading
     assert budget.allot(2, now=65.0) == pytest.approx(65.0 + 25.0)
     assert not budget.spent(now=99.0) and budget.spent(now=100.0)
+    # A dropped task's weight is left to the others.
+    budget = SweepBudget(100.0, [1.0, 1.0, 2.0], started=0.0)
+    budget.skip(1)
+    assert budget.allot(0, now=0.0) == pytest.approx(100.0 / 3)
 
 
 def test_a_problem_weighs_its_count_times_its_size() -> None:

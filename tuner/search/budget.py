@@ -91,6 +91,11 @@ class SweepBudget:
         pace = self.seconds_per_measurement
         return self.reserve_readings * pace if pace else 0.0
 
+    def skip(self, index: int) -> None:
+        """Task ``index`` takes no share (its search was dropped): the others divide it."""
+        with self._lock:
+            self._allotted.setdefault(index, self.started)
+
     def allot(self, index: int, now: float | None = None) -> float:
         """The deadline of task ``index``'s search: its weight's share of the time left among
         the tasks not yet allotted (itself included); the same for every worker that asks."""
