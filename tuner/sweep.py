@@ -9,7 +9,16 @@ finishes; running a sweep again resumes it (stored configs are not run again), a
 ``--trials`` extends it. At the end of each problem's search its finalists are measured
 again and the best is chosen by their medians (``tuner.search.loop``, ``db.finalists``).
 When every problem is searched, the bests of the implementations of each problem are measured
-side by side, and priced by those readings from then on (``tuner.head_to_head``).
+side by side, and priced by those readings from then on (``tuner.head_to_head``). Each search
+measures the default config first, then the transfer prior (``tuner.search.prior``).
+
+With a time budget (``SweepOptions.budget_s``, ``--budget 5m``) the problems go heaviest first
+(a recording's count x the problem's size) and share the time by that weight
+(``tuner.search.budget``); each implementation of a problem first measures its first configs
+(a probe), one measured clearly slower than another stops there
+(``tuner.search.contenders``), and the rest are searched within their shares. The budget is
+checked before each measurement; the sweep stops with the best found so far, every
+measurement stored, and its report says so (``budget_spent``).
 
 The caller gets events (``on_event``, always called on the calling thread) to draw
 progress, and a :class:`SweepReport` at the end.
@@ -77,6 +86,7 @@ __all__ = [
     "HeadToHeadStarted",
     "ProblemFailed",
     "ProblemFinished",
+    "ProblemPruned",
     "ProblemReport",
     "ProblemStarted",
     "SweepOptions",

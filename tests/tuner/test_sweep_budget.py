@@ -156,3 +156,45 @@ def test_the_best_config_of_a_neighbouring_bucket_is_measured_first(db_url: str)
           finalists=0, head_to_head_rounds=0)
     here = [c for key, c in stored_trials(db_url)[len(first):]]
     assert here[1] == neighbour_best, (here, neighbour_best)
+
+
+def test_people_are_told_what_stopped_and_that_the_budget_is_spent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+    import io
+
+    from tuner.cli.common import console
+    from tuner.cli.sweep import SweepDisplay, print_summary
+    from tuner.search.loop import SearchStats
+    from tuner.sweep import ProblemPruned, ProblemReport, ProblemStarted, SweepStarted, Task
+
+    template = get_template("flash_fwd")
+    problem = Problem(1, 2, 2, 32, 32, 16, "float16")
+    task = Task(template, problem, template.problem_key(problem))
+    device = current_device().to_dict() | {"key": current_device().key}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        display = SweepDisplay()
+        display.handle(SweepStarted(3, device, [task], []))
+        display.handle(ProblemStarted(0, 0, budget=2, results=0))
+        display.handle(ProblemPruned(0, 0, "flash_fwd measured 2.00x the time of torch_sdpa",
+                                     SearchStats(budget=2, measured=2)))
+        display.close()
+        reports = [ProblemReport(label=task.label, template="flash_fwd", template_version="v",
+                                 problem=problem.to_dict(), problem_key=task.problem_key,
+                                 pruned="flash_fwd measured 2.00x the time of torch_sdpa"),
+                   ProblemReport(label="torch_sdpa B2", template="torch_sdpa",
+                                 template_version="v", problem=problem.to_dict(),
+                                 problem_key="k", budget_spent=True),
+                   ProblemReport(label="torch_sdpa B4", template="torch_sdpa",
+                                 template_version="v", problem=problem.to_dict(),
+                                 problem_key="k4", reached=False)]
+        monkeypatch.setattr(console, "width", 160)
+        print_summary(SweepReport(sweep_id=3, name="job", status="done", device=device,
+                                  sampler="tpe", workers=1, problems=reports, wall_s=301.0,
+                                  compile_ahead=0, budget_s=300.0, budget_spent=True))
+    text = " ".join(out.getvalue().split())
+    assert "stopped flash_fwd B1 H2 N32 D16 float16 dense: flash_fwd measured 2.00x" in text
+    assert "the --budget of 300 s is spent" in text
+    assert "1 search(es) stopped at their share, 1 not started" in text
+    assert "stopped searching flash_fwd" in text and "not reached: torch_sdpa B4" in text

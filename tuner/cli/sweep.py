@@ -211,6 +211,7 @@ class SweepDisplay:
             HeadToHeadStarted,
             ProblemFailed,
             ProblemFinished,
+            ProblemPruned,
             ProblemStarted,
             SweepStarted,
             TrialDone,
@@ -243,6 +244,12 @@ class SweepDisplay:
             self._refresh_overall()
         elif isinstance(event, ProblemFinished):
             self._finish_problem(event)
+        elif isinstance(event, ProblemPruned):
+            task = self._tasks.get(event.index)
+            if task is not None:
+                self.progress.update(task, visible=False)
+            self.progress.console.print(f"  [yellow]stopped[/] {self._labels[event.index]}: "
+                                        f"{event.reason}")
         elif isinstance(event, ProblemFailed):
             self.progress.console.print(f"  [red]skipped[/] {self._labels[event.index]}: "
                                         f"{event.reason}")
