@@ -560,7 +560,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
             status = SweepStatus.INTERRUPTED  # nothing measured: no head-to-heads either
         if status == SweepStatus.DONE and options.head_to_head_rounds and devices:
             device = devices.get(0) or next(iter(devices.values()))
-            head_to_heads = _head_to_heads(shared, device, emit)
+            head_to_heads = _head_to_heads(shared, device, emit, set(pruned))
             if shared.stop.is_set():
                 status = SweepStatus.INTERRUPTED
     except KeyboardInterrupt:
@@ -777,13 +777,16 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
     return stats
 
 
-def _head_to_heads(shared: _Shared, device: dict[str, Any],
-                   emit: Callable[[Event], None]) -> list[HeadToHeadResult]:
+def _head_to_heads(shared: _Shared, device: dict[str, Any], emit: Callable[[Event], None],
+                   left_out: set[int] | None = None) -> list[HeadToHeadResult]:
     """After every search: each problem's implementations side by side (``tuner.head_to_head``),
     on this thread, in a trial worker of its own on the first GPU. A head-to-head that fails
     (not a candidate: the step itself) is reported and the next one runs; the bests the sweep
     stored stay as they are."""
-    groups = _templates_by_problem(shared.tasks)
+    # Implementations dropped after their probe (``left_out``, task indices) were measured
+    # clearly slower: the side-by-side rounds go to the contenders.
+    groups = _templates_by_problem([task for i, task in enumerate(shared.tasks)
+                                    if i not in (left_out or set())])
     if not groups:
         return []  # no trial worker started for nothing (a spec of one template)
     options, info = shared.options, device_from_dict(device)
