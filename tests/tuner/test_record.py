@@ -109,7 +109,8 @@ def test_a_decode_loop_is_one_line_per_bucket_with_its_count(tmp_path: Path,
     assert text.count("count = ") == 2
     # Recording the same job again adds the counts up.
     with tuner.record(path):
-        tuner.attention(q, *(torch.randn(1, 2, 20, 16, device=device) for _ in range(2)))
+        kv = torch.randn(1, 2, 20, 16, device=device)
+        tuner.attention(q, kv, kv)
     spec = load_spec_file(path)
     assert {p.seqlen_kv: spec.counts[p] for p in spec.problems} == {32: 17, 64: 8}
 
