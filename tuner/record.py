@@ -1,4 +1,4 @@
-"""Recording what a job runs, as a sweep spec to tune ahead of time (issue 18, item 3).
+"""Recording what a job runs, as a sweep spec to tune ahead of time (issues 18 and 42).
 
     with tuner.record("job-shapes.toml"):
         train()                                # every problem tuner.attention/decode ran
@@ -9,18 +9,24 @@ or ``TUNER_RECORD=job-shapes.toml python train.py`` (written when the process ex
 A problem is recorded when a plan for it is made (once per shape and layout, not per call),
 with the templates of every implementation that could serve it (``tuner.dispatch``): torch's
 SDPA templates beside ours, so the sweep also measures what the dispatcher compares against.
-Each shape is written with its own dtype, causal mode and mask, so the spec tunes exactly the
-recorded problems. The file is rewritten whole (atomically) at the end of the ``with`` block,
-or at exit for ``TUNER_RECORD``; an existing file's problems are kept, so several runs of a job
-add up in one spec.
+Problems are written by the bucket the sweep tunes (``Problem.bucketed``: one stored config
+serves a bucket), one line each with ``count``, the plans the job made in that bucket: a decode
+loop whose KV length grows makes a plan per step, so its steps of one bucket are one line whose
+count says how often they ran, and a sweep's ``--budget`` spends its time by these counts.
+The file is rewritten whole (atomically) at the end of the ``with`` block, or at exit for
+``TUNER_RECORD``; an existing file's problems and counts are kept, so several runs of a job add
+up in one spec. The ``[recorded]`` table says what wrote it (template versions); a sweep
+tunes the problems whatever versions or device recorded them.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -28,50 +34,69 @@ from templates.base import Problem
 from tuner.errors import TunerError
 from tuner.plans import clear_plans
 
-__all__ = ["Recorder", "note", "record", "recording"]
+__all__ = ["RECORDED_BY", "Recorder", "note", "record", "recording"]
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "TUNER_RECORD"
+RECORDED_BY = "tuner.record"
 
 
 class Recorder:
-    """The problems seen while active, with the templates that tune each."""
+    """The buckets of the problems seen while active, with the templates that tune each and
+    how many plans the job made in each."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise TunerError(f"cannot record to {str(self.path)!r}: its folder does not exist",
                              "give a path in an existing folder")
-        self.problems: dict[Problem, set[str]] = {}
+        self.problems: dict[Problem, set[str]] = {}  # bucket representative -> templates
+        self.counts: Counter[Problem] = Counter()  # bucket representative -> plans made
         self.templates: list[str] = []  # in first-seen order
         self._lock = threading.Lock()
         if self.path.is_file():
             self._read_existing()
 
-    def add(self, problem: Problem, templates: Iterable[str]) -> None:
+    def add(self, problem: Problem, templates: Iterable[str], count: int = 1) -> None:
+        bucket = problem.bucketed()
         with self._lock:
-            names = self.problems.setdefault(problem, set())
+            names = self.problems.setdefault(bucket, set())
+            self.counts[bucket] += count
             for name in templates:
                 names.add(name)
                 if name not in self.templates:
                     self.templates.append(name)
+
+    def summary(self) -> str:
+        """How many problems (buckets) the recording holds and how many plans they stand for."""
+        with self._lock:
+            buckets, plans = len(self.problems), sum(self.counts.values())
+        return (f"{buckets} problem(s) to tune (one per shape bucket), from {plans} plan(s) "
+                "the job made")
 
     def spec_text(self) -> str:
         """The recorded problems as a TOML sweep spec."""
         with self._lock:
             problems = sorted(self.problems, key=lambda p: p.key())
             templates = list(self.templates)
-        lines = [f"# Recorded by tuner.record: {len(problems)} problem(s) a job ran. Tune them",
-                 f"# with `tuner sweep {self.path.name}` on the GPU that will run the job.",
+            counts = dict(self.counts)
+        lines = [f"# Recorded by {RECORDED_BY}: {self.summary()}.",
+                 f"# Tune them with `tuner sweep {self.path.name}` on the GPU that will run the "
+                 "job",
+                 "# (`--budget 5m` spends the time by each problem's count x its size).",
                  f"name = {_toml(self.path.stem)}",
                  f"templates = [{', '.join(_toml(t) for t in templates)}]",
                  "shapes = ["]
         for p in problems:
             fields = {"B": p.batch, "H_q": p.heads_q, "H_kv": p.heads_kv, "N_q": p.seqlen_q,
                       "N_kv": p.seqlen_kv, "D": p.head_dim, "dtype": p.dtype,
-                      "causal": p.causal, "mask": p.mask}
+                      "causal": p.causal, "mask": p.mask, "count": counts[p]}
             lines.append("  {" + ", ".join(f"{k} = {_toml(v)}" for k, v in fields.items())
                          + "},")
-        lines.append("]")
+        lines += ["]", "", "[recorded]", f"by = {_toml(RECORDED_BY)}",
+                  "versions = {" + ", ".join(f"{name} = {_toml(version)}"
+                                             for name, version in _versions(templates)) + "}"]
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:
@@ -80,13 +105,28 @@ class Recorder:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(self.spec_text())
         tmp.replace(self.path)  # atomic: a reader never sees half a spec
+        log.info("tuner.record wrote %s: %s", self.path, self.summary())
 
     def _read_existing(self) -> None:
         from tuner.suites import load_spec_file
 
         spec = load_spec_file(self.path)
         for problem in spec.problems:
-            self.add(problem, spec.templates)
+            self.add(problem, spec.templates, spec.counts.get(problem, 1))
+
+
+def _versions(templates: Iterable[str]) -> list[tuple[str, str]]:
+    """The kernel version of each recorded template that this process knows (informational:
+    a sweep tunes the problems with its own kernels)."""
+    from templates.registry import get_template
+
+    found = []
+    for name in templates:
+        try:
+            found.append((name, get_template(name).version()))
+        except (ValueError, OSError):  # unregistered here, or its source is not readable
+            continue
+    return found
 
 
 _ACTIVE: list[Recorder] = []

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import optuna
 
 from db.models import TrialStatus
-from templates.base import Problem, Template
+from templates.base import KernelConfig, Problem, Template
 from templates.registry import get_template
 from tuner.errors import TunerError
 from tuner.runner.outcome import TrialOutcome, TrialRequest
@@ -176,12 +176,14 @@ class ReplayResult:
 
 
 def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | None = None,
-           space: SpaceRestriction | None = None, default_first: bool = True) -> ReplayResult:
+           space: SpaceRestriction | None = None, default_first: bool = True,
+           prior: Sequence[KernelConfig] = ()) -> ReplayResult:
     """Run the search on ``recorded`` as if on the GPU; see the module docstring.
 
     ``space`` narrows the search as the recorded sweep's spec did (its [space] table): a
     grid recorded over a subset must be replayed over the same subset. ``default_first=False``
     leaves out the default and known good configs a sweep measures first: the sampler alone.
+    ``prior``: the transfer prior, measured after the default (``recorded_prior``).
 
     No finalists: the runner answers each config with its first reading (a recording's
     re-measurements are not replayed), so re-measuring would answer it again and change no
@@ -204,7 +206,7 @@ def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | 
                                 sampler=make_sampler(sampler, searched, budget=budget, seed=seed))
     store = MemoryStore()
     search = ProblemSearch(template=template, problem=problem, device=device, study=study,
-                           store=store, runner=runner, space=searched,
+                           store=store, runner=runner, space=searched, prior=prior,
                            settings=SearchSettings(budget=budget, timeout_s=1.0, seed=seed,
                                                    default_first=default_first, finalists=0))
     stats = search.run()
@@ -246,12 +248,38 @@ class SamplerSummary:
 
 def compare_samplers(recorded: RecordedProblem, *, samplers: Sequence[str], budget: int,
                      seeds: Sequence[int], space: SpaceRestriction | None = None,
-                     default_first: bool = True) -> list[SamplerSummary]:
+                     default_first: bool = True,
+                     prior: Sequence[KernelConfig] = ()) -> list[SamplerSummary]:
     return [SamplerSummary(recorded.problem_key, name, budget,
                            [replay(recorded, sampler=name, budget=budget, seed=seed,
-                                   space=space, default_first=default_first)
+                                   space=space, default_first=default_first, prior=prior)
                             for seed in seeds])
             for name in samplers]
+
+
+def recorded_prior(recorded: RecordedProblem,
+                   others: Sequence[RecordedProblem]) -> list[KernelConfig]:
+    """The transfer prior a sweep of ``recorded`` would measure first (``tuner.search.prior``),
+    from the best recorded config of each of ``others`` (the recording's other problems, as
+    if their sweeps had stored them; ``recorded`` itself is left out)."""
+    from tuner.search.prior import StoredBestRow, transfer_prior
+    from tuner.sweep import device_from_dict
+
+    rows = []
+    for other in others:
+        if other.template != recorded.template or other.problem_key == recorded.problem_key:
+            continue
+        ok = [(o.tflops, key) for key, o in other.trials.items()
+              if o.ok and o.tflops and key in other.configs]
+        if ok:
+            tflops, key = max(ok)
+            rows.append(StoredBestRow(other.device.get("key", ""), other.template_version,
+                                      other.problem_key, other.problem, other.configs[key],
+                                      float(tflops)))
+    template = _template(recorded.template)
+    return transfer_prior(template, recorded.template_version,
+                          Problem.from_dict(recorded.problem), device_from_dict(recorded.device),
+                          recorded.device.get("key", ""), rows)
 
 
 def search_space(recorded: RecordedProblem,

@@ -30,7 +30,8 @@ Shape keys: ``B``/``batch``, ``H``, ``H_q``/``heads_q``, ``H_kv``/``heads_kv``, 
 ``N_q``/``seqlen_q``, ``N_kv``/``seqlen_kv``, ``D``/``head_dim``; and, to pin one problem
 instead of crossing the shape with the spec's lists, ``dtype``, ``causal``, ``mask`` (as in
 ``{B = 1, H = 32, N = 8192, D = 128, dtype = "bfloat16", causal = "top_left"}``; what
-``tuner.record`` writes). Problems that fall into one
+``tuner.record`` writes, with ``count``: how many plans the job made in the problem's bucket,
+the weight a ``--budget`` sweep gives it). Problems that fall into one
 shape bucket (``Problem.bucketed``) are tuned once: one stored config serves the bucket.
 ``[space]`` applies to every template of the spec (``tuner.search.space``); its knob names
 and values are checked against each template when the sweep starts.
@@ -46,7 +47,7 @@ import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -67,7 +68,7 @@ __all__ = [
 
 SPEC_KEYS = ("name", "templates", "template", "shapes", "dtypes", "dtype", "causal", "masks",
              "trials", "sampler", "timeout", "finalists", "final_repeats", "head_to_head_rounds",
-             "template_modules", "space")
+             "template_modules", "space", "recorded")
 SHAPE_ALIASES: dict[str, tuple[str, ...]] = {
     "B": ("batch",), "batch": ("batch",),
     "H": ("heads_q", "heads_kv"), "H_q": ("heads_q",), "heads_q": ("heads_q",),
@@ -115,6 +116,10 @@ class SweepSpec:
     # Knob -> allowed values or "default" (the [space] table); empty: every template's whole
     # space.
     space: SpaceRestriction = field(default_factory=dict)
+    # Problem -> how often the job ran it (a recording's ``count``); absent: once.
+    counts: Mapping[Problem, int] = field(default_factory=dict)
+    # The [recorded] table of a tuner.record recording (what wrote it; informational), or None.
+    recorded: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "templates": list(self.templates),
@@ -124,7 +129,9 @@ class SweepSpec:
                 "head_to_head_rounds": self.head_to_head_rounds,
                 "template_modules": list(self.template_modules),
                 "space": {k: v if isinstance(v, str) else list(v)
-                          for k, v in self.space.items()}}
+                          for k, v in self.space.items()},
+                "counts": {p.key(): n for p, n in self.counts.items()},
+                **({"recorded": dict(self.recorded)} if self.recorded is not None else {})}
 
     def import_template_modules(self) -> None:
         for module in self.template_modules:
@@ -179,10 +186,11 @@ def standard_suite() -> SweepSpec:
 def cpu_suite() -> SweepSpec:
     """Tiny shapes the Triton interpreter runs in a minute or two (fp16: the interpreter runs
     bf16 inputs through float32, see default_dtype). Proves the pipeline; its timings are not
-    GPU timings."""
+    GPU timings. torch SDPA is tuned beside flash_fwd, as on a GPU: without its measurement
+    the dispatcher never chooses ours, and `make demo` could not show it choosing."""
     shapes = [{"B": 1, "H": 2, "N": 64, "D": 32}, {"B": 1, "H": 2, "N": 128, "D": 64}]
     return _suite("cpu", shapes, ["float16"], ["none", "top_left"], trials=6,
-                  templates=("flash_fwd",))
+                  templates=("torch_sdpa", "flash_fwd"))
 
 
 BUILTIN_SUITES = {"quick": quick_suite, "standard": standard_suite, "cpu": cpu_suite}
@@ -233,7 +241,31 @@ def load_spec_file(path: Path, *, dtype: str = "bfloat16") -> SweepSpec:
                          f"but holds a {type(data).__name__}", SPEC_FIX)
     data = dict(data)
     data.setdefault("name", path.stem)
-    return spec_from_mapping(data, source=f"spec file {str(path)!r}", dtype=dtype)
+    lines = _shape_lines(text) if path.suffix.lower() == ".toml" else None
+    return spec_from_mapping(data, source=f"spec file {str(path)!r}", dtype=dtype,
+                             shape_lines=lines)
+
+
+def _shape_lines(text: str) -> list[int]:
+    """The line number of each entry of a TOML spec's ``shapes`` array, where every entry
+    starts a line (as tuner.record writes them, and as the docs' examples do), so that an
+    error in a recording of hundreds of lines names the line at fault; [] otherwise."""
+    found: list[int] = []
+    inside = False
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if not inside:
+            inside = stripped.startswith("shapes") and stripped.partition("=")[2].strip() \
+                .startswith("[")
+            rest = stripped.partition("[")[2].strip() if inside else ""
+            if rest.startswith("{"):
+                found.append(number)
+            continue
+        if stripped.startswith("{"):
+            found.append(number)
+        elif stripped.startswith("]"):
+            break
+    return found
 
 
 def spec_from_flags(*, templates: Sequence[str], shapes: Sequence[str], dtypes: Sequence[str],
@@ -271,6 +303,8 @@ def _as_list(value: object, key: str, source: str) -> list[Any]:
 # Keys a shape may carry to pin its own dtype, causal mode or mask instead of the spec's
 # lists (what `tuner.record` writes: each recorded problem exactly, no cross product).
 SHAPE_OVERRIDES = ("dtype", "causal", "mask")
+# How often the job ran the shape's problems (tuner.record's plans per bucket): a weight.
+SHAPE_COUNT = "count"
 
 
 def _shape_fields(shape: object, index: int, source: str
@@ -285,8 +319,15 @@ def _shape_fields(shape: object, index: int, source: str
         if key in SHAPE_OVERRIDES:
             overrides[key] = value
             continue
+        if key == SHAPE_COUNT:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TunerError(f"{source}: shapes[{index}].count must be a positive integer "
+                                 f"(how often the job ran the problem), but got {value!r}",
+                                 "e.g. count = 12, or leave it out (once)")
+            overrides[key] = value
+            continue
         if key not in SHAPE_ALIASES:
-            known = [*SHAPE_ALIASES, *SHAPE_OVERRIDES]
+            known = [*SHAPE_ALIASES, *SHAPE_OVERRIDES, SHAPE_COUNT]
             raise TunerError(f"{source}: shapes[{index}] has an unknown key "
                              f"{_unknown_keys([str(key)], known)}",
                              f"use the keys {', '.join(known)}")
@@ -354,10 +395,28 @@ def _count(data: Mapping[str, Any], key: str, source: str, *, least: int,
     return value
 
 
-def spec_from_mapping(data: Mapping[str, Any], *, source: str,
-                      dtype: str = "bfloat16") -> SweepSpec:
+def spec_from_mapping(data: Mapping[str, Any], *, source: str, dtype: str = "bfloat16",
+                      shape_lines: Sequence[int] | None = None) -> SweepSpec:
     """Validate a spec mapping (``dtype`` where it names no dtypes); every error names the key
-    and the fix."""
+    and the fix, and, given ``shape_lines`` (each shape's line in the file), the line of a
+    shape at fault."""
+    try:
+        return _spec_from_mapping(data, source=source, dtype=dtype)
+    except _ShapeError as exc:
+        line = (f" (line {shape_lines[exc.index]})"
+                if shape_lines and exc.index < len(shape_lines) else "")
+        raise TunerError(f"{exc.error.message}{line}", exc.error.fix) from None
+
+
+class _ShapeError(Exception):
+    """A TunerError about the shape at ``index`` of the spec's list."""
+
+    def __init__(self, index: int, error: TunerError) -> None:
+        super().__init__(error.message)
+        self.index, self.error = index, error
+
+
+def _spec_from_mapping(data: Mapping[str, Any], *, source: str, dtype: str) -> SweepSpec:
     unknown = sorted(set(data) - set(SPEC_KEYS))
     if unknown:
         raise TunerError(f"{source}: unknown key(s) {_unknown_keys(unknown, SPEC_KEYS)}",
@@ -369,8 +428,12 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str,
                          f"but got {templates!r}", "e.g. templates = [\"flash_fwd\"]")
     if "shapes" not in data:
         raise TunerError(f"{source}: no 'shapes'", SPEC_FIX)
-    shapes = [_shape_fields(s, i, source)
-              for i, s in enumerate(_as_list(data["shapes"], "shapes", source))]
+    shapes = []
+    for i, s in enumerate(_as_list(data["shapes"], "shapes", source)):
+        try:
+            shapes.append(_shape_fields(s, i, source))
+        except TunerError as exc:
+            raise _ShapeError(i, exc) from None
     if not shapes:
         raise TunerError(f"{source}: 'shapes' is empty", SPEC_FIX)
     dtypes = _as_list(data.get("dtypes", data.get("dtype", [dtype])), "dtypes", source)
@@ -381,21 +444,31 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str,
                                                          "causal", source)]
     masks = [str(m) for m in _as_list(data.get("masks", ["none"]), "masks", source)]
     problems: list[Problem] = []
-    combos = ((shape, dtype, mode, mask) for shape, pinned in shapes
-              for dtype, mode, mask in itertools.product(
-                  [pinned["dtype"]] if "dtype" in pinned else dtypes,
-                  [_causal_mode(pinned["causal"], source)] if "causal" in pinned else causal,
-                  [str(pinned["mask"])] if "mask" in pinned else masks))
-    for i, (shape, dtype, mode, mask) in enumerate(combos):
-        if dtype not in DTYPES:
-            raise TunerError(f"{source}: dtype {dtype!r} is unknown", f"use {', '.join(DTYPES)}")
+    counts: dict[Problem, int] = {}
+    i = 0
+    for index, (shape, pinned) in enumerate(shapes):
         try:
-            problem = Problem(**shape, dtype=dtype, causal=mode, mask=mask)
-        except ValueError as exc:
-            raise TunerError(f"{source}: problem {i} ({shape}, {dtype}, causal={mode}) is "
-                             f"invalid: {exc}", "fix that shape in the spec") from None
-        if problem not in problems:
-            problems.append(problem)
+            combos = list(itertools.product(
+                [pinned["dtype"]] if "dtype" in pinned else dtypes,
+                [_causal_mode(pinned["causal"], source)] if "causal" in pinned else causal,
+                [str(pinned["mask"])] if "mask" in pinned else masks))
+            for dtype, mode, mask in combos:
+                if dtype not in DTYPES:
+                    raise TunerError(f"{source}: shapes[{index}]: dtype {dtype!r} is unknown",
+                                     f"use {', '.join(DTYPES)}")
+                try:
+                    problem = Problem(**shape, dtype=dtype, causal=mode, mask=mask)
+                except ValueError as exc:
+                    raise TunerError(f"{source}: problem {i} (shapes[{index}]: {shape}, "
+                                     f"{dtype}, causal={mode}) is invalid: {exc}",
+                                     "fix that shape in the spec") from None
+                i += 1
+                if problem not in problems:
+                    problems.append(problem)
+                if SHAPE_COUNT in pinned:
+                    counts[problem] = counts.get(problem, 0) + cast(int, pinned[SHAPE_COUNT])
+        except TunerError as exc:
+            raise _ShapeError(index, exc) from None
     trials = _count(data, "trials", source, least=1, example="trials = 20")
     finalists = _count(data, "finalists", source, least=0,
                        example="finalists = 3 (0: choose the best by its single reading)")
@@ -419,4 +492,15 @@ def spec_from_mapping(data: Mapping[str, Any], *, source: str,
                      finalists=finalists, final_repeats=final_repeats,
                      head_to_head_rounds=head_to_head_rounds,
                      template_modules=tuple(str(m) for m in modules),
-                     space=_space(data.get("space", {}), source))
+                     space=_space(data.get("space", {}), source), counts=counts,
+                     recorded=_recorded(data.get("recorded"), source))
+
+
+def _recorded(value: object, source: str) -> Mapping[str, Any] | None:
+    """The [recorded] table of a recording: what wrote it (informational only)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TunerError(f"{source}: 'recorded' must be a table (tuner.record writes it), but "
+                         f"got {value!r}", "remove it, or re-record the job")
+    return dict(value)

@@ -9,7 +9,16 @@ finishes; running a sweep again resumes it (stored configs are not run again), a
 ``--trials`` extends it. At the end of each problem's search its finalists are measured
 again and the best is chosen by their medians (``tuner.search.loop``, ``db.finalists``).
 When every problem is searched, the bests of the implementations of each problem are measured
-side by side, and priced by those readings from then on (``tuner.head_to_head``).
+side by side, and priced by those readings from then on (``tuner.head_to_head``). Each search
+measures the default config first, then the transfer prior (``tuner.search.prior``).
+
+With a time budget (``SweepOptions.budget_s``, ``--budget 5m``) the problems go heaviest first
+(a recording's count x the problem's size) and share the time by that weight
+(``tuner.search.budget``); each implementation of a problem first measures its first configs
+(a probe), one measured clearly slower than another stops there
+(``tuner.search.contenders``), and the rest are searched within their shares. The budget is
+checked before each measurement; the sweep stops with the best found so far, every
+measurement stored, and its report says so (``budget_spent``).
 
 The caller gets events (``on_event``, always called on the calling thread) to draw
 progress, and a :class:`SweepReport` at the end.
@@ -49,6 +58,8 @@ from tuner.runner.compile_ahead import CompileAhead
 from tuner.runner.isolated import IsolatedRunner
 from tuner.runner.measure import describe_exception
 from tuner.runner.outcome import WorkerRunner
+from tuner.search.budget import SweepBudget, job_cost
+from tuner.search.contenders import beaten_templates
 from tuner.search.loop import (
     DEFAULT_FINAL_REPEATS,
     DEFAULT_FINALISTS,
@@ -57,6 +68,7 @@ from tuner.search.loop import (
     SearchStats,
     TrialEvent,
 )
+from tuner.search.prior import StoredBestRow, stored_bests, transfer_prior
 from tuner.search.samplers import SAMPLERS, make_sampler
 from tuner.search.space import SpaceRestriction, check_restriction, problem_space
 from tuner.search.store import DbStore, StoredRemeasurement, StoredResult, measured_configs
@@ -74,6 +86,7 @@ __all__ = [
     "HeadToHeadStarted",
     "ProblemFailed",
     "ProblemFinished",
+    "ProblemPruned",
     "ProblemReport",
     "ProblemStarted",
     "SweepOptions",
@@ -112,8 +125,18 @@ class SweepOptions:
     # takes more, up to head_to_head_max_rounds (None: DEFAULT_MAX_ROUNDS_FACTOR x as many).
     head_to_head_rounds: int = DEFAULT_HEAD_TO_HEAD_ROUNDS
     head_to_head_max_rounds: int | None = None
+    # A time budget for the whole sweep, in seconds (None: none; tuner.search.budget): spent
+    # on the problems by their counts x sizes, heaviest problem first. With it, each
+    # problem's implementations first measure their first configs (the default, the
+    # transfer prior), and one measured clearly slower than another stops being searched
+    # (tuner.search.contenders), unless prune is False.
+    budget_s: float | None = None
+    prune: bool = True
 
     def __post_init__(self) -> None:
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise TunerError(f"--budget must be a positive duration, but got {self.budget_s:g} "
+                             "s", "e.g. --budget 5m")
         if self.heartbeat_s < 1:
             raise TunerError(f"--heartbeat must be >= 1 s, but got {self.heartbeat_s}",
                              f"e.g. --heartbeat {HEARTBEAT_INTERVAL_S}")
@@ -160,6 +183,7 @@ class Task:
     problem: Problem
     problem_key: str
     space: SpaceRestriction = field(default_factory=dict)
+    count: int = 1  # how often the job ran problems of this bucket (a recording's counts)
 
     @property
     def label(self) -> str:
@@ -205,6 +229,17 @@ class ProblemFinished:
 
 
 @dataclass(frozen=True)
+class ProblemPruned:
+    """The implementation was measured clearly slower than another on this problem and is
+    searched no further (``tuner.search.contenders``); ``stats``: what its probe did."""
+
+    worker: int
+    index: int
+    reason: str
+    stats: SearchStats
+
+
+@dataclass(frozen=True)
 class ProblemFailed:
     """The template's code failed for this problem before any trial; the sweep goes on."""
 
@@ -239,8 +274,8 @@ class _WorkerExit:
     error: BaseException | None
 
 
-Event = (SweepStarted | ProblemStarted | TrialDone | ProblemFinished | ProblemFailed
-         | HeadToHeadStarted | HeadToHeadFinished)
+Event = (SweepStarted | ProblemStarted | TrialDone | ProblemFinished | ProblemPruned
+         | ProblemFailed | HeadToHeadStarted | HeadToHeadFinished)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -272,6 +307,10 @@ class ProblemReport:
     # The current finalists: config, readings (the first, then the re-measurements), median
     finalists: list[dict[str, Any]] = field(default_factory=list)
     skipped: str | None = None
+    count: int = 1  # how often the job ran the problem's bucket (a recording's counts)
+    pruned: str | None = None  # why the search stopped after the probe (clearly slower)
+    budget_spent: bool = False  # its search ended at its share of the --budget
+    reached: bool = True  # False: the --budget was spent before its search started
 
     @property
     def ok(self) -> int:
@@ -308,6 +347,10 @@ class SweepReport:
     wall_s: float
     compile_ahead: int
     head_to_heads: list[HeadToHeadResult] = field(default_factory=list)
+    budget_s: float | None = None
+    # True: the --budget ended the sweep (some searches stopped early or never started);
+    # the best configs found so far are stored, with every measurement.
+    budget_spent: bool = False
 
     @property
     def interpreter(self) -> bool:
@@ -318,7 +361,9 @@ class SweepReport:
                 "device": self.device, "interpreter": self.interpreter,
                 "timings_are_gpu_timings": not self.interpreter, "sampler": self.sampler,
                 "workers": self.workers, "compile_ahead": self.compile_ahead,
-                "wall_s": self.wall_s, "problems": [p.to_dict() for p in self.problems],
+                "wall_s": self.wall_s, "budget_s": self.budget_s,
+                "budget_spent": self.budget_spent,
+                "problems": [p.to_dict() for p in self.problems],
                 "head_to_heads": [h.to_dict() for h in self.head_to_heads]}
 
 
@@ -337,10 +382,14 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
     (where the dispatcher can only pick among what was measured)."""
     spec.import_template_modules()
     templates: list[Template] = []
+    skipped: list[tuple[str, str]] = []
     for name in spec.templates:
         try:
             template = get_template(name)
         except ValueError as exc:
+            if spec.recorded is not None:  # recorded by another release: its problems still
+                skipped.append((name, f"not a template of this release ({exc})"))  # tune
+                continue
             raise TunerError(f"spec {spec.name!r}: {exc}",
                              "use a registered template name (`tuner list templates`)") from None
         try:
@@ -352,18 +401,21 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
                              "spec per template") from None
         templates.append(template)
     tasks: list[Task] = []
-    skipped: list[tuple[str, str]] = []
-    seen: set[tuple[str, str]] = set()
+    index: dict[tuple[str, str], int] = {}
     for problem in spec.problems:
+        count = spec.counts.get(problem, 1)
         for template in templates:
-            task = Task(template, problem, template.problem_key(problem), spec.space)
+            task = Task(template, problem, template.problem_key(problem), spec.space, count)
             why = template.unsupported(problem)
             if why:
                 skipped.append((task.label, why))
                 continue
-            if (template.name, task.problem_key) not in seen:  # one study per shape bucket
-                seen.add((template.name, task.problem_key))
+            at = index.get((template.name, task.problem_key))
+            if at is None:  # one study per shape bucket, counting all of its problems
+                index[(template.name, task.problem_key)] = len(tasks)
                 tasks.append(task)
+            else:
+                tasks[at] = dataclasses.replace(tasks[at], count=tasks[at].count + count)
     if not tasks:
         raise TunerError(f"spec {spec.name!r}: no problem that its templates can run "
                          f"({'; '.join(f'{label}: {why}' for label, why in skipped)})",
@@ -415,6 +467,8 @@ class _Shared:
     events: queue.Queue[Any]
     stop: threading.Event
     make_runner: Callable[..., WorkerRunner]
+    budget: SweepBudget | None = None
+    prior_rows: dict[str, list[StoredBestRow]] = field(default_factory=dict)  # by template
 
 
 def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
@@ -429,6 +483,13 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
     started = time.monotonic()
     emit = on_event or (lambda event: None)
     tasks, skipped = expand_tasks(spec)
+    budget = None
+    if options.budget_s is not None:
+        tasks = heaviest_first(tasks)
+        budget = SweepBudget(options.budget_s, [t.count * job_cost(t.template, t.problem)
+                                                for t in tasks], started=started)
+        budget.reserve_readings = options.head_to_head_rounds * sum(
+            len(templates) for _, templates in _templates_by_problem(tasks))
     gpus = _visible_gpus()
     if gpus and options.workers > len(gpus):
         raise TunerError(f"--workers {options.workers} but {len(gpus)} GPU(s) visible: two "
@@ -452,13 +513,17 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
         compile_ahead=compile_ahead,
         lookahead=max(1, compile_ahead.workers // options.workers) if compile_ahead.workers
         else 0, stale_check_s=grace_s / 2, events=queue.Queue(),
-        stop=stop or threading.Event(), make_runner=make_runner)
+        stop=stop or threading.Event(), make_runner=make_runner, budget=budget,
+        prior_rows={name: stored_bests(db_url, name)
+                    for name in dict.fromkeys(t.template.name for t in tasks)})
     devices: dict[int, dict[str, Any]] = {}
     stats: dict[int, list[SearchStats]] = {i: [] for i in range(len(tasks))}
     failures: dict[int, str] = {}
+    pruned: dict[int, str] = {}
     errors: list[BaseException] = []
     head_to_heads: list[HeadToHeadResult] = []
     status = SweepStatus.FAILED
+    starved = False  # the --budget was spent before anything was measured
     threads = [threading.Thread(target=_work, args=(shared, w), name=f"sweep-worker-{w}",
                                 daemon=True) for w in range(options.workers)]
     try:
@@ -480,16 +545,22 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
                     errors.append(item.error)
                     shared.stop.set()  # one worker's bug stops the sweep; what is stored stays
             else:
-                if isinstance(item, ProblemFinished):
+                if isinstance(item, ProblemFinished | ProblemPruned):
                     stats[item.index].append(item.stats)
+                if isinstance(item, ProblemPruned):
+                    pruned[item.index] = item.reason
                 elif isinstance(item, ProblemFailed):
                     failures[item.index] = item.reason
                 emit(item)
         status = SweepStatus.FAILED if errors else (
             SweepStatus.INTERRUPTED if shared.stop.is_set() else SweepStatus.DONE)
+        starved = budget is not None and budget.spent() and not any(
+            st.measured or st.remeasured for runs in stats.values() for st in runs)
+        if starved and status == SweepStatus.DONE:
+            status = SweepStatus.INTERRUPTED  # nothing measured: no head-to-heads either
         if status == SweepStatus.DONE and options.head_to_head_rounds and devices:
             device = devices.get(0) or next(iter(devices.values()))
-            head_to_heads = _head_to_heads(shared, device, emit)
+            head_to_heads = _head_to_heads(shared, device, emit, set(pruned))
             if shared.stop.is_set():
                 status = SweepStatus.INTERRUPTED
     except KeyboardInterrupt:
@@ -504,6 +575,12 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
         with contextlib.suppress(Exception):
             run_in_transaction(db_url, lambda s: crud.finish_sweep(s, sweep_id=sweep_id,
                                                                    status=status))
+    if not errors and budget is not None and starved:
+        raise TunerError(f"--budget {options.budget_s:g} s was too small for any measurement: "
+                         f"it was spent after {time.monotonic() - started:.1f} s, before the "
+                         "first (the trial worker starts, imports torch and compiles); nothing "
+                         "was measured or stored",
+                         "give a budget of a minute or more (e.g. --budget 5m)")
     if errors:
         error = errors[0]
         if isinstance(error, TunerError):
@@ -516,10 +593,19 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
                                 options.finalists)
     for index, reason in failures.items():
         problems[index].skipped = reason
+    for index, reason in pruned.items():
+        problems[index].pruned = reason
+    for index, task in enumerate(tasks):
+        problems[index].count = task.count
+        problems[index].budget_spent = any(st.budget_spent for st in stats[index])
+        problems[index].reached = bool(stats[index]) or index in failures
+    spent = budget is not None and (budget.spent() or any(
+        p.budget_spent or not p.reached for p in problems[:len(tasks)]))
     return SweepReport(sweep_id=sweep_id, name=spec.name, status=status.value, device=device,
                        sampler=options.sampler, workers=options.workers, problems=problems,
                        wall_s=time.monotonic() - started, compile_ahead=compile_ahead.workers,
-                       head_to_heads=head_to_heads)
+                       head_to_heads=head_to_heads, budget_s=options.budget_s,
+                       budget_spent=spent)
 
 
 def _work(shared: _Shared, worker: int) -> None:
@@ -533,9 +619,8 @@ def _work(shared: _Shared, worker: int) -> None:
         device = runner.device()
         shared.events.put(_WorkerReady(worker, device))
         stores: dict[str, DbStore] = {}
-        for index, task in enumerate(shared.tasks):
-            if shared.stop.is_set():
-                break
+
+        def store_of(task: Task) -> DbStore:
             name = task.template.name
             if name not in stores:
                 stores[name] = DbStore(
@@ -543,7 +628,15 @@ def _work(shared: _Shared, worker: int) -> None:
                     template_version=shared.versions[name],
                     space=task.template.config_cls.json_schema(), sweep_id=shared.sweep_id,
                     worker=f"{_host()}:{os.getpid()}:{worker}")
-            _tune(shared, worker, index, task, device, stores[name], runner)
+            return stores[name]
+
+        if shared.budget is not None:
+            _work_budgeted(shared, worker, device, runner, store_of)
+            return
+        for index, task in enumerate(shared.tasks):
+            if shared.stop.is_set():
+                break
+            _tune(shared, worker, index, task, device, store_of(task), runner)
     except BaseException as exc:  # reported on the main thread
         error = exc
     finally:
@@ -551,9 +644,92 @@ def _work(shared: _Shared, worker: int) -> None:
         shared.events.put(_WorkerExit(worker, error))
 
 
+def _work_budgeted(shared: _Shared, worker: int, device: dict[str, Any],
+                   runner: WorkerRunner, store_of: Callable[[Task], DbStore]) -> None:
+    """The tasks under a --budget, problem by problem (heaviest first): each implementation
+    measures its first configs (a probe, its best re-measured once), those clearly slower
+    than another stop (``tuner.search.contenders``), and the contenders are searched within
+    their share of the time left (``SweepBudget.allot``)."""
+    assert shared.budget is not None
+    budget, info = shared.budget, device_from_dict(device)
+    for indices in _by_problem(shared.tasks):
+        if shared.stop.is_set() or budget.spent():
+            return
+        probes: dict[int, SearchStats] = {}
+        for index in indices:
+            task = shared.tasks[index]
+            stats = _tune(shared, worker, index, task, device, store_of(task), runner,
+                          probe=True)
+            if stats is not None:
+                probes[index] = stats
+        beaten = (beaten_templates(shared.tasks[indices[0]].problem,
+                                   {shared.tasks[i].template.name: _best_readings(
+                                       shared.tasks[i], store_of(shared.tasks[i]))
+                                    for i in probes}, info)
+                  if shared.options.prune and len(probes) > 1 else {})
+        for index in indices:
+            if index not in probes or shared.tasks[index].template.name in beaten:
+                budget.skip(index)  # its share goes to the contenders
+        for index, probe in probes.items():
+            task = shared.tasks[index]
+            if task.template.name in beaten:
+                shared.events.put(ProblemPruned(worker, index, beaten[task.template.name],
+                                                probe))
+                continue
+            stats = _tune(shared, worker, index, task, device, store_of(task), runner,
+                          emit_finished=False)
+            shared.events.put(ProblemFinished(worker, index,
+                                              _merged(probe, stats) if stats else probe))
+
+
+def heaviest_first(tasks: list[Task]) -> list[Task]:
+    """``tasks`` with the problems in order of their share of the job's time (count x cost,
+    summed over the problem's templates), heaviest first; problem-major as before."""
+    weight: dict[Problem, float] = {}
+    for task in tasks:
+        weight[task.problem] = weight.get(task.problem, 0.0) + task.count * job_cost(
+            task.template, task.problem)
+    order = {p: i for i, p in enumerate(sorted(weight, key=lambda p: -weight[p]))}
+    return sorted(tasks, key=lambda t: order[t.problem])  # stable: templates keep their order
+
+
+def _by_problem(tasks: list[Task]) -> list[list[int]]:
+    """Indices of ``tasks`` grouped by problem, in order (tasks are problem-major)."""
+    groups: dict[Problem, list[int]] = {}
+    for index, task in enumerate(tasks):
+        groups.setdefault(task.problem, []).append(index)
+    return list(groups.values())
+
+
+def _best_readings(task: Task, store: DbStore) -> list[float]:
+    """The readings (ms) of ``task``'s best config so far: its first and its re-measurements."""
+    best = store.best(task.problem_key)
+    if best is None:
+        return []
+    key = task.template.config(best.config).key()
+    first = store.find(task.problem_key, key)
+    again = store.remeasurements(task.problem_key).get(key, [])
+    readings = [first.median_ms] if first is not None and first.median_ms else []
+    return readings + [r.median_ms for r in again if r.ok and r.median_ms]
+
+
+def _merged(a: SearchStats, b: SearchStats) -> SearchStats:
+    """Two passes of one worker over one problem as one."""
+    out = dataclasses.replace(b, statuses=a.statuses + b.statuses)
+    for name in ("measured", "reused", "invalid", "deferred", "asks", "wall_s", "bench_s",
+                 "runner_s", "remeasured", "disqualified", "final_s", "measure_s"):
+        setattr(out, name, getattr(a, name) + getattr(b, name))
+    out.budget = max(a.budget, b.budget)
+    out.budget_spent = a.budget_spent or b.budget_spent
+    return out
+
+
 def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str, Any],
-          store: DbStore, runner: WorkerRunner) -> None:
-    """One problem on one worker: join its study, search until its budget is met."""
+          store: DbStore, runner: WorkerRunner, *, probe: bool = False,
+          emit_finished: bool = True) -> SearchStats | None:
+    """One problem on one worker: join its study, search until its budget is met (a probe:
+    only its first configs, its best re-measured once; under a --budget: within its share).
+    Returns what it did (None: set-up failed, reported)."""
     options, template = shared.options, task.template
     version = shared.versions[template.name]
     seed = None if options.seed is None else options.seed * 1000 + index
@@ -562,7 +738,7 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
         space = problem_space(template, task.problem, info, task.space)
     except Exception as exc:
         _setup_failed(shared, worker, index, template, exc)
-        return
+        return None
     study = open_study(
         shared.storage, study_name(device["key"], template.name, version, task.problem_key,
                                    space.tag()),
@@ -570,33 +746,47 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
         {"template": template.name, "template_version": version, "device": device["key"],
          "problem_key": task.problem_key, "problem": task.problem.to_dict(),
          **({} if space.is_full else {"space": space.to_dict()})})
+    timing = shared.budget
     try:
+        prior = transfer_prior(template, version, task.problem, info, device["key"],
+                               shared.prior_rows.get(template.name, []))
+        settings = SearchSettings(
+            budget=options.trials, timeout_s=options.timeout_s, lookahead=shared.lookahead,
+            seed=seed, stale_check_s=shared.stale_check_s, finalists=options.finalists,
+            final_repeats=options.final_repeats,
+            hard_deadline=timing.deadline if timing else None,
+            deadline=timing.allot(index) if timing and not probe else None)
         search = ProblemSearch(
             template=template, problem=task.problem, device=info, study=study, store=store,
-            runner=runner, space=space,
-            settings=SearchSettings(budget=options.trials, timeout_s=options.timeout_s,
-                                    lookahead=shared.lookahead, seed=seed,
-                                    stale_check_s=shared.stale_check_s,
-                                    finalists=options.finalists,
-                                    final_repeats=options.final_repeats),
+            runner=runner, space=space, settings=settings,
             compile_ahead=shared.compile_ahead, heartbeats=shared.heartbeats,
             on_trial=functools.partial(_forward_trial, shared.events, worker, index),
-            stop=shared.stop)
+            stop=shared.stop, prior=prior, on_measure=timing.observe if timing else None)
+        if probe:  # the first configs only; the best of them and the default read twice
+            search.settings = dataclasses.replace(
+                settings, budget=min(options.trials, search.firsts()),
+                finalists=min(options.finalists, 1), final_repeats=1)
         budget = search.effective_budget()
     except Exception as exc:
         _setup_failed(shared, worker, index, template, exc)
-        return
+        return None
     shared.events.put(ProblemStarted(worker, index, budget, search.results()))
-    shared.events.put(ProblemFinished(worker, index, search.run()))
+    stats = search.run()
+    if emit_finished:
+        shared.events.put(ProblemFinished(worker, index, stats))
+    return stats
 
 
-def _head_to_heads(shared: _Shared, device: dict[str, Any],
-                   emit: Callable[[Event], None]) -> list[HeadToHeadResult]:
+def _head_to_heads(shared: _Shared, device: dict[str, Any], emit: Callable[[Event], None],
+                   left_out: set[int] | None = None) -> list[HeadToHeadResult]:
     """After every search: each problem's implementations side by side (``tuner.head_to_head``),
     on this thread, in a trial worker of its own on the first GPU. A head-to-head that fails
     (not a candidate: the step itself) is reported and the next one runs; the bests the sweep
     stored stay as they are."""
-    groups = _templates_by_problem(shared.tasks)
+    # Implementations dropped after their probe (``left_out``, task indices) were measured
+    # clearly slower: the side-by-side rounds go to the contenders.
+    groups = _templates_by_problem([task for i, task in enumerate(shared.tasks)
+                                    if i not in (left_out or set())])
     if not groups:
         return []  # no trial worker started for nothing (a spec of one template)
     options, info = shared.options, device_from_dict(device)
@@ -605,11 +795,18 @@ def _head_to_heads(shared: _Shared, device: dict[str, Any],
     env = {"CUDA_VISIBLE_DEVICES": shared.gpus[0]} if len(shared.gpus) > 1 else {}
     runner = shared.make_runner(name="head-to-head", env=env)
     results: list[HeadToHeadResult] = []
+    max_rounds = options.head_to_head_max_rounds
+    if shared.budget is not None:  # no rounds beyond the asked ones for close calls
+        max_rounds = options.head_to_head_rounds
     try:
         for index, (problem, templates) in enumerate(groups):
             if shared.stop.is_set():
                 break
             label, rounds = problem_label(problem), options.head_to_head_rounds
+            if shared.budget is not None and not _time_for(shared.budget, rounds,
+                                                           len(templates)):
+                log.info("head-to-head of %s left out: the --budget is spent", label)
+                continue
             try:
                 candidates = candidates_for(store, problem, templates, shared.versions, info)
                 if not candidates:
@@ -618,8 +815,7 @@ def _head_to_heads(shared: _Shared, device: dict[str, Any],
                                        rounds))
                 result = run_head_to_head(
                     store, runner, candidates, label=label, problem=problem, device=info,
-                    rounds=rounds,
-                    max_rounds=options.head_to_head_max_rounds, timeout_s=options.timeout_s,
+                    rounds=rounds, max_rounds=max_rounds, timeout_s=options.timeout_s,
                     stop=shared.stop,
                     seed=None if options.seed is None else options.seed * 1000 + index)
             except Exception as exc:
@@ -632,6 +828,13 @@ def _head_to_heads(shared: _Shared, device: dict[str, Any],
     finally:
         runner.close()
     return results
+
+
+def _time_for(budget: SweepBudget, rounds: int, candidates: int) -> bool:
+    """Whether a head-to-head of ``rounds`` x ``candidates`` readings fits in what is left
+    of the budget at the sweep's pace (a head-to-head cut short prices nothing)."""
+    pace = budget.seconds_per_measurement or 0.0
+    return budget.left() >= rounds * candidates * pace
 
 
 def _templates_by_problem(tasks: list[Task]) -> list[tuple[Problem, list[Template]]]:

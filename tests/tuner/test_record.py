@@ -3,6 +3,7 @@ exactly them (issue 18, item 3). Tiny shapes on the interpreter without a GPU.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,7 +54,8 @@ def test_runs_add_up_in_one_spec_and_it_sweeps(tmp_path: Path, device: str) -> N
         tuner.attention(*(torch.randn(1, 2, 24, 16, device=device) for _ in range(3)))
     with tuner.record(path):
         tuner.attention(*(torch.randn(1, 2, 40, 16, device=device) for _ in range(3)))
-    assert sorted(p.seqlen_q for p in load_spec_file(path).problems) == [24, 40]
+    # Recorded by bucket (sequence lengths rounded up to powers of two): what the sweep tunes.
+    assert sorted(p.seqlen_q for p in load_spec_file(path).problems) == [32, 64]
     db = f"sqlite:///{tmp_path / 'tuned.db'}"
     code, out, err = cli("sweep", str(path), "--trials", "1", "--finalists", "0",
                          "--db", db, "--json")
@@ -86,3 +88,104 @@ def test_tuner_record_in_the_environment_writes_at_exit(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     [problem] = load_spec_file(path).problems
     assert (problem.seqlen_q, problem.causal, problem.dtype) == (16, "top_left", "float32")
+
+
+def test_a_decode_loop_is_one_line_per_bucket_with_its_count(tmp_path: Path,
+                                                             device: str) -> None:
+    """Issue 42: every decode step is its own shape (the KV grows), but the sweep tunes
+    buckets; the recording holds one line per bucket and how often the job ran it."""
+    path = tmp_path / "decode.toml"
+    q = torch.randn(1, 2, 1, 16, device=device)
+    with tuner.record(path) as recorder:
+        for length in range(17, 41):  # 24 steps: 17..32 in one bucket, 33..40 in the next
+            kv = torch.randn(1, 2, length, 16, device=device)
+            tuner.attention(q, kv, kv)
+    spec = load_spec_file(path)
+    assert {p.seqlen_kv: spec.counts[p] for p in spec.problems} == {32: 16, 64: 8}
+    assert "2 problem(s) to tune" in recorder.summary()
+    assert "from 24 plan(s)" in recorder.summary()
+    text = path.read_text()
+    assert text.startswith("# Recorded by tuner.record: 2 problem(s) to tune")
+    assert text.count("count = ") == 2
+    # Recording the same job again adds the counts up.
+    with tuner.record(path):
+        kv = torch.randn(1, 2, 20, 16, device=device)
+        tuner.attention(q, kv, kv)
+    spec = load_spec_file(path)
+    assert {p.seqlen_kv: spec.counts[p] for p in spec.problems} == {32: 17, 64: 8}
+
+
+def test_a_malformed_recording_names_the_line_at_fault(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("""name = "bad"
+templates = ["flash_fwd"]
+shapes = [
+  {B = 1, H = 2, N = 32, D = 16, count = 3},
+  {B = 1, H = 2, N = 64, D = 16, count = 0},
+]
+""")
+    with pytest.raises(TunerError, match=r"shapes\[1\]\.count must be a positive integer.*"
+                                         r"\(line 5\)"):
+        load_spec_file(path)
+    path.write_text(path.read_text().replace("count = 0", "dtype = \"int4\""))
+    with pytest.raises(TunerError, match=r"dtype 'int4' is unknown \(line 5\)"):
+        load_spec_file(path)
+    path.write_text(path.read_text().replace("dtype = \"int4\"", "Q = 3"))
+    with pytest.raises(TunerError, match=r"unknown key 'Q'.* \(line 5\)"):
+        load_spec_file(path)
+
+
+def test_a_recording_of_another_release_still_tunes(tmp_path: Path) -> None:
+    """Problems are problems: a recording that names a template this release lacks, with other
+    kernel versions, sweeps the problems with the templates it has (the rest skipped)."""
+    from tuner.sweep import expand_tasks
+
+    path = tmp_path / "old.toml"
+    path.write_text("""name = "old"
+templates = ["flash_fwd", "flash_fwd_v0"]
+shapes = [
+  {B = 1, H_q = 2, H_kv = 2, N_q = 32, N_kv = 32, D = 16, dtype = "float16", count = 4},
+  {B = 1, H = 2, N = 30, D = 16, dtype = "float16", count = 2},
+]
+
+[recorded]
+by = "tuner.record"
+versions = {flash_fwd = "0123456789abcdef", flash_fwd_v0 = "fedcba9876543210"}
+""")
+    spec = load_spec_file(path)
+    assert spec.recorded is not None
+    tasks, skipped = expand_tasks(spec)
+    # N 30 falls in N 32's bucket: one task, the counts of the bucket's problems added up.
+    assert [(t.template.name, t.count) for t in tasks] == [("flash_fwd", 6)]
+    assert [name for name, _ in skipped] == ["flash_fwd_v0"]
+    # Without [recorded], an unknown template is still the spec's error.
+    path.write_text(path.read_text().split("[recorded]")[0])
+    with pytest.raises(TunerError, match="flash_fwd_v0"):
+        expand_tasks(load_spec_file(path))
+
+
+def test_a_recording_sweeps_within_a_budget_and_bad_budgets_are_refused(
+        tmp_path: Path, device: str) -> None:
+    path = tmp_path / "job.toml"
+    q = torch.randn(1, 2, 1, 16, device=device)
+    with tuner.record(path):
+        for length in (20, 24):
+            kv = torch.randn(1, 2, length, 16, device=device)
+            tuner.attention(q, kv, kv)
+    db = f"sqlite:///{tmp_path / 'tuned.db'}"
+    code, out, err = cli("sweep", str(path), "--budget", "10m", "--trials", "1",
+                         "--finalists", "0", "--head-to-head-rounds", "0", "--db", db)
+    assert code == 0, err
+    assert "within the --budget of 600 s" in " ".join(out.split())
+    code, out, err = cli("sweep", str(path), "--budget", "10m", "--trials", "1",
+                         "--finalists", "0", "--head-to-head-rounds", "0", "--db", db,
+                         "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["budget_s"] == 600 and not report["budget_spent"]
+    assert {p["count"] for p in report["problems"] if not p["skipped"]} == {2}
+    code, _, err = cli("sweep", str(path), "--budget", "soon", "--db", db)
+    assert code == 2 and "not a positive duration" in err
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    code, _, err = cli("sweep", str(path), "--budget", "0.001", "--db", fresh)
+    assert code == 2 and "too small for any measurement" in " ".join(err.split())

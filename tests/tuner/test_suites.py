@@ -45,6 +45,8 @@ def test_quick_runs_as_cpu_without_a_gpu_and_standard_is_refused() -> None:
     assert cpu.name == "cpu" and note is not None and "interpreter" in note
     # Tiny fp16 shapes: the interpreter runs bf16 through float32 (suites.default_dtype).
     assert all(p.dtype == "float16" and p.seqlen_q <= 128 and p.batch == 1 for p in cpu.problems)
+    # The implementations that compete, SDPA's beside ours, as on a GPU (make demo).
+    assert cpu.templates == ("torch_sdpa", "flash_fwd")
     with pytest.raises(TunerError, match="needs a CUDA GPU") as err:
         resolve_spec("standard", interpreter=True)
     assert "cpu" in err.value.fix

@@ -30,6 +30,9 @@ def replay(
     spec: Annotated[Path | None, typer.Option(
         "--spec", help="search only the [space] of this sweep spec (the one the recording "
                        "was swept with)", show_default=False)] = None,
+    prior: Annotated[bool, typer.Option(
+        "--prior", help="measure the transfer prior first, as a sweep does: the best "
+                        "recorded configs of the recording's neighbouring problems")] = False,
     db: DbOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -44,6 +47,7 @@ def replay(
         compare_samplers,
         load_recorded_file,
         load_recorded_from_db,
+        recorded_prior,
         search_space,
     )
     from tuner.suites import load_spec_file
@@ -67,8 +71,9 @@ def replay(
     for rec in recorded:
         measured = rec.within(search_space(rec, space)).results
         n = budget or max(1, round(fraction * measured))
-        summaries.extend(compare_samplers(rec, samplers=samplers, budget=n,
-                                          seeds=list(range(seeds)), space=space))
+        summaries.extend(compare_samplers(
+            rec, samplers=samplers, budget=n, seeds=list(range(seeds)), space=space,
+            prior=recorded_prior(rec, recorded) if prior else ()))
     if json_out:
         print_json([s.to_dict() for s in summaries])
         return

@@ -80,6 +80,13 @@ def sweep(
                                           "take (more rounds of those two, until their "
                                           "readings decide; default: twice "
                                           "--head-to-head-rounds)", show_default=False)] = None,
+    budget: Annotated[str | None, typer.Option(
+        "--budget", help="a time budget for the whole sweep (e.g. 5m, 90s, 1h): spent on the "
+                         "problems by their share of the job's time (a recording's counts x "
+                         "each problem's size), heaviest first; implementations measured "
+                         "clearly slower than another stop being searched; stops with the "
+                         "best found so far, every measurement stored", show_default=False)
+    ] = None,
     template: Annotated[list[str] | None, typer.Option(
         "--template", help="with --shape: template(s) to tune (default flash_fwd)")] = None,
     shape: Annotated[list[str] | None, typer.Option(
@@ -103,10 +110,12 @@ def sweep(
     from templates.device import interpreter_active
     from tuner.gpus import gpus_for_sweep
     from tuner.head_to_head import DEFAULT_HEAD_TO_HEAD_ROUNDS
+    from tuner.search.budget import parse_duration
     from tuner.search.loop import DEFAULT_FINAL_REPEATS, DEFAULT_FINALISTS
     from tuner.suites import resolve_spec, spec_from_flags
     from tuner.sweep import SweepOptions, run_sweep
 
+    budget_s = parse_duration(budget) if budget is not None else None
     url = database_url(db)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     interpreter = interpreter_active()
@@ -124,12 +133,12 @@ def sweep(
                          "(`tuner sweep my.toml`) or shapes (`--shape B=8,H=16,N=2048,D=128`)")
     chosen_sampler = sampler or resolved.sampler or "tpe"
     if trials is not None:
-        budget = trials
-    elif chosen_sampler == "grid":
-        budget = WHOLE_SPACE
+        pass
+    elif chosen_sampler == "grid" or budget_s is not None:
+        trials = WHOLE_SPACE  # the time budget, not a count, ends the search
     else:
-        budget = resolved.trials or DEFAULT_TRIALS
-    options = SweepOptions(trials=budget, timeout_s=timeout or resolved.timeout_s or 300.0,
+        trials = resolved.trials or DEFAULT_TRIALS
+    options = SweepOptions(trials=trials, budget_s=budget_s, timeout_s=timeout or resolved.timeout_s or 300.0,
                            sampler=chosen_sampler, workers=workers, seed=seed,
                            compile_ahead=compile_ahead, heartbeat_s=heartbeat,
                            finalists=_first_given(finalists, resolved.finalists,
@@ -202,6 +211,7 @@ class SweepDisplay:
             HeadToHeadStarted,
             ProblemFailed,
             ProblemFinished,
+            ProblemPruned,
             ProblemStarted,
             SweepStarted,
             TrialDone,
@@ -234,6 +244,12 @@ class SweepDisplay:
             self._refresh_overall()
         elif isinstance(event, ProblemFinished):
             self._finish_problem(event)
+        elif isinstance(event, ProblemPruned):
+            task = self._tasks.get(event.index)
+            if task is not None:
+                self.progress.update(task, visible=False)
+            self.progress.console.print(f"  [yellow]stopped[/] {self._labels[event.index]}: "
+                                        f"{event.reason}")
         elif isinstance(event, ProblemFailed):
             self.progress.console.print(f"  [red]skipped[/] {self._labels[event.index]}: "
                                         f"{event.reason}")
@@ -361,6 +377,22 @@ def print_summary(report: Any) -> None:
                       "the end; these medians price them for the dispatcher")
         for result in report.head_to_heads:
             console.print(f"  {head_to_head_line(result)}")
+    if report.budget_s is not None:
+        pruned = [p for p in report.problems if p.pruned]
+        unreached = [p for p in report.problems if not p.reached and not p.skipped]
+        if report.budget_spent:
+            console.print(f"[yellow]the --budget of {report.budget_s:g} s is spent[/]: the best "
+                          f"configs found so far are stored, with every measurement; "
+                          f"{sum(p.budget_spent for p in report.problems)} search(es) stopped "
+                          f"at their share, {len(unreached)} not started (run again with a "
+                          "larger budget to go on)")
+        else:
+            console.print(f"within the --budget of {report.budget_s:g} s "
+                          f"({report.wall_s:.0f} s used)")
+        for p in pruned:
+            console.print(f"  stopped searching {p.label}: {p.pruned}")
+        for p in unreached:
+            console.print(f"  not reached: {p.label}")
     if not measured and not remeasurements:
         console.print("nothing new to measure: every problem already has its budget of "
                       "results (raise --trials to tune further)")

@@ -57,7 +57,7 @@ import time
 import uuid
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -136,6 +136,13 @@ class SearchSettings:
     # too), and how many times each; 0 finalists: off (the best is the fastest single reading).
     finalists: int = DEFAULT_FINALISTS
     final_repeats: int = DEFAULT_FINAL_REPEATS
+    # A sweep's time budget (time.monotonic() instants; tuner.search.budget): past
+    # ``deadline`` the search asks for no new config once the problem has a result (its time
+    # share is spent; the finalists' re-measurements, at this search's pace, are kept within
+    # it); past ``hard_deadline`` (the whole sweep's) nothing new is measured at all. A
+    # measurement started before either runs to its end and is stored.
+    deadline: float | None = None
+    hard_deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -166,6 +173,8 @@ class SearchStats:
     disqualified: int = 0  # of which failed (their configs disqualified)
     final_s: float = 0.0  # seconds spent on them (not in wall_s)
     best: StoredBest | None = None
+    budget_spent: bool = False  # the search ended at its deadline (SearchSettings)
+    measure_s: float = 0.0  # wall seconds of this worker's measurements (the sweep's pace)
 
 
 @dataclass(frozen=True)
@@ -193,7 +202,9 @@ class ProblemSearch:
                  heartbeats: HeartbeatKeeper | None = None,
                  on_trial: Callable[[TrialEvent], None] | None = None,
                  stop: threading.Event | None = None,
-                 space: SearchSpace | None = None) -> None:
+                 space: SearchSpace | None = None,
+                 prior: Sequence[KernelConfig] = (),
+                 on_measure: Callable[[float], None] | None = None) -> None:
         self.template = template
         self.problem = problem
         self.problem_key = template.problem_key(problem)
@@ -207,6 +218,9 @@ class ProblemSearch:
         self.on_trial = on_trial or (lambda event: None)
         self.stop = stop or threading.Event()
         self.stats = SearchStats()
+        # Measured first after the default, before the known good configs (tuner.search.prior)
+        self.prior = tuple(prior)
+        self.on_measure = on_measure or (lambda seconds: None)
         self._rng = random.Random(settings.seed)
         # The study's sampler must draw from the same space (make_sampler(..., space)).
         self.space = space or SearchSpace.full(template.config_cls)
@@ -275,6 +289,11 @@ class ProblemSearch:
                 results = self.results(known)
                 if results >= budget or self._exhausted(known):
                     break
+                if self._past_deadline(results):
+                    self.stats.budget_spent = True
+                    log.info("%s: its share of the sweep's time budget is spent; the best so "
+                             "far stands (%d results)", self.problem_key, results)
+                    break
                 self._fail_stale()
                 in_flight = self._in_flight_elsewhere(known)
                 if not queue and (results + in_flight >= budget
@@ -301,6 +320,30 @@ class ProblemSearch:
             for trial, _ in queue:  # asked ahead, never run: free them for other workers
                 self._tell(trial, None, state=TrialState.FAIL, source="unused")
             self.stats.wall_s += time.monotonic() - start
+
+    def _past_deadline(self, results: int) -> bool:
+        """Whether the sweep's time budget stops the search here (SearchSettings.deadline)."""
+        now = time.monotonic()
+        hard, soft = self.settings.hard_deadline, self.settings.deadline
+        if hard is not None and now >= hard:
+            return True
+        if soft is None or results < 1:
+            return False
+        measured = self.stats.measured + self.stats.remeasured
+        pace = self.stats.measure_s / measured if measured else 0.0
+        finals = (self.settings.final_repeats * (self.settings.finalists + 1)
+                  if self.settings.finalists else 0)
+        return now + pace * finals >= soft
+
+    def firsts(self) -> int:
+        """How many configs the search measures first (the default, the prior, the known
+        good ones) that lie in its space: a probe's budget."""
+        keys = {c.key() for c in self._firsts() if self.space.contains(c.to_dict())}
+        return max(1, len(keys))
+
+    def _firsts(self) -> list[KernelConfig]:
+        return [self._default, *self.prior,
+                *self.template.known_good_configs(self.problem, self.device)]
 
     def _exhausted(self, known: dict[str, Any]) -> bool:
         return self._valid is not None and all(key in known for key in self._valid_keys)
@@ -357,9 +400,8 @@ class ProblemSearch:
         pending = {self._key_of(t.params) for t in self.study.get_trials(
             deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
                                     TrialState.COMPLETE))}
-        firsts = [self._default, *self.template.known_good_configs(self.problem, self.device)]
         seen: set[str] = set()
-        for config in firsts:
+        for config in self._firsts():
             key = config.key()
             if key in known or key in pending or key in seen:
                 continue
@@ -447,6 +489,10 @@ class ProblemSearch:
         results, budget = self.results(), self.stats.budget
         try:
             while not self.stop.is_set():
+                hard = self.settings.hard_deadline
+                if hard is not None and time.monotonic() >= hard:
+                    self.stats.budget_spent = True
+                    break
                 finalist = self._next_finalist()
                 if finalist is None or not self._remeasure(finalist, results, budget):
                     break
@@ -505,9 +551,11 @@ class ProblemSearch:
         (nothing stored, the claim given up)."""
         finalist, claim = picked
         config = self.template.config(finalist.config)
+        started = time.monotonic()
         try:
             with self._claim_renewed(claim):
                 outcome = self.runner.measure(self._request(config), self.settings.timeout_s)
+            self._measured_for(time.monotonic() - started)
         except BaseException:
             self.store.drop_claim(claim)
             raise
@@ -601,9 +649,17 @@ class ProblemSearch:
 
     def _measure(self, config: KernelConfig) -> TrialOutcome:
         request = self._request(config)
+        started = time.monotonic()
         if self.compile_ahead is not None:
             self.compile_ahead.wait(self._compile_key(config), self.settings.timeout_s)
-        return self.runner.measure(request, self.settings.timeout_s)
+        try:
+            return self.runner.measure(request, self.settings.timeout_s)
+        finally:
+            self._measured_for(time.monotonic() - started)
+
+    def _measured_for(self, seconds: float) -> None:
+        self.stats.measure_s += seconds
+        self.on_measure(seconds)
 
     def _request(self, config: KernelConfig) -> TrialRequest:
         return TrialRequest(template=self.template.name,
