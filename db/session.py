@@ -34,6 +34,8 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from db.errors import DatabaseUnavailableError
+
 __all__ = [
     "SQLITE_BEGIN_OPTION",
     "SQLITE_BUSY_TIMEOUT_S",
@@ -65,17 +67,6 @@ _migrate_lock = threading.Lock()
 _engines: dict[str, Engine] = {}
 _sessionmakers: dict[tuple[str, bool], sessionmaker[Session]] = {}
 _migrated: set[str] = set()
-
-
-class DatabaseUnavailableError(RuntimeError):
-    """The database of a URL cannot be used at all: a SQLite file in a folder that does not
-    exist, or a first connection that failed (server down, wrong host, refused login).
-    ``message`` names the URL (never its password) and the reason; ``fix`` what to do."""
-
-    def __init__(self, message: str, fix: str) -> None:
-        super().__init__(f"{message} ({fix})")
-        self.message = message
-        self.fix = fix
 
 
 # ----------------------------------------------------------------------------- engines

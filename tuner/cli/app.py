@@ -14,7 +14,7 @@ import sys
 
 import typer
 
-from db.session import DatabaseUnavailableError
+from db.errors import DatabaseUnavailableError
 from tuner.cli import (
     best,
     compile_check,

@@ -10,6 +10,9 @@ from rich.table import Table
 from tuner.cli.common import (
     DbOption,
     JsonOption,
+    checked_dtype,
+    checked_template,
+    checked_variant,
     config_text,
     console,
     database_url,
@@ -55,7 +58,11 @@ def best(
 
     if limit < 1:
         raise TunerError(f"--limit must be >= 1, but got {limit}", "e.g. --limit 100")
+    dtype, variant = checked_dtype(dtype), checked_variant(variant)
     url = database_url(db)
+    if template is not None:
+        with session_scope(url, write=False) as s:
+            checked_template(template, (t.name for t in crud.list_templates(s)))
     device_filter = None if all_devices else (device or current_device().key)
     problem_keys = None
     asked: dict[str, Problem] = {}  # with --shape: the problem asked, by bucket

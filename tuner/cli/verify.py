@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -22,8 +22,11 @@ from tuner.cli.common import (
 )
 from tuner.errors import TunerError
 from tuner.runner.timing import REP_MS
-from tuner.verify import AUTO, DEFAULT_TOLERANCE, Verified, VerifyOptions, parse_tolerance
+from tuner.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
 from tuner.wire import readings_text
+
+if TYPE_CHECKING:
+    from tuner.verify import Verified
 
 __all__ = ["verify"]
 
