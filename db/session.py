@@ -201,7 +201,8 @@ def init_db(url: str) -> Engine:
             from db.migrate import upgrade_to_head  # alembic is imported only when needed
 
             _check_connection(engine)
-            upgrade_to_head(engine)
+            upgrade_to_head(engine, sqlite_writer=engine.execution_options(
+                **{SQLITE_BEGIN_OPTION: "IMMEDIATE"}))
             _migrated.add(url)
     return engine
 

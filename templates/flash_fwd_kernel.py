@@ -44,6 +44,9 @@ from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
 )
 from templates.listed_blocks import listed_block_step
 
+# log2(e) inside the kernels: a jit function reads a global only as a constexpr.
+LOG2_E_JIT = tl.constexpr(LOG2_E)
+
 try:  # host-side TMA descriptors (triton >= 3.3 with a Hopper-or-newer GPU, or the interpreter)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton
@@ -113,7 +116,7 @@ def _kv_step(
             if ATTN_MASK == 1:
                 visible = visible & (am != 0)
             else:  # additive, in the log2 domain of the scores
-                s = s + am.to(tl.float32) * 1.4426950408889634
+                s = s + am.to(tl.float32) * LOG2_E_JIT
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key so far keeps m = -inf: shift by 0 instead, so that

@@ -184,7 +184,7 @@ def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[
     """With --shape: the implementations compared for the asked problem (``tuner.comparison``)
     on each device and bucket the listed rows are of, at this install's kernel versions."""
     from tuner.comparison import compare_in_database
-    from tuner.lookup import device_info_from_row
+    from tuner.devices import device_info_from_row
     from tuner.settings import get_settings
 
     margin = get_settings().neighbour_margin
