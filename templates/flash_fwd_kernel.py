@@ -124,9 +124,13 @@ def _kv_step(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_shift[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        # Scaled before the row max: max(s) * scale is the max of the scaled scores only for
+        # scale > 0; for a negative scale it is their min, and exp2 overflowed to inf (NaN
+        # out, where SDPA is finite). The multiply and the subtract still fuse into one FMA.
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = m_new
-        p = tl.math.exp2(s * qk_scale - m_shift[:, None])
+        p = tl.math.exp2(s - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]

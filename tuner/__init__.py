@@ -58,6 +58,12 @@ def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'tuner' has no attribute {name!r}")
+    if module != "tuner.client":
+        # All of the entry at once, in the order the eager imports had: tuner.attention
+        # registers the implementations that use_implementation names.
+        for entry in ("templates.block_mask", "tuner.attention", "tuner.decode",
+                      "tuner.dispatch", "tuner.record"):
+            importlib.import_module(entry)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
