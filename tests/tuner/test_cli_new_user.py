@@ -103,3 +103,44 @@ def test_a_template_stored_but_not_registered_here_is_accepted(tmp_path: Path) -
         crud.get_or_create_template(s, name="their_kernel", version="v1", space={})
     code, out, err = cli("best", "--template", "their_kernel", "--db", url, "--json")
     assert (code, json.loads(out)) == (0, []), err
+
+
+@pytest.mark.slow  # 20 s: a sweep in a fresh process under the interpreter
+@pytest.mark.timeout(300)
+def test_sigterm_stops_a_sweep_as_ctrl_c_does(tmp_path: Path) -> None:
+    # Item 5: `kill -TERM` of a sweep exited 143 with no message and left it `running` in
+    # `tuner list sweeps` for good; Ctrl-C marks it interrupted and says how to resume.
+    import signal
+    import time
+
+    from db import crud
+    from db.session import dispose_engine, session_scope
+
+    url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TUNER_")}
+    environ.update(PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "tuner.cli.app", "sweep", "--shape", "B=1,H=2,N=64,D=16",
+         "--trials", "500", "--db", url], env=environ, cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and sweep.poll() is None:
+            time.sleep(1)
+            if (tmp_path / "sweep.db").exists():
+                with session_scope(url, write=False) as s:
+                    if any(crud.trial_counts(s).values()):
+                        break  # a trial is stored: the sweep is well under way
+        assert sweep.poll() is None, sweep.communicate()
+        sweep.send_signal(signal.SIGTERM)
+        out, err = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 143, err
+    assert "interrupted: everything measured so far is stored; run the same command again " \
+           "to resume" in " ".join(err.split())
+    dispose_engine(url)
+    with session_scope(url, write=False) as s:
+        (row,) = crud.list_sweeps(s)
+        assert getattr(row.status, "value", row.status) == "interrupted"

@@ -10,7 +10,10 @@ Other exceptions are bugs and keep their traceback.
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from types import FrameType
 
 import typer
 
@@ -54,10 +57,42 @@ app.add_typer(database.app, name="db")
 app.add_typer(snapshot.app, name="snapshot")
 
 EXIT_USER_ERROR = 2
+EXIT_TERMINATED = 128 + signal.SIGTERM  # the shell's status of a process ended by SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``docker stop``), raised where Ctrl-C raises KeyboardInterrupt:
+    every command winds down as on Ctrl-C (a sweep is marked interrupted and says how to
+    resume, a worker gives its claim back), and the process then exits 143."""
+
+
+_terminated = threading.Event()
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    _terminated.set()
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is not threading.main_thread():
+        _run(args)  # signal handlers belong to the main thread (tests call main on others)
+        return
+    before = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _run(args)
+    except (Terminated, SystemExit):
+        # A command that handled the interruption exits with its own status (130) or click's
+        # "Aborted!" (1); the process was terminated all the same.
+        if _terminated.is_set():
+            sys.exit(EXIT_TERMINATED)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _run(args: list[str]) -> None:
     try:
         logs = load_log_settings()
         if logs.log_level_set:
