@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from tuner.client import TunerClient
     from tuner.decode import decode
     from tuner.dispatch import use_implementation
-    from tuner.record import record, record_from_environment
+    from tuner.record import record, record_from_environment  # noqa: F401
 
 __all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "record",
                        "use_implementation"]

@@ -47,6 +47,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from db.errors import DatabaseUnavailableError
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.demand import UNTUNED
@@ -56,6 +57,7 @@ from tuner.devices import (
     device_info_from_row,
     smem_for_cc,
 )
+from tuner.errors import ServiceError
 from tuner.matching import (
     BestLike,
     CacheKey,
@@ -121,6 +123,7 @@ class ConfigResolver:
         self._versions: dict[str, str] = {}
         self._lock = threading.Lock()
         self._engine: Engine | None = None
+        self._engine_error: DatabaseUnavailableError | None = None
         self._database_down_until = 0.0
         self._service_down_until = 0.0
         self._pool: ThreadPoolExecutor | None = None
@@ -190,6 +193,7 @@ class ConfigResolver:
             self._cache.clear()
             self._versions.clear()
             self._database_down_until = self._service_down_until = 0.0
+            self._engine_error = None
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None
@@ -289,29 +293,44 @@ class ConfigResolver:
             return None
 
     def _local_engine(self) -> Engine | None:
+        """The read-only engine of TUNER_DATABASE_URL; None while a SQLite file does not exist
+        yet (no sweep has run: not an error). A database that cannot be opened at all, a
+        SQLite file in a folder that does not exist or a server whose first connection fails,
+        raises DatabaseUnavailableError at this and every later lookup: a mistyped URL must
+        not pass for "nothing tuned". A database that worked and then fails is retried."""
         if self._engine is not None:
             return self._engine
+        if self._engine_error is not None:
+            raise DatabaseUnavailableError(self._engine_error.message, self._engine_error.fix)
+        try:
+            self._engine = self._open_engine()
+        except DatabaseUnavailableError as exc:
+            self._engine_error = exc
+            raise
+        return self._engine
+
+    def _open_engine(self) -> Engine | None:
         from sqlalchemy import create_engine
         from sqlalchemy.engine import make_url
+
+        from db.session import check_connection, check_sqlite_folder, with_installed_driver
 
         url = make_url(self.settings.database_url)
         if url.get_backend_name() == "sqlite":
             path = url.database
             if not path or path == ":memory:" or path.startswith("file:"):
                 return None
+            check_sqlite_folder(url)
             file = Path(path).expanduser().resolve()
             if not file.is_file():
                 return None
             # Read-only URI: even a bug downstream cannot create or change the file.
-            self._engine = create_engine(f"sqlite:///file:{file}?mode=ro&uri=true")
-        else:
-            from db.session import with_installed_driver
-
-            url = with_installed_driver(url)
-            timeout = max(1, math.ceil(self.settings.lookup_timeout))
-            self._engine = create_engine(url, pool_pre_ping=True,
-                                         connect_args={"connect_timeout": timeout})
-        return self._engine
+            return create_engine(f"sqlite:///file:{file}?mode=ro&uri=true")
+        timeout = max(1, math.ceil(self.settings.lookup_timeout))
+        engine = create_engine(with_installed_driver(url), pool_pre_ping=True,
+                               connect_args={"connect_timeout": timeout})
+        check_connection(engine)
+        return engine
 
     def _from_service(self, template: Template, version: str, problem: Problem,
                       device: DeviceInfo) -> Resolved | None:
@@ -351,12 +370,12 @@ class _NoAnswer(Exception):
 
 def _ask_service(url: str, token: str | None, timeout: float, template: str, version: str,
                  problem: Problem, device_key: str) -> Any:
-    from tuner.client import TunerClient, TunerError
+    from tuner.client import TunerClient
 
     with TunerClient(url, token=token, timeout=timeout, retries=0) as client:
         try:
             return client.best(template, problem, device=device_key, template_version=version)
-        except TunerError as exc:
+        except ServiceError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 raise _NoAnswer(str(exc)) from exc
             raise

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.bundle import Bundle, BundleItem, first_error
+from tuner.errors import ServiceError
 from tuner.matching import Candidate, Match, Resolved, match_with_neighbours, parse_candidates
 from tuner.snapshot import SnapshotError, is_snapshot_id, snapshot_id_of, stored_bundle
 
@@ -202,13 +203,13 @@ def _from_database(snapshot_id: str, local_engine: Callable[[], Engine | None],
 
 def _from_service(snapshot_id: str, url: str, looked: list[str]
                   ) -> tuple[dict[str, Any], str] | None:
-    from tuner.client import TunerClient, TunerError
+    from tuner.client import TunerClient
 
     where = f"service {url}"
     try:
         with TunerClient(url, token="", timeout=LOAD_TIMEOUT_S, retries=LOAD_RETRIES) as client:
             answer = client.snapshot(snapshot_id)
-    except TunerError as exc:
+    except ServiceError as exc:
         looked.append(f"{where} ({'no such snapshot' if exc.status == 404 else exc})")
         return None
     if snapshot_id_of(answer.bundle) != snapshot_id:
