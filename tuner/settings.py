@@ -41,6 +41,8 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
+from tuner.errors import TunerError
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
 # Problems waiting in the demand queue (a worker takes minutes per problem: more than a fleet
@@ -92,12 +94,18 @@ TOKEN_FIX = ("set TUNER_TOKEN to a random secret (e.g. `openssl rand -hex 24`), 
              "serve reads only")
 
 
-class SettingsError(ValueError):
-    """A TUNER_* setting has a value the program cannot use; ``variables`` names them."""
+class SettingsError(TunerError, ValueError):
+    """A TUNER_* setting has a value the program cannot use; ``variables`` names them, and
+    ``fix`` says to correct them. ``str()`` is the message alone (the service shows it)."""
 
     def __init__(self, message: str, variables: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
+        names = ", ".join(variables) or "the TUNER_* variable named"
+        super().__init__(message, f"correct or unset {names} (in the environment or in .env); "
+                                  "README.md lists them")
         self.variables = variables
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class LogSettings(BaseSettings):

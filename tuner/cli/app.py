@@ -1,9 +1,9 @@
 """The ``tuner`` command: assembles the commands and owns the one error path.
 
 Every command raises ``TunerError`` (what is wrong, and the fix) for problems the user can
-fix; ``main`` prints it (as JSON with ``--json``) and exits 2, and so it does with the two
-errors of the layers below that a user fixes too: a bad ``TUNER_*`` setting
-(``SettingsError``) and a database that cannot be opened (``DatabaseUnavailableError``).
+fix, a bad ``TUNER_*`` setting (``SettingsError``) among them; ``main`` prints it (as JSON
+with ``--json``) and exits 2, and so it does with the database layer's error that a user fixes
+too: a database that cannot be opened (``DatabaseUnavailableError``).
 Other exceptions are bugs and keep their traceback.
 """
 
@@ -33,10 +33,10 @@ from tuner.cli import (
     winners,
     worker,
 )
-from tuner.cli.common import err_console, setting_fix
+from tuner.cli.common import err_console
 from tuner.errors import TunerError
 from tuner.logs import configure_logging
-from tuner.settings import SettingsError, load_log_settings
+from tuner.settings import load_log_settings
 
 __all__ = ["app", "main"]
 
@@ -98,9 +98,8 @@ def _run(args: list[str]) -> None:
         if logs.log_level_set:
             configure_logging(logs.log_level)
         app(args=args, prog_name="tuner")
-    except (TunerError, DatabaseUnavailableError, SettingsError) as exc:
-        message = str(exc) if isinstance(exc, SettingsError) else exc.message
-        fix = setting_fix(exc) if isinstance(exc, SettingsError) else exc.fix
+    except (TunerError, DatabaseUnavailableError) as exc:
+        message, fix = exc.message, exc.fix
         if "--json" in args:
             sys.stdout.write(json.dumps({"error": message, "fix": fix}) + "\n")
         else:

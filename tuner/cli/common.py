@@ -32,7 +32,6 @@ __all__ = [
     "gpu_lock_dir",
     "print_json",
     "problem_label",
-    "setting_fix",
     "settings_with",
 ]
 
@@ -72,14 +71,8 @@ def settings_with(db: str | None) -> Settings:
         if "TUNER_DATABASE_URL" in exc.variables:
             fix = "pass --db sqlite:///tuner.db or --db postgresql+psycopg://user@host/db"
         else:
-            fix = setting_fix(exc)
-        raise TunerError(str(exc), fix) from None
-
-
-def setting_fix(exc: SettingsError) -> str:
-    """What to do about TUNER_* variables that hold bad values."""
-    names = ", ".join(exc.variables) or "the TUNER_* variable named"
-    return f"correct or unset {names} (in the environment or in .env); README.md lists them"
+            fix = exc.fix
+        raise TunerError(exc.message, fix) from None
 
 
 def gpu_lock_dir(flag: str | None) -> str | None:
