@@ -199,3 +199,20 @@ def test_no_private_name_is_imported_from_another_module(module: str) -> None:
                 if any(p.startswith("_") and not p.startswith("__")
                        for p in imp.target.split("."))]
     assert not private, "\n".join(private)
+
+
+def test_one_error_hierarchy() -> None:
+    # "One of each fact" (issue 41): there were two TunerError classes (tuner.errors and the
+    # client's). Every error class of the product packages has its own name, and the tuner's
+    # derive from tuner.errors.TunerError (db's, which imports nothing of the tuner's, aside).
+    from tuner.bundle import BundleError
+    from tuner.errors import ServiceError, TunerError
+    from tuner.settings import SettingsError
+    from tuner.snapshot import SnapshotError
+
+    names = [node.name for module, path in MODULES.items()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ClassDef) and node.name.endswith("Error")]
+    assert len(names) == len(set(names)), sorted(names)
+    assert all(issubclass(e, TunerError)
+               for e in (BundleError, ServiceError, SettingsError, SnapshotError))

@@ -70,6 +70,7 @@ from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.devices import smem_for_cc
+from tuner.errors import TunerError
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -104,8 +105,9 @@ RelError = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
 MAX_BUNDLE_ITEMS = 10_000
 
 
-class BundleError(ValueError):
-    """A bundle that cannot be stored; ``index`` is the bad item's (None: the bundle itself)."""
+class BundleError(TunerError, ValueError):
+    """A bundle that cannot be stored; ``index`` is the bad item's (None: the bundle itself).
+    A ValueError too: the service answers it 422."""
 
     def __init__(self, index: int | None, reason: str) -> None:
         self.index = index
