@@ -84,6 +84,8 @@ def gpu_lock_dir(flag: str | None) -> str | None:
 
 def checked_dtype(dtype: str | None) -> str | None:
     """``--dtype`` as given, if it names a dtype; a typo is an error, not an empty answer."""
+    # The templates (torch, triton: 3-4 s) are imported by the commands that use them, when
+    # they run: every command's --help and start-up paid them (issue 41, item 1).
     from templates.base import DTYPES
 
     if dtype is None or dtype in DTYPES:
