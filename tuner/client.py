@@ -28,7 +28,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from templates.base import Problem
 from templates.device import DeviceInfo
-from tuner.errors import ServiceError
+from tuner.errors import ServiceError, TunerError
 from tuner.wire import (
     BestOut,
     ConfigPage,
@@ -48,7 +48,9 @@ from tuner.wire import (
     WinnersOut,
 )
 
-__all__ = ["ServiceError", "TunerClient"]
+# TunerError too: `except TunerError` written against this module before ServiceError still
+# catches the service's errors (each ServiceError is one).
+__all__ = ["ServiceError", "TunerClient", "TunerError"]
 
 M = TypeVar("M")
 _RETRY_STATUS = frozenset({429, 502, 503, 504})
