@@ -56,6 +56,17 @@ def test_help_imports_no_heavy_library(args: list[str]) -> None:
     assert result == {"code": 0, "heavy": []}, err
 
 
+@pytest.mark.parametrize("args", [
+    ["sweep"], ["sweep", "quick", "--shape", "B=1,H=1,N=16,D=16"], ["best", "--limit", "0"],
+    ["verify", "--causal", "top_left"], ["list", "nothing"], ["no-such-command"]])
+def test_an_error_of_the_flags_alone_imports_no_torch(args: list[str]) -> None:
+    # Item 1: "error paths too". Errors that need the kernels (a typo in --dtype, checked
+    # against the registered templates) come when the command has imported them.
+    result, err = run_cli(*args)
+    assert result["code"] == 2, err
+    assert not {"torch", "triton", "optuna"} & set(result["heavy"]), err  # type: ignore[arg-type]
+
+
 def test_a_list_variable_that_is_not_json_is_an_error_with_a_fix() -> None:
     # Item 3: TUNER_TEMPLATE_MODULES=notjson printed a 179-line traceback, rc 1.
     result, err = run_cli("list", "templates", TUNER_TEMPLATE_MODULES="notjson")

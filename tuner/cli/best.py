@@ -51,13 +51,15 @@ def best(
     json_out: JsonOption = False,
 ) -> None:
     """Print the stored best configs: with no filter, every one of this device."""
+    if limit < 1:
+        raise TunerError(f"--limit must be >= 1, but got {limit}", "e.g. --limit 100")
+    # After the check of the flags alone (its error comes in 0.7 s): these import torch and the
+    # kernels, 3-4 s (python -X importtime; issue 41, item 1).
     from db import crud
     from db.session import session_scope
     from templates import all_templates, current_device
     from templates.base import DTYPES
 
-    if limit < 1:
-        raise TunerError(f"--limit must be >= 1, but got {limit}", "e.g. --limit 100")
     dtype, variant = checked_dtype(dtype), checked_variant(variant)
     url = database_url(db)
     if template is not None:
