@@ -1,6 +1,7 @@
-# Two entry points for a fresh clone (see README):
-#   make demo   install, tune the built-in `quick` suite into ./tuner.db, print the best configs
-#   make test   install, run the test suite (what .ci/run calls)
+# Entry points for a fresh clone (see README):
+#   make demo       install, tune the built-in `quick` suite into ./tuner.db, print the best configs
+#   make test       install, run the test suite but its slow groups (minutes on 2 cores)
+#   make test-all   install, run every test, the slow groups too (what .ci/run calls)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +9,11 @@ PY     := $(VENV)/bin/python
 # a GPU host keeps its own torch (set TORCH_SPEC= to skip).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint gpu-check clean
+# The tests marked `slow` (pyproject.toml: kernels under the Triton interpreter, sweeps in
+# fresh processes, the schema fuzzer): `make test` leaves them out, `make test-all` runs them.
+FAST_TESTS ?= -m "not slow"
+
+.PHONY: install demo test test-all lint gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +32,9 @@ demo: install
 	$(PY) benchmarks/demo_choice.py quick --db sqlite:///tuner.db
 
 test: install
+	$(PY) -m pytest -q $(FAST_TESTS)
+
+test-all: install
 	$(PY) -m pytest -q
 
 gpu-check:  # on a CUDA host; see scripts/gpu_check.sh for --tests-only, --group, --workers

@@ -37,6 +37,7 @@ from db.models import (
 
 __all__ = [
     "best_candidates",
+    "dialect_insert",
     "best_fingerprint",
     "best_for",
     "best_readings",
@@ -95,7 +96,7 @@ _KEYS_CHUNK = 500
 
 
 # ----------------------------------------------------------------------------- upserts
-def _insert(s: Session, model: type[Any]) -> Any:
+def dialect_insert(s: Session, model: type[Any]) -> Any:
     """The dialect's INSERT, the one that knows ON CONFLICT."""
     dialect = s.get_bind().dialect.name
     if dialect == "postgresql":
@@ -107,7 +108,8 @@ def _insert(s: Session, model: type[Any]) -> Any:
 
 def _insert_if_absent(s: Session, model: type[Any], values: Mapping[str, object],
                       key: tuple[str, ...]) -> None:
-    stmt = _insert(s, model).values(**values).on_conflict_do_nothing(index_elements=list(key))
+    stmt = dialect_insert(s, model).values(**values).on_conflict_do_nothing(
+        index_elements=list(key))
     s.execute(stmt)
 
 
@@ -272,7 +274,7 @@ def insert_new_trials(s: Session, *, rows: Sequence[Mapping[str, Any]]
         values.append({**{f: row[f] for f in _NEW_TRIAL_FIELDS},
                        "status": TrialStatus(row["status"]), "reason": row.get("reason", ""),
                        "created_at": now})
-    stmt = (_insert(s, Trial)
+    stmt = (dialect_insert(s, Trial)
             .on_conflict_do_nothing(index_elements=["device_id", "template_id", "problem_key",
                                                     "config_key"])
             .returning(Trial.id, Trial.device_id, Trial.template_id, Trial.problem_key,
@@ -330,7 +332,7 @@ def insert_remeasurements(s: Session, *, rows: Sequence[Mapping[str, Any]]) -> i
     values = [{"trial_id": row["trial_id"], "status": TrialStatus(row["status"]),
                "created_at": now, **{f: row.get(f, defaults.get(f)) for f in fields}}
               for row in rows]
-    s.connection().execute(_insert(s, Remeasurement), values)  # Core executemany
+    s.connection().execute(dialect_insert(s, Remeasurement), values)  # Core executemany
     return len(values)
 
 
@@ -561,7 +563,7 @@ def refresh_bests(s: Session, *, device_id: int, template_id: int,
     if upserts:
         # One statement for every row (Core executemany; the ORM ran it row by row): building
         # one statement per row cost ~2 ms each.
-        stmt = _insert(s, BestConfig)
+        stmt = dialect_insert(s, BestConfig)
         s.connection().execute(stmt.on_conflict_do_update(
             index_elements=["device_id", "template_id", "problem_key"],
             set_={f: stmt.excluded[f] for f in (*_BEST_FIELDS, "updated_at")}), upserts)
@@ -815,7 +817,7 @@ def create_snapshot(s: Session, *, snapshot_id: str, content: str, items: int
     existing = s.get(Snapshot, snapshot_id)
     if existing is not None:
         return existing, False
-    result = s.execute(_insert(s, Snapshot).values(
+    result = s.execute(dialect_insert(s, Snapshot).values(
         id=snapshot_id, content=content, items=items, created_at=utcnow())
         .on_conflict_do_nothing(index_elements=["id"]))
     row = s.get(Snapshot, snapshot_id)

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, and_, false, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from db.crud import _insert
+from db.crud import dialect_insert
 from db.models import Demand, DemandStatus, utcnow
 
 __all__ = [
@@ -95,7 +95,7 @@ def add_demand(s: Session, *, counts: Sequence[DemandCount], now: datetime | Non
              "problem": c.problem, "reports": c.reports, "status": DemandStatus.OPEN.value,
              "worker": "", "attempts": 0, "note": "", "first_seen": now, "last_seen": now}
             for c in sorted(counts, key=lambda c: c.bucket)]
-    stmt = _insert(s, Demand)
+    stmt = dialect_insert(s, Demand)
     stmt = stmt.on_conflict_do_update(
         index_elements=["device_key", "template", "template_version", "problem_key"],
         set_={"reports": Demand.reports + stmt.excluded.reports,

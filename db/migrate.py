@@ -25,7 +25,6 @@ from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.exc import OperationalError
 
 from db.models import Base
-from db.session import SQLITE_BEGIN_OPTION
 
 __all__ = [
     "MIGRATIONS_DIR",
@@ -75,7 +74,12 @@ def include_object(obj: Any, name: str | None, type_: str, reflected: bool,
     return True
 
 
-def upgrade_to_head(engine: Engine) -> None:
+def upgrade_to_head(engine: Engine, *, sqlite_writer: Engine | None = None) -> None:
+    """Migrate ``engine``'s database to the newest revision under the database's lock.
+
+    ``sqlite_writer``: ``engine`` set to begin its transactions with SQLite's write lock
+    (``db.session`` makes it, with BEGIN IMMEDIATE); the migration holds that lock.
+    """
     head = head_revision()
     with engine.connect() as connection:
         at = current_revision(connection)
@@ -85,7 +89,7 @@ def upgrade_to_head(engine: Engine) -> None:
     if engine.dialect.name == "postgresql":
         _upgrade_postgresql(engine)
     elif engine.dialect.name == "sqlite":
-        _upgrade_sqlite(engine)
+        _upgrade_sqlite(sqlite_writer or engine)
     else:
         raise ValueError(f"database backend must be sqlite or postgresql, "
                          f"but got {engine.dialect.name!r}")
@@ -121,10 +125,9 @@ def _upgrade_postgresql(engine: Engine) -> None:
             connection.commit()
 
 
-def _upgrade_sqlite(engine: Engine) -> None:
-    # The "begin" hook of db.session turns this into BEGIN IMMEDIATE: whoever holds the write
-    # lock migrates; the others wait on the busy timeout and then find the schema at head.
-    immediate = engine.execution_options(**{SQLITE_BEGIN_OPTION: "IMMEDIATE"})
+def _upgrade_sqlite(immediate: Engine) -> None:
+    # Each transaction of ``immediate`` begins with the write lock (BEGIN IMMEDIATE): whoever
+    # holds it migrates; the others wait on the busy timeout and then find the schema at head.
     for attempt in range(_SQLITE_LOCK_ATTEMPTS):
         try:
             with immediate.connect() as connection, connection.begin():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,10 +35,14 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from db.errors import DatabaseUnavailableError
+
 __all__ = [
     "SQLITE_BEGIN_OPTION",
     "SQLITE_BUSY_TIMEOUT_S",
     "DatabaseUnavailableError",
+    "check_connection",
+    "check_sqlite_folder",
     "dispose_engine",
     "get_sessionmaker",
     "init_db",
@@ -65,17 +70,6 @@ _migrate_lock = threading.Lock()
 _engines: dict[str, Engine] = {}
 _sessionmakers: dict[tuple[str, bool], sessionmaker[Session]] = {}
 _migrated: set[str] = set()
-
-
-class DatabaseUnavailableError(RuntimeError):
-    """The database of a URL cannot be used at all: a SQLite file in a folder that does not
-    exist, or a first connection that failed (server down, wrong host, refused login).
-    ``message`` names the URL (never its password) and the reason; ``fix`` what to do."""
-
-    def __init__(self, message: str, fix: str) -> None:
-        super().__init__(f"{message} ({fix})")
-        self.message = message
-        self.fix = fix
 
 
 # ----------------------------------------------------------------------------- engines
@@ -106,7 +100,7 @@ def _create_engine(url: str) -> Engine:
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        _check_sqlite_folder(parsed)
+        check_sqlite_folder(parsed)
         engine = create_engine(parsed, pool_pre_ping=True,
                                connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
         event.listen(engine, "connect", _on_sqlite_connect)
@@ -118,7 +112,7 @@ def _create_engine(url: str) -> Engine:
                      f"in {parsed.render_as_string(hide_password=True)}")
 
 
-def _check_sqlite_folder(url: URL) -> None:
+def check_sqlite_folder(url: URL) -> None:
     database = url.database or ""
     if not database or database == ":memory:" or database.startswith("file:"):
         return
@@ -130,7 +124,7 @@ def _check_sqlite_folder(url: URL) -> None:
             "folder (--db, or TUNER_DATABASE_URL)")
 
 
-def _check_connection(engine: Engine) -> None:
+def check_connection(engine: Engine) -> None:
     """Open one connection, so that a database that cannot be reached says so by name (the
     driver's own error is a long traceback deep inside the first query)."""
     try:
@@ -139,13 +133,31 @@ def _check_connection(engine: Engine) -> None:
         shown = engine.url.render_as_string(hide_password=True)
         reason = " ".join(str(exc.orig).split())
         if engine.dialect.name == "postgresql":
-            fix = ("start the PostgreSQL server, or name one that runs (--db, or "
-                   "TUNER_DATABASE_URL: postgresql+psycopg://user@host:port/database)")
+            fix = _postgresql_fix(getattr(exc.orig, "sqlstate", None), reason,
+                                  engine.url.database)
         else:
             fix = ("check that the file can be created and written there (permissions, free "
                    "space), or name another file (--db, or TUNER_DATABASE_URL)")
         raise DatabaseUnavailableError(f"cannot open the database {shown}: {reason}",
                                        fix) from exc
+
+
+# SQLSTATEs of a server that answered but refused the connection (PostgreSQL's errcodes).
+_NO_SUCH_DATABASE = "3D000"  # invalid_catalog_name
+_LOGIN_REFUSED = ("28000", "28P01")  # invalid_authorization_specification, invalid_password
+
+
+def _postgresql_fix(sqlstate: str | None, reason: str, database: str | None) -> str:
+    """What to do about a first connection the PostgreSQL server (or its absence) refused."""
+    where = "(--db, or TUNER_DATABASE_URL: postgresql+psycopg://user@host:port/database)"
+    # psycopg gives a refused connection no SQLSTATE: the server's message tells them apart.
+    if sqlstate == _NO_SUCH_DATABASE or re.search(r'database "[^"]*" does not exist', reason):
+        return (f"the server runs but has no database {database!r}: create it (createdb "
+                f"{database}, or CREATE DATABASE {database};), or name one it has {where}")
+    if sqlstate in _LOGIN_REFUSED or re.search(r'role "[^"]*" does not exist|authentication '
+                                               r"failed|no pg_hba.conf entry", reason):
+        return f"the server runs but refused the login: check the user and password {where}"
+    return f"start the PostgreSQL server, or name one that runs {where}"
 
 
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -207,10 +219,13 @@ def init_db(url: str) -> Engine:
         return engine
     with _migrate_lock:
         if url not in _migrated:
-            from db.migrate import upgrade_to_head  # alembic is imported only when needed
+            # Imported here: alembic costs 0.2 s (python -X importtime, 2-core CPU machine),
+            # and a process that reads a migrated database never needs it.
+            from db.migrate import upgrade_to_head
 
-            _check_connection(engine)
-            upgrade_to_head(engine)
+            check_connection(engine)
+            upgrade_to_head(engine, sqlite_writer=engine.execution_options(
+                **{SQLITE_BEGIN_OPTION: "IMMEDIATE"}))
             _migrated.add(url)
     return engine
 

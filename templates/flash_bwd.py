@@ -208,8 +208,8 @@ class FlashBwdTemplate(Template):
         scale = 1.0 / math.sqrt(problem.head_dim)
         block_mask = None
         if problem.mask != "none":
-            from templates.flash_fwd import _pattern_mask  # cached per problem and device
-            block_mask = _pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
+            from templates.flash_fwd import pattern_mask  # cached per problem and device
+            block_mask = pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
                                        str(device))
         o, lse = forward_for_backward(q, k, v, causal=problem.causal, scale=scale,
                                       block_mask=block_mask)

@@ -46,6 +46,9 @@ from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
 )
 from templates.listed_blocks import listed_block_step
 
+# log2(e) inside the kernels: a jit function reads a global only as a constexpr.
+LOG2_E_JIT = tl.constexpr(LOG2_E)
+
 DQ_MODES = ("atomic", "separate")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -113,7 +116,7 @@ def _dkdv_step(
         am = tl.load(am_base + offs_m[None, :] * stride_amm + offs_n[:, None] * stride_amn,
                      mask=(offs_m[None, :] < N_Q) & (offs_n[:, None] < N_KV), other=0)
         if ATTN_MASK == 2:  # additive, in the log2 domain of the scores
-            s_t = s_t + am.to(tl.float32) * 1.4426950408889634
+            s_t = s_t + am.to(tl.float32) * LOG2_E_JIT
     s_t = s_t - lse2[None, :]
     if MASKED or TILE or ATTN_MASK == 1:
         # Masked before exp2: a hidden score may exceed the row's lse and overflow.
@@ -337,7 +340,7 @@ def _dq_step(
         am = tl.load(am_base + offs_m[:, None] * stride_amm + offs_n[None, :] * stride_amn,
                      mask=(offs_m[:, None] < N_Q) & (offs_n[None, :] < N_KV), other=0)
         if ATTN_MASK == 2:
-            s = s + am.to(tl.float32) * 1.4426950408889634
+            s = s + am.to(tl.float32) * LOG2_E_JIT
     s = s - lse2[:, None]
     if MASKED or TILE or ATTN_MASK == 1:
         visible = (offs_n[None, :] < N_KV) & (offs_m[:, None] >= 0)  # (BLOCK_M, BLOCK_N)
@@ -522,7 +525,7 @@ def _flash_bwd_preprocess_kernel(
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=row_ok,
                   other=0.0)
     # A row that saw no key has lse = -inf; +inf makes its P = exp2(s - inf) = 0, not NaN.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E_JIT)
     row0 = bh.to(tl.int64) * N_Q
     tl.store(DELTA + row0 + offs_m, delta, mask=row_ok)
     tl.store(LSE2 + row0 + offs_m, lse2, mask=row_ok)

@@ -19,12 +19,12 @@ import triton
 import triton.language as tl
 
 from templates.direct_launch import DirectLaunch, alignment_key, current_stream
+from templates.kernel_common import LOG2_E
 from templates.plan_cache import PlanCache
 
 MAX_QUERY_TOKENS = 16  # beyond a few tokens a prefill kernel tiles the queries better
 MAX_HEAD_DIM = 256
 MAX_ROWS_PER_TILE = 64  # GQA heads x tokens per program before the group is split
-LOG2E = 1.4426950408889634
 # Partial-output elements the combine kernel loads per step: 32 per thread of 4 warps. The
 # fused combine keeps to the same 32 per thread, whatever its warps.
 COMBINE_TILE_ELEMS = 4096
@@ -603,7 +603,7 @@ def decode_launches(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
     arrivals = scratch(torch.int32, (max(plan.arrivals_needed, 1024),)) if plan.fused else None
     split_args, combine_args = launch_args(
         plan, q, k_cache, v_cache, cache_seqlens, block_table, scratch(q.dtype, plan.out_shape),
-        scratch(torch.float32, plan.out_shape[:3]), parts, arrivals, plan.default_scale * LOG2E)
+        scratch(torch.float32, plan.out_shape[:3]), parts, arrivals, plan.default_scale * LOG2_E)
     launches = [(plan.split.kernel, plan.split.grid, split_args,
                  {**plan.split.constexprs, **plan.split.options})]
     if plan.combine is not None:
@@ -716,7 +716,7 @@ def _run_plan(plan: DecodeLaunchPlan, q: torch.Tensor, k_cache: torch.Tensor,
         plan, q, k_cache, v_cache, cache_seqlens, block_table, o, lse,
         None if plan.part_shape is None else (o_part, lse_part),
         arrival_counters(q.device, plan.arrivals_needed, stream) if plan.fused else None,
-        (plan.default_scale if scale is None else float(scale)) * LOG2E)
+        (plan.default_scale if scale is None else float(scale)) * LOG2_E)
     plan.split.launch_on(stream, *split_args)
     if plan.combine is not None:
         plan.combine.launch_on(stream, *combine_args)

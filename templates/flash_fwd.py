@@ -242,7 +242,7 @@ class FlashFwdTemplate(Template):
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
         inputs = random_inputs(problem, device, seed)
         if problem.mask != "none":
-            inputs["block_mask"] = _pattern_mask(problem.mask, problem.seqlen_q,
+            inputs["block_mask"] = pattern_mask(problem.mask, problem.seqlen_q,
                                                  problem.seqlen_kv, str(device))
         return inputs
 
@@ -589,7 +589,7 @@ def check_block_mask(block_mask: BlockMask, q: torch.Tensor, k: torch.Tensor) ->
 
 
 @functools.lru_cache(maxsize=16)
-def _pattern_mask(pattern: str, seqlen_q: int, seqlen_kv: int, device: str) -> BlockMask:
+def pattern_mask(pattern: str, seqlen_q: int, seqlen_kv: int, device: str) -> BlockMask:
     """Sweep problems name their mask; built once per problem and device (a 16k x 16k one
     takes seconds on a CPU), so every trial times the same pattern."""
     return pattern_block_mask(pattern, seqlen_q, seqlen_kv, device=device)

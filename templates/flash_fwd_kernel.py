@@ -44,6 +44,9 @@ from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
 )
 from templates.listed_blocks import listed_block_step
 
+# log2(e) inside the kernels: a jit function reads a global only as a constexpr.
+LOG2_E_JIT = tl.constexpr(LOG2_E)
+
 try:  # host-side TMA descriptors (triton >= 3.3 with a Hopper-or-newer GPU, or the interpreter)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton
@@ -113,7 +116,7 @@ def _kv_step(
             if ATTN_MASK == 1:
                 visible = visible & (am != 0)
             else:  # additive, in the log2 domain of the scores
-                s = s + am.to(tl.float32) * 1.4426950408889634
+                s = s + am.to(tl.float32) * LOG2_E_JIT
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key so far keeps m = -inf: shift by 0 instead, so that
@@ -121,9 +124,13 @@ def _kv_step(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_shift[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        # Scaled before the row max: max(s) * scale is the max of the scaled scores only for
+        # scale > 0; for a negative scale it is their min, and exp2 overflowed to inf (NaN
+        # out, where SDPA is finite). The multiply and the subtract still fuse into one FMA.
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = m_new
-        p = tl.math.exp2(s * qk_scale - m_shift[:, None])
+        p = tl.math.exp2(s - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]

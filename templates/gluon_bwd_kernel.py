@@ -65,14 +65,18 @@ from templates.gluon_common import (  # noqa: F401  re-exported for the template
     CAUSAL_MODES,
     LOG2_E,
     SUPPORTED_DTYPES,
-    _descriptor,
-    _host_smem_layout,
-    _tma_load,
-    _tma_store,
-    _warps_barrier,
+    host_smem_layout,
+    tma_descriptor,
     tma_layout_problem,
+    tma_load,
     tma_ready,
+    tma_store,
+    warps_barrier,
 )
+from templates.kernel_common import normalize_causal
+
+# log2(e) inside the kernels: a jit function reads a global only as a constexpr.
+LOG2_E_JIT = tl.constexpr(LOG2_E)
 
 HEAD_DIMS = (64, 128)
 # Preprocess rows per program (times D <= 128: 8192 elements per operand, in registers).
@@ -118,7 +122,7 @@ def _gluon_bwd_preprocess_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows * stride_lm, mask=row_ok,
                   other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E_JIT)
     lse2 = tl.where(row_ok, lse2, float("inf"))
     out = bh.to(tl.int64) * N_Q_PAD + rows
     tl.store(DELTA + out, delta, mask=rows < N_Q_PAD)
@@ -171,10 +175,10 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
     row0 = (b * H_Q + h) * N_Q_PAD + m0
     mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                     + 2 * lse_desc.block_type.nbytes, pred=pred)
-    _tma_load(q_desc, [b, h, m0, 0], ready.index(slot), q_bufs.index(slot), pred=pred)
-    _tma_load(do_desc, [b, h, m0, 0], ready.index(slot), do_bufs.index(slot), pred=pred)
-    _tma_load(lse_desc, [row0], ready.index(slot), lse_bufs.index(slot), pred=pred)
-    _tma_load(delta_desc, [row0], ready.index(slot), delta_bufs.index(slot), pred=pred)
+    tma_load(q_desc, [b, h, m0, 0], ready.index(slot), q_bufs.index(slot), pred=pred)
+    tma_load(do_desc, [b, h, m0, 0], ready.index(slot), do_bufs.index(slot), pred=pred)
+    tma_load(lse_desc, [row0], ready.index(slot), lse_bufs.index(slot), pred=pred)
+    tma_load(delta_desc, [row0], ready.index(slot), delta_bufs.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -240,17 +244,13 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
         if (DEBUG & 2) == 0:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         return dk, dv
-    # dQ = dS K needs dS with queries along rows: dS^T is transposed in registers by the
-    # compiler (through its own scratch) into the A operand. Staging dS^T in a buffer of ours
-    # and reading it as a shared-memory A (transposed, or stored untransposed) crashed on the
-    # H100 with an illegal address (notes/gluon_notes.md, "Third GPU run").
-    # dS^T through shared memory: each warpgroup stores its keys' rows, and the dQ GEMM
+    # dQ = dS K needs dS with queries along rows. dS^T through shared memory: each warpgroup stores its keys' rows, and the dQ GEMM
     # reads the whole tile transposed (an MN-major A), as Triton's own compiler stages a
     # transposed dot operand. (A transpose in registers, the compiler's round trip through
     # its scratch, measured 1-5% slower on the H200.)
     ds_smem.store(ds_t)
     fence_async_shared()
-    _warps_barrier()
+    warps_barrier()
     dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
                            gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                            use_acc=False, is_async=True)
@@ -258,11 +258,11 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     if DEFER_DQ:
         # Every warp has read the previous tile out of dq_smem before it is overwritten;
         # the barrier before the ring's refill then publishes this one to the next step.
-        _warps_barrier()
+        warps_barrier()
         dq_smem.store(dq)
     else:
         dq_smem.store(dq)
-        _warps_barrier()
+        warps_barrier()
         _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
     return dk, dv
 
@@ -350,8 +350,8 @@ def _gluon_bwd_kernel(
     N_Q_PAD = n_q_tiles * BLOCK_M
 
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
-    _tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
+    tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
+    tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
     for i in gl.static_range(STAGES):
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
                 ready, i, i, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row, BLOCK_M)
@@ -394,8 +394,8 @@ def _gluon_bwd_kernel(
         # Every warp's GEMMs that read this slot (and dS) have completed: refill it.
         if DEBUG & 2:
             fence_async_shared()
-            _warps_barrier()
-        _warps_barrier()
+            warps_barrier()
+        warps_barrier()
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
                 ready, slot, t + STAGES, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row,
                 BLOCK_M)
@@ -408,9 +408,9 @@ def _gluon_bwd_kernel(
     k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).store(dk.to(dtype))
     v_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
     fence_async_shared()
-    _warps_barrier()
-    _tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
-    _tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
+    warps_barrier()
+    tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
+    tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
     tma.store_wait(0)
     mbarrier.invalidate(kv_ready)
     for i in gl.static_range(STAGES):
@@ -449,8 +449,8 @@ class LaunchPlan:
         self.rows_block = [block_m]
         self.rows_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                 rank=1)
-        self.q_layout = _host_smem_layout(self.q_block, 16)
-        self.kv_layout = _host_smem_layout(self.kv_block, 16)
+        self.q_layout = host_smem_layout(self.q_block, 16)
+        self.kv_layout = host_smem_layout(self.kv_block, 16)
         self.options: dict[str, Any] = dict(
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=int(config["stages"]),
             CAUSAL=causal_mode != "none", num_warps=num_warps_of(config),
@@ -469,12 +469,12 @@ class LaunchPlan:
 
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,
                   lse2: Any, delta: Any) -> list[Any]:
-        return [_descriptor(q, self.q_block, self.q_layout),
-                _descriptor(k, self.kv_block, self.kv_layout),
-                _descriptor(v, self.kv_block, self.kv_layout),
-                _descriptor(do, self.q_block, self.q_layout),
-                _descriptor(dk, self.kv_block, self.kv_layout),
-                _descriptor(dv, self.kv_block, self.kv_layout),
+        return [tma_descriptor(q, self.q_block, self.q_layout),
+                tma_descriptor(k, self.kv_block, self.kv_layout),
+                tma_descriptor(v, self.kv_block, self.kv_layout),
+                tma_descriptor(do, self.q_block, self.q_layout),
+                tma_descriptor(dk, self.kv_block, self.kv_layout),
+                tma_descriptor(dv, self.kv_block, self.kv_layout),
                 self._rows_descriptor(lse2), self._rows_descriptor(delta),
                 dq_accum, *self.scalars]
 
@@ -546,13 +546,7 @@ def validate_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if lse.shape != q.shape[:3]:
         raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = "
                          f"{tuple(q.shape[:3])}, but got {tuple(lse.shape)}")
-    if isinstance(causal, bool):
-        mode = "top_left" if causal else "none"
-    elif causal in CAUSAL_MODES:
-        mode = causal
-    else:
-        raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got "
-                         f"{causal!r}")
+    mode = normalize_causal(causal)
     if scale is None:
         return mode, 1.0 / math.sqrt(q.shape[3])
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):

@@ -1,7 +1,7 @@
 """What the Gluon forward and backward kernel modules share: the triton names that moved
 between versions, and the host side of their TMA descriptors.
 
-Imports only torch and triton: the kernel modules are exported as standalone source, and
+Imports only torch, triton and ``templates.kernel_common``: the kernel modules are exported as standalone source, and
 ``templates.base.inline_template_imports`` pastes this module into them there (the
 templates also hash it into their version).
 """
@@ -15,27 +15,27 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from templates.kernel_common import CAUSAL_MODES, LOG2_E  # noqa: F401  re-exported for the kernels
+
 # Names that moved between triton versions. TMA copies: triton 3.6 names them
 # async_copy_global_to_shared / async_copy_shared_to_global, later versions async_load /
 # async_store (the old names raise there).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # A barrier among the warps of the calling partition: thread_barrier in 3.6, barrier later.
-_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
-LOG2_E = 1.4426950408889634
 
 
-def _host_smem_layout(block_shape: list[int], bitwidth: int) -> Any:
+def host_smem_layout(block_shape: list[int], bitwidth: int) -> Any:
     row_bytes = block_shape[-1] * bitwidth // 8
     swizzle = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bitwidth,
                                 rank=len(block_shape))
 
 
-def _descriptor(t: Any, block: list[int], layout: Any) -> Any:
+def tma_descriptor(t: Any, block: list[int], layout: Any) -> Any:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 

@@ -284,9 +284,9 @@ class GluonFwdTemplate(GluonTemplate):
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
         inputs = random_inputs(problem, device, seed)
         if problem.mask != "none":
-            from templates.flash_fwd import _pattern_mask  # cached per problem and device
+            from templates.flash_fwd import pattern_mask  # cached per problem and device
 
-            inputs["block_mask"] = _pattern_mask(problem.mask, problem.seqlen_q,
+            inputs["block_mask"] = pattern_mask(problem.mask, problem.seqlen_q,
                                                  problem.seqlen_kv, str(device))
         return inputs
 

@@ -73,13 +73,13 @@ from templates.gluon_common import (  # noqa: F401  re-exported for the template
     CAUSAL_MODES,
     LOG2_E,
     SUPPORTED_DTYPES,
-    _descriptor,
-    _host_smem_layout,
-    _tma_load,
-    _tma_store,
-    _warps_barrier,
+    host_smem_layout,
+    tma_descriptor,
     tma_layout_problem,
+    tma_load,
     tma_ready,
+    tma_store,
+    warps_barrier,
 )
 from templates.gluon_schedule import (  # noqa: F401  some re-exported: tests, benchmarks
     ENTRY_INTS,
@@ -97,7 +97,7 @@ from templates.gluon_schedule import (  # noqa: F401  some re-exported: tests, b
     split_schedule,
     whole_tile,
 )
-from templates.kernel_common import output_strides
+from templates.kernel_common import normalize_causal, output_strides
 
 HEAD_DIMS = (64, 128, 256)
 # Registers per thread of the producer warp's partition (setmaxnreg: multiples of 8, >= 24):
@@ -257,10 +257,10 @@ def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, j,
     nothing is issued)."""
     slot = j % KV_STAGES
     mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes, pred=pred)
-    _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot),
+    tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot),
               pred=pred)
     mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes, pred=pred)
-    _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot),
+    tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot),
               pred=pred)
 
 
@@ -269,7 +269,7 @@ def _refill(desc, bufs, ready, slot, b, kv_h, j, n_blocks, BLOCK_N: gl.constexpr
     """Non-warp-specialized programs: load block j (if there is one) into ring ``slot``."""
     pred = j < n_blocks
     mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
-    _tma_load(desc, [b, kv_h, j * BLOCK_N, 0], ready.index(slot), bufs.index(slot),
+    tma_load(desc, [b, kv_h, j * BLOCK_N, 0], ready.index(slot), bufs.index(slot),
               pred=pred)
 
 
@@ -508,7 +508,7 @@ def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_em
         if PERSISTENT:
             mbarrier.wait(q_empty.index(q_buf), q_phase ^ 1)
         mbarrier.expect(q_ready.index(q_buf), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, q_row0 + c * Q_ROWS, 0], q_ready.index(q_buf),
+        tma_load(q_desc, [b, h, q_row0 + c * Q_ROWS, 0], q_ready.index(q_buf),
                   q_bufs.index(q_buf))
     for j in range(first, end):
         g = it0 + j - first
@@ -517,10 +517,10 @@ def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_em
         start_n = _kv_start(j, n_full, lrow, lists, BLOCK_N, SPARSE, MASK_BLOCK_KV)
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
+        tma_load(k_desc, [b, kv_h, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
+        tma_load(v_desc, [b, kv_h, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
 # ----------------------------------------------------------------------------- consumer
@@ -532,7 +532,7 @@ def _stage_p(p, p_op, p_smem, P_SMEM: gl.constexpr):
     if P_SMEM:
         p_smem.store(p.to(p_smem.dtype))
         fence_async_shared()
-        _warps_barrier()
+        warps_barrier()
         out = p_op
     else:
         out = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)
@@ -614,7 +614,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0, 
         else:
             # Every warp is done with K_j: refill its slot (programs without the producer
             # warp are never persistent, so it0 = 0 and j is the block index).
-            _warps_barrier()
+            warps_barrier()
             _refill(k_desc, k_bufs, k_ready, slot, b, kv_h, j + KV_STAGES, end, BLOCK_N)
         acc, p = _wait_pv(o_tok, p_op, p, P_SMEM)
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
@@ -622,7 +622,7 @@ def _kv_steps(acc, p_op, m_i, l_i, alpha, n_full, first, end, lrow, lists, it0, 
             mbarrier.arrive(v_empty.index(prev), count=1)
         else:
             # Every warp is done with V_{j-1}: refill its slot.
-            _warps_barrier()
+            warps_barrier()
             _refill(v_desc, v_bufs, v_ready, prev, b, kv_h, j - 1 + KV_STAGES, end, BLOCK_N)
     return acc, p_op, m_i, l_i, alpha
 
@@ -677,7 +677,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
     if not WARP_SPECIALIZE:
         # The consumer warps load for themselves: Q, then the first KV_STAGES blocks.
         mbarrier.expect(q_ready.index(0), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, q_row0, 0], q_ready.index(0), q_bufs.index(0))
+        tma_load(q_desc, [b, h, q_row0, 0], q_ready.index(0), q_bufs.index(0))
         for i in gl.static_range(KV_STAGES):
             _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, b, kv_h, i, KV_STAGES,
                      BLOCK_N, i < end)
@@ -731,7 +731,7 @@ def _consumer_tile(q_desc, k_desc, v_desc, o_desc, Out, LSE,
         p_op = _stage_p(p, p_op, p_smem, P_SMEM)
         if not WARP_SPECIALIZE:
             # Every warp is done with K_0: refill its slot (V_0 is read in the next step).
-            _warps_barrier()
+            warps_barrier()
             _refill(k_desc, k_bufs, k_ready, 0, b, kv_h, KV_STAGES, end, BLOCK_N)
 
         # -- blocks first + 1 .. end - 1.
@@ -815,7 +815,7 @@ def _write_tile(acc, m_o, l_o, o_desc, Out, LSE, q_bufs, q_smem, q_buf, b, h, bh
         # and a TMA store, which drops the rows past N_q.
         q_smem.store(o.to(dtype))
         fence_async_shared()
-        _tma_store(o_desc, [b, h, m0, 0], q_bufs.index(q_buf))
+        tma_store(o_desc, [b, h, m0, 0], q_bufs.index(q_buf))
 
 
 @gluon.jit
@@ -847,7 +847,7 @@ def _combine_pieces(acc, m_o, l_o, piece, base, count, lists, ME: gl.constexpr,
         gl.store(mine + ROWS * D + rows, m_o)
         gl.store(mine + ROWS * D + ROWS + rows, l_o)
         # Every warp has stored before the one thread that runs the atomic releases them.
-        _warps_barrier()
+        warps_barrier()
         counter = counters + base * CONSUMERS + ME
         owner = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
         if owner:
@@ -1359,10 +1359,10 @@ class LaunchPlan:
         q_block = [1, 1, q_rows_per_load(config), head_dim]
         kv_block = [1, 1, int(config["BLOCK_N"]), head_dim]
         self.q_block, self.kv_block = q_block, kv_block
-        self.kv_layout = _host_smem_layout(kv_block, bits)
-        self.q_layout = _host_smem_layout(q_block, bits)
+        self.kv_layout = host_smem_layout(kv_block, bits)
+        self.q_layout = host_smem_layout(q_block, bits)
         self._descriptors = [
-            PlannedDescriptor(functools.partial(_descriptor, block=block, layout=layout))
+            PlannedDescriptor(functools.partial(tma_descriptor, block=block, layout=layout))
             for block, layout in ((q_block, self.q_layout), (kv_block, self.kv_layout),
                                   (kv_block, self.kv_layout), (q_block, self.q_layout))]
         self._launch = DirectLaunch(
@@ -1613,13 +1613,7 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"({k.shape[1]})")
     if q.shape[3] not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)}, but got {q.shape[3]}")
-    if isinstance(causal, bool):
-        mode = "top_left" if causal else "none"
-    elif causal in CAUSAL_MODES:
-        mode = causal
-    else:
-        raise ValueError(f"causal must be a bool or one of {list(CAUSAL_MODES)}, but got "
-                         f"{causal!r}")
+    mode = normalize_causal(causal)
     if scale is None:
         return mode, 1.0 / math.sqrt(q.shape[3])
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):

@@ -221,10 +221,10 @@ class _FlexTemplate(Template):
         return FlexConfig()
 
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
-        from templates.flash_fwd import _pattern_mask  # the sweep's mask, cached per problem
+        from templates.flash_fwd import pattern_mask  # the sweep's mask, cached per problem
 
         inputs = random_inputs(problem, device, seed, grad_out=True)
-        inputs["block_mask"] = _pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
+        inputs["block_mask"] = pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
                                              str(device))
         return inputs
 

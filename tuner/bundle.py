@@ -60,12 +60,17 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from sqlalchemy import select
 
+from db import crud, head_to_head
 from db.finalists import Measured, Readings
-from db.models import Remeasurement, Trial, TrialStatus
+from db.models import Remeasurement, Sweep, SweepStatus, Trial, TrialStatus
+from db.session import run_in_transaction
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
+from tuner.devices import smem_for_cc
+from tuner.errors import TunerError
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -100,8 +105,9 @@ RelError = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
 MAX_BUNDLE_ITEMS = 10_000
 
 
-class BundleError(ValueError):
-    """A bundle that cannot be stored; ``index`` is the bad item's (None: the bundle itself)."""
+class BundleError(TunerError, ValueError):
+    """A bundle that cannot be stored; ``index`` is the bad item's (None: the bundle itself).
+    A ValueError too: the service answers it 422."""
 
     def __init__(self, index: int | None, reason: str) -> None:
         self.index = index
@@ -132,8 +138,6 @@ class BundleDevice(_Strict):
     cudnn_version: Text | None = Field(None, min_length=1, max_length=64)
 
     def info(self) -> DeviceInfo:
-        from tuner.lookup import smem_for_cc
-
         smem = self.smem_per_block if self.smem_per_block else smem_for_cc(self.compute_capability)
         return DeviceInfo(
             name=self.name, compute_capability=self.compute_capability, sm_count=self.sm_count,
@@ -535,8 +539,6 @@ class _Rows:
 
     @classmethod
     def of(cls, session: Session, items: Sequence[ValidItem], host: str | None) -> _Rows:
-        from db import crud
-
         devices: dict[str, int] = {}
         templates: dict[tuple[str, str], int] = {}
         for valid in items:
@@ -553,9 +555,6 @@ class _Rows:
     def sweep_id(self, session: Session, name: str | None) -> int:
         """The sweep row of ``name``, created in ``session`` when this upload first needs it
         (an upload that stores nothing creates none)."""
-        from db import crud
-        from db.models import SweepStatus
-
         name = name or DEFAULT_SWEEP_NAME
         if name not in self.sweeps:
             sweep = crud.create_sweep(session, name=name, host=self.host or "unknown",
@@ -586,8 +585,6 @@ def store_bundle_in_batches(database_url: str, items: Sequence[ValidItem], *,
     batches). Items are validated before, so a bad bundle stores nothing; a failure of the
     database midway leaves the batches before it stored, and storing the same bundle again
     completes it (what is stored already is kept, not stored twice)."""
-    from db.session import run_in_transaction
-
     if batch_items < 1:
         raise ValueError(f"batch_items must be >= 1, but got {batch_items}")
     rows = run_in_transaction(database_url, lambda s: _Rows.of(s, items, host))
@@ -610,8 +607,6 @@ def store_bundle_in_batches(database_url: str, items: Sequence[ValidItem], *,
 
 
 def _store_items(session: Session, items: Sequence[ValidItem], rows: _Rows) -> StoreSummary:
-    from db import crud
-
     worker = f"bundle:{rows.host}" if rows.host else "bundle"
     new: dict[tuple[int, int, str, str], dict[str, Any]] = {}  # identity -> trial row
     readings: dict[tuple[int, int, str, str], BundleMeasurements] = {}
@@ -676,11 +671,6 @@ def make_bundle(session: Session, *, device: str | None = None, template: str | 
                 host: str | None = None, exported_at: datetime | None = None
                 ) -> dict[str, Any]:
     """A bundle of the stored best configs matching the filters (``crud.list_best``'s)."""
-    from sqlalchemy import select
-
-    from db import crud, head_to_head
-    from db.models import Sweep
-
     items: list[dict[str, Any]] = []
     page = 500
     offset = 0

@@ -11,7 +11,7 @@
                                   lease_s=300, max_attempts=3)  # a worker's (write token)
 
 Transient failures (connection errors, timeouts, 429/502/503/504) are retried ``retries`` times
-with exponential backoff and jitter; other 4xx/5xx answers raise ``TunerError`` at once with
+with exponential backoff and jitter; other 4xx/5xx answers raise ``ServiceError`` at once with
 the service's explanation.
 """
 
@@ -28,6 +28,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from templates.base import Problem
 from templates.device import DeviceInfo
+from tuner.errors import ServiceError, TunerError
 from tuner.wire import (
     BestOut,
     ConfigPage,
@@ -47,19 +48,12 @@ from tuner.wire import (
     WinnersOut,
 )
 
-__all__ = ["TunerClient", "TunerError"]
+# TunerError too: `except TunerError` written against this module before ServiceError still
+# catches the service's errors (each ServiceError is one).
+__all__ = ["ServiceError", "TunerClient", "TunerError"]
 
 M = TypeVar("M")
 _RETRY_STATUS = frozenset({429, 502, 503, 504})
-
-
-class TunerError(RuntimeError):
-    """The service refused, failed, or could not be reached; ``status`` is None for the latter."""
-
-    def __init__(self, message: str, *, status: int | None = None, detail: Any = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.detail = detail
 
 
 class TunerClient:
@@ -119,7 +113,7 @@ class TunerClient:
              template_version: str | None = None, compare: bool = False) -> BestOut:
         """The service's config for ``problem`` on ``device`` (default: this machine's GPU);
         with ``compare``, ``implementations`` compares every implementation of the problem
-        (a service older than that field refuses the parameter: ``TunerError``, 422)."""
+        (a service older than that field refuses the parameter: ``ServiceError``, 422)."""
         params = {"template": template, "device": _device_key(device), **_problem_params(problem)}
         if template_version:
             params["template_version"] = template_version
@@ -182,7 +176,7 @@ class TunerClient:
         return _parse(response, DemandClaimOut).claim
 
     def renew_demand_claim(self, demand_id: int, *, worker: str, lease_s: float) -> DemandRow:
-        """Extend ``worker``'s claim to ``lease_s`` from now (409 ``TunerError``: no longer
+        """Extend ``worker``'s claim to ``lease_s`` from now (409 ``ServiceError``: no longer
         its claim)."""
         return self._claim_call(demand_id, "lease", {"worker": worker, "lease_s": lease_s})
 
@@ -219,12 +213,12 @@ class TunerClient:
         return _parse(response, SnapshotCreated)
 
     def snapshot(self, snapshot_id: str) -> SnapshotOut:
-        """A snapshot, whole: its bundle (``TunerError`` with status 404 if unknown)."""
+        """A snapshot, whole: its bundle (``ServiceError`` with status 404 if unknown)."""
         return self._get(f"/v1/snapshots/{snapshot_id}", SnapshotOut)
 
     def delete_snapshot(self, snapshot_id: str) -> SnapshotSummary:
         """Delete a snapshot no job pins any more; needs the write token. Answers what was
-        deleted (``TunerError`` with status 404 if unknown)."""
+        deleted (``ServiceError`` with status 404 if unknown)."""
         response = self._request("DELETE", f"/v1/snapshots/{snapshot_id}",
                                  headers=self._write_headers, ok_status=(200,))
         return _parse(response, SnapshotSummary)
@@ -253,7 +247,7 @@ class TunerClient:
                 response = self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:  # connect, read, write, pool, protocol errors
                 if last:
-                    raise TunerError(f"{method} {self.url}{path} failed after "
+                    raise ServiceError(f"{method} {self.url}{path} failed after "
                                      f"{attempt + 1} attempt(s): {type(exc).__name__}: {exc}"
                                      ) from exc
             else:
@@ -279,12 +273,12 @@ def _problem_params(problem: Problem | Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if v is not None}
 
 
-def _error_of(method: str, url: str, response: httpx.Response) -> TunerError:
+def _error_of(method: str, url: str, response: httpx.Response) -> ServiceError:
     try:
         detail = response.json().get("detail")
     except (ValueError, AttributeError):
         detail = response.text[:500]
-    return TunerError(f"{method} {url} answered {response.status_code}: {detail}",
+    return ServiceError(f"{method} {url} answered {response.status_code}: {detail}",
                       status=response.status_code, detail=detail)
 
 
@@ -300,6 +294,6 @@ def _parse(response: httpx.Response, model: Any) -> Any:
             adapter = _adapters[model] = TypeAdapter(model)
         return adapter.validate_json(response.content)
     except ValidationError as exc:
-        raise TunerError(f"{response.request.method} {response.request.url} answered with a "
+        raise ServiceError(f"{response.request.method} {response.request.url} answered with a "
                          f"body that is not a valid {model}: {exc.errors()[0]['msg']}",
                          status=response.status_code) from None

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterable
 
 from templates.base import Problem
+from tuner.errors import ServiceError
 
 __all__ = ["BATCH_ITEMS", "MAX_PENDING", "UNTUNED", "DemandReporter"]
 
@@ -119,7 +120,7 @@ class DemandReporter:
 
     def _send(self, batch: list[tuple[DemandKey, int]]) -> bool:
         """POST one batch; False when it should be sent again later."""
-        from tuner.client import TunerClient, TunerError
+        from tuner.client import TunerClient
 
         items = [{"template": template, "template_version": version, "device": device,
                   "problem": problem.to_dict(), "count": count}
@@ -127,7 +128,7 @@ class DemandReporter:
         try:
             with TunerClient(self.url, token="", timeout=self.timeout_s, retries=0) as client:
                 answer = client.report_demand(items)
-        except TunerError as exc:
+        except ServiceError as exc:
             if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
                 self.refused += sum(count for _, count in batch)
                 log.warning("config service %s refused a demand report: %s", self.url, exc)

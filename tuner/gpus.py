@@ -22,9 +22,11 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
 
+import torch
+
 from tuner.errors import TunerError
 
-__all__ = ["claim_gpus", "gpus_for_sweep", "lock_path"]
+__all__ = ["claim_gpus", "gpus_for_sweep", "lock_path", "visible_gpus"]
 
 
 def lock_path(lock_dir: Path, gpu: str) -> Path:
@@ -65,14 +67,22 @@ def claim_gpus(lock_dir: Path, candidates: list[str], count: int) -> Iterator[li
         yield claimed
 
 
+def visible_gpus() -> list[str]:
+    """GPU ids for CUDA_VISIBLE_DEVICES, without creating a CUDA context here."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return []
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+    return ids[:count] if ids else [str(i) for i in range(count)]
+
+
 @contextmanager
 def gpus_for_sweep(lock_dir: str | None, workers: int) -> Iterator[list[str]]:
     """With a lock folder and GPUs in sight: claim one GPU per worker and show this process
     (and so its trial workers) only those while the block runs. Otherwise claim nothing:
     without a GPU (the interpreter) there is nothing to share."""
-    from tuner.sweep import _visible_gpus
-
-    gpus = _visible_gpus() if lock_dir else []
+    gpus = visible_gpus() if lock_dir else []
     if not lock_dir or not gpus:
         yield []
         return

@@ -31,7 +31,7 @@ same for the process's life, whatever the database or the service say later, so 
 switches configs mid-run. ``TUNER_REFRESH=on`` opts in to newer answers instead: untuned ones
 are re-asked after ``UNTUNED_TTL_S``, tuned ones after ``TUNED_TTL_S``, run or not.
 
-``match_best`` is the matching rule itself, shared with the service's ``GET /v1/best``.
+The matching rule itself is ``tuner.matching``, shared with the service's ``GET /v1/best``.
 """
 
 from __future__ import annotations
@@ -41,19 +41,37 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from templates.base import KernelConfig, Problem, Template
-from templates.device import CPU_INTERPRETER, DeviceInfo
-from templates.offline_target import TARGETS
+from db.errors import DatabaseUnavailableError
+from templates.base import Problem, Template
+from templates.device import DeviceInfo
 from tuner.demand import UNTUNED
+from tuner.devices import (
+    HOPPER_DEFAULT,
+    device_info_from_key,
+    device_info_from_row,
+    smem_for_cc,
+)
+from tuner.errors import ServiceError
+from tuner.matching import (
+    BestLike,
+    CacheKey,
+    Candidate,
+    Match,
+    Neighbour,
+    Resolved,
+    match_best,
+    match_candidates,
+    match_with_neighbours,
+    neighbours_of,
+    parse_candidates,
+)
 from tuner.snapshot import SnapshotError
-from tuner.wire import MatchKind
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -61,6 +79,17 @@ if TYPE_CHECKING:
     from tuner.demand import DemandReporter
     from tuner.pinned import PinnedConfigs
     from tuner.settings import Settings
+
+# The matching rule (tuner.matching) and the device facts (tuner.devices) are their own
+# modules, which tuner.pinned and tuner.bundle import without importing the resolver; the
+# resolver's callers find them here too.
+__all__ = [
+    "HOPPER_DEFAULT", "RETRY_AFTER_S", "TUNED_TTL_S", "UNTUNED_TTL_S", "BestLike", "Candidate",
+    "ConfigResolver", "Match", "Neighbour", "Resolved", "device_info_from_key",
+    "device_info_from_row", "get_resolver", "keep_config", "match_best", "match_candidates",
+    "match_with_neighbours", "neighbours_of", "parse_candidates", "resolve_config",
+    "set_resolver", "smem_for_cc",
+]
 
 log = logging.getLogger("tuner.lookup")
 
@@ -74,250 +103,7 @@ UNTUNED_TTL_S = 5.0
 TUNED_TTL_S = 60.0
 
 
-# ----------------------------------------------------------------------------- matching
-class BestLike(Protocol):
-    """What matching reads of a stored best config (``db.models.BestConfig`` fits)."""
-
-    @property
-    def problem_key(self) -> str: ...
-    @property
-    def problem(self) -> dict[str, Any]: ...
-    @property
-    def config(self) -> dict[str, Any]: ...
-    @property
-    def tflops(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A stored best config, parsed and validated once (matching many problems against it)."""
-
-    source: Any  # the BestLike row (or a snapshot of it) the config comes from
-    problem: Problem
-    problem_key: str
-    config: KernelConfig
-    tflops: float
-
-
-@dataclass(frozen=True)
-class Neighbour:
-    """A stored best of a neighbouring bucket (same family, another shape): what the
-    dispatcher reads to compare implementations on the same neighbour (tuner/neighbours.py)."""
-
-    problem_key: str
-    problem: Problem  # the problem it measured
-    config: KernelConfig
-    tflops: float
-
-
-@dataclass(frozen=True)
-class Match:
-    candidate: Any  # the source row of the matched Candidate
-    kind: MatchKind
-    config: KernelConfig
-    # A nearest match from ``match_with_neighbours``: every neighbouring bucket's best that
-    # runs the problem, by problem key, nearest first (else empty).
-    neighbours: Mapping[str, Neighbour] = dataclasses.field(default_factory=dict,
-                                                            compare=False)
-
-
-def parse_candidates(template: Template, rows: Iterable[BestLike]) -> list[Candidate]:
-    """``rows`` as candidates; one whose problem or config no longer validates is dropped."""
-    out = []
-    for row in rows:
-        try:
-            out.append(Candidate(row, Problem.from_dict(row.problem), row.problem_key,
-                                 template.config(row.config), float(row.tflops)))
-        except (TypeError, ValueError) as exc:
-            log.debug("skipping malformed stored config %s: %s", row.problem_key, exc)
-    return out
-
-
-def _log_distance(a: Problem, b: Problem) -> float:
-    """How far apart two shapes are, in octaves of each size that changes the launch grid."""
-    return (abs(math.log2(a.seqlen_q / b.seqlen_q)) + abs(math.log2(a.seqlen_kv / b.seqlen_kv))
-            + abs(math.log2((a.batch * a.heads_q) / (b.batch * b.heads_q))))
-
-
-def _same_family(a: Problem, b: Problem) -> bool:
-    return (a.dtype == b.dtype and a.variant == b.variant and a.head_dim == b.head_dim
-            and a.gqa_ratio == b.gqa_ratio)
-
-
-def _nearest_first(problem: Problem, candidates: Iterable[Candidate]) -> list[Candidate]:
-    """Candidates of other shapes, nearest to ``problem`` first (the faster of equals first)."""
-    return sorted(candidates, key=lambda c: (_log_distance(c.problem, problem), -c.tflops))
-
-
-def match_candidates(template: Template, problem: Problem, device: DeviceInfo,
-                     candidates: Sequence[Candidate]) -> Match | None:
-    """The candidate that best fits ``problem``: exact, else same bucket (fastest first), else
-    the nearest shape of the same family; one that violates a static constraint for
-    ``problem`` on ``device`` is passed over (it can never be returned)."""
-    want_bucket = template.problem_key(problem)
-    exact, bucket, nearest = [], [], []
-    for c in candidates:
-        if c.problem == problem:
-            exact.append(c)
-        elif c.problem_key == want_bucket:
-            bucket.append(c)
-        elif _same_family(c.problem, problem):
-            nearest.append(c)
-    ranked: list[tuple[MatchKind, list[Candidate]]] = [
-        ("exact", exact),
-        ("bucket", sorted(bucket, key=lambda c: -c.tflops)),
-        ("nearest", _nearest_first(problem, nearest)),
-    ]
-    # Constraints are checked only until one candidate passes: they cost more than matching.
-    for kind, group in ranked:
-        for c in group:
-            if template.constraint(problem, c.config, device) is None:
-                return Match(c.source, kind, c.config)
-    return None
-
-
-def match_best(template: Template, problem: Problem, device: DeviceInfo,
-               candidates: Iterable[BestLike]) -> Match | None:
-    """``match_candidates`` over stored rows of one device and template version."""
-    return match_candidates(template, problem, device, parse_candidates(template, candidates))
-
-
-def neighbours_of(template: Template, problem: Problem, device: DeviceInfo,
-                  candidates: Sequence[Candidate]) -> dict[str, Neighbour]:
-    """The stored bests of the other buckets of ``problem``'s family whose configs run it on
-    ``device``, by problem key, nearest first (the order of ``match_candidates``'s nearest)."""
-    want_bucket = template.problem_key(problem)
-    near = (c for c in candidates if c.problem != problem and c.problem_key != want_bucket
-            and _same_family(c.problem, problem))
-    out: dict[str, Neighbour] = {}
-    for c in _nearest_first(problem, near):
-        # Checked here, once per answer, not per call: 1-2 us each (flash_bwd's 36 us) on
-        # the dev VM.
-        if c.problem_key not in out and template.constraint(problem, c.config, device) is None:
-            out[c.problem_key] = Neighbour(c.problem_key, c.problem, c.config, c.tflops)
-    return out
-
-
-def match_with_neighbours(template: Template, problem: Problem, device: DeviceInfo,
-                          candidates: Sequence[Candidate]) -> Match | None:
-    """``match_candidates``, a nearest match with ``neighbours_of`` too: a process's own
-    lookups (database, snapshot) and the service's ``GET /v1/best``, whose answer carries them."""
-    found = match_candidates(template, problem, device, candidates)
-    if found is None or found.kind != "nearest":
-        return found
-    return dataclasses.replace(found, neighbours=neighbours_of(template, problem, device,
-                                                               candidates))
-
-
-# ----------------------------------------------------------------------------- devices
-# Shared memory one program may opt into, by compute capability (CUDA programming guide,
-# "Technical Specifications per Compute Capability"); the Device table does not store it.
-_SMEM_BY_CC = {"7.0": 96, "7.5": 64, "8.0": 163, "8.6": 99, "8.7": 163, "8.9": 99, "9.0": 227,
-               "10.0": 227, "12.0": 99}
-
-# What a device that the service has never seen is assumed to be: the GPU family the project
-# tunes first (H100 SXM, the offline compile target's table). Default-config heuristics only
-# read family, SM count and smem.
-HOPPER_DEFAULT = TARGETS["h100"]
-
-
-def smem_for_cc(compute_capability: str) -> int:
-    if not compute_capability:  # the interpreter: as templates.device.current_device says
-        return 228 * 1024
-    return _SMEM_BY_CC.get(compute_capability, 99) * 1024
-
-
-def device_info_from_row(row: Any) -> DeviceInfo:
-    """A ``DeviceInfo`` from a ``db.models.Device`` row (smem from the compute capability)."""
-    return DeviceInfo(
-        name=row.name, compute_capability=row.compute_capability, sm_count=row.sm_count,
-        total_memory=row.total_memory, smem_per_block=smem_for_cc(row.compute_capability),
-        driver_version=row.driver_version, triton_version=row.triton_version,
-        torch_version=row.torch_version, cuda_version=row.cuda_version,
-        cudnn_version=row.cudnn_version)
-
-
-# The parts of a device key after the name, as ``DeviceInfo.key`` writes them: the cuDNN part
-# only for devices with cuDNN (and never in keys written before it was recorded).
-_KEY_PREFIXES = ("cc", "triton", "torch", "cuda")
-_CUDNN_PREFIX = "cudnn"
-
-
-def device_info_from_key(key: str) -> DeviceInfo:
-    """Best guess at a device the database does not know, from its key or its name.
-
-    A full key (``name|cc9.0|triton3.6.0|torch2.11.0|cuda12.8``, with ``|cudnn9.19.0`` after it
-    for a device with cuDNN, as ``DeviceInfo.key`` writes it) gives the compute capability and
-    versions; anything else is taken as a device name on the ``HOPPER_DEFAULT`` hardware.
-    """
-    parts = _key_parts(key)
-    if parts is None:
-        return dataclasses.replace(HOPPER_DEFAULT, name=key or HOPPER_DEFAULT.name)
-    name, cc, triton_v, torch_v, cuda_v, cudnn_v = parts
-    if name == CPU_INTERPRETER:
-        return DeviceInfo(name=name, compute_capability="", sm_count=1, total_memory=0,
-                          smem_per_block=smem_for_cc(""), driver_version="",
-                          triton_version=triton_v, torch_version=torch_v, cuda_version="",
-                          cudnn_version=cudnn_v)
-    if not _valid_cc(cc):
-        cc = HOPPER_DEFAULT.compute_capability
-    return DeviceInfo(name=name, compute_capability=cc, sm_count=HOPPER_DEFAULT.sm_count,
-                      total_memory=HOPPER_DEFAULT.total_memory, smem_per_block=smem_for_cc(cc),
-                      driver_version="", triton_version=triton_v, torch_version=torch_v,
-                      cuda_version=cuda_v, cudnn_version=cudnn_v)
-
-
-def _key_parts(key: str) -> tuple[str, str, str, str, str, str | None] | None:
-    """(name, cc, triton, torch, cuda, cudnn or None) of a full device key, else None."""
-    name_and_rest, _, last = key.rpartition("|")
-    cudnn = None
-    if last.startswith(_CUDNN_PREFIX) and last != _CUDNN_PREFIX:
-        key, cudnn = name_and_rest, last[len(_CUDNN_PREFIX):]
-    parts = key.rsplit("|", len(_KEY_PREFIXES))
-    if len(parts) != len(_KEY_PREFIXES) + 1 or not all(
-            p.startswith(pre) for p, pre in zip(parts[1:], _KEY_PREFIXES, strict=True)):
-        return None
-    cc, triton_v, torch_v, cuda_v = (p[len(pre):] for p, pre in zip(parts[1:], _KEY_PREFIXES,
-                                                                   strict=True))
-    return parts[0], cc, triton_v, torch_v, cuda_v, cudnn
-
-
-def _valid_cc(cc: str) -> bool:
-    major, _, minor = cc.partition(".")
-    return major.isdigit() and minor.isdigit()
-
-
 # ----------------------------------------------------------------------------- resolution
-CacheKey = tuple[str, str, str, str]  # device key, template, version, bucket key
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """The config to run and where it came from."""
-
-    config: KernelConfig
-    match: MatchKind
-    source: str  # "snapshot", "database", "service" or "default"
-    expires_at: float = math.inf  # time.monotonic() after which to ask again
-    # TFLOP/s measured for the matched stored best (None: nothing measured, the default).
-    # The dispatcher prices implementations by it, so only exact and bucket matches count
-    # (``measured``); a nearest answer takes part through ``neighbours`` alone.
-    tflops: float | None = None
-    # The resolver's cache key of the answer (``ConfigResolver.keep`` keeps it by that).
-    bucket: CacheKey | None = dataclasses.field(default=None, compare=False, repr=False)
-    # A nearest answer (database, snapshot or service): the neighbouring buckets' bests that
-    # run this problem, nearest first (``neighbours_of``; the service's ``BestOut.neighbours``).
-    neighbours: Mapping[str, Neighbour] = dataclasses.field(
-        default_factory=dict, compare=False, repr=False)
-    # The neighbouring bucket whose config and TFLOP/s this answer carries, once the
-    # dispatcher chose its implementation by the measurements there (None: its own match).
-    neighbour: str | None = None
-
-    @property
-    def measured(self) -> bool:
-        """A measurement of this problem's own bucket on this device backs the config."""
-        return self.match in ("exact", "bucket") and self.tflops is not None
-
 
 class ConfigResolver:
     """Resolves configs in the documented order; one per process is enough (``get_resolver``)."""
@@ -337,6 +123,7 @@ class ConfigResolver:
         self._versions: dict[str, str] = {}
         self._lock = threading.Lock()
         self._engine: Engine | None = None
+        self._engine_error: DatabaseUnavailableError | None = None
         self._database_down_until = 0.0
         self._service_down_until = 0.0
         self._pool: ThreadPoolExecutor | None = None
@@ -406,6 +193,7 @@ class ConfigResolver:
             self._cache.clear()
             self._versions.clear()
             self._database_down_until = self._service_down_until = 0.0
+            self._engine_error = None
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None
@@ -505,29 +293,44 @@ class ConfigResolver:
             return None
 
     def _local_engine(self) -> Engine | None:
+        """The read-only engine of TUNER_DATABASE_URL; None while a SQLite file does not exist
+        yet (no sweep has run: not an error). A database that cannot be opened at all, a
+        SQLite file in a folder that does not exist or a server whose first connection fails,
+        raises DatabaseUnavailableError at this and every later lookup: a mistyped URL must
+        not pass for "nothing tuned". A database that worked and then fails is retried."""
         if self._engine is not None:
             return self._engine
+        if self._engine_error is not None:
+            raise DatabaseUnavailableError(self._engine_error.message, self._engine_error.fix)
+        try:
+            self._engine = self._open_engine()
+        except DatabaseUnavailableError as exc:
+            self._engine_error = exc
+            raise
+        return self._engine
+
+    def _open_engine(self) -> Engine | None:
         from sqlalchemy import create_engine
         from sqlalchemy.engine import make_url
+
+        from db.session import check_connection, check_sqlite_folder, with_installed_driver
 
         url = make_url(self.settings.database_url)
         if url.get_backend_name() == "sqlite":
             path = url.database
             if not path or path == ":memory:" or path.startswith("file:"):
                 return None
+            check_sqlite_folder(url)
             file = Path(path).expanduser().resolve()
             if not file.is_file():
                 return None
             # Read-only URI: even a bug downstream cannot create or change the file.
-            self._engine = create_engine(f"sqlite:///file:{file}?mode=ro&uri=true")
-        else:
-            from db.session import with_installed_driver
-
-            url = with_installed_driver(url)
-            timeout = max(1, math.ceil(self.settings.lookup_timeout))
-            self._engine = create_engine(url, pool_pre_ping=True,
-                                         connect_args={"connect_timeout": timeout})
-        return self._engine
+            return create_engine(f"sqlite:///file:{file}?mode=ro&uri=true")
+        timeout = max(1, math.ceil(self.settings.lookup_timeout))
+        engine = create_engine(with_installed_driver(url), pool_pre_ping=True,
+                               connect_args={"connect_timeout": timeout})
+        check_connection(engine)
+        return engine
 
     def _from_service(self, template: Template, version: str, problem: Problem,
                       device: DeviceInfo) -> Resolved | None:
@@ -567,12 +370,12 @@ class _NoAnswer(Exception):
 
 def _ask_service(url: str, token: str | None, timeout: float, template: str, version: str,
                  problem: Problem, device_key: str) -> Any:
-    from tuner.client import TunerClient, TunerError
+    from tuner.client import TunerClient
 
     with TunerClient(url, token=token, timeout=timeout, retries=0) as client:
         try:
             return client.best(template, problem, device=device_key, template_version=version)
-        except TunerError as exc:
+        except ServiceError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 raise _NoAnswer(str(exc)) from exc
             raise

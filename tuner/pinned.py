@@ -10,7 +10,7 @@ An id found nowhere stops the job at its first lookup (``SnapshotError`` naming 
 every place looked in): a job that was told to run pinned configs must not run others.
 
 ``PinnedConfigs.resolve`` answers as the database does: the snapshot's items of the device and
-kernel version, matched by ``tuner.lookup.match_with_neighbours`` (exact, bucket, nearest with
+kernel version, matched by ``tuner.matching.match_with_neighbours`` (exact, bucket, nearest with
 its neighbours' bests), else the template's default. Each problem is matched on its own, not as
 the first problem asked of its bucket (the unpinned resolver's cache): so the answer depends on
 nothing but the snapshot and the problem, never on the order a rank happened to ask in.
@@ -31,7 +31,8 @@ from pydantic import ValidationError
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.bundle import Bundle, BundleItem, first_error
-from tuner.lookup import Candidate, Match, Resolved, match_with_neighbours, parse_candidates
+from tuner.errors import ServiceError
+from tuner.matching import Candidate, Match, Resolved, match_with_neighbours, parse_candidates
 from tuner.snapshot import SnapshotError, is_snapshot_id, snapshot_id_of, stored_bundle
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ MAX_ANSWERS = 4096
 
 @dataclass(frozen=True)
 class PinnedBest:
-    """One item of the snapshot, as matching reads a stored best (``tuner.lookup.BestLike``)."""
+    """One item of the snapshot, as matching reads a stored best (``tuner.matching.BestLike``)."""
 
     problem_key: str
     problem: dict[str, Any]
@@ -202,13 +203,13 @@ def _from_database(snapshot_id: str, local_engine: Callable[[], Engine | None],
 
 def _from_service(snapshot_id: str, url: str, looked: list[str]
                   ) -> tuple[dict[str, Any], str] | None:
-    from tuner.client import TunerClient, TunerError
+    from tuner.client import TunerClient
 
     where = f"service {url}"
     try:
         with TunerClient(url, token="", timeout=LOAD_TIMEOUT_S, retries=LOAD_RETRIES) as client:
             answer = client.snapshot(snapshot_id)
-    except TunerError as exc:
+    except ServiceError as exc:
         looked.append(f"{where} ({'no such snapshot' if exc.status == 404 else exc})")
         return None
     if snapshot_id_of(answer.bundle) != snapshot_id:

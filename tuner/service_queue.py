@@ -28,9 +28,8 @@ from templates.base import Problem
 from templates.registry import get_template
 from tuner.bundle import make_bundle
 from tuner.client import TunerClient
-from tuner.client import TunerError as ServiceError
 from tuner.demand_queue import Job, QueueUnavailable, ResultsRefused
-from tuner.errors import TunerError
+from tuner.errors import ServiceError, TunerError
 from tuner.wire import DemandRow
 
 __all__ = ["ServiceQueue"]

@@ -39,8 +39,9 @@ from typing import TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from pydantic_settings import SettingsError as SourceError
+
+from tuner.errors import TunerError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
@@ -93,12 +94,18 @@ TOKEN_FIX = ("set TUNER_TOKEN to a random secret (e.g. `openssl rand -hex 24`), 
              "serve reads only")
 
 
-class SettingsError(ValueError):
-    """A TUNER_* setting has a value the program cannot use; ``variables`` names them."""
+class SettingsError(TunerError, ValueError):
+    """A TUNER_* setting has a value the program cannot use; ``variables`` names them, and
+    ``fix`` says to correct them. ``str()`` is the message alone (the service shows it)."""
 
     def __init__(self, message: str, variables: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
+        names = ", ".join(variables) or "the TUNER_* variable named"
+        super().__init__(message, f"correct or unset {names} (in the environment or in .env); "
+                                  "README.md lists them")
         self.variables = variables
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class LogSettings(BaseSettings):
@@ -159,6 +166,11 @@ class Settings(LogSettings):
     @field_validator("database_url")
     @classmethod
     def _check_database_url(cls, value: str) -> str:
+        # Imported here: SQLAlchemy costs the `tuner` command 0.3 s at start (python -X
+        # importtime, 2-core CPU machine), and most settings are read without this URL set.
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
         try:
             url = make_url(value)
         except ArgumentError as exc:
@@ -228,6 +240,14 @@ def _load(cls: type[SettingsT], overrides: dict[str, object]) -> SettingsT:
             problems.append(f"{variables[-1]}: {err['msg']}")
         raise SettingsError("bad configuration: " + "; ".join(problems),
                             tuple(variables)) from None
+    except SourceError as exc:
+        # pydantic-settings reads a list variable as JSON before validating, and names the
+        # field only in its message ('error parsing value for field "x" from source ...').
+        named = re.search(r'field "(\w+)"', str(exc))
+        variable = f"TUNER_{named.group(1).upper()}" if named else "a TUNER_* variable"
+        raise SettingsError(f"bad configuration: {variable}: is not a JSON list "
+                            f"({exc.__cause__ or exc}); write it as [\"a\", \"b\"] or []",
+                            (variable,) if named else ()) from None
 
 
 @lru_cache(maxsize=1)

@@ -46,6 +46,7 @@ from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.errors import TunerError
+from tuner.gpus import visible_gpus
 from tuner.head_to_head import (
     DEFAULT_HEAD_TO_HEAD_ROUNDS,
     DEFAULT_MAX_ROUNDS_FACTOR,
@@ -423,18 +424,6 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
     return tasks, skipped
 
 
-def _visible_gpus() -> list[str]:
-    """GPU ids for CUDA_VISIBLE_DEVICES, without creating a CUDA context here."""
-    import torch
-
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return []
-    count = torch.cuda.device_count()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
-    return ids[:count] if ids else [str(i) for i in range(count)]
-
-
 def _compile_ahead_workers(options: SweepOptions, gpus: list[str]) -> int:
     if options.compile_ahead is not None:
         return max(0, options.compile_ahead)
@@ -490,7 +479,7 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
                                                 for t in tasks], started=started)
         budget.reserve_readings = options.head_to_head_rounds * sum(
             len(templates) for _, templates in _templates_by_problem(tasks))
-    gpus = _visible_gpus()
+    gpus = visible_gpus()
     if gpus and options.workers > len(gpus):
         raise TunerError(f"--workers {options.workers} but {len(gpus)} GPU(s) visible: two "
                          "workers timing kernels on one GPU disturb each other's timings",

@@ -20,7 +20,8 @@ from tests.api.serving_data import (
     store,
     tuned_config,
 )
-from tuner.client import TunerClient, TunerError
+from tuner.client import TunerClient
+from tuner.errors import ServiceError
 from tuner.lookup import ConfigResolver
 from tuner.settings import load_settings
 from tuner.snapshot import snapshot_id_of
@@ -80,7 +81,7 @@ def test_a_job_pinned_through_the_service_asks_once_and_never_again(
             frozen = client.create_snapshot(template=FWD.name)
             assert client.snapshot(frozen.id).id == frozen.id
             assert [s.id for s in client.snapshots().items] == [frozen.id]
-            with pytest.raises(TunerError) as info:
+            with pytest.raises(ServiceError) as info:
                 client.snapshot("f" * 64)
             assert info.value.status == 404
         resolver = ConfigResolver(load_settings(
@@ -136,9 +137,9 @@ def test_the_client_deletes_through_the_service(db_url: str) -> None:
         frozen = client.create_snapshot()
         deleted = client.delete_snapshot(frozen.id)
         assert (deleted.id, deleted.items) == (frozen.id, 1)
-        with pytest.raises(TunerError) as info:
+        with pytest.raises(ServiceError) as info:
             client.delete_snapshot(frozen.id)
         assert info.value.status == 404 and "no snapshot" in str(info.value)
-        with TunerClient(url, token="") as reader, pytest.raises(TunerError) as info:
+        with TunerClient(url, token="") as reader, pytest.raises(ServiceError) as info:
             reader.delete_snapshot(frozen.id)
         assert info.value.status == 401

@@ -609,7 +609,7 @@ def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
     compile(source, "gluon_fwd_standalone.py", "exec")
     assert "from templates" not in source and "import templates" not in source
     module = import_standalone(source, tmp_path / "gluon_fwd_standalone.py")
-    assert module.tma_ready and module._tma_load and module.LaunchPlan
+    assert module.tma_ready and module.tma_load and module.LaunchPlan
     assert "@gluon.jit" in source and "def gluon_attention_fwd(" in source
     assert "'pingpong': True" in source
 

@@ -21,7 +21,8 @@ from tests.api.serving_data import (
     live_server,
     problem,
 )
-from tuner.client import TunerClient, TunerError
+from tuner.client import TunerClient
+from tuner.errors import ServiceError
 from tuner.settings import load_settings
 
 
@@ -66,14 +67,14 @@ def test_round_trip_through_every_endpoint(service: str, tmp_path: Path) -> None
 
 def test_service_refusals_raise_tuner_error_with_the_reason(service: str) -> None:
     with TunerClient(service, token="", retries=0) as anonymous:
-        with pytest.raises(TunerError, match="known") as err:
+        with pytest.raises(ServiceError, match="known") as err:
             anonymous.best("flash_nope", problem(64), device=H100)
         assert err.value.status == 404
-        with pytest.raises(TunerError) as err:
+        with pytest.raises(ServiceError) as err:
             anonymous.upload(bundle(item(problem(64))))
         assert err.value.status == 401
     with TunerClient(service, token=TOKEN, retries=0) as client:
-        with pytest.raises(TunerError) as err:
+        with pytest.raises(ServiceError) as err:
             client.upload(bundle(item(problem(64), template_version="0" * 16)))
         assert err.value.status == 422 and err.value.detail["index"] == 0
 
@@ -82,7 +83,7 @@ def test_unreachable_service_fails_after_bounded_retries() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()
     with TunerClient(url, retries=2, backoff_s=0.01, timeout=1) as client, \
-            pytest.raises(TunerError, match="after 3 attempt") as err:
+            pytest.raises(ServiceError, match="after 3 attempt") as err:
         client.devices()
     assert err.value.status is None
     assert time.monotonic() - start < 3
@@ -97,7 +98,7 @@ def test_transient_errors_are_retried_then_succeed() -> None:
         assert len(server.requests) == 3
     with ScriptedServer([(503, busy, 0)]) as server, \
             TunerClient(server.url, retries=1, backoff_s=0.01) as client:
-        with pytest.raises(TunerError, match="503") as err:
+        with pytest.raises(ServiceError, match="503") as err:
             client.devices()
         assert err.value.status == 503 and len(server.requests) == 2
 
@@ -105,7 +106,7 @@ def test_transient_errors_are_retried_then_succeed() -> None:
 def test_answers_that_are_not_the_promised_shape_are_errors() -> None:
     with ScriptedServer([(200, {"unexpected": True}, 0)]) as server, \
             TunerClient(server.url, retries=0) as client, \
-            pytest.raises(TunerError, match="not a valid"):
+            pytest.raises(ServiceError, match="not a valid"):
         client.best("flash_fwd", problem(64), device=H100)
 
 

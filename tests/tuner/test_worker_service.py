@@ -29,8 +29,7 @@ from tests.tuner.test_sweep_cli import cli
 from tests.tuner.test_worker import PROBLEM, TOY
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, measurements
 from tuner.client import TunerClient
-from tuner.client import TunerError as ServiceError
-from tuner.errors import TunerError
+from tuner.errors import ServiceError, TunerError
 from tuner.service_queue import ServiceQueue
 from tuner.settings import get_settings, load_settings
 from tuner.sweep import SweepOptions

@@ -10,6 +10,9 @@ from rich.table import Table
 from tuner.cli.common import (
     DbOption,
     JsonOption,
+    checked_dtype,
+    checked_template,
+    checked_variant,
     config_text,
     console,
     database_url,
@@ -48,14 +51,20 @@ def best(
     json_out: JsonOption = False,
 ) -> None:
     """Print the stored best configs: with no filter, every one of this device."""
+    if limit < 1:
+        raise TunerError(f"--limit must be >= 1, but got {limit}", "e.g. --limit 100")
+    # After the check of the flags alone (its error comes in 0.7 s): these import torch and the
+    # kernels, 3-4 s (python -X importtime; issue 41, item 1).
     from db import crud
     from db.session import session_scope
     from templates import all_templates, current_device
     from templates.base import DTYPES
 
-    if limit < 1:
-        raise TunerError(f"--limit must be >= 1, but got {limit}", "e.g. --limit 100")
+    dtype, variant = checked_dtype(dtype), checked_variant(variant)
     url = database_url(db)
+    if template is not None:
+        with session_scope(url, write=False) as s:
+            checked_template(template, (t.name for t in crud.list_templates(s)))
     device_filter = None if all_devices else (device or current_device().key)
     problem_keys = None
     asked: dict[str, Problem] = {}  # with --shape: the problem asked, by bucket
@@ -177,7 +186,7 @@ def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[
     """With --shape: the implementations compared for the asked problem (``tuner.comparison``)
     on each device and bucket the listed rows are of, at this install's kernel versions."""
     from tuner.comparison import compare_in_database
-    from tuner.lookup import device_info_from_row
+    from tuner.devices import device_info_from_row
     from tuner.settings import get_settings
 
     margin = get_settings().neighbour_margin

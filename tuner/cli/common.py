@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 import sys
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -17,6 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DbOption",
+    "checked_dtype",
+    "checked_template",
+    "checked_variant",
     "GpuLockDirOption",
     "JsonOption",
     "console",
@@ -26,7 +32,6 @@ __all__ = [
     "gpu_lock_dir",
     "print_json",
     "problem_label",
-    "setting_fix",
     "settings_with",
 ]
 
@@ -66,14 +71,8 @@ def settings_with(db: str | None) -> Settings:
         if "TUNER_DATABASE_URL" in exc.variables:
             fix = "pass --db sqlite:///tuner.db or --db postgresql+psycopg://user@host/db"
         else:
-            fix = setting_fix(exc)
-        raise TunerError(str(exc), fix) from None
-
-
-def setting_fix(exc: SettingsError) -> str:
-    """What to do about TUNER_* variables that hold bad values."""
-    names = ", ".join(exc.variables) or "the TUNER_* variable named"
-    return f"correct or unset {names} (in the environment or in .env); README.md lists them"
+            fix = exc.fix
+        raise TunerError(exc.message, fix) from None
 
 
 def gpu_lock_dir(flag: str | None) -> str | None:
@@ -81,6 +80,50 @@ def gpu_lock_dir(flag: str | None) -> str | None:
     from tuner.settings import get_settings
 
     return flag if flag is not None else get_settings().gpu_lock_dir
+
+
+def checked_dtype(dtype: str | None) -> str | None:
+    """``--dtype`` as given, if it names a dtype; a typo is an error, not an empty answer."""
+    # The templates (torch, triton: 3-4 s) are imported by the commands that use them, when
+    # they run: every command's --help and start-up paid them (issue 41, item 1).
+    from templates.base import DTYPES
+
+    if dtype is None or dtype in DTYPES:
+        return dtype
+    raise TunerError(f"--dtype must be one of {', '.join(DTYPES)}, but got {dtype!r}",
+                     _did_you_mean("--dtype", dtype, DTYPES))
+
+
+def checked_variant(variant: str | None) -> str | None:
+    """``--variant`` as given, if it is a variant name as ``Problem.variant`` writes it
+    (dense, causal-<mode>, sparse-<mask>, causal-<mode>+sparse-<mask>)."""
+    from templates.base import CAUSAL_MODES
+
+    causal = "|".join(m for m in CAUSAL_MODES if m != "none")
+    if variant is None or re.fullmatch(rf"dense|((causal-({causal}))(\+sparse-\S+)?|sparse-\S+)",
+                                       variant):
+        return variant
+    examples = ["dense", *(f"causal-{m}" for m in CAUSAL_MODES if m != "none")]
+    raise TunerError(f"--variant must be dense, causal-<mode> (mode: {causal.replace('|', ', ')}),"
+                     f" sparse-<mask> or causal-<mode>+sparse-<mask>, but got {variant!r}",
+                     _did_you_mean("--variant", variant, examples))
+
+
+def checked_template(template: str | None, stored: Iterable[str]) -> str | None:
+    """``--template`` as given, if it is registered here or has rows in the database
+    (``stored``: the names there)."""
+    from templates.registry import all_templates
+
+    known = sorted({t.name for t in all_templates()} | set(stored))
+    if template is None or template in known:
+        return template
+    raise TunerError(f"no template {template!r} is registered or stored; known: "
+                     f"{', '.join(known)}", _did_you_mean("--template", template, known))
+
+
+def _did_you_mean(flag: str, given: str, allowed: Sequence[str]) -> str:
+    close = difflib.get_close_matches(given, allowed, n=1, cutoff=0.5)
+    return f"did you mean {flag} {close[0]}?" if close else f"e.g. {flag} {allowed[0]}"
 
 
 def print_json(data: Any) -> None:

@@ -28,7 +28,7 @@ def replay(
         "--fraction", help="without --budget: this fraction of the recorded configs")] = 0.25,
     seeds: Annotated[int, typer.Option("--seeds", help="runs per sampler (seeds 0..N-1)")] = 5,
     spec: Annotated[Path | None, typer.Option(
-        "--spec", help="search only the [space] of this sweep spec (the one the recording "
+        "--spec", help="search only the \\[space] of this sweep spec (the one the recording "
                        "was swept with)", show_default=False)] = None,
     prior: Annotated[bool, typer.Option(
         "--prior", help="measure the transfer prior first, as a sweep does: the best "

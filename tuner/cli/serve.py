@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tuner.cli.common import DbOption, settings_with
+from tuner.cli.common import DbOption, JsonOption, console, print_json, settings_with
 from tuner.errors import TunerError
 
 __all__ = ["serve"]
@@ -24,8 +24,13 @@ def serve(
         "--workers", help="server processes sharing the port (uvicorn workers); each keeps its "
                           "own cache, so an upload shows in the others' answers within 5 s")] = 1,
     db: DbOption = None,
+    json_out: JsonOption = False,
 ) -> None:
-    """Serve the stored best configs over HTTP (the API the client asks)."""
+    """Serve the stored best configs over HTTP (the API the client asks).
+
+    Says where it serves before the server starts (with --json as one JSON object: url,
+    database, workers, writes); the server's own log is at TUNER_LOG_LEVEL.
+    """
     import uvicorn
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
@@ -39,6 +44,7 @@ def serve(
         raise TunerError(f"--workers must be >= 1, but got {workers}",
                          "e.g. --workers 2, one per core the service may use")
     settings = settings_with(db)
+    shown = make_url(settings.database_url).render_as_string(hide_password=True)
     if settings.token is not None and (problem := write_token_problem(settings.token)):
         raise TunerError(f"refusing to serve: {problem}", TOKEN_FIX)
     try:
@@ -47,10 +53,19 @@ def serve(
         # every worker.
         init_db(settings.database_url)
     except SQLAlchemyError as exc:
-        shown = make_url(settings.database_url).render_as_string(hide_password=True)
         raise TunerError(f"cannot open the database {shown}: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
                          "check --db / TUNER_DATABASE_URL and that the server is up") from None
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    writes = settings.token is not None
+    if json_out:
+        print_json({"url": url, "database": shown, "workers": workers, "writes": writes})
+    else:
+        everywhere = " (every interface)" if host in ("0.0.0.0", "::") else ""
+        console.print(f"serving {shown} at {url}{everywhere}, {workers} worker(s); "
+                      + ("writes need TUNER_TOKEN" if writes else
+                         "reads only (TUNER_TOKEN is not set)")
+                      + f"; API docs at {url}/docs; Ctrl-C stops", highlight=False)
     if db:  # the workers read their settings from the environment (create_app())
         os.environ["TUNER_DATABASE_URL"] = db
     level = settings.log_level.lower()

@@ -23,7 +23,7 @@ from tuner.cli.common import (
     print_json,
     problem_label,
 )
-from tuner.errors import TunerError
+from tuner.errors import ServiceError, TunerError
 from tuner.snapshot import StoredSnapshot, check_snapshot_id, read_snapshot, snapshot_id_of
 
 __all__ = ["app"]
@@ -215,12 +215,27 @@ def _client(url: str) -> Any:
 
 
 def _service_call(url: str, call: Any) -> Any:
-    from tuner.client import TunerError as ServiceError
-
     try:
         return call()
     except ServiceError as exc:
-        fix = ("set TUNER_TOKEN to the service's write token" if exc.status in (401, 403)
-               else "list them with `tuner snapshot list --url ...`" if exc.status == 404
-               else "check --url and that the service runs (tuner serve)")
-        raise TunerError(str(exc), fix) from None
+        raise TunerError(str(exc), service_fix(exc, url)) from None
+
+
+def service_fix(exc: ServiceError, url: str) -> str:
+    """What to do about the service's refusal: by its status, and by its explanation where
+    one status has several causes (a 503 of a service that serves reads only)."""
+    detail = str(exc.detail or "")
+    if exc.status is None:
+        return f"check that --url {url} names the config service and that it runs (tuner serve)"
+    if exc.status in (401, 403):
+        return "set TUNER_TOKEN here to the service's write token"
+    if exc.status == 404:
+        return "list them with `tuner snapshot list --url ...`"
+    if exc.status == 503 and "writes are disabled" in detail:
+        return ("the service serves reads only: start it with TUNER_TOKEN set to a random "
+                "secret, and set the same TUNER_TOKEN here")
+    if exc.status == 503:
+        return "the service cannot use its database: see its log and `curl URL/healthz`"
+    if exc.status >= 500:
+        return "the service failed: see its log"
+    return "the service refused the request as sent: its answer above says why"

@@ -105,6 +105,14 @@ def sweep(
     Results are stored as they finish; running the same command again resumes (stored
     configs are not measured again), and a larger --trials tunes further.
     """
+    if spec is not None and shape:
+        raise TunerError("give either a suite/spec file or --shape flags, not both",
+                         "drop the SPEC argument or the --shape options")
+    if spec is None and not shape:
+        raise TunerError("nothing to tune", "give a suite (`tuner sweep quick`), a spec file "
+                         "(`tuner sweep my.toml`) or shapes (`--shape B=8,H=16,N=2048,D=128`)")
+    # After the checks of the flags alone (their errors come in 0.7 s): these import torch,
+    # the kernels and Optuna, 4-5 s (python -X importtime; issue 41, item 1).
     import optuna
 
     from templates.device import interpreter_active
@@ -120,17 +128,11 @@ def sweep(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     interpreter = interpreter_active()
     note = None
-    if spec is not None and shape:
-        raise TunerError("give either a suite/spec file or --shape flags, not both",
-                         "drop the SPEC argument or the --shape options")
     if spec is not None:
         resolved, note = resolve_spec(spec, interpreter=interpreter)
-    elif shape:
+    else:
         resolved = spec_from_flags(templates=template or [], shapes=shape, dtypes=dtype or [],
                                    causal=causal or [], interpreter=interpreter)
-    else:
-        raise TunerError("nothing to tune", "give a suite (`tuner sweep quick`), a spec file "
-                         "(`tuner sweep my.toml`) or shapes (`--shape B=8,H=16,N=2048,D=128`)")
     chosen_sampler = sampler or resolved.sampler or "tpe"
     if trials is not None:
         pass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -22,8 +22,11 @@ from tuner.cli.common import (
 )
 from tuner.errors import TunerError
 from tuner.runner.timing import REP_MS
-from tuner.verify import AUTO, DEFAULT_TOLERANCE, Verified, VerifyOptions, parse_tolerance
+from tuner.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
 from tuner.wire import readings_text
+
+if TYPE_CHECKING:
+    from tuner.verify import Verified
 
 __all__ = ["verify"]
 
@@ -78,15 +81,6 @@ def verify(
     time, or that fails, makes the command exit 1. Each row also gives the stored best's own
     readings and their spread: a deviation within it is within the config's measured noise.
     """
-    from templates import current_device
-    from templates.device import interpreter_active
-    from tuner.gpus import gpus_for_sweep
-    from tuner.runner.isolated import IsolatedRunner
-    from tuner.suites import resolve_spec, spec_from_flags
-    from tuner.sweep import expand_tasks
-    from tuner.verify import stored_for_tasks, stored_matching
-    from tuner.verify import verify as remeasure
-
     options = VerifyOptions(repeats=repeats, timeout_s=timeout,
                             tolerance=parse_tolerance(tolerance), seed=seed, rep_ms=rep_ms)
     if spec is not None and shape:
@@ -98,6 +92,16 @@ def verify(
     if variant is not None and (spec is not None or shape):
         raise TunerError("--variant filters the stored rows when no SPEC or --shape is given",
                          "give the variant in the spec or with --causal instead")
+    # After the checks of the flags alone, so that their errors come in 0.7 s, not 4 s: these
+    # import torch and the kernels (python -X importtime; issue 41, item 1).
+    from templates import current_device
+    from templates.device import interpreter_active
+    from tuner.gpus import gpus_for_sweep
+    from tuner.runner.isolated import IsolatedRunner
+    from tuner.suites import resolve_spec, spec_from_flags
+    from tuner.sweep import expand_tasks
+    from tuner.verify import stored_for_tasks, stored_matching
+    from tuner.verify import verify as remeasure
     url = database_url(db)
     # The device the stored rows are looked up for: this machine's, as `tuner best` does.
     device_key = current_device().key

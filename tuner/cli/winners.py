@@ -17,6 +17,7 @@ from rich.table import Table
 from tuner.cli.common import (
     DbOption,
     JsonOption,
+    checked_dtype,
     console,
     database_url,
     fmt_tflops,
@@ -44,6 +45,7 @@ def winners(
     from tuner.dispatch import implementations
     from tuner.winners import forward_templates, stored_winners
 
+    dtype = checked_dtype(dtype)
     url = database_url(db)
     device_filter = device or current_device().key
     with session_scope(url, write=False) as s:

@@ -1,10 +1,7 @@
-"""Measuring configs: the isolated trial worker, compile-ahead, timing, outcomes."""
+"""Measuring configs: the isolated trial worker (``isolated``), compile-ahead
+(``compile_ahead``), timing (``timing``), outcomes (``outcome``).
 
-from __future__ import annotations
-
-from tuner.runner.compile_ahead import CompileAhead
-from tuner.runner.isolated import IsolatedRunner
-from tuner.runner.measure import measure
-from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
-
-__all__ = ["CompileAhead", "IsolatedRunner", "Runner", "TrialOutcome", "TrialRequest", "measure"]
+Import the submodules themselves: this package re-exports nothing, so that ``tuner.runner.timing``
+does not import torch and the kernels with ``compile_ahead`` (the ``tuner`` command's options
+read its ``REP_MS``; issue 41, item 1).
+"""
