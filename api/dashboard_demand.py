@@ -1,5 +1,5 @@
 """The dashboard's demand sections: the queue of problems jobs ran untuned, and what each
-worker holds (``db.demand``). Plain HTML tables, every value escaped (``_table``)."""
+worker holds (``db.demand``). Plain HTML tables, every value escaped (``html_table``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from api.dashboard_html import _table
+from api.dashboard_html import html_table
 from db.demand import EXPIRED, demand_status
 
 __all__ = ["render_demand"]
@@ -24,7 +24,7 @@ def _when(value: datetime | None) -> str:
 def render_demand(rows: Sequence[Any], held: Sequence[Any], total: int, now: datetime) -> str:
     """The two sections: ``rows`` the most reported demand rows, ``total`` how many there
     are; ``held`` the claimed ones (live or with their lease passed)."""
-    queue = _table(
+    queue = html_table(
         ("device", "template", "problem bucket", "reports", "status", "worker", "claimed",
          "attempts", "note"),
         ((_device_name(r.device_key), r.template, r.problem_key, r.reports,
@@ -33,7 +33,7 @@ def render_demand(rows: Sequence[Any], held: Sequence[Any], total: int, now: dat
         "No demand yet: jobs report what they run without a tuned config (TUNER_URL set).")
     shown = (f"<p>Showing the {len(rows)} most reported of {total} (the API pages through "
              f"all: <code>/v1/demand</code>).</p>" if total > len(rows) else "")
-    workers = _table(
+    workers = html_table(
         ("worker", "device", "template", "problem bucket", "since", "lease"),
         ((r.worker, _device_name(r.device_key), r.template, r.problem_key, _when(r.claimed_at),
           "lease passed: the next worker takes it over" if demand_status(r, now) == EXPIRED

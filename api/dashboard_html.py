@@ -147,7 +147,7 @@ def _readings_cell(readings: Readings | None) -> str:
     return readings_text(readings.count, readings.spread)
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], empty: str) -> str:
+def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], empty: str) -> str:
     body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>"
                    for row in rows)
     if not body:
@@ -171,7 +171,7 @@ def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
                if n in it.tflops else "–" for n in names),
              *([backends_text(it.sdpa_backends)] if backends else []))
             for found in winners for it in found.items]
-    table = _table(("device", "problem", "runs", "margin over the runner-up", *names,
+    table = html_table(("device", "problem", "runs", "margin over the runner-up", *names,
                     *(["SDPA backends (fastest first)"] if backends else [])),
                    rows[:limit], "No problem measured for any implementation yet: put "
                    "torch_sdpa beside flash_fwd (or gluon_fwd, flash_decode) in a sweep.")
@@ -189,7 +189,7 @@ def winners_table(winners: Sequence[WinnersOut], limit: int) -> str:
 def snapshots_table(snapshots: Sequence[tuple[str, int, datetime]], total: int) -> str:
     """Stored snapshots, newest first: id, when frozen, best configs held (``snapshots`` the
     newest of ``total``)."""
-    table = _table(
+    table = html_table(
         ("id", "created", "entries"),
         ((sid, created.strftime("%Y-%m-%d %H:%M:%S"), items)
          for sid, items, created in snapshots),
@@ -224,16 +224,16 @@ def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: 
     ``demand_html`` the demand sections (``api.dashboard_demand``), HTML already escaped;
     ``snapshots`` the newest (id, entries, created) of ``total_snapshots``."""
     readings = readings or {}
-    device_table = _table(
+    device_table = html_table(
         ("name", "compute capability", "SMs", "triton", "torch", "CUDA", "cuDNN", "key"),
         ((d.name, d.compute_capability, d.sm_count, d.triton_version, d.torch_version,
           d.cuda_version, d.cudnn_version or "–", d.key) for d in devices),
         "No device has stored results yet: run `tuner sweep`, or upload a bundle.")
-    template_table = _table(
+    template_table = html_table(
         ("name", "version", "configs in space", "description"),
         ((t["name"], t["version"], t["grid_size"], t["description"]) for t in templates),
         "No templates registered.")
-    best_table = _table(
+    best_table = html_table(
         ("device", "template", "dtype", "variant", "problem", "config", "TFLOP/s",
          "readings (spread)", "default TFLOP/s", "speedup", "sweep"),
         ((r.device.name, r.template.name, r.dtype, r.variant, r.problem_key,
@@ -243,7 +243,7 @@ def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: 
         "No tuned configs stored yet.")
     shown = (f"<p>Showing {len(rows)} of {total_rows} best configs (the API pages through all: "
              f"<code>/v1/configs</code>).</p>" if total_rows > len(rows) else "")
-    sweep_table = _table(
+    sweep_table = html_table(
         ("id", "name", "host", "status", "started", "finished"),
         ((s.id, s.name, s.host, getattr(s.status, "value", s.status), s.started_at,
           s.finished_at or "–") for s in sweeps),

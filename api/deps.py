@@ -60,7 +60,7 @@ bearer_scheme = HTTPBearer(auto_error=False, scheme_name="bearer",
 DRAIN_AT_MOST = 64 * 1024
 
 
-def _refusal_headers(request: Request) -> dict[str, str]:
+def refusal_headers(request: Request) -> dict[str, str]:
     declared = request.headers.get("content-length", "")
     small = declared.isdigit() and int(declared) <= DRAIN_AT_MOST
     return {} if small else {"Connection": "close"}
@@ -85,18 +85,18 @@ async def require_write_token(
     except SettingsError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
                             detail=f"writes are disabled on this service: {exc}",
-                            headers=_refusal_headers(request)) from None
+                            headers=refusal_headers(request)) from None
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         await _slow_down_refusals(request)
         raise HTTPException(status.HTTP_401_UNAUTHORIZED,
                             detail="this endpoint needs the header 'Authorization: Bearer <token>'",
-                            headers={"WWW-Authenticate": "Bearer", **_refusal_headers(request)})
+                            headers={"WWW-Authenticate": "Bearer", **refusal_headers(request)})
     # Constant time: the comparison must not reveal how many leading characters matched.
     if not hmac.compare_digest(given.strip().encode(), expected.encode()):
         await _slow_down_refusals(request)
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail="the bearer token is not valid",
-                            headers=_refusal_headers(request))
+                            headers=refusal_headers(request))
 
 
 # Longest a refusal is held back, and how many may be held at once (each holds a connection;

@@ -118,7 +118,7 @@ class BlockMask:
         for count_name, c, list_name, entries, bound in checks:
             if c.numel() and (int(c.min()) < 0 or int(c.max()) > nk):
                 raise ValueError(f"BlockMask.{count_name} must lie in [0, {nk}]")
-            used = entries[_valid(c, nk)]
+            used = entries[listed_slots(c, nk)]
             if used.numel() and (int(used.min()) < 0 or int(used.max()) >= bound):
                 raise ValueError(f"BlockMask.{list_name} has an entry out of range [0, {bound})")
         devices = {t.device for _, t in counts + lists} | {self.partial_tiles.device}
@@ -289,10 +289,10 @@ class BlockMask:
         nk = full.shape[3]
         partial_tiles = (torch.cat(tiles) if tiles else
                          torch.zeros(0, qb, kb, dtype=torch.uint8, device=full.device))
-        full_counts, full_indices = _lists(full)
-        partial_counts, partial_indices = _lists(partial)
+        full_counts, full_indices = block_lists(full)
+        partial_counts, partial_indices = block_lists(partial)
         tile_ids = torch.gather(tile_of_block, 3, partial_indices.long()).to(torch.int32)
-        tile_ids = torch.where(_valid(partial_counts, nk), tile_ids, 0)
+        tile_ids = torch.where(listed_slots(partial_counts, nk), tile_ids, 0)
         return cls(n_q, n_kv, (qb, kb), full_counts, full_indices, partial_counts,
                    partial_indices, tile_ids, partial_tiles.contiguous(), pattern)
 
@@ -326,12 +326,12 @@ class BlockMask:
         kind[self._scatter_index(self.full_counts, self.full_indices, 0, nq)] = 1
         where = self._scatter_index(self.partial_counts, self.partial_indices, 0, nq)
         kind[where] = 2
-        tile_of_block[where] = self.partial_tile_ids[_valid(self.partial_counts, nk)]
+        tile_of_block[where] = self.partial_tile_ids[listed_slots(self.partial_counts, nk)]
         kind_t, tiles_t = kind.transpose(2, 3), tile_of_block.transpose(2, 3)
-        full_counts, full_indices = _lists(kind_t == 1)
-        partial_counts, partial_indices = _lists(kind_t == 2)
+        full_counts, full_indices = block_lists(kind_t == 1)
+        partial_counts, partial_indices = block_lists(kind_t == 2)
         tile_ids = torch.gather(tiles_t, 3, partial_indices.long())
-        tile_ids = torch.where(_valid(partial_counts, nq), tile_ids, 0).to(torch.int32)
+        tile_ids = torch.where(listed_slots(partial_counts, nq), tile_ids, 0).to(torch.int32)
         out = BlockMask(self.seqlen_kv, self.seqlen_q, (self.block_size[1], self.block_size[0]),
                         full_counts, full_indices, partial_counts, partial_indices,
                         tile_ids.contiguous(), self.partial_tiles.transpose(1, 2).contiguous())
@@ -356,7 +356,7 @@ class BlockMask:
                             device=self.device)
         cells[self._scatter_index(self.full_counts, self.full_indices, q_lo, q_hi)] = True
         where = self._scatter_index(self.partial_counts, self.partial_indices, q_lo, q_hi)
-        valid = _valid(self.partial_counts, nk)[:, :, q_lo:q_hi]
+        valid = listed_slots(self.partial_counts, nk)[:, :, q_lo:q_hi]
         tiles = self.partial_tiles[self.partial_tile_ids[:, :, q_lo:q_hi][valid].long()]
         cells[where] = tiles.bool()
         dense = cells.transpose(3, 4).reshape(bm, hm, (q_hi - q_lo) * qb, nk * kb)
@@ -366,7 +366,7 @@ class BlockMask:
     def _scatter_index(self, counts: torch.Tensor, indices: torch.Tensor, q_lo: int,
                        q_hi: int) -> tuple[torch.Tensor, ...]:
         nk = indices.shape[3]
-        valid = _valid(counts, nk)[:, :, q_lo:q_hi]
+        valid = listed_slots(counts, nk)[:, :, q_lo:q_hi]
         b, h, q, slot = valid.nonzero(as_tuple=True)
         return b, h, q, indices[:, :, q_lo:q_hi][b, h, q, slot].long()
 
@@ -424,17 +424,17 @@ def _keys_complete(nk: int, kb: int, n_kv: int, device: torch.device) -> torch.T
     return (torch.arange(nk, device=device) + 1) * kb <= n_kv
 
 
-def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts and ascending indices of the True entries of the last dim."""
     nk = blocks.shape[-1]
     order = torch.arange(nk, device=blocks.device).expand_as(blocks)
     keyed = torch.where(blocks, order, nk + order)  # chosen blocks first, each in order
     indices = torch.argsort(keyed, dim=-1, stable=True)
     counts = blocks.sum(dim=-1, dtype=torch.int32)
-    indices = torch.where(_valid(counts, nk), indices, 0)
+    indices = torch.where(listed_slots(counts, nk), indices, 0)
     return counts, indices.to(torch.int32).contiguous()
 
 
-def _valid(counts: torch.Tensor, nk: int) -> torch.Tensor:
+def listed_slots(counts: torch.Tensor, nk: int) -> torch.Tensor:
     """(.., nk) True for the slots below each row's count."""
     return torch.arange(nk, device=counts.device) < counts[..., None]

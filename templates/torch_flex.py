@@ -39,7 +39,7 @@ from templates.attention_reference import (
     random_inputs,
 )
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2
-from templates.block_mask import BlockMask, _lists, _valid
+from templates.block_mask import BlockMask, block_lists, listed_slots
 from templates.device import DeviceInfo
 from templates.mask_mods import pattern_problem
 from templates.registry import register
@@ -106,7 +106,7 @@ def _convert(block_mask: BlockMask, causal: str) -> Any:
     where = block_mask._scatter_index(block_mask.partial_counts, block_mask.partial_indices, 0,
                                       nq)
     kind[where] = 2
-    tile_of[where] = block_mask.partial_tile_ids[_valid(block_mask.partial_counts, nk)]
+    tile_of[where] = block_mask.partial_tile_ids[listed_slots(block_mask.partial_counts, nk)]
     # One all-visible tile after the stored ones: for full blocks the causal edge crosses, and
     # so that the mask_mod never indexes an empty tensor. The tile count is padded to a power
     # of two: the compiled Flex is specialized to the shapes of the tensors its mask_mod
@@ -129,8 +129,8 @@ def _convert(block_mask: BlockMask, causal: str) -> Any:
         crossed = (kind == 1) & ~all_seen
         kind = torch.where(crossed, torch.full_like(kind, 2), kind)
         tile_of = torch.where(crossed, torch.full_like(tile_of, ones), tile_of)
-    full_counts, full_indices = _lists(kind == 1)
-    partial_counts, partial_indices = _lists(kind == 2)
+    full_counts, full_indices = block_lists(kind == 1)
+    partial_counts, partial_indices = block_lists(kind == 2)
     tile_of, tiles = tile_of.contiguous(), tiles.contiguous()
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.body import request_body, validated_body
 from api.demand_buffer import DemandBuffer
 from api.demand_check import DemandChecker
-from api.deps import SessionDep, _refusal_headers, client_address
+from api.deps import SessionDep, client_address, refusal_headers
 from api.loop_share import LoopShare
 from api.query import openapi_parameters, parse_query
 from api.rate_limit import TokenBuckets
@@ -57,7 +57,7 @@ async def within_rate_limit(request: Request) -> None:
             detail=f"too many demand reports from {address}: this service takes "
                    f"{limiter.rate:g} a second per client address (TUNER_DEMAND_RATE_LIMIT), "
                    f"bursts of {limiter.burst:g}; try again in {retry} s",
-            headers={"Retry-After": str(retry), **_refusal_headers(request)})
+            headers={"Retry-After": str(retry), **refusal_headers(request)})
 
 
 @router.post("/demand", response_model=DemandAccepted, status_code=status.HTTP_202_ACCEPTED,
