@@ -131,8 +131,9 @@ def sweep(
     if spec is not None:
         resolved, note = resolve_spec(spec, interpreter=interpreter)
     else:
-        resolved = spec_from_flags(templates=template or [], shapes=shape, dtypes=dtype or [],
-                                   causal=causal or [], interpreter=interpreter)
+        resolved = spec_from_flags(templates=template or [], shapes=shape or [],
+                                   dtypes=dtype or [], causal=causal or [],
+                                   interpreter=interpreter)
     chosen_sampler = sampler or resolved.sampler or "tpe"
     if trials is not None:
         pass
