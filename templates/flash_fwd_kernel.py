@@ -124,13 +124,11 @@ def _kv_step(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_shift[:, None])
     else:
-        # Scaled before the row max: max(s) * scale is the max of the scaled scores only for
-        # scale > 0; for a negative scale it is their min, and exp2 overflowed to inf (NaN
-        # out, where SDPA is finite). The multiply and the subtract still fuse into one FMA.
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # max(s) * scale is the scaled scores' max only for scale > 0: the launcher makes it so
+        # (LaunchPlan.negate_q), keeping this step one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_shift = m_new
-        p = tl.math.exp2(s - m_shift[:, None])
+        p = tl.math.exp2(s * qk_scale - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -502,7 +500,10 @@ class LaunchPlan:
         self.scalars = [*q.stride(), *k.stride(), *v.stride(), *self.out_strides,
                         seqlen_q, seqlen_kv, causal_offset(causal_mode, seqlen_q, seqlen_kv),
                         heads_q, heads_q // heads_kv, batch * heads_q, n_q_tiles,
-                        scale * LOG2_E]
+                        abs(scale) * LOG2_E]
+        # A negative scale runs as -q with |scale| (the same scores, exactly): the unmasked
+        # step takes the row max before scaling, right only for a positive scale.
+        self.negate_q = scale < 0
         self.block_shapes = ([1, 1, block_m, block_d], [1, 1, block_n, block_d])
         if block_mask is not None:
             mask_block_q, mask_block_kv = block_mask.block_size
@@ -538,6 +539,8 @@ class LaunchPlan:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any = None,
                  attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of the kernel on q, k, v; ``attn_mask`` as ``broadcast_attn_mask`` gives it."""
+        if self.negate_q:
+            q = -q  # strides kept: the plan's output layout still holds
         o = torch.empty_strided(self.out_shape, self.out_strides, device=q.device, dtype=q.dtype)
         if DEBUG_POISON:
             o.fill_(float("nan"))
