@@ -33,9 +33,11 @@ def test_a_negative_scale_gives_the_reference(causal: str, scale: float, device:
 
 def test_tuner_attention_on_flash_is_finite_where_sdpa_is(device: str) -> None:
     q, k, v = inputs(device)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=-1.0)
     with tuner.use_implementation("flash"):
         o = tuner.attention(q, k, v, scale=-1.0)
-    assert torch.isfinite(sdpa).all() and torch.isfinite(o).all()
+    assert torch.isfinite(o).all()
+    if device == "cpu":  # SDPA's math backend; on the H200 its flash backend gives NaN here too
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=-1.0)
+        assert torch.isfinite(sdpa).all()
     ref, _ = attention_reference(q, k, v, causal="none", scale=-1.0)
     assert relative_error(o, ref) < 2e-2
