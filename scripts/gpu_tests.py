@@ -43,7 +43,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
             "tests/templates/test_direct_launch_fwd.py"),
     "bwd": ("tests/templates/test_flash_bwd.py", "tests/templates/test_block_sparse_bwd.py",
             "tests/templates/test_gluon_bwd.py", "tests/templates/test_torch_flex.py",
-            "tests/templates/test_gluon_cudnn_train.py"),
+            "tests/templates/test_gluon_cudnn_train.py", "tests/templates/test_gluon_train.py"),
     "decode": ("tests/templates/test_flash_decode.py", "tests/templates/test_direct_launch.py"),
     "tuner": ("tests/tuner",),
 }
