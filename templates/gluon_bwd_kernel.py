@@ -88,7 +88,8 @@ DEBUG_POISON = False
 # Bisecting switches for GPU diagnosis (a constexpr of the main kernel; 0 in production):
 #   2: every GEMM is waited for at once (warpgroup_mma_wait(0)) and the refill is preceded by
 #      fence_async_shared + a barrier of its own (conservative ordering);
-#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest);
+#   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest; with defer_dq
+#      the staged tile's atomics still run);
 #   8: no exponentials, P^T = S^T (wrong gradients: prices the softmax, as the forward's
 #      DIAG switches; benchmarks/gluon_bwd_price.py times these).
 # The environment variable GLUON_BWD_DEBUG overrides it (read when a launch is planned).
@@ -244,10 +245,11 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
         if (DEBUG & 2) == 0:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         return dk, dv
-    # dQ = dS K needs dS with queries along rows. dS^T through shared memory: each warpgroup stores its keys' rows, and the dQ GEMM
-    # reads the whole tile transposed (an MN-major A), as Triton's own compiler stages a
-    # transposed dot operand. (A transpose in registers, the compiler's round trip through
-    # its scratch, measured 1-5% slower on the H200.)
+    # dQ = dS K needs dS with queries along rows: dS^T goes through shared memory, each
+    # warpgroup storing its keys' rows, and the dQ GEMM reads the whole tile transposed (an
+    # MN-major A), as Triton's own compiler stages a transposed dot operand. (A transpose in
+    # registers, the compiler's round trip through its scratch, measured 1-5% slower on the
+    # H200.)
     ds_smem.store(ds_t)
     fence_async_shared()
     warps_barrier()
