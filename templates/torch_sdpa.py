@@ -35,6 +35,10 @@ from templates.device import DeviceInfo
 from templates.flash_bwd import reference_grads
 from templates.registry import register
 
+# torch's own function, kept as imported: ``tuner.install()`` may put the dispatcher in its
+# place on torch.nn.functional, and the dispatcher's SDPA must stay torch's (no recursion).
+TORCH_SDPA_FUNCTION = F.scaled_dot_product_attention
+
 # torch's backends by knob value; "default" leaves the choice to torch.
 BACKENDS: dict[str, SDPBackend | None] = {
     "default": None,
@@ -62,13 +66,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "d
     """torch SDPA with ``backend`` forced (``default``: torch's choice, no context manager)."""
     chosen = BACKENDS[backend]
     if chosen is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return TORCH_SDPA_FUNCTION(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     with sdpa_kernel([chosen]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return TORCH_SDPA_FUNCTION(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 _BACKEND_OF_CHOICE = {int(b): name for name, b in BACKENDS.items()  # type: ignore[call-overload]

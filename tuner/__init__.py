@@ -22,11 +22,12 @@ if TYPE_CHECKING:
     from tuner.client import TunerClient
     from tuner.decode import decode
     from tuner.dispatch import use_implementation
+    from tuner.install import install, installed, uninstall
     from tuner.record import record, record_from_environment  # noqa: F401
     from tuner.varlen import varlen_attention
 
-__all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "record",
-                       "use_implementation", "varlen_attention"]
+__all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "install", "installed",
+                       "record", "uninstall", "use_implementation", "varlen_attention"]
 
 # Public name -> the module that defines it.
 _PUBLIC = {
@@ -34,8 +35,11 @@ _PUBLIC = {
     "TunerClient": "tuner.client",
     "attention": "tuner.attention",
     "decode": "tuner.decode",
+    "install": "tuner.install",
+    "installed": "tuner.install",
     "record": "tuner.record",
     "record_from_environment": "tuner.record",
+    "uninstall": "tuner.install",
     "use_implementation": "tuner.dispatch",
     "varlen_attention": "tuner.varlen",
 }

@@ -28,6 +28,7 @@ import math
 import torch
 
 from templates.document_mask import clear_document_masks, document_block_mask
+from templates.torch_sdpa import TORCH_SDPA_FUNCTION
 from tuner.attention import attention
 
 __all__ = ["clear_document_masks", "document_block_mask", "varlen_attention",
@@ -142,7 +143,7 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         rows = torch.arange(n_q - blind, device=q.device)[:, None] + blind
         cols = torch.arange(n_k, device=q.device)[None, :]
         mask = cols <= rows + n_k - n_q if causal else None
-        out = torch.nn.functional.scaled_dot_product_attention(
+        out = TORCH_SDPA_FUNCTION(
             qd[:, blind:], kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out = out.transpose(0, 1).to(q.dtype)
         if blind:
