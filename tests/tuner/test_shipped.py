@@ -175,6 +175,24 @@ def test_the_database_measured_one_implementation_and_the_table_the_other(
     assert sources["flash"] == "database" and sources["sdpa"] == "shipped"
 
 
+def test_the_tables_own_bucket_comes_before_a_database_neighbour(tmp_path: Path) -> None:
+    """A measurement of the problem's own bucket on this GPU model (shipped) is kept over
+    another bucket's (the database's nearest): the order, tier by tier (tuner.lookup)."""
+    from tests.tuner.test_dispatch import store
+
+    q, k, v = qkv("cpu")
+    p = problem_of(q, k)
+    near = dataclasses.replace(p, seqlen_q=200, seqlen_kv=200)
+    store(tmp_path, measured("torch_sdpa", near, 200.0, device=H100),
+          measured("flash_fwd", near, 100.0, device=H100))
+    ship(tmp_path / "shipped", table(record("torch_sdpa", p, 100.0),
+                                     record("flash_fwd", p, 150.0)),
+         database_url=f"sqlite:///{tmp_path / 'tuned.db'}")
+    choice = plan_for(q, k, v, enable_gqa=True)
+    assert choice.implementation.name == "flash" and choice.source == "shipped", choice.why
+    assert choice.neighbour is None
+
+
 def test_a_pinned_snapshot_still_answers_alone(tmp_path: Path) -> None:
     q, k, v = qkv("cpu")
     p = problem_of(q, k)
