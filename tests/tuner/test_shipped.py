@@ -263,3 +263,19 @@ def test_the_resolver_reads_the_packaged_tables_by_default() -> None:
     resolver = ConfigResolver(load_settings(url=None))
     assert resolver.shipped is not None and resolver.shipped.folder == PACKAGED_DIR
     assert ConfigResolver(load_settings(url=None), shipped_dir=None).shipped is None
+
+
+def test_a_shipped_answer_is_noted_as_demand_for_the_service(tmp_path: Path) -> None:
+    """The service's fleet has not tuned a problem the table answered: it is still asked for."""
+    q, k, _ = qkv("cpu")
+    p = problem_of(q, k)
+    ship(tmp_path / "shipped", table(record("torch_sdpa", p, 100.0)))
+    resolver = ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
+                                            url="http://127.0.0.1:9", lookup_timeout=0.5),
+                              shipped_dir=tmp_path / "shipped")
+    noted: list[tuple[str, Problem]] = []
+    resolver._note_demand = (  # type: ignore[method-assign]
+        lambda template, version, device_key, problem: noted.append((template, problem)))
+    answer = resolver.resolve(get_template("torch_sdpa"), p, H100)
+    assert answer.source == "shipped" and answer.match == "exact"
+    assert noted == [("torch_sdpa", p)]
