@@ -13,17 +13,22 @@ nothing else is asked, ever. Without it, the order, first answer wins
 3. the config service at ``TUNER_URL``, when set: at most ``TUNER_LOOKUP_TIMEOUT`` seconds per
    question; a failure is remembered for ``retry_after_s`` (60 s) so a dead service costs one
    timeout a minute, not one per call,
-4. the template's default heuristic.
+4. the shipped measurements of this GPU model (``tuner.shipped``: a table in the package, of
+   the installed kernel versions only), source ``shipped``,
+5. the template's default heuristic.
 
 An ``exact`` or ``bucket`` match ends the search at once; a ``nearest`` match from the
-database is kept while the service is asked whether it knows better. A nearest answer
-(database, snapshot or service) carries the bests of the neighbouring buckets
+database is kept while the service and the shipped table are asked whether they know better
+(a nearest answer is kept from the first of them that has one). A nearest answer (database,
+snapshot, service or shipped) carries the bests of the neighbouring buckets
 (``neighbours_of``; the service sends them in ``BestOut.neighbours``), on one of which the
 dispatcher may compare implementations (docs/DISPATCH.md). Every answer
-that is not tuned (``default``, ``nearest``) is noted as demand for the service
-(``tuner.demand``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every config that comes
-from outside (database or service) is re-validated against the template's space and static
-constraints here: a served config is data, never code.
+that is not tuned here (``default``, ``nearest``, ``shipped``) is noted as demand for the
+service (``tuner.demand``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every
+config that comes from outside (database, service or shipped table) is re-validated against the
+template's space and static constraints here: a served config is data, never code. A shipped
+answer is re-asked after ``UNTUNED_TTL_S`` until a kernel runs with it, as an untuned one: a
+sweep that lands meanwhile replaces it.
 
 Stable within a process: an answer is re-asked only until a kernel runs with it. The caller
 that runs a config says so (``ConfigResolver.keep``), and from then on its bucket answers the
@@ -71,6 +76,7 @@ from tuner.matching import (
     neighbours_of,
     parse_candidates,
 )
+from tuner.shipped import PACKAGED_DIR, ShippedConfigs
 from tuner.snapshot import SnapshotError
 
 if TYPE_CHECKING:
@@ -84,8 +90,8 @@ if TYPE_CHECKING:
 # modules, which tuner.pinned and tuner.bundle import without importing the resolver; the
 # resolver's callers find them here too.
 __all__ = [
-    "HOPPER_DEFAULT", "RETRY_AFTER_S", "TUNED_TTL_S", "UNTUNED_TTL_S", "BestLike", "Candidate",
-    "ConfigResolver", "Match", "Neighbour", "Resolved", "device_info_from_key",
+    "HOPPER_DEFAULT", "RETRY_AFTER_S", "SHIPPED", "TUNED_TTL_S", "UNTUNED_TTL_S", "BestLike",
+    "Candidate", "ConfigResolver", "Match", "Neighbour", "Resolved", "device_info_from_key",
     "device_info_from_row", "get_resolver", "keep_config", "match_best", "match_candidates",
     "match_with_neighbours", "neighbours_of", "parse_candidates", "resolve_config",
     "set_resolver", "smem_for_cc",
@@ -101,6 +107,7 @@ UNTUNED_TTL_S = 5.0
 # With TUNER_REFRESH=on, a tuned answer (exact, bucket) is asked again after this long: a
 # sweep that finds a faster config reaches running jobs within about a minute.
 TUNED_TTL_S = 60.0
+SHIPPED = "shipped"  # the source of an answer from the package's shipped measurements
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -110,7 +117,8 @@ class ConfigResolver:
 
     def __init__(self, settings: Settings | None = None, *, retry_after_s: float = RETRY_AFTER_S,
                  untuned_ttl_s: float = UNTUNED_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 shipped_dir: Path | None = PACKAGED_DIR) -> None:
         from tuner.settings import load_settings
 
         self.settings = settings if settings is not None else load_settings()
@@ -130,6 +138,8 @@ class ConfigResolver:
         self._pinned: PinnedConfigs | None = None
         self._pin_error: SnapshotError | None = None
         self._demand: DemandReporter | None = None
+        # The shipped tables (tuner.shipped) of ``shipped_dir``; None: none consulted.
+        self._shipped = ShippedConfigs(shipped_dir) if shipped_dir is not None else None
 
     # -- public -------------------------------------------------------------------------
     def resolve(self, template: Template, problem: Problem, device: DeviceInfo) -> Resolved:
@@ -145,7 +155,7 @@ class ConfigResolver:
             resolved = dataclasses.replace(
                 self._resolve_uncached(template, version, problem, device), bucket=key)
             self._cache[key] = resolved
-        if resolved.match in UNTUNED:
+        if resolved.match in UNTUNED or resolved.source == SHIPPED:
             self._note_demand(template.name, version, device.key, problem)
         return resolved
 
@@ -231,13 +241,26 @@ class ConfigResolver:
         remote = self._from_service(template, version, problem, device)
         if remote is not None and remote.match in ("exact", "bucket"):
             return dataclasses.replace(remote, expires_at=tuned_until)
+        shipped = self._from_shipped(template, version, problem, device)
+        if shipped is not None and shipped.kind in ("exact", "bucket"):
+            return Resolved(shipped.config, shipped.kind, SHIPPED, untuned_until,
+                            tflops=_tflops_of(shipped.candidate))
         if local is not None:
             return Resolved(local.config, local.kind, "database", untuned_until,
                             tflops=_tflops_of(local.candidate), neighbours=local.neighbours)
         if remote is not None:  # nearest: with its neighbours, as a local nearest answer
             return dataclasses.replace(remote, expires_at=untuned_until)
+        if shipped is not None:  # nearest, with its neighbours
+            return Resolved(shipped.config, shipped.kind, SHIPPED, untuned_until,
+                            tflops=_tflops_of(shipped.candidate), neighbours=shipped.neighbours)
         return Resolved(template.default_config(problem, device), "default", "default",
                         untuned_until)
+
+    def _from_shipped(self, template: Template, version: str, problem: Problem,
+                      device: DeviceInfo) -> Match | None:
+        if self._shipped is None:
+            return None
+        return self._shipped.match(template, version, problem, device)
 
     def _pinned_configs(self) -> PinnedConfigs | None:
         """TUNER_SNAPSHOT's configs, loaded at the first call; a snapshot that cannot be
@@ -259,6 +282,11 @@ class ConfigResolver:
         if self._pin_error is not None:
             raise SnapshotError(self._pin_error.message, self._pin_error.fix)
         return self._pinned
+
+    @property
+    def shipped(self) -> ShippedConfigs | None:
+        """The shipped tables consulted after the database and the service (None: none)."""
+        return self._shipped
 
     @property
     def pinned(self) -> PinnedConfigs | None:

@@ -27,6 +27,7 @@ from tuner.cli import (
     listing,
     replay,
     serve,
+    ship,
     snapshot,
     sweep,
     verify,
@@ -52,6 +53,7 @@ app.command("import")(importing.import_bundle)
 app.command("replay")(replay.replay)
 app.command("serve")(serve.serve)
 app.command("winners")(winners.winners)
+app.command("ship")(ship.ship)
 app.command("worker")(worker.worker)
 app.add_typer(database.app, name="db")
 app.add_typer(snapshot.app, name="snapshot")
