@@ -28,8 +28,10 @@ def no_tuned_configs(tmp_path: Path) -> Iterator[None]:
     stores one (tests of tuner.attention, the dispatcher and recording)."""
     from tuner.settings import load_settings
 
+    # No shipped tables either (tuner.shipped): a table shipped for a test device's model
+    # would otherwise answer these tests' problems.
     set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
-                                              url=None)))
+                                              url=None), shipped_dir=None))
     clear_plans()
     yield
     clear_plans()

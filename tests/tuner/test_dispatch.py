@@ -50,7 +50,7 @@ def store(tmp_path: Path, *items: dict[str, Any], db: str = "tuned.db") -> None:
     with session_scope(url) as s:
         store_bundle(s, validate_bundle(bundle(*items)))
     dispose_engine(url)
-    set_resolver(ConfigResolver(load_settings(database_url=url, url=None)))
+    set_resolver(ConfigResolver(load_settings(database_url=url, url=None), shipped_dir=None))
     clear_plans()
 
 
