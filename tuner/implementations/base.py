@@ -66,6 +66,9 @@ class Implementation:
     gradient, the op ``tuner::attention_inference`` under torch.compile (which runs this
     implementation's eager path from the graph) and ``masked`` for an eager masked call.
 
+    Repeatable gradients: ``deterministic_backward`` False says its gradients differ between
+    runs in the last bits (dQ summed in no fixed order); under
+    ``torch.use_deterministic_algorithms(True)`` it then serves no call that needs one.
     Masks: ``runs_masks`` says it takes block masks; ``masked(request, choice)`` runs a masked
     call eagerly; ``mask_refusal`` says why a mask's blocks make it hand the call to the
     block-mask baseline (None: it runs it); ``unnamed_mask_choice`` is its choice, when
@@ -80,6 +83,9 @@ class Implementation:
     description: str = ""
     layout_free = False  # one plan serves inputs of any strides and alignment
     runs_masks = False
+    # Whether its gradients are bitwise repeatable (or can be made so under
+    # torch.use_deterministic_algorithms); False: not offered for a gradient then.
+    deterministic_backward = True
     training_op: Any = None  # the op (torch.ops.tuner.<name>) running calls with a gradient
 
     def serves(self, call: Call) -> str | None:
@@ -91,6 +97,10 @@ class Implementation:
     def why_not(self, call: Call) -> str | None:
         if call.needs_grad and not self.training:
             return f"{self.name} has no backward"
+        if call.needs_grad and not self.deterministic_backward and (
+                torch.are_deterministic_algorithms_enabled()):
+            return (f"{self.name}'s backward sums dQ in no fixed order (not bitwise "
+                    f"repeatable), and torch.use_deterministic_algorithms is on")
         for name in self.templates_for(call):
             reason = get_template(name).unsupported(call.problem)
             if reason:

@@ -169,6 +169,16 @@ def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
+def repeatable(config: BwdConfig) -> BwdConfig:
+    """``config``, with dQ summed in a fixed order (dq_mode "separate": one program per query
+    tile, no atomics) when torch.use_deterministic_algorithms is on: "atomic" adds each key
+    tile's share in whatever order the programs run, so its dQ differs in the last bits from
+    run to run."""
+    if config.dq_mode == "atomic" and torch.are_deterministic_algorithms_enabled():
+        return replace(config, dq_mode="separate")
+    return config
+
+
 def _training_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    scale: float | None, enable_gqa: bool) -> Plan:
     """The dense forward of a call that needs a gradient, kept per problem and layout."""
@@ -247,7 +257,8 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dq, dk, dv = flash_attention_bwd(
         grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
         lse.reshape(q4[:-1]), causal=causal_mode(is_causal), scale=scale,
-        config=config, attn_mask=mask4, block_mask=block_mask)  # type: ignore[arg-type]
+        config=repeatable(config),  # type: ignore[arg-type]
+        attn_mask=mask4, block_mask=block_mask)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 

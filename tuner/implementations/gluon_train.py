@@ -37,6 +37,7 @@ class GluonTrain(Implementation):
     training = (TRAINING_TEMPLATE,)
     description = ("for a gradient on Hopper, our kernels both ways: the Gluon forward and the "
                    "Gluon backward fed its o and logsumexp (gluon_train); inference is gluon's")
+    deterministic_backward = False  # dQ by fp32 atomics in any order
 
     def serves(self, call: Call) -> str | None:
         if not call.needs_grad:
