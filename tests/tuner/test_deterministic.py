@@ -18,8 +18,11 @@ import tuner.implementations.flash as flash_impl
 from templates.flash_bwd import BwdConfig
 from tests.api.serving_data import H100
 from tests.tuner.test_dispatch import store
-from tests.tuner.test_dispatch_gluon_training import PROBLEM, measured
-from tests.tuner.test_dispatch_gluon_training import on_hopper  # noqa: F401  (a fixture)
+from tests.tuner.test_dispatch_gluon_training import (
+    PROBLEM,
+    measured,
+    on_hopper,  # noqa: F401  (a fixture)
+)
 from tuner.dispatch import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
