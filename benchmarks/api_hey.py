@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import csv
 import io
+import itertools
 import json
 import os
 import platform
@@ -172,7 +173,7 @@ def missed_ticks(text: str, period: float, seconds: float) -> dict[str, int]:
         return out
     rows.sort()
     out["start"] = max(0, round(rows[0][0] / period) - 1)
-    for (offset, took), (following, _) in zip(rows, rows[1:]):
+    for (offset, took), (following, _) in itertools.pairwise(rows):
         missed = max(0, round((following - offset) / period) - 1)
         out["waiting" if took > period else "unexplained"] += missed
     out["end"] = max(0, asked - len(rows) - out["start"] - out["waiting"] - out["unexplained"])
