@@ -33,6 +33,7 @@ from api.routes import (
     templates,
     winners,
 )
+from api.warm_up import warm_up
 from db.session import init_db
 from tuner.settings import TOKEN_FIX, Settings, SettingsError, load_settings, write_token_problem
 
@@ -77,14 +78,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Store the demand counts still held when the app stops (api.demand_buffer), and close
-    the best cache's change watch.
+    """Pay the write routes' first-request costs now (api.warm_up); store the demand counts
+    still held when the app stops (api.demand_buffer), and close the best cache's change
+    watch.
 
     Keep what start-up allocated (torch, triton, the templates: ~400,000 objects) out of the
     garbage collector's full collections while the app serves. Each full collection traversed
     them all and stopped every request for ~220 ms, which a large upload triggers every few
     seconds (2-core VM: 8,000-item upload, event-loop lag 220 ms; frozen, 12-35 ms). Unfrozen
     at shutdown, so that the interpreter's exit frees them as usual."""
+    # Before the freeze: what it builds is kept out of the full collections too.
+    app.state.warmed_up = await warm_up(app)
     froze = gc.get_freeze_count() == 0  # not already frozen by another app of this process
     if froze:
         gc.collect()

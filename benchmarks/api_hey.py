@@ -34,7 +34,9 @@ Measured, each for ``--duration`` seconds, every latency from hey's own per-requ
 
 hey is closed loop per connection: a connection waits for its answer before its next request
 and hey skips the ticks it missed, so a stall delays the requests behind it without their
-being sent or timed (coordinated omission); ``delivered`` below ``rate`` shows it. api_load.py
+being sent or timed (coordinated omission); ``delivered`` below ``rate`` shows it, and the
+reads' ``missed`` says why each unanswered request is missing (``missed_ticks``: a slow
+answer waited for, a failure or hey late, hey's start, the run's end). api_load.py
 times each request from its planned moment instead. The service's CPU per read (from /proc)
 is recorded for every run: it does not depend on who else uses the host.
 """
@@ -46,6 +48,7 @@ import asyncio
 import contextlib
 import csv
 import io
+import itertools
 import json
 import os
 import platform
@@ -149,6 +152,34 @@ def hey_records(text: str) -> list[tuple[float, int]]:
     return [(float(r["response-time"]), int(r["status-code"])) for r in rows]
 
 
+def missed_ticks(text: str, period: float, seconds: float) -> dict[str, int]:
+    """Why one one-connection hey process (``-c 1 -q 1/period -z seconds``) answered fewer
+    requests than it was asked, from its csv's ``offset`` (when each request started) and
+    ``response-time``. hey waits for a tick of its rate before each request, and Go drops the
+    ticks that come while it is busy, so every missing request is a tick that found it:
+
+    - ``waiting``: waiting for a slow answer (the request before the gap took longer than a
+      period): a stall of the service, the requests behind it neither sent nor timed;
+    - ``unexplained``: a gap after a quick answer: a request that failed (hey's csv leaves
+      errors and timeouts out) or hey itself not run on time;
+    - ``start``: before its first request (hey starting); ``end``: after its last one (the
+      run's end cutting off a tick, or an answer still awaited at the end)."""
+    rows = [(float(r["offset"]), float(r["response-time"]))
+            for r in csv.DictReader(io.StringIO(text))]
+    asked = round(seconds / period)
+    out = {"waiting": 0, "unexplained": 0, "start": 0, "end": 0}
+    if not rows:
+        out["end"] = asked
+        return out
+    rows.sort()
+    out["start"] = max(0, round(rows[0][0] / period) - 1)
+    for (offset, took), (following, _) in itertools.pairwise(rows):
+        missed = max(0, round((following - offset) / period) - 1)
+        out["waiting" if took > period else "unexplained"] += missed
+    out["end"] = max(0, asked - len(rows) - out["start"] - out["waiting"] - out["unexplained"])
+    return out
+
+
 def summarize(records: list[tuple[float, int]], asked: int, seconds: float) -> dict[str, Any]:
     ms = sorted(t * 1e3 for t, _ in records)
     statuses: dict[str, int] = {}
@@ -191,8 +222,12 @@ async def hey_reads(hey: Path, base: str, targets: dict[str, list[str]], rate: f
         runs.append(run_hey(hey, argv, url, i * period / n))  # phases spread over a period
     outputs = await asyncio.gather(*runs)
     records = [r for text in outputs for r in hey_records(text)]
+    missed = {"waiting": 0, "unexplained": 0, "start": 0, "end": 0}
+    for text in outputs:
+        for why, count in missed_ticks(text, period, seconds).items():
+            missed[why] += count
     return {**summarize(records, int(rate * seconds), seconds), "hey_processes": n,
-            "per_hey_rate": round(each, 3)}
+            "per_hey_rate": round(each, 3), "missed": missed}
 
 
 async def one_hey_reads(hey: Path, url: str, rate: float, seconds: float,

@@ -104,6 +104,8 @@ def test_the_read_mix_is_spread_over_one_connection_hey_processes(tmp_path: Path
     assert result["hey_processes"] == 5 and result["per_hey_rate"] == 100.0
     assert result["answered"] == 15 and result["asked"] == 1000
     assert result["p50_ms"] == 2.0 and result["statuses"] == {"200": 15}
+    # Each stand-in answers 3 of its 200 ticks, all at its start: the rest are the run's end.
+    assert result["missed"] == {"waiting": 0, "unexplained": 0, "start": 0, "end": 985}
     runs = [json.loads(line) for line in calls.read_text().splitlines()]
     argvs = sorted(argv for _, argv in runs)
     assert all(a[:8] == ["-c", "1", "-cpus", "1", "-q", "100.000", "-z", "2.0s"]
@@ -112,3 +114,20 @@ def test_the_read_mix_is_spread_over_one_connection_hey_processes(tmp_path: Path
     assert urls == sorted(["http://h/v1/best?exact=0", "http://h/v1/best?bucket=0",
                            "http://h/v1/best?nearest=0", "http://h/v1/best?default=0",
                            "http://h/v1/best?exact=1"])
+
+
+def test_missing_requests_are_told_apart_by_why_their_ticks_were_dropped() -> None:
+    """hey at 100/s for 1 s (period 10 ms): ticks 1-20 answered in 1 ms; request 21 answered
+    in 45 ms (the ticks of 220-260 ms dropped while waiting: 4); then two ticks missing after
+    a quick answer (a failure or hey late); the last 10 ticks never came (the run's end)."""
+    rows = [(0.010 * k, 0.001) for k in range(1, 21)] + [(0.210, 0.045)]
+    rows += [(0.010 * k, 0.001) for k in range(26, 60)] + [(0.010 * k, 0.001)
+                                                            for k in range(62, 91)]
+    text = CSV_HEAD + "".join(f"{took},0,0,0,0,0,200,{offset:.4f}\n" for offset, took in rows)
+    missed = hey_bench.missed_ticks(text, period=0.010, seconds=1.0)
+    assert missed == {"waiting": 4, "unexplained": 2, "start": 0, "end": 10}
+    assert len(rows) + sum(missed.values()) == 100
+    late_start = CSV_HEAD + "0.001,0,0,0,0,0,200,0.0500\n"
+    assert hey_bench.missed_ticks(late_start, 0.010, 0.1) == {"waiting": 0, "unexplained": 0,
+                                                              "start": 4, "end": 5}
+    assert hey_bench.missed_ticks(CSV_HEAD, 0.010, 0.1)["end"] == 10

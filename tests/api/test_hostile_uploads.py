@@ -195,3 +195,13 @@ def test_the_service_keeps_its_startup_objects_out_of_full_collections(app: Any)
     with TestClient(app):
         assert gc.get_freeze_count() > 10_000
     assert gc.get_freeze_count() == 0  # the exit frees them as usual
+
+
+def test_the_write_routes_are_warmed_up_at_start_without_storing_anything(app: Any) -> None:
+    """The first write's one-off costs (route set-up, ORM mappers) are paid at start-up by
+    requests that are refused or invalid: nothing is counted or stored."""
+    with TestClient(app) as client:
+        assert app.state.warmed_up == {"POST /v1/results": 401, "POST /v1/demand": 422,
+                                       "GET /v1/best": 422}
+        assert client.get("/v1/demand").json()["total"] == 0
+        assert client.get("/v1/devices").json() == []
