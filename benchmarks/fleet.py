@@ -64,7 +64,8 @@ def synthetic_problems(shapes: str) -> list[Problem]:
                 for sq in (16, 32, 64, 128) for skv in (16, 32, 64, 128)
                 for d in (16, 32) for dtype in ("float16", "float32")]
     if shapes == "gpu":
-        return [Problem(batch, heads, heads // gqa, n, n, d, "bfloat16", causal=causal)
+        return [Problem(batch, heads, heads // gqa, n, n, d, "bfloat16",
+                        causal="top_left" if causal else "none")
                 for batch, heads in ((2, 16), (4, 32)) for gqa in (1, 4)
                 for n in (512, 1024, 2048, 4096) for d in (64, 128)
                 for causal in (True, False)]

@@ -67,6 +67,7 @@ SLOW = {
     "tests/test_tpe_vs_grid.py": 5,
     "tests/test_benchmark_fleet.py::"
     "test_two_workers_one_killed_finish_every_problem_without_duplicates": 75,
+    "tests/test_benchmark_rank_agreement.py": 45,
 }
 
 
