@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
@@ -70,17 +72,23 @@ def local_postgres() -> Iterator[str]:
                            "pgserver wheel, or give --db URL of a running server")
     data = Path(tempfile.mkdtemp(prefix="fleet-pg-"))
     port = _free_port()
-    run = {"check": True, "capture_output": True, "text": True}
+    run: dict[str, Any] = {"check": True, "capture_output": True, "text": True, "cwd": data}
+    if os.geteuid() == 0:
+        # initdb refuses to run as root (the GPU hosts' containers run as root): the server
+        # runs as "nobody", owning its folder.
+        nobody = pwd.getpwnam("nobody")
+        os.chown(data, nobody.pw_uid, nobody.pw_gid)
+        run |= {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
     try:
         subprocess.run([str(folder / "initdb"), "-D", str(data / "data"), "-U", "postgres",
-                        "-A", "trust", "-E", "UTF8"], **run)  # type: ignore[call-overload]
+                        "-A", "trust", "-E", "UTF8"], **run)
         # Enough connections for 8 workers (each: its pool, trial heartbeats, the lease
         # keeper) and this script.
         subprocess.run([str(folder / "pg_ctl"), "-D", str(data / "data"), "-l",
                         str(data / "log"), "-w", "-o",
                         f"-p {port} -k {data} -c listen_addresses=127.0.0.1 "
                         "-c max_connections=400 -c fsync=off", "start"],
-                       **run)  # type: ignore[call-overload]
+                       **run)
     except subprocess.CalledProcessError as exc:
         log = (data / "log").read_text()[-2000:] if (data / "log").exists() else ""
         shutil.rmtree(data, ignore_errors=True)
@@ -90,7 +98,7 @@ def local_postgres() -> Iterator[str]:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
     finally:
         subprocess.run([str(folder / "pg_ctl"), "-D", str(data / "data"), "-m", "fast", "-w",
-                        "stop"], capture_output=True, check=False)
+                        "stop"], **{**run, "check": False})
         shutil.rmtree(data, ignore_errors=True)
 
 
