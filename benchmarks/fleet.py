@@ -329,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(text)
     print(text)
     ok = all(r["duplicate_measurements"] == 0 and r["claims_stuck"] == 0 and r["settled"]
-             for r in report["runs"])
+             and not r["measured_not_stored"] and r.get("one_worker_per_gpu", True)
+             and r.get("killed_problems_finished_by_others", True)
+             and r.get("nothing_measured_lost", True) for r in report["runs"])
     return 0 if ok else 1
 
 
