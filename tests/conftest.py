@@ -65,6 +65,9 @@ SLOW = {
     "tests/test_benchmark_dispatch.py": 7,
     "tests/test_benchmark_attention_overhead.py": 5,
     "tests/test_tpe_vs_grid.py": 5,
+    "tests/test_benchmark_fleet.py::"
+    "test_two_workers_one_killed_finish_every_problem_without_duplicates": 75,
+    "tests/test_benchmark_rank_agreement.py": 45,
 }
 
 

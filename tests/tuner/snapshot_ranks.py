@@ -12,25 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Generous: four forked ranks and the service share CI's 2 cores with whatever else runs
-# (a clean-clone CI run once took over 60 s for phase 1); a rank that died ends the wait at
-# once instead (``alive``).
-WAIT_S = 180.0
+from tests.benchmark_scripts import load_benchmark_script
 
-
-def wait_for(path: Path, alive: Callable[[], bool] | None = None) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        if alive is not None and not alive():
-            raise RuntimeError(f"a rank exited before {path.name} appeared")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {WAIT_S:g} s")
-        time.sleep(0.02)
+# benchmarks/rank_choices.py: shared with the torchrun rank check (benchmarks/rank_agreement.py)
+wait_for = load_benchmark_script("rank_choices").wait_for
 
 
 def run_rank(rank: int, world: int, folder: str, shapes: list[dict[str, Any]],
