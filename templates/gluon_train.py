@@ -14,53 +14,37 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from templates import gluon_bwd
+import torch
+
+from templates import gluon_bwd, gluon_training
 from templates import gluon_fwd as fwd
-from templates.attention_reference import forward_bytes, forward_flops, random_inputs
-from templates.base import KernelConfig, Problem, Template
-from templates.flash_bwd import reference_grads
+from templates.base import KernelConfig, Problem
+from templates.gluon_training import GluonTrainingTemplate
 from templates.registry import register
 
 
-class GluonTrainTemplate(fwd.GluonFwdTemplate):
+class GluonTrainTemplate(GluonTrainingTemplate):
     name = "gluon_train"
     description = ("a training step's attention by our kernels both ways: the Gluon forward "
                    "(gluon_fwd's knobs) and the Gluon backward (gluon_bwd's default config) fed "
                    "with its o and logsumexp, timed together; compared with torch_sdpa_train "
                    "and gluon_cudnn_train by the dispatcher.")
-    block_masks = False
 
     def source_modules(self) -> Sequence[str]:
-        return [*super().source_modules(), fwd.__name__, gluon_bwd.__name__]
+        return [*super().source_modules(), fwd.__name__, gluon_training.__name__,
+                gluon_bwd.__name__]
 
     def unsupported(self, problem: Problem) -> str | None:
-        if problem.mask != "none":
-            return f"{self.name} takes dense problems: gluon_bwd takes no block mask " \
-                   f"(pattern {problem.mask!r})"
-        reason = gluon_bwd.TEMPLATE.unsupported(problem)
-        return reason or super().unsupported(problem)
+        reason = super().unsupported(problem)
+        if reason or problem.mask != "none":
+            return reason
+        return gluon_bwd.TEMPLATE.unsupported(problem)
 
-    def flops(self, problem: Problem) -> float:
-        return 3.5 * forward_flops(problem)  # forward + backward, as torch_sdpa_train
-
-    def bytes_moved(self, problem: Problem) -> float:
-        return 2.0 * forward_bytes(problem, lse=False)
-
-    def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
-        return random_inputs(problem, device, seed, grad_out=True)
-
-    def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
-        o, lse = super().run(inputs, config)
+    def backward(self, inputs: Mapping[str, Any], o: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return gluon_bwd.gluon_attention_bwd(inputs["do"], inputs["q"], inputs["k"],
                                              inputs["v"], o, lse, causal=inputs["causal"],
                                              scale=inputs["scale"])
-
-    def reference(self, inputs: Mapping[str, Any]) -> Any:
-        return reference_grads(inputs["q"], inputs["k"], inputs["v"], inputs["do"],
-                               causal=inputs["causal"], scale=inputs["scale"])
-
-    def error(self, out: Any, ref: Any) -> float:
-        return Template.error(self, out, ref)  # the largest of dq's, dk's and dv's
 
     def standalone_source(self, config: KernelConfig) -> str:
         raise NotImplementedError(

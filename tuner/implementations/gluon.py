@@ -27,10 +27,11 @@ from tuner.implementations.call import (
 from tuner.implementations.flash import Pair, resolved_for
 from tuner.implementations.ops import (
     backward_by,
+    grads_fake,
+    grads_like,
     in_op_layout,
     setup_context,
     training_fake,
-    with_strides,
 )
 from tuner.implementations.registry import register_implementation
 from tuner.plans import PLANS, Plan, keep_plan
@@ -170,10 +171,7 @@ def _cudnn_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     grads = cudnn_bwd.cudnn_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
                                        v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
                                        causal=is_causal, scale=scale)
-    # Laid out as the fake's torch.empty_like (its strides read off a meta tensor).
-    return tuple(with_strides(g.reshape(t.shape),  # type: ignore[return-value]
-                              torch.empty_like(t, device="meta").stride())
-                 for g, t in zip(grads, (q, k, v), strict=True))
+    return grads_like(grads, q, k, v)
 
 
 @_cudnn_attention_bwd.register_fake
@@ -181,7 +179,7 @@ def _cudnn_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                               v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                               is_causal: bool, scale: float | None, enable_gqa: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return grads_fake(q, k, v)
 
 
 _gluon_attention_fwd.register_autograd(backward_by("cudnn_attention_bwd"),

@@ -19,10 +19,11 @@ from tuner.implementations.call import Call, shapes_4d
 from tuner.implementations.gluon import GLUON, training_plan
 from tuner.implementations.ops import (
     backward_by,
+    grads_fake,
+    grads_like,
     in_op_layout,
     setup_context,
     training_fake,
-    with_strides,
 )
 from tuner.implementations.registry import register_implementation
 
@@ -75,9 +76,7 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     grads = gluon_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
                                 v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
                                 causal=is_causal, scale=scale)
-    return tuple(with_strides(g.reshape(t.shape),  # type: ignore[return-value]
-                              torch.empty_like(t, device="meta").stride())
-                 for g, t in zip(grads, (q, k, v), strict=True))
+    return grads_like(grads, q, k, v)
 
 
 @_gluon_attention_bwd.register_fake
@@ -85,7 +84,7 @@ def _gluon_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                               v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                               is_causal: bool, scale: float | None, enable_gqa: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return grads_fake(q, k, v)
 
 
 _gluon_train_fwd.register_autograd(backward_by("gluon_attention_bwd"),

@@ -10,8 +10,8 @@ import torch
 from templates.kernel_common import output_strides
 from tuner.implementations.mask_args import NO_MASK
 
-__all__ = ["backward_by", "in_op_layout", "op_output_strides", "output_fake",
-           "setup_context", "with_strides"]
+__all__ = ["backward_by", "grads_fake", "grads_like", "in_op_layout", "op_output_strides",
+           "output_fake", "setup_context", "with_strides"]
 
 
 def op_output_strides(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
@@ -29,6 +29,22 @@ def with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
     if t.stride() == tuple(strides):
         return t
     return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def grads_like(grads: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A backward op's (dq, dk, dv), each in its input's shape and laid out as
+    ``torch.empty_like`` of it (what the backward ops' fakes say; strides read off a meta
+    tensor)."""
+    dq, dk, dv = (with_strides(g.reshape(t.shape), torch.empty_like(t, device="meta").stride())
+                  for g, t in zip(grads, (q, k, v), strict=True))
+    return dq, dk, dv
+
+
+def grads_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``grads_like`` returns, for a backward op's fake."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def in_op_layout(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
