@@ -262,7 +262,8 @@ def recorded_prior(recorded: RecordedProblem,
     """The transfer prior a sweep of ``recorded`` would measure first (``tuner.search.prior``),
     from the best recorded config of each of ``others`` (the recording's other problems, as
     if their sweeps had stored them; ``recorded`` itself is left out)."""
-    from tuner.search.prior import StoredBestRow, transfer_prior
+    from tuner.search.prior import transfer_prior
+    from tuner.stored_bests import StoredBest
     from tuner.sweep import device_from_dict
 
     rows = []
@@ -273,9 +274,13 @@ def recorded_prior(recorded: RecordedProblem,
               if o.ok and o.tflops and key in other.configs]
         if ok:
             tflops, key = max(ok)
-            rows.append(StoredBestRow(other.device.get("key", ""), other.template_version,
-                                      other.problem_key, other.problem, other.configs[key],
-                                      float(tflops)))
+            median_ms = other.trials[key].median_ms
+            rows.append(StoredBest(device_key=other.device.get("key", ""),
+                                   template=other.template,
+                                   template_version=other.template_version,
+                                   problem_key=other.problem_key, problem=other.problem,
+                                   config=other.configs[key], tflops=float(tflops),
+                                   median_ms=float(median_ms or 0.0)))
     template = _template(recorded.template)
     return transfer_prior(template, recorded.template_version,
                           Problem.from_dict(recorded.problem), device_from_dict(recorded.device),

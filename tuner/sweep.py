@@ -69,7 +69,7 @@ from tuner.search.loop import (
     SearchStats,
     TrialEvent,
 )
-from tuner.search.prior import StoredBestRow, stored_bests, transfer_prior
+from tuner.search.prior import stored_bests, transfer_prior
 from tuner.search.samplers import SAMPLERS, make_sampler
 from tuner.search.space import SpaceRestriction, check_restriction, problem_space
 from tuner.search.store import DbStore, StoredRemeasurement, StoredResult, measured_configs
@@ -80,6 +80,7 @@ from tuner.search.study import (
     open_study,
     study_name,
 )
+from tuner.stored_bests import StoredBest
 from tuner.suites import SweepSpec
 
 __all__ = [
@@ -457,7 +458,7 @@ class _Shared:
     stop: threading.Event
     make_runner: Callable[..., WorkerRunner]
     budget: SweepBudget | None = None
-    prior_rows: dict[str, list[StoredBestRow]] = field(default_factory=dict)  # by template
+    prior_rows: dict[str, list[StoredBest]] = field(default_factory=dict)  # by template
 
 
 def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,

@@ -25,21 +25,18 @@ import random
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from templates.registry import all_templates, get_template
 from tuner.errors import TunerError
 from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
+from tuner.stored_bests import StoredBest
 from tuner.sweep import Task
 from tuner.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
-
-if TYPE_CHECKING:
-    from db.finalists import Readings
 
 __all__ = [
     "AUTO",
     "DEFAULT_TOLERANCE",
-    "StoredBest",
     "Verified",
     "VerifyOptions",
     "parse_tolerance",
@@ -47,28 +44,6 @@ __all__ = [
     "stored_matching",
     "verify",
 ]
-
-@dataclass(frozen=True)
-class StoredBest:
-    """What verification reads of one stored best config (a ``db.models.BestConfig`` row)."""
-
-    template: str
-    template_version: str
-    problem_key: str
-    problem: dict[str, Any]
-    config: dict[str, Any]
-    median_ms: float
-    tflops: float
-    readings: int = 1  # how many readings median_ms is the median of (db.finalists.Readings)
-    spread: float | None = None  # (slowest - fastest) / median of them; None with one
-
-    @classmethod
-    def of_row(cls, row: Any, readings: Readings) -> StoredBest:
-        return cls(template=row.template.name, template_version=row.template.version,
-                   problem_key=row.problem_key, problem=dict(row.problem),
-                   config=dict(row.config), median_ms=row.median_ms, tflops=row.tflops,
-                   readings=readings.count, spread=readings.spread)
-
 
 @dataclass(frozen=True)
 class Verified:

@@ -22,6 +22,7 @@ from tuner.cli import (
     best,
     compile_check,
     database,
+    demand_worker,
     export,
     importing,
     listing,
@@ -31,7 +32,6 @@ from tuner.cli import (
     sweep,
     verify,
     winners,
-    worker,
 )
 from tuner.cli.common import err_console
 from tuner.errors import TunerError
@@ -52,7 +52,7 @@ app.command("import")(importing.import_bundle)
 app.command("replay")(replay.replay)
 app.command("serve")(serve.serve)
 app.command("winners")(winners.winners)
-app.command("worker")(worker.worker)
+app.command("worker")(demand_worker.worker)
 app.add_typer(database.app, name="db")
 app.add_typer(snapshot.app, name="snapshot")
 

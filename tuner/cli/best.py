@@ -20,7 +20,7 @@ from tuner.cli.common import (
     print_json,
     problem_label,
 )
-from tuner.cli.compared import compared_table
+from tuner.cli.comparison_table import compared_table
 from tuner.errors import TunerError
 from tuner.wire import readings_text
 

@@ -24,9 +24,9 @@ from tuner.runner.outcome import TrialOutcome
 __all__ = [
     "DbStore",
     "MemoryStore",
+    "ProblemBest",
     "RemeasurementRecord",
     "ResultStore",
-    "StoredBest",
     "StoredRemeasurement",
     "StoredResult",
     "TrialRecord",
@@ -67,7 +67,10 @@ class StoredRemeasurement:
 
 
 @dataclass(frozen=True)
-class StoredBest:
+class ProblemBest:
+    """One problem's best config as a result store reports it to the search (memory or
+    database); ``tuner.stored_bests.StoredBest`` is a best-config row as its readers read it."""
+
     config: dict[str, Any]
     tflops: float
     median_ms: float
@@ -111,16 +114,16 @@ class ResultStore(Protocol):
 
     def find(self, problem_key: str, config_key: str) -> StoredResult | None: ...
 
-    def record(self, record: TrialRecord) -> StoredBest | None:
+    def record(self, record: TrialRecord) -> ProblemBest | None:
         """Store one trial (a second record of a config keeps the first) and refresh the
         problem's best config, in one transaction; returns the best after it."""
 
-    def best(self, problem_key: str) -> StoredBest | None: ...
+    def best(self, problem_key: str) -> ProblemBest | None: ...
 
     def remeasurements(self, problem_key: str) -> dict[str, list[StoredRemeasurement]]:
         """Every re-measurement of ``problem_key``, by config key, oldest first."""
 
-    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+    def record_remeasurement(self, record: RemeasurementRecord) -> ProblemBest | None:
         """Store one re-measurement of a stored config (every one is kept) and refresh the
         problem's best config, in one transaction; returns the best after it."""
 
@@ -167,10 +170,10 @@ def _result(row: Any) -> StoredResult:
                         error=row.error, is_default=bool(row.is_default))
 
 
-def _best(row: Any, runs: int) -> StoredBest | None:
+def _best(row: Any, runs: int) -> ProblemBest | None:
     if row is None:
         return None
-    return StoredBest(config=dict(row.config), tflops=row.tflops, median_ms=row.median_ms,
+    return ProblemBest(config=dict(row.config), tflops=row.tflops, median_ms=row.median_ms,
                       default_tflops=row.default_tflops, speedup=row.speedup, runs=runs)
 
 
@@ -223,13 +226,13 @@ class DbStore:
                                   problem_key=problem_key, config_key=config_key)
             return _result(row) if row is not None else None
 
-    def record(self, record: TrialRecord) -> StoredBest | None:
+    def record(self, record: TrialRecord) -> ProblemBest | None:
         from db import crud
         from db.session import run_in_transaction
 
         outcome = record.outcome
 
-        def write(s: Any) -> StoredBest | None:
+        def write(s: Any) -> ProblemBest | None:
             crud.record_trial(
                 s, device_id=self.device_id, template_id=self.template_id,
                 problem_key=record.problem_key, problem=record.problem.to_dict(),
@@ -259,13 +262,13 @@ class DbStore:
                     median_ms=row.median_ms, tflops=row.tflops))
         return found
 
-    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+    def record_remeasurement(self, record: RemeasurementRecord) -> ProblemBest | None:
         from db import crud
         from db.session import run_in_transaction
 
         outcome = record.outcome
 
-        def write(s: Any) -> StoredBest | None:
+        def write(s: Any) -> ProblemBest | None:
             trial = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
                                     problem_key=record.problem_key,
                                     config_key=record.config_key)
@@ -311,7 +314,7 @@ class DbStore:
 
         run_in_transaction(self.url, lambda s: crud.drop_remeasurement_claim(s, claim_id=claim))
 
-    def best(self, problem_key: str) -> StoredBest | None:
+    def best(self, problem_key: str) -> ProblemBest | None:
         from sqlalchemy import select
 
         from db.models import BestConfig
@@ -343,7 +346,7 @@ class MemoryStore:
         with self._lock:
             return self._rows.get(problem_key, {}).get(config_key)
 
-    def record(self, record: TrialRecord) -> StoredBest | None:
+    def record(self, record: TrialRecord) -> ProblemBest | None:
         o = record.outcome
         result = StoredResult(config_key=record.config.key(), config=record.config.to_dict(),
                               status=o.status, reason=o.reason, tflops=o.tflops,
@@ -357,7 +360,7 @@ class MemoryStore:
         with self._lock:
             return {key: list(runs) for key, runs in self._again.get(problem_key, {}).items()}
 
-    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+    def record_remeasurement(self, record: RemeasurementRecord) -> ProblemBest | None:
         o = record.outcome
         with self._lock:
             if record.config_key not in self._rows.get(record.problem_key, {}):
@@ -397,13 +400,13 @@ class MemoryStore:
         with self._lock:
             self._claims.pop(claim, None)
 
-    def best(self, problem_key: str) -> StoredBest | None:
+    def best(self, problem_key: str) -> ProblemBest | None:
         known = self.known(problem_key)
         choice = choose_best(measured_configs(known, self.remeasurements(problem_key)))
         if choice is None:
             return None
         best, default = choice.best, choice.default
-        return StoredBest(config=known[str(best.ref)].config, tflops=best.tflops,
+        return ProblemBest(config=known[str(best.ref)].config, tflops=best.tflops,
                           median_ms=best.median_ms,
                           default_tflops=default.tflops if default else None,
                           speedup=choice.speedup, runs=best.runs)

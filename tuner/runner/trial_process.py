@@ -22,7 +22,7 @@ from typing import Any
 
 from tuner.runner.parent_death import die_with_parent
 
-__all__ = ["worker_main"]
+__all__ = ["trial_process_main"]
 
 
 def _redirect_output(log_path: str | None) -> None:
@@ -49,7 +49,7 @@ def _no_core_dumps() -> None:
         pass
 
 
-def worker_main(conn: Connection, env: dict[str, str], log_path: str | None) -> None:
+def trial_process_main(conn: Connection, env: dict[str, str], log_path: str | None) -> None:
     # A worker stuck in a hung kernel never reads its pipe, so it would not notice that the
     # sweep was killed (SIGKILL included).
     die_with_parent()

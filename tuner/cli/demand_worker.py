@@ -1,7 +1,7 @@
 """``tuner worker``: tune what jobs ran untuned, most reported first, for ever (or until told).
 
 The docker-compose ``demand-worker`` service runs it: each replica claims a GPU, then the
-demand of that GPU's device key (tuner/worker.py), in the database it shares with the service.
+demand of that GPU's device key (tuner/demand_worker.py), in the database it shares with the service.
 With ``--service URL`` a GPU host that reaches only the service does the same through its API
 (TUNER_TOKEN), tuning into a database of its own (``--db``) and uploading the results.
 """
@@ -82,10 +82,10 @@ def worker(
     """
     import optuna
 
+    from tuner.demand_worker import WorkerOptions, run_worker
     from tuner.gpus import gpus_for_sweep
     from tuner.service_queue import ServiceQueue
     from tuner.sweep import SweepOptions
-    from tuner.worker import WorkerOptions, run_worker
 
     settings = settings_with(db)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -118,7 +118,7 @@ class _Lines:
     """What the worker does, one line per step, for people."""
 
     def __call__(self, event: Any) -> None:
-        from tuner.worker import JobClaimed, JobFinished, WorkerStarted, WorkerWaits
+        from tuner.demand_worker import JobClaimed, JobFinished, WorkerStarted, WorkerWaits
 
         if isinstance(event, WorkerStarted):
             device = event.device
@@ -146,7 +146,7 @@ class _JsonLines:
     """One JSON object per finished job, for machines (and compose logs)."""
 
     def __call__(self, event: Any) -> None:
-        from tuner.worker import JobFinished, WorkerStarted, WorkerWaits
+        from tuner.demand_worker import JobFinished, WorkerStarted, WorkerWaits
 
         if isinstance(event, WorkerStarted):
             print_json_line({"event": "started", "worker": event.worker,
