@@ -31,8 +31,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from templates.base import Problem
+from templates.registry import get_template
 from tuner.errors import TunerError
 from tuner.plans import clear_plans
+from tuner.suites import load_spec_file
 
 __all__ = ["RECORDED_BY", "Recorder", "note", "record", "recording"]
 
@@ -108,8 +110,6 @@ class Recorder:
         log.info("tuner.record wrote %s: %s", self.path, self.summary())
 
     def _read_existing(self) -> None:
-        from tuner.suites import load_spec_file
-
         spec = load_spec_file(self.path)
         for problem in spec.problems:
             self.add(problem, spec.templates, spec.counts.get(problem, 1))
@@ -118,8 +118,6 @@ class Recorder:
 def _versions(templates: Iterable[str]) -> list[tuple[str, str]]:
     """The kernel version of each recorded template that this process knows (informational:
     a sweep tunes the problems with its own kernels)."""
-    from templates.registry import get_template
-
     found = []
     for name in templates:
         try:

@@ -40,8 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from db import crud
 from db.finalists import pick_finalists
 from db.models import SweepStatus, TrialStatus
+from db.session import init_db, run_in_transaction
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
@@ -467,9 +469,6 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
               make_runner: Callable[..., WorkerRunner] = IsolatedRunner) -> SweepReport:
     """Tune every problem of ``spec`` into ``db_url``; see the module docstring.
     ``make_runner(name=..., env=...)`` makes each trial worker's runner (tests give fakes)."""
-    from db import crud
-    from db.session import init_db, run_in_transaction
-
     started = time.monotonic()
     emit = on_event or (lambda event: None)
     tasks, skipped = expand_tasks(spec)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from db import crud
+from db.session import session_scope
 from templates.registry import all_templates, get_template
 from tuner.errors import TunerError
 from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
@@ -116,9 +118,6 @@ class Verified:
 def stored_for_tasks(url: str, device_key: str, tasks: Sequence[Task]) -> list[StoredBest]:
     """The stored best of each task's problem on ``device_key`` at the template's current
     version; a TunerError naming every problem that has none."""
-    from db import crud
-    from db.session import session_scope
-
     rows = []
     missing: list[str] = []
     with session_scope(url, write=False) as s:
@@ -147,9 +146,6 @@ def stored_matching(url: str, device_key: str, *, templates: Iterable[str] = (),
     """Every stored best of ``device_key`` that the filters let through (an empty filter lets
     everything through), of the registered templates at their current version; and how many
     rows were left out for being of another kernel version or an unregistered template."""
-    from db import crud
-    from db.session import session_scope
-
     wanted_templates, wanted_dtypes = set(templates), set(dtypes)
     current = {t.name: t.version() for t in all_templates()}
     with session_scope(url, write=False) as s:

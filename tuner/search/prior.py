@@ -10,6 +10,8 @@ left out.
 
 from __future__ import annotations
 
+from db import crud
+from db.session import session_scope
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from tuner.lookup import neighbours_of, parse_candidates
@@ -26,9 +28,6 @@ OTHER_DEVICES = 2
 
 def stored_bests(url: str, template_name: str) -> list[StoredBest]:
     """Every stored best config of ``template_name``, any device and version."""
-    from db import crud
-    from db.session import session_scope
-
     with session_scope(url, write=False) as s:
         total = crud.count_best(s, template=template_name)
         return [StoredBest.of_row(row)

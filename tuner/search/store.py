@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from sqlalchemy import select
+
+from db import crud
 from db.finalists import Measured, choose_best
-from db.models import TrialStatus
+from db.models import BestConfig, TrialStatus
+from db.session import run_in_transaction, session_scope
 from templates.base import KernelConfig, Problem
 from tuner.runner.outcome import TrialOutcome
 
@@ -180,8 +184,6 @@ def _best(row: Any, runs: int) -> ProblemBest | None:
 def _runs_of(s: Any, row: Any) -> int:
     """Readings behind a best config row's time (``db.crud.best_readings``): its trial's and
     the OK re-measurements, or those of its latest head-to-head."""
-    from db import crud
-
     if row is None:
         return 1
     return crud.best_readings(s, [row])[row.id].count
@@ -193,9 +195,6 @@ class DbStore:
     def __init__(self, url: str, *, device: Mapping[str, Any], template_name: str,
                  template_version: str, space: dict[str, Any], sweep_id: int | None = None,
                  worker: str = "") -> None:
-        from db import crud
-        from db.session import run_in_transaction
-
         self.url = url
         self.sweep_id = sweep_id
         self.worker = worker
@@ -209,27 +208,18 @@ class DbStore:
         self.device_id, self.template_id = run_in_transaction(url, ids)
 
     def known(self, problem_key: str) -> dict[str, StoredResult]:
-        from db import crud
-        from db.session import session_scope
-
         with session_scope(self.url, write=False) as s:
             rows = crud.trials_for(s, device_id=self.device_id, template_id=self.template_id,
                                    problem_key=problem_key)
             return {row.config_key: _result(row) for row in rows}
 
     def find(self, problem_key: str, config_key: str) -> StoredResult | None:
-        from db import crud
-        from db.session import session_scope
-
         with session_scope(self.url, write=False) as s:
             row = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
                                   problem_key=problem_key, config_key=config_key)
             return _result(row) if row is not None else None
 
     def record(self, record: TrialRecord) -> ProblemBest | None:
-        from db import crud
-        from db.session import run_in_transaction
-
         outcome = record.outcome
 
         def write(s: Any) -> ProblemBest | None:
@@ -249,9 +239,6 @@ class DbStore:
         return run_in_transaction(self.url, write)
 
     def remeasurements(self, problem_key: str) -> dict[str, list[StoredRemeasurement]]:
-        from db import crud
-        from db.session import session_scope
-
         found: dict[str, list[StoredRemeasurement]] = {}
         with session_scope(self.url, write=False) as s:
             for key, row in crud.remeasurements_for(s, device_id=self.device_id,
@@ -263,9 +250,6 @@ class DbStore:
         return found
 
     def record_remeasurement(self, record: RemeasurementRecord) -> ProblemBest | None:
-        from db import crud
-        from db.session import run_in_transaction
-
         outcome = record.outcome
 
         def write(s: Any) -> ProblemBest | None:
@@ -288,9 +272,6 @@ class DbStore:
 
     def claim_remeasurement(self, problem_key: str, config_key: str, *, wanted: int,
                             worker: str, is_stale: StaleClaim) -> int | None:
-        from db import crud
-        from db.session import run_in_transaction
-
         def claim(s: Any) -> int | None:
             trial = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
                                     problem_key=problem_key, config_key=config_key)
@@ -302,24 +283,13 @@ class DbStore:
         return run_in_transaction(self.url, claim)
 
     def renew_claim(self, claim: int) -> bool:
-        from db import crud
-        from db.session import run_in_transaction
-
         return run_in_transaction(
             self.url, lambda s: crud.renew_remeasurement_claim(s, claim_id=claim))
 
     def drop_claim(self, claim: int) -> None:
-        from db import crud
-        from db.session import run_in_transaction
-
         run_in_transaction(self.url, lambda s: crud.drop_remeasurement_claim(s, claim_id=claim))
 
     def best(self, problem_key: str) -> ProblemBest | None:
-        from sqlalchemy import select
-
-        from db.models import BestConfig
-        from db.session import session_scope
-
         with session_scope(self.url, write=False) as s:
             row = s.scalars(select(BestConfig).filter_by(
                 device_id=self.device_id, template_id=self.template_id,
