@@ -30,6 +30,8 @@ from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any, ClassVar, Self, cast
 
+import torch
+
 from templates.device import DeviceInfo
 
 Scalar = int | bool | str
@@ -207,8 +209,6 @@ class Problem:
 # ----------------------------------------------------------------------------- errors
 def relative_error(out: Any, ref: Any) -> float:
     """‖out - ref‖ / ‖ref‖ in float64; NaN or Inf anywhere gives inf."""
-    import torch
-
     o = out.detach().to(torch.float64)
     r = ref.detach().to(o.device, torch.float64)
     if o.shape != r.shape:

@@ -32,6 +32,8 @@ from templates.device import (
     current_device,
     interpreter_active,
 )
+from templates.flash_fwd import check_block_mask, pattern_mask
+from templates.flash_fwd_kernel import attn_mask_view
 from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.mask_mods import pattern_problem
 from templates.registry import register
@@ -208,7 +210,6 @@ class FlashBwdTemplate(Template):
         scale = 1.0 / math.sqrt(problem.head_dim)
         block_mask = None
         if problem.mask != "none":
-            from templates.flash_fwd import pattern_mask  # cached per problem and device
             block_mask = pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
                                        str(device))
         o, lse = forward_for_backward(q, k, v, causal=problem.causal, scale=scale,
@@ -584,8 +585,6 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         raise ValueError(f"the kernels run on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
     check_interpreter_usable()
-    from templates.flash_fwd import check_block_mask
-    from templates.flash_fwd_kernel import attn_mask_view
 
     if block_mask is not None:
         check_block_mask(block_mask, q, k)

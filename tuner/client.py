@@ -27,7 +27,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from templates.base import Problem
-from templates.device import DeviceInfo
+from templates.device import DeviceInfo, current_device
 from tuner.errors import ServiceError, TunerError
 from tuner.wire import (
     BestOut,
@@ -262,8 +262,6 @@ class TunerClient:
 
 def _device_key(device: str | DeviceInfo | None) -> str:
     if device is None:
-        from templates.device import current_device
-
         return current_device().key
     return device.key if isinstance(device, DeviceInfo) else device
 

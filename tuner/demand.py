@@ -25,7 +25,6 @@ import threading
 from collections.abc import Iterable
 
 from templates.base import Problem
-from tuner.client import TunerClient
 from tuner.errors import ServiceError
 
 __all__ = ["BATCH_ITEMS", "MAX_PENDING", "UNTUNED", "DemandReporter"]
@@ -121,6 +120,8 @@ class DemandReporter:
 
     def _send(self, batch: list[tuple[DemandKey, int]]) -> bool:
         """POST one batch; False when it should be sent again later."""
+        from tuner.client import TunerClient
+
         items = [{"template": template, "template_version": version, "device": device,
                   "problem": problem.to_dict(), "count": count}
                  for (template, version, device, problem), count in batch]

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from db.errors import DatabaseUnavailableError
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
-from tuner.demand import UNTUNED
+from tuner.demand import UNTUNED, DemandReporter
 from tuner.devices import (
     HOPPER_DEFAULT,
     device_info_from_key,
@@ -209,7 +209,6 @@ class ConfigResolver:
             url = self.settings.url
             if not url or not self.settings.demand:
                 return
-            from tuner.demand import DemandReporter
 
             with self._lock:
                 if self._demand is None:

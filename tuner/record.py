@@ -34,7 +34,6 @@ from templates.base import Problem
 from templates.registry import get_template
 from tuner.errors import TunerError
 from tuner.plans import clear_plans
-from tuner.suites import load_spec_file
 
 __all__ = ["RECORDED_BY", "Recorder", "note", "record", "recording"]
 
@@ -110,6 +109,8 @@ class Recorder:
         log.info("tuner.record wrote %s: %s", self.path, self.summary())
 
     def _read_existing(self) -> None:
+        from tuner.suites import load_spec_file
+
         spec = load_spec_file(self.path)
         for problem in spec.problems:
             self.add(problem, spec.templates, spec.counts.get(problem, 1))

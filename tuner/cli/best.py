@@ -22,6 +22,7 @@ from tuner.cli.common import (
 )
 from tuner.cli.comparison_table import compared_table
 from tuner.errors import TunerError
+from tuner.settings import get_settings
 from tuner.wire import readings_text
 
 if TYPE_CHECKING:
@@ -187,7 +188,6 @@ def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[
     on each device and bucket the listed rows are of, at this install's kernel versions."""
     from tuner.comparison import compare_in_database
     from tuner.devices import device_info_from_row
-    from tuner.settings import get_settings
 
     margin = get_settings().neighbour_margin
     out = {}

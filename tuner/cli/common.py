@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from tuner.errors import TunerError
-from tuner.settings import SettingsError
+from tuner.settings import SettingsError, get_settings, load_settings
 
 if TYPE_CHECKING:
     from tuner.settings import Settings
@@ -63,8 +63,6 @@ def database_url(db: str | None) -> str:
 def settings_with(db: str | None) -> Settings:
     """The settings, with ``--db`` in place of TUNER_DATABASE_URL where given; a bad value is
     a TunerError whose fix names what to change."""
-    from tuner.settings import get_settings, load_settings
-
     try:
         return load_settings(database_url=db) if db else get_settings()
     except SettingsError as exc:
@@ -77,8 +75,6 @@ def settings_with(db: str | None) -> Settings:
 
 def gpu_lock_dir(flag: str | None) -> str | None:
     """``--gpu-lock-dir`` if given, else the settings' folder (TUNER_GPU_LOCK_DIR)."""
-    from tuner.settings import get_settings
-
     return flag if flag is not None else get_settings().gpu_lock_dir
 
 

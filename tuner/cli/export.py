@@ -14,6 +14,7 @@ import typer
 
 from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json
 from tuner.errors import TunerError
+from tuner.snapshot import read_snapshot
 
 __all__ = ["export"]
 
@@ -43,7 +44,6 @@ def export(
     from db.session import session_scope
     from tuner.bundle import make_bundle
     from tuner.replay import dump_recorded, load_recorded_from_db
-    from tuner.snapshot import read_snapshot
 
     url = database_url(db)
     if snapshot is not None:

@@ -9,6 +9,7 @@ import typer
 
 from tuner.cli.common import DbOption, JsonOption, console, print_json, settings_with
 from tuner.errors import TunerError
+from tuner.settings import TOKEN_FIX, write_token_problem
 
 __all__ = ["serve"]
 
@@ -36,7 +37,6 @@ def serve(
     from sqlalchemy.exc import SQLAlchemyError
 
     from db.session import init_db
-    from tuner.settings import TOKEN_FIX, write_token_problem
 
     if not 0 < port < 65536:
         raise TunerError(f"--port must be 1..65535, but got {port}", "e.g. --port 8000")
