@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Self, cast
 import torch
 
 from templates.device import DeviceInfo
+from templates.offline_target import gpu_compiler_available
 
 Scalar = int | bool | str
 # One kernel launch: (the @triton.jit function, grid, positional arguments, keyword options).
@@ -303,8 +304,6 @@ class Template(ABC):
         warm Triton's on-disk cache while the GPU times another config). False if not
         supported here: no GPU compiler (interpreter, no CUDA and no ``offline_target``) or
         no ``kernel_launches``."""
-        from templates.offline_target import gpu_compiler_available
-
         if not gpu_compiler_available():
             return False
         launches = self.kernel_launches(problem, self.config(config))

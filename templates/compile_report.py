@@ -106,7 +106,7 @@ def _ptxas(target: str) -> str | None:
     """The ptxas that Triton itself runs for ``target`` (``sm_90a``): triton 3.9 bundles a
     second, newer one for Hopper and later, and the first rejects 3.9's PTX."""
     try:
-        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.backends.nvidia.compiler import get_ptxas  # NVIDIA builds of triton only
 
         path = get_ptxas(int(re.sub(r"\D", "", target))).path
         return path if path and os.access(path, os.X_OK) else None

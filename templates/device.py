@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -135,8 +136,6 @@ def cudnn_version_text(number: int | None) -> str | None:
 
 def _driver_version() -> str:
     try:
-        import subprocess
-
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10, check=False)
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""

@@ -32,7 +32,7 @@ from templates.device import (
     current_device,
     interpreter_active,
 )
-from templates.flash_fwd import check_block_mask, pattern_mask
+from templates.flash_fwd import check_block_mask, flash_attention_fwd, pattern_mask
 from templates.flash_fwd_kernel import attn_mask_view
 from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.mask_mods import pattern_problem
@@ -449,14 +449,7 @@ def _default_config(template: FlashBwdTemplate, problem: Problem, device: Device
 def forward_for_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str,
                          scale: float, block_mask: BlockMask | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) the backward consumes: the forward kernel's when its template is available,
-    else the reference forward's (o rounded to q's dtype, lse float32)."""
-    try:
-        from templates.flash_fwd import flash_attention_fwd
-    except ImportError:
-        mask = None if block_mask is None else block_mask.to_dense()
-        o, lse = attention_reference(q, k, v, causal=causal, scale=scale, mask=mask)
-        return o.to(q.dtype), lse.to(torch.float32)
+    """(o, lse) the backward consumes: the forward kernel's."""
     return flash_attention_fwd(q, k, v, causal=causal, scale=scale, block_mask=block_mask)
 
 

@@ -109,6 +109,7 @@ class Recorder:
         log.info("tuner.record wrote %s: %s", self.path, self.summary())
 
     def _read_existing(self) -> None:
+        # lazy: optuna, sqlalchemy +0.47 s (2-core CPU); `import tuner.attention` skips it
         from tuner.suites import load_spec_file
 
         spec = load_spec_file(self.path)

@@ -93,6 +93,7 @@ def checked_dtype(dtype: str | None) -> str | None:
 def checked_variant(variant: str | None) -> str | None:
     """``--variant`` as given, if it is a variant name as ``Problem.variant`` writes it
     (dense, causal-<mode>, sparse-<mask>, causal-<mode>+sparse-<mask>)."""
+    # lazy: torch+triton +1.4 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.base import CAUSAL_MODES
 
     causal = "|".join(m for m in CAUSAL_MODES if m != "none")
@@ -108,6 +109,7 @@ def checked_variant(variant: str | None) -> str | None:
 def checked_template(template: str | None, stored: Iterable[str]) -> str | None:
     """``--template`` as given, if it is registered here or has rows in the database
     (``stored``: the names there)."""
+    # lazy: torch+triton +1.6 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.registry import all_templates
 
     known = sorted({t.name for t in all_templates()} | set(stored))

@@ -80,6 +80,7 @@ def worker(
     --service, --db is this worker's own database (default: TUNER_DATABASE_URL, else
     sqlite:///tuner.db) and each job's results are uploaded before it is marked done.
     """
+    # lazy: httpx, optuna, sqlalchemy, torch+triton +3.4 s (2-core CPU); keeps `tuner --help` < 1 s
     import optuna
 
     from tuner.demand_worker import WorkerOptions, run_worker
@@ -118,6 +119,7 @@ class _Lines:
     """What the worker does, one line per step, for people."""
 
     def __call__(self, event: Any) -> None:
+        # lazy: optuna, sqlalchemy, torch+triton +3.3 s (2-core CPU); keeps `tuner --help` < 1 s
         from tuner.demand_worker import JobClaimed, JobFinished, WorkerStarted, WorkerWaits
 
         if isinstance(event, WorkerStarted):
@@ -146,6 +148,7 @@ class _JsonLines:
     """One JSON object per finished job, for machines (and compose logs)."""
 
     def __call__(self, event: Any) -> None:
+        # lazy: optuna, sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
         from tuner.demand_worker import JobFinished, WorkerStarted, WorkerWaits
 
         if isinstance(event, WorkerStarted):

@@ -42,7 +42,7 @@ def _no_core_dumps() -> None:
     # A config that segfaults should cost a trial, not a multi-gigabyte core file and the
     # seconds it takes to write one.
     try:
-        import resource
+        import resource  # POSIX only (the ImportError below)
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except (ImportError, ValueError, OSError):
@@ -57,6 +57,7 @@ def trial_process_main(conn: Connection, env: dict[str, str], log_path: str | No
     os.environ.update(env)  # before torch is imported: CUDA_VISIBLE_DEVICES, TRITON_*
     _redirect_output(log_path)
 
+    # After os.environ.update(env): torch and triton read CUDA_VISIBLE_DEVICES, TRITON_* at import.
     import templates  # noqa: F401  (registers the built-in templates)
     from templates.device import current_device
 
@@ -82,6 +83,7 @@ def trial_process_main(conn: Connection, env: dict[str, str], log_path: str | No
 
 
 def _answer(message: dict[str, Any], device: Any) -> dict[str, Any]:
+    # lazy: the kernels are imported once trial_process_main has set the environment (above)
     from db.models import TrialStatus
     from templates.base import Problem
     from templates.registry import get_template
