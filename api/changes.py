@@ -126,7 +126,7 @@ class PostgresChanges:
         self._thread.join(timeout=2 * WAIT_S + 1)
 
     def _listen(self, listening: threading.Event) -> None:
-        import psycopg
+        import psycopg  # PostgreSQL only: SQLite services never start this listener
 
         while not self._stop.is_set():
             try:

@@ -205,7 +205,7 @@ class DemandQuery(BaseModel):
 
 
 # ----------------------------------------------------------------------------- workers' claims
-# What a claim asks for, as ``tuner worker`` sets it (tuner.worker.WorkerOptions checks the
+# What a claim asks for, as ``tuner worker`` sets it (tuner.demand_worker.WorkerOptions checks the
 # same bounds on its side).
 MAX_LEASE_S = 24 * 3600.0
 MAX_CLAIM_ATTEMPTS = 100

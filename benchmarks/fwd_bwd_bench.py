@@ -38,6 +38,7 @@ from templates.autograd import flash_attention  # noqa: E402
 from templates.base import TOLERANCE, Problem, relative_error  # noqa: E402
 from templates.flash_bwd import TEMPLATE as BWD  # noqa: E402
 from templates.flash_bwd import BwdConfig  # noqa: E402
+from templates.kernel_common import normalize_causal
 
 WARMUP_MS, REP_MS = 25, 100
 # Two bf16 implementations each carry ~TOLERANCE["bfloat16"] of error against the exact answer.
@@ -207,7 +208,7 @@ def baseline_and_default(spec: tuple[int, int, bool], with_flex: bool) -> RowRes
         print(f"{row.name}: no SDPA backend ran; our rows are not timed", file=sys.stderr)
         return row
     problem = Problem(row.batch, row.heads, row.heads, row.seqlen, row.seqlen, row.head_dim,
-                      "bfloat16", "top_left" if row.causal else "none")
+                      "bfloat16", normalize_causal(row.causal))
     from templates.device import current_device
 
     default = BWD.default_config(problem, current_device())
@@ -224,7 +225,7 @@ def grid_configs(row: RowResult) -> list[BwdConfig]:
 
     device = current_device()
     problem = Problem(row.batch, row.heads, row.heads, row.seqlen, row.seqlen, row.head_dim,
-                      "bfloat16", "top_left" if row.causal else "none")
+                      "bfloat16", normalize_causal(row.causal))
     default = BWD.default_config(problem, device)
     configs = []
     for data in GRID[row.head_dim]:

@@ -39,6 +39,7 @@ from benchmarks.gluon_bwd_bench import event_ms  # noqa: E402  (3 warm runs, the
 from benchmarks.paired import round_orders  # noqa: E402
 from templates.base import TOLERANCE, relative_error  # noqa: E402
 from templates.flash_bwd import reference_grads  # noqa: E402
+from templates.kernel_common import normalize_causal
 
 # (B, H_q, H_kv, N_q, N_kv, D, dtype, causal)
 CASES = [
@@ -97,7 +98,7 @@ def check_case(case: tuple[Any, ...]) -> dict[str, Any]:
     b, hq, hkv, nq, nkv, d, dtype, causal = case
     q, k, v, do = inputs(b, hq, hkv, nq, nkv, d, dtype)
     row: dict[str, Any] = {"case": [b, hq, hkv, nq, nkv, d, str(dtype), causal]}
-    ref = reference_grads(q, k, v, do, causal="top_left" if causal else "none",
+    ref = reference_grads(q, k, v, do, causal=normalize_causal(causal),
                           scale=d ** -0.5)
     for name, fn in (("sdpa", sdpa_train), ("hybrid", hybrid_train)):
         try:
@@ -126,7 +127,7 @@ def check_case(case: tuple[Any, ...]) -> dict[str, Any]:
 def time_row(d: int, n: int, causal: bool, rounds: int) -> dict[str, Any]:
     b, h = 16384 // n, 2048 // d
     q, k, v, do = inputs(b, h, h, n, n, d, torch.bfloat16)
-    ref = reference_grads(q, k, v, do, causal="top_left" if causal else "none", scale=d ** -0.5)
+    ref = reference_grads(q, k, v, do, causal=normalize_causal(causal), scale=d ** -0.5)
     errors = {name: max(relative_error(g, r) for g, r in zip(fn(q, k, v, do, causal), ref,
                                                               strict=True))
               for name, fn in (("sdpa", sdpa_train), ("hybrid", hybrid_train))}

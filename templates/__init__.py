@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 
+import torch  # does not import triton (checked with torch 2.11 and 2.13: tuner/__init__.py)
+
 
 def _use_interpreter_without_cuda() -> None:
     if "TRITON_INTERPRET" in os.environ:
         return
-    import torch
-
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 

@@ -30,7 +30,10 @@ from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any, ClassVar, Self, cast
 
+import torch
+
 from templates.device import DeviceInfo
+from templates.offline_target import gpu_compiler_available
 
 Scalar = int | bool | str
 # One kernel launch: (the @triton.jit function, grid, positional arguments, keyword options).
@@ -207,8 +210,6 @@ class Problem:
 # ----------------------------------------------------------------------------- errors
 def relative_error(out: Any, ref: Any) -> float:
     """‖out - ref‖ / ‖ref‖ in float64; NaN or Inf anywhere gives inf."""
-    import torch
-
     o = out.detach().to(torch.float64)
     r = ref.detach().to(o.device, torch.float64)
     if o.shape != r.shape:
@@ -303,8 +304,6 @@ class Template(ABC):
         warm Triton's on-disk cache while the GPU times another config). False if not
         supported here: no GPU compiler (interpreter, no CUDA and no ``offline_target``) or
         no ``kernel_launches``."""
-        from templates.offline_target import gpu_compiler_available
-
         if not gpu_compiler_available():
             return False
         launches = self.kernel_launches(problem, self.config(config))

@@ -23,9 +23,15 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
+from shutil import which
 from typing import Any
 
+import triton
+
 from templates.base import KernelConfig, Problem, Template
+from templates.device import interpreter_active
+from templates.offline_target import offline_target
+from templates.registry import get_template
 
 __all__ = ["CompileOutcome", "KernelResources", "compile_config", "main", "wgmma_serialization"]
 
@@ -88,12 +94,9 @@ def compile_config(template: Template, problem: Problem, config: KernelConfig,
 @functools.cache
 def _nvidia_tool(name: str) -> str | None:
     """The CUDA tool ``name`` (cuobjdump, ptxas) that triton bundles, else one on PATH."""
-    import triton
-
     bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if os.access(bundled, os.X_OK):
         return bundled
-    from shutil import which
 
     return which(name)
 
@@ -103,7 +106,7 @@ def _ptxas(target: str) -> str | None:
     """The ptxas that Triton itself runs for ``target`` (``sm_90a``): triton 3.9 bundles a
     second, newer one for Hopper and later, and the first rejects 3.9's PTX."""
     try:
-        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.backends.nvidia.compiler import get_ptxas  # NVIDIA builds of triton only
 
         path = get_ptxas(int(re.sub(r"\D", "", target))).path
         return path if path and os.access(path, os.X_OK) else None
@@ -188,10 +191,6 @@ def count_opcodes(listing: str) -> collections.Counter[str]:
 def main() -> int:
     """Read {"target", "jobs": [{"template", "problem", "config"}]} on stdin; print one JSON
     ``CompileOutcome`` per job and line. Exit 2 on a bad request."""
-    from templates.device import interpreter_active
-    from templates.offline_target import offline_target
-    from templates.registry import get_template
-
     if interpreter_active():
         print("templates.compile_report needs TRITON_INTERPRET=0 in its environment",
               file=sys.stderr)

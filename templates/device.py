@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+
+import torch
+import triton
+import triton.language.standard as standard
+from triton.runtime.jit import JITFunction
 
 CPU_INTERPRETER = "cpu-interpreter"
 
@@ -82,8 +88,6 @@ def check_interpreter_usable() -> None:
 @lru_cache(maxsize=1)
 def _triton_built_for_a_compiler() -> bool:
     # Fixed once triton.language is imported: jit decides at definition time.
-    import triton.language.standard as standard
-    from triton.runtime.jit import JITFunction
 
     return any(isinstance(value, JITFunction) for value in vars(standard).values())
 
@@ -92,9 +96,6 @@ def _triton_built_for_a_compiler() -> bool:
 def cpu_device() -> DeviceInfo:
     """The CPU, where kernels run under Triton's interpreter (``cpu-interpreter``); also what
     CPU tensors run on in a process that has a GPU."""
-    import torch
-    import triton
-
     return DeviceInfo(
         name=CPU_INTERPRETER, compute_capability="", sm_count=os.cpu_count() or 1,
         total_memory=0, smem_per_block=228 * 1024, driver_version=platform.machine(),
@@ -105,9 +106,6 @@ def cpu_device() -> DeviceInfo:
 @lru_cache(maxsize=8)
 def current_device(index: int | None = None) -> DeviceInfo:
     """Describe the CUDA device ``index`` (default: current), or the CPU interpreter."""
-    import torch
-    import triton
-
     if interpreter_active() or not torch.cuda.is_available():
         return cpu_device()
     idx = torch.cuda.current_device() if index is None else index
@@ -138,8 +136,6 @@ def cudnn_version_text(number: int | None) -> str | None:
 
 def _driver_version() -> str:
     try:
-        import subprocess
-
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10, check=False)
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""

@@ -32,6 +32,8 @@ from templates.device import (
     current_device,
     interpreter_active,
 )
+from templates.flash_fwd import check_block_mask, flash_attention_fwd, pattern_mask
+from templates.flash_fwd_kernel import attn_mask_view
 from templates.interpreter_dtype import as_float32, runs_in_float32
 from templates.mask_mods import pattern_problem
 from templates.registry import register
@@ -208,7 +210,6 @@ class FlashBwdTemplate(Template):
         scale = 1.0 / math.sqrt(problem.head_dim)
         block_mask = None
         if problem.mask != "none":
-            from templates.flash_fwd import pattern_mask  # cached per problem and device
             block_mask = pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
                                        str(device))
         o, lse = forward_for_backward(q, k, v, causal=problem.causal, scale=scale,
@@ -448,14 +449,7 @@ def _default_config(template: FlashBwdTemplate, problem: Problem, device: Device
 def forward_for_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str,
                          scale: float, block_mask: BlockMask | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) the backward consumes: the forward kernel's when its template is available,
-    else the reference forward's (o rounded to q's dtype, lse float32)."""
-    try:
-        from templates.flash_fwd import flash_attention_fwd
-    except ImportError:
-        mask = None if block_mask is None else block_mask.to_dense()
-        o, lse = attention_reference(q, k, v, causal=causal, scale=scale, mask=mask)
-        return o.to(q.dtype), lse.to(torch.float32)
+    """(o, lse) the backward consumes: the forward kernel's."""
     return flash_attention_fwd(q, k, v, causal=causal, scale=scale, block_mask=block_mask)
 
 
@@ -584,8 +578,6 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         raise ValueError(f"the kernels run on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
     check_interpreter_usable()
-    from templates.flash_fwd import check_block_mask
-    from templates.flash_fwd_kernel import attn_mask_view
 
     if block_mask is not None:
         check_block_mask(block_mask, q, k)

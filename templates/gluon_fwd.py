@@ -33,6 +33,7 @@ from templates.base import (
 )
 from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo
+from templates.flash_fwd import check_block_mask, pattern_mask
 from templates.gluon_template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
     TORCH_DTYPES,
@@ -284,8 +285,6 @@ class GluonFwdTemplate(GluonTemplate):
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
         inputs = random_inputs(problem, device, seed)
         if problem.mask != "none":
-            from templates.flash_fwd import pattern_mask  # cached per problem and device
-
             inputs["block_mask"] = pattern_mask(problem.mask, problem.seqlen_q,
                                                  problem.seqlen_kv, str(device))
         return inputs
@@ -586,8 +585,6 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         raise ValueError(f"scale must be positive (the softmax takes the row max, and sets "
                          f"hidden scores to -inf, before scaling), but got {softmax_scale}")
     if block_mask is not None:
-        from templates.flash_fwd import check_block_mask
-
         check_block_mask(block_mask, q, k)
     cfg = TEMPLATE.config_to_run(q, k, causal_mode, config,
                                  None if block_mask is None else block_mask.block_size)

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from templates import gluon_common
 from templates.base import KernelConfig, KernelLaunch, Problem, Template
 from templates.device import DeviceInfo, current_device
 from templates.mask_mods import pattern_problem
@@ -50,8 +51,6 @@ class GluonTemplate(Template):
     def source_modules(self) -> Sequence[str]:
         mods = [__name__, type(self).__module__]
         if self.kernel is not None:
-            from templates import gluon_common  # imports only where Gluon does
-
             mods[:0] = [self.kernel.__name__, gluon_common.__name__]
         return mods
 

@@ -20,6 +20,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
 from templates.device import DeviceInfo, interpreter_active
 
 __all__ = ["TARGETS", "gpu_compiler_available", "offline_device", "offline_target"]
@@ -56,8 +60,6 @@ class _OfflineDriver:
         return 0
 
     def get_active_torch_device(self) -> Any:
-        import torch
-
         return torch.device("cpu")
 
 
@@ -73,8 +75,6 @@ def offline_target(name: str) -> Iterator[DeviceInfo]:
                            "is imported (interpreted kernels never reach the compiler)")
     if _active is not None:
         raise RuntimeError(f"an offline target ({_active.name}) is already active")
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
 
     device = TARGETS[name]
     major, minor = device.compute_capability.split(".")
@@ -102,6 +102,5 @@ def gpu_compiler_available() -> bool:
         return False
     if _active is not None:
         return True
-    import torch
 
     return torch.cuda.is_available()

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+from torch.nn.attention.flex_attention import flex_attention
 
 from templates.attention_reference import (
     attention_reference,
@@ -41,6 +43,8 @@ from templates.attention_reference import (
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2
 from templates.block_mask import BlockMask, block_lists, listed_slots
 from templates.device import DeviceInfo
+from templates.flash_bwd import reference_grads
+from templates.flash_fwd import pattern_mask
 from templates.mask_mods import pattern_problem
 from templates.registry import register
 
@@ -60,8 +64,8 @@ def compiled_flex_attention() -> Callable[..., Any]:
     """``torch.compile(flex_attention, dynamic=False)``, made once per process."""
     global _COMPILED
     if _COMPILED is None:
+        # lazy: torch._dynamo +0.98 s at import (2-core CPU); only compiled flex needs it
         import torch._dynamo
-        from torch.nn.attention.flex_attention import flex_attention
 
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
@@ -93,8 +97,6 @@ def to_flex_block_mask(block_mask: BlockMask, causal: str = "none") -> Any:
 
 
 def _convert(block_mask: BlockMask, causal: str) -> Any:
-    from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
-
     bm, hm, nq, nk = block_mask.full_indices.shape
     qb, kb = block_mask.block_size
     n_q, n_kv = block_mask.seqlen_q, block_mask.seqlen_kv
@@ -221,8 +223,6 @@ class _FlexTemplate(Template):
         return FlexConfig()
 
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
-        from templates.flash_fwd import pattern_mask  # the sweep's mask, cached per problem
-
         inputs = random_inputs(problem, device, seed, grad_out=True)
         inputs["block_mask"] = pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
                                              str(device))
@@ -293,8 +293,6 @@ class TorchFlexTrainTemplate(_FlexTemplate):
             return torch.autograd.grad(o, (q, k, v), inputs["do"])
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
-        from templates.flash_bwd import reference_grads
-
         return reference_grads(inputs["q"], inputs["k"], inputs["v"], inputs["do"],
                                causal=inputs["causal"], scale=inputs["scale"],
                                mask=self._dense_mask(inputs))

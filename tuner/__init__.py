@@ -104,6 +104,7 @@ def _log_level_from_environment() -> None:
     # Only when asked for: a library leaves logging to its application (tuner/logs.py).
     if "TUNER_LOG_LEVEL" not in os.environ:
         return
+    # lazy: pydantic-settings, read only where TUNER_LOG_LEVEL is set (`import tuner` stays bare)
     from tuner.logs import configure_logging
     from tuner.settings import SettingsError, load_log_settings
 

@@ -27,8 +27,9 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from templates.base import Problem
-from templates.device import DeviceInfo
+from templates.device import DeviceInfo, current_device
 from tuner.errors import ServiceError, TunerError
+from tuner.settings import get_settings
 from tuner.wire import (
     BestOut,
     ConfigPage,
@@ -64,8 +65,6 @@ class TunerClient:
                  timeout: float = 10.0, retries: int = 3, backoff_s: float = 0.2,
                  transport: httpx.BaseTransport | None = None) -> None:
         if url is None or token is None:
-            from tuner.settings import get_settings
-
             settings = get_settings()
             url = url if url is not None else settings.url
             token = token if token is not None else settings.token
@@ -262,8 +261,6 @@ class TunerClient:
 
 def _device_key(device: str | DeviceInfo | None) -> str:
     if device is None:
-        from templates.device import current_device
-
         return current_device().key
     return device.key if isinstance(device, DeviceInfo) else device
 

@@ -120,6 +120,7 @@ class DemandReporter:
 
     def _send(self, batch: list[tuple[DemandKey, int]]) -> bool:
         """POST one batch; False when it should be sent again later."""
+        # lazy: httpx +0.13 s (2-core CPU); `import tuner.attention` skips it
         from tuner.client import TunerClient
 
         items = [{"template": template, "template_version": version, "device": device,

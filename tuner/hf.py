@@ -186,7 +186,7 @@ def register_transformers(name: str = DEFAULT_NAME) -> str:
 
     Raises ImportError with the fix when transformers is not installed.
     """
-    try:
+    try:  # transformers is an optional dependency
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: F401
     except ImportError as exc:

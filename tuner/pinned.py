@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
+from db import crud
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.bundle import Bundle, BundleItem, first_error
@@ -177,12 +181,6 @@ def _by_id(snapshot_id: str, local_engine: Callable[[], Engine | None], database
 
 def _from_database(snapshot_id: str, local_engine: Callable[[], Engine | None],
                    database_url: str, looked: list[str]) -> tuple[dict[str, Any], str] | None:
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
-    from sqlalchemy.orm import Session
-
-    from db import crud
-
     where = f"database {make_url(database_url).render_as_string(hide_password=True)}"
     engine = local_engine()
     if engine is None:
@@ -203,6 +201,7 @@ def _from_database(snapshot_id: str, local_engine: Callable[[], Engine | None],
 
 def _from_service(snapshot_id: str, url: str, looked: list[str]
                   ) -> tuple[dict[str, Any], str] | None:
+    # lazy: httpx +0.09 s (2-core CPU); `import tuner.attention` skips it
     from tuner.client import TunerClient
 
     where = f"service {url}"

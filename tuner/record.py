@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from templates.base import Problem
+from templates.registry import get_template
 from tuner.errors import TunerError
 from tuner.plans import clear_plans
 
@@ -108,6 +109,7 @@ class Recorder:
         log.info("tuner.record wrote %s: %s", self.path, self.summary())
 
     def _read_existing(self) -> None:
+        # lazy: optuna, sqlalchemy +0.47 s (2-core CPU); `import tuner.attention` skips it
         from tuner.suites import load_spec_file
 
         spec = load_spec_file(self.path)
@@ -118,8 +120,6 @@ class Recorder:
 def _versions(templates: Iterable[str]) -> list[tuple[str, str]]:
     """The kernel version of each recorded template that this process knows (informational:
     a sweep tunes the problems with its own kernels)."""
-    from templates.registry import get_template
-
     found = []
     for name in templates:
         try:

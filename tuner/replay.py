@@ -37,16 +37,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import optuna
+from sqlalchemy import select
 
-from db.models import TrialStatus
+from db.models import Device, Remeasurement, Trial, TrialStatus
+from db.models import Template as TemplateRow
+from db.session import session_scope
 from templates.base import KernelConfig, Problem, Template
 from templates.registry import get_template
 from tuner.errors import TunerError
+from tuner.lookup import device_info_from_row
 from tuner.runner.outcome import TrialOutcome, TrialRequest
 from tuner.search.loop import ProblemSearch, SearchSettings
+from tuner.search.prior import transfer_prior
 from tuner.search.samplers import make_sampler
 from tuner.search.space import SearchSpace, SpaceRestriction, problem_space
 from tuner.search.store import MemoryStore
+from tuner.stored_bests import StoredBest
+from tuner.sweep import device_from_dict
 
 if TYPE_CHECKING:
     from sqlalchemy import Select
@@ -189,8 +196,6 @@ def replay(recorded: RecordedProblem, *, sampler: str, budget: int, seed: int | 
     re-measurements are not replayed), so re-measuring would answer it again and change no
     choice; it would only make ``repeated`` count them.
     """
-    from tuner.sweep import device_from_dict
-
     template = _template(recorded.template)
     problem = Problem.from_dict(recorded.problem)
     device = device_from_dict(recorded.device)
@@ -262,9 +267,6 @@ def recorded_prior(recorded: RecordedProblem,
     """The transfer prior a sweep of ``recorded`` would measure first (``tuner.search.prior``),
     from the best recorded config of each of ``others`` (the recording's other problems, as
     if their sweeps had stored them; ``recorded`` itself is left out)."""
-    from tuner.search.prior import StoredBestRow, transfer_prior
-    from tuner.sweep import device_from_dict
-
     rows = []
     for other in others:
         if other.template != recorded.template or other.problem_key == recorded.problem_key:
@@ -273,9 +275,13 @@ def recorded_prior(recorded: RecordedProblem,
               if o.ok and o.tflops and key in other.configs]
         if ok:
             tflops, key = max(ok)
-            rows.append(StoredBestRow(other.device.get("key", ""), other.template_version,
-                                      other.problem_key, other.problem, other.configs[key],
-                                      float(tflops)))
+            median_ms = other.trials[key].median_ms
+            rows.append(StoredBest(device_key=other.device.get("key", ""),
+                                   template=other.template,
+                                   template_version=other.template_version,
+                                   problem_key=other.problem_key, problem=other.problem,
+                                   config=other.configs[key], tflops=float(tflops),
+                                   median_ms=float(median_ms or 0.0)))
     template = _template(recorded.template)
     return transfer_prior(template, recorded.template_version,
                           Problem.from_dict(recorded.problem), device_from_dict(recorded.device),
@@ -286,8 +292,6 @@ def search_space(recorded: RecordedProblem,
                  space: SpaceRestriction | None = None) -> SearchSpace:
     """The space a replay of ``recorded`` searches: the template's whole space, or the subset
     ``space`` allows for that problem on the recorded device."""
-    from tuner.sweep import device_from_dict
-
     template = _template(recorded.template)
     try:
         return problem_space(template, Problem.from_dict(recorded.problem),
@@ -318,13 +322,6 @@ def load_recorded_from_db(url: str, *, template: str | None = None,
                           device: str | None = None) -> list[RecordedProblem]:
     """Every problem with trials in the database, filtered by template name and device name
     or key."""
-    from sqlalchemy import select
-
-    from db.models import Device, Remeasurement, Trial
-    from db.models import Template as TemplateRow
-    from db.session import session_scope
-    from tuner.lookup import device_info_from_row
-
     def chosen(query: _Query) -> _Query:
         query = query.join(Device, Trial.device_id == Device.id) \
             .join(TemplateRow, Trial.template_id == TemplateRow.id)

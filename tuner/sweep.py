@@ -40,8 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from db import crud
 from db.finalists import pick_finalists
 from db.models import SweepStatus, TrialStatus
+from db.session import init_db, run_in_transaction
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
@@ -69,7 +71,7 @@ from tuner.search.loop import (
     SearchStats,
     TrialEvent,
 )
-from tuner.search.prior import StoredBestRow, stored_bests, transfer_prior
+from tuner.search.prior import stored_bests, transfer_prior
 from tuner.search.samplers import SAMPLERS, make_sampler
 from tuner.search.space import SpaceRestriction, check_restriction, problem_space
 from tuner.search.store import DbStore, StoredRemeasurement, StoredResult, measured_configs
@@ -80,6 +82,7 @@ from tuner.search.study import (
     open_study,
     study_name,
 )
+from tuner.stored_bests import StoredBest
 from tuner.suites import SweepSpec
 
 __all__ = [
@@ -457,7 +460,7 @@ class _Shared:
     stop: threading.Event
     make_runner: Callable[..., WorkerRunner]
     budget: SweepBudget | None = None
-    prior_rows: dict[str, list[StoredBestRow]] = field(default_factory=dict)  # by template
+    prior_rows: dict[str, list[StoredBest]] = field(default_factory=dict)  # by template
 
 
 def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
@@ -466,9 +469,6 @@ def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
               make_runner: Callable[..., WorkerRunner] = IsolatedRunner) -> SweepReport:
     """Tune every problem of ``spec`` into ``db_url``; see the module docstring.
     ``make_runner(name=..., env=...)`` makes each trial worker's runner (tests give fakes)."""
-    from db import crud
-    from db.session import init_db, run_in_transaction
-
     started = time.monotonic()
     emit = on_event or (lambda event: None)
     tasks, skipped = expand_tasks(spec)

@@ -25,21 +25,20 @@ import random
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from db import crud
+from db.session import session_scope
 from templates.registry import all_templates, get_template
 from tuner.errors import TunerError
 from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
+from tuner.stored_bests import StoredBest
 from tuner.sweep import Task
 from tuner.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
-
-if TYPE_CHECKING:
-    from db.finalists import Readings
 
 __all__ = [
     "AUTO",
     "DEFAULT_TOLERANCE",
-    "StoredBest",
     "Verified",
     "VerifyOptions",
     "parse_tolerance",
@@ -47,28 +46,6 @@ __all__ = [
     "stored_matching",
     "verify",
 ]
-
-@dataclass(frozen=True)
-class StoredBest:
-    """What verification reads of one stored best config (a ``db.models.BestConfig`` row)."""
-
-    template: str
-    template_version: str
-    problem_key: str
-    problem: dict[str, Any]
-    config: dict[str, Any]
-    median_ms: float
-    tflops: float
-    readings: int = 1  # how many readings median_ms is the median of (db.finalists.Readings)
-    spread: float | None = None  # (slowest - fastest) / median of them; None with one
-
-    @classmethod
-    def of_row(cls, row: Any, readings: Readings) -> StoredBest:
-        return cls(template=row.template.name, template_version=row.template.version,
-                   problem_key=row.problem_key, problem=dict(row.problem),
-                   config=dict(row.config), median_ms=row.median_ms, tflops=row.tflops,
-                   readings=readings.count, spread=readings.spread)
-
 
 @dataclass(frozen=True)
 class Verified:
@@ -141,9 +118,6 @@ class Verified:
 def stored_for_tasks(url: str, device_key: str, tasks: Sequence[Task]) -> list[StoredBest]:
     """The stored best of each task's problem on ``device_key`` at the template's current
     version; a TunerError naming every problem that has none."""
-    from db import crud
-    from db.session import session_scope
-
     rows = []
     missing: list[str] = []
     with session_scope(url, write=False) as s:
@@ -172,9 +146,6 @@ def stored_matching(url: str, device_key: str, *, templates: Iterable[str] = (),
     """Every stored best of ``device_key`` that the filters let through (an empty filter lets
     everything through), of the registered templates at their current version; and how many
     rows were left out for being of another kernel version or an unregistered template."""
-    from db import crud
-    from db.session import session_scope
-
     wanted_templates, wanted_dtypes = set(templates), set(dtypes)
     current = {t.name: t.version() for t in all_templates()}
     with session_scope(url, write=False) as s:

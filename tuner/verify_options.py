@@ -15,7 +15,7 @@ from tuner.errors import TunerError
 from tuner.runner.timing import REP_MS
 
 if TYPE_CHECKING:
-    from tuner.verify import StoredBest
+    from tuner.stored_bests import StoredBest
 
 __all__ = ["AUTO", "DEFAULT_TOLERANCE", "VerifyOptions", "parse_tolerance"]
 

@@ -4,7 +4,7 @@ from fastapi import APIRouter, HTTPException, Request, Response
 
 from api.answer_memo import AnswerMemo, KeptAnswer
 from api.answers import BestCache, answer_with_sources
-from api.compared import compared_answer
+from api.comparison_answer import compared_answer
 from api.deps import template_or_404
 from api.query import openapi_parameters, validated_query
 from api.schemas import BestQuery

@@ -32,6 +32,7 @@ from templates.flash_bwd import (
     reference_grads,
     registers_estimate,
 )
+from templates.kernel_common import normalize_causal
 from templates.registry import get_template
 from tests.templates.gpu_matrix import bf16_product_fp16_diagonal
 
@@ -497,7 +498,7 @@ def test_gpu_autograd_matches_reference(causal: bool) -> None:
         t = make_inputs((2, 16, 2048, 128), 4, 2048, dtype, "cuda")
         leaves = [t[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
         flash_attention(*leaves, causal=causal).backward(t["do"])
-        mode = "top_left" if causal else "none"
+        mode = normalize_causal(causal)
         refs = reference_grads(t["q"], t["k"], t["v"], t["do"], causal=mode, scale=128 ** -0.5)
         for leaf, ref in zip(leaves, refs, strict=True):
             assert leaf.grad is not None

@@ -15,6 +15,7 @@ import torch
 
 from templates.base import Problem
 from templates.cudnn_bwd import cudnn_backward_problem
+from templates.kernel_common import normalize_causal
 from templates.registry import get_template
 from tests.api.serving_data import H100
 
@@ -78,7 +79,7 @@ CASES = [  # (B, H_q, H_kv, N_q, N_kv, D, dtype, causal)
 def test_the_template_matches_its_reference_on_the_gpu(case: tuple[Any, ...]) -> None:
     b, hq, hkv, nq, nkv, d, dtype, causal = case
     p = Problem(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, head_dim=d,
-                dtype=str(dtype).removeprefix("torch."), causal="top_left" if causal else "none")
+                dtype=str(dtype).removeprefix("torch."), causal=normalize_causal(causal))
     from templates.device import current_device
 
     inputs = TRAIN.make_inputs(p, "cuda")

@@ -23,6 +23,7 @@ import tuner.implementations.gluon
 from templates.attention_reference import attention_reference
 from templates.base import Problem
 from templates.flash_bwd import reference_grads
+from templates.kernel_common import normalize_causal
 from templates.registry import get_template
 from tests.api.serving_data import H100
 from tests.tuner.test_dispatch import measured as measured_on
@@ -243,7 +244,7 @@ def test_training_through_gluon_and_cudnn_matches_the_reference_on_the_gpu(
         o = tuner.attention(*grads_of, is_causal=causal, enable_gqa=gqa)
     o.backward(do)
     four = [t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v, do)]
-    ref = reference_grads(*four, causal="top_left" if causal else "none",
+    ref = reference_grads(*four, causal=normalize_causal(causal),
                           scale=q.shape[-1] ** -0.5)
     tol = 2e-3 if q.dtype == torch.float16 else 1e-2
     for t, r in zip(grads_of, ref, strict=True):

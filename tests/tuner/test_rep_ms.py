@@ -16,7 +16,7 @@ from tests.tuner.conftest import TOY_PROBLEM
 from tuner.runner import timing
 from tuner.runner.outcome import TrialOutcome, TrialRequest
 from tuner.runner.timing import REP_MS, WARMUP_MS, time_gpu
-from tuner.runner.worker import _answer
+from tuner.runner.trial_process import _answer
 
 
 def request(**extra: Any) -> TrialRequest:

@@ -411,7 +411,7 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
     from tuner.cli.sweep import SweepDisplay, print_summary
     from tuner.head_to_head import CandidateResult, HeadToHeadResult
     from tuner.search.loop import SearchStats, TrialEvent
-    from tuner.search.store import StoredBest
+    from tuner.search.store import ProblemBest
     from tuner.sweep import (
         HeadToHeadFinished,
         HeadToHeadStarted,
@@ -435,12 +435,12 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
         display.handle(ProblemStarted(0, 0, budget=4, results=1))
         display.handle(TrialDone(0, 0, TrialEvent(task.problem_key, "measured", "BLOCK=64",
                                                   "ok", 300.0, 2, 4, 300.0)))
-        best = StoredBest({"BLOCK": 64}, 300.0, 1.0, 200.0, 1.5)
+        best = ProblemBest({"BLOCK": 64}, 300.0, 1.0, 200.0, 1.5)
         display.handle(ProblemFinished(0, 0, SearchStats(budget=4, measured=1, best=best)))
         display.handle(ProblemStarted(0, 1, budget=4, results=4))
         display.handle(TrialDone(0, 1, TrialEvent(task.problem_key, "final", "BLOCK=64",
                                                   "ok", 280.0, 4, 4, 290.0)))
-        best = StoredBest({"BLOCK": 64}, 290.0, 1.03, 200.0, 1.45, runs=3)
+        best = ProblemBest({"BLOCK": 64}, 290.0, 1.03, 200.0, 1.45, runs=3)
         display.handle(ProblemFinished(0, 1, SearchStats(budget=4, remeasured=6, best=best)))
         display.handle(ProblemFailed(0, 1, "could not set up"))
         display.handle(HeadToHeadStarted("B1 H2 N32 D16", ("torch_sdpa", "flash_fwd"), 5))

@@ -26,7 +26,8 @@ from tuner.cli.common import console, fmt_tflops
 from tuner.errors import TunerError
 from tuner.runner.outcome import TrialOutcome, TrialRequest
 from tuner.runner.timing import REP_MS
-from tuner.verify import StoredBest, VerifyOptions, parse_tolerance, verify
+from tuner.stored_bests import StoredBest
+from tuner.verify import VerifyOptions, parse_tolerance, verify
 
 SHAPE = "B=1,H=2,N=32,D=16"
 LABEL = "B1 H2 N32 D16 float16 dense"
@@ -171,7 +172,7 @@ class FixedRunner:
         return TrialOutcome(TrialStatus.OK, median_ms=ms, tflops=100.0 / ms)  # 1e11 FLOPs
 
 
-STORED = StoredBest(template="flash_fwd", template_version="v", problem_key="k",
+STORED = StoredBest(device_key="d", template="flash_fwd", template_version="v", problem_key="k",
                     problem={"batch": 1}, config={"BLOCK_M": 64}, median_ms=2.0, tflops=50.0)
 
 

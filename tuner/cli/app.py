@@ -22,6 +22,7 @@ from tuner.cli import (
     best,
     compile_check,
     database,
+    demand_worker,
     export,
     importing,
     listing,
@@ -32,7 +33,6 @@ from tuner.cli import (
     sweep,
     verify,
     winners,
-    worker,
 )
 from tuner.cli.common import err_console
 from tuner.errors import TunerError
@@ -54,7 +54,7 @@ app.command("replay")(replay.replay)
 app.command("serve")(serve.serve)
 app.command("winners")(winners.winners)
 app.command("ship")(ship.ship)
-app.command("worker")(worker.worker)
+app.command("worker")(demand_worker.worker)
 app.add_typer(database.app, name="db")
 app.add_typer(snapshot.app, name="snapshot")
 

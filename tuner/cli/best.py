@@ -20,8 +20,9 @@ from tuner.cli.common import (
     print_json,
     problem_label,
 )
-from tuner.cli.compared import compared_table
+from tuner.cli.comparison_table import compared_table
 from tuner.errors import TunerError
+from tuner.settings import get_settings
 from tuner.wire import readings_text
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ def _why_empty(s: Any, device_filter: str, problem_keys: set[str] | None, *,
                template: str | None, dtype: str | None, variant: str | None) -> str:
     """What the database holds near an empty answer: the same rows on other devices, or this
     device's rows for other shapes ("" when neither)."""
+    # lazy: sqlalchemy +0.25 s (2-core CPU); keeps `tuner --help` < 1 s
     from db import crud
 
     def matches(row: Any) -> bool:
@@ -164,6 +166,7 @@ def _why_empty(s: Any, device_filter: str, problem_keys: set[str] | None, *,
 
 
 def _template(name: str) -> Template:
+    # lazy: torch+triton +1.5 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.registry import get_template
 
     try:
@@ -173,6 +176,7 @@ def _template(name: str) -> Template:
 
 
 def _problem_of(template_name: str, shape: str, dtype: str, causal: str) -> Problem:
+    # lazy: optuna, sqlalchemy, torch+triton +1.8 s (2-core CPU); keeps `tuner --help` < 1 s
     from tuner.suites import parse_shape, spec_from_mapping
 
     spec = spec_from_mapping({"templates": [template_name], "shapes": [parse_shape(shape)],
@@ -185,9 +189,9 @@ def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[
               ) -> dict[tuple[str, str], ImplementationsCompared]:
     """With --shape: the implementations compared for the asked problem (``tuner.comparison``)
     on each device and bucket the listed rows are of, at this install's kernel versions."""
+    # lazy: sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
     from tuner.comparison import compare_in_database
     from tuner.devices import device_info_from_row
-    from tuner.settings import get_settings
 
     margin = get_settings().neighbour_margin
     out = {}
@@ -202,6 +206,7 @@ def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[
 def _ranked(s: Any, rows: list[Any], current: dict[str, str]) -> dict[str, dict[str, Any]]:
     """``tuner.winners``' ranking of each device among ``rows`` that has bests of an
     implementation's forward template: device key -> problem key -> ``ProblemWinner``."""
+    # lazy: sqlalchemy, torch+triton +3.0 s (2-core CPU); keeps `tuner --help` < 1 s
     from tuner.winners import forward_templates, stored_winners
 
     forward = forward_templates()
@@ -215,6 +220,7 @@ def _runs(row: Any, ranked: dict[str, dict[str, Any]], current: dict[str, str]
     """For a best of an implementation's forward template whose problem is measured for
     several implementations: the implementation, the winner, the runner-up and the margin
     (None otherwise, and for bests of other kernel versions: they are not what runs)."""
+    # lazy: sqlalchemy, torch+triton +3.1 s (2-core CPU); keeps `tuner --help` < 1 s
     from tuner.winners import forward_templates
 
     implementation = forward_templates().get(row.template.name)

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from tuner.errors import TunerError
-from tuner.settings import SettingsError
+from tuner.settings import SettingsError, get_settings, load_settings
 
 if TYPE_CHECKING:
     from tuner.settings import Settings
@@ -63,8 +63,6 @@ def database_url(db: str | None) -> str:
 def settings_with(db: str | None) -> Settings:
     """The settings, with ``--db`` in place of TUNER_DATABASE_URL where given; a bad value is
     a TunerError whose fix names what to change."""
-    from tuner.settings import get_settings, load_settings
-
     try:
         return load_settings(database_url=db) if db else get_settings()
     except SettingsError as exc:
@@ -77,8 +75,6 @@ def settings_with(db: str | None) -> Settings:
 
 def gpu_lock_dir(flag: str | None) -> str | None:
     """``--gpu-lock-dir`` if given, else the settings' folder (TUNER_GPU_LOCK_DIR)."""
-    from tuner.settings import get_settings
-
     return flag if flag is not None else get_settings().gpu_lock_dir
 
 
@@ -97,6 +93,7 @@ def checked_dtype(dtype: str | None) -> str | None:
 def checked_variant(variant: str | None) -> str | None:
     """``--variant`` as given, if it is a variant name as ``Problem.variant`` writes it
     (dense, causal-<mode>, sparse-<mask>, causal-<mode>+sparse-<mask>)."""
+    # lazy: torch+triton +1.4 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.base import CAUSAL_MODES
 
     causal = "|".join(m for m in CAUSAL_MODES if m != "none")
@@ -112,6 +109,7 @@ def checked_variant(variant: str | None) -> str | None:
 def checked_template(template: str | None, stored: Iterable[str]) -> str | None:
     """``--template`` as given, if it is registered here or has rows in the database
     (``stored``: the names there)."""
+    # lazy: torch+triton +1.6 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.registry import all_templates
 
     known = sorted({t.name for t in all_templates()} | set(stored))

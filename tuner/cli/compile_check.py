@@ -41,6 +41,7 @@ def compile_check(
 ) -> None:
     """Compile each problem's default config for --target without that GPU; show registers,
     stack (spills) and shared memory per kernel. Exit 1 if a config fails to compile."""
+    # lazy: optuna, sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.offline_target import TARGETS
     from tuner.suites import resolve_spec
     from tuner.sweep import expand_tasks
@@ -86,6 +87,7 @@ def _compile_in_child(request: dict[str, Any], timeout_s: float) -> list[dict[st
     except subprocess.TimeoutExpired:
         raise TunerError(f"compiling {len(request['jobs'])} configs took over {timeout_s:g} s",
                          "raise --timeout, or check fewer problems") from None
+    # lazy: torch+triton +1.7 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.compile_report import CompileOutcome
 
     outcomes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

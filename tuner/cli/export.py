@@ -14,6 +14,7 @@ import typer
 
 from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json
 from tuner.errors import TunerError
+from tuner.snapshot import read_snapshot
 
 __all__ = ["export"]
 
@@ -40,10 +41,10 @@ def export(
     Each item: device, template name and version, problem, config, TFLOP/s, default TFLOP/s,
     and the readings of the config and the default where they were re-measured as finalists.
     """
+    # lazy: optuna, sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
     from db.session import session_scope
     from tuner.bundle import make_bundle
     from tuner.replay import dump_recorded, load_recorded_from_db
-    from tuner.snapshot import read_snapshot
 
     url = database_url(db)
     if snapshot is not None:

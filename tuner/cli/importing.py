@@ -25,6 +25,7 @@ def import_bundle(
     Every item is validated first (template and version known here, problem, config inside
     the space and its constraints); one bad item rejects the file with its index.
     """
+    # lazy: sqlalchemy, torch+triton +1.7 s (2-core CPU); keeps `tuner --help` < 1 s
     import templates  # noqa: F401  (registers the templates the items name)
     from tuner.bundle import BundleError, store_bundle_in_batches, validate_bundle
 

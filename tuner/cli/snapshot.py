@@ -24,7 +24,15 @@ from tuner.cli.common import (
     problem_label,
 )
 from tuner.errors import ServiceError, TunerError
-from tuner.snapshot import StoredSnapshot, check_snapshot_id, read_snapshot, snapshot_id_of
+from tuner.settings import get_settings
+from tuner.snapshot import (
+    StoredSnapshot,
+    check_snapshot_id,
+    delete_snapshot,
+    freeze,
+    read_snapshot,
+    snapshot_id_of,
+)
 
 __all__ = ["app"]
 
@@ -60,8 +68,6 @@ def create(
         result = {"id": answer.id, "items": answer.items, "created": answer.created,
                   "created_at": answer.created_at.isoformat(), "where": url}
     else:
-        from tuner.snapshot import freeze
-
         where = database_url(db)
         frozen = freeze(where, **filters)
         result = {"id": frozen.id, "items": frozen.items, "created": frozen.created,
@@ -88,6 +94,7 @@ def list_snapshots(
             page = _service_call(url, lambda: client.snapshots(limit=1000))
         rows = [(s.id, s.items, s.created_at) for s in page.items]
     else:
+        # lazy: sqlalchemy +0.22 s (2-core CPU); keeps `tuner --help` < 1 s
         from db import crud
         from db.session import session_scope
 
@@ -164,8 +171,6 @@ def delete(
             answer = _service_call(url, lambda: client.delete_snapshot(snapshot_id))
         sid, items, created = answer.id, answer.items, answer.created_at
     else:
-        from tuner.snapshot import delete_snapshot
-
         sid, items, created = delete_snapshot(database_url(db), snapshot_id)
     if json_out:
         print_json({"id": sid, "items": items, "created_at": created.isoformat(),
@@ -205,8 +210,8 @@ def _one_place(url: str | None, db: str | None) -> None:
 
 
 def _client(url: str) -> Any:
+    # lazy: httpx, torch+triton +1.4 s (2-core CPU); keeps `tuner --help` < 1 s
     from tuner.client import TunerClient
-    from tuner.settings import get_settings
 
     try:
         return TunerClient(url, token=get_settings().token or "")

@@ -209,6 +209,7 @@ class SweepDisplay:
         self._started = False
 
     def handle(self, event: Any) -> None:
+        # lazy: optuna, sqlalchemy, torch+triton +3.0 s (2-core CPU); keeps `tuner --help` < 1 s
         from tuner.sweep import (
             HeadToHeadFinished,
             HeadToHeadStarted,

@@ -39,6 +39,7 @@ def winners(
     json_out: JsonOption = False,
 ) -> None:
     """Which implementation wins each stored problem, and by how much."""
+    # lazy: sqlalchemy, torch+triton +2.8 s (2-core CPU); keeps `tuner --help` < 1 s
     from db.session import session_scope
     from templates import current_device
     from templates.registry import get_template

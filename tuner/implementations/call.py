@@ -11,8 +11,9 @@ import torch
 from templates.base import Problem
 from templates.device import DeviceInfo, cpu_device, current_device
 from templates.flash_fwd import DTYPE_NAMES
+from templates.kernel_common import normalize_causal
 
-__all__ = ["Call", "call_of", "call_of_shapes", "causal_mode", "check_inputs", "check_tensors",
+__all__ = ["Call", "call_of", "call_of_shapes", "check_inputs", "check_tensors",
            "device_info",
            "in_kernel_scope", "layout_key", "problem_key", "shapes_4d"]
 
@@ -27,11 +28,6 @@ class Call:
     problem: Problem
     needs_grad: bool
     device: DeviceInfo
-
-
-def causal_mode(is_causal: bool) -> str:
-    """SDPA's ``is_causal`` as a template's causal mode (SDPA's causal mask is top-left)."""
-    return "top_left" if is_causal else "none"
 
 
 def check_tensors(**tensors: object) -> None:
@@ -101,7 +97,7 @@ def call_of_shapes(shape_q: tuple[int, ...], shape_k: tuple[int, ...], dtype: to
     heads_q, heads_kv = (shape_q[-3], shape_k[-3]) if len(shape_q) >= 3 else (1, 1)
     problem = Problem(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=shape_q[-2],
                       seqlen_kv=shape_k[-2], head_dim=shape_q[-1], dtype=DTYPE_NAMES[dtype],
-                      causal=causal_mode(is_causal), mask=mask)
+                      causal=normalize_causal(is_causal), mask=mask)
     return Call(problem, needs_grad, device)
 
 

@@ -21,12 +21,12 @@ from templates.device import interpreter_active
 from templates.flash_bwd import BwdConfig, flash_attention_bwd
 from templates.flash_bwd import fit_to_block_mask as fit_bwd_to_block_mask
 from templates.flash_fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd, launch_plan
+from templates.kernel_common import normalize_causal
 from templates.registry import get_template
 from tuner.implementations.base import Choice, Implementation, Request, Run
 from tuner.implementations.call import (
     Call,
     call_of,
-    causal_mode,
     check_inputs,
     layout_key,
     problem_key,
@@ -62,7 +62,7 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
         config = replace(config, use_tma=False)
-    launch = launch_plan(q, k, v, causal=causal_mode(is_causal), scale=scale, config=config)
+    launch = launch_plan(q, k, v, causal=normalize_causal(is_causal), scale=scale, config=config)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +164,7 @@ def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         config = replace(config, use_tma=False)
     attn_mask = None if mask.attn_mask is None else mask.attn_mask.reshape(
         *q4[:-1], k.shape[-2])
-    o, lse = flash_attention_fwd(q_, k_, v_, causal=causal_mode(is_causal), attn_mask=attn_mask,
+    o, lse = flash_attention_fwd(q_, k_, v_, causal=normalize_causal(is_causal), attn_mask=attn_mask,
                                  block_mask=mask.block_mask, scale=scale, config=config)
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
@@ -256,7 +256,7 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         mask4 = None if mask.attn_mask is None else mask.attn_mask.reshape(*q4[:-1], k.shape[-2])
     dq, dk, dv = flash_attention_bwd(
         grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
-        lse.reshape(q4[:-1]), causal=causal_mode(is_causal), scale=scale,
+        lse.reshape(q4[:-1]), causal=normalize_causal(is_causal), scale=scale,
         config=repeatable(config),  # type: ignore[arg-type]
         attn_mask=mask4, block_mask=block_mask)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

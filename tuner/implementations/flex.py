@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from templates import torch_flex
+from templates.kernel_common import normalize_causal
 from templates.torch_flex import FlexConfig, block_size_problem
 from tuner.implementations.base import Choice, Implementation, Request, Run
-from tuner.implementations.call import Call, causal_mode, shapes_4d
+from tuner.implementations.call import Call, shapes_4d
 from tuner.implementations.registry import register_implementation
 from tuner.lookup import Resolved
 
@@ -69,7 +70,7 @@ def _flex(r: Request, config: FlexConfig) -> torch.Tensor:
     q4, kv4 = shapes_4d(r.q, r.k)
     # Looked up on the module at each call (tests stand in for it).
     return torch_flex.flex(r.q.reshape(q4), r.k.reshape(kv4), r.v.reshape(kv4),
-                           r.mask.block_mask, causal=causal_mode(r.is_causal), scale=r.scale,
+                           r.mask.block_mask, causal=normalize_causal(r.is_causal), scale=r.scale,
                            enable_gqa=r.enable_gqa, config=config).reshape(r.q.shape)
 
 

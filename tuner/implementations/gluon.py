@@ -15,10 +15,10 @@ import torch
 from templates import cudnn_bwd, gluon_fwd
 from templates.base import KernelConfig
 from templates.gluon_fwd import GluonFwdConfig, gluon_attention_fwd
+from templates.kernel_common import normalize_causal
 from tuner.implementations.base import Choice, Implementation, Request, Run
 from tuner.implementations.call import (
     Call,
-    causal_mode,
     check_inputs,
     layout_key,
     problem_key,
@@ -48,7 +48,7 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float
     assert isinstance(config, GluonFwdConfig)
     q4, kv4 = shapes_4d(q, k)
     out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
-    causal = causal_mode(is_causal)
+    causal = normalize_causal(is_causal)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ class Gluon(Implementation):
         # Looked up on the module at each call (tests stand in for it).
         o, _ = gluon_fwd.gluon_attention_fwd(
             r.q.reshape(q4), r.k.reshape(kv4), r.v.reshape(kv4),
-            causal=causal_mode(r.is_causal), scale=r.scale, config=config,
+            causal=normalize_causal(r.is_causal), scale=r.scale, config=config,
             block_mask=r.mask.block_mask)
         return o.reshape(r.q.shape)
 

@@ -21,7 +21,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
-from templates.base import Template
+from templates.base import Problem, Template
+from templates.registry import get_template
 from tuner.runner.outcome import TrialRequest
 from tuner.runner.parent_death import die_with_parent
 
@@ -51,10 +52,6 @@ def _init_pool(env: dict[str, str]) -> None:
 
 def precompile_request(request: TrialRequest) -> bool:
     """Runs in a pool process: compile ``request``'s config; False if not supported."""
-    import templates  # noqa: F401
-    from templates.base import Problem
-    from templates.registry import get_template
-
     importlib.import_module(request.template_module)
     template = get_template(request.template)
     problem = Problem.from_dict(request.problem)

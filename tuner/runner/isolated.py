@@ -22,7 +22,7 @@ from typing import Any
 from db.models import TrialStatus
 from tuner.errors import TunerError
 from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.runner.worker import worker_main
+from tuner.runner.trial_process import trial_process_main
 
 __all__ = ["IsolatedRunner"]
 
@@ -54,7 +54,7 @@ class IsolatedRunner:
             return
         self._discard()
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, self._env, str(self._log)),
+        proc = self._ctx.Process(target=trial_process_main, args=(child, self._env, str(self._log)),
                                  name=self.name, daemon=True)
         proc.start()
         child.close()

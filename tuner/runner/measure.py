@@ -16,6 +16,8 @@ import math
 import time
 from typing import Any
 
+import torch
+
 from db.models import TrialStatus
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
@@ -46,8 +48,6 @@ def describe_exception(exc: BaseException) -> str:
 
 def _synchronize(on_gpu: bool) -> None:
     if on_gpu:
-        import torch
-
         torch.cuda.synchronize()
 
 

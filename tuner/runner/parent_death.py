@@ -10,6 +10,7 @@ covers every way the parent can end.
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import sys
 
@@ -23,8 +24,6 @@ def die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:

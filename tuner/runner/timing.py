@@ -31,6 +31,7 @@ def time_gpu(fn: Callable[[], Any], rep_ms: float = REP_MS) -> float:
     kernel 5% faster on the GPU but launched in 80 us of host time must not beat cuDNN's
     55 us call (the H100's decode row, 2026-11-24).
     """
+    # lazy: torch+triton +1.3 s (2-core CPU); keeps `tuner --help` < 1 s
     from triton.testing import do_bench
 
     flushed = float(do_bench(fn, warmup=WARMUP_MS, rep=rep_ms, return_mode="median"))
@@ -56,6 +57,7 @@ def back_to_back_ms(fn: Callable[[], Any], calls: int) -> float:
     """Milliseconds per call of ``calls`` calls of ``fn`` queued back to back, no flush between
     them, timed by CUDA events around the whole run (host launch time included where it sets
     the pace)."""
+    # lazy: torch +1.2 s (2-core CPU); keeps `tuner --help` < 1 s
     import torch
 
     start = torch.cuda.Event(enable_timing=True)

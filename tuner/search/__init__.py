@@ -6,7 +6,7 @@ from __future__ import annotations
 from tuner.search.loop import ProblemSearch, SearchSettings, SearchStats, TrialEvent
 from tuner.search.samplers import SAMPLERS, ExhaustiveSampler, make_sampler
 from tuner.search.space import SearchSpace, problem_space
-from tuner.search.store import DbStore, MemoryStore, ResultStore, StoredBest, StoredResult
+from tuner.search.store import DbStore, MemoryStore, ProblemBest, ResultStore, StoredResult
 from tuner.search.study import make_storage, open_study, study_name
 
 __all__ = [
@@ -14,12 +14,12 @@ __all__ = [
     "DbStore",
     "ExhaustiveSampler",
     "MemoryStore",
+    "ProblemBest",
     "ProblemSearch",
     "ResultStore",
     "SearchSettings",
     "SearchSpace",
     "SearchStats",
-    "StoredBest",
     "StoredResult",
     "TrialEvent",
     "make_sampler",

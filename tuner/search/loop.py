@@ -80,9 +80,9 @@ from tuner.search.space import (
     valid_configs,
 )
 from tuner.search.store import (
+    ProblemBest,
     RemeasurementRecord,
     ResultStore,
-    StoredBest,
     StoredResult,
     TrialRecord,
     measured_configs,
@@ -172,7 +172,7 @@ class SearchStats:
     remeasured: int = 0  # re-measurements of finalists this worker ran
     disqualified: int = 0  # of which failed (their configs disqualified)
     final_s: float = 0.0  # seconds spent on them (not in wall_s)
-    best: StoredBest | None = None
+    best: ProblemBest | None = None
     budget_spent: bool = False  # the search ended at its deadline (SearchSettings)
     measure_s: float = 0.0  # wall seconds of this worker's measurements (the sweep's pace)
 

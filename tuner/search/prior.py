@@ -10,14 +10,14 @@ left out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
+from db import crud
+from db.session import session_scope
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from tuner.lookup import neighbours_of, parse_candidates
+from tuner.stored_bests import StoredBest
 
-__all__ = ["NEIGHBOURS", "StoredBestRow", "transfer_prior"]
+__all__ = ["NEIGHBOURS", "stored_bests", "transfer_prior"]
 
 # Neighbouring buckets whose bests are measured first: enough to cover the buckets on either
 # side (shorter and longer sequences, fewer and more programs), few enough to leave the
@@ -26,32 +26,16 @@ NEIGHBOURS = 3
 OTHER_DEVICES = 2
 
 
-@dataclass(frozen=True)
-class StoredBestRow:
-    """A stored best config as the prior reads it (``tuner.lookup.BestLike``)."""
-
-    device_key: str
-    template_version: str
-    problem_key: str
-    problem: dict[str, Any]
-    config: dict[str, Any]
-    tflops: float
-
-
-def stored_bests(url: str, template_name: str) -> list[StoredBestRow]:
+def stored_bests(url: str, template_name: str) -> list[StoredBest]:
     """Every stored best config of ``template_name``, any device and version."""
-    from db import crud
-    from db.session import session_scope
-
     with session_scope(url, write=False) as s:
         total = crud.count_best(s, template=template_name)
-        return [StoredBestRow(row.device.key, row.template.version, row.problem_key,
-                              dict(row.problem), dict(row.config), float(row.tflops))
+        return [StoredBest.of_row(row)
                 for row in crud.list_best(s, template=template_name, limit=total)]
 
 
 def transfer_prior(template: Template, version: str, problem: Problem, device: DeviceInfo,
-                   device_key: str, rows: list[StoredBestRow]) -> list[KernelConfig]:
+                   device_key: str, rows: list[StoredBest]) -> list[KernelConfig]:
     """The stored configs to measure first after the default (module docstring), without
     repeats."""
     key = template.problem_key(problem)

@@ -16,17 +16,21 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from sqlalchemy import select
+
+from db import crud
 from db.finalists import Measured, choose_best
-from db.models import TrialStatus
+from db.models import BestConfig, TrialStatus
+from db.session import run_in_transaction, session_scope
 from templates.base import KernelConfig, Problem
 from tuner.runner.outcome import TrialOutcome
 
 __all__ = [
     "DbStore",
     "MemoryStore",
+    "ProblemBest",
     "RemeasurementRecord",
     "ResultStore",
-    "StoredBest",
     "StoredRemeasurement",
     "StoredResult",
     "TrialRecord",
@@ -67,7 +71,10 @@ class StoredRemeasurement:
 
 
 @dataclass(frozen=True)
-class StoredBest:
+class ProblemBest:
+    """One problem's best config as a result store reports it to the search (memory or
+    database); ``tuner.stored_bests.StoredBest`` is a best-config row as its readers read it."""
+
     config: dict[str, Any]
     tflops: float
     median_ms: float
@@ -111,16 +118,16 @@ class ResultStore(Protocol):
 
     def find(self, problem_key: str, config_key: str) -> StoredResult | None: ...
 
-    def record(self, record: TrialRecord) -> StoredBest | None:
+    def record(self, record: TrialRecord) -> ProblemBest | None:
         """Store one trial (a second record of a config keeps the first) and refresh the
         problem's best config, in one transaction; returns the best after it."""
 
-    def best(self, problem_key: str) -> StoredBest | None: ...
+    def best(self, problem_key: str) -> ProblemBest | None: ...
 
     def remeasurements(self, problem_key: str) -> dict[str, list[StoredRemeasurement]]:
         """Every re-measurement of ``problem_key``, by config key, oldest first."""
 
-    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+    def record_remeasurement(self, record: RemeasurementRecord) -> ProblemBest | None:
         """Store one re-measurement of a stored config (every one is kept) and refresh the
         problem's best config, in one transaction; returns the best after it."""
 
@@ -167,18 +174,16 @@ def _result(row: Any) -> StoredResult:
                         error=row.error, is_default=bool(row.is_default))
 
 
-def _best(row: Any, runs: int) -> StoredBest | None:
+def _best(row: Any, runs: int) -> ProblemBest | None:
     if row is None:
         return None
-    return StoredBest(config=dict(row.config), tflops=row.tflops, median_ms=row.median_ms,
+    return ProblemBest(config=dict(row.config), tflops=row.tflops, median_ms=row.median_ms,
                       default_tflops=row.default_tflops, speedup=row.speedup, runs=runs)
 
 
 def _runs_of(s: Any, row: Any) -> int:
     """Readings behind a best config row's time (``db.crud.best_readings``): its trial's and
     the OK re-measurements, or those of its latest head-to-head."""
-    from db import crud
-
     if row is None:
         return 1
     return crud.best_readings(s, [row])[row.id].count
@@ -190,9 +195,6 @@ class DbStore:
     def __init__(self, url: str, *, device: Mapping[str, Any], template_name: str,
                  template_version: str, space: dict[str, Any], sweep_id: int | None = None,
                  worker: str = "") -> None:
-        from db import crud
-        from db.session import run_in_transaction
-
         self.url = url
         self.sweep_id = sweep_id
         self.worker = worker
@@ -206,30 +208,21 @@ class DbStore:
         self.device_id, self.template_id = run_in_transaction(url, ids)
 
     def known(self, problem_key: str) -> dict[str, StoredResult]:
-        from db import crud
-        from db.session import session_scope
-
         with session_scope(self.url, write=False) as s:
             rows = crud.trials_for(s, device_id=self.device_id, template_id=self.template_id,
                                    problem_key=problem_key)
             return {row.config_key: _result(row) for row in rows}
 
     def find(self, problem_key: str, config_key: str) -> StoredResult | None:
-        from db import crud
-        from db.session import session_scope
-
         with session_scope(self.url, write=False) as s:
             row = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
                                   problem_key=problem_key, config_key=config_key)
             return _result(row) if row is not None else None
 
-    def record(self, record: TrialRecord) -> StoredBest | None:
-        from db import crud
-        from db.session import run_in_transaction
-
+    def record(self, record: TrialRecord) -> ProblemBest | None:
         outcome = record.outcome
 
-        def write(s: Any) -> StoredBest | None:
+        def write(s: Any) -> ProblemBest | None:
             crud.record_trial(
                 s, device_id=self.device_id, template_id=self.template_id,
                 problem_key=record.problem_key, problem=record.problem.to_dict(),
@@ -246,9 +239,6 @@ class DbStore:
         return run_in_transaction(self.url, write)
 
     def remeasurements(self, problem_key: str) -> dict[str, list[StoredRemeasurement]]:
-        from db import crud
-        from db.session import session_scope
-
         found: dict[str, list[StoredRemeasurement]] = {}
         with session_scope(self.url, write=False) as s:
             for key, row in crud.remeasurements_for(s, device_id=self.device_id,
@@ -259,13 +249,10 @@ class DbStore:
                     median_ms=row.median_ms, tflops=row.tflops))
         return found
 
-    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
-        from db import crud
-        from db.session import run_in_transaction
-
+    def record_remeasurement(self, record: RemeasurementRecord) -> ProblemBest | None:
         outcome = record.outcome
 
-        def write(s: Any) -> StoredBest | None:
+        def write(s: Any) -> ProblemBest | None:
             trial = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
                                     problem_key=record.problem_key,
                                     config_key=record.config_key)
@@ -285,9 +272,6 @@ class DbStore:
 
     def claim_remeasurement(self, problem_key: str, config_key: str, *, wanted: int,
                             worker: str, is_stale: StaleClaim) -> int | None:
-        from db import crud
-        from db.session import run_in_transaction
-
         def claim(s: Any) -> int | None:
             trial = crud.find_trial(s, device_id=self.device_id, template_id=self.template_id,
                                     problem_key=problem_key, config_key=config_key)
@@ -299,24 +283,13 @@ class DbStore:
         return run_in_transaction(self.url, claim)
 
     def renew_claim(self, claim: int) -> bool:
-        from db import crud
-        from db.session import run_in_transaction
-
         return run_in_transaction(
             self.url, lambda s: crud.renew_remeasurement_claim(s, claim_id=claim))
 
     def drop_claim(self, claim: int) -> None:
-        from db import crud
-        from db.session import run_in_transaction
-
         run_in_transaction(self.url, lambda s: crud.drop_remeasurement_claim(s, claim_id=claim))
 
-    def best(self, problem_key: str) -> StoredBest | None:
-        from sqlalchemy import select
-
-        from db.models import BestConfig
-        from db.session import session_scope
-
+    def best(self, problem_key: str) -> ProblemBest | None:
         with session_scope(self.url, write=False) as s:
             row = s.scalars(select(BestConfig).filter_by(
                 device_id=self.device_id, template_id=self.template_id,
@@ -343,7 +316,7 @@ class MemoryStore:
         with self._lock:
             return self._rows.get(problem_key, {}).get(config_key)
 
-    def record(self, record: TrialRecord) -> StoredBest | None:
+    def record(self, record: TrialRecord) -> ProblemBest | None:
         o = record.outcome
         result = StoredResult(config_key=record.config.key(), config=record.config.to_dict(),
                               status=o.status, reason=o.reason, tflops=o.tflops,
@@ -357,7 +330,7 @@ class MemoryStore:
         with self._lock:
             return {key: list(runs) for key, runs in self._again.get(problem_key, {}).items()}
 
-    def record_remeasurement(self, record: RemeasurementRecord) -> StoredBest | None:
+    def record_remeasurement(self, record: RemeasurementRecord) -> ProblemBest | None:
         o = record.outcome
         with self._lock:
             if record.config_key not in self._rows.get(record.problem_key, {}):
@@ -397,13 +370,13 @@ class MemoryStore:
         with self._lock:
             self._claims.pop(claim, None)
 
-    def best(self, problem_key: str) -> StoredBest | None:
+    def best(self, problem_key: str) -> ProblemBest | None:
         known = self.known(problem_key)
         choice = choose_best(measured_configs(known, self.remeasurements(problem_key)))
         if choice is None:
             return None
         best, default = choice.best, choice.default
-        return StoredBest(config=known[str(best.ref)].config, tflops=best.tflops,
+        return ProblemBest(config=known[str(best.ref)].config, tflops=best.tflops,
                           median_ms=best.median_ms,
                           default_tflops=default.tflops if default else None,
                           speedup=choice.speedup, runs=best.runs)

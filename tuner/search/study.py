@@ -23,10 +23,12 @@ from typing import Any, TypeVar
 import optuna
 from optuna.samplers import BaseSampler
 from optuna.storages import RDBStorage, RetryFailedTrialCallback
+from optuna.storages._rdb import models
 from optuna.trial import TrialState
-from sqlalchemy import event
+from sqlalchemy import event, select
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session
 
 from db.session import with_installed_driver
 
@@ -165,10 +167,6 @@ def _fail_orphans(study: optuna.Study) -> None:
     skips trials without a heartbeat). Such a trial would hold its config forever, and the
     workers that wait for held configs would wait forever.
     """
-    from optuna.storages._rdb import models  # Optuna's own tables; no public query for this
-    from sqlalchemy import select
-    from sqlalchemy.orm import Session
-
     cached = study._storage
     backend = getattr(cached, "_backend", cached)
     if not isinstance(backend, RDBStorage) or backend.heartbeat_interval is None:

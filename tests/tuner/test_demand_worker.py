@@ -25,8 +25,8 @@ from db.session import dispose_engine, run_in_transaction, session_scope
 from templates import Problem, current_device, get_template
 from tests.tuner.test_sweep_cli import cli
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, SLOW_ENV, launches, measurements
+from tuner.demand_worker import JobClaimed, JobFinished, WorkerOptions, run_worker
 from tuner.sweep import SweepOptions
-from tuner.worker import JobClaimed, JobFinished, WorkerOptions, run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = get_template("toy_add")

@@ -30,10 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from db.models import DemandStatus
+from db.session import init_db
 from templates.base import Problem
+from templates.device import cpu_device, interpreter_active
 from templates.registry import all_templates, get_template
 from tuner.demand_queue import DatabaseQueue, DemandQueue, Job, QueueUnavailable, ResultsRefused
 from tuner.errors import TunerError
+from tuner.runner.isolated import IsolatedRunner
 from tuner.suites import SweepSpec
 from tuner.sweep import SweepOptions, SweepReport, run_sweep
 
@@ -129,9 +132,6 @@ def probe_device() -> dict[str, Any]:
     asked of a trial-worker process, as a sweep does, so this process makes no CUDA context.
     Under the interpreter the device is the CPU, known without asking (a process costs
     seconds to start)."""
-    from templates.device import cpu_device, interpreter_active
-    from tuner.runner.isolated import IsolatedRunner
-
     if interpreter_active():
         info = cpu_device()
         return {**info.to_dict(), "key": info.key}
@@ -149,8 +149,6 @@ def run_worker(options: WorkerOptions, *, db_url: str, queue: DemandQueue | None
     """Claim, tune and finish demand rows until told to stop (module docstring). ``db_url``
     is where the worker tunes; ``queue`` where it claims (default: ``db_url``'s demand
     table)."""
-    from db.session import init_db
-
     emit = on_event or (lambda event: None)
     stop = stop or threading.Event()
     queue = queue if queue is not None else DatabaseQueue(db_url)

@@ -22,7 +22,7 @@ from typing import Any
 
 from tuner.runner.parent_death import die_with_parent
 
-__all__ = ["worker_main"]
+__all__ = ["trial_process_main"]
 
 
 def _redirect_output(log_path: str | None) -> None:
@@ -42,14 +42,14 @@ def _no_core_dumps() -> None:
     # A config that segfaults should cost a trial, not a multi-gigabyte core file and the
     # seconds it takes to write one.
     try:
-        import resource
+        import resource  # POSIX only (the ImportError below)
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except (ImportError, ValueError, OSError):
         pass
 
 
-def worker_main(conn: Connection, env: dict[str, str], log_path: str | None) -> None:
+def trial_process_main(conn: Connection, env: dict[str, str], log_path: str | None) -> None:
     # A worker stuck in a hung kernel never reads its pipe, so it would not notice that the
     # sweep was killed (SIGKILL included).
     die_with_parent()
@@ -57,6 +57,7 @@ def worker_main(conn: Connection, env: dict[str, str], log_path: str | None) -> 
     os.environ.update(env)  # before torch is imported: CUDA_VISIBLE_DEVICES, TRITON_*
     _redirect_output(log_path)
 
+    # After os.environ.update(env): torch and triton read CUDA_VISIBLE_DEVICES, TRITON_* at import.
     import templates  # noqa: F401  (registers the built-in templates)
     from templates.device import current_device
 
@@ -82,6 +83,7 @@ def worker_main(conn: Connection, env: dict[str, str], log_path: str | None) -> 
 
 
 def _answer(message: dict[str, Any], device: Any) -> dict[str, Any]:
+    # lazy: the kernels are imported once trial_process_main has set the environment (above)
     from db.models import TrialStatus
     from templates.base import Problem
     from templates.registry import get_template
