@@ -39,13 +39,13 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from fleet_ledger import read_ledger, read_queue, trials_by_worker  # noqa: E402
 from fleet_postgres import local_postgres, scratch_database  # noqa: E402
-from tuner.worker import probe_device  # noqa: E402
 
 from db import demand  # noqa: E402
 from db.demand import DemandCount  # noqa: E402
 from db.session import dispose_engine, init_db, run_in_transaction  # noqa: E402
 from templates.base import Problem  # noqa: E402
 from templates.registry import get_template  # noqa: E402
+from tuner.demand_worker import probe_device  # noqa: E402
 from tuner.gpus import lock_path, visible_gpus  # noqa: E402
 from tuner.record import Recorder  # noqa: E402
 from tuner.suites import SweepSpec, load_spec_file  # noqa: E402
