@@ -7,7 +7,7 @@ A diagnostic, not a benchmark of anything a user runs: with a piece off the grad
 wrong by design (4: no dQ GEMM and atomics; 8: no exponentials; 12: neither, the GEMM skeleton
 with its waits and barriers), so only ``--debug 0`` is checked against cuDNN's gradients.
 bf16, 16k tokens per batch, H = 2048 / D (docs/PROTOCOL.md's shapes); median of 5 readings
-of 10 runs (CUDA events) after 3 warm runs; TFLOP/s count the backward's 2.5x forward FLOPs
+of 10 runs (CUDA events, gluon_bwd_bench's timer) after 3 warm runs each; TFLOP/s count the backward's 2.5x forward FLOPs
 (halved for causal) whatever is switched off, so they read as time ratios.
 """
 
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.gluon_bwd_bench import event_ms  # noqa: E402
 from templates.base import Problem, relative_error  # noqa: E402
 
 SHAPES = [(1, 16, 16384, 128, "none"), (1, 16, 16384, 128, "top_left"),
@@ -33,19 +34,9 @@ SHAPES = [(1, 16, 16384, 128, "none"), (1, 16, 16384, 128, "top_left"),
 TOLERANCE = 2e-2
 
 
-def event_ms(fn: Any, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    readings = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        readings.append(start.elapsed_time(end) / reps)
-    return statistics.median(readings)
+def median_ms(fn: Any, readings: int = 5) -> float:
+    """The median of ``readings`` of gluon_bwd_bench's event timing (3 warm runs, 10 timed)."""
+    return statistics.median(event_ms(fn) for _ in range(readings))
 
 
 def main() -> int:
@@ -73,7 +64,7 @@ def main() -> int:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qr, kr, vr, is_causal=causal != "none")
             ref = torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
-            cudnn_ms = event_ms(partial(torch.autograd.grad, out, (qr, kr, vr), do,
+            cudnn_ms = median_ms(partial(torch.autograd.grad, out, (qr, kr, vr), do,
                                         retain_graph=True))
         row: dict[str, Any] = {"problem": problem.key(), "config": args.config,
                                "cudnn_ms": cudnn_ms,
@@ -88,7 +79,7 @@ def main() -> int:
                 if max(errors) > TOLERANCE or any(g.abs().max() == 0 for g in grads):
                     row["debug0_failed"] = errors
                     continue
-            ms = event_ms(run)
+            ms = median_ms(run)
             row[f"debug{debug}_ms"] = ms
             row[f"debug{debug}_x_cudnn"] = cudnn_ms / ms
         os.environ.pop("GLUON_BWD_DEBUG", None)

@@ -8,6 +8,7 @@ Its training op ``tuner::gluon_attention_fwd`` (o, lse) has the backward op
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -36,7 +37,7 @@ from tuner.implementations.ops import (
 from tuner.implementations.registry import register_implementation
 from tuner.plans import PLANS, Plan, keep_plan
 
-__all__ = ["Gluon", "forward_plan", "training_plan"]
+__all__ = ["Gluon", "backward_of", "forward_plan", "training_forward", "training_plan"]
 
 # Its training template: its config runs the Gluon forward of a call that needs a gradient.
 TRAINING_TEMPLATE = "gluon_cudnn_train"
@@ -144,16 +145,35 @@ def training_plan(implementation: Implementation, template: str, q: torch.Tensor
     return plan
 
 
+def training_forward(implementation: Implementation, template: str, q: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+                     enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of a Gluon training op's forward: (o, lse), o laid out as the fakes say."""
+    run = training_plan(implementation, template, q, k, v, is_causal, scale, enable_gqa).run
+    assert run is not None
+    o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
+    return in_op_layout(o, q), lse
+
+
+def backward_of(kernel: Callable[..., tuple[torch.Tensor, ...]], grad_o: torch.Tensor,
+                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, is_causal: bool, scale: float | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of a backward op fed a Gluon forward's o and lse: ``kernel`` on the 4-D views,
+    (dq, dk, dv) laid out as ``torch.empty_like`` of q, k, v."""
+    q4, kv4 = shapes_4d(q, k)
+    grads = kernel(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4),
+                   o.reshape(q4), lse.reshape(q4[:-1]), causal=is_causal, scale=scale)
+    return grads_like(grads, q, k, v)
+
+
 @torch.library.custom_op("tuner::gluon_attention_fwd", mutates_args=())
 def _gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                          scale: float | None, enable_gqa: bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) by the Gluon forward, as ``tuner::attention_fwd``'s; its backward is cuDNN's
     (``tuner::cudnn_attention_bwd``)."""
-    run = training_plan(GLUON, TRAINING_TEMPLATE, q, k, v, is_causal, scale, enable_gqa).run
-    assert run is not None
-    o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
-    return in_op_layout(o, q), lse
+    return training_forward(GLUON, TRAINING_TEMPLATE, q, k, v, is_causal, scale, enable_gqa)
 
 
 _gluon_attention_fwd.register_fake(training_fake)
@@ -166,12 +186,8 @@ def _cudnn_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by cuDNN's backward from the Gluon forward's o and lse, laid out as
     ``torch.empty_like`` of q, k, v."""
-    q4, kv4 = shapes_4d(q, k)
     # Looked up on the module at each call (tests stand in for it).
-    grads = cudnn_bwd.cudnn_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
-                                       v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
-                                       causal=is_causal, scale=scale)
-    return grads_like(grads, q, k, v)
+    return backward_of(cudnn_bwd.cudnn_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale)
 
 
 @_cudnn_attention_bwd.register_fake

@@ -9,19 +9,15 @@ block masks (the Gluon backward walks none yet).
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
 from templates.gluon_bwd import gluon_attention_bwd
 from tuner.implementations.base import Implementation
-from tuner.implementations.call import Call, shapes_4d
-from tuner.implementations.gluon import GLUON, training_plan
+from tuner.implementations.call import Call
+from tuner.implementations.gluon import GLUON, backward_of, training_forward
 from tuner.implementations.ops import (
     backward_by,
     grads_fake,
-    grads_like,
-    in_op_layout,
     setup_context,
     training_fake,
 )
@@ -55,11 +51,8 @@ def _gluon_train_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) by the Gluon forward with gluon_train's config; its backward is the Gluon
     backward (``tuner::gluon_attention_bwd``)."""
-    run = training_plan(GLUON_TRAIN, TRAINING_TEMPLATE, q, k, v, is_causal, scale,
-                        enable_gqa).run
-    assert run is not None
-    o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
-    return in_op_layout(o, q), lse
+    return training_forward(GLUON_TRAIN, TRAINING_TEMPLATE, q, k, v, is_causal, scale,
+                            enable_gqa)
 
 
 _gluon_train_fwd.register_fake(training_fake)
@@ -72,11 +65,8 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by the Gluon backward (its template's default config) from the forward's
     o and lse, laid out as ``torch.empty_like`` of q, k, v."""
-    q4, kv4 = shapes_4d(q, k)
-    grads = gluon_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
-                                v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
-                                causal=is_causal, scale=scale)
-    return grads_like(grads, q, k, v)
+    # Looked up on the module at each call (tests stand in for it).
+    return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale)
 
 
 @_gluon_attention_bwd.register_fake
