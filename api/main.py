@@ -18,6 +18,7 @@ from api.demand_check import DemandChecker
 from api.errors import BodySizeLimit, install_error_handlers
 from api.loop_share import LoopShare
 from api.rate_limit import TokenBuckets
+from api.store_process import shared_store
 from api.routes import (
     best,
     configs,
@@ -33,7 +34,7 @@ from api.routes import (
     templates,
     winners,
 )
-from api.warm_up import warm_up
+from api.warm_up import warm_store, warm_up
 from db.session import init_db
 from tuner.settings import TOKEN_FIX, Settings, SettingsError, load_settings, write_token_problem
 
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Tuned Triton attention configs per GPU and problem shape.")
     app.state.settings = settings
     app.state.best_cache = BestCache(settings.database_url)
+    app.state.bundle_store = shared_store()  # uploads are stored in a process of their own
     app.state.answer_memo = AnswerMemo()  # filled by the route, answered from in front of it
     app.state.demand_checker = DemandChecker()
     app.state.demand_buffer = DemandBuffer(settings.database_url,
@@ -78,7 +80,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Pay the write routes' first-request costs now (api.warm_up); store the demand counts
+    """Pay the write routes' first-request costs now, and start the upload store process
+    (api.warm_up); store the demand counts
     still held when the app stops (api.demand_buffer), and close the best cache's change
     watch.
 
@@ -89,6 +92,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     at shutdown, so that the interpreter's exit frees them as usual."""
     # Before the freeze: what it builds is kept out of the full collections too.
     app.state.warmed_up = await warm_up(app)
+    app.state.store_pid = await warm_store(app.state.bundle_store, app.state.settings)
     froze = gc.get_freeze_count() == 0  # not already frozen by another app of this process
     if froze:
         gc.collect()
