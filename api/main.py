@@ -7,6 +7,7 @@ import importlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -51,8 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="attention-tuner", version="1", lifespan=_lifespan, docs_url=None,
                   description="Tuned Triton attention configs per GPU and problem shape.")
     app.state.settings = settings
-    app.state.best_cache = BestCache(settings.database_url)
-    app.state.bundle_store = shared_store()  # uploads are stored in a process of their own
+    store = app.state.bundle_store = shared_store()  # uploads: stored in a process of their own
+    app.state.best_cache = BestCache(settings.database_url,
+                                     own_changes=partial(store.own.owns, settings.database_url))
     app.state.answer_memo = AnswerMemo()  # filled by the route, answered from in front of it
     app.state.demand_checker = DemandChecker()
     app.state.demand_buffer = DemandBuffer(settings.database_url,

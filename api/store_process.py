@@ -7,16 +7,23 @@ its sockets and at each cache's change check (``PRAGMA data_version``), gets it 
 the thread yields it: after up to the switch interval (5 ms), again and again for as long as
 the upload runs. Under the hostile mix (benchmarks/api_hey.py, 2-core VM, 2026-11-29; a probe
 of the loop's lag inside the service) each upload stalled the loop 8-18 ms, and every read
-meanwhile waited: that was the reads' p99 (10-13 ms) beside 1 upload/s. Parsing the body on
+meanwhile waited (an H200 host measured the reads' p99 at 10.8 ms beside 1 upload/s, 0.7 ms
+without it; issue 44). Parsing the body on
 the loop instead, in 2 ms slices, held each read back up to a slice; the first upload's
 template-source hashing (``Template.version``: stats and reads of the kernels' files) once
 held it 40-150 ms.
 
 So the service's loop only receives the body and hands the bytes over; ``store_body`` runs in
-one child process (a ``ProcessPoolExecutor`` of one worker, forked from a server process that
-imported the stores' modules once, so a restart takes milliseconds), one upload at a time, and
-answers with the summary or the reason a bundle was refused. What the service promises stays
-as it was:
+one child process (a ``ProcessPoolExecutor`` of one worker), one upload at a time, and answers
+with the summary or the reason a bundle was refused. The child is a fresh interpreter
+(``spawn``): forking the serving process, whose threads may hold locks, is unsafe. It imports
+what the service imports (torch with the templates): ~290 MB proportional set size more per
+service process (2-core VM; a fork server that forks the child would make it ~330 MB, two
+processes, for restarts in milliseconds instead of seconds), and ~2 s of imports, paid before
+serving (``api.warm_up``) and again at a restart after a death. The child runs at
+``STORE_NICENESS``: where it shares a core with the event loop, the loop preempts it.
+
+What the service promises stays as it was:
 
 * an upload is answered 201 only once ``store_body`` returned, i.e. after its transactions
   committed: an upload acknowledged is stored;
@@ -45,6 +52,7 @@ from typing import Any
 from sqlalchemy.orm import configure_mappers
 from starlette.concurrency import run_in_threadpool
 
+from api.own_writes import OwnWrites, track_own_writes
 from db.session import dispose_engine, init_db
 from templates.registry import all_templates
 from tuner.bundle import (
@@ -60,8 +68,6 @@ __all__ = ["StoreOutcome", "StoreProcess", "StoreProcessDied", "store_body"]
 
 log = logging.getLogger("api")
 
-# Imported once by the server process that forks the children: a new child starts with them.
-PRELOAD = ["api.store_process"]
 # Tries of one upload: the first child, and one new child if that one died under it.
 ATTEMPTS = 2
 # The child's niceness (Unix): where it shares a core with the event loop, the loop (nice 0)
@@ -84,6 +90,7 @@ class StoreProcessDied(RuntimeError):
 
 
 _last_url: list[str] = []  # (the child's) database whose engine it keeps open
+_own: list[OwnWrites] = []  # (the child's) where it publishes its own writes
 
 
 def store_body(database_url: str, body: bytes, template_modules: Sequence[str]) -> StoreOutcome:
@@ -117,18 +124,18 @@ def _prepare(database_url: str, template_modules: Sequence[str]) -> None:
         # One database per service; tests give each app its own: keep one engine open at most.
         dispose_engine(_last_url.pop())
     if not _last_url:
-        init_db(database_url)
+        engine = init_db(database_url)
+        if engine.dialect.name == "sqlite" and _own:
+            track_own_writes(engine, database_url, _own[0])
         _last_url.append(database_url)
 
 
-def _lower_priority(niceness: int) -> None:
-    """(In the child, at its start.) Uploads give way to reads on a shared core."""
+def _start_child(niceness: int, own: OwnWrites) -> None:
+    """(In the child, at its start.) Uploads give way to reads on a shared core; the child
+    publishes the changes it makes (api/own_writes.py)."""
     if hasattr(os, "nice"):
         os.nice(niceness)
-
-
-def _start_method() -> str:
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    _own.append(own)
 
 
 class StoreProcess:
@@ -139,15 +146,22 @@ class StoreProcess:
     def __init__(self, target: Callable[..., Any] = store_body) -> None:
         self.target = target
         self.deaths = 0  # children that died under a call (each logged)
+        self._context = multiprocessing.get_context("spawn")
+        self.own = OwnWrites(self._context)  # what its children wrote (api/own_writes.py)
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()  # calls come from the loops and threads of this process
 
     async def store(self, database_url: str, body: bytes,
                     template_modules: Sequence[str]) -> StoreOutcome:
-        return await self.call(self.target, database_url, body, list(template_modules))  # type: ignore[no-any-return]
+        try:
+            return await self.call(self.target, database_url, body, list(template_modules))  # type: ignore[no-any-return]
+        except BaseException:
+            # Whatever it published may not have committed: readers re-check instead.
+            self.own.withdraw()
+            raise
 
     async def warm_up(self, database_url: str, template_modules: Sequence[str]) -> int:
-        """Start the child (and the server process it is forked from) and warm it; its pid."""
+        """Start the child and warm it; its pid."""
         return await self.call(warm, database_url, list(template_modules))  # type: ignore[no-any-return]
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -156,7 +170,7 @@ class StoreProcess:
             pool = self._current()
             try:
                 # Submitted from a thread: starting a child (the first call, or after a death)
-                # waits for the fork, which must not hold up the event loop.
+                # waits for the new interpreter, which must not hold up the event loop.
                 future = await run_in_threadpool(pool.submit, fn, *args)
                 return await asyncio.wrap_future(future)
             except BrokenProcessPool as exc:
@@ -178,12 +192,9 @@ class StoreProcess:
     def _current(self) -> ProcessPoolExecutor:
         with self._lock:
             if self._pool is None:
-                context = multiprocessing.get_context(_start_method())
-                if context.get_start_method() == "forkserver":
-                    context.set_forkserver_preload(PRELOAD)
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context,
-                                                 initializer=_lower_priority,
-                                                 initargs=(STORE_NICENESS,))
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=self._context,
+                                                 initializer=_start_child,
+                                                 initargs=(STORE_NICENESS, self.own))
             return self._pool
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
@@ -191,6 +202,7 @@ class StoreProcess:
             if self._pool is broken:  # not replaced already by another call that saw it die
                 self._pool = None
                 self.deaths += 1
+                self.own.withdraw()  # its last range may not have committed
         broken.shutdown(wait=False)
 
 

@@ -6,19 +6,23 @@ stored again or answered 503, and a refused bundle stores nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from api.own_writes import COUNTER_QUERY
 from api.store_process import StoreOutcome, StoreProcess, store_body
 from db import crud
-from db.session import session_scope
+from db.session import init_db, session_scope
 from tests.api.serving_data import H100, bundle, item, problem
+from tests.api.serving_data import store as store_directly
 
 
 def dies_first(flag: str, times: int, database_url: str, body: bytes,
@@ -112,3 +116,63 @@ def test_an_upload_whose_store_process_dies_twice_is_answered_503_never_201(
         assert r.status_code == 201, r.text
     finally:
         store.close()
+
+
+# ------------------------------------------------------------ own writes (api/own_writes.py)
+def best_changes(db_url: str) -> int:
+    with session_scope(db_url, write=False) as s:
+        return int(s.execute(sa.text(COUNTER_QUERY)).scalar_one())
+
+
+def test_the_store_process_publishes_the_changes_it_made_and_no_one_elses(
+        db_url: str, tmp_path: Path) -> None:
+    init_db(db_url)
+    store = StoreProcess()
+    try:
+        asyncio.run(store.warm_up(db_url, []))
+        before = best_changes(db_url)
+        body = json.dumps(bundle(item(problem(1024)), item(problem(2048)))).encode()
+        outcome = asyncio.run(store.store(db_url, body, []))
+        assert outcome.summary is not None and outcome.summary.best_updated == 2
+        after = best_changes(db_url)
+        assert after > before
+        assert store.own.owns(db_url, before, after)
+        assert store.own.owns(db_url, before + 1, after)  # a count seen midway: still ours
+        assert not store.own.owns(f"sqlite:///{tmp_path / 'other.db'}", before, after)
+        # Another process writes: from then on, a move is not the store process's alone.
+        store_directly(db_url, item(problem(4096)))
+        later = best_changes(db_url)
+        assert later > after
+        assert not store.own.owns(db_url, before, later)
+        assert not store.own.owns(db_url, after, later)
+        # Its next upload starts a new range, after the other writer's changes.
+        outcome = asyncio.run(store.store(db_url, json.dumps(bundle(item(problem(8192)))).encode(),
+                                          []))
+        last = best_changes(db_url)
+        assert store.own.owns(db_url, later, last)
+        assert not store.own.owns(db_url, after, last)
+        store.own.withdraw()
+        assert not store.own.owns(db_url, later, last)
+    finally:
+        store.close()
+
+
+def test_an_upload_through_the_service_re_checks_nothing_else_but_a_sweep_does(
+        client: TestClient, app: FastAPI, auth: dict[str, str], db_url: str) -> None:
+    cache = app.state.best_cache
+    p, other = problem(1024), problem(2048)
+    store_directly(db_url, item(other))
+    assert client.get("/v1/best", params={"device": H100.key, "template": "flash_fwd",
+                                          **other.to_dict()}).json()["match"] == "exact"
+    seen = cache.changes_seen
+    r = client.post("/v1/results", json=bundle(item(p)), headers=auth)
+    assert r.status_code == 201, r.text
+    answer = client.get("/v1/best", params={"device": H100.key, "template": "flash_fwd",
+                                            **p.to_dict()}).json()
+    assert answer["match"] == "exact"  # refreshed by the upload itself
+    assert cache.changes_seen == seen  # its own change: no re-check of everything
+    # A write by another process is a change: every entry re-checks before it answers.
+    store_directly(db_url, item(problem(4096)))
+    client.get("/v1/best", params={"device": H100.key, "template": "flash_fwd",
+                                   **p.to_dict()})
+    assert cache.changes_seen == seen + 1
