@@ -249,7 +249,12 @@ class BestCache:
             kept = self._bests.get(key)
             if kept is not None:
                 loads.append(self._start(kept, partial(self._load_bests, key), force=True))
-        await asyncio.gather(*(asyncio.shield(load) for load in loads))
+        try:
+            await asyncio.gather(*(asyncio.shield(load) for load in loads))
+        except Exception:
+            # Its own change was not re-checked (api/own_writes.py): now every entry is.
+            self._generation += 1
+            raise
 
     async def _fresh(self, kept: _Kept[T], load: Callable[[T | None], T]) -> T:
         self._notice_changes()

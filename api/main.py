@@ -19,7 +19,6 @@ from api.demand_check import DemandChecker
 from api.errors import BodySizeLimit, install_error_handlers
 from api.loop_share import LoopShare
 from api.rate_limit import TokenBuckets
-from api.store_process import shared_store
 from api.routes import (
     best,
     configs,
@@ -35,6 +34,7 @@ from api.routes import (
     templates,
     winners,
 )
+from api.store_process import shared_store
 from api.warm_up import warm_store, warm_up
 from db.session import init_db
 from tuner.settings import TOKEN_FIX, Settings, SettingsError, load_settings, write_token_problem

@@ -176,3 +176,23 @@ def test_an_upload_through_the_service_re_checks_nothing_else_but_a_sweep_does(
     client.get("/v1/best", params={"device": H100.key, "template": "flash_fwd",
                                    **p.to_dict()})
     assert cache.changes_seen == seen + 1
+
+
+def test_an_upload_whose_refresh_fails_leaves_every_entry_to_be_re_checked(
+        client: TestClient, app: FastAPI, auth: dict[str, str], db_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its change was not taken for another writer's: had the refresh failed silently, the
+    cache would answer from what it held until the ttl."""
+    cache = app.state.best_cache
+    p = problem(1024)
+    store_directly(db_url, item(p))
+    client.get("/v1/best", params={"device": H100.key, "template": "flash_fwd", **p.to_dict()})
+    seen = cache.changes_seen
+
+    def fails(*_args: Any) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("the database went away"))
+
+    monkeypatch.setattr(cache, "_load_catalog", fails)
+    r = client.post("/v1/results", json=bundle(item(problem(2048))), headers=auth)
+    assert r.status_code == 503  # stored but not acknowledged: sent again, nothing is doubled
+    assert cache.changes_seen == seen + 1
