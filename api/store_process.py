@@ -43,6 +43,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -70,6 +71,8 @@ log = logging.getLogger("api")
 
 # Tries of one upload: the first child, and one new child if that one died under it.
 ATTEMPTS = 2
+# How often the child checks that the service process is still there.
+PARENT_CHECK_S = 0.5
 # The child's niceness (Unix): where it shares a core with the event loop, the loop (nice 0)
 # preempts it as soon as a request arrives, instead of waiting out its time slice.
 STORE_NICENESS = 10
@@ -130,12 +133,25 @@ def _prepare(database_url: str, template_modules: Sequence[str]) -> None:
         _last_url.append(database_url)
 
 
-def _start_child(niceness: int, own: OwnWrites) -> None:
+def _start_child(niceness: int, own: OwnWrites, parent: int) -> None:
     """(In the child, at its start.) Uploads give way to reads on a shared core; the child
-    publishes the changes it makes (api/own_writes.py)."""
+    publishes the changes it makes (api/own_writes.py) and ends with the service."""
     if hasattr(os, "nice"):
         os.nice(niceness)
     _own.append(own)
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True,
+                     name="tuner-store-parent").start()
+
+
+def _exit_with(parent: int) -> None:
+    """End this process once ``parent`` has: a service process that ends without shutting
+    its executor down (a uvicorn worker ends with os._exit; a kill) would leave the child
+    waiting forever on a queue whose write end it holds itself (seen: ``--workers 2``
+    stopped, both children left running). Not prctl's parent-death signal: that follows the
+    thread that started the child, and thread-pool threads come and go."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 class StoreProcess:
@@ -170,7 +186,7 @@ class StoreProcess:
             pool = self._current()
             try:
                 # Submitted from a thread: starting a child (the first call, or after a death)
-                # waits for the new interpreter, which must not hold up the event loop.
+                # forks and execs a new interpreter (milliseconds the event loop need not wait).
                 future = await run_in_threadpool(pool.submit, fn, *args)
                 return await asyncio.wrap_future(future)
             except BrokenProcessPool as exc:
@@ -194,7 +210,8 @@ class StoreProcess:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(max_workers=1, mp_context=self._context,
                                                  initializer=_start_child,
-                                                 initargs=(STORE_NICENESS, self.own))
+                                                 initargs=(STORE_NICENESS, self.own,
+                                                           os.getpid()))
             return self._pool
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:

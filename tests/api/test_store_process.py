@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -196,3 +199,28 @@ def test_an_upload_whose_refresh_fails_leaves_every_entry_to_be_re_checked(
     r = client.post("/v1/results", json=bundle(item(problem(2048))), headers=auth)
     assert r.status_code == 503  # stored but not acknowledged: sent again, nothing is doubled
     assert cache.changes_seen == seen + 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_store_process_ends_when_the_service_process_ends_without_stopping_it(
+        db_url: str) -> None:
+    """A uvicorn worker ends with os._exit, and a kill runs no clean-up: the child must not
+    be left behind (it was, with --workers 2)."""
+    script = ("import asyncio, os, sys\n"
+              "from api.store_process import StoreProcess\n"
+              "pid = asyncio.run(StoreProcess().warm_up(sys.argv[1], []))\n"
+              "print(pid, flush=True)\n"
+              "os._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", script, db_url], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+        if "Z" in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[:1]:
+            break  # a zombie: ended, not yet reaped
+        time.sleep(0.1)
+    alive = Path(f"/proc/{child}").exists() and "Z" not in Path(
+        f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[:1]
+    if alive:
+        os.kill(child, 9)
+    assert not alive, "the store process outlived the service process by 10 s"
