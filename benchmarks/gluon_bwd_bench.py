@@ -39,10 +39,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
     "eager_dq": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                  "defer_dq": False},
-    "dq_tma": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2, "dq_reduce": "tma"},
-    "stagger": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2, "stagger": True},
-    "stagger_tma": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2, "stagger": True,
-                    "dq_reduce": "tma"},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -78,16 +78,6 @@ class GluonBwdConfig(KernelConfig):
         "Add a step's dQ tile into the fp32 accumulator during the next step's S^T/dP^T "
         "GEMMs (chunks of one row per warp, atomics from shared memory) instead of after its "
         "own GEMMs with the tensor cores idle. Measured on the H200: 1.00-1.05x the speed.")
-    dq_reduce: str = knob(
-        "atomics", ("atomics", "tma"),
-        "How a step's dQ tile (staged in shared memory) is added into the fp32 accumulator: "
-        "fp32 vector atomics from every thread, or one TMA bulk reduce that runs on its own "
-        "(cp.reduce.async.bulk; defer_dq is then moot).")
-    stagger: bool = knob(
-        False, (False, True),
-        "Start each program's walk over the query tiles at its own tile (its KV tile's index, "
-        "wrapping around) instead of all at the first: the programs of a head, which run "
-        "side by side, then add into different dQ rows at a time instead of the same ones.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:

@@ -70,7 +70,6 @@ from templates.gluon_common import (  # noqa: F401  re-exported for the template
     tma_layout_problem,
     tma_load,
     tma_ready,
-    tma_reduce_add,
     tma_store,
     warps_barrier,
 )
@@ -164,25 +163,18 @@ def _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale,
 
 
 @gluon.jit
-def _step_tile(t, shift, n_steps, n_q_steps, h0, first_row, BLOCK_M: gl.constexpr):
-    """(query head, first row) of step t: the program's walk over its group's query tiles
-    (head by head, tile by tile) started ``shift`` steps in and wrapped around."""
-    u = (t + shift) % gl.maximum(n_steps, 1)  # (no division by zero without any step)
-    per_head = gl.maximum(n_q_steps, 1)
-    return h0 + u // per_head, first_row + (u % per_head) * BLOCK_M
-
-
-@gluon.jit
 def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
-            slot, t, shift, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row,
-            BLOCK_M: gl.constexpr):
-    """Load step t's Q, dO, lse2 and delta tiles (if there is a step t) into ring ``slot``
-    (``_step_tile`` says which). The row vectors come by TMA too (one flat descriptor over the
+            slot, t, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row, BLOCK_M: gl.constexpr):
+    """Load step t's Q, dO, lse2 and delta tiles (if there is a step t) into ring ``slot``.
+    Step t is query tile ``first_row / BLOCK_M + t % n_q_steps`` of query head
+    ``h0 + t // n_q_steps``. The row vectors come by TMA too (one flat descriptor over the
     padded (B, H_q, N_q_pad) buffers): read from shared memory where they are used, they
     hold no registers across the GEMM waits (in registers they cost 32 per thread: each
     thread holds 16 of a 64-query tile's columns; seen as spills in the offline build)."""
     pred = t < n_steps
-    h, m0 = _step_tile(t, shift, n_steps, n_q_steps, h0, first_row, BLOCK_M)
+    per_head = gl.maximum(n_q_steps, 1)  # no division by zero when there is no step at all
+    h = h0 + t // per_head
+    m0 = first_row + (t % per_head) * BLOCK_M
     row0 = (b * H_Q + h) * N_Q_PAD + m0
     mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                     + 2 * lse_desc.block_type.nbytes, pred=pred)
@@ -194,19 +186,17 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
 
 @gluon.jit
 def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_smem, delta_smem,
-              DQ, dq_desc, dq_box, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+              DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
               prev_bh, prev_m0, has_prev,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-              DEFER_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DEBUG: gl.constexpr = 0):
+              DEFER_DQ: gl.constexpr, DEBUG: gl.constexpr = 0):
     """Fold query tile [m0, m0 + BLOCK_M) of query head ``bh`` (its row index b * H_q + h)
     into the dk, dv accumulators of the KV tile [n0, n0 + BLOCK_N); add its dQ into DQ.
 
-    With DQ_TMA the dQ tile is staged in ``dq_box`` (``dq_smem``'s rank-3 view) and added by
-    one TMA bulk reduce (``dq_desc``), which runs on its own while the next step computes.
-    Else with DEFER_DQ the dQ tile is left staged in ``dq_smem`` and added by the next step
-    (or the kernel's tail: ``_dq_atomics``) while that step's S^T and dP^T GEMMs run; this
-    step adds the previous one's (``prev_bh``, ``prev_m0``) if ``has_prev``."""
+    With DEFER_DQ the dQ tile is left staged in ``dq_smem`` and added by the next step (or
+    the kernel's tail: ``_dq_atomics``) while that step's S^T and dP^T GEMMs run; this step
+    adds the previous one's (``prev_bh``, ``prev_m0``) if ``has_prev``."""
     dtype: gl.constexpr = q_smem.dtype
     st_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
     kv_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
@@ -220,7 +210,7 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_st, use_acc=False,
                            is_async=True)
     # (Two ifs: the constexpr one is resolved at compile time, the other runs.)
-    if DEFER_DQ and not DQ_TMA:  # noqa: SIM102
+    if DEFER_DQ:  # noqa: SIM102
         # The previous step's dQ tile, added while the tensor cores compute S^T and dP^T.
         if has_prev:
             _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS,
@@ -270,17 +260,7 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
                            gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                            use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
-    if DQ_TMA:
-        # The previous step's reduce has read dq_smem (waited for by the thread that issued
-        # it; the barrier tells every warp), then this tile goes out the same way.
-        tma.store_wait(0)
-        warps_barrier()
-        dq_smem.store(dq)
-        fence_async_shared()
-        warps_barrier()
-        if (DEBUG & 16) == 0:
-            tma_reduce_add(dq_desc, [bh, m0, 0], dq_box)
-    elif DEFER_DQ:
+    if DEFER_DQ:
         # Every warp has read the previous tile out of dq_smem before it is overwritten;
         # the barrier before the ring's refill then publishes this one to the next step.
         warps_barrier()
@@ -319,12 +299,11 @@ def _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "H_KV", "GROUP",
                               "n_kv_tiles", "n_q_tiles"])
 def _gluon_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, DQ, dq_desc,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, DQ,
     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
-    DEFER_DQ: gl.constexpr = True, DQ_TMA: gl.constexpr = False, STAGGER: gl.constexpr = False,
-    DEBUG: gl.constexpr = 0,
+    DEFER_DQ: gl.constexpr = True, DEBUG: gl.constexpr = 0,
 ):
     # Program -> (KV tile, batch, kv head); the tiles of one kv head are consecutive (its
     # group's Q and dO stay in L2), tile 0 first (under causal masking it sees the most
@@ -346,9 +325,9 @@ def _gluon_bwd_kernel(
     # Swizzled: the accumulator's stores of 8 rows 512 bytes apart then fall on different
     # banks (unswizzled they hit the same ones: 10-15% of the kernel's time at d128 on the
     # H200 together with dS staged below, notes/gluon_notes.md).
-    # (The same 128-byte swizzle as a rank-3 box of dq_desc: the TMA reduce's source.)
-    dq_box = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
-    dq_smem = dq_box.reshape([BLOCK_M, HEAD_DIM])
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                             element_bitwidth=32, rank=2))
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                              element_bitwidth=16, rank=2))
@@ -376,22 +355,13 @@ def _gluon_bwd_kernel(
     n_steps = n_q_steps * GROUP
     h0 = kv_h * GROUP
     N_Q_PAD = n_q_tiles * BLOCK_M
-    # The programs of one kv head run side by side and would walk the same query tiles in
-    # the same order, every one adding into the same dQ rows at once; with STAGGER each
-    # starts its walk at its own step (its KV tile's index), so their dQ adds (and Q/dO
-    # reads) spread over n_steps tiles.
-    if STAGGER:  # noqa: SIM108  (a constexpr branch: no select in the kernel)
-        shift = tile % gl.maximum(n_steps, 1)
-    else:
-        shift = tile * 0
 
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
     tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
     for i in gl.static_range(STAGES):
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                ready, i, i, shift, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row,
-                BLOCK_M)
+                ready, i, i, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row, BLOCK_M)
 
     kv_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N, HEAD_DIM)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -401,7 +371,8 @@ def _gluon_bwd_kernel(
     prev_m0 = first_row
     for t in range(n_steps):
         slot = t % STAGES
-        h, m0 = _step_tile(t, shift, n_steps, n_q_steps, h0, first_row, BLOCK_M)
+        h = h0 + t // n_q_steps
+        m0 = first_row + (t % n_q_steps) * BLOCK_M
         bh = b * H_Q + h
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
         # An index LLVM cannot see is 0: the shared-memory descriptors of K and V are then
@@ -417,16 +388,14 @@ def _gluon_bwd_kernel(
         delta_smem = delta_bufs.index(slot)
         if m0 < full_row:
             dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem,
-                               lse_smem, delta_smem, DQ, dq_desc, dq_box, bh, m0, n0, N_Q,
-                               N_KV, causal_offset, qk_scale, sm_scale, prev_bh, prev_m0, t > 0,
-                               True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ,
-                               DQ_TMA, DEBUG)
+                               lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
+                               qk_scale, sm_scale, prev_bh, prev_m0, t > 0, True, CAUSAL,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ, DEBUG)
         else:
             dk, dv = _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem,
-                               lse_smem, delta_smem, DQ, dq_desc, dq_box, bh, m0, n0, N_Q,
-                               N_KV, causal_offset, qk_scale, sm_scale, prev_bh, prev_m0, t > 0,
-                               False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ,
-                               DQ_TMA, DEBUG)
+                               lse_smem, delta_smem, DQ, bh, m0, n0, N_Q, N_KV, causal_offset,
+                               qk_scale, sm_scale, prev_bh, prev_m0, t > 0, False, CAUSAL,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, num_warps, DEFER_DQ, DEBUG)
         prev_bh = bh
         prev_m0 = m0
         # Every warp's GEMMs that read this slot (and dS) have completed: refill it.
@@ -435,10 +404,10 @@ def _gluon_bwd_kernel(
             warps_barrier()
         warps_barrier()
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                ready, slot, t + STAGES, shift, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD,
-                first_row, BLOCK_M)
+                ready, slot, t + STAGES, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row,
+                BLOCK_M)
 
-    if DEFER_DQ and not DQ_TMA:  # noqa: SIM102  (constexpr, then run time)
+    if DEFER_DQ:  # noqa: SIM102  (constexpr, then run time)
         if n_steps > 0:  # the last step's dQ tile (published by the loop's last barrier)
             _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, num_warps,
                         DEBUG)
@@ -486,11 +455,6 @@ class LaunchPlan:
         self.q_block = [1, 1, block_m, head_dim]
         self.kv_block = [1, 1, block_n, head_dim]
         self.rows_block = [block_m]
-        # dq_accum as (B H_q, N_q, D): a box of one head's BLOCK_M rows (those past N_q are
-        # dropped by the TMA unit), fp32 in the 128-byte swizzle the staging tile needs.
-        self.dq_shape = (batch * heads_q, seqlen_q, head_dim)
-        self.dq_block = [1, block_m, head_dim]
-        self.dq_layout = host_smem_layout(self.dq_block, 32)
         self.rows_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                 rank=1)
         self.q_layout = host_smem_layout(self.q_block, 16)
@@ -498,9 +462,7 @@ class LaunchPlan:
         self.options: dict[str, Any] = dict(
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=int(config["stages"]),
             CAUSAL=causal_mode != "none", num_warps=num_warps_of(config),
-            DEFER_DQ=bool(config.get("defer_dq", True)),
-            DQ_TMA=config.get("dq_reduce", "atomics") == "tma",
-            STAGGER=bool(config.get("stagger", False)))
+            DEFER_DQ=bool(config.get("defer_dq", True)))
         debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
         if debug:
             self.options["DEBUG"] = debug
@@ -522,13 +484,7 @@ class LaunchPlan:
                 tma_descriptor(dk, self.kv_block, self.kv_layout),
                 tma_descriptor(dv, self.kv_block, self.kv_layout),
                 self._rows_descriptor(lse2), self._rows_descriptor(delta),
-                dq_accum, self._dq_descriptor(dq_accum), *self.scalars]
-
-    def _dq_descriptor(self, dq_accum: Any) -> Any:
-        """dq_accum (contiguous (B, H_q, N_q, D) fp32) seen as (B H_q, N_q, D)."""
-        _, rows, dims = self.dq_shape
-        return TensorDescriptor(dq_accum, list(self.dq_shape), [rows * dims, dims, 1],
-                                self.dq_block, self.dq_layout)
+                dq_accum, *self.scalars]
 
     def _rows_descriptor(self, rows: Any) -> Any:
         """A flat view of a padded (B, H_q, N_q_pad) fp32 row buffer for 1-D TMA loads."""

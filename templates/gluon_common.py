@@ -11,9 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -26,21 +24,6 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # A barrier among the warps of the calling partition: thread_barrier in 3.6, barrier later.
 warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):  # noqa: ANN001, ANN202
-    """global[the box at ``coord``] += shared ``src``: one TMA bulk reduce
-    (cp.reduce.async.bulk.tensor ... add), completed like a TMA store (``tma.store_wait``).
-    triton 3.6's Gluon has the op in its builder but no Python name for it; later versions
-    call it ``tma.async_atomic_add`` (picked below)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
-                                              coord, src.handle)
-
-
-tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
