@@ -88,6 +88,14 @@ def test_a_list_variable_that_is_not_json_is_an_error_with_a_fix() -> None:
     assert "fix: correct or unset TUNER_TEMPLATE_MODULES" in err
 
 
+def test_a_bad_tuner_shipped_names_what_is_allowed() -> None:
+    result, err = run_cli("list", "templates", TUNER_SHIPPED="offf")
+    assert result["code"] == 2 and "Traceback" not in err, err
+    assert ("error: bad configuration: TUNER_SHIPPED: Value error, must be on, off or the path "
+            "of a folder of shipped tables") in err and "but got 'offf'" in err
+    assert "fix: correct or unset TUNER_SHIPPED" in err
+
+
 @pytest.mark.parametrize(("args", "wrong", "fix"), [
     (["best", "--dtype", "fp16"], "--dtype must be one of float16, bfloat16, float32, "
                                   "but got 'fp16'", "did you mean --dtype float16?"),
