@@ -10,14 +10,16 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console, RenderableType
-from rich.table import Table
+from rich.console import Console
 from rich.text import Text
 
 from tuner.errors import TunerError
 from tuner.settings import SettingsError, get_settings, load_settings
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
+
     from tuner.settings import Settings
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
 PIPED_WIDTH = 10_000
 console = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else PIPED_WIDTH)
+# Between the columns of a table printed piped (``plain_table``): a cell's own spaces are single.
+PLAIN_GAP = "  "
 
 DbOption = Annotated[str | None, typer.Option(
     "--db", help="SQLAlchemy database URL (default: TUNER_DATABASE_URL, else sqlite:///tuner.db)",
@@ -160,9 +164,6 @@ def plain_table(table: Table) -> str:
     if table.caption:
         lines.append(_plain(table.caption))
     return "\n".join(lines) + "\n"
-
-
-PLAIN_GAP = "  "
 
 
 def _plain(renderable: RenderableType) -> str:
