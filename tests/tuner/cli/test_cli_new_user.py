@@ -16,7 +16,7 @@ import pytest
 from tests.tuner.test_sweep_cli import cli
 from tuner.settings import get_settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # What made `tuner --help` take 10-12 s: torch and the kernels (triton), and the libraries of
 # the commands that need them. A command imports them when it runs.
 HEAVY = ("torch", "triton", "sqlalchemy", "optuna", "httpx", "fastapi", "uvicorn", "numpy")

@@ -25,7 +25,7 @@ from tuner.replay import ReplayResult, SamplerSummary, load_recorded_file, repla
 from tuner.search.space import check_restriction, problem_space, valid_configs
 from tuner.suites import load_spec_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "benchmarks" / "specs" / "grid_study.toml"
 H100 = DeviceInfo(name="NVIDIA H100 80GB HBM3", compute_capability="9.0", sm_count=132,
                   total_memory=85_520_809_984, smem_per_block=232_448, driver_version="570.86",

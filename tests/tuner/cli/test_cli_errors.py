@@ -18,7 +18,7 @@ from tests.api.serving_data import H100
 from tests.tuner.test_sweep_cli import cli
 from tuner.settings import get_settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 UNREACHABLE = "postgresql+psycopg://nobody:s3cret-pass@127.0.0.1:1/tuner"  # port 1: refused
 
 

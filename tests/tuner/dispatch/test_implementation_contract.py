@@ -220,7 +220,7 @@ def test_a_forced_attn_mask_call_compiles_in_one_graph_forward_and_backward(
 
 
 # ----------------------------------------------------------------------------- imports
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OWN = ("tuner.attention", "tuner.dispatch", "tuner.plans", "tuner.record", "tuner.decode")
 
 

@@ -28,7 +28,7 @@ from tests.tuner.toy_templates import MEASURE_LOG_ENV, SLOW_ENV, launches, measu
 from tuner.demand_worker import JobClaimed, JobFinished, WorkerOptions, run_worker
 from tuner.sweep import SweepOptions
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOY = get_template("toy_add")
 PROBLEM = Problem(1, 1, 1, 64, 64, 32, "float16")
 TOY_MODULES = '["tests.tuner.toy_templates"]'

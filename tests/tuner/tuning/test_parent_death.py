@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="PR_SET_PDEATHSIG is Linux's")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # A parent that starts a compile-ahead pool as CompileAhead does, prints its processes' pids,
 # and is killed.

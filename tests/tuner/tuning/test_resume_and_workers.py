@@ -21,7 +21,7 @@ from db.models import Remeasurement, Sweep, Trial, TrialStatus
 from db.session import dispose_engine, session_scope
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, SLOW_ENV, measurements
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _spec(tmp_path: Path, shapes: str) -> Path:
