@@ -191,10 +191,10 @@ def test_one_error_hierarchy() -> None:
     # "One of each fact" (issue 41): there were two TunerError classes (tuner.errors and the
     # client's). Every error class of the product packages has its own name, and the tuner's
     # derive from tuner.errors.TunerError (db's, which imports nothing of the tuner's, aside).
-    from tuner.bundle import BundleError
+    from tuner.lookup.bundle import BundleError
     from tuner.errors import ServiceError, TunerError
     from tuner.settings import SettingsError
-    from tuner.snapshot import SnapshotError
+    from tuner.lookup.snapshot import SnapshotError
 
     names = [node.name for module, path in MODULES.items()
              for node in ast.walk(ast.parse(path.read_text()))

@@ -21,14 +21,14 @@ integer and compile another kernel).
 TMA descriptor arguments (``descriptors``: argument position -> a function making the plan's
 host descriptor of a tensor) are passed as tensors laid out as the plan says; Triton types a
 descriptor by its dtype and block shape only. Where this Triton's launcher is recognized
-(``templates.tensor_maps``), a direct launch keeps each descriptor's encoded tensor map per
+(``templates.compile.tensor_maps``), a direct launch keeps each descriptor's encoded tensor map per
 data pointer; elsewhere it passes descriptor objects to the compiled launcher, as the JIT does.
 
 Where no compiled launcher can be used (the CPU interpreter, a launch hook set by a profiler,
 a Triton without the attributes used here, ``ENABLED`` off), every call takes the JIT's path,
 which is always correct.
 
-Needs only torch and triton: exported kernel modules inline it (and ``templates.tensor_maps``).
+Needs only torch and triton: exported kernel modules inline it (and ``templates.compile.tensor_maps``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import triton
 
-from templates.tensor_maps import TensorMapLaunch, tensor_map_launch
+from templates.compile.tensor_maps import TensorMapLaunch, tensor_map_launch
 
 __all__ = ["DirectLaunch", "alignment_key", "current_stream"]
 

@@ -6,7 +6,7 @@ asking CUDA, so a template's ``kernel_launches`` can be compiled down to a cubin
 with triton) on a machine without any GPU: CI proves that a kernel change still compiles for
 Hopper (the interpreter runs the kernels' Python, not the compiler), and the registers, stack
 (spills) and shared memory of a config can be read before any GPU time is spent
-(``templates.compile_report``).
+(``templates.compile.report``).
 
 The process must not run the interpreter (``TRITON_INTERPRET=0`` before ``templates`` is
 first imported): ``@triton.jit`` decides at definition time whether a kernel is interpreted.

@@ -5,7 +5,7 @@ Run as a module in a process without the interpreter; it reads a JSON request on
 prints one JSON report per line, so a compiler crash takes only this process down::
 
     echo '{"target": "h100", "jobs": [{"template": "flash_fwd", "problem": {...},
-           "config": {...}}]}' | TRITON_INTERPRET=0 python -m templates.compile_report
+           "config": {...}}]}' | TRITON_INTERPRET=0 python -m templates.compile.report
 
 ``tuner compile-check`` is the way people run it (``tuner/cli/compile_check.py``).
 """
@@ -30,7 +30,7 @@ import triton
 
 from templates.base import KernelConfig, Problem, Template
 from templates.device import interpreter_active
-from templates.offline_target import offline_target
+from templates.compile.offline_target import offline_target
 from templates.registry import get_template
 
 __all__ = ["CompileOutcome", "KernelResources", "compile_config", "main", "wgmma_serialization"]
@@ -192,7 +192,7 @@ def main() -> int:
     """Read {"target", "jobs": [{"template", "problem", "config"}]} on stdin; print one JSON
     ``CompileOutcome`` per job and line. Exit 2 on a bad request."""
     if interpreter_active():
-        print("templates.compile_report needs TRITON_INTERPRET=0 in its environment",
+        print("templates.compile.report needs TRITON_INTERPRET=0 in its environment",
               file=sys.stderr)
         return 2
     try:

@@ -1,7 +1,7 @@
 """Stand-in tensors: what a Triton launch specializes on, without any memory behind it.
 
 ``kernel.warmup(*args, grid=..., **options)`` compiles the kernel a launch with these
-arguments would load, so compile-ahead workers (and ``templates.offline_target``) compile
+arguments would load, so compile-ahead workers (and ``templates.compile.offline_target``) compile
 exactly what a trial will run without allocating inputs.
 """
 

@@ -6,7 +6,7 @@ then counts itself in on an arrival counter, and the one that arrives last merge
 
 This module needs only the standard library, torch and triton: ``standalone_source`` of the
 ``flash_decode`` template copies it whole into an exported module with a config baked in.
-The layouts and semantics are documented in ``templates/flash_decode.py``.
+The layouts and semantics are documented in ``templates/decode/template.py``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from templates.direct_launch import DirectLaunch, alignment_key, current_stream
+from templates.compile.direct_launch import DirectLaunch, alignment_key, current_stream
 from templates.kernel_common import LOG2_E
-from templates.plan_cache import PlanCache
+from templates.compile.plan_cache import PlanCache
 
 MAX_QUERY_TOKENS = 16  # beyond a few tokens a prefill kernel tiles the queries better
 MAX_HEAD_DIM = 256

@@ -6,7 +6,7 @@ kernel merges the partials through their logsumexps (or, with ``combine="fused"`
 split program of each row tile to finish merges them). The result is exact: the same
 softmax as one pass over the whole cache, up to floating-point rounding.
 
-The kernels and their launcher are in ``templates/flash_decode_kernel.py`` (torch and triton
+The kernels and their launcher are in ``templates/decode/kernel.py`` (torch and triton
 only, so ``standalone_source`` can export it); this module holds the template (search space,
 constraints, default heuristic, counts), the entry point, inputs and the reference.
 
@@ -79,7 +79,8 @@ from typing import Any
 import torch
 import triton
 
-from templates import direct_launch, flash_decode_kernel, plan_cache, tensor_maps
+from templates.compile import direct_launch, plan_cache, tensor_maps
+from templates.decode import kernel as flash_decode_kernel
 from templates.base import (
     KernelConfig,
     KernelLaunch,
@@ -90,7 +91,7 @@ from templates.base import (
     relative_error,
 )
 from templates.device import DeviceInfo, check_interpreter_usable, current_device
-from templates.flash_decode_kernel import (
+from templates.decode.kernel import (
     COMBINE_MODES,
     KV_EVICTION,
     MAX_HEAD_DIM,
@@ -107,9 +108,9 @@ from templates.flash_decode_kernel import (
     smem_bytes,
 )
 from templates.interpreter_dtype import as_float32, runs_in_float32
-from templates.plan_cache import PlanCache
+from templates.compile.plan_cache import PlanCache
 from templates.registry import register
-from templates.standin_tensor import StandinTensor
+from templates.compile.standin_tensor import StandinTensor
 
 # ----------------------------------------------------------------------------- the space
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -1,6 +1,6 @@
 """The backward FlashAttention template: its search space, constraints, defaults and entry point.
 
-The kernels and their launcher live in ``templates.flash_bwd_kernel`` (torch + triton only, so
+The kernels and their launcher live in ``templates.flash.bwd_kernel`` (torch + triton only, so
 it can be emitted as standalone source); this module adds what the tuner and users need around
 them. The backward takes the forward's ``o`` and ``lse`` and the incoming gradient ``do`` and
 returns ``(dq, dk, dv)``.
@@ -17,27 +17,28 @@ from typing import Any
 
 import torch
 
-from templates import flash_bwd_kernel as kernel
-from templates import kernel_common, listed_blocks
+from templates.flash import bwd_kernel as kernel
+from templates import kernel_common
+from templates.masks import listed_blocks
 from templates.attention_reference import (
     FLOAT64_SCORE_LIMIT,
     attention_reference,
     forward_flops,
 )
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
-from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import (
     DeviceInfo,
     check_interpreter_usable,
     current_device,
     interpreter_active,
 )
-from templates.flash_fwd import check_block_mask, flash_attention_fwd, pattern_mask
-from templates.flash_fwd_kernel import attn_mask_view
+from templates.flash.fwd import check_block_mask, flash_attention_fwd, pattern_mask
+from templates.flash.fwd_kernel import attn_mask_view
 from templates.interpreter_dtype import as_float32, runs_in_float32
-from templates.mask_mods import pattern_problem
+from templates.masks.mods import pattern_problem
 from templates.registry import register
-from templates.standin_tensor import StandinTensor
+from templates.compile.standin_tensor import StandinTensor
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}

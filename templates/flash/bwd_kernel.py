@@ -44,7 +44,7 @@ from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     causal_offset,
     normalize_causal,
 )
-from templates.listed_blocks import listed_block_step
+from templates.masks.listed_blocks import listed_block_step
 
 # log2(e) inside the kernels: a jit function reads a global only as a constexpr.
 LOG2_E_JIT = tl.constexpr(LOG2_E)
@@ -609,7 +609,7 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward on validated inputs with a config given as a plain mapping.
 
-    ``block_mask``: the forward's ``templates.block_mask.BlockMask`` (already checked against
+    ``block_mask``: the forward's ``templates.masks.block_mask.BlockMask`` (already checked against
     q and k; the dK/dV pass walks its ``transposed`` lists); ``attn_mask``: the forward's,
     as ``flash_fwd_kernel.attn_mask_view`` returns it. Returns (dq, dk, dv), contiguous, in
     the inputs' dtype and shapes.

@@ -1,6 +1,6 @@
 """The forward FlashAttention template: its search space, constraints, defaults and entry point.
 
-The kernel and its launcher live in ``templates.flash_fwd_kernel`` (torch + triton only, so it
+The kernel and its launcher live in ``templates.flash.fwd_kernel`` (torch + triton only, so it
 can be emitted as standalone source); this module adds what the tuner and users need around it.
 """
 
@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
-from templates import direct_launch, kernel_common, listed_blocks, tensor_maps
-from templates import flash_fwd_kernel as kernel
+from templates.compile import direct_launch, tensor_maps
+from templates import kernel_common
+from templates.masks import listed_blocks
+from templates.flash import fwd_kernel as kernel
 from templates.attention_reference import (
     attention_reference,
     forward_bytes,
@@ -33,7 +35,7 @@ from templates.base import (
     next_pow2,
     relative_error,
 )
-from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import (
     DeviceInfo,
     check_interpreter_usable,
@@ -41,10 +43,10 @@ from templates.device import (
     interpreter_active,
 )
 from templates.interpreter_dtype import Float32Plan, as_float32, runs_in_float32
-from templates.mask_mods import pattern_block_mask, pattern_problem
-from templates.plan_cache import PlanCache
+from templates.masks.mods import pattern_block_mask, pattern_problem
+from templates.compile.plan_cache import PlanCache
 from templates.registry import register
-from templates.standin_tensor import StandinTensor
+from templates.compile.standin_tensor import StandinTensor
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from templates.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
+from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
 from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     CAUSAL_MODES,
     LOG2_E,
@@ -42,7 +42,7 @@ from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     normalize_causal,
     output_strides,
 )
-from templates.listed_blocks import listed_block_step
+from templates.masks.listed_blocks import listed_block_step
 
 # log2(e) inside the kernels: a jit function reads a global only as a constexpr.
 LOG2_E_JIT = tl.constexpr(LOG2_E)
@@ -380,7 +380,7 @@ def tma_inputs_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
     """Why q, k, v (and the output, laid out by ``output_strides``) cannot be read through TMA
     (None if they can).
 
-    Callers check once per launch plan (``templates.flash_fwd``, ``tuner.attention``)."""
+    Callers check once per launch plan (``templates.flash.fwd``, ``tuner.attention``)."""
     batch, heads, seqlen, head_dim = q.shape
     o_strides = output_strides(tuple(q.shape), tuple(q.stride()))
     for name, shape, strides, ptr in (("q", q.shape, q.stride(), q.data_ptr()),
@@ -428,7 +428,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: st
            attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel on validated inputs with a config given as a plain mapping.
 
-    ``block_mask``: a ``templates.block_mask.BlockMask`` (already checked against q and k);
+    ``block_mask``: a ``templates.masks.block_mask.BlockMask`` (already checked against q and k);
     ``attn_mask``: as returned by ``attn_mask_view``."""
     if config["use_tma"]:
         reason = tma_inputs_problem(q, k, v)
@@ -472,7 +472,7 @@ class LaunchPlan:
     Calling it launches on tensors laid out like the ones it was made from (same shapes,
     strides, dtype and device; for TMA, 16-byte aligned): then the only host work left is two
     allocations, the argument list and the launch. A caller that checks inputs once per layout
-    and keeps the plan (``templates.flash_fwd`` does) pays for the checks once.
+    and keeps the plan (``templates.flash.fwd`` does) pays for the checks once.
 
     Dense calls (no mask) launch through a ``DirectLaunch`` once the first has compiled: every
     integer argument is fixed by the plan, so what Triton specializes on beyond the plan is the

@@ -1,6 +1,6 @@
 """The Gluon backward template (Hopper only): its search space, constraints, defaults and entry.
 
-The kernels and their launcher live in ``templates.gluon_bwd_kernel`` (torch + triton only, so
+The kernels and their launcher live in ``templates.gluon.bwd_kernel`` (torch + triton only, so
 they can be emitted as standalone source). Like ``flash_bwd`` it takes the forward's ``o`` and
 ``lse`` and the incoming gradient ``do`` and returns ``(dq, dk, dv)``: the tuner measures it on
 the same backward problems (inputs from ``FlashBwdTemplate.make_inputs``), so the two
@@ -25,8 +25,8 @@ import torch
 
 from templates.base import KernelConfig, KernelLaunch, Problem, knob
 from templates.device import DeviceInfo
-from templates.flash_bwd import TEMPLATE as FLASH_BWD
-from templates.gluon_template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
+from templates.flash.bwd import TEMPLATE as FLASH_BWD
+from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
     TORCH_DTYPES,
     GluonTemplate,
@@ -34,9 +34,9 @@ from templates.gluon_template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
     problem_of,
 )
 from templates.registry import register
-from templates.standin_tensor import StandinTensor
+from templates.compile.standin_tensor import StandinTensor
 
-kernel, GLUON_MISSING = load_kernel_module("templates.gluon_bwd_kernel")
+kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
 HEAD_DIMS = (64, 128)
 DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles (the mbarriers: 24 bytes in the offline build),

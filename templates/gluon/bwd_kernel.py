@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from templates.gluon_common import (  # noqa: F401  re-exported for the templates
+from templates.gluon.common import (  # noqa: F401  re-exported for the templates
     CAUSAL_MODES,
     LOG2_E,
     SUPPORTED_DTYPES,

@@ -2,7 +2,7 @@
 
 Our own backwards (Triton ``flash_bwd``, Gluon ``gluon_bwd``) run at about 0.6x cuDNN's on the
 H100, while the Gluon forward beats cuDNN's forward on some problems (d128 causal: 1.07-1.11x).
-A training step made of the Gluon forward and cuDNN's backward (``templates.cudnn_bwd``, fed
+A training step made of the Gluon forward and cuDNN's backward (``templates.pytorch.cudnn_bwd``, fed
 with the forward's o and logsumexp) is then faster than torch SDPA's cuDNN forward + backward
 there, and the dispatcher can only know where by measuring the pair as it runs: this template
 times the forward and the backward together, as ``torch_sdpa_train`` times SDPA's, so the two
@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from templates import cudnn_bwd, gluon_training
-from templates import gluon_fwd as fwd
+from templates.pytorch import cudnn_bwd
+from templates.gluon import training as gluon_training
+from templates.gluon import fwd
 from templates.base import KernelConfig, Problem
-from templates.gluon_training import GluonTrainingTemplate
+from templates.gluon.training import GluonTrainingTemplate
 from templates.registry import register
 
 

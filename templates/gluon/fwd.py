@@ -1,6 +1,6 @@
 """The Gluon forward template (Hopper only): its search space, constraints, defaults and entry.
 
-The kernel and its launcher live in ``templates.gluon_fwd_kernel`` (torch + triton only, so it
+The kernel and its launcher live in ``templates.gluon.fwd_kernel`` (torch + triton only, so it
 can be emitted as standalone source); this module adds what the tuner and users need around
 it. Written for triton 3.6's Gluon; on a triton without Gluon the template imports but
 rejects every problem (``unsupported`` says why).
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from templates import direct_launch, gluon_schedule, tensor_maps
+from templates.compile import direct_launch, tensor_maps
+from templates.gluon import schedule as gluon_schedule
 from templates.attention_reference import (
     attention_reference,
     forward_bytes,
@@ -31,21 +32,21 @@ from templates.base import (
     knob,
     relative_error,
 )
-from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.device import DeviceInfo
-from templates.flash_fwd import check_block_mask, pattern_mask
-from templates.gluon_template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
+from templates.flash.fwd import check_block_mask, pattern_mask
+from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
     TORCH_DTYPES,
     GluonTemplate,
     load_kernel_module,
     problem_of,
 )
-from templates.plan_cache import PlanCache
+from templates.compile.plan_cache import PlanCache
 from templates.registry import register
-from templates.standin_tensor import StandinTensor
+from templates.compile.standin_tensor import StandinTensor
 
-kernel, GLUON_MISSING = load_kernel_module("templates.gluon_fwd_kernel")
+kernel, GLUON_MISSING = load_kernel_module("templates.gluon.fwd_kernel")
 HEAD_DIMS = (64, 128, 256)
 # Shared memory Triton adds to the tiles: the mbarriers and the warp-specialize state.
 BARRIER_BYTES = 512

@@ -68,8 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from templates.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
-from templates.gluon_common import (  # noqa: F401  re-exported for the templates
+from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
+from templates.gluon.common import (  # noqa: F401  re-exported for the templates
     CAUSAL_MODES,
     LOG2_E,
     SUPPORTED_DTYPES,
@@ -81,7 +81,7 @@ from templates.gluon_common import (  # noqa: F401  re-exported for the template
     tma_store,
     warps_barrier,
 )
-from templates.gluon_schedule import (  # noqa: F401  some re-exported: tests, benchmarks
+from templates.gluon.schedule import (  # noqa: F401  some re-exported: tests, benchmarks
     ENTRY_INTS,
     L2_KV_BYTES,
     MAX_SCHEDULED_TILES,
@@ -111,7 +111,7 @@ REGISTER_FILE = 65536
 SMEM_PER_PROGRAM = 227 * 1024 - 1024
 
 
-# The host's schedule as the kernel reads it (``_program_tile``; ``templates.gluon_schedule``).
+# The host's schedule as the kernel reads it (``_program_tile``; ``templates.gluon.schedule``).
 SCHEDULE_ENTRY = gl.constexpr(ENTRY_INTS)
 WHOLE = gl.constexpr(WHOLE_BLOCKS)
 

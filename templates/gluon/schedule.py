@@ -1,5 +1,5 @@
 """Which tiles (and pieces of tiles) each program of the Gluon forward's persistent grid
-walks: schedules made on the host and read by ``templates.gluon_fwd_kernel``'s
+walks: schedules made on the host and read by ``templates.gluon.fwd_kernel``'s
 ``_program_tile`` (``TILE_ORDER`` 2-4), and the cost models that choose them.
 
   * ``lpt_schedule``: a causal grid's whole tiles, longest first, each to the program with

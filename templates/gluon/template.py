@@ -12,10 +12,10 @@ from typing import ClassVar
 
 import torch
 
-from templates import gluon_common
+from templates.gluon import common as gluon_common
 from templates.base import KernelConfig, KernelLaunch, Problem, Template
 from templates.device import DeviceInfo, current_device
-from templates.mask_mods import pattern_problem
+from templates.masks.mods import pattern_problem
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}

@@ -1,5 +1,5 @@
 """``gluon_train``: a training step's attention by our own kernels both ways, the Gluon forward
-and the Gluon backward (``templates.gluon_bwd``, its default config), timed together.
+and the Gluon backward (``templates.gluon.bwd``, its default config), timed together.
 
 The sibling of ``gluon_cudnn_train`` (the same forward, cuDNN's backward): the dispatcher
 prices both beside ``torch_sdpa_train`` and runs the fastest measured, so the day our backward
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from templates import gluon_bwd, gluon_training
-from templates import gluon_fwd as fwd
+from templates.gluon import bwd as gluon_bwd, training as gluon_training
+from templates.gluon import fwd
 from templates.base import KernelConfig, Problem
-from templates.gluon_training import GluonTrainingTemplate
+from templates.gluon.training import GluonTrainingTemplate
 from templates.registry import register
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from templates import gluon_fwd as fwd
+from templates.gluon import fwd
 from templates.attention_reference import forward_bytes, forward_flops, random_inputs
 from templates.base import KernelConfig, Problem, Template
-from templates.flash_bwd import reference_grads
+from templates.flash.bwd import reference_grads
 
 
 class GluonTrainingTemplate(fwd.GluonFwdTemplate):

@@ -15,7 +15,7 @@ plus ascending indices per query block.
 
 Constructors: ``from_dense`` (a boolean mask), ``from_mask_mod`` (a function of tensor indices,
 evaluated a few query blocks at a time), ``from_block_kinds`` (the same function evaluated only
-on the blocks a known block structure leaves open), and the helpers of ``templates.mask_mods`` through it.
+on the blocks a known block structure leaves open), and the helpers of ``templates.masks.mods`` through it.
 ``a & b`` and ``a | b`` combine two masks of one geometry.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from templates.mask_patterns import pattern_problem
+from templates.masks.patterns import pattern_problem
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "EMPTY", "EVALUATE", "FULL", "BlockMask", "MaskMod"]
 

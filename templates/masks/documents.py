@@ -1,7 +1,7 @@
 """Document block masks: the BlockMask of packed variable-length sequences (FlashAttention's
 ``cu_seqlens`` offsets), causal per document bottom-right as FlashAttention aligns it, built in
 O(blocks) and kept for the few offsets a training step uses. ``tuner.varlen_attention`` runs
-packed calls with them; ``tuner.dense_mask`` turns a recognized block-diagonal mask into one.
+packed calls with them; ``tuner.dispatch.dense_mask`` turns a recognized block-diagonal mask into one.
 Imports nothing of ``tuner`` (so both can use it without a cycle through ``tuner.attention``).
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from templates.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask, MaskMod
-from templates.mask_patterns import documents_pattern
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask, MaskMod
+from templates.masks.patterns import documents_pattern
 
 __all__ = ["MAX_CACHED_MASKS", "clear_document_masks", "document_block_mask"]
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from templates.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
-from templates.mask_patterns import PATTERNS, parse_pattern, pattern_problem
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
+from templates.masks.patterns import PATTERNS, parse_pattern, pattern_problem
 
 __all__ = ["and_masks", "causal_mask", "document_mask", "or_masks", "pattern_block_mask",
            "pattern_density", "pattern_problem", "prefix_lm_mask", "sliding_window_mask",
@@ -127,7 +127,7 @@ def pattern_mask_mod(pattern: str, seqlen_q: int, seqlen_kv: int, *,
     call passes ``is_causal=False``), ``document:4`` (4 equal documents), ``documents:1024``
     and ``documents_causal:1024`` (documents of 1024 tokens, the last one what is left,
     causal within each with the latter: the pattern of packed sequences,
-    ``templates.mask_patterns.documents_pattern``), ``prefix:256``, ``causal``.
+    ``templates.masks.patterns.documents_pattern``), ``prefix:256``, ``causal``.
 
     ``sliding_causal:<w>`` is a pattern of its own, not ``sliding:<w - 1>`` with a causal
     problem: a causal call applies causality elementwise on every listed block, so the two

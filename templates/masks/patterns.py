@@ -1,7 +1,7 @@
 """The named block-mask patterns (``Problem.mask``, ``BlockMask.pattern``): their syntax and
 validity, as strings only.
 
-Kept apart from ``templates.mask_mods`` (which builds their masks) so that ``BlockMask`` can
+Kept apart from ``templates.masks.mods`` (which builds their masks) so that ``BlockMask`` can
 validate its ``pattern`` without importing the module that imports it: problem validation
 (e.g. a service query) must stay cheap at any length, so nothing here builds a mask.
 """

@@ -17,7 +17,7 @@ it crosses become partial (with an all-visible tile), and the mask_mod ands the 
 The conversion is kept on the mask object (one per causal mode), so a mask reused across calls
 (a sweep's, a model's layers') converts once, and one made per call is freed with it.
 
-Problems: block-sparse ones (``Problem.mask`` a named pattern, ``templates.mask_mods``), the
+Problems: block-sparse ones (``Problem.mask`` a named pattern, ``templates.masks.mods``), the
 mask the sweep builds for them with ``pattern_block_mask``. Dense problems are ``torch_sdpa``'s.
 Knobs: Flex's forward tiles (``kernel_options`` BLOCK_M / BLOCK_N; 0 leaves them to Flex's
 own heuristic), which must divide the mask's blocks (128 for the sweeps' masks); the training
@@ -41,11 +41,11 @@ from templates.attention_reference import (
     random_inputs,
 )
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2
-from templates.block_mask import BlockMask, block_lists, listed_slots
+from templates.masks.block_mask import BlockMask, block_lists, listed_slots
 from templates.device import DeviceInfo
-from templates.flash_bwd import reference_grads
-from templates.flash_fwd import pattern_mask
-from templates.mask_mods import pattern_problem
+from templates.flash.bwd import reference_grads
+from templates.flash.fwd import pattern_mask
+from templates.masks.mods import pattern_problem
 from templates.registry import register
 
 __all__ = ["FlexConfig", "compiled_flex_attention", "flex", "block_size_problem",

@@ -32,7 +32,7 @@ from templates.attention_reference import (
 )
 from templates.base import KernelConfig, Problem, Template, knob
 from templates.device import DeviceInfo
-from templates.flash_bwd import reference_grads
+from templates.flash.bwd import reference_grads
 from templates.registry import register
 
 # torch's own function, kept as imported: ``tuner.install()`` may put the dispatcher in its

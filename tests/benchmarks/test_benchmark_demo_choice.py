@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import load_benchmark_script
-from tests.tuner.test_head_to_head import ScriptedRunner
-from tuner.lookup import set_resolver
-from tuner.suites import load_spec_file
-from tuner.sweep import SweepOptions, run_sweep
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
+from tests.tuner.tuning.test_head_to_head import ScriptedRunner
+from tuner.lookup.resolver import set_resolver
+from tuner.tuning.suites import load_spec_file
+from tuner.tuning.sweep import SweepOptions, run_sweep
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 

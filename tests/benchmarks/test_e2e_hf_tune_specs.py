@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.benchmark_scripts import load_benchmark_script
-from tuner.suites import load_spec_file
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
+from tuner.tuning.suites import load_spec_file
 
 
 def test_tune_specs_load_one_family_each(tmp_path: Path) -> None:

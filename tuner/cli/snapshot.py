@@ -25,7 +25,7 @@ from tuner.cli.common import (
 )
 from tuner.errors import ServiceError, TunerError
 from tuner.settings import get_settings
-from tuner.snapshot import (
+from tuner.lookup.snapshot import (
     StoredSnapshot,
     check_snapshot_id,
     delete_snapshot,

@@ -2,7 +2,7 @@
 service in the background, so that ``tuner worker`` tunes what jobs actually run (issue 18,
 item 1).
 
-The config resolver (``tuner.lookup``) notes every problem it answers with the template's
+The config resolver (``tuner.lookup.resolver``) notes every problem it answers with the template's
 default or a nearest shape, keyed by (template, template version, device key, problem): once
 per plan that ``tuner.attention`` or ``tuner.decode`` makes, which for an untuned problem is
 again every few seconds while the job runs it (``UNTUNED_TTL_S``), so the counts grow with
@@ -29,7 +29,7 @@ from tuner.errors import ServiceError
 
 __all__ = ["BATCH_ITEMS", "MAX_PENDING", "UNTUNED", "DemandReporter"]
 
-log = logging.getLogger("tuner.demand")
+log = logging.getLogger("tuner.demand.reporter")
 
 # Matches that mean "nothing measured for this problem's bucket on this device".
 UNTUNED = frozenset({"default", "nearest"})

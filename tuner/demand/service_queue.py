@@ -26,9 +26,9 @@ from db.models import DemandStatus
 from db.session import session_scope
 from templates.base import Problem
 from templates.registry import get_template
-from tuner.bundle import make_bundle
+from tuner.lookup.bundle import make_bundle
 from tuner.client import TunerClient
-from tuner.demand_queue import Job, QueueUnavailable, ResultsRefused
+from tuner.demand.queue import Job, QueueUnavailable, ResultsRefused
 from tuner.errors import ServiceError, TunerError
 from tuner.wire import DemandRow
 

@@ -1,12 +1,12 @@
 """A worker that follows demand (issue 18, item 2): it tunes what jobs ran untuned, most
-reported first, for its own device, with the sweep machinery (``tuner.sweep.run_sweep``).
+reported first, for its own device, with the sweep machinery (``tuner.tuning.sweep.run_sweep``).
 
 The loop: claim the most reported open row of the demand queue for this worker's device key
 and the template versions its own code runs, tune its problem as a one-problem sweep into the
 worker's database, make the results reach the service, mark the row done (or failed, saying
 why), and claim the next; with nothing to claim, wait ``poll_s`` and look again. The queue is
 the database the worker shares with the service, or the service's API for hosts that reach only
-the service (``tuner.demand_queue``, ``tuner.service_queue``): then the worker tunes into a
+the service (``tuner.demand.queue``, ``tuner.demand.service_queue``): then the worker tunes into a
 database of its own and uploads the job's results before it marks it done; if the upload cannot
 get through, it gives the job back.
 
@@ -34,11 +34,11 @@ from db.session import init_db
 from templates.base import Problem
 from templates.device import cpu_device, interpreter_active
 from templates.registry import all_templates, get_template
-from tuner.demand_queue import DatabaseQueue, DemandQueue, Job, QueueUnavailable, ResultsRefused
+from tuner.demand.queue import DatabaseQueue, DemandQueue, Job, QueueUnavailable, ResultsRefused
 from tuner.errors import TunerError
-from tuner.runner.isolated import IsolatedRunner
-from tuner.suites import SweepSpec
-from tuner.sweep import SweepOptions, SweepReport, run_sweep
+from tuner.tuning.runner.isolated import IsolatedRunner
+from tuner.tuning.suites import SweepSpec
+from tuner.tuning.sweep import SweepOptions, SweepReport, run_sweep
 
 __all__ = ["Job", "JobClaimed", "JobFinished", "WorkerOptions", "WorkerStarted",
            "WorkerWaits", "run_worker", "worker_versions"]

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from templates.block_mask import BlockMask
-from templates.document_mask import document_block_mask
-from templates.mask_mods import pattern_block_mask
+from templates.masks.block_mask import BlockMask
+from templates.masks.documents import document_block_mask
+from templates.masks.mods import pattern_block_mask
 
 __all__ = ["Recognized", "recognize_mask"]
 

@@ -33,8 +33,8 @@ from typing import Literal
 
 import torch
 
-from templates.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask
-from templates.mask_patterns import documents_pattern
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask
+from templates.masks.patterns import documents_pattern
 
 __all__ = ["CAUSAL", "clear_rule_masks", "rule_block_mask"]
 

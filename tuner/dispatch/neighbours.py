@@ -6,11 +6,11 @@ two implementations' nearest answers may come from different shapes. What does c
 implementations measured on the same neighbouring bucket: their ratio there is a measurement,
 and the prediction for this problem. So:
 
-* the neighbour is the nearest bucket (``tuner.lookup``'s order, read from SDPA's answer) on
+* the neighbour is the nearest bucket (``tuner.lookup.resolver``'s order, read from SDPA's answer) on
   which torch SDPA and at least one other implementation that serves the call were measured,
   every template of each, with configs that run this problem; one neighbour for all of them;
 * there, each is priced on the problem SDPA measured (FLOPs over the stored TFLOP/s, summed as
-  ``tuner.dispatch.price`` sums them); the fastest runs, with its configs from that neighbour,
+  ``tuner.dispatch.rule.price`` sums them); the fastest runs, with its configs from that neighbour,
   if it beat SDPA there by ``TUNER_NEIGHBOUR_MARGIN``: the ratio is a prediction for another
   shape, so it must clear the noise of the measurements behind it. Otherwise SDPA runs.
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from templates.base import Problem, Template
-from tuner.lookup import Neighbour, Resolved
+from tuner.lookup.resolver import Neighbour, Resolved
 
 __all__ = ["Contender", "Verdict", "decide_on_neighbour"]
 

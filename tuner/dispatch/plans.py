@@ -3,7 +3,7 @@
 
 A mode says which path made the plan ("inference" for ``tuner.attention``'s hot path, an
 implementation's training op, "decode" for ``tuner.decode``); the problem and the layout are
-the keys of ``tuner.implementations.call``. Plans are per exact shape: a decode loop makes one
+the keys of ``tuner.dispatch.implementations.call``. Plans are per exact shape: a decode loop makes one
 per step, so past ``MAX_PLANS`` the cache starts over (rebuilding a plan is cheap once its
 shape bucket's config is cached by the resolver).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tuner.lookup import get_resolver
+from tuner.lookup.resolver import get_resolver
 
 __all__ = ["MAX_PLANS", "PLANS", "Plan", "clear_plans", "keep_plan"]
 

@@ -13,7 +13,7 @@ The rule (docs/DISPATCH.md):
   is no measurement). Estimated time = the problem's FLOPs over the stored TFLOP/s, summed.
 * If torch SDPA is priced, the fastest priced implementation runs, with its tuned config.
 * If torch SDPA is not priced, the choice is decided on the nearest neighbouring bucket where
-  SDPA and another implementation were both measured (``tuner.neighbours``): one that beat
+  SDPA and another implementation were both measured (``tuner.dispatch.neighbours``): one that beat
   SDPA there by ``TUNER_NEIGHBOUR_MARGIN`` runs, with its configs from that neighbour.
 * Otherwise torch SDPA runs as the user's code would have run it: ours must be measured
   faster to be chosen.
@@ -24,10 +24,10 @@ The rule (docs/DISPATCH.md):
   before Flex was a candidate.
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
-the process's answers for their buckets (``tuner.lookup``: stable within a process), so a
+the process's answers for their buckets (``tuner.lookup.resolver``: stable within a process), so a
 problem that ran one implementation and config runs them for the process's life.
 
-An implementation is a subclass of ``tuner.implementations.Implementation`` (its docstring is
+An implementation is a subclass of ``tuner.dispatch.implementations.Implementation`` (its docstring is
 the contract), registered with ``register_implementation``; the public entry needs no change.
 """
 
@@ -42,15 +42,15 @@ from dataclasses import replace
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
-from tuner.implementations.base import Choice, Estimate, Implementation
-from tuner.implementations.call import Call
-from tuner.implementations.registry import (
+from tuner.dispatch.implementations.base import Choice, Estimate, Implementation
+from tuner.dispatch.implementations.call import Call
+from tuner.dispatch.implementations.registry import (
     get_implementation,
     implementations,
     register_implementation,
 )
-from tuner.lookup import Resolved, get_resolver, keep_config, resolve_config
-from tuner.neighbours import Contender, decide_on_neighbour
+from tuner.lookup.resolver import Resolved, get_resolver, keep_config, resolve_config
+from tuner.dispatch.neighbours import Contender, decide_on_neighbour
 from tuner.record import note, recording
 
 __all__ = ["Call", "Choice", "Estimate", "Implementation", "Resolve", "choose",
@@ -58,12 +58,12 @@ __all__ = ["Call", "Choice", "Estimate", "Implementation", "Resolve", "choose",
            "register_implementation", "use_implementation"]
 
 # How a template's config for a problem on a device is found: the process's resolver
-# (``tuner.lookup.resolve_config``) for a call, the stored bests of a database for the service's
-# and ``tuner best``'s comparisons (``tuner.comparison``).
+# (``tuner.lookup.resolver.resolve_config``) for a call, the stored bests of a database for the service's
+# and ``tuner best``'s comparisons (``tuner.dispatch.comparison``).
 Resolve = Callable[[Template, Problem, DeviceInfo], Resolved]
 
 
-log = logging.getLogger("tuner.dispatch")
+log = logging.getLogger("tuner.dispatch.rule")
 
 _FORCED: ContextVar[str | None] = ContextVar("tuner_forced_implementation", default=None)
 BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when unmeasured
@@ -143,7 +143,7 @@ def _choose(call: Call) -> Choice:
 def decide(call: Call, *, resolve: Resolve, margin: float) -> Choice:
     """The rule (module docstring), with each template's config found by ``resolve`` and a
     neighbour's win needing ``margin``: what ``choose`` runs for a call, and what the service
-    and ``tuner best`` show for a problem (``tuner.comparison``), one computation."""
+    and ``tuner best`` show for a problem (``tuner.dispatch.comparison``), one computation."""
     if call.problem.mask != "none":
         return _decide_block_mask(call, resolve)
     estimates = tuple(price(impl, call, resolve) for impl in implementations()
@@ -170,7 +170,7 @@ def _fastest_measured(estimates: tuple[Estimate, ...]) -> Choice:
 
 def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...],
                   margin: float) -> Choice:
-    """SDPA not measured for this problem: decided on a neighbour (``tuner.neighbours``), or
+    """SDPA not measured for this problem: decided on a neighbour (``tuner.dispatch.neighbours``), or
     SDPA as the user's code would have run it."""
     contenders = {e.implementation: Contender(e.implementation, tuple(
         get_template(name) for name in get_implementation(e.implementation).templates_for(

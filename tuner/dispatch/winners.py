@@ -2,7 +2,7 @@
 runner-up, the margin, and every measured implementation's TFLOP/s beside them.
 
 One computation for ``tuner winners``, ``tuner best``, ``GET /v1/winners`` and the dashboard.
-It reads the stored bests of the forward templates of ``tuner.dispatch``'s implementations
+It reads the stored bests of the forward templates of ``tuner.dispatch.rule``'s implementations
 (torch_sdpa, flash_fwd, gluon_fwd, flash_decode) at the kernel versions of whoever asks (a
 best tuned for other kernel source is not what would run there: it is counted as ``stale``
 and left out), and ranks them by TFLOP/s, the dispatcher's rule for inference calls
@@ -21,11 +21,12 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-import tuner.implementations  # noqa: F401  (registers the implementations)
+import tuner.dispatch.implementations  # noqa: F401  (registers the implementations)
 from db import crud
 from db.finalists import Measured, Readings, choose_best
-from tuner.close_calls import decided
-from tuner.dispatch import BASELINE, get_implementation, implementations
+from tuner.dispatch.close_calls import decided
+from tuner.dispatch.rule import BASELINE, get_implementation
+from tuner.dispatch import implementations
 from tuner.wire import BackendTime, ProblemWinner, WinnersOut
 
 __all__ = ["backend_times", "forward_templates", "rank_problems", "stored_winners"]
@@ -117,7 +118,7 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
 
 def _decided(winner: Readings | None, runner_up: Readings | None) -> bool | None:
     """Whether the winner's and the runner-up's readings of one head-to-head tell them
-    apart (``tuner.close_calls.decided``); None where they do not come from the same one."""
+    apart (``tuner.dispatch.close_calls.decided``); None where they do not come from the same one."""
     if (winner is None or runner_up is None or winner.head_to_head is None
             or winner.head_to_head != runner_up.head_to_head):
         return None

@@ -28,7 +28,7 @@ re-measurements; ``default_measurements`` the default config's. ``make_bundle`` 
 1 when no item has any (so hosts that read only version 1 still read it); every version-1
 bundle still imports, each config as measured once at its stored time.
 
-A best priced by a head-to-head (``tuner.head_to_head``: stored at the median of its readings
+A best priced by a head-to-head (``tuner.tuning.head_to_head``: stored at the median of its readings
 side by side with the other implementations' bests) is exported at its own readings' median,
 the one its ``measurements`` give: bundles do not carry head-to-heads, which stay in the
 database they were measured in (notes/dispatch_measurements.md, "What is left").
@@ -69,7 +69,7 @@ from db.session import run_in_transaction
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
-from tuner.devices import smem_for_cc
+from tuner.lookup.devices import smem_for_cc
 from tuner.errors import TunerError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from templates.device import CPU_INTERPRETER, DeviceInfo
-from templates.offline_target import TARGETS
+from templates.compile.offline_target import TARGETS
 
 __all__ = ["HOPPER_DEFAULT", "device_info_from_key", "device_info_from_row", "smem_for_cc"]
 

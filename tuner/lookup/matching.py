@@ -2,8 +2,8 @@
 shape of the same family (with that family's other buckets as neighbours), and the answer a
 lookup gives (``Resolved``).
 
-The rule is shared by a process's own lookups (``tuner.lookup``: database, snapshot), the
-pinned snapshot (``tuner.pinned``) and the service's ``GET /v1/best``.
+The rule is shared by a process's own lookups (``tuner.lookup.resolver``: database, snapshot), the
+pinned snapshot (``tuner.lookup.pinned``) and the service's ``GET /v1/best``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["BestLike", "CacheKey", "Candidate", "Match", "Neighbour", "Resolved"
            "match_best", "match_candidates", "match_with_neighbours", "neighbours_of",
            "parse_candidates"]
 
-log = logging.getLogger("tuner.matching")
+log = logging.getLogger("tuner.lookup.matching")
 
 
 class BestLike(Protocol):
@@ -53,7 +53,7 @@ class Candidate:
 @dataclass(frozen=True)
 class Neighbour:
     """A stored best of a neighbouring bucket (same family, another shape): what the
-    dispatcher reads to compare implementations on the same neighbour (tuner/neighbours.py)."""
+    dispatcher reads to compare implementations on the same neighbour (tuner/dispatch/neighbours.py)."""
 
     problem_key: str
     problem: Problem  # the problem it measured

@@ -1,6 +1,6 @@
 """``TUNER_SNAPSHOT``: every config of a job from one snapshot, loaded once.
 
-``TUNER_SNAPSHOT`` is a snapshot id (``tuner.snapshot``) or the path of a bundle file. An id
+``TUNER_SNAPSHOT`` is a snapshot id (``tuner.lookup.snapshot``) or the path of a bundle file. An id
 is looked up in the local database (when it exists, read-only, as lookups read it), then at
 the service (``TUNER_URL``, one request); the content must hash to the id wherever it came
 from, so every rank of a job, and every restart, holds the very same configs. Nothing is
@@ -10,7 +10,7 @@ An id found nowhere stops the job at its first lookup (``SnapshotError`` naming 
 every place looked in): a job that was told to run pinned configs must not run others.
 
 ``PinnedConfigs.resolve`` answers as the database does: the snapshot's items of the device and
-kernel version, matched by ``tuner.matching.match_with_neighbours`` (exact, bucket, nearest with
+kernel version, matched by ``tuner.lookup.matching.match_with_neighbours`` (exact, bucket, nearest with
 its neighbours' bests), else the template's default. Each problem is matched on its own, not as
 the first problem asked of its bucket (the unpinned resolver's cache): so the answer depends on
 nothing but the snapshot and the problem, never on the order a rank happened to ask in.
@@ -34,17 +34,17 @@ from sqlalchemy.orm import Session
 from db import crud
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
-from tuner.bundle import Bundle, BundleItem, first_error
+from tuner.lookup.bundle import Bundle, BundleItem, first_error
 from tuner.errors import ServiceError
-from tuner.matching import Candidate, Match, Resolved, match_with_neighbours, parse_candidates
-from tuner.snapshot import SnapshotError, is_snapshot_id, snapshot_id_of, stored_bundle
+from tuner.lookup.matching import Candidate, Match, Resolved, match_with_neighbours, parse_candidates
+from tuner.lookup.snapshot import SnapshotError, is_snapshot_id, snapshot_id_of, stored_bundle
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
 __all__ = ["PinnedConfigs", "load_pinned"]
 
-log = logging.getLogger("tuner.pinned")
+log = logging.getLogger("tuner.lookup.pinned")
 
 # One download of a whole snapshot at a job's start: far longer than a lookup may wait.
 LOAD_TIMEOUT_S = 30.0
@@ -61,7 +61,7 @@ MAX_ANSWERS = 4096
 
 @dataclass(frozen=True)
 class PinnedBest:
-    """One item of the snapshot, as matching reads a stored best (``tuner.matching.BestLike``)."""
+    """One item of the snapshot, as matching reads a stored best (``tuner.lookup.matching.BestLike``)."""
 
     problem_key: str
     problem: dict[str, Any]

@@ -1,7 +1,7 @@
 """Config resolution: which tuned config runs a problem on a device.
 
 With ``TUNER_SNAPSHOT`` set, every answer comes from that snapshot alone, loaded once at the
-first lookup (``tuner.pinned``) and matched as the database's rows are, problem by problem;
+first lookup (``tuner.lookup.pinned``) and matched as the database's rows are, problem by problem;
 nothing else is asked, ever. Without it, the order, first answer wins
 (``ConfigResolver.resolve``):
 
@@ -13,7 +13,7 @@ nothing else is asked, ever. Without it, the order, first answer wins
 3. the config service at ``TUNER_URL``, when set: at most ``TUNER_LOOKUP_TIMEOUT`` seconds per
    question; a failure is remembered for ``retry_after_s`` (60 s) so a dead service costs one
    timeout a minute, not one per call,
-4. the shipped measurements of this GPU model (``tuner.shipped``: a table in the package, of
+4. the shipped measurements of this GPU model (``tuner.lookup.shipped``: a table in the package, of
    the installed kernel versions only), source ``shipped``,
 5. the template's default heuristic.
 
@@ -24,7 +24,7 @@ snapshot, service or shipped) carries the bests of the neighbouring buckets
 (``neighbours_of``; the service sends them in ``BestOut.neighbours``), on one of which the
 dispatcher may compare implementations (docs/DISPATCH.md). Every answer
 that is not tuned here (``default``, ``nearest``, ``shipped``) is noted as demand for the
-service (``tuner.demand``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every
+service (``tuner.demand.reporter``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every
 config that comes from outside (database, service or shipped table) is re-validated against the
 template's space and static constraints here: a served config is data, never code. A shipped
 answer is re-asked after ``UNTUNED_TTL_S`` until a kernel runs with it, as an untuned one: a
@@ -36,7 +36,7 @@ same for the process's life, whatever the database or the service say later, so 
 switches configs mid-run. ``TUNER_REFRESH=on`` opts in to newer answers instead: untuned ones
 are re-asked after ``UNTUNED_TTL_S``, tuned ones after ``TUNED_TTL_S``, run or not.
 
-The matching rule itself is ``tuner.matching``, shared with the service's ``GET /v1/best``.
+The matching rule itself is ``tuner.lookup.matching``, shared with the service's ``GET /v1/best``.
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ from typing import TYPE_CHECKING, Any
 from db.errors import DatabaseUnavailableError
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
-from tuner.demand import UNTUNED, DemandReporter
-from tuner.devices import (
+from tuner.demand.reporter import UNTUNED, DemandReporter
+from tuner.lookup.devices import (
     HOPPER_DEFAULT,
     device_info_from_key,
     device_info_from_row,
     smem_for_cc,
 )
 from tuner.errors import ServiceError
-from tuner.matching import (
+from tuner.lookup.matching import (
     BestLike,
     CacheKey,
     Candidate,
@@ -77,18 +77,18 @@ from tuner.matching import (
     parse_candidates,
 )
 from tuner.settings import load_settings
-from tuner.shipped import PACKAGED_DIR, ShippedConfigs
-from tuner.snapshot import SnapshotError
+from tuner.lookup.shipped import PACKAGED_DIR, ShippedConfigs
+from tuner.lookup.snapshot import SnapshotError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-    from tuner.demand import DemandReporter
-    from tuner.pinned import PinnedConfigs
+    from tuner.demand.reporter import DemandReporter
+    from tuner.lookup.pinned import PinnedConfigs
     from tuner.settings import Settings
 
-# The matching rule (tuner.matching) and the device facts (tuner.devices) are their own
-# modules, which tuner.pinned and tuner.bundle import without importing the resolver; the
+# The matching rule (tuner.lookup.matching) and the device facts (tuner.lookup.devices) are their own
+# modules, which tuner.lookup.pinned and tuner.bundle import without importing the resolver; the
 # resolver's callers find them here too.
 __all__ = [
     "HOPPER_DEFAULT", "RETRY_AFTER_S", "SHIPPED", "TUNED_TTL_S", "UNTUNED_TTL_S", "BestLike",
@@ -98,7 +98,7 @@ __all__ = [
     "set_resolver", "smem_for_cc",
 ]
 
-log = logging.getLogger("tuner.lookup")
+log = logging.getLogger("tuner.lookup.resolver")
 
 RETRY_AFTER_S = 60.0
 # An untuned answer (default, nearest) is asked again after this long: a sweep or an upload
@@ -137,7 +137,7 @@ class ConfigResolver:
         self._pinned: PinnedConfigs | None = None
         self._pin_error: SnapshotError | None = None
         self._demand: DemandReporter | None = None
-        # The shipped tables (tuner.shipped) of ``shipped_dir``; None: none consulted.
+        # The shipped tables (tuner.lookup.shipped) of ``shipped_dir``; None: none consulted.
         self._shipped = ShippedConfigs(shipped_dir) if shipped_dir is not None else None
 
     # -- public -------------------------------------------------------------------------
@@ -267,7 +267,7 @@ class ConfigResolver:
             return None
         if self._pinned is None and self._pin_error is None:
             # lazy: sqlalchemy +0.35 s (2-core CPU); `import tuner.attention` skips it
-            from tuner.pinned import load_pinned
+            from tuner.lookup.pinned import load_pinned
 
             with self._lock:  # one load per process; other threads wait for it
                 if self._pinned is None and self._pin_error is None:

@@ -1,6 +1,6 @@
 """Snapshots: the best configs of one moment, frozen and named by the hash of their content.
 
-A snapshot's content is a bundle (``tuner.bundle``'s format, as ``tuner export`` writes it)
+A snapshot's content is a bundle (``tuner.lookup.bundle``'s format, as ``tuner export`` writes it)
 without the two header fields that say where and when it was written (``host``,
 ``exported_at``), in canonical form: its items sorted, its JSON text with sorted keys and no
 spaces. Its id is the SHA-256 of that text, 64 hex digits. So
@@ -9,7 +9,7 @@ spaces. Its id is the SHA-256 of that text, 64 hex digits. So
   and a snapshot can never change under its id: a changed row would no longer hash to it,
   and every reader checks that it does;
 * a bundle file is a snapshot too: ``tuner export --snapshot ID`` writes one that hashes to
-  ID, and ``TUNER_SNAPSHOT=path`` pins a job to a file (``tuner.pinned``).
+  ID, and ``TUNER_SNAPSHOT=path`` pins a job to a file (``tuner.lookup.pinned``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def freeze(database_url: str, *, device: str | None = None, template: str | None
     # lazy: sqlalchemy, torch+triton +1.8 s (2-core CPU); keeps `tuner --help` < 1 s
     from db import crud
     from db.session import run_in_transaction, session_scope
-    from tuner.bundle import make_bundle
+    from tuner.lookup.bundle import make_bundle
 
     # Read in one read transaction (a consistent view), then stored in a short write one: the
     # bests are not read under SQLite's write lock, which would hold up sweeps meanwhile.

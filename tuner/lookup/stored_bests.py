@@ -1,7 +1,7 @@
 """Stored best configs as their readers read them, detached from their database session: one
 read model of a best-config row for the service's answers (``api.answers``), the
-implementations' comparison (``tuner.comparison``), verification (``tuner.verify``) and the
-transfer prior (``tuner.search.prior``), parsed once per row."""
+implementations' comparison (``tuner.dispatch.comparison``), verification (``tuner.tuning.verify``) and the
+transfer prior (``tuner.tuning.search.prior``), parsed once per row."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from db import crud
 from db.finalists import Readings
 from templates.base import Template
-from tuner.lookup import Candidate, parse_candidates
+from tuner.lookup.resolver import Candidate, parse_candidates
 from tuner.wire import Provenance
 
 __all__ = ["StoredBest", "stored_bests"]

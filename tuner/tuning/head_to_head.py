@@ -4,7 +4,7 @@ one session, not by two searches' readings taken minutes apart (notes/dispatch_m
 cuDNN's SDPA within 1-4% of each other on the H100 were ranked by that noise).
 
 Who takes part: the templates of the sweep that price implementations serving the problem
-(``tuner.dispatch``: for inference, and for a training step), each with its stored best for the
+(``tuner.dispatch.rule``: for inference, and for a training step), each with its stored best for the
 problem on this device; at least two implementations must be priced entirely by them, or there
 is nothing to compare and the step is skipped.
 
@@ -14,7 +14,7 @@ r mod n (``rotation``), so each candidate runs first, and in every place, equall
 cyclic rotation: within a round each still follows the one before it in the list); a fixed
 order slowed whatever ran right after gluon by up to 10% on the H100. Then, while the two
 cheapest implementations of a call are a close call (``close_call_candidates``, decided by
-``tuner.close_calls.decided``) and fewer than ``max_rounds`` rounds ran, one more round of
+``tuner.dispatch.close_calls.decided``) and fewer than ``max_rounds`` rounds ran, one more round of
 their templates alone, rotated: the others are out of the running, and their readings stay
 as they are. Each reading is
 stored as it is measured; the session is marked finished, and the candidates' bests refreshed
@@ -35,14 +35,15 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-import tuner.implementations  # noqa: F401  (registers the implementations compared here)
+import tuner.dispatch.implementations  # noqa: F401  (registers the implementations compared here)
 from db import crud, head_to_head
 from db.session import run_in_transaction, session_scope
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
-from tuner.close_calls import decided
-from tuner.dispatch import Call, implementations
-from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
+from tuner.dispatch.close_calls import decided
+from tuner.dispatch.rule import Call
+from tuner.dispatch import implementations
+from tuner.tuning.runner.outcome import Runner, TrialOutcome, TrialRequest
 
 __all__ = [
     "DEFAULT_HEAD_TO_HEAD_ROUNDS",
@@ -63,7 +64,7 @@ __all__ = [
 # readings; as many as benchmarks/dispatch_bench.py's rotated rounds, whose noise floor on the
 # H100 was up to 2.6% (notes/dispatch_measurements.md). Not yet measured as a head-to-head on a GPU.
 DEFAULT_HEAD_TO_HEAD_ROUNDS = 5
-# Close calls take more rounds, up to this many times ``rounds`` (``tuner.close_calls``).
+# Close calls take more rounds, up to this many times ``rounds`` (``tuner.dispatch.close_calls``).
 DEFAULT_MAX_ROUNDS_FACTOR = 2
 
 

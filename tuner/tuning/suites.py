@@ -33,7 +33,7 @@ instead of crossing the shape with the spec's lists, ``dtype``, ``causal``, ``ma
 ``tuner.record`` writes, with ``count``: how many plans the job made in the problem's bucket,
 the weight a ``--budget`` sweep gives it). Problems that fall into one
 shape bucket (``Problem.bucketed``) are tuned once: one stored config serves the bucket.
-``[space]`` applies to every template of the spec (``tuner.search.space``); its knob names
+``[space]`` applies to every template of the spec (``tuner.tuning.search.space``); its knob names
 and values are checked against each template when the sweep starts.
 """
 
@@ -53,7 +53,7 @@ import yaml
 
 from templates.base import CAUSAL_MODES, DTYPES, Problem
 from tuner.errors import TunerError
-from tuner.search.space import PROBLEM_DEFAULT, SpaceRestriction
+from tuner.tuning.search.space import PROBLEM_DEFAULT, SpaceRestriction
 
 __all__ = [
     "BUILTIN_SUITES",
@@ -360,7 +360,7 @@ def _causal_mode(value: object, source: str) -> str:
 
 def _space(value: object, source: str) -> dict[str, tuple[Any, ...] | str]:
     """The [space] table's form; its knobs are checked against the templates later, once
-    their modules are imported (``tuner.search.space.check_restriction``)."""
+    their modules are imported (``tuner.tuning.search.space.check_restriction``)."""
     example = "e.g. [space] BLOCK_M = [64, 128] or longest_first = \"default\""
     if not isinstance(value, Mapping):
         raise TunerError(f"{source}: 'space' must be a table of knob = [allowed values], "

@@ -7,16 +7,16 @@ Optuna study per problem, so a problem's trials spread over them. More hosts joi
 running the same sweep against the same PostgreSQL URL. Everything measured is stored as it
 finishes; running a sweep again resumes it (stored configs are not run again), and a larger
 ``--trials`` extends it. At the end of each problem's search its finalists are measured
-again and the best is chosen by their medians (``tuner.search.loop``, ``db.finalists``).
+again and the best is chosen by their medians (``tuner.tuning.search.loop``, ``db.finalists``).
 When every problem is searched, the bests of the implementations of each problem are measured
-side by side, and priced by those readings from then on (``tuner.head_to_head``). Each search
-measures the default config first, then the transfer prior (``tuner.search.prior``).
+side by side, and priced by those readings from then on (``tuner.tuning.head_to_head``). Each search
+measures the default config first, then the transfer prior (``tuner.tuning.search.prior``).
 
 With a time budget (``SweepOptions.budget_s``, ``--budget 5m``) the problems go heaviest first
 (a recording's count x the problem's size) and share the time by that weight
-(``tuner.search.budget``); each implementation of a problem first measures its first configs
+(``tuner.tuning.search.budget``); each implementation of a problem first measures its first configs
 (a probe), one measured clearly slower than another stops there
-(``tuner.search.contenders``), and the rest are searched within their shares. The budget is
+(``tuner.tuning.search.contenders``), and the rest are searched within their shares. The budget is
 checked before each measurement; the sweep stops with the best found so far, every
 measurement stored, and its report says so (``budget_spent``).
 
@@ -48,8 +48,8 @@ from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.errors import TunerError
-from tuner.gpus import visible_gpus
-from tuner.head_to_head import (
+from tuner.tuning.gpus import visible_gpus
+from tuner.tuning.head_to_head import (
     DEFAULT_HEAD_TO_HEAD_ROUNDS,
     DEFAULT_MAX_ROUNDS_FACTOR,
     HeadToHeadResult,
@@ -57,13 +57,13 @@ from tuner.head_to_head import (
     candidates_for,
     run_head_to_head,
 )
-from tuner.runner.compile_ahead import CompileAhead
-from tuner.runner.isolated import IsolatedRunner
-from tuner.runner.measure import describe_exception
-from tuner.runner.outcome import WorkerRunner
-from tuner.search.budget import SweepBudget, job_cost
-from tuner.search.contenders import beaten_templates
-from tuner.search.loop import (
+from tuner.tuning.runner.compile_ahead import CompileAhead
+from tuner.tuning.runner.isolated import IsolatedRunner
+from tuner.tuning.runner.measure import describe_exception
+from tuner.tuning.runner.outcome import WorkerRunner
+from tuner.tuning.search.budget import SweepBudget, job_cost
+from tuner.tuning.search.contenders import beaten_templates
+from tuner.tuning.search.loop import (
     DEFAULT_FINAL_REPEATS,
     DEFAULT_FINALISTS,
     ProblemSearch,
@@ -71,19 +71,19 @@ from tuner.search.loop import (
     SearchStats,
     TrialEvent,
 )
-from tuner.search.prior import stored_bests, transfer_prior
-from tuner.search.samplers import SAMPLERS, make_sampler
-from tuner.search.space import SpaceRestriction, check_restriction, problem_space
-from tuner.search.store import DbStore, StoredRemeasurement, StoredResult, measured_configs
-from tuner.search.study import (
+from tuner.tuning.search.prior import stored_bests, transfer_prior
+from tuner.tuning.search.samplers import SAMPLERS, make_sampler
+from tuner.tuning.search.space import SpaceRestriction, check_restriction, problem_space
+from tuner.tuning.search.store import DbStore, StoredRemeasurement, StoredResult, measured_configs
+from tuner.tuning.search.study import (
     HEARTBEAT_INTERVAL_S,
     HeartbeatKeeper,
     make_storage,
     open_study,
     study_name,
 )
-from tuner.stored_bests import StoredBest
-from tuner.suites import SweepSpec
+from tuner.lookup.stored_bests import StoredBest
+from tuner.tuning.suites import SweepSpec
 
 __all__ = [
     "HeadToHeadFinished",
@@ -129,11 +129,11 @@ class SweepOptions:
     # takes more, up to head_to_head_max_rounds (None: DEFAULT_MAX_ROUNDS_FACTOR x as many).
     head_to_head_rounds: int = DEFAULT_HEAD_TO_HEAD_ROUNDS
     head_to_head_max_rounds: int | None = None
-    # A time budget for the whole sweep, in seconds (None: none; tuner.search.budget): spent
+    # A time budget for the whole sweep, in seconds (None: none; tuner.tuning.search.budget): spent
     # on the problems by their counts x sizes, heaviest problem first. With it, each
     # problem's implementations first measure their first configs (the default, the
     # transfer prior), and one measured clearly slower than another stops being searched
-    # (tuner.search.contenders), unless prune is False.
+    # (tuner.tuning.search.contenders), unless prune is False.
     budget_s: float | None = None
     prune: bool = True
 
@@ -235,7 +235,7 @@ class ProblemFinished:
 @dataclass(frozen=True)
 class ProblemPruned:
     """The implementation was measured clearly slower than another on this problem and is
-    searched no further (``tuner.search.contenders``); ``stats``: what its probe did."""
+    searched no further (``tuner.tuning.search.contenders``); ``stats``: what its probe did."""
 
     worker: int
     index: int
@@ -637,7 +637,7 @@ def _work_budgeted(shared: _Shared, worker: int, device: dict[str, Any],
                    runner: WorkerRunner, store_of: Callable[[Task], DbStore]) -> None:
     """The tasks under a --budget, problem by problem (heaviest first): each implementation
     measures its first configs (a probe, its best re-measured once), those clearly slower
-    than another stop (``tuner.search.contenders``), and the contenders are searched within
+    than another stop (``tuner.tuning.search.contenders``), and the contenders are searched within
     their share of the time left (``SweepBudget.allot``)."""
     assert shared.budget is not None
     budget, info = shared.budget, device_from_dict(device)
@@ -768,7 +768,7 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
 
 def _head_to_heads(shared: _Shared, device: dict[str, Any], emit: Callable[[Event], None],
                    left_out: set[int] | None = None) -> list[HeadToHeadResult]:
-    """After every search: each problem's implementations side by side (``tuner.head_to_head``),
+    """After every search: each problem's implementations side by side (``tuner.tuning.head_to_head``),
     on this thread, in a trial worker of its own on the first GPU. A head-to-head that fails
     (not a candidate: the step itself) is reported and the next one runs; the bests the sweep
     stored stay as they are."""

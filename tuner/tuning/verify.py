@@ -1,7 +1,7 @@
 """Verify stored best configs: re-measure each in a fresh trial worker, compare the times.
 
 Issue 6's quality bar: the stored best of a problem, re-measured in a fresh process, lands
-within 3% of its stored time. A re-measurement is an ordinary trial (``tuner.runner``): fresh
+within 3% of its stored time. A re-measurement is an ordinary trial (``tuner.tuning.runner``): fresh
 random inputs, the check against the template's reference, then ``do_bench`` (or wall-clock
 runs under the interpreter), in a worker process that did not run the sweep. With several
 repeats the median time counts. A config that fails its re-measurement (compile error, wrong
@@ -31,10 +31,10 @@ from db import crud
 from db.session import session_scope
 from templates.registry import all_templates, get_template
 from tuner.errors import TunerError
-from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
-from tuner.stored_bests import StoredBest
-from tuner.sweep import Task
-from tuner.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
+from tuner.tuning.runner.outcome import Runner, TrialOutcome, TrialRequest
+from tuner.lookup.stored_bests import StoredBest
+from tuner.tuning.sweep import Task
+from tuner.tuning.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
 
 __all__ = [
     "AUTO",

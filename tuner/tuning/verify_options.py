@@ -1,7 +1,7 @@
 """``tuner verify``'s options: the tolerance and how re-measurements run.
 
-Apart from ``tuner/verify.py`` so that the ``tuner`` command builds its options without
-importing torch and the kernels (``tuner.verify`` costs 3.2 s on the 2-core CPU machine;
+Apart from ``tuner/tuning/verify.py`` so that the ``tuner`` command builds its options without
+importing torch and the kernels (``tuner.tuning.verify`` costs 3.2 s on the 2-core CPU machine;
 issue 41, item 1).
 """
 
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from tuner.errors import TunerError
-from tuner.runner.timing import REP_MS
+from tuner.tuning.runner.timing import REP_MS
 
 if TYPE_CHECKING:
-    from tuner.stored_bests import StoredBest
+    from tuner.lookup.stored_bests import StoredBest
 
 __all__ = ["AUTO", "DEFAULT_TOLERANCE", "VerifyOptions", "parse_tolerance"]
 

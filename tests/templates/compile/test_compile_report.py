@@ -1,4 +1,4 @@
-"""``templates.compile_report.wgmma_serialization``: ptxas's note when it serializes a
+"""``templates.compile.report.wgmma_serialization``: ptxas's note when it serializes a
 kernel's wgmma GEMMs, read from a stand-in ptxas (the real one runs in the Gluon templates'
 offline compile tests, which require the shipped kernels to have none)."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from templates import compile_report
-from templates.compile_report import wgmma_serialization
+from templates.compile import report as compile_report
+from templates.compile.report import wgmma_serialization
 
 PTX = """
 .version 8.7

@@ -1,5 +1,5 @@
-"""Compiling for a GPU this machine does not have (templates.offline_target,
-templates.compile_report): real sm_90 cubins from the CPU, in a child process without the
+"""Compiling for a GPU this machine does not have (templates.compile.offline_target,
+templates.compile.report): real sm_90 cubins from the CPU, in a child process without the
 interpreter. The tests themselves run under the interpreter, which is why every compile
 happens in a child."""
 
@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from templates import Problem, get_template
-from templates.flash_fwd import FwdConfig, shared_memory_estimate
-from templates.offline_target import TARGETS, offline_target
-from templates.standin_tensor import StandinTensor
+from templates.flash.fwd import FwdConfig, shared_memory_estimate
+from templates.compile.offline_target import TARGETS, offline_target
+from templates.compile.standin_tensor import StandinTensor
 
 SMALL = Problem(1, 2, 2, 256, 256, 64, "bfloat16", "none")
 
 
 def compile_report(request: dict[str, Any]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    return subprocess.run([sys.executable, "-m", "templates.compile_report"],
+    return subprocess.run([sys.executable, "-m", "templates.compile.report"],
                           input=json.dumps(request), capture_output=True, text=True, env=env,
                           timeout=600, check=False)
 

@@ -1,4 +1,4 @@
-"""``templates.tensor_maps`` against Triton's own descriptor handling, on the CPU.
+"""``templates.compile.tensor_maps`` against Triton's own descriptor handling, on the CPU.
 
 The compiled launcher is a real ``CudaLauncher`` of the installed Triton with its real
 descriptor wrapper (``wrap_handle_tensordesc``) around a stand-in C launcher that records what
@@ -18,8 +18,8 @@ import triton.backends.nvidia.driver as nvidia
 from triton.runtime import driver as runtime_driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from templates import tensor_maps
-from templates.direct_launch import DirectLaunch, PlannedDescriptor
+from templates.compile import tensor_maps
+from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor
 
 NAMES = ["QD", "X", "KD", "n", "BLOCK"]
 SIGNATURE = {"QD": "tensordesc<fp16[16, 16]>", "X": "*fp32", "KD": "tensordesc<fp16[8, 16]>",

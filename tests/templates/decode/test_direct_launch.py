@@ -14,11 +14,12 @@ import pytest
 import torch
 import triton
 
-from templates import direct_launch, flash_decode_kernel
+from templates.compile import direct_launch
+from templates.decode import kernel as flash_decode_kernel
 from templates.device import interpreter_active
-from templates.direct_launch import DirectLaunch, alignment_key
-from templates.flash_decode import TEMPLATE, FlashDecodeConfig, decode_reference
-from templates.flash_decode_kernel import check_decode_inputs, launch_decode
+from templates.compile.direct_launch import DirectLaunch, alignment_key
+from templates.decode.template import TEMPLATE, FlashDecodeConfig, decode_reference
+from templates.decode.kernel import check_decode_inputs, launch_decode
 
 
 class _Compiled:

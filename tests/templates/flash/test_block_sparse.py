@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-import templates.block_mask as block_mask_module
-import templates.flash_fwd_kernel as kernel
+import templates.masks.block_mask as block_mask_module
+import templates.flash.fwd_kernel as kernel
 from templates import BlockMask, flash_attention_fwd
 from templates.attention_reference import attention_reference, lse_error
 from templates.base import relative_error
-from templates.mask_mods import (
+from templates.masks.mods import (
     and_masks,
     causal_mask,
     document_mask,

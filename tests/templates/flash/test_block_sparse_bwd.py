@@ -13,20 +13,20 @@ from typing import Any
 import pytest
 import torch
 
-import templates.flash_bwd_kernel as bwd_kernel
-import templates.flash_fwd_kernel as fwd_kernel
+import templates.flash.bwd_kernel as bwd_kernel
+import templates.flash.fwd_kernel as fwd_kernel
 from templates import BlockMask, flash_attention_fwd
-from templates.autograd import flash_attention
+from templates.flash.autograd import flash_attention
 from templates.base import TOLERANCE, Problem, relative_error
-from templates.flash_bwd import flash_attention_bwd, reference_grads
-from templates.mask_mods import (
+from templates.flash.bwd import flash_attention_bwd, reference_grads
+from templates.masks.mods import (
     causal_mask,
     document_mask,
     pattern_block_mask,
     sliding_window_mask,
 )
 from templates.registry import get_template
-from tests.templates.test_block_sparse import qkv, random_block_mask
+from tests.templates.flash.test_block_sparse import qkv, random_block_mask
 
 TOL = {dtype: TOLERANCE[name] for dtype, name in (
     (torch.float16, "float16"), (torch.bfloat16, "bfloat16"), (torch.float32, "float32"))}

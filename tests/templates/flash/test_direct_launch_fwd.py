@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from templates import direct_launch, flash_fwd_kernel
+from templates.compile import direct_launch
+from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.attention_reference import attention_reference
 from templates.device import interpreter_active
-from templates.flash_fwd import FwdConfig, launch_plan
+from templates.flash.fwd import FwdConfig, launch_plan
 
 CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, grid_order="tiles_inner",
               longest_first=False, pipeline_masked_loop=True, loop_unroll=1,
@@ -133,8 +134,8 @@ def test_a_gluon_plan_launches_directly_after_its_first_call(
     """Dense launches pass LSE for the block mask's six tensors, (without a persistent
     causal schedule) for the schedule and (without a split) for the split workspace: the
     kernel never reads them."""
-    from templates.gluon_fwd import GluonFwdConfig
-    from templates.gluon_fwd import kernel as gluon
+    from templates.gluon.fwd import GluonFwdConfig
+    from templates.gluon.fwd import kernel as gluon
 
     if gluon is None:
         pytest.skip("this triton has no Gluon")
@@ -248,7 +249,7 @@ def test_gpu_a_reused_address_never_reads_a_stale_tensor(monkeypatch: pytest.Mon
 def test_gpu_gluon_direct_launches_give_the_jit_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward needs a Hopper GPU")
-    from templates.gluon_fwd import gluon_attention_fwd, kernel
+    from templates.gluon.fwd import gluon_attention_fwd, kernel
 
     assert kernel is not None
     inputs = [tuple(t.contiguous() for t in _gpu_qkv(seed)) for seed in range(3)]
@@ -264,6 +265,6 @@ def test_gpu_gluon_direct_launches_give_the_jit_bits(monkeypatch: pytest.MonkeyP
 
 
 def kernel_plans() -> list[list[Any]]:
-    from templates import gluon_fwd
+    from templates.gluon import fwd as gluon_fwd
 
     return list(gluon_fwd._PLANS._entries.values())

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import templates
-from templates import flash_bwd_kernel, flash_fwd_kernel
+from templates.flash import bwd_kernel as flash_bwd_kernel, fwd_kernel as flash_fwd_kernel
 from templates.attention_reference import attention_reference
-from templates.autograd import FlashAttentionFunction, flash_attention
+from templates.flash.autograd import FlashAttentionFunction, flash_attention
 from templates.base import TOLERANCE, Problem, relative_error
 from templates.device import DeviceInfo
-from templates.flash_bwd import (
+from templates.flash.bwd import (
     MAX_REGISTERS_PER_THREAD,
     BwdConfig,
     FlashBwdTemplate,
@@ -278,7 +278,7 @@ def test_explicit_configs_must_run_but_may_be_wasteful(device: str,
     check_grads(t, "none", wasteful, TOLERANCE["float16"], forward=(args["o"], args["lse"]))
     # A config that cannot fit the device is refused before anything compiles.
     tiny_smem = dataclasses.replace(device_info, smem_per_block=16 * 1024)
-    monkeypatch.setattr("templates.flash_bwd.current_device", lambda *_: tiny_smem)
+    monkeypatch.setattr("templates.flash.bwd.current_device", lambda *_: tiny_smem)
     with pytest.raises(ValueError, match=r"needs about \d+ KiB of shared memory"):
         flash_attention_bwd(*positional, config=dict(BLOCK_M1=64, BLOCK_N1=128, num_stages=4))
     with pytest.raises(ValueError, match="head_dim must be at most 256"):
@@ -401,7 +401,7 @@ def test_make_inputs_are_random_reproducible_and_run() -> None:
 def test_reference_in_chunks_equals_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
     t = make_inputs((2, 4, 12, 8), 2, 10, torch.float32, "cpu")
     whole = reference_grads(t["q"], t["k"], t["v"], t["do"], causal="bottom_right", scale=0.3)
-    monkeypatch.setattr("templates.flash_bwd.REFERENCE_CHUNK_SCORES", 1)  # one kv head a chunk
+    monkeypatch.setattr("templates.flash.bwd.REFERENCE_CHUNK_SCORES", 1)  # one kv head a chunk
     chunked = reference_grads(t["q"], t["k"], t["v"], t["do"], causal="bottom_right", scale=0.3)
     assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12)
                for a, b in zip(whole, chunked, strict=True))
@@ -409,8 +409,8 @@ def test_reference_in_chunks_equals_one_piece(monkeypatch: pytest.MonkeyPatch) -
 
 def test_template_is_registered_with_a_source_version() -> None:
     assert isinstance(TEMPLATE, FlashBwdTemplate)
-    assert set(TEMPLATE.source_modules()) == {"templates.flash_bwd", "templates.flash_bwd_kernel",
-                                              "templates.kernel_common", "templates.listed_blocks"}
+    assert set(TEMPLATE.source_modules()) == {"templates.flash.bwd", "templates.flash.bwd_kernel",
+                                              "templates.kernel_common", "templates.masks.listed_blocks"}
     assert len(TEMPLATE.version()) == 16
     assert templates.flash_attention_bwd is flash_attention_bwd
     assert templates.flash_attention is flash_attention

@@ -10,7 +10,7 @@ import torch
 import tuner
 from templates.attention_reference import attention_reference
 from templates.base import relative_error
-from templates.flash_fwd import flash_attention_fwd
+from templates.flash.fwd import flash_attention_fwd
 
 
 def inputs(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

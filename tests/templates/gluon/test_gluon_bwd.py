@@ -1,4 +1,4 @@
-"""The Gluon backward template (templates.gluon_bwd): its space and constraints on the CPU, an
+"""The Gluon backward template (templates.gluon.bwd): its space and constraints on the CPU, an
 offline sm_90 compile of its default configs (registers, spills, shared memory) in a child
 process without the interpreter, and numerics on a Hopper GPU (``gpu`` marker).
 
@@ -17,16 +17,16 @@ import pytest
 import torch
 
 from templates.base import Problem
-from templates.flash_bwd import TEMPLATE as FLASH_BWD
-from templates.gluon_bwd import (
+from templates.flash.bwd import TEMPLATE as FLASH_BWD
+from templates.gluon.bwd import (
     GLUON_MISSING,
     TEMPLATE,
     GluonBwdConfig,
     shared_memory_estimate,
     tile_registers,
 )
-from templates.offline_target import TARGETS
-from tests.templates.gluon_checks import compile_reports, import_standalone, is_hopper
+from templates.compile.offline_target import TARGETS
+from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -111,7 +111,7 @@ def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
 
 @needs_gluon
 def test_input_errors_name_the_argument() -> None:
-    from templates.gluon_bwd import gluon_attention_bwd
+    from templates.gluon.bwd import gluon_attention_bwd
 
     q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)
@@ -155,7 +155,7 @@ def test_default_configs_compile_for_the_h100() -> None:
         for cfg in [TEMPLATE.default_config(p, H100)] + TEMPLATE.known_good_configs(p, H100):
             jobs.append({"template": "gluon_bwd", "problem": p.to_dict(),
                          "config": cfg.to_dict()})
-    outcomes = compile_reports("templates.gluon_bwd", jobs)
+    outcomes = compile_reports("templates.gluon.bwd", jobs)
     assert len(outcomes) == len(jobs)
     for job, out in zip(jobs, outcomes, strict=True):
         assert out["error"] == "" and out["constraint"] == "", out
@@ -197,7 +197,7 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
-    from templates import gluon_bwd_kernel
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
     from templates.device import current_device
 
     monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)

@@ -1,9 +1,9 @@
-"""``gluon_cudnn_train``: the Gluon forward with cuDNN's backward (``templates.cudnn_bwd``).
+"""``gluon_cudnn_train``: the Gluon forward with cuDNN's backward (``templates.pytorch.cudnn_bwd``).
 
 CPU: what the template takes and refuses, its price (3.5x the forward's FLOPs, as
 torch_sdpa_train), the backward's input checks. GPU (``gpu`` marker, Hopper): the template's
 run against its reference on odd shapes, GQA, N_q != N_kv, fp16/bf16, D 64/128/256
-(``tuner.attention``'s training path through it: tests/tuner/test_dispatch_gluon_training.py).
+(``tuner.attention``'s training path through it: tests/tuner/dispatch/test_dispatch_gluon_training.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from templates.base import Problem
-from templates.cudnn_bwd import cudnn_backward_problem
+from templates.pytorch.cudnn_bwd import cudnn_backward_problem
 from templates.kernel_common import normalize_causal
 from templates.registry import get_template
 from tests.api.serving_data import H100

@@ -1,4 +1,4 @@
-"""The Gluon forward template (templates.gluon_fwd): its space and constraints on the CPU, an
+"""The Gluon forward template (templates.gluon.fwd): its space and constraints on the CPU, an
 offline sm_90 compile of its default configs (registers, spills, shared memory) in a child
 process without the interpreter, and numerics on a Hopper GPU (``gpu`` marker).
 
@@ -18,17 +18,17 @@ import triton
 
 from templates.base import Problem
 from templates.device import DeviceInfo
-from templates.flash_fwd import TEMPLATE as FLASH_FWD
-from templates.gluon_fwd import (
+from templates.flash.fwd import TEMPLATE as FLASH_FWD
+from templates.gluon.fwd import (
     GLUON_MISSING,
     TEMPLATE,
     GluonFwdConfig,
     live_per_thread,
     shared_memory_estimate,
 )
-from templates.offline_target import TARGETS
-from templates.standin_tensor import StandinTensor
-from tests.templates.gluon_checks import compile_reports, import_standalone, is_hopper
+from templates.compile.offline_target import TARGETS
+from templates.compile.standin_tensor import StandinTensor
+from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -120,7 +120,7 @@ def test_constraints_name_what_is_wrong() -> None:
 
 @needs_gluon
 def test_persistent_programs_take_two_q_buffers_where_they_fit() -> None:
-    from templates.gluon_fwd_kernel import q_slots
+    from templates.gluon.fwd_kernel import q_slots
 
     pers = GluonFwdConfig(persistent=True)
     assert q_slots(128, pers.to_dict()) == 2  # 2 x 32 KiB of Q + 2 stages of 64 KiB
@@ -135,7 +135,7 @@ def test_persistent_programs_take_two_q_buffers_where_they_fit() -> None:
 
 @needs_gluon
 def test_head_groups_of_a_persistent_causal_grid() -> None:
-    from templates.gluon_schedule import L2_KV_BYTES, head_group
+    from templates.gluon.schedule import L2_KV_BYTES, head_group
 
     kv_4k_d128 = 2 * 4096 * 128 * 2  # K and V of one head, bytes
     # 64 heads x 32 tiles at 4k: groups of 8 heads (256 tiles, two rounds of 132 programs).
@@ -155,8 +155,8 @@ def test_head_groups_of_a_persistent_causal_grid() -> None:
 def test_the_kernels_own_causal_order_walks_each_head_group_in_two_rounds() -> None:
     """What a persistent causal grid did before the host's schedule, kept for A/B timings
     (``host_schedule=False``) and for problems of more tiles than the schedule takes."""
-    from templates.gluon_fwd_kernel import LaunchPlan
-    from templates.gluon_schedule import MAX_SCHEDULED_TILES, causal_grid
+    from templates.gluon.fwd_kernel import LaunchPlan
+    from templates.gluon.schedule import MAX_SCHEDULED_TILES, causal_grid
 
     assert causal_grid(256, 132) == 128
     assert causal_grid(57, 132) == 29  # an odd count: the last program takes one tile less
@@ -178,7 +178,7 @@ def test_the_kernels_own_causal_order_walks_each_head_group_in_two_rounds() -> N
 
 @needs_gluon
 def test_a_persistent_causal_grid_walks_the_hosts_schedule_on_every_sm() -> None:
-    from templates.gluon_fwd_kernel import SCHEDULE_ENTRY, LaunchPlan, _gluon_fwd_kernel
+    from templates.gluon.fwd_kernel import SCHEDULE_ENTRY, LaunchPlan, _gluon_fwd_kernel
 
     q = StandinTensor(torch.bfloat16, [4, 16, 4096, 128])
     cfg = GluonFwdConfig(persistent=True, longest_first=True).to_dict()
@@ -193,7 +193,7 @@ def test_a_persistent_causal_grid_walks_the_hosts_schedule_on_every_sm() -> None
 
 
 def test_a_schedule_table_lists_offsets_then_each_programs_entries() -> None:
-    from templates.gluon_schedule import ENTRY_INTS, WHOLE_BLOCKS, schedule_table, whole_tile
+    from templates.gluon.schedule import ENTRY_INTS, WHOLE_BLOCKS, schedule_table, whole_tile
 
     entries = [[whole_tile(5), (7, 0, 3, 0, 0, 2)], [], [(7, 3, 6, 1, 0, 2)], []]
     table = schedule_table(entries)
@@ -203,7 +203,7 @@ def test_a_schedule_table_lists_offsets_then_each_programs_entries() -> None:
 
 
 def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> None:
-    from templates.gluon_schedule import TILE_OVERHEAD_BLOCKS, causal_tile_costs, lpt_schedule
+    from templates.gluon.schedule import TILE_OVERHEAD_BLOCKS, causal_tile_costs, lpt_schedule
 
     n_q_tiles, heads, group, programs = 32, 64, 8, 132
     costs = causal_tile_costs(n_q_tiles, 128, 128, 4096, 0)
@@ -247,7 +247,7 @@ def test_the_lpt_schedule_gives_every_tile_once_and_evens_the_programs_out() -> 
 ])
 def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
         n_tiles: int, blocks: int, programs: int) -> None:
-    from templates.gluon_schedule import WHOLE_BLOCKS, split_schedule
+    from templates.gluon.schedule import WHOLE_BLOCKS, split_schedule
 
     # A cheap combine, so that every case is cut: this checks the cutting, not the model.
     split = split_schedule(n_tiles, blocks, programs, combine=0.5)
@@ -283,7 +283,7 @@ def test_the_split_schedule_runs_every_block_once_and_ends_the_grid_sooner(
 
 def test_the_split_schedule_cuts_only_where_the_h100_measured_a_gain() -> None:
     """The cost model against session #13's A/Bs (notes/gluon_notes.md, "Split tails")."""
-    from templates.gluon_schedule import split_schedule
+    from templates.gluon.schedule import split_schedule
 
     assert split_schedule(2112, 32, 132) is None  # 16 full rounds
     assert split_schedule(200, 1, 132) is None  # one block per tile: nothing to cut
@@ -303,7 +303,7 @@ def test_the_split_schedule_cuts_only_where_the_h100_measured_a_gain() -> None:
 @pytest.mark.parametrize("heads,n,head_dim", [(1, 8192, 128), (2, 4096, 64), (4, 4096, 128),
                                                (1, 2048, 128)])
 def test_a_small_causal_grid_cuts_its_longest_tiles(heads: int, n: int, head_dim: int) -> None:
-    from templates.gluon_schedule import WHOLE_BLOCKS, causal_tile_costs, cut_lpt_schedule
+    from templates.gluon.schedule import WHOLE_BLOCKS, causal_tile_costs, cut_lpt_schedule
 
     n_q_tiles = n // 128
     blocks = causal_tile_costs(n_q_tiles, 128, 128, n, 0, 0)
@@ -332,7 +332,7 @@ def test_a_small_causal_grid_cuts_its_longest_tiles(heads: int, n: int, head_dim
 
 
 def test_a_causal_grid_of_many_tiles_stays_whole() -> None:
-    from templates.gluon_schedule import causal_tile_costs, cut_lpt_schedule
+    from templates.gluon.schedule import causal_tile_costs, cut_lpt_schedule
 
     # PROTOCOL's causal problems: whole tiles balance over 132 SMs (``lpt_schedule``).
     for heads, n in ((64, 4096), (16, 16384), (512, 512)):
@@ -346,7 +346,7 @@ def test_the_split_schedules_scan_finds_the_best_worker_count() -> None:
     equals), on dense grids of every kind of last round."""
     import random
 
-    from templates import gluon_schedule
+    from templates.gluon import schedule as gluon_schedule
 
     def every_count(n_tiles: int, blocks: int, programs: int, overhead: float,
                     combine: float) -> tuple[float, int] | None:
@@ -392,7 +392,7 @@ def _every_cap(blocks: list[int], heads: int, programs: int, overhead: float,
                combine: float) -> tuple[float, float] | None:
     """(longest program, cap) as an LPT run of every cap's items finds it (the shortest
     longest program, the highest cap of equals): ``_best_cap``'s answer, the slow way."""
-    from templates import gluon_schedule
+    from templates.gluon import schedule as gluon_schedule
 
     best = None
     for cap in gluon_schedule.candidate_caps(blocks, heads, programs, overhead, combine):
@@ -410,8 +410,8 @@ def test_the_cut_schedules_scan_finds_the_best_of_every_cap() -> None:
     empty tiles, other combines and overheads)."""
     import random
 
-    from templates import gluon_schedule
-    from templates.gluon_schedule import causal_tile_costs
+    from templates.gluon import schedule as gluon_schedule
+    from templates.gluon.schedule import causal_tile_costs
 
     rng = random.Random(3)
     cases = [(causal_tile_costs(-(-n // 128), 128, 128, n + off, off, 0), heads, 132, 1, 3.0)
@@ -439,7 +439,7 @@ def test_the_cut_schedules_scan_finds_the_best_of_every_cap() -> None:
 
 @needs_gluon
 def test_a_split_plan_walks_the_hosts_schedule_with_a_workspace() -> None:
-    from templates.gluon_fwd_kernel import SCHEDULE_ENTRY, LaunchPlan, _gluon_fwd_kernel
+    from templates.gluon.fwd_kernel import SCHEDULE_ENTRY, LaunchPlan, _gluon_fwd_kernel
 
     q = StandinTensor(torch.bfloat16, [1, 16, 16384, 128])
     lse = StandinTensor(torch.float32, [1, 16, 16384])
@@ -481,8 +481,8 @@ def test_what_a_captured_launch_gets_is_never_kept_for_eager_ones(
     made before the capture, or, for a plan made inside it with none made, a copy that no
     eager launch gets; eager launches afterwards make and keep their own
     (``test_a_plan_first_made_inside_a_graph_capture_replays_right``: on the GPU)."""
-    from templates import gluon_fwd_kernel
-    from templates.gluon_fwd_kernel import LaunchPlan
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
+    from templates.gluon.fwd_kernel import LaunchPlan
 
     cfg = GluonFwdConfig(persistent=True, split_tail=True).to_dict()
     q = torch.zeros(1, 1, 4096, 128, dtype=torch.bfloat16)
@@ -528,7 +528,7 @@ def test_unsupported_problems() -> None:
         Problem(1, 2, 2, 256, 256, 64, mask="sliding:x")))
     if not GLUON_MISSING:
         assert TEMPLATE.unsupported(Problem(1, 2, 2, 256, 256, 64, mask="sliding:128")) is None
-    from templates.gluon_bwd import TEMPLATE as GLUON_BWD  # no block masks there
+    from templates.gluon.bwd import TEMPLATE as GLUON_BWD  # no block masks there
 
     assert "block masks" in str(GLUON_BWD.unsupported(
         Problem(1, 2, 2, 256, 256, 64, mask="sliding:128")))
@@ -561,8 +561,8 @@ def test_block_mask_constraints_and_defaults() -> None:
 
 @needs_gluon
 def test_launch_plan_with_a_block_mask() -> None:
-    from templates.gluon_fwd import StandinBlockMask
-    from templates.gluon_fwd_kernel import LaunchPlan, _gluon_fwd_kernel
+    from templates.gluon.fwd import StandinBlockMask
+    from templates.gluon.fwd_kernel import LaunchPlan, _gluon_fwd_kernel
 
     q = StandinTensor(torch.bfloat16, [1, 16, 4096, 128])
     cfg = GluonFwdConfig(persistent=True).to_dict()
@@ -648,7 +648,7 @@ def test_default_configs_compile_for_the_h100_without_spills() -> None:
     masked = dataclasses.replace(COMPILE_JOBS[1], mask="sliding:1024")
     jobs.append({"template": "gluon_fwd", "problem": masked.to_dict(),
                  "config": TEMPLATE.default_config(masked, H100).to_dict()})
-    outcomes = compile_reports("templates.gluon_fwd", jobs)
+    outcomes = compile_reports("templates.gluon.fwd", jobs)
     assert len(outcomes) == len(jobs)
     for job, out in zip(jobs, outcomes, strict=True):
         assert out["error"] == "" and out["constraint"] == "", out
@@ -730,7 +730,7 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd_kernel
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
@@ -769,7 +769,7 @@ def test_masks_and_schedules_match_the_reference_on_the_gpu(
         case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd_kernel
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)  # an unwritten element fails
@@ -789,7 +789,7 @@ def test_growing_scores_rescale_o_correctly_on_the_gpu(case: tuple[Any, ...],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd_kernel
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
@@ -806,7 +806,7 @@ def test_growing_scores_rescale_o_correctly_on_the_gpu(case: tuple[Any, ...],
 def test_strided_inputs_and_errors_on_the_gpu() -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.gluon_fwd import gluon_attention_fwd
+    from templates.gluon.fwd import gluon_attention_fwd
 
     problem = Problem(2, 4, 4, 500, 500, 64, "bfloat16", "top_left")
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=5)
@@ -849,7 +849,7 @@ def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
     (combined in slot order, whoever ends last), counters back at zero."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd_kernel, gluon_schedule
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel, schedule as gluon_schedule
     from templates.device import current_device
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
@@ -910,8 +910,8 @@ def test_a_plan_first_made_inside_a_graph_capture_replays_right(
     bits."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd, gluon_fwd_kernel
-    from templates.gluon_fwd import gluon_attention_fwd
+    from templates.gluon import fwd as gluon_fwd, fwd_kernel as gluon_fwd_kernel
+    from templates.gluon.fwd import gluon_attention_fwd
 
     batch, heads, n, head_dim, causal = shape
     q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -967,7 +967,7 @@ MASK_PATTERNS = ("random:0.05", "random:0.5", "random:0.95", "sliding:300", "doc
 def _check_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bm: Any, causal: str,
                   cfg: GluonFwdConfig) -> None:
     from templates.attention_reference import attention_reference
-    from templates.gluon_fwd import gluon_attention_fwd
+    from templates.gluon.fwd import gluon_attention_fwd
 
     problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                       "bfloat16" if q.dtype == torch.bfloat16 else "float16", causal)
@@ -989,11 +989,11 @@ def test_block_masks_on_the_gpu(dtype: torch.dtype, variant: str,
     (full blocks crossing the diagonal) together with causal, at d128 and d64."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd_kernel
-    from templates.block_mask import BlockMask
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
+    from templates.masks.block_mask import BlockMask
     from templates.device import current_device
-    from templates.mask_mods import pattern_block_mask
-    from tests.templates.test_block_sparse import qkv, random_block_mask
+    from templates.masks.mods import pattern_block_mask
+    from tests.templates.flash.test_block_sparse import qkv, random_block_mask
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
     device = current_device()
@@ -1018,8 +1018,8 @@ def test_block_mask_skips_unlisted_blocks_and_rows_with_none_on_the_gpu() -> Non
     o); rows of query blocks that list nothing give o = 0 and lse = -inf."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.block_mask import BlockMask
-    from tests.templates.test_block_sparse import qkv
+    from templates.masks.block_mask import BlockMask
+    from tests.templates.flash.test_block_sparse import qkv
 
     n, d = 1024, 128
     q, k, v = qkv(1, 2, 2, n, n, d, torch.bfloat16, "cuda")
@@ -1036,7 +1036,7 @@ def test_block_mask_skips_unlisted_blocks_and_rows_with_none_on_the_gpu() -> Non
                 k_poisoned[:, head, block * 128:(block + 1) * 128] = float("nan")
                 v_poisoned[:, head, block * 128:(block + 1) * 128] = float("nan")
     from templates.attention_reference import attention_reference
-    from templates.gluon_fwd import gluon_attention_fwd
+    from templates.gluon.fwd import gluon_attention_fwd
 
     o, lse = gluon_attention_fwd(q, k_poisoned, v_poisoned, block_mask=bm)
     ref = attention_reference(q, k, v, causal="none", scale=1 / math.sqrt(d),

@@ -14,11 +14,11 @@ import torch
 import triton
 
 from templates.base import Problem
-from templates.gluon_fwd import GLUON_MISSING, TEMPLATE, GluonFwdConfig, packing_fills_rows
-from templates.gluon_schedule import causal_tile_costs, query_rows
-from templates.offline_target import TARGETS
-from templates.standin_tensor import StandinTensor
-from tests.templates.gluon_checks import compile_reports, import_standalone, is_hopper
+from templates.gluon.fwd import GLUON_MISSING, TEMPLATE, GluonFwdConfig, packing_fills_rows
+from templates.gluon.schedule import causal_tile_costs, query_rows
+from templates.compile.offline_target import TARGETS
+from templates.compile.standin_tensor import StandinTensor
+from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -70,7 +70,7 @@ def test_a_causal_grid_of_equal_tiles_is_cut(heads: int, q_per_head: int,
     """One query tile per head (a few queries at the end of a cache, packed or not): every
     tile costs the same, and the schedule still cuts them over the idle SMs, every block of
     each tile in exactly one piece (before ``candidate_caps`` it had no cap to try)."""
-    from templates.gluon_schedule import cut_lpt_schedule
+    from templates.gluon.schedule import cut_lpt_schedule
 
     queries = q_per_head or 16
     blocks = causal_tile_costs(1, 128, 128, seqlen_kv, seqlen_kv - queries, 0, q_per_head)
@@ -115,7 +115,7 @@ def test_pack_gqa_constraints_and_default() -> None:
 
 @needs_gluon
 def test_a_packed_plan_runs_the_kv_heads_rows() -> None:
-    from templates.gluon_fwd import kernel
+    from templates.gluon.fwd import kernel
 
     assert kernel is not None
     q = StandinTensor(torch.bfloat16, [2, 32, 16, 128])
@@ -159,7 +159,7 @@ def test_packed_configs_compile_for_the_h100_without_spills() -> None:
     jobs: list[dict[str, Any]] = [
         {"template": "gluon_fwd", "problem": p.to_dict(),
          "config": TEMPLATE.default_config(p, H100).to_dict()} for p in problems]
-    outcomes = compile_reports("templates.gluon_fwd", jobs)
+    outcomes = compile_reports("templates.gluon.fwd", jobs)
     for job, out in zip(jobs, outcomes, strict=True):
         assert job["config"]["pack_gqa"]
         assert out["error"] == "" and out["constraint"] == "", out
@@ -190,7 +190,7 @@ def test_packed_gqa_matches_the_reference_on_the_gpu(case: tuple[Any, ...], pers
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates import gluon_fwd_kernel
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)

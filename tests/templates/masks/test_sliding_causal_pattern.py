@@ -9,7 +9,7 @@ import torch
 from api.schemas import ProblemQuery
 from templates.base import Problem
 from templates.device import current_device
-from templates.mask_mods import (
+from templates.masks.mods import (
     PATTERNS,
     pattern_block_mask,
     pattern_mask_mod,
@@ -17,7 +17,7 @@ from templates.mask_mods import (
     sliding_window_mask,
 )
 from templates.registry import get_template
-from tuner.suites import spec_from_mapping
+from tuner.tuning.suites import spec_from_mapping
 
 
 def hf_rule(n: int, window: int) -> torch.Tensor:

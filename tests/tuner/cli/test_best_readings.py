@@ -11,7 +11,7 @@ import pytest
 from db.session import dispose_engine
 from tests.api.readings_data import SPREAD, seed_bests
 from tests.api.serving_data import FWD, H100
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.cli.common import console
 
 

@@ -15,7 +15,7 @@ import pytest
 from db.session import dispose_engine
 from tests.api.readings_data import seed_bests
 from tests.api.serving_data import H100
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,7 +72,7 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 LOGS = ("import logging, tuner\n"
-        "logging.getLogger('tuner.lookup').debug('resolved from the database')\n"
+        "logging.getLogger('tuner.lookup.resolver').debug('resolved from the database')\n"
         "logging.getLogger('db.session').info('opened')\n")
 
 
@@ -80,7 +80,7 @@ LOGS = ("import logging, tuner\n"
 def test_the_log_level_reaches_the_library() -> None:
     shown = python(LOGS, TUNER_LOG_LEVEL="debug")
     assert shown.returncode == 0, shown.stderr
-    assert "DEBUG tuner.lookup: resolved from the database" in shown.stderr
+    assert "DEBUG tuner.lookup.resolver: resolved from the database" in shown.stderr
     assert "INFO db.session: opened" in shown.stderr
     unset = python(LOGS)  # a library leaves logging to its application
     assert unset.returncode == 0 and "resolved from the database" not in unset.stderr

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[3]

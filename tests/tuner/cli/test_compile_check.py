@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.cli.compile_check import _compile_in_child
 
 SPEC = """

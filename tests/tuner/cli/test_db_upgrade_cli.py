@@ -8,7 +8,7 @@ import sqlalchemy as sa
 
 from db.migrate import head_revision
 from db.session import make_engine
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 
 
 def test_upgrade_migrates_once_and_creates_optunas_tables_too(db_url: str) -> None:

@@ -16,13 +16,13 @@ from db.session import dispose_engine, session_scope
 from templates.base import Problem
 from templates.registry import get_template
 from tests.api.serving_data import H100, bundle
-from tests.tuner.test_dispatch import measured, problem_of, qkv, store
-from tests.tuner.test_shipped import STALE, on_h100  # noqa: F401  (a fixture)
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.dispatch.test_dispatch import measured, problem_of, qkv, store
+from tests.tuner.lookup.test_shipped import STALE, on_h100  # noqa: F401  (a fixture)
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.attention import clear_plans, plan_for
-from tuner.lookup import ConfigResolver, set_resolver
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
-from tuner.shipped import file_name, load_table
+from tuner.lookup.shipped import file_name, load_table
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 
@@ -62,7 +62,7 @@ def stored_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
              measured("torch_sdpa", long, 100.0, device=H100),
              measured("torch_sdpa", outside, 100.0, device=H100)]
     with session_scope(url) as s:
-        from tuner.bundle import store_bundle, validate_bundle
+        from tuner.lookup.bundle import store_bundle, validate_bundle
 
         store_bundle(s, validate_bundle(bundle(*items)))
         with monkeypatch.context() as m:  # a best of the kernel as it was before an edit
@@ -192,7 +192,7 @@ def test_bad_input_is_an_error_naming_it(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_ship_help_imports_no_heavy_library() -> None:
-    from tests.tuner.test_cli_new_user import run_cli
+    from tests.tuner.cli.test_cli_new_user import run_cli
 
     result, err = run_cli("ship", "--help")
     assert result == {"code": 0, "heavy": []}, err

@@ -12,10 +12,10 @@ import pytest
 from api.main import create_app
 from db.session import dispose_engine, session_scope
 from tests.api.serving_data import TOKEN, bundle, item, live_server, problem
-from tests.tuner.test_sweep_cli import cli
-from tuner.bundle import store_bundle, validate_bundle
+from tests.tuner.cli.test_sweep_cli import cli
+from tuner.lookup.bundle import store_bundle, validate_bundle
 from tuner.settings import get_settings, load_settings
-from tuner.snapshot import snapshot_id_of
+from tuner.lookup.snapshot import snapshot_id_of
 
 
 @pytest.fixture(autouse=True)

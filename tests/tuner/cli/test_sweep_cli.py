@@ -26,10 +26,10 @@ from db.session import session_scope
 from templates import Problem, current_device, get_template
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, PRECOMPILE_DIR_ENV, measurements
 from tuner.cli.app import main
-from tuner.replay import load_recorded_file
-from tuner.search.study import study_name
-from tuner.suites import spec_from_mapping
-from tuner.sweep import SweepOptions, run_sweep
+from tuner.tuning.replay import load_recorded_file
+from tuner.tuning.search.study import study_name
+from tuner.tuning.suites import spec_from_mapping
+from tuner.tuning.sweep import SweepOptions, run_sweep
 
 SHAPE = {"B": 1, "H": 2, "N": 32, "D": 16}
 TOY_PROBLEM = Problem(1, 2, 2, 32, 32, 16, "float16")
@@ -263,17 +263,17 @@ def test_export_then_import_moves_the_best_configs(swept: Swept, tmp_path: Path)
 def test_import_stores_in_batches_as_the_service_does(swept: Swept, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A large file never holds SQLite's write lock for long (issue 19, item 5)."""
-    import tuner.bundle
+    import tuner.lookup.bundle
 
     bundle = tmp_path / "bundle.json"
     assert cli("export", str(bundle), "--db", swept.db)[0] == 0
-    real, batches = tuner.bundle.store_bundle_in_batches, []
+    real, batches = tuner.lookup.bundle.store_bundle_in_batches, []
 
     def one_item_batches(url: str, items: Any, **kw: Any) -> Any:
         batches.append(len(items))
         return real(url, items, **{**kw, "batch_items": 1})
 
-    monkeypatch.setattr(tuner.bundle, "store_bundle_in_batches", one_item_batches)
+    monkeypatch.setattr(tuner.lookup.bundle, "store_bundle_in_batches", one_item_batches)
     other = f"sqlite:///{tmp_path / 'batched.db'}"
     code, out, err = cli("import", str(bundle), "--db", other, "--json")
     assert code == 0, err
@@ -409,10 +409,10 @@ def test_on_the_gpu_trials_are_timed_with_do_bench_and_compiled_ahead(tmp_path: 
 def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> None:
     from tuner.cli.common import console
     from tuner.cli.sweep import SweepDisplay, print_summary
-    from tuner.head_to_head import CandidateResult, HeadToHeadResult
-    from tuner.search.loop import SearchStats, TrialEvent
-    from tuner.search.store import ProblemBest
-    from tuner.sweep import (
+    from tuner.tuning.head_to_head import CandidateResult, HeadToHeadResult
+    from tuner.tuning.search.loop import SearchStats, TrialEvent
+    from tuner.tuning.search.store import ProblemBest
+    from tuner.tuning.sweep import (
         HeadToHeadFinished,
         HeadToHeadStarted,
         ProblemFailed,

@@ -1,4 +1,4 @@
-"""The client's demand reports (tuner.demand): what the resolver notes, and the reporter's
+"""The client's demand reports (tuner.demand.reporter): what the resolver notes, and the reporter's
 promises: never blocking or raising into the caller, bounded memory, nothing lost to a
 service that is down for a while, off with TUNER_DEMAND=off."""
 
@@ -27,10 +27,10 @@ from tests.api.serving_data import (
     problem,
     tuned_config,
 )
-from tuner.bundle import store_bundle, validate_bundle
+from tuner.lookup.bundle import store_bundle, validate_bundle
 from tuner.client import TunerClient
-from tuner.demand import DemandReporter
-from tuner.lookup import ConfigResolver
+from tuner.demand.reporter import DemandReporter
+from tuner.lookup.resolver import ConfigResolver
 from tuner.settings import load_settings
 
 TINY = problem(64, batch=1, heads=2, head_dim=16, dtype="float16")

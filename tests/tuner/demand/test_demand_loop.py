@@ -16,11 +16,11 @@ import torch
 import tuner
 from api.main import create_app
 from tests.api.serving_data import live_server
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.attention import clear_plans, plan_for
 from tuner.client import TunerClient
-from tuner.dispatch import Choice
-from tuner.lookup import ConfigResolver, set_resolver
+from tuner.dispatch.rule import Choice
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import Settings, load_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

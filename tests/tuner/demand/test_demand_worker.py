@@ -23,10 +23,10 @@ from db.demand import DemandCount
 from db.models import Trial, TrialStatus
 from db.session import dispose_engine, run_in_transaction, session_scope
 from templates import Problem, current_device, get_template
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, SLOW_ENV, launches, measurements
-from tuner.demand_worker import JobClaimed, JobFinished, WorkerOptions, run_worker
-from tuner.sweep import SweepOptions
+from tuner.demand.worker import JobClaimed, JobFinished, WorkerOptions, run_worker
+from tuner.tuning.sweep import SweepOptions
 
 ROOT = Path(__file__).resolve().parents[3]
 TOY = get_template("toy_add")

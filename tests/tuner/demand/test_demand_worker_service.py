@@ -25,15 +25,15 @@ from db.models import Demand, Trial, utcnow
 from db.session import dispose_engine, run_in_transaction, session_scope
 from templates import current_device
 from tests.api.serving_data import TOKEN, free_port, live_server
-from tests.tuner.test_demand_worker import PROBLEM, TOY
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.demand.test_demand_worker import PROBLEM, TOY
+from tests.tuner.cli.test_sweep_cli import cli
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, measurements
 from tuner.client import TunerClient
-from tuner.demand_worker import JobClaimed, JobFinished, WorkerOptions, WorkerWaits, run_worker
+from tuner.demand.worker import JobClaimed, JobFinished, WorkerOptions, WorkerWaits, run_worker
 from tuner.errors import ServiceError, TunerError
-from tuner.service_queue import ServiceQueue
+from tuner.demand.service_queue import ServiceQueue
 from tuner.settings import get_settings, load_settings
-from tuner.sweep import SweepOptions
+from tuner.tuning.sweep import SweepOptions
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def stored_trials(url: str) -> int:
 
 
 def uploaded_trials(local: str) -> int:
-    """The trials an upload of ``local``'s results carries (``tuner/bundle.py``): the best
+    """The trials an upload of ``local``'s results carries (``tuner/lookup/bundle.py``): the best
     config's and the default's, one when the default is the best (the toy's timings decide:
     CI saw both)."""
     from db import crud
@@ -158,7 +158,7 @@ def test_results_that_cannot_be_uploaded_are_given_back_and_uploaded_next_time(
 def test_after_results_could_not_be_uploaded_a_worker_waits_before_claiming_again(
         db_url: str, service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The sweep and the upload replaced by their outcome: the loop is what is tested here.
-    monkeypatch.setattr("tuner.demand_worker._outcome", lambda *a, **k: (
+    monkeypatch.setattr("tuner.demand.worker._outcome", lambda *a, **k: (
         "released", "the results could not be uploaded (service down): given back", None))
     queue = ServiceQueue(service, TOKEN)
     events: list[Any] = []

@@ -1,10 +1,10 @@
-"""When a head-to-head's readings settle which candidate is faster (tuner.close_calls)."""
+"""When a head-to-head's readings settle which candidate is faster (tuner.dispatch.close_calls)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tuner.close_calls import decided, sign_test_p
+from tuner.dispatch.close_calls import decided, sign_test_p
 
 
 def test_the_sign_test_is_two_sided_and_exact() -> None:

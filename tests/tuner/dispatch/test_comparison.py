@@ -1,4 +1,4 @@
-"""The implementations of a problem compared (tuner/comparison.py): the winner, the runner-up,
+"""The implementations of a problem compared (tuner/dispatch/comparison.py): the winner, the runner-up,
 every implementation's time, each SDPA backend's and which times a head-to-head measured; the
 same from the local database (``tuner best --shape``) and from the service
 (``GET /v1/best?compare=true``), on SQLite and PostgreSQL."""
@@ -16,9 +16,9 @@ from db.session import dispose_engine, session_scope
 from templates import current_device, get_template
 from templates.base import Problem
 from tests.api.serving_data import TOKEN, tuned_config
-from tests.tuner.test_dispatch_through_service import CASES, HERE, seeded
-from tests.tuner.test_sweep_cli import cli
-from tests.tuner.test_winners import (  # noqa: F401  (target: a fixture)
+from tests.tuner.dispatch.test_dispatch_through_service import CASES, HERE, seeded
+from tests.tuner.cli.test_sweep_cli import cli
+from tests.tuner.dispatch.test_winners import (  # noqa: F401  (target: a fixture)
     SDPA,
     Target,
     side_by_side,
@@ -26,7 +26,7 @@ from tests.tuner.test_winners import (  # noqa: F401  (target: a fixture)
     target,
     trial,
 )
-from tuner.comparison import compare_in_database
+from tuner.dispatch.comparison import compare_in_database
 from tuner.settings import load_settings
 from tuner.wire import BestOut, ImplementationsCompared
 

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 import tuner
-import tuner.implementations.flash as flash_impl
-from templates.flash_bwd import BwdConfig
+import tuner.dispatch.implementations.flash as flash_impl
+from templates.flash.bwd import BwdConfig
 from tests.api.serving_data import H100
-from tests.tuner.test_dispatch import store
-from tests.tuner.test_dispatch_gluon_training import (
+from tests.tuner.dispatch.test_dispatch import store
+from tests.tuner.dispatch.test_dispatch_gluon_training import (
     PROBLEM,
     measured,
     on_hopper,  # noqa: F401  (a fixture)
 )
-from tuner.dispatch import Call, choose
+from tuner.dispatch.rule import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 

@@ -15,13 +15,14 @@ import tuner
 from db.session import dispose_engine, session_scope
 from templates.base import Problem
 from templates.device import DeviceInfo, current_device
-from templates.flash_decode import decode_reference
+from templates.decode.template import decode_reference
 from templates.registry import get_template
 from tests.api.serving_data import bundle, item
 from tuner.attention import _PLANS, clear_plans, plan_for
-from tuner.bundle import store_bundle, validate_bundle
-from tuner.dispatch import Call, choose, implementations, use_implementation
-from tuner.lookup import ConfigResolver, set_resolver
+from tuner.lookup.bundle import store_bundle, validate_bundle
+from tuner.dispatch.rule import Call, choose, use_implementation
+from tuner.dispatch import implementations
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
@@ -321,10 +322,10 @@ def test_under_torch_compile_a_decode_choice_runs_as_the_inference_op(
 
 def test_each_choice_is_logged_at_debug(device: str, caplog: pytest.LogCaptureFixture) -> None:
     q, k, v = qkv(device)
-    with caplog.at_level("DEBUG", logger="tuner.dispatch"):
+    with caplog.at_level("DEBUG", logger="tuner.dispatch.rule"):
         tuner.attention(q, k, v, enable_gqa=True)
         tuner.attention(q, k, v, enable_gqa=True)  # the kept plan: no second line
-    [line] = [r.getMessage() for r in caplog.records if r.name == "tuner.dispatch"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "tuner.dispatch.rule"]
     assert line.startswith(problem_of(q, k).key()) and "sdpa backend=default" in line
     assert "not measured" in line
 

@@ -6,7 +6,7 @@ The CPU stands in for an H100 here: the calls' device is the H100 of tests/api/s
 (the measurements are stored for it), and ``gluon_attention_fwd`` is a recorder that checks
 its config as the real one does and answers with the reference (Gluon kernels do not run
 under the interpreter); our kernels run under the interpreter. The recorder is reached only
-through the dispatcher's Gluon branch: the dense Gluon plan (``tuner.implementations``) holds
+through the dispatcher's Gluon branch: the dense Gluon plan (``tuner.dispatch.implementations``) holds
 its own reference to the real function."""
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from typing import Any
 import pytest
 import torch
 
-import templates.gluon_fwd
+import templates.gluon.fwd
 import tuner
 from templates.attention_reference import attention_reference
 from templates.base import Problem, Template
-from templates.block_mask import BlockMask
-from templates.mask_mods import pattern_block_mask
+from templates.masks.block_mask import BlockMask
+from templates.masks.mods import pattern_block_mask
 from templates.registry import get_template
 from tests.api.serving_data import H100
-from tests.tuner.test_dispatch import measured as measured_on
-from tests.tuner.test_dispatch import store
-from tuner.dispatch import Call, choose
+from tests.tuner.dispatch.test_dispatch import measured as measured_on
+from tests.tuner.dispatch.test_dispatch import store
+from tuner.dispatch.rule import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
 
@@ -39,7 +39,7 @@ SCALE = 64 ** -0.5
 MASKED = Problem(batch=1, heads_q=4, heads_kv=2, seqlen_q=N, seqlen_kv=N, head_dim=64,
                  dtype="bfloat16", causal="top_left", mask=PATTERN)
 GLUON = get_template("gluon_fwd")
-call_module = importlib.import_module("tuner.implementations.call")
+call_module = importlib.import_module("tuner.dispatch.implementations.call")
 
 
 @pytest.fixture
@@ -50,14 +50,14 @@ def on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Calls of templates.gluon_fwd.gluon_attention_fwd, answered with the reference."""
+    """Calls of templates.gluon.fwd.gluon_attention_fwd, answered with the reference."""
     calls: list[dict[str, Any]] = []
 
     def recorder(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append({"k_heads": k.shape[1], **kwargs})
         # What the real entry checks (GluonTemplate.config_to_run) before it launches.
-        call_problem = templates.gluon_fwd.problem_of(q, k, kwargs["causal"])
+        call_problem = templates.gluon.fwd.problem_of(q, k, kwargs["causal"])
         assert GLUON.run_constraint(call_problem, kwargs["config"], H100,
                                     kwargs["block_mask"].block_size) is None
         o, lse = attention_reference(q, k, v, causal=kwargs["causal"],
@@ -65,7 +65,7 @@ def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
                                      mask=kwargs["block_mask"].to_dense())
         return o.to(q.dtype), lse.float()
 
-    monkeypatch.setattr(templates.gluon_fwd, "gluon_attention_fwd", recorder)
+    monkeypatch.setattr(templates.gluon.fwd, "gluon_attention_fwd", recorder)
     return calls
 
 
@@ -212,7 +212,7 @@ def test_use_implementation_forces_gluon_on_a_mask(gluon_calls: list[dict[str, A
     assert named["config"] == GLUON.default_config(MASKED, H100)
     dense_default = GLUON.default_config(dataclasses.replace(MASKED, mask="none"), H100)
     assert dense_default.longest_first
-    assert unnamed["config"] == templates.gluon_fwd.fit_to_block_mask(dense_default, (128, 128))
+    assert unnamed["config"] == templates.gluon.fwd.fit_to_block_mask(dense_default, (128, 128))
     assert unnamed["block_mask"].pattern is None
     assert_is_the_reference(out, mask())
 

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 import tuner
-import tuner.implementations.gluon
-import tuner.implementations.gluon_train
-from templates.flash_bwd import reference_grads
+import tuner.dispatch.implementations.gluon
+import tuner.dispatch.implementations.gluon_train
+from templates.flash.bwd import reference_grads
 from templates.kernel_common import normalize_causal
 from templates.registry import get_template
 from tests.api.serving_data import H100
-from tests.tuner.test_dispatch import store
-from tests.tuner.test_dispatch_gluon_masks import gluon_config_not_the_default
-from tests.tuner.test_dispatch_gluon_training import (
+from tests.tuner.dispatch.test_dispatch import store
+from tests.tuner.dispatch.test_dispatch_gluon_masks import gluon_config_not_the_default
+from tests.tuner.dispatch.test_dispatch_gluon_training import (
     GPU_CASES,
     PROBLEM,
     assert_reference_grads,
@@ -37,7 +37,7 @@ from tests.tuner.test_dispatch_gluon_training import (
     measured,
     on_hopper,  # noqa: F401  (a fixture)
 )
-from tuner.dispatch import Call, choose
+from tuner.dispatch.rule import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
 
@@ -56,7 +56,7 @@ def own_backward(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         grads = closed_form_grads(q, k, v, do, causal, scale or q.shape[-1] ** -0.5)
         return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
 
-    monkeypatch.setattr(tuner.implementations.gluon_train, "gluon_attention_bwd", backward)
+    monkeypatch.setattr(tuner.dispatch.implementations.gluon_train, "gluon_attention_bwd", backward)
     return seen
 
 
@@ -98,7 +98,7 @@ def test_where_cudnns_backward_is_faster_gluon_keeps_it_and_inference_is_gluons(
 
 def test_the_ops_fakes_match_the_real_strides(calls: dict[str, list[dict[str, Any]]],  # noqa: F811
                                               own_backward: list[dict[str, Any]]) -> None:
-    ops = tuner.implementations.gluon_train
+    ops = tuner.dispatch.implementations.gluon_train
     for layout in ("bhnd", "bnhd"):
         q, k, v, do = (t.detach() for t in leaves(layout))
         with tuner.use_implementation("gluon_train"):

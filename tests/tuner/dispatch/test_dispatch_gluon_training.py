@@ -17,20 +17,20 @@ from typing import Any
 import pytest
 import torch
 
-import templates.cudnn_bwd
+import templates.pytorch.cudnn_bwd
 import tuner
-import tuner.implementations.gluon
+import tuner.dispatch.implementations.gluon
 from templates.attention_reference import attention_reference
 from templates.base import Problem
-from templates.flash_bwd import reference_grads
+from templates.flash.bwd import reference_grads
 from templates.kernel_common import normalize_causal
 from templates.registry import get_template
 from tests.api.serving_data import H100
-from tests.tuner.test_dispatch import measured as measured_on
-from tests.tuner.test_dispatch import store
-from tests.tuner.test_dispatch_gluon_masks import gluon_config_not_the_default
-from tuner.dispatch import Call, choose
-from tuner.implementations.gluon import _cudnn_attention_bwd, _gluon_attention_fwd
+from tests.tuner.dispatch.test_dispatch import measured as measured_on
+from tests.tuner.dispatch.test_dispatch import store
+from tests.tuner.dispatch.test_dispatch_gluon_masks import gluon_config_not_the_default
+from tuner.dispatch.rule import Call, choose
+from tuner.dispatch.implementations.gluon import _cudnn_attention_bwd, _gluon_attention_fwd
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
 
@@ -38,7 +38,7 @@ B, HQ, HKV, N, D = 1, 4, 2, 80, 64
 PROBLEM = Problem(batch=B, heads_q=HQ, heads_kv=HKV, seqlen_q=N, seqlen_kv=N, head_dim=D,
                   dtype="float16", causal="top_left")
 TRAIN = get_template("gluon_cudnn_train")
-call_module = importlib.import_module("tuner.implementations.call")
+call_module = importlib.import_module("tuner.dispatch.implementations.call")
 
 
 @pytest.fixture
@@ -66,8 +66,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[dict[str, Any]]]:
         grads = closed_form_grads(q, k, v, do, causal, scale or q.shape[-1] ** -0.5)
         return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
 
-    monkeypatch.setattr(tuner.implementations.gluon, "gluon_attention_fwd", forward)
-    monkeypatch.setattr(templates.cudnn_bwd, "cudnn_attention_bwd", backward)
+    monkeypatch.setattr(tuner.dispatch.implementations.gluon, "gluon_attention_fwd", forward)
+    monkeypatch.setattr(templates.pytorch.cudnn_bwd, "cudnn_attention_bwd", backward)
     return seen
 
 

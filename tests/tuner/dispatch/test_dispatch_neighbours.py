@@ -1,4 +1,4 @@
-"""Deciding on a neighbour (tuner/neighbours.py): a problem whose own bucket has no torch SDPA
+"""Deciding on a neighbour (tuner/dispatch/neighbours.py): a problem whose own bucket has no torch SDPA
 measurement runs ours only where ours beat SDPA, by the margin, on the nearest neighbouring
 bucket where both were measured (tiny shapes, under the interpreter without a GPU)."""
 
@@ -17,11 +17,11 @@ from templates.base import Problem
 from templates.device import current_device
 from templates.registry import get_template
 from tests.api.serving_data import tuned_config
-from tests.tuner.test_dispatch import assert_close_to, measured, problem_of, qkv, store
-from tests.tuner.test_lookup import Clock, stored_db
+from tests.tuner.dispatch.test_dispatch import assert_close_to, measured, problem_of, qkv, store
+from tests.tuner.lookup.test_lookup import Clock, stored_db
 from tuner.attention import _PLANS, plan_for
-from tuner.dispatch import Call, choose, keep
-from tuner.lookup import (
+from tuner.dispatch.rule import Call, choose, keep
+from tuner.lookup.resolver import (
     UNTUNED_TTL_S,
     ConfigResolver,
     Neighbour,
@@ -29,7 +29,7 @@ from tuner.lookup import (
     resolve_config,
     set_resolver,
 )
-from tuner.neighbours import Contender, decide_on_neighbour
+from tuner.dispatch.neighbours import Contender, decide_on_neighbour
 from tuner.settings import load_settings
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
@@ -60,7 +60,7 @@ def test_flash_that_beat_sdpa_on_a_neighbour_runs_with_the_neighbours_config(
     neighbour = FWD.problem_key(near)
     stored = flash_on(near, 110.0)
     store(tmp_path, measured("torch_sdpa", near, 100.0), stored)
-    with caplog.at_level("DEBUG", logger="tuner.dispatch"):
+    with caplog.at_level("DEBUG", logger="tuner.dispatch.rule"):
         out = tuner.attention(q, k, v, enable_gqa=True)
     choice = plan_for(q, k, v, enable_gqa=True)
     assert choice.implementation.name == "flash", choice.why
@@ -72,7 +72,7 @@ def test_flash_that_beat_sdpa_on_a_neighbour_runs_with_the_neighbours_config(
     assert_close_to(out, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     [plan] = _PLANS.values()
     assert plan.choice.implementation.name == "flash"  # type: ignore[union-attr]
-    [line] = [r.getMessage() for r in caplog.records if r.name == "tuner.dispatch"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "tuner.dispatch.rule"]
     assert f"neighbour {neighbour}" in line
 
 
@@ -183,8 +183,8 @@ def test_a_choice_made_on_a_neighbour_is_kept_for_its_bucket(
 
 def test_a_snapshot_decides_on_the_neighbour_the_database_did(
         tmp_path: Path, device: str) -> None:
-    from tests.tuner.test_snapshot import pinned_resolver
-    from tuner.snapshot import freeze
+    from tests.tuner.lookup.test_snapshot import pinned_resolver
+    from tuner.lookup.snapshot import freeze
 
     url = f"sqlite:///{tmp_path / 'tuner.db'}"
     near = shape(48, 100)

@@ -18,11 +18,11 @@ from templates.base import Problem
 from templates.device import current_device
 from templates.registry import get_template
 from tests.api.serving_data import TOKEN, bundle, live_server
-from tests.tuner.test_dispatch import measured
-from tests.tuner.test_dispatch_neighbours import flash_on, shape
-from tuner.bundle import store_bundle, validate_bundle
-from tuner.dispatch import Call, Choice, choose
-from tuner.lookup import ConfigResolver, set_resolver
+from tests.tuner.dispatch.test_dispatch import measured
+from tests.tuner.dispatch.test_dispatch_neighbours import flash_on, shape
+from tuner.lookup.bundle import store_bundle, validate_bundle
+from tuner.dispatch.rule import Call, Choice, choose
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")

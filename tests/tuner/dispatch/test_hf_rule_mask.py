@@ -1,4 +1,4 @@
-"""tuner.hf_mask: transformers-style mask rules (written here as transformers writes them:
+"""tuner.dispatch.hf_mask: transformers-style mask rules (written here as transformers writes them:
 index-based closures) straight to a BlockMask, without transformers installed: exact against
 the rule evaluated everywhere, the plain causal rule recognized, rules outside the family
 refused, masks kept per segment layout."""
@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from templates.block_mask import BlockMask
-from tuner.hf_mask import CAUSAL, clear_rule_masks, rule_block_mask
+from templates.masks.block_mask import BlockMask
+from tuner.dispatch.hf_mask import CAUSAL, clear_rule_masks, rule_block_mask
 
 Rule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

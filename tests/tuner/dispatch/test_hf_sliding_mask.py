@@ -14,9 +14,9 @@ from templates.attention_reference import attention_reference
 from templates.base import Problem
 from templates.device import current_device
 from tests.api.serving_data import H100
-from tests.tuner.test_dispatch import measured, store
-from tests.tuner.test_dispatch_flex import priced
-from tuner.dispatch import Call, choose, decide
+from tests.tuner.dispatch.test_dispatch import measured, store
+from tests.tuner.dispatch.test_dispatch_flex import priced
+from tuner.dispatch.rule import Call, choose, decide
 from tuner.hf import sliding_block_mask, tuner_attention_forward
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")

@@ -1,4 +1,4 @@
-"""The implementation contract (``tuner.implementations.base.Implementation``): a new
+"""The implementation contract (``tuner.dispatch.implementations.base.Implementation``): a new
 implementation is one class registered from outside ``tuner.attention``, chosen and run by
 it, for inference and (through its own training op) for a gradient; masked calls travel as
 tensors through the ops and compile in one graph; bad inputs name what was wrong."""
@@ -15,16 +15,16 @@ import torch
 import torch.nn.functional as F
 
 import tuner
-from templates.block_mask import BlockMask
+from templates.masks.block_mask import BlockMask
 from tuner.attention import _PLANS, plan_for
-from tuner.implementations import (
+from tuner.dispatch.implementations import (
     Choice,
     Implementation,
     Run,
     register_implementation,
     unregister_implementation,
 )
-from tuner.implementations.ops import backward_by, setup_context, training_fake
+from tuner.dispatch.implementations.ops import backward_by, setup_context, training_fake
 
 
 # ----------------------------------------------------------------------------- a toy one
@@ -221,7 +221,7 @@ def test_a_forced_attn_mask_call_compiles_in_one_graph_forward_and_backward(
 
 # ----------------------------------------------------------------------------- imports
 ROOT = Path(__file__).resolve().parents[3]
-OWN = ("tuner.attention", "tuner.dispatch", "tuner.plans", "tuner.record", "tuner.decode")
+OWN = ("tuner.attention", "tuner.dispatch.rule", "tuner.dispatch.plans", "tuner.record", "tuner.decode")
 
 
 def _imports(module: str) -> set[str]:
@@ -245,9 +245,9 @@ def _imports(module: str) -> set[str]:
 def test_the_entry_the_dispatcher_and_the_implementations_import_no_cycle() -> None:
     """No cycle among these modules' imports, function-local ones included (record.py once
     imported tuner.attention inside ``record``: attention -> dispatch -> record -> attention)."""
-    modules = {*OWN, "tuner.implementations",
-               *(f"tuner.implementations.{p.stem}"
-                 for p in (ROOT / "tuner/implementations").glob("*.py") if p.stem != "__init__")}
+    modules = {*OWN, "tuner.dispatch.implementations",
+               *(f"tuner.dispatch.implementations.{p.stem}"
+                 for p in (ROOT / "tuner/dispatch/implementations").glob("*.py") if p.stem != "__init__")}
     edges = {m: (_imports(m) & modules) - {m} for m in modules}  # (a package naming its own)
 
     def visit(module: str, path: tuple[str, ...]) -> None:

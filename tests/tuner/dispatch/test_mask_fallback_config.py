@@ -14,10 +14,10 @@ import torch
 from templates.base import Problem
 from templates.device import current_device
 from templates.registry import get_template
-from tests.tuner.test_dispatch import measured, store
+from tests.tuner.dispatch.test_dispatch import measured, store
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
-flash_module = importlib.import_module("tuner.implementations.flash")
+flash_module = importlib.import_module("tuner.dispatch.implementations.flash")
 
 
 def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:

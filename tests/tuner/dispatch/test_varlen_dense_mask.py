@@ -1,4 +1,4 @@
-"""tuner.dense_mask.recognize_mask: a dense attn_mask that is exactly causal, a causal sliding
+"""tuner.dispatch.dense_mask.recognize_mask: a dense attn_mask that is exactly causal, a causal sliding
 window or block-diagonal documents is recognized (bool or additive), as the very block mask
 (to_dense equals it) with its named problem; anything else, including masks that differ
 between batch rows, biases and near misses, is None."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tuner.dense_mask import recognize_mask
+from tuner.dispatch.dense_mask import recognize_mask
 
 N = 300
 ROWS = torch.arange(N)[:, None]

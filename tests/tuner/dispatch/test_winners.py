@@ -19,10 +19,10 @@ from db.session import dispose_engine, init_db, make_engine, session_scope
 from templates import current_device, get_template
 from templates.base import Problem
 from tests.api.serving_data import bundle
-from tests.tuner.test_dispatch import measured
-from tests.tuner.test_sweep_cli import cli
-from tuner.bundle import BundleDevice, store_bundle, validate_bundle
-from tuner.winners import stored_winners
+from tests.tuner.dispatch.test_dispatch import measured
+from tests.tuner.cli.test_sweep_cli import cli
+from tuner.lookup.bundle import BundleDevice, store_bundle, validate_bundle
+from tuner.dispatch.winners import stored_winners
 
 
 def small(seqlen_q: int, seqlen_kv: int | None = None) -> Problem:
@@ -147,7 +147,7 @@ def trial(s: Session, t: Target, p: Problem, config: dict[str, Any], ms: float |
 
 
 def winners_of(url: str) -> dict[tuple[int, int], Any]:
-    """``tuner.winners`` of this machine's device, by the problem's sequence lengths."""
+    """``tuner.dispatch.winners`` of this machine's device, by the problem's sequence lengths."""
     with session_scope(url, write=False) as s:
         found = stored_winners(s, device=HERE.key,
                                version_of=lambda name: get_template(name).version())
@@ -220,7 +220,7 @@ def test_a_head_to_head_times_the_backend_it_measured(target: Target) -> None:
 
 def test_backend_times_take_as_many_queries_for_twenty_problems_as_for_one(target: Target) -> None:
     def statements(problems: int) -> int:
-        """Queries of ``tuner.winners`` once ``problems`` problems (buckets) are stored."""
+        """Queries of ``tuner.dispatch.winners`` once ``problems`` problems (buckets) are stored."""
         with session_scope(target.url) as s:
             for n in range(problems):
                 p = small(2 ** (4 + n % 5), 2 ** (4 + n // 5))  # one bucket each

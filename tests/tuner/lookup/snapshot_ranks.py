@@ -1,4 +1,4 @@
-"""One rank of the pinned-job test (tests/tuner/test_snapshot_ranks.py): a torch.distributed
+"""One rank of the pinned-job test (tests/tuner/lookup/test_snapshot_ranks.py): a torch.distributed
 process (gloo, CPU) whose lookups are pinned to one snapshot, resolving its shapes in phases
 while the test stops, changes and restarts the service under it.
 
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tests.benchmark_scripts import load_benchmark_script
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
 
 # benchmarks/rank_choices.py: shared with the torchrun rank check (benchmarks/rank_agreement.py)
 wait_for = load_benchmark_script("rank_choices").wait_for
@@ -28,7 +28,7 @@ def run_rank(rank: int, world: int, folder: str, shapes: list[dict[str, Any]],
     from templates.base import Problem
     from templates.device import current_device
     from templates.registry import get_template
-    from tuner.lookup import ConfigResolver
+    from tuner.lookup.resolver import ConfigResolver
     from tuner.settings import load_settings
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -16,12 +16,12 @@ from db import crud
 from db.session import dispose_engine, session_scope
 from templates.device import cpu_device, cudnn_version_text
 from tests.api.serving_data import FWD, H100, bundle, item, problem
-from tests.tuner.test_lookup import resolver, stored_db
-from tests.tuner.test_sweep_cli import cli
-from tuner.bundle import BundleError, make_bundle, store_bundle, validate_bundle
-from tuner.lookup import device_info_from_key
+from tests.tuner.lookup.test_lookup import resolver, stored_db
+from tests.tuner.cli.test_sweep_cli import cli
+from tuner.lookup.bundle import BundleError, make_bundle, store_bundle, validate_bundle
+from tuner.lookup.resolver import device_info_from_key
 from tuner.settings import load_settings
-from tuner.sweep import device_from_dict
+from tuner.tuning.sweep import device_from_dict
 
 CUDNN_919 = dataclasses.replace(H100, cudnn_version="9.19.0")
 CUDNN_91 = dataclasses.replace(H100, cudnn_version="9.1.0")

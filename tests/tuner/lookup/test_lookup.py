@@ -29,8 +29,8 @@ from tests.api.serving_data import (
     problem,
     tuned_config,
 )
-from tuner.bundle import store_bundle, validate_bundle
-from tuner.lookup import (
+from tuner.lookup.bundle import store_bundle, validate_bundle
+from tuner.lookup.resolver import (
     ConfigResolver,
     device_info_from_key,
     match_best,

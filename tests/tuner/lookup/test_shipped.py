@@ -1,4 +1,4 @@
-"""Shipped measurements (tuner.shipped): with an empty database, the dispatcher prices from the
+"""Shipped measurements (tuner.lookup.shipped): with an empty database, the dispatcher prices from the
 table of this GPU model as from a database: ours runs where the table measured it faster than
 torch SDPA on the same bucket (or on a neighbour by the margin), SDPA elsewhere.
 
@@ -23,12 +23,12 @@ from templates.base import Problem
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tests.api.serving_data import H100, bundle
-from tests.tuner.test_dispatch import assert_close_to, measured, problem_of, qkv
+from tests.tuner.dispatch.test_dispatch import assert_close_to, measured, problem_of, qkv
 from tuner.attention import clear_plans, plan_for
-from tuner.lookup import ConfigResolver, set_resolver
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
-from tuner.shipped import PACKAGED_DIR, ShippedConfigs, file_name, load_table
-from tuner.shipped.table import (
+from tuner.lookup.shipped import PACKAGED_DIR, ShippedConfigs, file_name, load_table
+from tuner.lookup.shipped.table import (
     SHIPPED_FORMAT,
     ShippedDevice,
     ShippedRecord,
@@ -38,7 +38,7 @@ from tuner.shipped.table import (
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_h100")
 
-call_module = importlib.import_module("tuner.implementations.call")
+call_module = importlib.import_module("tuner.dispatch.implementations.call")
 STALE = "0123456789abcdef"  # a kernel version no template here has
 
 
@@ -133,7 +133,7 @@ def test_records_of_another_kernel_version_are_never_served(
     p = problem_of(q, k)
     ship(tmp_path / "shipped", table(record("torch_sdpa", p, 100.0),
                                      record("flash_fwd", p, 150.0, version=STALE)))
-    with caplog.at_level(logging.INFO, logger="tuner.shipped"):
+    with caplog.at_level(logging.INFO, logger="tuner.lookup.shipped"):
         choice = plan_for(q, k, v, enable_gqa=True)
     assert choice.implementation.name == "sdpa", choice.why
     [flash] = [e for e in choice.estimates if e.implementation == "flash"]
@@ -143,7 +143,7 @@ def test_records_of_another_kernel_version_are_never_served(
 
 
 def test_the_local_database_overrides_the_shipped_table(tmp_path: Path) -> None:
-    from tests.tuner.test_dispatch import store
+    from tests.tuner.dispatch.test_dispatch import store
 
     q, k, v = qkv("cpu")
     p = problem_of(q, k)
@@ -161,7 +161,7 @@ def test_the_local_database_overrides_the_shipped_table(tmp_path: Path) -> None:
 def test_the_database_measured_one_implementation_and_the_table_the_other(
         tmp_path: Path) -> None:
     """Each template is resolved in the order on its own: the database's where it has one."""
-    from tests.tuner.test_dispatch import store
+    from tests.tuner.dispatch.test_dispatch import store
 
     q, k, v = qkv("cpu")
     p = problem_of(q, k)
@@ -177,8 +177,8 @@ def test_the_database_measured_one_implementation_and_the_table_the_other(
 
 def test_the_tables_own_bucket_comes_before_a_database_neighbour(tmp_path: Path) -> None:
     """A measurement of the problem's own bucket on this GPU model (shipped) is kept over
-    another bucket's (the database's nearest): the order, tier by tier (tuner.lookup)."""
-    from tests.tuner.test_dispatch import store
+    another bucket's (the database's nearest): the order, tier by tier (tuner.lookup.resolver)."""
+    from tests.tuner.dispatch.test_dispatch import store
 
     q, k, v = qkv("cpu")
     p = problem_of(q, k)
@@ -235,7 +235,7 @@ def test_a_broken_table_is_ignored_with_a_warning(
     q, k, v = qkv("cpu")
     path = ship(tmp_path / "shipped", table(record("torch_sdpa", problem_of(q, k), 100.0)))
     path.write_text('{"format": "attention-tuner/shipped", "version": 1, "records": []}')
-    with caplog.at_level(logging.WARNING, logger="tuner.shipped"):
+    with caplog.at_level(logging.WARNING, logger="tuner.lookup.shipped"):
         choice = plan_for(q, k, v, enable_gqa=True)
     assert choice.source == "default"
     assert any("device" in r.getMessage() and str(path) in r.getMessage()

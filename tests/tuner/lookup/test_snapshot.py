@@ -24,11 +24,11 @@ from tests.api.serving_data import (
     store,
     tuned_config,
 )
-from tests.tuner.test_dispatch import measured
-from tuner.dispatch import Call, choose
-from tuner.lookup import ConfigResolver, set_resolver
+from tests.tuner.dispatch.test_dispatch import measured
+from tuner.dispatch.rule import Call, choose
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
-from tuner.snapshot import (
+from tuner.lookup.snapshot import (
     SnapshotError,
     canonical_text,
     delete_snapshot,

@@ -34,9 +34,9 @@ from tests.api.serving_data import (
     store,
     tuned_config,
 )
-from tests.tuner.snapshot_ranks import run_rank, wait_for
+from tests.tuner.lookup.snapshot_ranks import run_rank, wait_for
 from tuner.client import TunerClient
-from tuner.lookup import ConfigResolver
+from tuner.lookup.resolver import ConfigResolver
 from tuner.settings import load_settings
 
 WORLD = 4

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 import tuner
 from templates.base import Problem
 from tests.api.serving_data import FWD, interpreter, item, problem, tuned_config
-from tests.tuner.test_dispatch import assert_close_to, measured, problem_of, qkv
-from tests.tuner.test_lookup import Clock, stored_db
+from tests.tuner.dispatch.test_dispatch import assert_close_to, measured, problem_of, qkv
+from tests.tuner.lookup.test_lookup import Clock, stored_db
 from tuner.attention import _PLANS, clear_plans, plan_for
-from tuner.lookup import UNTUNED_TTL_S, ConfigResolver, set_resolver
+from tuner.lookup.resolver import UNTUNED_TTL_S, ConfigResolver, set_resolver
 from tuner.settings import load_settings
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")

@@ -18,10 +18,10 @@ from db.models import TrialStatus
 from db.session import session_scope
 from templates import current_device, get_template
 from tests.tuner.conftest import TOY_PROBLEM
-from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.search.loop import ProblemSearch, SearchSettings, TrialEvent
-from tuner.search.samplers import make_sampler
-from tuner.search.store import DbStore, MemoryStore, ResultStore
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
+from tuner.tuning.search.loop import ProblemSearch, SearchSettings, TrialEvent
+from tuner.tuning.search.samplers import make_sampler
+from tuner.tuning.search.store import DbStore, MemoryStore, ResultStore
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -115,7 +115,7 @@ def test_no_finalists_keeps_the_fastest_single_reading() -> None:
 def test_a_failed_remeasurement_disqualifies_the_finalist(
         caplog: pytest.LogCaptureFixture) -> None:
     store, runner = MemoryStore(), ScriptedRunner({**TIMES, STEADY: [0.8, None]})
-    with caplog.at_level(logging.WARNING, logger="tuner.search.loop"):
+    with caplog.at_level(logging.WARNING, logger="tuner.tuning.search.loop"):
         stats = search(store, runner).run()
     assert stats.disqualified == 1
     (warning,) = [r.getMessage() for r in caplog.records if "disqualified" in r.getMessage()]

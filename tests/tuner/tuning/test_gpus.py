@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.errors import TunerError
-from tuner.gpus import claim_gpus, gpus_for_sweep, lock_path
+from tuner.tuning.gpus import claim_gpus, gpus_for_sweep, lock_path
 
 GPUS = ["0", "1", "2"]
 _HOLD = ("import fcntl, sys, time\nf = open(sys.argv[1], 'a')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
@@ -47,7 +47,7 @@ def test_a_killed_holders_gpu_is_free_at_once(tmp_path: Path) -> None:
 
 def test_a_sweep_sees_only_its_claimed_gpus(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tuner.gpus.visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr("tuner.tuning.gpus.visible_gpus", lambda: ["0", "1"])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with gpus_for_sweep(str(tmp_path), 1) as first:
         assert first == ["0"] and os.environ["CUDA_VISIBLE_DEVICES"] == "0"
@@ -67,7 +67,7 @@ def test_without_a_gpu_nothing_is_claimed(tmp_path: Path) -> None:
 
 
 def test_sweep_stops_when_no_gpu_is_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tuner.gpus.visible_gpus", lambda: ["0"])
+    monkeypatch.setattr("tuner.tuning.gpus.visible_gpus", lambda: ["0"])
     monkeypatch.setenv("TUNER_GPU_LOCK_DIR", str(tmp_path))
     from tuner.settings import get_settings
 

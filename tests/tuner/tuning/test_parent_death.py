@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[3]
 PARENT = textwrap.dedent("""
     import multiprocessing as mp, os, signal, sys
     from concurrent.futures import ProcessPoolExecutor
-    from tuner.runner.compile_ahead import _init_pool
+    from tuner.tuning.runner.compile_ahead import _init_pool
 
     pool = ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn"),
                                initializer=_init_pool, initargs=({},))

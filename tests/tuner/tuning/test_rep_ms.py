@@ -13,10 +13,10 @@ import pytest
 from db.models import TrialStatus
 from templates import current_device
 from tests.tuner.conftest import TOY_PROBLEM
-from tuner.runner import timing
-from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.runner.timing import REP_MS, WARMUP_MS, time_gpu
-from tuner.runner.trial_process import _answer
+from tuner.tuning.runner import timing
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
+from tuner.tuning.runner.timing import REP_MS, WARMUP_MS, time_gpu
+from tuner.tuning.runner.trial_process import _answer
 
 
 def request(**extra: Any) -> TrialRequest:
@@ -44,8 +44,8 @@ def test_the_worker_passes_the_timing_length_to_the_measurement(
         seen.update(kwargs)
         return TrialOutcome(TrialStatus.OK, median_ms=1.0, tflops=1.0)
 
-    # The module (tuner.runner's attribute of that name is the function it exports).
-    module = importlib.import_module("tuner.runner.measure")
+    # The module (tuner.tuning.runner's attribute of that name is the function it exports).
+    module = importlib.import_module("tuner.tuning.runner.measure")
     monkeypatch.setattr(module, "measure", fake_measure)
     device = current_device()
     # As the parent sends it (IsolatedRunner: dataclasses.asdict of the request).

@@ -12,7 +12,7 @@ import pytest
 from db.models import TrialStatus
 from templates import Problem, current_device, get_template
 from tuner.errors import TunerError
-from tuner.replay import (
+from tuner.tuning.replay import (
     NOT_RECORDED,
     RecordedProblem,
     ReplayRunner,
@@ -21,10 +21,10 @@ from tuner.replay import (
     load_recorded_file,
     replay,
 )
-from tuner.runner.outcome import TrialRequest
-from tuner.search.loop import ProblemSearch, SearchSettings
-from tuner.search.samplers import make_sampler
-from tuner.search.store import MemoryStore
+from tuner.tuning.runner.outcome import TrialRequest
+from tuner.tuning.search.loop import ProblemSearch, SearchSettings
+from tuner.tuning.search.samplers import make_sampler
+from tuner.tuning.search.store import MemoryStore
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -17,11 +17,11 @@ from db.models import TrialStatus
 from templates import get_template
 from tests.tuner.conftest import TOY_PROBLEM
 from tuner.errors import TunerError
-from tuner.runner.outcome import TrialOutcome
-from tuner.search.samplers import ExhaustiveSampler, make_sampler
-from tuner.search.space import distributions, neighbours, params_of
-from tuner.search.store import MemoryStore, TrialRecord
-from tuner.search.study import fail_stale_trials, make_storage, open_study, study_name
+from tuner.tuning.runner.outcome import TrialOutcome
+from tuner.tuning.search.samplers import ExhaustiveSampler, make_sampler
+from tuner.tuning.search.space import distributions, neighbours, params_of
+from tuner.tuning.search.store import MemoryStore, TrialRecord
+from tuner.tuning.search.study import fail_stale_trials, make_storage, open_study, study_name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -12,12 +12,12 @@ from db.finalists import pick_finalists
 from db.models import BestConfig, Remeasurement, Trial, TrialStatus
 from db.session import init_db, session_scope
 from templates import Problem, current_device, get_template
-from tuner.replay import RecordedProblem, ReplayRunner
-from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.search.loop import ProblemSearch, SearchSettings
-from tuner.search.samplers import make_sampler
-from tuner.search.store import DbStore, measured_configs
-from tuner.search.study import HeartbeatKeeper, make_storage, open_study, study_name
+from tuner.tuning.replay import RecordedProblem, ReplayRunner
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
+from tuner.tuning.search.loop import ProblemSearch, SearchSettings
+from tuner.tuning.search.samplers import make_sampler
+from tuner.tuning.search.store import DbStore, measured_configs
+from tuner.tuning.search.study import HeartbeatKeeper, make_storage, open_study, study_name
 
 
 class FirstTrialsTogether(ReplayRunner):

@@ -19,11 +19,11 @@ import pytest
 from db.models import TrialStatus
 from templates import current_device
 from tests.tuner.conftest import TOY_PROBLEM
-from tests.tuner.test_finalists import CONFIGS, KEY, TEMPLATE, TIMES, ScriptedRunner
-from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.search.loop import ProblemSearch, SearchSettings
-from tuner.search.samplers import make_sampler
-from tuner.search.store import MemoryStore
+from tests.tuner.tuning.test_finalists import CONFIGS, KEY, TEMPLATE, TIMES, ScriptedRunner
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
+from tuner.tuning.search.loop import ProblemSearch, SearchSettings
+from tuner.tuning.search.samplers import make_sampler
+from tuner.tuning.search.store import MemoryStore
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -11,13 +11,13 @@ from db.models import TrialStatus
 from templates import Problem, current_device, get_template
 from tests.tuner.conftest import TOY_PROBLEM
 from tuner.errors import TunerError
-from tuner.replay import RecordedProblem, ReplayRunner, replay
-from tuner.search.loop import ProblemSearch, SearchSettings
-from tuner.search.samplers import make_sampler
-from tuner.search.space import SearchSpace, check_restriction, problem_space, valid_configs
-from tuner.search.store import DbStore, MemoryStore
-from tuner.suites import load_spec_file, spec_from_mapping
-from tuner.sweep import SweepOptions, run_sweep
+from tuner.tuning.replay import RecordedProblem, ReplayRunner, replay
+from tuner.tuning.search.loop import ProblemSearch, SearchSettings
+from tuner.tuning.search.samplers import make_sampler
+from tuner.tuning.search.space import SearchSpace, check_restriction, problem_space, valid_configs
+from tuner.tuning.search.store import DbStore, MemoryStore
+from tuner.tuning.suites import load_spec_file, spec_from_mapping
+from tuner.tuning.sweep import SweepOptions, run_sweep
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -8,7 +8,7 @@ import pytest
 
 from templates.base import Problem
 from tuner.errors import TunerError
-from tuner.suites import (
+from tuner.tuning.suites import (
     BUILTIN_SUITES,
     load_spec_file,
     parse_shape,
@@ -208,7 +208,7 @@ def test_spec_keys_written_under_space_are_refused(tmp_path: Path) -> None:
 
 
 def test_the_sweep_command_stops_on_a_misspelled_key(tmp_path: Path) -> None:
-    from tests.tuner.test_sweep_cli import cli
+    from tests.tuner.cli.test_sweep_cli import cli
 
     spec_file = tmp_path / "typo.toml"
     spec_file.write_text('tempaltes = ["flash_bwd"]\nshapes = [{B = 1, H = 2, N = 64, D = 32}]\n')
@@ -219,7 +219,7 @@ def test_the_sweep_command_stops_on_a_misspelled_key(tmp_path: Path) -> None:
 
 
 def test_sweep_tasks_are_problem_major_so_a_stopped_sweep_leaves_whole_problems() -> None:
-    from tuner.sweep import expand_tasks
+    from tuner.tuning.sweep import expand_tasks
     spec = spec_from_flags(templates=["torch_sdpa", "flash_fwd"],
                            shapes=["B=1,H=2,N=128,D=64", "B=1,H=2,N=256,D=64"],
                            dtypes=["float16"], causal=["none"])

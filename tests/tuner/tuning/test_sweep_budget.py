@@ -1,7 +1,7 @@
 """A sweep under a time budget (issue 42): spent by the problems' share of the job's time,
 clearly slower implementations dropped after a probe, the transfer prior measured first, and
 a budget too small for any measurement refused with nothing stored. A scripted runner stands
-in for the trial workers (tests/tuner/test_head_to_head.py)."""
+in for the trial workers (tests/tuner/tuning/test_head_to_head.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from sqlalchemy import select
 from db.models import Trial, TrialStatus
 from db.session import dispose_engine, session_scope
 from templates import Problem, current_device, get_template
-from tests.tuner.test_head_to_head import ScriptedRunner
+from tests.tuner.tuning.test_head_to_head import ScriptedRunner
 from tuner.errors import TunerError
-from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.search.budget import RIDGE_FLOP_PER_BYTE, SweepBudget, job_cost, parse_duration
-from tuner.search.contenders import beaten_templates
-from tuner.suites import spec_from_mapping
-from tuner.sweep import SweepOptions, SweepReport, run_sweep
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
+from tuner.tuning.search.budget import RIDGE_FLOP_PER_BYTE, SweepBudget, job_cost, parse_duration
+from tuner.tuning.search.contenders import beaten_templates
+from tuner.tuning.suites import spec_from_mapping
+from tuner.tuning.sweep import SweepOptions, SweepReport, run_sweep
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 
@@ -167,8 +167,8 @@ def test_people_are_told_what_stopped_and_that_the_budget_is_spent(
 
     from tuner.cli.common import console
     from tuner.cli.sweep import SweepDisplay, print_summary
-    from tuner.search.loop import SearchStats
-    from tuner.sweep import ProblemPruned, ProblemReport, ProblemStarted, SweepStarted, Task
+    from tuner.tuning.search.loop import SearchStats
+    from tuner.tuning.sweep import ProblemPruned, ProblemReport, ProblemStarted, SweepStarted, Task
 
     template = get_template("flash_fwd")
     problem = Problem(1, 2, 2, 32, 32, 16, "float16")

@@ -20,10 +20,10 @@ import pytest
 
 from db.models import TrialStatus
 from templates import DeviceInfo, Problem, get_template
-from tests.benchmark_scripts import load_benchmark_script
-from tuner.replay import ReplayResult, SamplerSummary, load_recorded_file, replay
-from tuner.search.space import check_restriction, problem_space, valid_configs
-from tuner.suites import load_spec_file
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
+from tuner.tuning.replay import ReplayResult, SamplerSummary, load_recorded_file, replay
+from tuner.tuning.search.space import check_restriction, problem_space, valid_configs
+from tuner.tuning.suites import load_spec_file
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "benchmarks" / "specs" / "grid_study.toml"

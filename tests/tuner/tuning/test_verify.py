@@ -21,13 +21,13 @@ from sqlalchemy import select
 from db import crud
 from db.models import BestConfig, TrialStatus
 from db.session import session_scope
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.cli.common import console, fmt_tflops
 from tuner.errors import TunerError
-from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.runner.timing import REP_MS
-from tuner.stored_bests import StoredBest
-from tuner.verify import VerifyOptions, parse_tolerance, verify
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
+from tuner.tuning.runner.timing import REP_MS
+from tuner.lookup.stored_bests import StoredBest
+from tuner.tuning.verify import VerifyOptions, parse_tolerance, verify
 
 SHAPE = "B=1,H=2,N=32,D=16"
 LABEL = "B1 H2 N32 D16 float16 dense"

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 # The order they register in is the order they are priced and listed in: SDPA first.
 # isort: off
-from tuner.implementations import sdpa, flash, decode, gluon, gluon_train, flex  # noqa: F401
+from tuner.dispatch.implementations import sdpa, flash, decode, gluon, gluon_train, flex  # noqa: F401
 # isort: on
-from tuner.implementations.base import Choice, Estimate, Implementation, Request, Run
-from tuner.implementations.call import Call
-from tuner.implementations.registry import (
+from tuner.dispatch.implementations.base import Choice, Estimate, Implementation, Request, Run
+from tuner.dispatch.implementations.call import Call
+from tuner.dispatch.implementations.registry import (
     get_implementation,
     implementations,
     register_implementation,

@@ -12,10 +12,10 @@ import torch
 
 from templates.base import KernelConfig
 from templates.registry import get_template
-from tuner.implementations.call import Call
-from tuner.implementations.mask_args import Masked
-from tuner.lookup import Resolved
-from tuner.neighbours import Verdict
+from tuner.dispatch.implementations.call import Call
+from tuner.dispatch.implementations.mask_args import Masked
+from tuner.lookup.resolver import Resolved
+from tuner.dispatch.neighbours import Verdict
 
 __all__ = ["Choice", "Estimate", "Implementation", "Request", "Run"]
 
@@ -39,8 +39,8 @@ class Request:
 
 class Implementation:
     """One way to run calls of ``tuner.attention``. A subclass, registered with
-    ``tuner.implementations.register_implementation``, is all a new one needs: the public
-    entry validates, asks ``tuner.dispatch`` to choose, and runs what the chosen one says.
+    ``tuner.dispatch.implementations.register_implementation``, is all a new one needs: the public
+    entry validates, asks ``tuner.dispatch.rule`` to choose, and runs what the chosen one says.
 
     Which calls it serves: ``serves(call)`` says why it cannot take one (None: it can); the
     templates below refuse the problems they do not take (``Template.unsupported``).
@@ -52,13 +52,13 @@ class Implementation:
     How it plans an inference call: ``plan(q, k, v, is_causal, scale, enable_gqa, choice)``
     returns a function of (q, k, v) giving the output, for inputs laid out as these (or of any
     layout, with ``layout_free``). ``tuner.attention`` keeps it in the one plan cache
-    (``tuner.plans``) and calls only it on later calls of that problem and layout: do every
+    (``tuner.dispatch.plans``) and calls only it on later calls of that problem and layout: do every
     check and lookup in ``plan``, none in what it returns.
 
     Its training op: ``training_op``, one ``torch.library`` op (q, k, v, is_causal, scale,
     enable_gqa, *mask) -> (o, lse), with its fake and its backward registered by the
     implementation's module; it runs calls that need a gradient, eager or compiled (Dynamo
-    keeps a custom op in the graph), and finds its configs itself (through ``tuner.plans``).
+    keeps a custom op in the graph), and finds its configs itself (through ``tuner.dispatch.plans``).
 
     How it runs a call off the hot path: ``run(request, choice, constant)`` (a gradient, a
     mask, or under torch.compile, where ``choice`` is None and ``constant`` is what
@@ -73,7 +73,7 @@ class Implementation:
     call eagerly; ``mask_refusal`` says why a mask's blocks make it hand the call to the
     block-mask baseline (None: it runs it); ``unnamed_mask_choice`` is its choice, when
     forced, for a mask no measurement prices. Masks travel through ops as tensors
-    (``tuner.implementations.mask_args``). Packed sequences will plan through
+    (``tuner.dispatch.implementations.mask_args``). Packed sequences will plan through
     ``varlen_plan``.
     """
 

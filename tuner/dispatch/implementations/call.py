@@ -1,5 +1,5 @@
 """What a call of ``tuner.attention`` is: its checked inputs, the problem they pose on their
-device (``Call``), and the keys a plan is kept under (``tuner.plans``)."""
+device (``Call``), and the keys a plan is kept under (``tuner.dispatch.plans``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from templates.base import Problem
 from templates.device import DeviceInfo, cpu_device, current_device
-from templates.flash_fwd import DTYPE_NAMES
+from templates.flash.fwd import DTYPE_NAMES
 from templates.kernel_common import normalize_causal
 
 __all__ = ["Call", "call_of", "call_of_shapes", "check_inputs", "check_tensors",

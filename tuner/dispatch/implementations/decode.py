@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from templates.flash_decode import FlashDecodeConfig, kept_launch
-from templates.flash_decode_kernel import MAX_QUERY_TOKENS, check_decode_inputs
-from tuner.implementations.base import Choice, Implementation, Run
-from tuner.implementations.call import Call, shapes_4d
-from tuner.implementations.flash import runs_triton
-from tuner.implementations.registry import register_implementation
+from templates.decode.template import FlashDecodeConfig, kept_launch
+from templates.decode.kernel import MAX_QUERY_TOKENS, check_decode_inputs
+from tuner.dispatch.implementations.base import Choice, Implementation, Run
+from tuner.dispatch.implementations.call import Call, shapes_4d
+from tuner.dispatch.implementations.flash import runs_triton
+from tuner.dispatch.implementations.registry import register_implementation
 
 __all__ = ["Decode"]
 

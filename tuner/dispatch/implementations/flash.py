@@ -15,16 +15,16 @@ from typing import cast
 
 import torch
 
-from templates import flash_fwd_kernel
+from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.base import KernelConfig
 from templates.device import interpreter_active
-from templates.flash_bwd import BwdConfig, flash_attention_bwd
-from templates.flash_bwd import fit_to_block_mask as fit_bwd_to_block_mask
-from templates.flash_fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd, launch_plan
+from templates.flash.bwd import BwdConfig, flash_attention_bwd
+from templates.flash.bwd import fit_to_block_mask as fit_bwd_to_block_mask
+from templates.flash.fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd, launch_plan
 from templates.kernel_common import normalize_causal
 from templates.registry import get_template
-from tuner.implementations.base import Choice, Implementation, Request, Run
-from tuner.implementations.call import (
+from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
+from tuner.dispatch.implementations.call import (
     Call,
     call_of,
     check_inputs,
@@ -32,11 +32,11 @@ from tuner.implementations.call import (
     problem_key,
     shapes_4d,
 )
-from tuner.implementations.mask_args import Masked
-from tuner.implementations.ops import backward_by, in_op_layout, setup_context, training_fake
-from tuner.implementations.registry import register_implementation
-from tuner.lookup import Resolved, keep_config, resolve_config
-from tuner.plans import PLANS, Plan, keep_plan
+from tuner.dispatch.implementations.mask_args import Masked
+from tuner.dispatch.implementations.ops import backward_by, in_op_layout, setup_context, training_fake
+from tuner.dispatch.implementations.registry import register_implementation
+from tuner.lookup.resolver import Resolved, keep_config, resolve_config
+from tuner.dispatch.plans import PLANS, Plan, keep_plan
 
 __all__ = ["Flash", "forward_plan", "runs_triton"]
 
@@ -85,7 +85,7 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: str = "n
 def resolved_for(template_name: str, q: torch.Tensor, k: torch.Tensor, is_causal: bool
                  ) -> Resolved:
     """The config of ``template_name`` for the problem of these inputs, which a kernel is about
-    to run (so kept: ``tuner.lookup.ConfigResolver.keep``)."""
+    to run (so kept: ``tuner.lookup.resolver.ConfigResolver.keep``)."""
     call = dense_call(q, k, is_causal)
     return keep_config(resolve_config(get_template(template_name), call.problem, call.device))
 

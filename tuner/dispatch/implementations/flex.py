@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import torch
 
-from templates import torch_flex
+from templates.pytorch import flex as torch_flex
 from templates.kernel_common import normalize_causal
-from templates.torch_flex import FlexConfig, block_size_problem
-from tuner.implementations.base import Choice, Implementation, Request, Run
-from tuner.implementations.call import Call, shapes_4d
-from tuner.implementations.registry import register_implementation
-from tuner.lookup import Resolved
+from templates.pytorch.flex import FlexConfig, block_size_problem
+from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
+from tuner.dispatch.implementations.call import Call, shapes_4d
+from tuner.dispatch.implementations.registry import register_implementation
+from tuner.lookup.resolver import Resolved
 
 __all__ = ["Flex"]
 

@@ -13,20 +13,21 @@ from typing import cast
 
 import torch
 
-from templates import cudnn_bwd, gluon_fwd
+from templates.pytorch import cudnn_bwd
+from templates.gluon import fwd as gluon_fwd
 from templates.base import KernelConfig
-from templates.gluon_fwd import GluonFwdConfig, gluon_attention_fwd
+from templates.gluon.fwd import GluonFwdConfig, gluon_attention_fwd
 from templates.kernel_common import normalize_causal
-from tuner.implementations.base import Choice, Implementation, Request, Run
-from tuner.implementations.call import (
+from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
+from tuner.dispatch.implementations.call import (
     Call,
     check_inputs,
     layout_key,
     problem_key,
     shapes_4d,
 )
-from tuner.implementations.flash import Pair, resolved_for
-from tuner.implementations.ops import (
+from tuner.dispatch.implementations.flash import Pair, resolved_for
+from tuner.dispatch.implementations.ops import (
     backward_by,
     grads_fake,
     grads_like,
@@ -34,8 +35,8 @@ from tuner.implementations.ops import (
     setup_context,
     training_fake,
 )
-from tuner.implementations.registry import register_implementation
-from tuner.plans import PLANS, Plan, keep_plan
+from tuner.dispatch.implementations.registry import register_implementation
+from tuner.dispatch.plans import PLANS, Plan, keep_plan
 
 __all__ = ["Gluon", "backward_of", "forward_plan", "training_forward", "training_plan"]
 

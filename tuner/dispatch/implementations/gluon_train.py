@@ -1,5 +1,5 @@
 """``gluon_train``: calls that need a gradient, by our kernels both ways on Hopper: the Gluon
-forward and the Gluon backward (``templates.gluon_bwd``), priced together by the
+forward and the Gluon backward (``templates.gluon.bwd``), priced together by the
 ``gluon_train`` template beside ``torch_sdpa_train`` and ``gluon_cudnn_train``.
 
 Inference calls are the ``gluon`` implementation's (the same forward). Its training op
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from templates.gluon_bwd import gluon_attention_bwd
-from tuner.implementations.base import Implementation
-from tuner.implementations.call import Call
-from tuner.implementations.gluon import GLUON, backward_of, training_forward
-from tuner.implementations.ops import (
+from templates.gluon.bwd import gluon_attention_bwd
+from tuner.dispatch.implementations.base import Implementation
+from tuner.dispatch.implementations.call import Call
+from tuner.dispatch.implementations.gluon import GLUON, backward_of, training_forward
+from tuner.dispatch.implementations.ops import (
     backward_by,
     grads_fake,
     setup_context,
     training_fake,
 )
-from tuner.implementations.registry import register_implementation
+from tuner.dispatch.implementations.registry import register_implementation
 
 __all__ = ["GluonTrain"]
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from templates.block_mask import BlockMask
-from templates.flash_fwd import check_block_mask
+from templates.masks.block_mask import BlockMask
+from templates.flash.fwd import check_block_mask
 
 __all__ = ["Masked", "OpMask"]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from templates.kernel_common import output_strides
-from tuner.implementations.mask_args import NO_MASK
+from tuner.dispatch.implementations.mask_args import NO_MASK
 
 __all__ = ["backward_by", "grads_fake", "grads_like", "in_op_layout", "op_output_strides",
            "output_fake", "setup_context", "with_strides"]

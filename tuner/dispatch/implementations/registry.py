@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.implementations.base import Implementation
+from tuner.dispatch.implementations.base import Implementation
 
 __all__ = ["get_implementation", "implementations", "register_implementation"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from templates.torch_sdpa import SdpaConfig, default_backend, sdpa
-from tuner.implementations.base import Choice, Implementation, Request, Run
-from tuner.implementations.registry import register_implementation
+from templates.pytorch.sdpa import SdpaConfig, default_backend, sdpa
+from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
+from tuner.dispatch.implementations.registry import register_implementation
 
 __all__ = ["Sdpa", "sdpa_backend"]
 

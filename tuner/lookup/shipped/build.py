@@ -4,7 +4,7 @@ The records are the stored bests of one device in the buckets of a suite's probl
 registered template's, not only the suite's: a sweep's training templates price gradients),
 each as the dispatcher prices it from that database: the best's TFLOP/s, the median of the
 head-to-head it took part in where there was one. A bundle (``tuner export``) carries each
-config's own readings instead (bundles do not carry head-to-heads, ``tuner.bundle``): a table
+config's own readings instead (bundles do not carry head-to-heads, ``tuner.lookup.bundle``): a table
 made from one says so in ``source``, and its records' ``head_to_head`` is false.
 
 Dropped, and said (``Shipped.dropped``): a best tuned for another version of its kernel than
@@ -30,10 +30,10 @@ from db.session import session_scope
 from templates.base import Problem
 from templates.device import DeviceInfo
 from templates.registry import get_template
-from tuner.bundle import Bundle, BundleItem, first_error
-from tuner.devices import device_info_from_row
-from tuner.dispatch import BASELINE
-from tuner.shipped.table import (
+from tuner.lookup.bundle import Bundle, BundleItem, first_error
+from tuner.lookup.devices import device_info_from_row
+from tuner.dispatch.rule import BASELINE
+from tuner.lookup.shipped.table import (
     SHIPPED_FORMAT,
     SHIPPED_VERSION,
     ShippedDevice,
@@ -41,8 +41,8 @@ from tuner.shipped.table import (
     ShippedRecord,
     ShippedTable,
 )
-from tuner.suites import SweepSpec
-from tuner.winners import forward_templates
+from tuner.tuning.suites import SweepSpec
+from tuner.dispatch.winners import forward_templates
 
 __all__ = ["Dropped", "Shipped", "StoredBests", "as_json", "build_table", "dropped_lines",
            "from_bundle", "from_database", "pick_device", "table_winners"]

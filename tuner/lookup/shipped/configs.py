@@ -3,11 +3,11 @@
 ``ShippedConfigs.match`` answers a template's problem on a device from the table of that
 device's GPU model in a folder (the package's, ``PACKAGED_DIR``), loaded at the device's first
 question: the records of the installed kernel version, matched by
-``tuner.matching.match_with_neighbours`` (exact, bucket, nearest with its neighbours' bests),
+``tuner.lookup.matching.match_with_neighbours`` (exact, bucket, nearest with its neighbours' bests),
 as the database's rows are. Records tuned for another version of the kernel are never matched:
 configs tuned for the old kernel are not served for the new one (logged once per template).
 
-A table that does not serve the device (``tuner.shipped.table.why_not_serving``), or cannot be
+A table that does not serve the device (``tuner.lookup.shipped.table.why_not_serving``), or cannot be
 read, answers nothing: the problem runs what it would without a table (logged once; a broken
 table as a warning, since the package shipped it).
 """
@@ -22,8 +22,8 @@ from typing import Any
 
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
-from tuner.matching import Candidate, Match, match_with_neighbours, parse_candidates
-from tuner.shipped.table import (
+from tuner.lookup.matching import Candidate, Match, match_with_neighbours, parse_candidates
+from tuner.lookup.shipped.table import (
     ShippedError,
     ShippedRecord,
     ShippedTable,
@@ -34,14 +34,14 @@ from tuner.shipped.table import (
 
 __all__ = ["PACKAGED_DIR", "ShippedBest", "ShippedConfigs"]
 
-log = logging.getLogger("tuner.shipped")
+log = logging.getLogger("tuner.lookup.shipped")
 
 PACKAGED_DIR = Path(__file__).resolve().parent  # the tables that ship with the package
 
 
 @dataclass(frozen=True)
 class ShippedBest:
-    """One record, as matching reads a stored best (``tuner.matching.BestLike``)."""
+    """One record, as matching reads a stored best (``tuner.lookup.matching.BestLike``)."""
 
     problem_key: str
     problem: dict[str, Any]

@@ -47,7 +47,7 @@ __all__ = ["SHIPPED_FORMAT", "SHIPPED_VERSION", "ShippedDevice", "ShippedError",
 SHIPPED_FORMAT: Literal["attention-tuner/shipped"] = "attention-tuner/shipped"
 SHIPPED_VERSION: Literal[1] = 1
 
-# Finite, positive JSON numbers (never strings or booleans), as the bundle's (tuner.bundle).
+# Finite, positive JSON numbers (never strings or booleans), as the bundle's (tuner.lookup.bundle).
 _Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=1e9)]
 _Text = Annotated[str, Field(min_length=1, max_length=400)]
 

@@ -23,8 +23,8 @@ from concurrent.futures.process import BrokenProcessPool
 
 from templates.base import Problem, Template
 from templates.registry import get_template
-from tuner.runner.outcome import TrialRequest
-from tuner.runner.parent_death import die_with_parent
+from tuner.tuning.runner.outcome import TrialRequest
+from tuner.tuning.runner.parent_death import die_with_parent
 
 __all__ = ["CompileAhead", "precompile_request", "supports_precompile"]
 

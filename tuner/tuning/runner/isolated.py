@@ -21,8 +21,8 @@ from typing import Any
 
 from db.models import TrialStatus
 from tuner.errors import TunerError
-from tuner.runner.outcome import TrialOutcome, TrialRequest
-from tuner.runner.trial_process import trial_process_main
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
+from tuner.tuning.runner.trial_process import trial_process_main
 
 __all__ = ["IsolatedRunner"]
 

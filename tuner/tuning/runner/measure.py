@@ -21,8 +21,8 @@ import torch
 from db.models import TrialStatus
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
-from tuner.runner.outcome import TrialOutcome
-from tuner.runner.timing import REP_MS, time_gpu, time_interpreter
+from tuner.tuning.runner.outcome import TrialOutcome
+from tuner.tuning.runner.timing import REP_MS, time_gpu, time_interpreter
 
 __all__ = ["INTERPRETER_NOTE", "describe_exception", "is_compile_error", "measure"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from db.models import TrialStatus
-from tuner.runner.timing import REP_MS
+from tuner.tuning.runner.timing import REP_MS
 
 __all__ = ["Runner", "TrialOutcome", "TrialRequest", "WorkerRunner"]
 

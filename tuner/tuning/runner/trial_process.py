@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tuner.runner.parent_death import die_with_parent
+from tuner.tuning.runner.parent_death import die_with_parent
 
 __all__ = ["trial_process_main"]
 
@@ -87,8 +87,8 @@ def _answer(message: dict[str, Any], device: Any) -> dict[str, Any]:
     from db.models import TrialStatus
     from templates.base import Problem
     from templates.registry import get_template
-    from tuner.runner.measure import describe_exception, measure
-    from tuner.runner.outcome import TrialOutcome, TrialRequest
+    from tuner.tuning.runner.measure import describe_exception, measure
+    from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
 
     start = time.perf_counter()
     try:

@@ -3,14 +3,14 @@ clearly slower than another on the same problem, in every call it could serve (i
 training step), stops being searched, and the sweep's time goes to the contenders.
 
 "Clearly" is the head-to-head's rule for telling two implementations apart
-(``tuner.close_calls.decided``) on each one's readings of its best config so far (its first
+(``tuner.dispatch.close_calls.decided``) on each one's readings of its best config so far (its first
 reading and its re-measurements): the ranges are apart, the leader's slowest price faster than
 the other's fastest (these readings were not taken round by round, so there is nothing for the
 sign test to pair); and, as the readings are of configs still to be searched, the other's
 median price is behind by more than ``PRUNE_MARGIN``, more than a search gains over a
 template's first configs (the largest tuned-over-default gain of the H100 grid study was
 1.04x, docs/TUNING.md). An implementation is priced as the dispatcher prices it, the sum over
-its templates (``tuner.head_to_head.priced_by``); a template is dropped only where every
+its templates (``tuner.tuning.head_to_head.priced_by``); a template is dropped only where every
 implementation it takes part in, in every call, is beaten so.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 
 from templates.base import Problem
 from templates.device import DeviceInfo
-from tuner.close_calls import decided
-from tuner.head_to_head import priced_by
+from tuner.dispatch.close_calls import decided
+from tuner.tuning.head_to_head import priced_by
 
 __all__ = ["PRUNE_MARGIN", "beaten_templates"]
 

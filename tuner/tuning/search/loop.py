@@ -69,17 +69,17 @@ from db.finalists import pick_finalists
 from db.models import TrialStatus
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
-from tuner.runner.compile_ahead import CompileAhead
-from tuner.runner.measure import describe_exception
-from tuner.runner.outcome import Runner, TrialOutcome, TrialRequest
-from tuner.search.space import (
+from tuner.tuning.runner.compile_ahead import CompileAhead
+from tuner.tuning.runner.measure import describe_exception
+from tuner.tuning.runner.outcome import Runner, TrialOutcome, TrialRequest
+from tuner.tuning.search.space import (
     SearchSpace,
     distributions,
     neighbours,
     params_of,
     valid_configs,
 )
-from tuner.search.store import (
+from tuner.tuning.search.store import (
     ProblemBest,
     RemeasurementRecord,
     ResultStore,
@@ -87,7 +87,7 @@ from tuner.search.store import (
     TrialRecord,
     measured_configs,
 )
-from tuner.search.study import GRACE_PERIOD_S, HeartbeatKeeper, fail_stale_trials, retry_locked
+from tuner.tuning.search.study import GRACE_PERIOD_S, HeartbeatKeeper, fail_stale_trials, retry_locked
 
 __all__ = [
     "DEFAULT_FINALISTS",
@@ -136,7 +136,7 @@ class SearchSettings:
     # too), and how many times each; 0 finalists: off (the best is the fastest single reading).
     finalists: int = DEFAULT_FINALISTS
     final_repeats: int = DEFAULT_FINAL_REPEATS
-    # A sweep's time budget (time.monotonic() instants; tuner.search.budget): past
+    # A sweep's time budget (time.monotonic() instants; tuner.tuning.search.budget): past
     # ``deadline`` the search asks for no new config once the problem has a result (its time
     # share is spent; the finalists' re-measurements, at this search's pace, are kept within
     # it); past ``hard_deadline`` (the whole sweep's) nothing new is measured at all. A
@@ -218,7 +218,7 @@ class ProblemSearch:
         self.on_trial = on_trial or (lambda event: None)
         self.stop = stop or threading.Event()
         self.stats = SearchStats()
-        # Measured first after the default, before the known good configs (tuner.search.prior)
+        # Measured first after the default, before the known good configs (tuner.tuning.search.prior)
         self.prior = tuple(prior)
         self.on_measure = on_measure or (lambda seconds: None)
         self._rng = random.Random(settings.seed)

@@ -1,6 +1,6 @@
 """The transfer prior: configs worth measuring first for a problem, before the sampler's own
 (issue 42). After the template's default: the stored best configs of the problem's
-neighbouring buckets on this device (nearest first, ``tuner.lookup``'s order), the stored
+neighbouring buckets on this device (nearest first, ``tuner.lookup.resolver``'s order), the stored
 best of the same bucket on other devices (fastest first); the search loop adds the template's
 known good configs after them. A good config of a neighbour is usually good here, so the search starts near the
 optimum and a short budget ends near it; each is checked against the template's constraint
@@ -14,8 +14,8 @@ from db import crud
 from db.session import session_scope
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
-from tuner.lookup import neighbours_of, parse_candidates
-from tuner.stored_bests import StoredBest
+from tuner.lookup.resolver import neighbours_of, parse_candidates
+from tuner.lookup.stored_bests import StoredBest
 
 __all__ = ["NEIGHBOURS", "stored_bests", "transfer_prior"]
 

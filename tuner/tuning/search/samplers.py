@@ -20,7 +20,7 @@ from optuna.samplers import BaseSampler, GPSampler, RandomSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.errors import TunerError
-from tuner.search.space import SearchSpace, SpaceLike
+from tuner.tuning.search.space import SearchSpace, SpaceLike
 
 __all__ = ["SAMPLERS", "ExhaustiveSampler", "make_sampler", "startup_trials"]
 

@@ -23,7 +23,7 @@ from db.finalists import Measured, choose_best
 from db.models import BestConfig, TrialStatus
 from db.session import run_in_transaction, session_scope
 from templates.base import KernelConfig, Problem
-from tuner.runner.outcome import TrialOutcome
+from tuner.tuning.runner.outcome import TrialOutcome
 
 __all__ = [
     "DbStore",
@@ -73,7 +73,7 @@ class StoredRemeasurement:
 @dataclass(frozen=True)
 class ProblemBest:
     """One problem's best config as a result store reports it to the search (memory or
-    database); ``tuner.stored_bests.StoredBest`` is a best-config row as its readers read it."""
+    database); ``tuner.lookup.stored_bests.StoredBest`` is a best-config row as its readers read it."""
 
     config: dict[str, Any]
     tflops: float

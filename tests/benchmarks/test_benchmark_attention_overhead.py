@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmarks.benchmark_scripts import BENCHMARKS
 
 SCRIPT = BENCHMARKS / "attention_overhead.py"
 PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")

@@ -12,12 +12,12 @@ from types import ModuleType
 import pytest
 
 from templates import Problem
-from tests.benchmark_scripts import load_benchmark_script
-from tests.test_tpe_vs_grid import SPEC, planted, recording, write
-from tests.tuner.test_sweep_budget import SlowRunner
-from tests.tuner.test_sweep_cli import cli
-from tuner.replay import load_recorded_file
-from tuner.suites import load_spec_file
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
+from tests.tuner.tuning.test_tpe_vs_grid import SPEC, planted, recording, write
+from tests.tuner.tuning.test_sweep_budget import SlowRunner
+from tests.tuner.cli.test_sweep_cli import cli
+from tuner.tuning.replay import load_recorded_file
+from tuner.tuning.suites import load_spec_file
 
 
 @pytest.fixture(scope="module")

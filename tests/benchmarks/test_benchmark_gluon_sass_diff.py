@@ -1,4 +1,4 @@
-"""benchmarks/gluon_sass_diff.py and ``templates.compile_report.count_opcodes``: the opcode
+"""benchmarks/gluon_sass_diff.py and ``templates.compile.report.count_opcodes``: the opcode
 count of a listing, the diff of two, and one offline compile of a DIAG experiment."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from templates.compile_report import count_opcodes
-from templates.gluon_fwd import GLUON_MISSING
-from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
+from templates.compile.report import count_opcodes
+from templates.gluon.fwd import GLUON_MISSING
+from tests.benchmarks.benchmark_scripts import BENCHMARKS, load_benchmark_script
 
 sass_diff = load_benchmark_script("gluon_sass_diff")
 

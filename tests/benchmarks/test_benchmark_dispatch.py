@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmarks.benchmark_scripts import BENCHMARKS
 
 
 def test_smoke_rows_time_every_candidate_and_record_the_choice(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.benchmark_scripts import load_benchmark_script
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
 
 pack_gqa = load_benchmark_script("gluon_pack_gqa")
 

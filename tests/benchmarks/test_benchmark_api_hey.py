@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import load_benchmark_script
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
 
 hey_bench = load_benchmark_script("api_hey")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmarks.benchmark_scripts import BENCHMARKS
 from tests.db.conftest import _connectable, _postgres_candidates
-from tuner.suites import load_spec_file
+from tuner.tuning.suites import load_spec_file
 
 TOY = ["--template-modules", '["tests.tuner.toy_templates"]']
 

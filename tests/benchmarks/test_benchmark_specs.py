@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tuner.suites import load_spec_file
+from tuner.tuning.suites import load_spec_file
 
-SPECS = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "specs").glob("*.toml"))
+SPECS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "specs").glob("*.toml"))
 
 
 def test_the_specs_folder_is_found() -> None:

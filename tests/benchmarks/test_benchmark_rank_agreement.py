@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmarks.benchmark_scripts import BENCHMARKS
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
+from tests.benchmarks.benchmark_scripts import BENCHMARKS, load_benchmark_script
 
 
 def test_gluon_is_a_candidate_of_inference_rows_where_it_runs(

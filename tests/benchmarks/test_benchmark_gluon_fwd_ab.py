@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from templates.gluon_fwd import GluonFwdConfig
-from tests.benchmark_scripts import load_benchmark_script
+from templates.gluon.fwd import GluonFwdConfig
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
 
 ab = load_benchmark_script("gluon_fwd_ab")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from templates.attention_reference import attention_reference
-from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
+from tests.benchmarks.benchmark_scripts import BENCHMARKS, load_benchmark_script
 
 SCRIPT = BENCHMARKS / "masked_fwd_bwd_bench.py"
 

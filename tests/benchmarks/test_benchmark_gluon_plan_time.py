@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from templates.gluon_fwd import GLUON_MISSING
-from tests.benchmark_scripts import load_benchmark_script
+from templates.gluon.fwd import GLUON_MISSING
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
 
 plan_time = load_benchmark_script("gluon_plan_time")
 

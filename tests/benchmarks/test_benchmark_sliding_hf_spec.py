@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from templates.base import Problem
-from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
+from tests.benchmarks.benchmark_scripts import BENCHMARKS, load_benchmark_script
 from tuner.hf import sliding_block_mask
-from tuner.suites import load_spec_file
+from tuner.tuning.suites import load_spec_file
 
 # e2e_hf's Mistral-shaped layer: B1 x 8k (prefill, and the training step of twice the window),
 # 32 query / 8 KV heads, d128, bf16, window 4096; causality in the mask.

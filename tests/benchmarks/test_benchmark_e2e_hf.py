@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmarks.benchmark_scripts import BENCHMARKS
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from templates.flash_decode import FlashDecodeConfig
-from tests.benchmark_scripts import load_benchmark_script
+from templates.decode.template import FlashDecodeConfig
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
 
 decode_grid = load_benchmark_script("decode_grid")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.benchmark_scripts import load_benchmark_script
+from tests.benchmarks.benchmark_scripts import load_benchmark_script
 
 
 @pytest.fixture(scope="module")
