@@ -1,12 +1,12 @@
 """The service's answer to "which config for this problem on this device" (GET /v1/best).
 
-Matching is ``tuner.lookup.resolver.match_with_neighbours`` (exact problem, then bucket, then nearest
-shape), the same rule the client applies to its local database; a nearest answer carries the
+Matching is ``tuner.lookup.resolver.match_with_neighbours`` (exact problem, then bucket, then
+nearest shape), the same rule the client applies to its local database; a nearest answer carries the
 neighbouring buckets' bests, as a local lookup's does, so a client of the service decides on a
 neighbour as a client of the database does (docs/DISPATCH.md). When nothing is tuned the
 answer is the template's default for the device: the stored device when the service knows its
-key, else the hardware the key names (``tuner.lookup.resolver.device_info_from_key``: an unknown or bare
-name is taken as an H100).
+key, else the hardware the key names (``tuner.lookup.resolver.device_info_from_key``: an unknown or
+bare name is taken as an H100).
 
 ``BestCache`` keeps in memory what answers need, so a lookup costs no database query:
 

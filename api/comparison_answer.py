@@ -17,8 +17,8 @@ from templates.base import Problem
 from templates.registry import get_template
 from tuner.dispatch.comparison import compare_implementations, sdpa_backends_of
 from tuner.dispatch.rule import BASELINE, get_implementation
-from tuner.lookup.resolver import Candidate, device_info_from_key
 from tuner.dispatch.winners import forward_templates
+from tuner.lookup.resolver import Candidate, device_info_from_key
 from tuner.wire import BackendTime, ImplementationsCompared
 
 __all__ = ["compared_answer"]

@@ -67,15 +67,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
 from templates.compile import direct_launch  # noqa: E402
-from templates.flash import fwd_kernel as flash_fwd_kernel
-from templates.device import interpreter_active  # noqa: E402
 from templates.compile.direct_launch import DirectLaunch  # noqa: E402
-from templates.decode.template import FlashDecodeConfig  # noqa: E402
 from templates.decode.kernel import (  # noqa: E402
     check_decode_inputs,
     decode_launch_plan,
     run_decode_plan,
 )
+from templates.decode.template import FlashDecodeConfig  # noqa: E402
+from templates.device import interpreter_active  # noqa: E402
+from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.flash.fwd import FwdConfig, flash_attention_fwd  # noqa: E402
 from tuner.attention import plan_for  # noqa: E402
 from tuner.decode import decode_plan_for  # noqa: E402

@@ -27,8 +27,8 @@ from templates.base import Problem
 from templates.device import interpreter_active
 from tuner.attention import plan_for
 from tuner.lookup.resolver import ConfigResolver, set_resolver
-from tuner.tuning.runner.timing import time_gpu
 from tuner.settings import load_settings
+from tuner.tuning.runner.timing import time_gpu
 from tuner.tuning.suites import resolve_spec
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

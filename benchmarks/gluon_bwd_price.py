@@ -40,8 +40,8 @@ def median_ms(fn: Any, readings: int = 5) -> float:
 
 
 def main() -> int:
-    from templates.gluon import bwd_kernel as gluon_bwd_kernel
     from templates.flash.bwd import TEMPLATE as FLASH_BWD
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
     from templates.gluon.bwd import GluonBwdConfig, gluon_attention_bwd
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -145,8 +145,8 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
 
     from benchmarks.gluon_fwd_bench import bench_ms, reference_fp32
     from benchmarks.paired import round_orders
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.base import relative_error
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.gluon.fwd import TEMPLATE
 
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)

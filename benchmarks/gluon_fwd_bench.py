@@ -16,8 +16,8 @@ side in this process with torch SDPA's cuDNN and FA2 backends and the project's 
 flash_fwd default. Every output is checked against an fp32 SDPA (EFFICIENT backend) before its
 time counts. Only variants that passed ``--check`` are timed when both are given.
 
-``--compile-only`` compiles each variant for sm_90 on this machine (templates.compile.offline_target)
-and prints registers, spills and shared memory.
+``--compile-only`` compiles each variant for sm_90 on this machine
+(templates.compile.offline_target) and prints registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def check_variant(name: str, queue: Any, warm: list[Problem]) -> None:
     """Child process: every CHECKS case for one variant; puts one dict per case. Then
     compiles the variant for the ``warm`` problems (Triton's on-disk cache), so that the
     timing phase does not wait for the compiler."""
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
 
     gluon_fwd_kernel.DEBUG_POISON = True
     device = current_device()
@@ -414,8 +414,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 # ----------------------------------------------------------------------------- offline
 def compile_only(names: list[str]) -> list[dict[str, Any]]:
-    from templates.compile.report import compile_config
     from templates.compile.offline_target import offline_target
+    from templates.compile.report import compile_config
 
     rows = []
     with offline_target("h100") as device:

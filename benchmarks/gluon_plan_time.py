@@ -39,11 +39,11 @@ def plan_times(shape: tuple[int, int, int, int], causal: str, repeats: int) -> d
     """One row: the plan's kind (TILE_ORDER, cut or not, tiles) and its making times in ms."""
     import torch
 
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.base import Problem
-    from templates.gluon.fwd import TEMPLATE
     from templates.compile.offline_target import TARGETS
     from templates.compile.standin_tensor import StandinTensor
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
+    from templates.gluon.fwd import TEMPLATE
 
     b, h, n, d = shape
     config = TEMPLATE.default_config(Problem(b, h, h, n, n, d, "bfloat16", causal),

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from templates.base import Problem
-from tuner.dispatch.rule import choose, keep
 from tuner.dispatch.implementations.call import Call
+from tuner.dispatch.rule import choose, keep
 
 __all__ = ["WAIT_S", "chosen", "wait_for"]
 

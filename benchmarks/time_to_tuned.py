@@ -54,7 +54,13 @@ from tuner.tuning.replay import (  # noqa: E402
 from tuner.tuning.runner.isolated import IsolatedRunner  # noqa: E402
 from tuner.tuning.search.budget import parse_duration  # noqa: E402
 from tuner.tuning.suites import load_spec_file, resolve_spec  # noqa: E402
-from tuner.tuning.sweep import SweepOptions, SweepReport, SweepStarted, TrialDone, run_sweep  # noqa: E402
+from tuner.tuning.sweep import (  # noqa: E402
+    SweepOptions,
+    SweepReport,
+    SweepStarted,
+    TrialDone,
+    run_sweep,
+)
 
 TARGET = 0.02
 FACTOR = 4

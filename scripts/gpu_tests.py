@@ -39,12 +39,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # so a GPU test in a file named nowhere here still runs, and counts as "other".
 GROUPS: dict[str, tuple[str, ...]] = {
     "fwd": ("tests/templates/flash/test_flash_fwd.py", "tests/templates/flash/test_block_sparse.py",
-            "tests/templates/gluon/test_gluon_fwd.py", "tests/templates/gluon/test_gluon_pack_gqa.py",
+            "tests/templates/gluon/test_gluon_fwd.py",
+            "tests/templates/gluon/test_gluon_pack_gqa.py",
             "tests/templates/flash/test_direct_launch_fwd.py"),
-    "bwd": ("tests/templates/flash/test_flash_bwd.py", "tests/templates/flash/test_block_sparse_bwd.py",
+    "bwd": ("tests/templates/flash/test_flash_bwd.py",
+            "tests/templates/flash/test_block_sparse_bwd.py",
             "tests/templates/gluon/test_gluon_bwd.py", "tests/templates/pytorch/test_torch_flex.py",
-            "tests/templates/gluon/test_gluon_cudnn_train.py", "tests/templates/gluon/test_gluon_train.py"),
-    "decode": ("tests/templates/decode/test_flash_decode.py", "tests/templates/decode/test_direct_launch.py"),
+            "tests/templates/gluon/test_gluon_cudnn_train.py",
+            "tests/templates/gluon/test_gluon_train.py"),
+    "decode": ("tests/templates/decode/test_flash_decode.py",
+               "tests/templates/decode/test_direct_launch.py"),
     "tuner": ("tests/tuner",),
 }
 OUTCOMES = ("passed", "failed", "error", "skipped")

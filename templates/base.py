@@ -32,8 +32,8 @@ from typing import Any, ClassVar, Self, cast
 
 import torch
 
-from templates.device import DeviceInfo
 from templates.compile.offline_target import gpu_compiler_available
+from templates.device import DeviceInfo
 
 Scalar = int | bool | str
 # One kernel launch: (the @triton.jit function, grid, positional arguments, keyword options).

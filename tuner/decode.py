@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from templates.device import cpu_device, current_device
-from templates.decode.template import TEMPLATE, FlashDecodeConfig, kept_launch, problem_of
 from templates.decode.kernel import DecodeShape, check_decode_inputs
-from tuner.lookup.resolver import Resolved, keep_config, resolve_config
+from templates.decode.template import TEMPLATE, FlashDecodeConfig, kept_launch, problem_of
+from templates.device import cpu_device, current_device
 from tuner.dispatch.plans import PLANS, Plan, keep_plan
+from tuner.lookup.resolver import Resolved, keep_config, resolve_config
 from tuner.record import note, recording
 
 __all__ = ["decode", "decode_plan_for"]

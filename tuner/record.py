@@ -32,8 +32,8 @@ from pathlib import Path
 
 from templates.base import Problem
 from templates.registry import get_template
-from tuner.errors import TunerError
 from tuner.dispatch.plans import clear_plans
+from tuner.errors import TunerError
 
 __all__ = ["RECORDED_BY", "Recorder", "note", "record", "recording"]
 

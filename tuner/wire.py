@@ -250,8 +250,9 @@ class ProblemWinner(WireModel):
     decided: bool | None = Field(
         None, description="whether the winner's and the runner-up's readings in the head-to-head "
                           "both come from tell them apart (their ranges apart, or a sign test "
-                          "over its rounds at p <= 0.05, tuner.dispatch.close_calls); false: within the "
-                          "readings' noise, either would do; null: not read in one head-to-head")
+                          "over its rounds at p <= 0.05, tuner.dispatch.close_calls); false: "
+                          "within the readings' noise, either would do; null: not read in one "
+                          "head-to-head")
     sdpa_backends: dict[str, BackendTime] = Field(
         default_factory=dict,
         description="by SDPA backend (torch_sdpa's backend knob: cudnn, flash, efficient, "

@@ -1,4 +1,5 @@
-"""Snapshots: the best configs frozen under the hash of their content (``tuner.lookup.snapshot``)."""
+"""Snapshots: the best configs frozen under the hash of their content
+(``tuner.lookup.snapshot``)."""
 
 from __future__ import annotations
 

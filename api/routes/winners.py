@@ -1,8 +1,8 @@
 """GET /v1/winners: per stored problem of a device, which implementation ``tuner.attention``
 runs, the runner-up, the margin and every measured implementation's TFLOP/s.
 
-The ranking is ``tuner.dispatch.winners`` (what ``tuner winners`` prints), at the kernel versions this
-service runs: the versions it accepts uploads for. /v1/best stays one template's answer.
+The ranking is ``tuner.dispatch.winners`` (what ``tuner winners`` prints), at the kernel versions
+this service runs: the versions it accepts uploads for. /v1/best stays one template's answer.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ Where no compiled launcher can be used (the CPU interpreter, a launch hook set b
 a Triton without the attributes used here, ``ENABLED`` off), every call takes the JIT's path,
 which is always correct.
 
-Needs only torch and triton: exported kernel modules inline it (and ``templates.compile.tensor_maps``).
+Needs only torch and triton: exported kernel modules inline it (and
+``templates.compile.tensor_maps``).
 """
 
 from __future__ import annotations

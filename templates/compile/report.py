@@ -29,8 +29,8 @@ from typing import Any
 import triton
 
 from templates.base import KernelConfig, Problem, Template
-from templates.device import interpreter_active
 from templates.compile.offline_target import offline_target
+from templates.device import interpreter_active
 from templates.registry import get_template
 
 __all__ = ["CompileOutcome", "KernelResources", "compile_config", "main", "wgmma_serialization"]

@@ -79,8 +79,6 @@ from typing import Any
 import torch
 import triton
 
-from templates.compile import direct_launch, plan_cache, tensor_maps
-from templates.decode import kernel as flash_decode_kernel
 from templates.base import (
     KernelConfig,
     KernelLaunch,
@@ -90,7 +88,10 @@ from templates.base import (
     knob,
     relative_error,
 )
-from templates.device import DeviceInfo, check_interpreter_usable, current_device
+from templates.compile import direct_launch, plan_cache, tensor_maps
+from templates.compile.plan_cache import PlanCache
+from templates.compile.standin_tensor import StandinTensor
+from templates.decode import kernel as flash_decode_kernel
 from templates.decode.kernel import (
     COMBINE_MODES,
     KV_EVICTION,
@@ -107,10 +108,9 @@ from templates.decode.kernel import (
     run_decode_plan,
     smem_bytes,
 )
+from templates.device import DeviceInfo, check_interpreter_usable, current_device
 from templates.interpreter_dtype import as_float32, runs_in_float32
-from templates.compile.plan_cache import PlanCache
 from templates.registry import register
-from templates.compile.standin_tensor import StandinTensor
 
 # ----------------------------------------------------------------------------- the space
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)

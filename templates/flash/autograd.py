@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from templates.masks.block_mask import BlockMask
 from templates.flash.bwd import BwdConfig, flash_attention_bwd
 from templates.flash.fwd import FwdConfig, flash_attention_fwd
+from templates.masks.block_mask import BlockMask
 
 FwdConfigLike = FwdConfig | Mapping[str, object] | None
 BwdConfigLike = BwdConfig | Mapping[str, object] | None

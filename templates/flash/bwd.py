@@ -17,28 +17,28 @@ from typing import Any
 
 import torch
 
-from templates.flash import bwd_kernel as kernel
 from templates import kernel_common
-from templates.masks import listed_blocks
 from templates.attention_reference import (
     FLOAT64_SCORE_LIMIT,
     attention_reference,
     forward_flops,
 )
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
-from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.compile.standin_tensor import StandinTensor
 from templates.device import (
     DeviceInfo,
     check_interpreter_usable,
     current_device,
     interpreter_active,
 )
+from templates.flash import bwd_kernel as kernel
 from templates.flash.fwd import check_block_mask, flash_attention_fwd, pattern_mask
 from templates.flash.fwd_kernel import attn_mask_view
 from templates.interpreter_dtype import as_float32, runs_in_float32
+from templates.masks import listed_blocks
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.masks.mods import pattern_problem
 from templates.registry import register
-from templates.compile.standin_tensor import StandinTensor
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}

@@ -15,10 +15,7 @@ from typing import Any
 
 import torch
 
-from templates.compile import direct_launch, tensor_maps
 from templates import kernel_common
-from templates.masks import listed_blocks
-from templates.flash import fwd_kernel as kernel
 from templates.attention_reference import (
     attention_reference,
     forward_bytes,
@@ -35,18 +32,21 @@ from templates.base import (
     next_pow2,
     relative_error,
 )
-from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.compile import direct_launch, tensor_maps
+from templates.compile.plan_cache import PlanCache
+from templates.compile.standin_tensor import StandinTensor
 from templates.device import (
     DeviceInfo,
     check_interpreter_usable,
     current_device,
     interpreter_active,
 )
+from templates.flash import fwd_kernel as kernel
 from templates.interpreter_dtype import Float32Plan, as_float32, runs_in_float32
+from templates.masks import listed_blocks
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.masks.mods import pattern_block_mask, pattern_problem
-from templates.compile.plan_cache import PlanCache
 from templates.registry import register
-from templates.compile.standin_tensor import StandinTensor
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}

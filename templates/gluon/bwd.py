@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from templates.base import KernelConfig, KernelLaunch, Problem, knob
+from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
@@ -34,7 +35,6 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
     problem_of,
 )
 from templates.registry import register
-from templates.compile.standin_tensor import StandinTensor
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
 HEAD_DIMS = (64, 128)

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from templates.pytorch import cudnn_bwd
-from templates.gluon import training as gluon_training
-from templates.gluon import fwd
 from templates.base import KernelConfig, Problem
+from templates.gluon import fwd
+from templates.gluon import training as gluon_training
 from templates.gluon.training import GluonTrainingTemplate
+from templates.pytorch import cudnn_bwd
 from templates.registry import register
 
 

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from templates.compile import direct_launch, tensor_maps
-from templates.gluon import schedule as gluon_schedule
 from templates.attention_reference import (
     attention_reference,
     forward_bytes,
@@ -32,9 +30,12 @@ from templates.base import (
     knob,
     relative_error,
 )
-from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.compile import direct_launch, tensor_maps
+from templates.compile.plan_cache import PlanCache
+from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
 from templates.flash.fwd import check_block_mask, pattern_mask
+from templates.gluon import schedule as gluon_schedule
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
     TORCH_DTYPES,
@@ -42,9 +43,8 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
     load_kernel_module,
     problem_of,
 )
-from templates.compile.plan_cache import PlanCache
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.registry import register
-from templates.compile.standin_tensor import StandinTensor
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon.fwd_kernel")
 HEAD_DIMS = (64, 128, 256)

@@ -12,9 +12,9 @@ from typing import ClassVar
 
 import torch
 
-from templates.gluon import common as gluon_common
 from templates.base import KernelConfig, KernelLaunch, Problem, Template
 from templates.device import DeviceInfo, current_device
+from templates.gluon import common as gluon_common
 from templates.masks.mods import pattern_problem
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from templates.gluon import bwd as gluon_bwd, training as gluon_training
-from templates.gluon import fwd
 from templates.base import KernelConfig, Problem
+from templates.gluon import bwd as gluon_bwd
+from templates.gluon import fwd
+from templates.gluon import training as gluon_training
 from templates.gluon.training import GluonTrainingTemplate
 from templates.registry import register
 

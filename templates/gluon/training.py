@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from templates.gluon import fwd
 from templates.attention_reference import forward_bytes, forward_flops, random_inputs
 from templates.base import KernelConfig, Problem, Template
 from templates.flash.bwd import reference_grads
+from templates.gluon import fwd
 
 
 class GluonTrainingTemplate(fwd.GluonFwdTemplate):

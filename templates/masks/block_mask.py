@@ -15,8 +15,8 @@ plus ascending indices per query block.
 
 Constructors: ``from_dense`` (a boolean mask), ``from_mask_mod`` (a function of tensor indices,
 evaluated a few query blocks at a time), ``from_block_kinds`` (the same function evaluated only
-on the blocks a known block structure leaves open), and the helpers of ``templates.masks.mods`` through it.
-``a & b`` and ``a | b`` combine two masks of one geometry.
+on the blocks a known block structure leaves open), and the helpers of ``templates.masks.mods``
+through it. ``a & b`` and ``a | b`` combine two masks of one geometry.
 """
 
 from __future__ import annotations

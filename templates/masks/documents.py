@@ -1,8 +1,8 @@
 """Document block masks: the BlockMask of packed variable-length sequences (FlashAttention's
 ``cu_seqlens`` offsets), causal per document bottom-right as FlashAttention aligns it, built in
 O(blocks) and kept for the few offsets a training step uses. ``tuner.varlen_attention`` runs
-packed calls with them; ``tuner.dispatch.dense_mask`` turns a recognized block-diagonal mask into one.
-Imports nothing of ``tuner`` (so both can use it without a cycle through ``tuner.attention``).
+packed calls with them; ``tuner.dispatch.dense_mask`` turns a recognized block-diagonal mask into
+one. Imports nothing of ``tuner`` (so both can use it without a cycle through ``tuner.attention``).
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ from templates.attention_reference import (
     random_inputs,
 )
 from templates.base import KernelConfig, Problem, Template, knob, next_pow2
-from templates.masks.block_mask import BlockMask, block_lists, listed_slots
 from templates.device import DeviceInfo
 from templates.flash.bwd import reference_grads
 from templates.flash.fwd import pattern_mask
+from templates.masks.block_mask import BlockMask, block_lists, listed_slots
 from templates.masks.mods import pattern_problem
 from templates.registry import register
 

@@ -23,8 +23,8 @@ from tests.api.serving_data import (
 from tuner.client import TunerClient
 from tuner.errors import ServiceError
 from tuner.lookup.resolver import ConfigResolver
-from tuner.settings import load_settings
 from tuner.lookup.snapshot import snapshot_id_of
+from tuner.settings import load_settings
 
 
 def test_creating_needs_the_token_and_the_same_content_gives_the_same_id(

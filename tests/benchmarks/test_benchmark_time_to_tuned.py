@@ -13,9 +13,9 @@ import pytest
 
 from templates import Problem
 from tests.benchmarks.benchmark_scripts import load_benchmark_script
-from tests.tuner.tuning.test_tpe_vs_grid import SPEC, planted, recording, write
-from tests.tuner.tuning.test_sweep_budget import SlowRunner
 from tests.tuner.cli.test_sweep_cli import cli
+from tests.tuner.tuning.test_sweep_budget import SlowRunner
+from tests.tuner.tuning.test_tpe_vs_grid import SPEC, planted, recording, write
 from tuner.tuning.replay import load_recorded_file
 from tuner.tuning.suites import load_spec_file
 

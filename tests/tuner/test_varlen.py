@@ -13,8 +13,8 @@ import torch
 import templates.masks.documents
 import tuner
 from templates.base import Problem
-from templates.masks.block_mask import BlockMask
 from templates.device import current_device
+from templates.masks.block_mask import BlockMask
 from tests.tuner.dispatch.test_dispatch import measured, store
 from tuner.dispatch.rule import Call, choose
 from tuner.varlen import (

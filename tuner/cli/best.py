@@ -187,8 +187,9 @@ def _problem_of(template_name: str, shape: str, dtype: str, causal: str) -> Prob
 
 def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[str, str]
               ) -> dict[tuple[str, str], ImplementationsCompared]:
-    """With --shape: the implementations compared for the asked problem (``tuner.dispatch.comparison``)
-    on each device and bucket the listed rows are of, at this install's kernel versions."""
+    """With --shape: the implementations compared for the asked problem
+    (``tuner.dispatch.comparison``) on each device and bucket the listed rows are of, at this
+    install's kernel versions."""
     # lazy: sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
     from tuner.dispatch.comparison import compare_in_database
     from tuner.lookup.devices import device_info_from_row

@@ -1,9 +1,9 @@
 """``tuner worker``: tune what jobs ran untuned, most reported first, for ever (or until told).
 
 The docker-compose ``demand-worker`` service runs it: each replica claims a GPU, then the
-demand of that GPU's device key (tuner/demand/worker.py), in the database it shares with the service.
-With ``--service URL`` a GPU host that reaches only the service does the same through its API
-(TUNER_TOKEN), tuning into a database of its own (``--db``) and uploading the results.
+demand of that GPU's device key (tuner/demand/worker.py), in the database it shares with the
+service. With ``--service URL`` a GPU host that reaches only the service does the same through its
+API (TUNER_TOKEN), tuning into a database of its own (``--db``) and uploading the results.
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def worker(
     # lazy: httpx, optuna, sqlalchemy, torch+triton +3.4 s (2-core CPU); keeps `tuner --help` < 1 s
     import optuna
 
+    from tuner.demand.service_queue import ServiceQueue
     from tuner.demand.worker import WorkerOptions, run_worker
     from tuner.tuning.gpus import gpus_for_sweep
-    from tuner.demand.service_queue import ServiceQueue
     from tuner.tuning.sweep import SweepOptions
 
     settings = settings_with(db)

@@ -1,5 +1,5 @@
-"""``tuner ship``: regenerate the shipped measurements of a GPU model (``tuner.lookup.shipped``) from
-a sweep's database or a bundle file, for the problems of a suite."""
+"""``tuner ship``: regenerate the shipped measurements of a GPU model (``tuner.lookup.shipped``)
+from a sweep's database or a bundle file, for the problems of a suite."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def ship(
     from templates.registry import get_template
     from tuner.errors import TunerError
     from tuner.lookup.shipped import PACKAGED_DIR, file_name
-    from tuner.lookup.shipped.build import (
+    from tuner.tuning.ship import (
         as_json,
         build_table,
         dropped_lines,

@@ -24,7 +24,6 @@ from tuner.cli.common import (
     problem_label,
 )
 from tuner.errors import ServiceError, TunerError
-from tuner.settings import get_settings
 from tuner.lookup.snapshot import (
     StoredSnapshot,
     check_snapshot_id,
@@ -33,6 +32,7 @@ from tuner.lookup.snapshot import (
     read_snapshot,
     snapshot_id_of,
 )
+from tuner.settings import get_settings
 
 __all__ = ["app"]
 

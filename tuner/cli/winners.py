@@ -43,7 +43,7 @@ def winners(
     from db.session import session_scope
     from templates import current_device
     from templates.registry import get_template
-    from tuner.dispatch import implementations
+    from tuner.dispatch.rule import implementations
     from tuner.dispatch.winners import forward_templates, stored_winners
 
     dtype = checked_dtype(dtype)

@@ -2,8 +2,8 @@
 
 Two places hold it. ``DatabaseQueue``: the database the worker shares with the service, for
 workers that reach it (the docker-compose ``demand-worker``); results are stored there as they
-are measured. ``tuner.demand.service_queue.ServiceQueue``: the service's API, for GPU hosts that reach
-only the service with a token; the worker tunes into a database of its own and uploads the
+are measured. ``tuner.demand.service_queue.ServiceQueue``: the service's API, for GPU hosts that
+reach only the service with a token; the worker tunes into a database of its own and uploads the
 results before it marks the problem done. The worker's loop (``tuner.demand.worker``) is the same
 for both.
 """

@@ -26,10 +26,10 @@ from db.models import DemandStatus
 from db.session import session_scope
 from templates.base import Problem
 from templates.registry import get_template
-from tuner.lookup.bundle import make_bundle
 from tuner.client import TunerClient
 from tuner.demand.queue import Job, QueueUnavailable, ResultsRefused
 from tuner.errors import ServiceError, TunerError
+from tuner.lookup.bundle import make_bundle
 from tuner.wire import DemandRow
 
 __all__ = ["ServiceQueue"]

@@ -1,5 +1,6 @@
 """Whether a head-to-head's readings decide which of its two fastest candidates is faster, so
-that a close call gets more rounds instead of being settled by noise (``tuner.tuning.head_to_head``).
+that a close call gets more rounds instead of being settled by noise
+(``tuner.tuning.head_to_head``).
 
 Five rotated rounds left rows a few percent apart to noise on the H200: gluon against cuDNN
 at d128 2k dense read 0.997x in session #17's `standard` sweep and 1.011x in session #18's

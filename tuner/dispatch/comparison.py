@@ -4,9 +4,9 @@ implementation's time and each SDPA backend's, for people (``tuner best --shape`
 
 One computation with the dispatcher: ``tuner.dispatch.rule.decide`` for an inference call, each
 forward template's config matched among a database's stored bests as a process's lookup of
-that database matches it (``tuner.lookup.resolver.match_with_neighbours``: exact, bucket, else nearest
-with the neighbours). The times are then read off the choice: the prices of the problem's own
-bucket, or, where it was decided on a neighbour, every implementation's time there.
+that database matches it (``tuner.lookup.resolver.match_with_neighbours``: exact, bucket, else
+nearest with the neighbours). The times are then read off the choice: the prices of the problem's
+own bucket, or, where it was decided on a neighbour, every implementation's time there.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.dispatch.rule import BASELINE, Call, Choice, decide, get_implementation
+from tuner.dispatch.winners import VersionOf, backend_times, forward_templates
 from tuner.lookup.resolver import Candidate, Resolved, match_with_neighbours
 from tuner.lookup.stored_bests import StoredBest, stored_bests
-from tuner.dispatch.winners import VersionOf, backend_times, forward_templates
 from tuner.wire import BackendTime, ImplementationsCompared, ImplementationTime
 
 __all__ = ["compare_implementations", "compare_in_database", "sdpa_backends_of"]
@@ -94,7 +94,8 @@ def _time(template: str, ms: float, row: StoredBest) -> ImplementationTime:
 
 def sdpa_backends_of(session: Session, *, device_key: str, version: str,
                      problem_key: str) -> dict[str, BackendTime]:
-    """Each SDPA backend's time on one bucket (``tuner.dispatch.winners.backend_times``): two queries."""
+    """Each SDPA backend's time on one bucket (``tuner.dispatch.winners.backend_times``): two
+    queries."""
     sdpa = get_implementation(BASELINE).forward
     trials = crud.measured_configs(session, device_key=device_key, template_name=sdpa,
                                    template_version=version, problem_keys=[problem_key])

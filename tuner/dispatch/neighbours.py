@@ -6,7 +6,8 @@ two implementations' nearest answers may come from different shapes. What does c
 implementations measured on the same neighbouring bucket: their ratio there is a measurement,
 and the prediction for this problem. So:
 
-* the neighbour is the nearest bucket (``tuner.lookup.resolver``'s order, read from SDPA's answer) on
+* the neighbour is the nearest bucket (``tuner.lookup.resolver``'s order, read from SDPA's answer)
+on
   which torch SDPA and at least one other implementation that serves the call were measured,
   every template of each, with configs that run this problem; one neighbour for all of them;
 * there, each is priced on the problem SDPA measured (FLOPs over the stored TFLOP/s, summed as

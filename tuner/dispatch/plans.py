@@ -3,8 +3,8 @@
 
 A mode says which path made the plan ("inference" for ``tuner.attention``'s hot path, an
 implementation's training op, "decode" for ``tuner.decode``); the problem and the layout are
-the keys of ``tuner.dispatch.implementations.call``. Plans are per exact shape: a decode loop makes one
-per step, so past ``MAX_PLANS`` the cache starts over (rebuilding a plan is cheap once its
+the keys of ``tuner.dispatch.implementations.call``. Plans are per exact shape: a decode loop makes
+one per step, so past ``MAX_PLANS`` the cache starts over (rebuilding a plan is cheap once its
 shape bucket's config is cached by the resolver).
 """
 

@@ -27,8 +27,8 @@ A choice that runs is kept (``keep``): its configs, and the prices it was chosen
 the process's answers for their buckets (``tuner.lookup.resolver``: stable within a process), so a
 problem that ran one implementation and config runs them for the process's life.
 
-An implementation is a subclass of ``tuner.dispatch.implementations.Implementation`` (its docstring is
-the contract), registered with ``register_implementation``; the public entry needs no change.
+An implementation is a subclass of ``tuner.dispatch.implementations.Implementation`` (its docstring
+is the contract), registered with ``register_implementation``; the public entry needs no change.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from tuner.dispatch.implementations.registry import (
     implementations,
     register_implementation,
 )
-from tuner.lookup.resolver import Resolved, get_resolver, keep_config, resolve_config
 from tuner.dispatch.neighbours import Contender, decide_on_neighbour
+from tuner.lookup.resolver import Resolved, get_resolver, keep_config, resolve_config
 from tuner.record import note, recording
 
 __all__ = ["Call", "Choice", "Estimate", "Implementation", "Resolve", "choose",
@@ -58,8 +58,8 @@ __all__ = ["Call", "Choice", "Estimate", "Implementation", "Resolve", "choose",
            "register_implementation", "use_implementation"]
 
 # How a template's config for a problem on a device is found: the process's resolver
-# (``tuner.lookup.resolver.resolve_config``) for a call, the stored bests of a database for the service's
-# and ``tuner best``'s comparisons (``tuner.dispatch.comparison``).
+# (``tuner.lookup.resolver.resolve_config``) for a call, the stored bests of a database for the
+# service's and ``tuner best``'s comparisons (``tuner.dispatch.comparison``).
 Resolve = Callable[[Template, Problem, DeviceInfo], Resolved]
 
 
@@ -170,8 +170,8 @@ def _fastest_measured(estimates: tuple[Estimate, ...]) -> Choice:
 
 def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...],
                   margin: float) -> Choice:
-    """SDPA not measured for this problem: decided on a neighbour (``tuner.dispatch.neighbours``), or
-    SDPA as the user's code would have run it."""
+    """SDPA not measured for this problem: decided on a neighbour (``tuner.dispatch.neighbours``),
+    or SDPA as the user's code would have run it."""
     contenders = {e.implementation: Contender(e.implementation, tuple(
         get_template(name) for name in get_implementation(e.implementation).templates_for(
             call)), e.resolved) for e in estimates}

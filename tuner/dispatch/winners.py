@@ -25,8 +25,7 @@ import tuner.dispatch.implementations  # noqa: F401  (registers the implementati
 from db import crud
 from db.finalists import Measured, Readings, choose_best
 from tuner.dispatch.close_calls import decided
-from tuner.dispatch.rule import BASELINE, get_implementation
-from tuner.dispatch import implementations
+from tuner.dispatch.rule import BASELINE, get_implementation, implementations
 from tuner.wire import BackendTime, ProblemWinner, WinnersOut
 
 __all__ = ["backend_times", "forward_templates", "rank_problems", "stored_winners"]
@@ -118,7 +117,8 @@ def rank_problems(rows: Iterable[Any], version_of: VersionOf,
 
 def _decided(winner: Readings | None, runner_up: Readings | None) -> bool | None:
     """Whether the winner's and the runner-up's readings of one head-to-head tell them
-    apart (``tuner.dispatch.close_calls.decided``); None where they do not come from the same one."""
+    apart (``tuner.dispatch.close_calls.decided``); None where they do not come from the same
+    one."""
     if (winner is None or runner_up is None or winner.head_to_head is None
             or winner.head_to_head != runner_up.head_to_head):
         return None

@@ -69,8 +69,8 @@ from db.session import run_in_transaction
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
-from tuner.lookup.devices import smem_for_cc
 from tuner.errors import TunerError
+from tuner.lookup.devices import smem_for_cc
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from templates.device import CPU_INTERPRETER, DeviceInfo
 from templates.compile.offline_target import TARGETS
+from templates.device import CPU_INTERPRETER, DeviceInfo
 
 __all__ = ["HOPPER_DEFAULT", "device_info_from_key", "device_info_from_row", "smem_for_cc"]
 

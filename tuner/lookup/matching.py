@@ -53,7 +53,8 @@ class Candidate:
 @dataclass(frozen=True)
 class Neighbour:
     """A stored best of a neighbouring bucket (same family, another shape): what the
-    dispatcher reads to compare implementations on the same neighbour (tuner/dispatch/neighbours.py)."""
+    dispatcher reads to compare implementations on the same neighbour
+    (tuner/dispatch/neighbours.py)."""
 
     problem_key: str
     problem: Problem  # the problem it measured

@@ -10,8 +10,8 @@ An id found nowhere stops the job at its first lookup (``SnapshotError`` naming 
 every place looked in): a job that was told to run pinned configs must not run others.
 
 ``PinnedConfigs.resolve`` answers as the database does: the snapshot's items of the device and
-kernel version, matched by ``tuner.lookup.matching.match_with_neighbours`` (exact, bucket, nearest with
-its neighbours' bests), else the template's default. Each problem is matched on its own, not as
+kernel version, matched by ``tuner.lookup.matching.match_with_neighbours`` (exact, bucket, nearest
+with its neighbours' bests), else the template's default. Each problem is matched on its own, not as
 the first problem asked of its bucket (the unpinned resolver's cache): so the answer depends on
 nothing but the snapshot and the problem, never on the order a rank happened to ask in.
 """
@@ -34,9 +34,15 @@ from sqlalchemy.orm import Session
 from db import crud
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
-from tuner.lookup.bundle import Bundle, BundleItem, first_error
 from tuner.errors import ServiceError
-from tuner.lookup.matching import Candidate, Match, Resolved, match_with_neighbours, parse_candidates
+from tuner.lookup.bundle import Bundle, BundleItem, first_error
+from tuner.lookup.matching import (
+    Candidate,
+    Match,
+    Resolved,
+    match_with_neighbours,
+    parse_candidates,
+)
 from tuner.lookup.snapshot import SnapshotError, is_snapshot_id, snapshot_id_of, stored_bundle
 
 if TYPE_CHECKING:
@@ -61,7 +67,8 @@ MAX_ANSWERS = 4096
 
 @dataclass(frozen=True)
 class PinnedBest:
-    """One item of the snapshot, as matching reads a stored best (``tuner.lookup.matching.BestLike``)."""
+    """One item of the snapshot, as matching reads a stored best
+    (``tuner.lookup.matching.BestLike``)."""
 
     problem_key: str
     problem: dict[str, Any]

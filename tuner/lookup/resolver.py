@@ -24,9 +24,9 @@ snapshot, service or shipped) carries the bests of the neighbouring buckets
 (``neighbours_of``; the service sends them in ``BestOut.neighbours``), on one of which the
 dispatcher may compare implementations (docs/DISPATCH.md). Every answer
 that is not tuned here (``default``, ``nearest``, ``shipped``) is noted as demand for the
-service (``tuner.demand.reporter``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off. Every
-config that comes from outside (database, service or shipped table) is re-validated against the
-template's space and static constraints here: a served config is data, never code. A shipped
+service (``tuner.demand.reporter``), when ``TUNER_URL`` is set and ``TUNER_DEMAND`` is not off.
+Every config that comes from outside (database, service or shipped table) is re-validated against
+the template's space and static constraints here: a served config is data, never code. A shipped
 answer is re-asked after ``UNTUNED_TTL_S`` until a kernel runs with it, as an untuned one: a
 sweep that lands meanwhile replaces it.
 
@@ -56,13 +56,13 @@ from db.errors import DatabaseUnavailableError
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.demand.reporter import UNTUNED, DemandReporter
+from tuner.errors import ServiceError
 from tuner.lookup.devices import (
     HOPPER_DEFAULT,
     device_info_from_key,
     device_info_from_row,
     smem_for_cc,
 )
-from tuner.errors import ServiceError
 from tuner.lookup.matching import (
     BestLike,
     CacheKey,
@@ -76,9 +76,9 @@ from tuner.lookup.matching import (
     neighbours_of,
     parse_candidates,
 )
-from tuner.settings import load_settings
 from tuner.lookup.shipped import PACKAGED_DIR, ShippedConfigs
 from tuner.lookup.snapshot import SnapshotError
+from tuner.settings import load_settings
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -87,8 +87,8 @@ if TYPE_CHECKING:
     from tuner.lookup.pinned import PinnedConfigs
     from tuner.settings import Settings
 
-# The matching rule (tuner.lookup.matching) and the device facts (tuner.lookup.devices) are their own
-# modules, which tuner.lookup.pinned and tuner.bundle import without importing the resolver; the
+# The matching rule (tuner.lookup.matching) and the device facts (tuner.lookup.devices) are their
+# own modules, which tuner.lookup.pinned and tuner.bundle import without importing the resolver; the
 # resolver's callers find them here too.
 __all__ = [
     "HOPPER_DEFAULT", "RETRY_AFTER_S", "SHIPPED", "TUNED_TTL_S", "UNTUNED_TTL_S", "BestLike",

@@ -1,7 +1,7 @@
 """Stored best configs as their readers read them, detached from their database session: one
 read model of a best-config row for the service's answers (``api.answers``), the
-implementations' comparison (``tuner.dispatch.comparison``), verification (``tuner.tuning.verify``) and the
-transfer prior (``tuner.tuning.search.prior``), parsed once per row."""
+implementations' comparison (``tuner.dispatch.comparison``), verification (``tuner.tuning.verify``)
+and the transfer prior (``tuner.tuning.search.prior``), parsed once per row."""
 
 from __future__ import annotations
 

@@ -41,8 +41,7 @@ from db.session import run_in_transaction, session_scope
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.dispatch.close_calls import decided
-from tuner.dispatch.rule import Call
-from tuner.dispatch import implementations
+from tuner.dispatch.rule import Call, implementations
 from tuner.tuning.runner.outcome import Runner, TrialOutcome, TrialRequest
 
 __all__ = [

@@ -46,13 +46,13 @@ from templates.base import KernelConfig, Problem, Template
 from templates.registry import get_template
 from tuner.errors import TunerError
 from tuner.lookup.resolver import device_info_from_row
+from tuner.lookup.stored_bests import StoredBest
 from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
 from tuner.tuning.search.loop import ProblemSearch, SearchSettings
 from tuner.tuning.search.prior import transfer_prior
 from tuner.tuning.search.samplers import make_sampler
 from tuner.tuning.search.space import SearchSpace, SpaceRestriction, problem_space
 from tuner.tuning.search.store import MemoryStore
-from tuner.lookup.stored_bests import StoredBest
 from tuner.tuning.sweep import device_from_dict
 
 if TYPE_CHECKING:
@@ -264,9 +264,10 @@ def compare_samplers(recorded: RecordedProblem, *, samplers: Sequence[str], budg
 
 def recorded_prior(recorded: RecordedProblem,
                    others: Sequence[RecordedProblem]) -> list[KernelConfig]:
-    """The transfer prior a sweep of ``recorded`` would measure first (``tuner.tuning.search.prior``),
-    from the best recorded config of each of ``others`` (the recording's other problems, as
-    if their sweeps had stored them; ``recorded`` itself is left out)."""
+    """The transfer prior a sweep of ``recorded`` would measure first
+    (``tuner.tuning.search.prior``), from the best recorded config of each of ``others`` (the
+    recording's other problems, as if their sweeps had stored them; ``recorded`` itself is left
+    out)."""
     rows = []
     for other in others:
         if other.template != recorded.template or other.problem_key == recorded.problem_key:

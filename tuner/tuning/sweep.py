@@ -48,6 +48,7 @@ from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.errors import TunerError
+from tuner.lookup.stored_bests import StoredBest
 from tuner.tuning.gpus import visible_gpus
 from tuner.tuning.head_to_head import (
     DEFAULT_HEAD_TO_HEAD_ROUNDS,
@@ -82,7 +83,6 @@ from tuner.tuning.search.study import (
     open_study,
     study_name,
 )
-from tuner.lookup.stored_bests import StoredBest
 from tuner.tuning.suites import SweepSpec
 
 __all__ = [
@@ -768,10 +768,10 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
 
 def _head_to_heads(shared: _Shared, device: dict[str, Any], emit: Callable[[Event], None],
                    left_out: set[int] | None = None) -> list[HeadToHeadResult]:
-    """After every search: each problem's implementations side by side (``tuner.tuning.head_to_head``),
-    on this thread, in a trial worker of its own on the first GPU. A head-to-head that fails
-    (not a candidate: the step itself) is reported and the next one runs; the bests the sweep
-    stored stay as they are."""
+    """After every search: each problem's implementations side by side
+    (``tuner.tuning.head_to_head``), on this thread, in a trial worker of its own on the first GPU.
+    A head-to-head that fails (not a candidate: the step itself) is reported and the next one runs;
+    the bests the sweep stored stay as they are."""
     # Implementations dropped after their probe (``left_out``, task indices) were measured
     # clearly slower: the side-by-side rounds go to the contenders.
     groups = _templates_by_problem([task for i, task in enumerate(shared.tasks)

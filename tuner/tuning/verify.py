@@ -31,8 +31,8 @@ from db import crud
 from db.session import session_scope
 from templates.registry import all_templates, get_template
 from tuner.errors import TunerError
-from tuner.tuning.runner.outcome import Runner, TrialOutcome, TrialRequest
 from tuner.lookup.stored_bests import StoredBest
+from tuner.tuning.runner.outcome import Runner, TrialOutcome, TrialRequest
 from tuner.tuning.sweep import Task
 from tuner.tuning.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
 

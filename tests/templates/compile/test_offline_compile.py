@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from templates import Problem, get_template
-from templates.flash.fwd import FwdConfig, shared_memory_estimate
 from templates.compile.offline_target import TARGETS, offline_target
 from templates.compile.standin_tensor import StandinTensor
+from templates.flash.fwd import FwdConfig, shared_memory_estimate
 
 SMALL = Problem(1, 2, 2, 256, 256, 64, "bfloat16", "none")
 

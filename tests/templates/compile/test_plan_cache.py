@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from templates import BlockMask
-from templates.flash import fwd as flash_fwd, fwd_kernel as flash_fwd_kernel
 from templates.attention_reference import attention_reference
 from templates.base import TOLERANCE
-from templates.flash.fwd import TEMPLATE, FwdConfig, flash_attention_fwd
 from templates.compile.plan_cache import PlanCache
+from templates.flash import fwd as flash_fwd
+from templates.flash import fwd_kernel as flash_fwd_kernel
+from templates.flash.fwd import TEMPLATE, FwdConfig, flash_attention_fwd
 
 SMALL = FwdConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 TMA = FwdConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, use_tma=True)

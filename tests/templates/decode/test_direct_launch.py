@@ -15,11 +15,11 @@ import torch
 import triton
 
 from templates.compile import direct_launch
-from templates.decode import kernel as flash_decode_kernel
-from templates.device import interpreter_active
 from templates.compile.direct_launch import DirectLaunch, alignment_key
-from templates.decode.template import TEMPLATE, FlashDecodeConfig, decode_reference
+from templates.decode import kernel as flash_decode_kernel
 from templates.decode.kernel import check_decode_inputs, launch_decode
+from templates.decode.template import TEMPLATE, FlashDecodeConfig, decode_reference
+from templates.device import interpreter_active
 
 
 class _Compiled:

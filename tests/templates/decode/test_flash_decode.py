@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import templates
-from templates.decode import kernel as flash_decode_kernel
 from templates.base import Problem
-from templates.device import CPU_INTERPRETER, DeviceInfo
+from templates.decode import kernel as flash_decode_kernel
+from templates.decode.kernel import check_decode_inputs, launch_decode, whole_wave_splits
 from templates.decode.template import (
     TEMPLATE,
     FlashDecodeConfig,
@@ -27,7 +27,7 @@ from templates.decode.template import (
     parse_decode_mask,
     sequence_lengths,
 )
-from templates.decode.kernel import check_decode_inputs, launch_decode, whole_wave_splits
+from templates.device import CPU_INTERPRETER, DeviceInfo
 from templates.registry import get_template
 
 H100 = DeviceInfo(name="NVIDIA H100 80GB HBM3", compute_capability="9.0", sm_count=132,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-import templates.masks.block_mask as block_mask_module
 import templates.flash.fwd_kernel as kernel
+import templates.masks.block_mask as block_mask_module
 from templates import BlockMask, flash_attention_fwd
 from templates.attention_reference import attention_reference, lse_error
 from templates.base import relative_error

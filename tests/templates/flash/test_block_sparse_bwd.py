@@ -16,8 +16,8 @@ import torch
 import templates.flash.bwd_kernel as bwd_kernel
 import templates.flash.fwd_kernel as fwd_kernel
 from templates import BlockMask, flash_attention_fwd
-from templates.flash.autograd import flash_attention
 from templates.base import TOLERANCE, Problem, relative_error
+from templates.flash.autograd import flash_attention
 from templates.flash.bwd import flash_attention_bwd, reference_grads
 from templates.masks.mods import (
     causal_mask,

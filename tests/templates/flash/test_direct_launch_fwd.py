@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from templates.compile import direct_launch
-from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.attention_reference import attention_reference
+from templates.compile import direct_launch
 from templates.device import interpreter_active
+from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.flash.fwd import FwdConfig, launch_plan
 
 CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, grid_order="tiles_inner",

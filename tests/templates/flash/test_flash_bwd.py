@@ -19,11 +19,12 @@ import pytest
 import torch
 
 import templates
-from templates.flash import bwd_kernel as flash_bwd_kernel, fwd_kernel as flash_fwd_kernel
 from templates.attention_reference import attention_reference
-from templates.flash.autograd import FlashAttentionFunction, flash_attention
 from templates.base import TOLERANCE, Problem, relative_error
 from templates.device import DeviceInfo
+from templates.flash import bwd_kernel as flash_bwd_kernel
+from templates.flash import fwd_kernel as flash_fwd_kernel
+from templates.flash.autograd import FlashAttentionFunction, flash_attention
 from templates.flash.bwd import (
     MAX_REGISTERS_PER_THREAD,
     BwdConfig,
@@ -410,7 +411,8 @@ def test_reference_in_chunks_equals_one_piece(monkeypatch: pytest.MonkeyPatch) -
 def test_template_is_registered_with_a_source_version() -> None:
     assert isinstance(TEMPLATE, FlashBwdTemplate)
     assert set(TEMPLATE.source_modules()) == {"templates.flash.bwd", "templates.flash.bwd_kernel",
-                                              "templates.kernel_common", "templates.masks.listed_blocks"}
+                                              "templates.kernel_common",
+                                              "templates.masks.listed_blocks"}
     assert len(TEMPLATE.version()) == 16
     assert templates.flash_attention_bwd is flash_attention_bwd
     assert templates.flash_attention is flash_attention

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import templates
-from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.attention_reference import attention_reference, lse_error, visible_pairs
 from templates.base import TOLERANCE, Problem, relative_error
 from templates.device import DeviceInfo
+from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.flash.fwd import (
     MAX_LIVE_FP32_PER_THREAD,
     FlashFwdTemplate,
@@ -351,8 +351,10 @@ def test_make_inputs_are_random_reproducible_and_run() -> None:
 def test_template_is_registered_with_a_source_version() -> None:
     assert isinstance(TEMPLATE, FlashFwdTemplate)
     assert set(TEMPLATE.source_modules()) == {"templates.flash.fwd", "templates.flash.fwd_kernel",
-                                              "templates.kernel_common", "templates.masks.listed_blocks",
-                                              "templates.compile.direct_launch", "templates.compile.tensor_maps"}
+                                              "templates.kernel_common",
+                                              "templates.masks.listed_blocks",
+                                              "templates.compile.direct_launch",
+                                              "templates.compile.tensor_maps"}
     assert len(TEMPLATE.version()) == 16
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from templates.base import Problem
+from templates.compile.offline_target import TARGETS
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
 from templates.gluon.bwd import (
     GLUON_MISSING,
@@ -25,7 +26,6 @@ from templates.gluon.bwd import (
     shared_memory_estimate,
     tile_registers,
 )
-from templates.compile.offline_target import TARGETS
 from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
@@ -197,8 +197,8 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
-    from templates.gluon import bwd_kernel as gluon_bwd_kernel
     from templates.device import current_device
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
 
     monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)

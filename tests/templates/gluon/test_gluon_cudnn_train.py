@@ -3,7 +3,8 @@
 CPU: what the template takes and refuses, its price (3.5x the forward's FLOPs, as
 torch_sdpa_train), the backward's input checks. GPU (``gpu`` marker, Hopper): the template's
 run against its reference on odd shapes, GQA, N_q != N_kv, fp16/bf16, D 64/128/256
-(``tuner.attention``'s training path through it: tests/tuner/dispatch/test_dispatch_gluon_training.py).
+(``tuner.attention``'s training path through it:
+tests/tuner/dispatch/test_dispatch_gluon_training.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from templates.base import Problem
-from templates.pytorch.cudnn_bwd import cudnn_backward_problem
 from templates.kernel_common import normalize_causal
+from templates.pytorch.cudnn_bwd import cudnn_backward_problem
 from templates.registry import get_template
 from tests.api.serving_data import H100
 

@@ -17,6 +17,8 @@ import torch
 import triton
 
 from templates.base import Problem
+from templates.compile.offline_target import TARGETS
+from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
 from templates.flash.fwd import TEMPLATE as FLASH_FWD
 from templates.gluon.fwd import (
@@ -26,8 +28,6 @@ from templates.gluon.fwd import (
     live_per_thread,
     shared_memory_estimate,
 )
-from templates.compile.offline_target import TARGETS
-from templates.compile.standin_tensor import StandinTensor
 from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
@@ -730,8 +730,8 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)
@@ -769,8 +769,8 @@ def test_masks_and_schedules_match_the_reference_on_the_gpu(
         case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)  # an unwritten element fails
     problem = Problem(*case)
@@ -789,8 +789,8 @@ def test_growing_scores_rescale_o_correctly_on_the_gpu(case: tuple[Any, ...],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)
@@ -849,8 +849,9 @@ def test_split_tails_match_the_reference_on_the_gpu(case: tuple[Any, ...],
     (combined in slot order, whoever ends last), counters back at zero."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel, schedule as gluon_schedule
     from templates.device import current_device
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
+    from templates.gluon import schedule as gluon_schedule
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
     # Every case cut (a cheap combine, any gain), whatever the cost model would choose.
@@ -910,7 +911,8 @@ def test_a_plan_first_made_inside_a_graph_capture_replays_right(
     bits."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.gluon import fwd as gluon_fwd, fwd_kernel as gluon_fwd_kernel
+    from templates.gluon import fwd as gluon_fwd
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.gluon.fwd import gluon_attention_fwd
 
     batch, heads, n, head_dim, causal = shape
@@ -989,9 +991,9 @@ def test_block_masks_on_the_gpu(dtype: torch.dtype, variant: str,
     (full blocks crossing the diagonal) together with causal, at d128 and d64."""
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
+    from templates.device import current_device
     from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.masks.block_mask import BlockMask
-    from templates.device import current_device
     from templates.masks.mods import pattern_block_mask
     from tests.templates.flash.test_block_sparse import qkv, random_block_mask
 

@@ -14,10 +14,10 @@ import torch
 import triton
 
 from templates.base import Problem
-from templates.gluon.fwd import GLUON_MISSING, TEMPLATE, GluonFwdConfig, packing_fills_rows
-from templates.gluon.schedule import causal_tile_costs, query_rows
 from templates.compile.offline_target import TARGETS
 from templates.compile.standin_tensor import StandinTensor
+from templates.gluon.fwd import GLUON_MISSING, TEMPLATE, GluonFwdConfig, packing_fills_rows
+from templates.gluon.schedule import causal_tile_costs, query_rows
 from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
@@ -190,8 +190,8 @@ def test_packed_gqa_matches_the_reference_on_the_gpu(case: tuple[Any, ...], pers
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_fwd needs a Hopper GPU")
-    from templates.gluon import fwd_kernel as gluon_fwd_kernel
     from templates.device import current_device
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
 
     monkeypatch.setattr(gluon_fwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)

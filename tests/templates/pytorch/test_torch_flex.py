@@ -13,12 +13,12 @@ import torch
 
 from templates.attention_reference import attention_reference
 from templates.base import Problem
-from templates.masks.block_mask import BlockMask
 from templates.device import CPU_INTERPRETER, cpu_device, current_device
 from templates.flash.bwd import reference_grads
+from templates.masks.block_mask import BlockMask
 from templates.masks.mods import pattern_block_mask
-from templates.registry import get_template
 from templates.pytorch.flex import FlexConfig, block_size_problem, flex, to_flex_block_mask
+from templates.registry import get_template
 
 FLEX = get_template("torch_flex")
 FLEX_TRAIN = get_template("torch_flex_train")

@@ -12,8 +12,8 @@ import pytest
 from db.session import dispose_engine, session_scope
 from tests.api.serving_data import H100, bundle, interpreter, item, problem
 from tests.tuner.cli.test_sweep_cli import cli
-from tuner.lookup.bundle import store_bundle, validate_bundle
 from tuner.cli.common import console
+from tuner.lookup.bundle import store_bundle, validate_bundle
 
 HERE_SHAPE = "B=4,H=16,N=1024,D=128"  # stored here, in float16 only
 H100_SHAPE = "B=4,H=16,N=2048,D=128"  # stored on the H100 only

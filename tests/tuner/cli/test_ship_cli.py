@@ -16,13 +16,13 @@ from db.session import dispose_engine, session_scope
 from templates.base import Problem
 from templates.registry import get_template
 from tests.api.serving_data import H100, bundle
+from tests.tuner.cli.test_sweep_cli import cli
 from tests.tuner.dispatch.test_dispatch import measured, problem_of, qkv, store
 from tests.tuner.lookup.test_shipped import STALE, on_h100  # noqa: F401  (a fixture)
-from tests.tuner.cli.test_sweep_cli import cli
 from tuner.attention import clear_plans, plan_for
 from tuner.lookup.resolver import ConfigResolver, set_resolver
-from tuner.settings import load_settings
 from tuner.lookup.shipped import file_name, load_table
+from tuner.settings import load_settings
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 

@@ -14,8 +14,8 @@ from db.session import dispose_engine, session_scope
 from tests.api.serving_data import TOKEN, bundle, item, live_server, problem
 from tests.tuner.cli.test_sweep_cli import cli
 from tuner.lookup.bundle import store_bundle, validate_bundle
-from tuner.settings import get_settings, load_settings
 from tuner.lookup.snapshot import snapshot_id_of
+from tuner.settings import get_settings, load_settings
 
 
 @pytest.fixture(autouse=True)

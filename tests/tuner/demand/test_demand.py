@@ -27,9 +27,9 @@ from tests.api.serving_data import (
     problem,
     tuned_config,
 )
-from tuner.lookup.bundle import store_bundle, validate_bundle
 from tuner.client import TunerClient
 from tuner.demand.reporter import DemandReporter
+from tuner.lookup.bundle import store_bundle, validate_bundle
 from tuner.lookup.resolver import ConfigResolver
 from tuner.settings import load_settings
 

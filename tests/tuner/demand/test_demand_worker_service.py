@@ -25,13 +25,13 @@ from db.models import Demand, Trial, utcnow
 from db.session import dispose_engine, run_in_transaction, session_scope
 from templates import current_device
 from tests.api.serving_data import TOKEN, free_port, live_server
-from tests.tuner.demand.test_demand_worker import PROBLEM, TOY
 from tests.tuner.cli.test_sweep_cli import cli
+from tests.tuner.demand.test_demand_worker import PROBLEM, TOY
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, measurements
 from tuner.client import TunerClient
+from tuner.demand.service_queue import ServiceQueue
 from tuner.demand.worker import JobClaimed, JobFinished, WorkerOptions, WorkerWaits, run_worker
 from tuner.errors import ServiceError, TunerError
-from tuner.demand.service_queue import ServiceQueue
 from tuner.settings import get_settings, load_settings
 from tuner.tuning.sweep import SweepOptions
 

@@ -1,6 +1,6 @@
-"""The implementations of a problem compared (tuner/dispatch/comparison.py): the winner, the runner-up,
-every implementation's time, each SDPA backend's and which times a head-to-head measured; the
-same from the local database (``tuner best --shape``) and from the service
+"""The implementations of a problem compared (tuner/dispatch/comparison.py): the winner, the
+runner-up, every implementation's time, each SDPA backend's and which times a head-to-head measured;
+the same from the local database (``tuner best --shape``) and from the service
 (``GET /v1/best?compare=true``), on SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from db.session import dispose_engine, session_scope
 from templates import current_device, get_template
 from templates.base import Problem
 from tests.api.serving_data import TOKEN, tuned_config
-from tests.tuner.dispatch.test_dispatch_through_service import CASES, HERE, seeded
 from tests.tuner.cli.test_sweep_cli import cli
+from tests.tuner.dispatch.test_dispatch_through_service import CASES, HERE, seeded
 from tests.tuner.dispatch.test_winners import (  # noqa: F401  (target: a fixture)
     SDPA,
     Target,

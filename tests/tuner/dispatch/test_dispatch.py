@@ -14,14 +14,13 @@ import torch.nn.functional as F
 import tuner
 from db.session import dispose_engine, session_scope
 from templates.base import Problem
-from templates.device import DeviceInfo, current_device
 from templates.decode.template import decode_reference
+from templates.device import DeviceInfo, current_device
 from templates.registry import get_template
 from tests.api.serving_data import bundle, item
 from tuner.attention import _PLANS, clear_plans, plan_for
+from tuner.dispatch.rule import Call, choose, implementations, use_implementation
 from tuner.lookup.bundle import store_bundle, validate_bundle
-from tuner.dispatch.rule import Call, choose, use_implementation
-from tuner.dispatch import implementations
 from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
 

@@ -2,8 +2,8 @@
 of the mask's named problem (``BlockMask.pattern``); ours where nothing decides otherwise.
 
 Flex itself is stood in for by a recorder here (compiling it on the CPU takes ~10 s per shape,
-and it has no CPU backward; tests/templates/pytorch/test_torch_flex.py runs it); our kernels run under
-the interpreter."""
+and it has no CPU backward; tests/templates/pytorch/test_torch_flex.py runs it); our kernels run
+under the interpreter."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from templates.masks.mods import pattern_block_mask
 from templates.registry import get_template
 from tests.api.serving_data import H100
 from tests.tuner.dispatch.test_dispatch import measured, store
-from tuner.dispatch.rule import Call, choose, choose_masked, decide
 from tuner.dispatch.implementations.call import call_of
+from tuner.dispatch.rule import Call, choose, choose_masked, decide
 from tuner.lookup.resolver import Resolved
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")

@@ -6,8 +6,8 @@ The CPU stands in for an H100 here: the calls' device is the H100 of tests/api/s
 (the measurements are stored for it), and ``gluon_attention_fwd`` is a recorder that checks
 its config as the real one does and answers with the reference (Gluon kernels do not run
 under the interpreter); our kernels run under the interpreter. The recorder is reached only
-through the dispatcher's Gluon branch: the dense Gluon plan (``tuner.dispatch.implementations``) holds
-its own reference to the real function."""
+through the dispatcher's Gluon branch: the dense Gluon plan (``tuner.dispatch.implementations``)
+holds its own reference to the real function."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ from tests.api.serving_data import H100
 from tests.tuner.dispatch.test_dispatch import measured as measured_on
 from tests.tuner.dispatch.test_dispatch import store
 from tests.tuner.dispatch.test_dispatch_gluon_masks import gluon_config_not_the_default
-from tuner.dispatch.rule import Call, choose
 from tuner.dispatch.implementations.gluon import _cudnn_attention_bwd, _gluon_attention_fwd
+from tuner.dispatch.rule import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
 

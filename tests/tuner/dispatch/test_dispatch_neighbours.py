@@ -1,5 +1,5 @@
-"""Deciding on a neighbour (tuner/dispatch/neighbours.py): a problem whose own bucket has no torch SDPA
-measurement runs ours only where ours beat SDPA, by the margin, on the nearest neighbouring
+"""Deciding on a neighbour (tuner/dispatch/neighbours.py): a problem whose own bucket has no torch
+SDPA measurement runs ours only where ours beat SDPA, by the margin, on the nearest neighbouring
 bucket where both were measured (tiny shapes, under the interpreter without a GPU)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tests.api.serving_data import tuned_config
 from tests.tuner.dispatch.test_dispatch import assert_close_to, measured, problem_of, qkv, store
 from tests.tuner.lookup.test_lookup import Clock, stored_db
 from tuner.attention import _PLANS, plan_for
+from tuner.dispatch.neighbours import Contender, decide_on_neighbour
 from tuner.dispatch.rule import Call, choose, keep
 from tuner.lookup.resolver import (
     UNTUNED_TTL_S,
@@ -29,7 +30,6 @@ from tuner.lookup.resolver import (
     resolve_config,
     set_resolver,
 )
-from tuner.dispatch.neighbours import Contender, decide_on_neighbour
 from tuner.settings import load_settings
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")

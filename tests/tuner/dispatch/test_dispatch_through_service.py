@@ -20,8 +20,8 @@ from templates.registry import get_template
 from tests.api.serving_data import TOKEN, bundle, live_server
 from tests.tuner.dispatch.test_dispatch import measured
 from tests.tuner.dispatch.test_dispatch_neighbours import flash_on, shape
-from tuner.lookup.bundle import store_bundle, validate_bundle
 from tuner.dispatch.rule import Call, Choice, choose
+from tuner.lookup.bundle import store_bundle, validate_bundle
 from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
 

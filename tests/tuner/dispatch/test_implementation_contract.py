@@ -221,7 +221,8 @@ def test_a_forced_attn_mask_call_compiles_in_one_graph_forward_and_backward(
 
 # ----------------------------------------------------------------------------- imports
 ROOT = Path(__file__).resolve().parents[3]
-OWN = ("tuner.attention", "tuner.dispatch.rule", "tuner.dispatch.plans", "tuner.record", "tuner.decode")
+OWN = ("tuner.attention", "tuner.dispatch.rule", "tuner.dispatch.plans", "tuner.record",
+       "tuner.decode")
 
 
 def _imports(module: str) -> set[str]:
@@ -247,7 +248,8 @@ def test_the_entry_the_dispatcher_and_the_implementations_import_no_cycle() -> N
     imported tuner.attention inside ``record``: attention -> dispatch -> record -> attention)."""
     modules = {*OWN, "tuner.dispatch.implementations",
                *(f"tuner.dispatch.implementations.{p.stem}"
-                 for p in (ROOT / "tuner/dispatch/implementations").glob("*.py") if p.stem != "__init__")}
+                 for p in (ROOT / "tuner/dispatch/implementations").glob("*.py")
+                 if p.stem != "__init__")}
     edges = {m: (_imports(m) & modules) - {m} for m in modules}  # (a package naming its own)
 
     def visit(module: str, path: tuple[str, ...]) -> None:

@@ -1,5 +1,5 @@
-"""tuner.dispatch.dense_mask.recognize_mask: a dense attn_mask that is exactly causal, a causal sliding
-window or block-diagonal documents is recognized (bool or additive), as the very block mask
+"""tuner.dispatch.dense_mask.recognize_mask: a dense attn_mask that is exactly causal, a causal
+sliding window or block-diagonal documents is recognized (bool or additive), as the very block mask
 (to_dense equals it) with its named problem; anything else, including masks that differ
 between batch rows, biases and near misses, is None."""
 

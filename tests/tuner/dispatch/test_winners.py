@@ -19,10 +19,10 @@ from db.session import dispose_engine, init_db, make_engine, session_scope
 from templates import current_device, get_template
 from templates.base import Problem
 from tests.api.serving_data import bundle
-from tests.tuner.dispatch.test_dispatch import measured
 from tests.tuner.cli.test_sweep_cli import cli
-from tuner.lookup.bundle import BundleDevice, store_bundle, validate_bundle
+from tests.tuner.dispatch.test_dispatch import measured
 from tuner.dispatch.winners import stored_winners
+from tuner.lookup.bundle import BundleDevice, store_bundle, validate_bundle
 
 
 def small(seqlen_q: int, seqlen_kv: int | None = None) -> Problem:

@@ -16,8 +16,8 @@ from db import crud
 from db.session import dispose_engine, session_scope
 from templates.device import cpu_device, cudnn_version_text
 from tests.api.serving_data import FWD, H100, bundle, item, problem
-from tests.tuner.lookup.test_lookup import resolver, stored_db
 from tests.tuner.cli.test_sweep_cli import cli
+from tests.tuner.lookup.test_lookup import resolver, stored_db
 from tuner.lookup.bundle import BundleError, make_bundle, store_bundle, validate_bundle
 from tuner.lookup.resolver import device_info_from_key
 from tuner.settings import load_settings

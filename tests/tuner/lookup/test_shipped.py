@@ -1,5 +1,5 @@
-"""Shipped measurements (tuner.lookup.shipped): with an empty database, the dispatcher prices from the
-table of this GPU model as from a database: ours runs where the table measured it faster than
+"""Shipped measurements (tuner.lookup.shipped): with an empty database, the dispatcher prices from
+the table of this GPU model as from a database: ours runs where the table measured it faster than
 torch SDPA on the same bucket (or on a neighbour by the margin), SDPA elsewhere.
 
 The CPU stands in for an H100 (tests/api/serving_data's), as in the Gluon dispatch tests: the
@@ -26,7 +26,6 @@ from tests.api.serving_data import H100, bundle
 from tests.tuner.dispatch.test_dispatch import assert_close_to, measured, problem_of, qkv
 from tuner.attention import clear_plans, plan_for
 from tuner.lookup.resolver import ConfigResolver, set_resolver
-from tuner.settings import load_settings
 from tuner.lookup.shipped import PACKAGED_DIR, ShippedConfigs, file_name, load_table
 from tuner.lookup.shipped.table import (
     SHIPPED_FORMAT,
@@ -35,6 +34,7 @@ from tuner.lookup.shipped.table import (
     ShippedTable,
     why_not_serving,
 )
+from tuner.settings import load_settings
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_h100")
 

@@ -27,7 +27,6 @@ from tests.api.serving_data import (
 from tests.tuner.dispatch.test_dispatch import measured
 from tuner.dispatch.rule import Call, choose
 from tuner.lookup.resolver import ConfigResolver, set_resolver
-from tuner.settings import load_settings
 from tuner.lookup.snapshot import (
     SnapshotError,
     canonical_text,
@@ -37,6 +36,7 @@ from tuner.lookup.snapshot import (
     snapshot_id_of,
     stored_bundle,
 )
+from tuner.settings import load_settings
 
 
 # ----------------------------------------------------------------------------- the id

@@ -12,8 +12,8 @@ from sqlalchemy.engine import URL
 from db.errors import DatabaseUnavailableError
 from db.session import init_db
 from tests.api.serving_data import TOKEN, live_server
-from tests.tuner.lookup.test_lookup import FWD, TINY, resolver
 from tests.tuner.cli.test_sweep_cli import cli
+from tests.tuner.lookup.test_lookup import FWD, TINY, resolver
 from tuner.settings import get_settings, load_settings
 
 REFUSED = "postgresql+psycopg://nobody@127.0.0.1:1/tuner"  # port 1: nothing listens

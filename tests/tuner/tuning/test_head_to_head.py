@@ -1,5 +1,5 @@
-"""The head-to-head at the end of a sweep (tuner.tuning.head_to_head): the implementations' bests of a
-problem measured side by side, and the dispatcher choosing by those readings.
+"""The head-to-head at the end of a sweep (tuner.tuning.head_to_head): the implementations' bests of
+a problem measured side by side, and the dispatcher choosing by those readings.
 
 A scripted runner stands in for the trial workers (no GPU, no subprocess): template T's n-th
 measurement reads ``script[T][n]`` ms (the last one repeats; None is a wrong result), so the
@@ -20,13 +20,13 @@ from db.models import HeadToHead, HeadToHeadReading, TrialStatus
 from db.session import dispose_engine, session_scope
 from templates import Problem, current_device, get_template
 from tuner.attention import clear_plans
-from tuner.lookup.bundle import make_bundle, store_bundle, validate_bundle
 from tuner.dispatch.rule import Call, Choice, choose
 from tuner.errors import TunerError
-from tuner.tuning.head_to_head import compared_templates, rotation
+from tuner.lookup.bundle import make_bundle, store_bundle, validate_bundle
 from tuner.lookup.resolver import ConfigResolver, set_resolver
-from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
 from tuner.settings import load_settings
+from tuner.tuning.head_to_head import compared_templates, rotation
+from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
 from tuner.tuning.suites import spec_from_mapping
 from tuner.tuning.sweep import SweepOptions, SweepReport, run_sweep
 

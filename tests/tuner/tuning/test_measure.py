@@ -9,7 +9,12 @@ from triton.runtime.errors import OutOfResources
 from db.models import TrialStatus
 from templates import current_device, get_template
 from tests.tuner.conftest import TOY_PROBLEM
-from tuner.tuning.runner.measure import INTERPRETER_NOTE, describe_exception, is_compile_error, measure
+from tuner.tuning.runner.measure import (
+    INTERPRETER_NOTE,
+    describe_exception,
+    is_compile_error,
+    measure,
+)
 
 
 def test_a_good_config_is_checked_and_timed() -> None:

@@ -24,9 +24,9 @@ from db.session import session_scope
 from tests.tuner.cli.test_sweep_cli import cli
 from tuner.cli.common import console, fmt_tflops
 from tuner.errors import TunerError
+from tuner.lookup.stored_bests import StoredBest
 from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
 from tuner.tuning.runner.timing import REP_MS
-from tuner.lookup.stored_bests import StoredBest
 from tuner.tuning.verify import VerifyOptions, parse_tolerance, verify
 
 SHAPE = "B=1,H=2,N=32,D=16"

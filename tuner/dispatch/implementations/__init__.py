@@ -9,7 +9,14 @@ from __future__ import annotations
 
 # The order they register in is the order they are priced and listed in: SDPA first.
 # isort: off
-from tuner.dispatch.implementations import sdpa, flash, decode, gluon, gluon_train, flex  # noqa: F401
+from tuner.dispatch.implementations import (  # noqa: F401
+    sdpa,
+    flash,
+    decode,
+    gluon,
+    gluon_train,
+    flex,
+)
 # isort: on
 from tuner.dispatch.implementations.base import Choice, Estimate, Implementation, Request, Run
 from tuner.dispatch.implementations.call import Call

@@ -14,8 +14,8 @@ from templates.base import KernelConfig
 from templates.registry import get_template
 from tuner.dispatch.implementations.call import Call
 from tuner.dispatch.implementations.mask_args import Masked
-from tuner.lookup.resolver import Resolved
 from tuner.dispatch.neighbours import Verdict
+from tuner.lookup.resolver import Resolved
 
 __all__ = ["Choice", "Estimate", "Implementation", "Request", "Run"]
 
@@ -58,7 +58,8 @@ class Implementation:
     Its training op: ``training_op``, one ``torch.library`` op (q, k, v, is_causal, scale,
     enable_gqa, *mask) -> (o, lse), with its fake and its backward registered by the
     implementation's module; it runs calls that need a gradient, eager or compiled (Dynamo
-    keeps a custom op in the graph), and finds its configs itself (through ``tuner.dispatch.plans``).
+    keeps a custom op in the graph), and finds its configs itself (through
+    ``tuner.dispatch.plans``).
 
     How it runs a call off the hot path: ``run(request, choice, constant)`` (a gradient, a
     mask, or under torch.compile, where ``choice`` is None and ``constant`` is what

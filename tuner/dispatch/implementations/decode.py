@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from templates.decode.template import FlashDecodeConfig, kept_launch
 from templates.decode.kernel import MAX_QUERY_TOKENS, check_decode_inputs
+from templates.decode.template import FlashDecodeConfig, kept_launch
 from tuner.dispatch.implementations.base import Choice, Implementation, Run
 from tuner.dispatch.implementations.call import Call, shapes_4d
 from tuner.dispatch.implementations.flash import runs_triton

@@ -15,9 +15,9 @@ from typing import cast
 
 import torch
 
-from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.base import KernelConfig
 from templates.device import interpreter_active
+from templates.flash import fwd_kernel as flash_fwd_kernel
 from templates.flash.bwd import BwdConfig, flash_attention_bwd
 from templates.flash.bwd import fit_to_block_mask as fit_bwd_to_block_mask
 from templates.flash.fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd, launch_plan
@@ -33,10 +33,15 @@ from tuner.dispatch.implementations.call import (
     shapes_4d,
 )
 from tuner.dispatch.implementations.mask_args import Masked
-from tuner.dispatch.implementations.ops import backward_by, in_op_layout, setup_context, training_fake
+from tuner.dispatch.implementations.ops import (
+    backward_by,
+    in_op_layout,
+    setup_context,
+    training_fake,
+)
 from tuner.dispatch.implementations.registry import register_implementation
-from tuner.lookup.resolver import Resolved, keep_config, resolve_config
 from tuner.dispatch.plans import PLANS, Plan, keep_plan
+from tuner.lookup.resolver import Resolved, keep_config, resolve_config
 
 __all__ = ["Flash", "forward_plan", "runs_triton"]
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from templates.pytorch import flex as torch_flex
 from templates.kernel_common import normalize_causal
+from templates.pytorch import flex as torch_flex
 from templates.pytorch.flex import FlexConfig, block_size_problem
 from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
 from tuner.dispatch.implementations.call import Call, shapes_4d

@@ -13,11 +13,11 @@ from typing import cast
 
 import torch
 
-from templates.pytorch import cudnn_bwd
-from templates.gluon import fwd as gluon_fwd
 from templates.base import KernelConfig
+from templates.gluon import fwd as gluon_fwd
 from templates.gluon.fwd import GluonFwdConfig, gluon_attention_fwd
 from templates.kernel_common import normalize_causal
+from templates.pytorch import cudnn_bwd
 from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
 from tuner.dispatch.implementations.call import (
     Call,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from templates.masks.block_mask import BlockMask
 from templates.flash.fwd import check_block_mask
+from templates.masks.block_mask import BlockMask
 
 __all__ = ["Masked", "OpMask"]
 

@@ -10,7 +10,8 @@ margin (docs/DISPATCH.md). ``tuner ship`` regenerates a table from a database or
 
 * ``tuner.lookup.shipped.table``: the format, and which devices a table answers for.
 * ``tuner.lookup.shipped.configs``: the tables as the resolver matches them.
-* ``tuner.lookup.shipped.build``: a table made from stored bests (``tuner ship``).
+* ``tuner.tuning.ship``: a table made from stored bests (``tuner ship``), beside the sweeps
+  that store them.
 """
 
 from tuner.lookup.shipped.configs import PACKAGED_DIR, ShippedConfigs

@@ -7,8 +7,8 @@ question: the records of the installed kernel version, matched by
 as the database's rows are. Records tuned for another version of the kernel are never matched:
 configs tuned for the old kernel are not served for the new one (logged once per template).
 
-A table that does not serve the device (``tuner.lookup.shipped.table.why_not_serving``), or cannot be
-read, answers nothing: the problem runs what it would without a table (logged once; a broken
+A table that does not serve the device (``tuner.lookup.shipped.table.why_not_serving``), or cannot
+be read, answers nothing: the problem runs what it would without a table (logged once; a broken
 table as a warning, since the package shipped it).
 """
 

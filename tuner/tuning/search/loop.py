@@ -87,7 +87,12 @@ from tuner.tuning.search.store import (
     TrialRecord,
     measured_configs,
 )
-from tuner.tuning.search.study import GRACE_PERIOD_S, HeartbeatKeeper, fail_stale_trials, retry_locked
+from tuner.tuning.search.study import (
+    GRACE_PERIOD_S,
+    HeartbeatKeeper,
+    fail_stale_trials,
+    retry_locked,
+)
 
 __all__ = [
     "DEFAULT_FINALISTS",
@@ -218,7 +223,8 @@ class ProblemSearch:
         self.on_trial = on_trial or (lambda event: None)
         self.stop = stop or threading.Event()
         self.stats = SearchStats()
-        # Measured first after the default, before the known good configs (tuner.tuning.search.prior)
+        # Measured first after the default, before the known good configs
+        # (tuner.tuning.search.prior)
         self.prior = tuple(prior)
         self.on_measure = on_measure or (lambda seconds: None)
         self._rng = random.Random(settings.seed)

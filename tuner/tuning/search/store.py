@@ -73,7 +73,8 @@ class StoredRemeasurement:
 @dataclass(frozen=True)
 class ProblemBest:
     """One problem's best config as a result store reports it to the search (memory or
-    database); ``tuner.lookup.stored_bests.StoredBest`` is a best-config row as its readers read it."""
+    database); ``tuner.lookup.stored_bests.StoredBest`` is a best-config row as its readers read
+    it."""
 
     config: dict[str, Any]
     tflops: float

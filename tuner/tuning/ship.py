@@ -30,9 +30,10 @@ from db.session import session_scope
 from templates.base import Problem
 from templates.device import DeviceInfo
 from templates.registry import get_template
+from tuner.dispatch.rule import BASELINE
+from tuner.dispatch.winners import forward_templates
 from tuner.lookup.bundle import Bundle, BundleItem, first_error
 from tuner.lookup.devices import device_info_from_row
-from tuner.dispatch.rule import BASELINE
 from tuner.lookup.shipped.table import (
     SHIPPED_FORMAT,
     SHIPPED_VERSION,
@@ -42,7 +43,6 @@ from tuner.lookup.shipped.table import (
     ShippedTable,
 )
 from tuner.tuning.suites import SweepSpec
-from tuner.dispatch.winners import forward_templates
 
 __all__ = ["Dropped", "Shipped", "StoredBests", "as_json", "build_table", "dropped_lines",
            "from_bundle", "from_database", "pick_device", "table_winners"]
