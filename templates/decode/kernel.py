@@ -19,8 +19,11 @@ import triton
 import triton.language as tl
 
 from templates.compile.direct_launch import DirectLaunch, alignment_key, current_stream
-from templates.kernel_common import LOG2_E
 from templates.compile.plan_cache import PlanCache
+from templates.kernel_common import LN_2, LOG2_E
+
+# ln(2) inside the kernels: a jit function reads a global only as a constexpr.
+LN_2_JIT = tl.constexpr(LN_2)
 
 MAX_QUERY_TOKENS = 16  # beyond a few tokens a prefill kernel tiles the queries better
 MAX_HEAD_DIM = 256
@@ -187,7 +190,7 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
     part_ptrs = O_PART + part_row[:, None] * HEAD_DIM + offs_d[None, :]
     if SINGLE_SPLIT:
         tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=out_mask)
-        tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
+        tl.store(LSE + out_row, lse2 * LN_2_JIT, mask=row_ok)
     elif not FUSED_COMBINE:
         # The combine kernel reads every split's partial, an empty one's (o = 0, lse = -inf)
         # included.
@@ -198,7 +201,7 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, Out, LSE, O_PART, LSE_PA
         # an empty sequence) and writes it; no partial, no arrival.
         if split == 0:
             tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=out_mask)
-            tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
+            tl.store(LSE + out_row, lse2 * LN_2_JIT, mask=row_ok)
     elif split < working_splits:  # the empty splits take no part
         tl.store(part_ptrs, o, mask=out_mask)
         tl.store(LSE_PART + part_row, lse2, mask=row_ok)
@@ -268,7 +271,7 @@ def _merge_row(O_PART, LSE_PART, Out, LSE, row, num_parts, num_splits,
     total_safe = tl.where(seen, total, 1.0)
     tl.store(Out + row * HEAD_DIM + offs_d, (acc / total_safe).to(Out.dtype.element_ty),
              mask=d_ok)
-    lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * LN_2_JIT, float("-inf"))
     tl.store(LSE + row, lse)
 
 
@@ -309,7 +312,7 @@ def _merge_rows(O_PART, LSE_PART, Out, LSE, first_row, n_rows, num_parts, num_sp
     tl.store(Out + rows[:, None] * HEAD_DIM + offs_d[None, :],
              (acc / total_safe[:, None]).to(Out.dtype.element_ty),
              mask=r_ok[:, None] & d_ok[None, :])
-    lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_ref + tl.log2(total_safe)) * LN_2_JIT, float("-inf"))
     tl.store(LSE + rows, lse, mask=r_ok)
 
 

@@ -36,6 +36,7 @@ import triton.language as tl
 from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
 from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     CAUSAL_MODES,
+    LN_2,
     LOG2_E,
     block_d_for,
     causal_offset,
@@ -44,8 +45,9 @@ from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
 )
 from templates.masks.listed_blocks import listed_block_step
 
-# log2(e) inside the kernels: a jit function reads a global only as a constexpr.
+# log2(e) and ln(2) inside the kernels: a jit function reads a global only as a constexpr.
 LOG2_E_JIT = tl.constexpr(LOG2_E)
+LN_2_JIT = tl.constexpr(LN_2)
 
 try:  # host-side TMA descriptors (triton >= 3.3 with a Hopper-or-newer GPU, or the interpreter)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -55,7 +57,6 @@ except ImportError:  # pragma: no cover - older triton
 GRID_ORDERS = ("tiles_inner", "heads_inner")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-LN_2 = 0.6931471805599453
 
 # Tests set this: the launcher then fills ``o`` and ``lse`` with NaN before the kernel runs,
 # so an element the kernel forgets to write shows up as NaN instead of stale memory.
@@ -311,7 +312,7 @@ def _flash_fwd_kernel(
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2_JIT, float("-inf"))
     tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
     if USE_TMA:
         Out.store([b, h, m0, 0], o.to(q.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))

@@ -97,7 +97,10 @@ from templates.gluon.schedule import (  # noqa: F401  some re-exported: tests, b
     split_schedule,
     whole_tile,
 )
-from templates.kernel_common import normalize_causal, output_strides
+from templates.kernel_common import LN_2, normalize_causal, output_strides
+
+# ln(2) inside the kernels: a jit function reads a global only as a constexpr.
+LN_2_JIT = gl.constexpr(LN_2)
 
 HEAD_DIMS = (64, 128, 256)
 # Registers per thread of the producer warp's partition (setmaxnreg: multiples of 8, >= 24):
@@ -799,7 +802,7 @@ def _write_tile(acc, m_o, l_o, o_desc, Out, LSE, q_bufs, q_smem, q_buf, b, h, bh
     seen = l_o > 0.0
     l_safe = gl.where(seen, l_o, 1.0)
     o = acc / gl.expand_dims(l_safe, 1)
-    lse = gl.where(seen, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = gl.where(seen, (m_o + gl.log2(l_safe)) * LN_2_JIT, float("-inf"))
     rows = m0 + gl.arange(0, ROWS, layout=row_o)
     row_ok = rows < N_Q
     gl.store(LSE + bh.to(gl.int64) * N_Q + rows, lse, mask=row_ok)
