@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import pytest
 
-from templates.base import KernelConfig, Problem, knob
+from templates.base import KernelConfig, Problem, inline_template_imports, knob
+from templates.flash import bwd_kernel
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,13 @@ def test_problem_validation_and_buckets() -> None:
     assert b.batch * b.heads_q == 64  # 48 programs round up to 64
     assert Problem(4, 16, 4, 1024, 4096, 128, causal="top_left").bucket_key() == p.bucket_key()
     assert Problem.from_dict(p.to_dict()) == p
+
+
+def test_exported_source_inlines_the_modules_of_the_family_packages() -> None:
+    # A kernel module imports the shared modules by their package path
+    # (templates.masks.listed_blocks); exported, each is pasted in its place, once.
+    source = inline_template_imports(inspect.getsource(bwd_kernel))
+    assert "from templates" not in source and "import templates" not in source
+    for path in ("templates/kernel_common.py", "templates/masks/listed_blocks.py"):
+        assert source.count(f"# ---- {path}, inlined ----") == 1, path
+    compile(source, "flash_bwd_kernel_standalone.py", "exec")
