@@ -50,7 +50,7 @@ def decode_problem(batch: int, heads_q: int, heads_kv: int, n_q: int, seqlen: in
 def check_against_reference(problem: Problem, config: FlashDecodeConfig | None, device: str,
                             seed: int = 0) -> float:
     inputs = TEMPLATE.make_inputs(problem, device, seed)
-    out = templates.decode.template(inputs["q"], inputs["k_cache"], inputs["v_cache"],
+    out = templates.flash_decode(inputs["q"], inputs["k_cache"], inputs["v_cache"],
                                  cache_seqlens=inputs["cache_seqlens"],
                                  block_table=inputs["block_table"], config=config)
     o, lse = out
@@ -104,7 +104,7 @@ def test_empty_and_short_sequences() -> None:
     k = torch.randn(3, 2, 40, 32, generator=gen).half()
     v = torch.randn(3, 2, 40, 32, generator=gen).half()
     lens = torch.tensor([0, 2, 37], dtype=torch.int32)
-    o, lse = templates.decode.template(q, k, v, cache_seqlens=lens,
+    o, lse = templates.flash_decode(q, k, v, cache_seqlens=lens,
                                     config=FlashDecodeConfig(num_splits=2, block_n=16))
     assert torch.equal(o[0], torch.zeros_like(o[0]))
     assert torch.isneginf(lse[0]).all() and torch.isneginf(lse[1, :, 0]).all()
@@ -122,7 +122,7 @@ def test_empty_sequence_in_a_paged_cache_reads_no_page() -> None:
     # Sequence 0 is empty and its table row is garbage; sequence 1 uses pages 2 then 0.
     table = torch.tensor([[-7, 99], [2, 0]], dtype=torch.int32)
     lens = torch.tensor([0, 20], dtype=torch.int32)
-    o, lse = templates.decode.template(q, k, v, cache_seqlens=lens, block_table=table,
+    o, lse = templates.flash_decode(q, k, v, cache_seqlens=lens, block_table=table,
                                     config=FlashDecodeConfig(num_splits=1, block_n=32))
     ref = decode_reference(q, k, v, cache_seqlens=lens, block_table=table)
     assert torch.isneginf(lse[0]).all()
@@ -139,7 +139,7 @@ def test_strided_inputs_and_scale() -> None:
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous()
                 or lens.is_contiguous())
     cfg = FlashDecodeConfig(num_splits=2, block_n=16)
-    out = templates.decode.template(q, k, v, cache_seqlens=lens, scale=0.3, config=cfg)
+    out = templates.flash_decode(q, k, v, cache_seqlens=lens, scale=0.3, config=cfg)
     ref = decode_reference(q, k, v, cache_seqlens=lens, scale=0.3)
     assert TEMPLATE.error(out, ref) <= 2e-3
     # The scale is used: the default one gives another answer.
@@ -151,11 +151,11 @@ def test_config_as_dict_and_bad_config() -> None:
     problem = decode_problem(1, 2, 1, 1, 40, 64)
     inputs = TEMPLATE.make_inputs(problem, "cpu")
     args = (inputs["q"], inputs["k_cache"], inputs["v_cache"])
-    out = templates.decode.template(*args, cache_seqlens=inputs["cache_seqlens"],
+    out = templates.flash_decode(*args, cache_seqlens=inputs["cache_seqlens"],
                                  config={"num_splits": 2, "block_n": 16})
     assert TEMPLATE.error(out, TEMPLATE.reference(inputs)) <= 2e-3
     with pytest.raises(ValueError, match="block_n must be one of"):
-        templates.decode.template(*args, cache_seqlens=inputs["cache_seqlens"],
+        templates.flash_decode(*args, cache_seqlens=inputs["cache_seqlens"],
                                config={"block_n": 48})
 
 
@@ -320,20 +320,20 @@ def test_bad_inputs_raise(edit: Any, message: str) -> None:
     edit(args)
     q, k, v = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
     with pytest.raises(ValueError, match=message):
-        templates.decode.template(q, k, v, **args)
+        templates.flash_decode(q, k, v, **args)
 
 
 def test_unused_table_entries_may_be_anything() -> None:
     args = _good()  # block_table[1, 1] = -1 lies past sequence 1's single page
     q, k, v = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
-    out = templates.decode.template(q, k, v, **args, config=FlashDecodeConfig(block_n=16,
+    out = templates.flash_decode(q, k, v, **args, config=FlashDecodeConfig(block_n=16,
                                                                           num_splits=1))
     ref = decode_reference(q, k, v, **args)
     assert TEMPLATE.error(out, ref) <= 2e-3
 
 
 def test_config_needing_too_much_shared_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    # templates.decode.template is the function; the module is reached through sys.modules.
+    # templates.flash_decode is the function; the module is reached through sys.modules.
     monkeypatch.setattr(sys.modules["templates.decode.template"], "current_device",
                         lambda *a: SMALL_GPU)
     args = _contiguous()
@@ -342,7 +342,7 @@ def test_config_needing_too_much_shared_memory_is_refused(monkeypatch: pytest.Mo
     q, k, v = (torch.randn(*t.shape[:-1], 256).half() for t in (q, k, v))
     cfg = FlashDecodeConfig(block_n=256, num_stages=4, num_splits=1)
     with pytest.raises(ValueError, match="shared memory"):
-        templates.decode.template(q, k, v, **args, config=cfg)
+        templates.flash_decode(q, k, v, **args, config=cfg)
 
 
 # ----------------------------------------------------------------------------- the template
