@@ -227,7 +227,8 @@ def build_sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[
     }
     if plan_for(q, k, v, is_causal=True).implementation.name != "sdpa":
         raise AssertionError("tuner.attention does not run SDPA here: a measurement is stored "
-                             "for this shape (use an empty TUNER_DATABASE_URL)")
+                             "or shipped for this shape (use an empty TUNER_DATABASE_URL and "
+                             "TUNER_SHIPPED=off)")
     direct, dispatched = (fn() for fn in calls.values())
     if not torch.equal(direct, dispatched):
         raise AssertionError("tuner.attention -> SDPA gave other outputs than torch SDPA")

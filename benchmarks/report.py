@@ -1227,6 +1227,8 @@ def dispatch_section(src: Source, data: dict[str, Any]) -> Section:
               "bshd": "q, k, v as transposed views of (B, S, H, D) memory, as a model hands "
                       "them over"}.get(str(data.get("layout")), f"layout {data.get('layout')}")
     facts = [layout, f"database `{data['db']}`" if data.get("db") else "no database",
+             # since TUNER_SHIPPED (older runs did not say): on, off or a folder of tables
+             f"shipped tables `{data['shipped']}`" if data.get("shipped") else "",
              f"cuDNN {data['cudnn']}" if data.get("cudnn") else ""]
     interpreted = ("" if data.get("timings_are_gpu_timings", True) else
                    " **Not GPU timings** (the CPU interpreter): they show the rows run, nothing "

@@ -15,7 +15,10 @@ is tuned when every problem is: that moment is the time to tuned. The job's atte
 priced from the recording's counts (count x the problem's best time, summed; what the job
 would spend in attention per run of what was recorded, not a re-run of the job), against
 torch SDPA's best reading of each problem, at the time to tuned, at the end of the sweep and
-for the reference.
+for the reference. SDPA throughout is the job untuned with ``TUNER_SHIPPED=off``; where a table
+ships for this GPU model, a fresh install starts from that table's choices instead
+(``dispatch_bench.py`` with no ``--db`` times those). Neither sweep reads a shipped table (they
+measure from empty databases), so the time to tuned does not depend on one.
 
 ``replay`` scores the search strategies as Kernel Tuner's methodology does, on a fixed budget:
 each recorded problem is replayed (``tuner.tuning.replay``: no GPU) with ``--fraction`` (10%) of its
@@ -267,7 +270,8 @@ def print_sweep(result: dict[str, Any]) -> None:
     for name in ("at_time_to_tuned", "at_end", "reference"):
         if name in job:
             print(f"job attention {name.replace('_', ' ')}: {job[name]['ms']:.3f} ms, "
-                  f"{job[name]['speedup_over_sdpa']:.2f}x torch SDPA's {job['sdpa_ms']:.3f} ms")
+                  f"{job[name]['speedup_over_sdpa']:.2f}x torch SDPA's {job['sdpa_ms']:.3f} ms "
+                  "(the job untuned, with TUNER_SHIPPED=off)")
 
 
 def print_replay(result: dict[str, Any]) -> None:

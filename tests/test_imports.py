@@ -235,7 +235,7 @@ def test_docs_architecture_draws_every_package_and_no_other() -> None:
     named = [f"{package}/{name}" for package, owns in drawn.items()
              for name in re.findall(r"`(\w+\.py)`", owns)]
     missing = [path for path in named if not (ROOT / path).is_file()]
-    assert named and not missing, f"docs/ARCHITECTURE.md names modules that are not there: {missing}"
+    assert named and not missing, f"docs/ARCHITECTURE.md names modules not there: {missing}"
 
 
 def test_the_layout_check_sees_a_missing_or_a_made_up_row() -> None:

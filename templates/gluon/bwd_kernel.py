@@ -91,7 +91,9 @@ DEBUG_POISON = False
 #   4: the dQ GEMM is skipped (dq stays 0: tells the dQ path from the rest; with defer_dq
 #      the staged tile's atomics still run);
 #   8: no exponentials, P^T = S^T (wrong gradients: prices the softmax, as the forward's
-#      DIAG switches; benchmarks/gluon_bwd_price.py times these).
+#      DIAG switches; benchmarks/gluon_bwd_price.py times these);
+#  16: the dQ atomics are skipped (the GEMM and the staging still run: with 4 it tells the
+#      GEMM's cost from the atomics').
 # The environment variable GLUON_BWD_DEBUG overrides it (read when a launch is planned).
 DEBUG = 0
 
@@ -211,7 +213,8 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     if DEFER_DQ:  # noqa: SIM102
         # The previous step's dQ tile, added while the tensor cores compute S^T and dP^T.
         if has_prev:
-            _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
+            _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS,
+                        DEBUG)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -265,13 +268,13 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     else:
         dq_smem.store(dq)
         warps_barrier()
-        _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS)
+        _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM, BLOCK_M, NUM_WARPS, DEBUG)
     return dk, dv
 
 
 @gluon.jit
 def _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                NUM_WARPS: gl.constexpr):
+                NUM_WARPS: gl.constexpr, DEBUG: gl.constexpr = 0):
     """Add the dQ tile staged in ``dq_smem`` into DQ's rows [m0, m0 + BLOCK_M) of ``bh``.
     Read back with 4 consecutive columns per thread, its atomics become 16-byte
     red.global.add.v4.f32, a quarter of the scalar ones the wgmma layout gives (offline
@@ -283,11 +286,13 @@ def _dq_atomics(DQ, dq_smem, bh, m0, N_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
     # run beside GEMMs in flight (DEFER_DQ) without pushing the dK/dV accumulators to spill.
     CHUNK: gl.constexpr = NUM_WARPS * (32 * 4 // HEAD_DIM)
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
-    for c in gl.static_range(BLOCK_M // CHUNK):
-        dq = dq_smem.slice(c * CHUNK, CHUNK, dim=0).load(add_layout)
-        q_rows = m0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, add_layout))
-        offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
-        gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1), sem="relaxed")
+    if (DEBUG & 16) == 0:
+        for c in gl.static_range(BLOCK_M // CHUNK):
+            dq = dq_smem.slice(c * CHUNK, CHUNK, dim=0).load(add_layout)
+            q_rows = m0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, add_layout))
+            offs = gl.expand_dims(q_rows, 1) * HEAD_DIM + gl.expand_dims(dims, 0)
+            gl.atomic_add(dq_head + offs, dq, mask=gl.expand_dims(q_rows < N_Q, 1),
+                          sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -404,7 +409,8 @@ def _gluon_bwd_kernel(
 
     if DEFER_DQ:  # noqa: SIM102  (constexpr, then run time)
         if n_steps > 0:  # the last step's dQ tile (published by the loop's last barrier)
-            _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, num_warps)
+            _dq_atomics(DQ, dq_smem, prev_bh, prev_m0, N_Q, HEAD_DIM, BLOCK_M, num_warps,
+                        DEBUG)
     # dK and dV leave through K's and V's buffers (every GEMM reading them has completed) and
     # TMA stores, which drop the rows past N_kv. A tile no query sees stores zeros.
     k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).store(dk.to(dtype))

@@ -18,20 +18,23 @@ def test_smoke_rows_time_every_candidate_and_record_the_choice(tmp_path: Path) -
     out = tmp_path / "dispatch.json"
     env = {k: v for k, v in os.environ.items() if k != "TUNER_URL"}
     done = subprocess.run([sys.executable, str(BENCHMARKS / "dispatch_bench.py"), "--smoke",
-                           "--rounds", "2", "--train-rounds", "5", "--json", str(out)],
+                           "--rounds", "2", "--train-rounds", "5", "--shipped", "off",
+                           "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worst vs sdpa" in done.stdout and "geomean vs sdpa" in done.stdout
     assert "A/A noise floor" in done.stdout and "verdicts: " in done.stdout
     results = json.loads(out.read_text())
     assert results["timings_are_gpu_timings"] is False
+    assert results["db"] is None and results["shipped"] == "off"  # the untuned state
     rows = results["rows"]
     assert [r["training"] for r in rows] == [False, False, True]
     for row in rows:
         # Every candidate passed its check, but the Hopper-only Gluon kernel, refused here.
         assert set(row["errors"]) <= {"gluon"}, row["errors"]
         assert all("cannot run" in why for why in row["errors"].values())
-        assert row["chosen"].startswith("sdpa ")  # no database: torch SDPA, as the user had it
+        # No database, no shipped table: torch SDPA, as the user had it.
+        assert row["chosen"].startswith("sdpa ")
         names = set(row["ms"])
         assert {"sdpa", "sdpa again", "flash", "tuner.attention"} <= names
         assert all(t > 0 for name, t in row["ms"].items() if name not in row["errors"])

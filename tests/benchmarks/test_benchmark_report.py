@@ -525,7 +525,8 @@ def write_drop_in_results(directory: Path) -> Path:
         dispatch_row(problem(8, 32, 8, 1, 32768, 128), False,
                      {"sdpa": 1.0, "sdpa again": 1.0, "tuner.attention": None},
                      "sdpa backend=default", {"tuner.attention": "error 0.5 > 0.02"}),
-    ], "python benchmarks/dispatch_bench.py --slow", "bshd", gpu_timings=False)))
+    ], "python benchmarks/dispatch_bench.py --slow", "bshd", gpu_timings=False)
+        | {"shipped": "off"}))
     (directory / "decode_loop_syn.json").write_text(json.dumps(loop_file([
         loop_row("b1-32k", 55.0, 50.0, 56.0), loop_row("b1-128k", 180.0, 179.0, 178.0),
         loop_row("b8-32k", 350.0, 349.0, 351.0),
@@ -610,6 +611,8 @@ def test_drop_in_sections_and_targets(report: ModuleType, tmp_path: Path) -> Non
     slow = section(md, "### Drop-in `tuner.attention` against torch SDPA: `dispatch_slow.json`")
     assert "q, k, v as transposed views of (B, S, H, D) memory" in slow
     assert "**Not GPU timings**" in slow and "**Not GPU timings**" not in dispatch
+    # TUNER_SHIPPED of the run, where the file says it (files before it did not)
+    assert "shipped tables `off`" in slow and "shipped tables" not in dispatch
     assert ("| B1 H32/8 q1 kv32k d128 dense | 1 | 1.05 | 0.95x | 0.99x | decode (splits 16 bn64 "
             "w4 s3 fused) | decode 0.98 | 0.93x | decode 0.98 |") in slow
     assert "- tuner.attention, 1 of 2 rows: error 0.5 > 0.02" in slow

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tuner.settings import SettingsError, load_log_settings, load_settings
@@ -20,6 +22,7 @@ def test_defaults_point_at_a_local_sqlite_file(monkeypatch: pytest.MonkeyPatch) 
         ("TUNER_URL", "ftp://host", "http://"),
         ("TUNER_LOG_LEVEL", "LOUD", "DEBUG"),
         ("TUNER_LOOKUP_TIMEOUT", "-1", "TUNER_LOOKUP_TIMEOUT"),
+        ("TUNER_SHIPPED", "maybe", "TUNER_SHIPPED: .*must be on, off or the path of a folder"),
     ],
 )
 def test_bad_values_name_the_variable(
@@ -74,3 +77,28 @@ def test_the_log_level_says_whether_it_was_given(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TUNER_LOG_LEVEL", "info")
     given = load_log_settings()
     assert given.log_level == "INFO" and given.log_level_set
+
+
+@pytest.mark.parametrize(("value", "read"), [
+    ("on", "on"), ("ON", "on"), ("true", "on"), ("1", "on"), ("", "on"), ("  yes ", "on"),
+    ("off", "off"), ("Off", "off"), ("false", "off"), ("0", "off"), ("no", "off"),
+])
+def test_tuner_shipped_reads_on_and_off_as_the_other_switches_do(
+        monkeypatch: pytest.MonkeyPatch, value: str, read: str) -> None:
+    monkeypatch.setenv("TUNER_SHIPPED", value)
+    assert load_settings().shipped == read
+
+
+def test_tuner_shipped_is_on_by_default_or_an_existing_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TUNER_SHIPPED", raising=False)
+    assert load_settings().shipped == "on"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tables").mkdir()
+    # A relative folder is kept absolute: the same folder if the process changes directory.
+    assert load_settings(shipped="tables").shipped == str(tmp_path.resolve() / "tables")
+    (tmp_path / "h200.json").write_text("{}")
+    for not_a_folder in ("missing", "h200.json"):
+        with pytest.raises(SettingsError, match="which is no folder") as err:
+            load_settings(shipped=not_a_folder)
+        assert err.value.variables == ("TUNER_SHIPPED",)

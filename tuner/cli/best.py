@@ -18,6 +18,7 @@ from tuner.cli.common import (
     database_url,
     fmt_tflops,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.cli.comparison_table import compared_table
@@ -128,10 +129,10 @@ def best(
                       f"{it['speedup']:.2f}x" if it["speedup"] else "-",
                       *([_runs_text(it["runs"])] if shared else []),
                       config_text(it["config"]))
-    console.print(table)
+    print_table(table)
     for (device_key, key), found in compared.items():
-        console.print(compared_table(found, problem_label(asked[key].to_dict()),
-                                     names_of.get(device_key, device_key)))
+        print_table(compared_table(found, problem_label(asked[key].to_dict()),
+                                   names_of.get(device_key, device_key)))
     if shared:
         console.print("runs: whether tuner.attention runs this config, where the problem is "
                       "measured for several implementations (`tuner winners` ranks them all)")

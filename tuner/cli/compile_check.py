@@ -19,7 +19,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from tuner.cli.common import JsonOption, config_text, console, print_json, problem_label
+from tuner.cli.common import (
+    JsonOption,
+    config_text,
+    console,
+    print_json,
+    print_table,
+    problem_label,
+)
 from tuner.errors import TunerError
 
 __all__ = ["compile_check"]
@@ -132,7 +139,7 @@ def _print_table(outcomes: list[dict[str, Any]], device_name: str) -> None:
                 _num(kernel and kernel["registers"]), _num(kernel and kernel["stack_bytes"]),
                 f"{kernel['shared_bytes'] / 1024:.0f}" if kernel else "-",
                 f"{kernel['seconds']:.1f}" if kernel else "-", row_note)
-    console.print(table)
+    print_table(table)
 
 
 def _num(value: Any) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json
+from tuner.cli.common import DbOption, JsonOption, database_url, print_json, print_table
 from tuner.errors import TunerError
 
 __all__ = ["replay"]
@@ -85,4 +85,4 @@ def replay(
         table.add_row(s.problem_key, s.sampler, str(s.budget),
                       f"{s.mean_fraction:.3f}" if s.mean_fraction is not None else "-",
                       f"{s.worst_fraction:.3f}" if s.worst_fraction is not None else "-")
-    console.print(table)
+    print_table(table)

@@ -21,6 +21,7 @@ from tuner.cli.common import (
     database_url,
     fmt_tflops,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.errors import ServiceError, TunerError
@@ -138,7 +139,7 @@ def show(
                       problem_label(entry["problem"]), config_text(entry["config"]),
                       fmt_tflops(tflops), fmt_tflops(default),
                       f"{tflops / default:.2f}x" if tflops and default else "-")
-    console.print(table)
+    print_table(table)
     console.print(f"pin a job to it: TUNER_SNAPSHOT={found.id}", highlight=False)
 
 

@@ -28,6 +28,7 @@ from tuner.cli.common import (
     fmt_tflops,
     gpu_lock_dir,
     print_json,
+    print_table,
 )
 from tuner.errors import TunerError
 
@@ -360,7 +361,7 @@ def print_summary(report: Any) -> None:
                       f"{p.speedup:.2f}x" if p.speedup else "-", _remeasured(p), str(p.ok),
                       failed, f"{p.seconds_per_trial:.2f}" if p.seconds_per_trial else "-",
                       f"{p.bench_seconds_per_trial:.2f}" if p.bench_seconds_per_trial else "-")
-    console.print(table)
+    print_table(table)
     if len(templates) == 1:
         console.print(f"template: {templates.pop()}; s/trial: worker seconds per measured "
                       "config; bench s: of which timing the kernel")

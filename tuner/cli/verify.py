@@ -18,6 +18,7 @@ from tuner.cli.common import (
     fmt_tflops,
     gpu_lock_dir,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.errors import TunerError
@@ -193,7 +194,7 @@ def _print_table(results: list[Verified], device: dict[str, Any],
                       f"{ratio:.3f}" if ratio is not None else "-",
                       readings_text(r.stored.readings, r.stored.spread),
                       *((_pct(r.tolerance, 1),) if auto else ()), verdict)
-    console.print(table)
+    print_table(table)
     off = [r for r in results if not r.within_tolerance]
     what = (f"within their bar, max({_pct(DEFAULT_TOLERANCE)}, the spread of their stored "
             "readings),") if auto else f"within {bar}"

@@ -22,6 +22,7 @@ from tuner.cli.common import (
     database_url,
     fmt_tflops,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.errors import TunerError
@@ -81,7 +82,7 @@ def winners(
                       *(fmt_tflops(it.tflops.get(n)) + (" (h2h)" if n in it.head_to_head
                                                          else "") for n in names),
                       *([backends_text(it.sdpa_backends)] if backends else []))
-    console.print(table)
+    print_table(table)
     console.print("TFLOP/s of each implementation's stored best; margin: the winner over the "
                   "runner-up (docs/DISPATCH.md), (noise) where their head-to-head's "
                   "readings do not tell them apart; (h2h): the median of the problem's "

@@ -14,7 +14,8 @@ nothing else is asked, ever. Without it, the order, first answer wins
    question; a failure is remembered for ``retry_after_s`` (60 s) so a dead service costs one
    timeout a minute, not one per call,
 4. the shipped measurements of this GPU model (``tuner.lookup.shipped``: a table in the package, of
-   the installed kernel versions only), source ``shipped``,
+   the installed kernel versions only), source ``shipped``; ``TUNER_SHIPPED=off`` leaves them
+   out (the untuned state), a folder given there replaces the package's,
 5. the template's default heuristic.
 
 An ``exact`` or ``bucket`` match ends the search at once; a ``nearest`` match from the
@@ -50,7 +51,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from db.errors import DatabaseUnavailableError
 from templates.base import Problem, Template
@@ -76,7 +77,7 @@ from tuner.lookup.matching import (
     neighbours_of,
     parse_candidates,
 )
-from tuner.lookup.shipped import PACKAGED_DIR, ShippedConfigs
+from tuner.lookup.shipped import ShippedConfigs, shipped_folder
 from tuner.lookup.snapshot import SnapshotError
 from tuner.settings import load_settings
 
@@ -88,8 +89,8 @@ if TYPE_CHECKING:
     from tuner.settings import Settings
 
 # The matching rule (tuner.lookup.matching) and the device facts (tuner.lookup.devices) are their
-# own modules, which tuner.lookup.pinned and tuner.bundle import without importing the resolver; the
-# resolver's callers find them here too.
+# own modules, which tuner.lookup.pinned and tuner.lookup.bundle import without importing the
+# resolver; the resolver's callers find them here too.
 __all__ = [
     "HOPPER_DEFAULT", "RETRY_AFTER_S", "SHIPPED", "TUNED_TTL_S", "UNTUNED_TTL_S", "BestLike",
     "Candidate", "ConfigResolver", "Match", "Neighbour", "Resolved", "device_info_from_key",
@@ -119,7 +120,7 @@ class ConfigResolver:
     def __init__(self, settings: Settings | None = None, *, retry_after_s: float = RETRY_AFTER_S,
                  untuned_ttl_s: float = UNTUNED_TTL_S,
                  clock: Callable[[], float] = time.monotonic,
-                 shipped_dir: Path | None = PACKAGED_DIR) -> None:
+                 shipped_dir: Path | Literal["setting"] | None = "setting") -> None:
         self.settings = settings if settings is not None else load_settings()
         self.retry_after_s = retry_after_s
         # Answers that are not tuned (default, nearest) are asked again after this long, so a
@@ -137,8 +138,11 @@ class ConfigResolver:
         self._pinned: PinnedConfigs | None = None
         self._pin_error: SnapshotError | None = None
         self._demand: DemandReporter | None = None
-        # The shipped tables (tuner.lookup.shipped) of ``shipped_dir``; None: none consulted.
-        self._shipped = ShippedConfigs(shipped_dir) if shipped_dir is not None else None
+        # The shipped tables (tuner.lookup.shipped) of ``shipped_dir``: by default the folder that
+        # TUNER_SHIPPED names (the package's unless off); None: none consulted.
+        folder = (shipped_folder(self.settings.shipped) if shipped_dir == "setting"
+                  else shipped_dir)
+        self._shipped = ShippedConfigs(folder) if folder is not None else None
 
     # -- public -------------------------------------------------------------------------
     def resolve(self, template: Template, problem: Problem, device: DeviceInfo) -> Resolved:

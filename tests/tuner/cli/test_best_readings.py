@@ -12,11 +12,10 @@ from db.session import dispose_engine
 from tests.api.readings_data import SPREAD, seed_bests
 from tests.api.serving_data import FWD, H100
 from tests.tuner.cli.test_sweep_cli import cli
-from tuner.cli.common import console
+from tests.tuner.piped_table import piped_table
 
 
-def test_best_shows_the_readings_and_their_spread(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_best_shows_the_readings_and_their_spread(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'tuner.db'}"
     seeded = seed_bests(url)
     code, out, err = cli("best", "--device", H100.key, "--db", url, "--json")
@@ -27,10 +26,9 @@ def test_best_shows_the_readings_and_their_spread(tmp_path: Path,
     again = items[FWD.problem_key(seeded.again)]
     assert again["readings"] == 3 and again["spread"] == pytest.approx(SPREAD)
 
-    monkeypatch.setattr(console, "width", 250)  # one table row per problem, unwrapped
     code, out, _ = cli("best", "--device", H100.key, "--db", url)
-    assert code == 0 and "readings (spread)" in out
-    rows = [line for line in out.splitlines() if "│" in line and "bfloat16" in line]
-    cells = [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]
-    assert sorted(c[2] for c in cells) == ["1", f"3 ({SPREAD * 100:.1f}%)"]
+    assert code == 0
+    header, rows = piped_table(out, "problem")
+    assert header == ["problem", "TFLOP/s", "readings (spread)", "default", "speedup", "config"]
+    assert sorted(row[2] for row in rows) == ["1", f"3 ({SPREAD * 100:.1f}%)"]
     dispose_engine(url)

@@ -1,9 +1,11 @@
 """What a new user hit with the ``tuner`` command (issue 41, "What a new user hit"): a slow
 start on every command and error, a traceback for a bad list variable, typos that answer
-"nothing stored"."""
+"nothing stored", boxed tables ~270 columns wide when piped."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -12,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.table import Table
 
 from tests.tuner.cli.test_sweep_cli import cli
+from tests.tuner.piped_table import piped_table
+from tuner.cli.common import plain_table, print_table
 from tuner.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -86,6 +91,14 @@ def test_a_list_variable_that_is_not_json_is_an_error_with_a_fix() -> None:
     assert "error: bad configuration: TUNER_TEMPLATE_MODULES: is not a JSON list" in err
     assert 'write it as ["a", "b"]' in err
     assert "fix: correct or unset TUNER_TEMPLATE_MODULES" in err
+
+
+def test_a_bad_tuner_shipped_names_what_is_allowed() -> None:
+    result, err = run_cli("list", "templates", TUNER_SHIPPED="offf")
+    assert result["code"] == 2 and "Traceback" not in err, err
+    assert ("error: bad configuration: TUNER_SHIPPED: Value error, must be on, off or the path "
+            "of a folder of shipped tables") in err and "but got 'offf'" in err
+    assert "fix: correct or unset TUNER_SHIPPED" in err
 
 
 @pytest.mark.parametrize(("args", "wrong", "fix"), [
@@ -226,3 +239,45 @@ def test_serve_says_where_it_listens(no_server: list[dict[str, Any]], tmp_path: 
     assert code == 0, err
     assert json.loads(out) == {"url": "http://[::1]:8124", "database": db, "workers": 1,
                                "writes": False}
+
+
+def a_table() -> Table:
+    table = Table(title="[bold]best[/] configs", caption="TFLOP/s: of the best")
+    table.add_column("problem")
+    table.add_column("TFLOP/s", justify="right")
+    table.add_column("config")
+    table.add_row("B1 H8 N1024 D64", "512.3", "block_m=128  block_n=[green]64[/]")
+    table.add_row("B16 H32/8 N4096 D128", "", "block_m=64\nblock_n=32")
+    return table
+
+
+def test_a_piped_table_is_plain_lines_one_row_each() -> None:
+    # Item 10: piped, `tuner best` printed rich's boxes, every row padded to ~270 columns.
+    # Numbers right-aligned, a cell on one line with single spaces, an empty one "-".
+    assert plain_table(a_table()) == (
+        "best configs\n"
+        "problem               TFLOP/s  config\n"
+        "B1 H8 N1024 D64         512.3  block_m=128 block_n=64\n"
+        "B16 H32/8 N4096 D128        -  block_m=64 block_n=32\n"
+        "TFLOP/s: of the best\n")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_still_gets_the_boxed_table() -> None:
+    screen = Terminal()
+    with contextlib.redirect_stdout(screen):  # the console writes to sys.stdout, as it is
+        print_table(a_table())
+    assert "┃ problem" in screen.getvalue() and "│ B1 H8 N1024 D64" in screen.getvalue()
+
+
+def test_the_commands_print_plain_tables_when_piped(tmp_path: Path) -> None:
+    code, out, err = cli("list", "templates", "--db", f"sqlite:///{tmp_path / 'x.db'}")
+    assert code == 0, err
+    header, rows = piped_table(out, "name")
+    assert header[:3] == ["name", "version", "registered"]
+    assert len(rows) >= 10 and {"flash_fwd", "torch_sdpa"} <= {row[0] for row in rows}
+    assert out.splitlines()[0].startswith("templates (")  # the title, then the header

@@ -24,6 +24,7 @@ from db.models import Remeasurement, Sweep, Trial, TrialStatus
 from db.models import Template as TemplateRow
 from db.session import session_scope
 from templates import Problem, current_device, get_template
+from tests.tuner.piped_table import piped_table
 from tests.tuner.toy_templates import MEASURE_LOG_ENV, PRECOMPILE_DIR_ENV, measurements
 from tuner.cli.app import main
 from tuner.tuning.replay import load_recorded_file
@@ -457,7 +458,7 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
                                best_tflops=300.0, default_tflops=200.0, speedup=1.5, wall_s=3.0,
                                bench_s=1.5, remeasured=4, disqualified=1, remeasurements=8,
                                final_s=2.0, best_runs=3)
-        monkeypatch.setattr(console, "width", 160)  # the table's columns unfolded
+        monkeypatch.setattr(console, "width", 160)  # the lines around the table unfolded
         print_summary(SweepReport(sweep_id=7, name="toys", status="done", device=device,
                                   sampler="tpe", workers=1, problems=[report], wall_s=4.0,
                                   compile_ahead=0, head_to_heads=[side_by_side]))
@@ -466,7 +467,11 @@ def test_progress_and_summary_for_people(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "best 300.0 TFLOP/s (default 200.0, 1.50x)" in text
     assert "best 290.0 TFLOP/s (median of 3; default 200.0, 1.45x)" in text
     assert "could not set up" in text and "1 timeout" in text
-    assert "│ 4, 1 out │" in text and "finals: configs measured again at the end" in text
+    assert "finals: configs measured again at the end" in text
+    header, rows = piped_table(out.getvalue(), "problem")  # stdout is no terminal here
+    assert header == ["problem", "best", "default", "speedup", "finals", "ok", "failed",
+                      "s/trial", "bench s"]
+    assert [dict(zip(header, row, strict=True))["finals"] for row in rows] == ["4, 1 out"]
     assert "1.00 s per trial of worker time, of which 0.50 s timing the kernel" in text
     assert "8 finalist re-measurement(s) by this sweep: 2 s of worker time" in text
     assert "head-to-head B1 H2 N32 D16: torch_sdpa, flash_fwd, 5 rounds side by side" in text

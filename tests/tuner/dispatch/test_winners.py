@@ -21,6 +21,7 @@ from templates.base import Problem
 from tests.api.serving_data import bundle
 from tests.tuner.cli.test_sweep_cli import cli
 from tests.tuner.dispatch.test_dispatch import measured
+from tests.tuner.piped_table import piped_table
 from tuner.dispatch.winners import stored_winners
 from tuner.lookup.bundle import BundleDevice, store_bundle, validate_bundle
 
@@ -83,13 +84,15 @@ def test_best_says_which_implementation_runs_a_shared_problem(tmp_path: Path) ->
     # Two of ours, torch SDPA unmeasured: it runs by rule, neither of ours.
     assert runs[("flash_decode", 1)]["winner"] == "sdpa"
     code, out, _ = cli("best", "--db", url)
-    lines = {line.split("│")[1].strip() + "|" + line.split("│")[2].strip(): line
-             for line in out.splitlines() if line.count("│") > 3}
-    flash_64 = next(v for k, v in lines.items() if k.startswith("flash_fwd|B1 H4/2 N64 "))
-    sdpa_64 = next(v for k, v in lines.items() if k.startswith("torch_sdpa|B1 H4/2 N64 "))
-    assert "yes, 1.25x sdpa" in flash_64 and "no, flash 1.25x faster" in sdpa_64
-    decode_row = next(v for k, v in lines.items() if k.startswith("flash_decode|"))
-    assert "no, sdpa (torch_sdpa not measured" in decode_row
+    header, rows = piped_table(out, "template")
+    assert header[:2] == ["template", "problem"] and header[-2:] == ["runs", "config"]
+    assert len(rows) == 5
+    runs = {(row[0], row[1].split(" float")[0]): row[-2] for row in rows}
+    assert runs[("flash_fwd", "B1 H4/2 N64 D16")] == "yes, 1.25x sdpa"
+    assert runs[("torch_sdpa", "B1 H4/2 N64 D16")] == "no, flash 1.25x faster"
+    assert runs[("flash_fwd", "B1 H4/2 N256 D16")] == "-"
+    (decode,) = [v for (template, _), v in runs.items() if template == "flash_decode"]
+    assert decode.startswith("no, sdpa (torch_sdpa not measured")
     assert "tuner winners" in out
 
 

@@ -25,7 +25,7 @@ from templates.registry import get_template
 from tests.api.serving_data import H100, bundle
 from tests.tuner.dispatch.test_dispatch import assert_close_to, measured, problem_of, qkv
 from tuner.attention import clear_plans, plan_for
-from tuner.lookup.resolver import ConfigResolver, set_resolver
+from tuner.lookup.resolver import ConfigResolver, get_resolver, set_resolver
 from tuner.lookup.shipped import PACKAGED_DIR, ShippedConfigs, file_name, load_table
 from tuner.lookup.shipped.table import (
     SHIPPED_FORMAT,
@@ -39,6 +39,7 @@ from tuner.settings import load_settings
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_h100")
 
 call_module = importlib.import_module("tuner.dispatch.implementations.call")
+configs_module = importlib.import_module("tuner.lookup.shipped.configs")
 STALE = "0123456789abcdef"  # a kernel version no template here has
 
 
@@ -63,13 +64,19 @@ def table(*records: ShippedRecord, device: DeviceInfo = H100) -> ShippedTable:
                         records=list(records))
 
 
+def write_table(folder: Path, shipped: ShippedTable) -> Path:
+    """``shipped`` as the table of its device in ``folder``."""
+    folder.mkdir(exist_ok=True)
+    path = folder / file_name(shipped.device.name)
+    path.write_text(shipped.to_json())
+    return path
+
+
 def ship(folder: Path, shipped: ShippedTable, *, database_url: str | None = None,
          **settings: Any) -> Path:
     """``shipped`` as the table of its device in ``folder``, and a resolver that reads it (and
     ``database_url``: default, a database that does not exist)."""
-    folder.mkdir(exist_ok=True)
-    path = folder / file_name(shipped.device.name)
-    path.write_text(shipped.to_json())
+    path = write_table(folder, shipped)
     url = database_url or f"sqlite:///{folder / 'none.db'}"
     set_resolver(ConfigResolver(load_settings(database_url=url, url=None, **settings),
                                 shipped_dir=folder))
@@ -263,6 +270,47 @@ def test_the_resolver_reads_the_packaged_tables_by_default() -> None:
     resolver = ConfigResolver(load_settings(url=None))
     assert resolver.shipped is not None and resolver.shipped.folder == PACKAGED_DIR
     assert ConfigResolver(load_settings(url=None), shipped_dir=None).shipped is None
+
+
+def test_tuner_shipped_on_consults_the_packaged_tables_and_off_leaves_them_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a process reads it from the environment at its first lookup: off is the untuned
+    state (SDPA, as the user had it) even where a table for this GPU model ships."""
+    q, k, v = qkv("cpu")
+    p = problem_of(q, k)
+    packaged = tmp_path / "packaged"  # stands in for the package's folder, with a table
+    write_table(packaged, table(record("torch_sdpa", p, 100.0), record("flash_fwd", p, 150.0)))
+    monkeypatch.setattr(configs_module, "PACKAGED_DIR", packaged)
+    monkeypatch.setenv("TUNER_DATABASE_URL", f"sqlite:///{tmp_path / 'none.db'}")
+    for name in ("TUNER_URL", "TUNER_SNAPSHOT"):
+        monkeypatch.delenv(name, raising=False)
+    chosen = {}
+    for setting in ("on", "off", ""):  # "": unset, as compose passes it on
+        monkeypatch.setenv("TUNER_SHIPPED", setting)
+        set_resolver(None)  # the next lookup builds the resolver from the environment
+        clear_plans()
+        choice = plan_for(q, k, v, enable_gqa=True)
+        chosen[setting] = (choice.implementation.name, choice.source)
+        shipped = get_resolver().shipped
+        assert (shipped.folder if shipped is not None else None) == (
+            None if setting == "off" else packaged)
+    assert chosen == {"on": ("flash", "shipped"), "off": ("sdpa", "default"),
+                      "": ("flash", "shipped")}
+
+
+def test_tuner_shipped_may_name_a_folder_of_tables_to_use_instead(tmp_path: Path) -> None:
+    q, k, v = qkv("cpu")
+    p = problem_of(q, k)
+    mine = tmp_path / "mine"
+    write_table(mine, table(record("torch_sdpa", p, 100.0), record("flash_fwd", p, 150.0)))
+    settings = load_settings(database_url=f"sqlite:///{tmp_path / 'none.db'}", url=None,
+                             shipped=str(mine))
+    resolver = ConfigResolver(settings)
+    assert resolver.shipped is not None and resolver.shipped.folder == mine.resolve()
+    set_resolver(resolver)
+    clear_plans()
+    choice = plan_for(q, k, v, enable_gqa=True)
+    assert choice.implementation.name == "flash" and choice.source == "shipped", choice.why
 
 
 def test_a_shipped_answer_is_noted_as_demand_for_the_service(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The shipped tables as the resolver reads them: a device's table, matched as the database is.
 
 ``ShippedConfigs.match`` answers a template's problem on a device from the table of that
-device's GPU model in a folder (the package's, ``PACKAGED_DIR``), loaded at the device's first
+device's GPU model in a folder (the package's, ``PACKAGED_DIR``, or the one TUNER_SHIPPED
+names: ``shipped_folder``), loaded at the device's first
 question: the records of the installed kernel version, matched by
 ``tuner.lookup.matching.match_with_neighbours`` (exact, bucket, nearest with its neighbours' bests),
 as the database's rows are. Records tuned for another version of the kernel are never matched:
@@ -31,12 +32,21 @@ from tuner.lookup.shipped.table import (
     load_table,
     why_not_serving,
 )
+from tuner.settings import SHIPPED_OFF, SHIPPED_ON
 
-__all__ = ["PACKAGED_DIR", "ShippedBest", "ShippedConfigs"]
+__all__ = ["PACKAGED_DIR", "ShippedBest", "ShippedConfigs", "shipped_folder"]
 
 log = logging.getLogger("tuner.lookup.shipped")
 
 PACKAGED_DIR = Path(__file__).resolve().parent  # the tables that ship with the package
+
+
+def shipped_folder(setting: str) -> Path | None:
+    """The folder of tables that TUNER_SHIPPED (``Settings.shipped``) names: the package's for
+    on, None (no table consulted) for off, else the folder given."""
+    if setting == SHIPPED_OFF:
+        return None
+    return PACKAGED_DIR if setting == SHIPPED_ON else Path(setting)
 
 
 @dataclass(frozen=True)
