@@ -20,7 +20,7 @@ def compile_reports(template_module: str, jobs: list[dict[str, Any]]) -> list[di
     """The compile report of each job, from a child process without the interpreter (the
     template module is imported there so that the registry knows its template)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    code = (f"import sys, {template_module}; from templates.compile_report import main; "
+    code = (f"import sys, {template_module}; from templates.compile.report import main; "
             "sys.exit(main())")
     done = subprocess.run([sys.executable, "-c", code],
                           input=json.dumps({"target": "h100", "jobs": jobs}),
