@@ -58,11 +58,11 @@ import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set wi
 from benchmarks.paired import LEVEL, VERDICTS, compare, describe, interleave  # noqa: E402
 from templates.base import Problem, relative_error  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
-from templates.torch_sdpa import sdpa  # noqa: E402
+from templates.pytorch.sdpa import sdpa  # noqa: E402
 from tuner.attention import clear_plans, plan_for  # noqa: E402
-from tuner.lookup import ConfigResolver, set_resolver  # noqa: E402
+from tuner.lookup.resolver import ConfigResolver, set_resolver  # noqa: E402
 from tuner.settings import SettingsError, load_settings  # noqa: E402
-from tuner.suites import load_spec_file  # noqa: E402
+from tuner.tuning.suites import load_spec_file  # noqa: E402
 
 SPECS = Path(__file__).resolve().parent / "specs"
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-3}  # o and grads vs fp32

@@ -1,5 +1,5 @@
 """What each piece of the Gluon backward costs on one Hopper GPU: the kernel timed with pieces
-switched off (``GLUON_BWD_DEBUG``, templates/gluon_bwd_kernel.py), beside cuDNN's backward.
+switched off (``GLUON_BWD_DEBUG``, templates/gluon/bwd_kernel.py), beside cuDNN's backward.
 
     python benchmarks/gluon_bwd_price.py [--json PATH] [--debug 0,4,16,20,8] [--config JSON]
 
@@ -41,9 +41,9 @@ def median_ms(fn: Any, readings: int = 5) -> float:
 
 
 def main() -> int:
-    from templates import gluon_bwd_kernel
-    from templates.flash_bwd import TEMPLATE as FLASH_BWD
-    from templates.gluon_bwd import GluonBwdConfig, gluon_attention_bwd
+    from templates.flash.bwd import TEMPLATE as FLASH_BWD
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
+    from templates.gluon.bwd import GluonBwdConfig, gluon_attention_bwd
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="")

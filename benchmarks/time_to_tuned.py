@@ -21,10 +21,10 @@ ships for this GPU model, a fresh install starts from that table's choices inste
 measure from empty databases), so the time to tuned does not depend on one.
 
 ``replay`` scores the search strategies as Kernel Tuner's methodology does, on a fixed budget:
-each recorded problem is replayed (``tuner.replay``: no GPU) with ``--fraction`` (10%) of its
+each recorded problem is replayed (``tuner.tuning.replay``: no GPU) with ``--fraction`` (10%) of its
 grid's configs, over ``--seeds`` (5) seeds, by each strategy: ``tpe`` and ``random`` as a
 sweep runs them (the default first), and ``tpe+prior`` with the transfer prior of the grid's
-other problems' bests (``tuner.search.prior``, each problem left out of its own). The issue's
+other problems' bests (``tuner.tuning.search.prior``, each problem left out of its own). The issue's
 bar: within 2% of the grid's best on >= 90% of the problems, averaged over the seeds.
 """
 
@@ -47,17 +47,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import templates  # noqa: E402, F401  (registers the templates the recordings name)
 from db.session import dispose_engine  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
-from tuner.replay import (  # noqa: E402
+from tuner.tuning.replay import (  # noqa: E402
     RecordedProblem,
     compare_samplers,
     load_recorded_file,
     recorded_prior,
     search_space,
 )
-from tuner.runner.isolated import IsolatedRunner  # noqa: E402
-from tuner.search.budget import parse_duration  # noqa: E402
-from tuner.suites import load_spec_file, resolve_spec  # noqa: E402
-from tuner.sweep import SweepOptions, SweepReport, SweepStarted, TrialDone, run_sweep  # noqa: E402
+from tuner.tuning.runner.isolated import IsolatedRunner  # noqa: E402
+from tuner.tuning.search.budget import parse_duration  # noqa: E402
+from tuner.tuning.suites import load_spec_file, resolve_spec  # noqa: E402
+from tuner.tuning.sweep import (  # noqa: E402
+    SweepOptions,
+    SweepReport,
+    SweepStarted,
+    TrialDone,
+    run_sweep,
+)
 
 TARGET = 0.02
 FACTOR = 4

@@ -9,15 +9,15 @@
     TUNER_TEMPLATE_MODULES JSON list of modules the service imports at start (templates from
                          outside the ``templates`` package, as a sweep spec's template_modules)
     TUNER_GPU_LOCK_DIR   folder where the sweep processes of one host claim their GPUs
-                         (see tuner/gpus.py); unset: a sweep uses every GPU it sees
+                         (see tuner/tuning/gpus.py); unset: a sweep uses every GPU it sees
     TUNER_SNAPSHOT       a snapshot id (64 hex digits, `tuner snapshot create`) or the path of
                          a bundle file: the job answers every lookup from it alone, loaded once
-                         (tuner/pinned.py); unset: lookups ask the database and the service
+                         (tuner/lookup/pinned.py); unset: lookups ask the database and the service
     TUNER_REFRESH        on: a running process picks up newer answers for problems it already
                          ran (default off: a config a kernel ran with is kept for the
                          process's life, docs/SERVING.md)
     TUNER_DEMAND         on (default) / off: report the problems run without a tuned config
-                         to TUNER_URL, for `tuner worker` to tune (tuner/demand.py)
+                         to TUNER_URL, for `tuner worker` to tune (tuner/demand/reporter.py)
     TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
     TUNER_DEMAND_RATE_LIMIT the service's POST /v1/demand requests per second per client
                          address (default 20; bursts of twice that)
@@ -30,7 +30,7 @@
     TUNER_DEMAND_MAX_PENDING the service's cap on problems waiting in the demand queue (open);
                          reports of new problems beyond it are refused (default 10,000)
     TUNER_SHIPPED        on (default): lookups consult the measurements shipped in the package
-                         (tuner/shipped/) after the database and the service; off: never (the
+                         (tuner/lookup/shipped/) after the database and the service; off: never (the
                          untuned state, your own measurements only); or the path of a folder of
                          such tables (<model>.json, e.g. from `tuner ship --out`) to use instead
 """

@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Request, status
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import BestCacheDep, SettingsDep, WriteAuth
-from tuner.bundle import (
+from tuner.lookup.bundle import (
     BUNDLE_FORMAT,
     BundleError,
     BundleTextError,

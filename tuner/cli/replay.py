@@ -44,14 +44,14 @@ def replay(
     """
     # lazy: optuna, sqlalchemy, torch+triton +2.9 s (2-core CPU); keeps `tuner --help` < 1 s
     import templates  # noqa: F401  (registers the templates replayed)
-    from tuner.replay import (
+    from tuner.tuning.replay import (
         compare_samplers,
         load_recorded_file,
         load_recorded_from_db,
         recorded_prior,
         search_space,
     )
-    from tuner.suites import load_spec_file
+    from tuner.tuning.suites import load_spec_file
 
     if budget is not None and budget < 1:
         raise TunerError(f"--budget must be >= 1, but got {budget}", "e.g. --budget 20")

@@ -25,8 +25,7 @@ from tuner.cli.common import (
     problem_label,
 )
 from tuner.errors import ServiceError, TunerError
-from tuner.settings import get_settings
-from tuner.snapshot import (
+from tuner.lookup.snapshot import (
     StoredSnapshot,
     check_snapshot_id,
     delete_snapshot,
@@ -34,6 +33,7 @@ from tuner.snapshot import (
     read_snapshot,
     snapshot_id_of,
 )
+from tuner.settings import get_settings
 
 __all__ = ["app"]
 

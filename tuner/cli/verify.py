@@ -22,12 +22,12 @@ from tuner.cli.common import (
     problem_label,
 )
 from tuner.errors import TunerError
-from tuner.runner.timing import REP_MS
-from tuner.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
+from tuner.tuning.runner.timing import REP_MS
+from tuner.tuning.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
 from tuner.wire import readings_text
 
 if TYPE_CHECKING:
-    from tuner.verify import Verified
+    from tuner.tuning.verify import Verified
 
 __all__ = ["verify"]
 
@@ -97,12 +97,12 @@ def verify(
     # import torch and the kernels (python -X importtime; issue 41, item 1).
     from templates import current_device
     from templates.device import interpreter_active
-    from tuner.gpus import gpus_for_sweep
-    from tuner.runner.isolated import IsolatedRunner
-    from tuner.suites import resolve_spec, spec_from_flags
-    from tuner.sweep import expand_tasks
-    from tuner.verify import stored_for_tasks, stored_matching
-    from tuner.verify import verify as remeasure
+    from tuner.tuning.gpus import gpus_for_sweep
+    from tuner.tuning.runner.isolated import IsolatedRunner
+    from tuner.tuning.suites import resolve_spec, spec_from_flags
+    from tuner.tuning.sweep import expand_tasks
+    from tuner.tuning.verify import stored_for_tasks, stored_matching
+    from tuner.tuning.verify import verify as remeasure
     url = database_url(db)
     # The device the stored rows are looked up for: this machine's, as `tuner best` does.
     device_key = current_device().key

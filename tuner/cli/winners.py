@@ -2,7 +2,7 @@
 the winner, the runner-up and every measured implementation's TFLOP/s beside them, and each
 SDPA backend's time.
 
-The ranking is ``tuner.winners`` (shared with ``tuner best``, ``GET /v1/winners`` and the
+The ranking is ``tuner.dispatch.winners`` (shared with ``tuner best``, ``GET /v1/winners`` and the
 dashboard), at the kernel versions of this install: a best tuned for other kernel source is
 not what would run here.
 """
@@ -44,8 +44,8 @@ def winners(
     from db.session import session_scope
     from templates import current_device
     from templates.registry import get_template
-    from tuner.dispatch import implementations
-    from tuner.winners import forward_templates, stored_winners
+    from tuner.dispatch.rule import implementations
+    from tuner.dispatch.winners import forward_templates, stored_winners
 
     dtype = checked_dtype(dtype)
     url = database_url(db)
