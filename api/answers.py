@@ -165,7 +165,8 @@ class BestCache:
 
     def __init__(self, database_url: str, ttl_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, max_entries: int = 1024,
-                 watch: bool = True) -> None:
+                 watch: bool = True, own_changes: Callable[[int, int], bool] | None = None
+                 ) -> None:
         if ttl_s <= 0 or max_entries < 1:
             raise ValueError(f"ttl_s must be > 0 and max_entries >= 1, but got ttl_s={ttl_s}, "
                              f"max_entries={max_entries}")
@@ -182,6 +183,10 @@ class BestCache:
         self._changes: Changes | None = None
         self._last_change: int | None = None
         self._generation = 0  # database changes seen so far
+        # (seen, now) -> whether every change between the two counts of ``best_changes`` was
+        # this service's own upload, which refreshes what it changed before it is answered
+        # (api/own_writes.py): then nothing else is re-checked, and no read waits for it.
+        self._own_changes = own_changes
 
     def close(self) -> None:
         """Stop watching the database for changes (the service's shutdown)."""
@@ -201,9 +206,13 @@ class BestCache:
                 return
         count = self._changes.count()
         if count != self._last_change:
-            if self._last_change is not None:
+            if self._last_change is not None and not self._own(self._last_change, count):
                 self._generation += 1
             self._last_change = count
+
+    def _own(self, seen: int, now: int) -> bool:
+        return (self._own_changes is not None and self._changes is not None
+                and self._changes.counts_best_changes and self._own_changes(seen, now))
 
     # -- reading ----------------------------------------------------------------------------
     async def catalog(self) -> Catalog:
@@ -224,6 +233,11 @@ class BestCache:
         """Entries of parsed best configs held (the catalog not counted)."""
         return len(self._bests)
 
+    @property
+    def changes_seen(self) -> int:
+        """Changes of the database by others noticed so far (each made every entry re-check)."""
+        return self._generation
+
     async def refresh(self, changed: Iterable[BestsKey]) -> None:
         """Re-read the catalog and the held best configs of ``changed`` now (after an upload
         through this service: its uploader's next lookup sees what it stored), while requests
@@ -235,7 +249,12 @@ class BestCache:
             kept = self._bests.get(key)
             if kept is not None:
                 loads.append(self._start(kept, partial(self._load_bests, key), force=True))
-        await asyncio.gather(*(asyncio.shield(load) for load in loads))
+        try:
+            await asyncio.gather(*(asyncio.shield(load) for load in loads))
+        except Exception:
+            # Its own change was not re-checked (api/own_writes.py): now every entry is.
+            self._generation += 1
+            raise
 
     async def _fresh(self, kept: _Kept[T], load: Callable[[T | None], T]) -> T:
         self._notice_changes()

@@ -45,6 +45,11 @@ class Changes(Protocol):
         """A number that moves whenever the database changed (compare with the last one)."""
         ...
 
+    @property
+    def counts_best_changes(self) -> bool:
+        """Whether ``count`` is the ``best_changes`` counter (db.models.BestChanges)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -86,6 +91,10 @@ class SqliteChanges:
                 log.warning("cannot watch %s for changes: %s", self._path, exc)
             return self._last
 
+    @property
+    def counts_best_changes(self) -> bool:
+        return self._counted
+
     def close(self) -> None:
         with self._lock:
             if self._connection is not None:
@@ -120,6 +129,10 @@ class PostgresChanges:
 
     def count(self) -> int:
         return self._count
+
+    @property
+    def counts_best_changes(self) -> bool:
+        return False  # notifications counted
 
     def close(self) -> None:
         self._stop.set()

@@ -11,6 +11,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.answers import AmbiguousDevice
+from api.store_process import StoreProcessDied
 
 log = logging.getLogger("api")
 
@@ -90,4 +91,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def database_unavailable(_request: Request, exc: OperationalError) -> JSONResponse:
         log.error("database error: %s", exc)
         return JSONResponse({"detail": "the database is unavailable; try again later"},
+                            status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+    @app.exception_handler(StoreProcessDied)
+    async def store_process_died(_request: Request, exc: StoreProcessDied) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, headers={"Retry-After": "1"},
                             status_code=status.HTTP_503_SERVICE_UNAVAILABLE)

@@ -7,6 +7,7 @@ import importlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -33,7 +34,8 @@ from api.routes import (
     templates,
     winners,
 )
-from api.warm_up import warm_up
+from api.store_process import shared_store
+from api.warm_up import warm_store, warm_up
 from db.session import init_db
 from tuner.settings import TOKEN_FIX, Settings, SettingsError, load_settings, write_token_problem
 
@@ -50,7 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="attention-tuner", version="1", lifespan=_lifespan, docs_url=None,
                   description="Tuned Triton attention configs per GPU and problem shape.")
     app.state.settings = settings
-    app.state.best_cache = BestCache(settings.database_url)
+    store = app.state.bundle_store = shared_store()  # uploads: stored in a process of their own
+    app.state.best_cache = BestCache(settings.database_url,
+                                     own_changes=partial(store.own.owns, settings.database_url))
     app.state.answer_memo = AnswerMemo()  # filled by the route, answered from in front of it
     app.state.demand_checker = DemandChecker()
     app.state.demand_buffer = DemandBuffer(settings.database_url,
@@ -78,7 +82,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Pay the write routes' first-request costs now (api.warm_up); store the demand counts
+    """Pay the write routes' first-request costs now, and start the upload store process
+    (api.warm_up); store the demand counts
     still held when the app stops (api.demand_buffer), and close the best cache's change
     watch.
 
@@ -89,6 +94,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     at shutdown, so that the interpreter's exit frees them as usual."""
     # Before the freeze: what it builds is kept out of the full collections too.
     app.state.warmed_up = await warm_up(app)
+    app.state.store_pid = await warm_store(app.state.bundle_store, app.state.settings)
     froze = gc.get_freeze_count() == 0  # not already frozen by another app of this process
     if froze:
         gc.collect()

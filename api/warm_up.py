@@ -13,6 +13,10 @@ waited. With this warm-up none of them showed in the same run.
 ``warm_up`` sends one request per route below through the app itself, in-process (no socket),
 from the client address ``WARM_UP_CLIENT``: without a token and without a body, so each is
 refused (401, or 503 without ``TUNER_TOKEN``) or answered 422, and nothing is stored.
+
+``warm_store`` starts the process that stores uploads (api/store_process.py) and pays its
+first upload's costs in it (template source hashes, the ORM, the engine): seconds of imports,
+before the service answers rather than beside its first upload.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import logging
 from sqlalchemy.orm import configure_mappers
 from starlette.types import ASGIApp, Message
 
-__all__ = ["WARM_UP_CLIENT", "WARM_UP_REQUESTS", "warm_up"]
+from api.store_process import StoreProcess
+from tuner.settings import Settings
+
+__all__ = ["WARM_UP_CLIENT", "WARM_UP_REQUESTS", "warm_store", "warm_up"]
 
 log = logging.getLogger("api")
 
@@ -62,3 +69,14 @@ async def _request(app: ASGIApp, method: str, path: str) -> int:
 
     await app(scope, receive, send)
     return status[0]
+
+
+async def warm_store(store: StoreProcess, settings: Settings) -> int | None:
+    """The store process started and warmed: its pid (None: it failed, logged; the first
+    upload then starts it)."""
+    try:
+        return await store.warm_up(settings.database_url, settings.template_modules)
+    except Exception as exc:  # noqa: BLE001 (a warm-up must not stop the service)
+        log.warning("warming up the upload store process failed: %s: %s",
+                    type(exc).__name__, exc)
+        return None

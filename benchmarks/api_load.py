@@ -168,23 +168,31 @@ def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of process ``pid`` and its children (uvicorn's workers), from
-    /proc; 0 where there is no /proc."""
+    """CPU time (user + system) of process ``pid`` and its descendants (uvicorn's workers, the
+    upload store process of each), from /proc; 0 where there is no /proc."""
     return sum(cpu_seconds_by_process(pid).values())
 
 
 def cpu_seconds_by_process(pid: int) -> dict[int, float]:
-    """``cpu_seconds`` per process: ``pid`` and each of its children."""
+    """``cpu_seconds`` per process: ``pid`` and each of its descendants."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    out: dict[int, float] = {}
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1]: the parent
-            out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+        child = int(stat.parent.name)
+        parents[child] = int(fields[1])  # fields[1]: the parent
+        used[child] = (int(fields[11]) + int(fields[12])) / tick
+    family = {pid}
+    grew = True
+    while grew:  # a child is listed before or after its parent: until no new one is found
+        more = {child for child, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    return {p: used[p] for p in family if p in used}
 
 
 def demand_bodies(n_problems: int, per_request: int, count: int = 1,

@@ -1,27 +1,15 @@
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Generator
 from email.message import Message
-from typing import TypeVar
 
 from fastapi import APIRouter, HTTPException, Request, status
-from starlette.concurrency import run_in_threadpool
 
 from api.deps import BestCacheDep, SettingsDep, WriteAuth
-from tuner.lookup.bundle import (
-    BUNDLE_FORMAT,
-    BundleError,
-    BundleTextError,
-    read_bundle,
-    store_bundle_in_batches,
-)
+from api.store_process import StoreProcess
+from tuner.lookup.bundle import BUNDLE_FORMAT
 from tuner.wire import ErrorOut, UploadResult
 
 router = APIRouter(prefix="/v1", tags=["results"])
-
-T = TypeVar("T")
 
 # The body is documented by hand: a Body() parameter would make FastAPI read and parse it
 # before the token is checked (issue 19: an 8 MB POST without a token took 560 ms to refuse).
@@ -31,8 +19,6 @@ _REQUEST_BODY = {
         "type": "object", "additionalProperties": True, "title": "Bundle",
         "description": f"a bundle as `tuner export` writes it (format {BUNDLE_FORMAT})"}}},
 }
-# Longest stretch the event loop spends reading a bundle before it answers other requests.
-READ_SLICE_S = 0.002
 
 
 @router.post("/results", response_model=UploadResult, status_code=status.HTTP_201_CREATED,
@@ -55,14 +41,13 @@ async def upload_results(request: Request, settings: SettingsDep,
     if not body:
         raise HTTPException(422, detail={"index": None, "reason": "the body is empty; it must "
                                                                   "be a bundle (JSON)"})
-    try:
-        read = await _in_slices(read_bundle(body))
-    except BundleTextError as exc:
-        raise HTTPException(400, detail=exc.reason) from None
-    except BundleError as exc:
-        raise HTTPException(422, detail={"index": exc.index, "reason": exc.reason}) from None
-    summary = await run_in_threadpool(store_bundle_in_batches, settings.database_url,
-                                      read.items, host=read.bundle.host)
+    # Parsed, checked and stored in the store process (api/store_process.py: in this process,
+    # that Python work made the event loop wait for the GIL, and every read with it).
+    store: StoreProcess = request.app.state.bundle_store
+    outcome = await store.store(settings.database_url, body, settings.template_modules)
+    if outcome.summary is None:
+        raise HTTPException(outcome.refused_status or 422, detail=outcome.refused_detail)
+    summary = outcome.summary
     if summary.trials:
         await cache.refresh(summary.changed)
     return UploadResult(items=summary.items, trials=summary.trials,
@@ -82,15 +67,3 @@ def _check_content_type(value: str | None) -> None:
         raise HTTPException(422, detail={"index": None, "reason": f"the body must be JSON "
                                          f"(Content-Type application/json), but it is {value!r}"})
 
-
-async def _in_slices(steps: Generator[None, None, T]) -> T:
-    """Run ``steps`` on the event loop, handing it back to other requests every few ms."""
-    deadline = time.perf_counter() + READ_SLICE_S
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        if time.perf_counter() > deadline:
-            await asyncio.sleep(0)
-            deadline = time.perf_counter() + READ_SLICE_S

@@ -122,7 +122,8 @@ def test_large_values_where_none_belong_are_refused_unparsed(body: bytes, reason
 
 
 def test_reading_a_bundle_yields_between_items() -> None:
-    """The service runs it a few ms at a time on its event loop (api/routes/results.py)."""
+    """A reader can hand the loop back between items (the service now runs it in its store
+    process, api/store_process.py, at once; the pauses cost nothing there)."""
     items = [item(problem(s)) for s in (256, 512, 1024)]
     import json
 
