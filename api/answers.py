@@ -1,12 +1,12 @@
 """The service's answer to "which config for this problem on this device" (GET /v1/best).
 
-Matching is ``tuner.lookup.match_with_neighbours`` (exact problem, then bucket, then nearest
-shape), the same rule the client applies to its local database; a nearest answer carries the
+Matching is ``tuner.lookup.resolver.match_with_neighbours`` (exact problem, then bucket, then
+nearest shape), the same rule the client applies to its local database; a nearest answer carries the
 neighbouring buckets' bests, as a local lookup's does, so a client of the service decides on a
 neighbour as a client of the database does (docs/DISPATCH.md). When nothing is tuned the
 answer is the template's default for the device: the stored device when the service knows its
-key, else the hardware the key names (``tuner.lookup.device_info_from_key``: an unknown or bare
-name is taken as an H100).
+key, else the hardware the key names (``tuner.lookup.resolver.device_info_from_key``: an unknown or
+bare name is taken as an H100).
 
 ``BestCache`` keeps in memory what answers need, so a lookup costs no database query:
 
@@ -54,13 +54,13 @@ from db.session import get_sessionmaker
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
-from tuner.lookup import (
+from tuner.lookup.resolver import (
     Candidate,
     device_info_from_key,
     device_info_from_row,
     match_with_neighbours,
 )
-from tuner.stored_bests import StoredBest, stored_bests
+from tuner.lookup.stored_bests import StoredBest, stored_bests
 from tuner.wire import BestOut, NeighbourOut
 
 log = logging.getLogger("api")

@@ -1,5 +1,5 @@
 """GET /v1/best?compare=true: which implementation runs the problem on the device, the
-runner-up, every implementation's time and each SDPA backend's (``tuner.comparison``, the
+runner-up, every implementation's time and each SDPA backend's (``tuner.dispatch.comparison``, the
 computation ``tuner best --shape`` prints), at the kernel versions this service runs.
 
 The forward templates' bests come from the answers' cache (``api.answers.BestCache``, no query
@@ -15,10 +15,10 @@ from api.answers import BestCache, template_version_of
 from db.session import get_sessionmaker
 from templates.base import Problem
 from templates.registry import get_template
-from tuner.comparison import compare_implementations, sdpa_backends_of
-from tuner.dispatch import BASELINE, get_implementation
-from tuner.lookup import Candidate, device_info_from_key
-from tuner.winners import forward_templates
+from tuner.dispatch.comparison import compare_implementations, sdpa_backends_of
+from tuner.dispatch.rule import BASELINE, get_implementation
+from tuner.dispatch.winners import forward_templates
+from tuner.lookup.resolver import Candidate, device_info_from_key
 from tuner.wire import BackendTime, ImplementationsCompared
 
 __all__ = ["compared_answer"]

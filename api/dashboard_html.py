@@ -220,8 +220,8 @@ def render_dashboard(*, devices: Sequence[Any], templates: Sequence[Any], rows: 
                      total_snapshots: int = 0) -> str:
     """The whole page. ``rows`` are BestConfig rows with device and template loaded;
     ``readings`` what each rests on, by row id (``db.crud.best_readings``); ``winners`` the
-    implementations' ranking per device (``tuner.winners``), at most ``winners_limit`` rows;
-    ``demand_html`` the demand sections (``api.dashboard_demand``), HTML already escaped;
+    implementations' ranking per device (``tuner.dispatch.winners``), at most ``winners_limit``
+    rows; ``demand_html`` the demand sections (``api.dashboard_demand``), HTML already escaped;
     ``snapshots`` the newest (id, entries, created) of ``total_snapshots``."""
     readings = readings or {}
     device_table = html_table(

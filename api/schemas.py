@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from templates.base import Problem
-from tuner.bundle import MAX_HEAD_DIM, MAX_PROBLEM_SIZE, NO_NUL
+from tuner.lookup.bundle import MAX_HEAD_DIM, MAX_PROBLEM_SIZE, NO_NUL
 from tuner.wire import (
     BestOut,
     ConfigPage,
@@ -168,7 +168,7 @@ class SnapshotsQuery(BaseModel):
 # name|cc<cc>|triton<v>|torch<v>|cuda<v>, then |cudnn<v> where the device has cuDNN.
 DEVICE_KEY = (r"^[^|\x00]+\|cc[0-9.]*\|triton[^|\x00]*\|torch[^|\x00]*\|cuda[^|\x00]*"
               r"(\|cudnn[^|\x00]*)?$")
-MAX_DEMAND_ITEMS = 500  # per report; a client sends at most tuner.demand.BATCH_ITEMS
+MAX_DEMAND_ITEMS = 500  # per report; a client sends at most tuner.demand.reporter.BATCH_ITEMS
 MAX_DEMAND_COUNT = 1_000_000  # per item: far above what one process notes between reports
 
 
@@ -205,7 +205,7 @@ class DemandQuery(BaseModel):
 
 
 # ----------------------------------------------------------------------------- workers' claims
-# What a claim asks for, as ``tuner worker`` sets it (tuner.demand_worker.WorkerOptions checks the
+# What a claim asks for, as ``tuner worker`` sets it (tuner.demand.worker.WorkerOptions checks the
 # same bounds on its side).
 MAX_LEASE_S = 24 * 3600.0
 MAX_CLAIM_ATTEMPTS = 100

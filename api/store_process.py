@@ -29,10 +29,10 @@ What the service promises stays as it was:
   committed: an upload acknowledged is stored;
 * a child that dies (killed, out of memory) fails the uploads it held, and the next call
   starts a new one; each such upload is stored once more in the new child (storing a bundle
-  again keeps what is stored and completes the rest: ``tuner.bundle.store_bundle_in_batches``),
+  again keeps what is stored and completes the rest: ``tuner.lookup.bundle.store_bundle_in_batches``),
   and a second death is answered 503 (``StoreProcessDied``), never 201; every death is logged;
 * readers see a change when its transaction commits, as with a thread (an upload of more
-  than ``tuner.bundle.STORE_BATCH_ITEMS`` items commits in batches, as before).
+  than ``tuner.lookup.bundle.STORE_BATCH_ITEMS`` items commits in batches, as before).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from starlette.concurrency import run_in_threadpool
 from api.own_writes import OwnWrites, track_own_writes
 from db.session import dispose_engine, init_db
 from templates.registry import all_templates
-from tuner.bundle import (
+from tuner.lookup.bundle import (
     BundleError,
     BundleTextError,
     StoreSummary,

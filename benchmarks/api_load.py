@@ -27,7 +27,7 @@ own (127.0.0.2, 127.0.0.3, ...: the service rate-limits per address), ``--demand
 requests per second each, ``--demand-items`` items per request drawn from
 ``--demand-problems`` distinct problems (jobs report the same shapes again and again), each
 item carrying ``--demand-count`` reports; with the defaults 8 x 5 x 250 x 1 = 10,000 reports a
-second, every one an item of its own (``tuner.demand`` adds up repeats: ``--demand-rate 1
+second, every one an item of its own (``tuner.demand.reporter`` adds up repeats: ``--demand-rate 1
 --demand-items 50 --demand-count 25`` is 10,000 reports a second as it sends them). The clients
 send at the same moments unless ``--demand-spread``; ``--demand-path /healthz`` sends the same
 requests where they are answered 405 unread: the load of the transport alone, a baseline. Loopback only; bounded by --duration,
@@ -122,7 +122,7 @@ def writer_problems(n: int, taken: set[str]) -> list[Any]:
 
 def items_for(problems: list[Any], tflops: float = 400.0) -> list[dict[str, Any]]:
     from templates.registry import get_template
-    from tuner.bundle import BundleDevice
+    from tuner.lookup.bundle import BundleDevice
 
     fwd, dev = get_template("flash_fwd"), h100()
     device = BundleDevice.of(dev).model_dump()
@@ -134,7 +134,7 @@ def items_for(problems: list[Any], tflops: float = 400.0) -> list[dict[str, Any]
 
 
 def bundle_bytes(items: list[Any]) -> bytes:
-    from tuner.bundle import BUNDLE_FORMAT
+    from tuner.lookup.bundle import BUNDLE_FORMAT
 
     return json.dumps({"format": BUNDLE_FORMAT, "version": 1, "host": "load",
                        "items": items}).encode()
@@ -144,7 +144,7 @@ def populate(url: str, n_configs: int) -> list[dict[str, Any]]:
     """Store ``n_configs`` best configs; return the lookup queries to cycle through."""
     from db.session import dispose_engine, session_scope
     from templates.registry import get_template
-    from tuner.bundle import store_bundle, validate_bundle
+    from tuner.lookup.bundle import store_bundle, validate_bundle
 
     fwd, dev = get_template("flash_fwd"), h100()
     problems = reader_problems(n_configs)

@@ -8,7 +8,7 @@
 Three ways to run one kernel with one config on the same inputs, timed side by side in one
 process, all in the steady state of a training or inference loop (the shape was seen before):
 
-(a) ``plan(q, k, v)`` with a kept ``templates.flash_fwd_kernel.LaunchPlan``: two output
+(a) ``plan(q, k, v)`` with a kept ``templates.flash.fwd_kernel.LaunchPlan``: two output
     allocations, the argument list and Triton's launch. The floor.
 (b) ``flash_attention_fwd(q, k, v, causal=..., config=FwdConfig)`` with its plan cache warm:
     (a) plus the cache key and lookup.
@@ -66,19 +66,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
-from templates import direct_launch, flash_fwd_kernel  # noqa: E402
-from templates.device import interpreter_active  # noqa: E402
-from templates.direct_launch import DirectLaunch  # noqa: E402
-from templates.flash_decode import FlashDecodeConfig  # noqa: E402
-from templates.flash_decode_kernel import (  # noqa: E402
+from templates.compile import direct_launch  # noqa: E402
+from templates.compile.direct_launch import DirectLaunch  # noqa: E402
+from templates.decode.kernel import (  # noqa: E402
     check_decode_inputs,
     decode_launch_plan,
     run_decode_plan,
 )
-from templates.flash_fwd import FwdConfig, flash_attention_fwd  # noqa: E402
+from templates.decode.template import FlashDecodeConfig  # noqa: E402
+from templates.device import interpreter_active  # noqa: E402
+from templates.flash import fwd_kernel as flash_fwd_kernel
+from templates.flash.fwd import FwdConfig, flash_attention_fwd  # noqa: E402
 from tuner.attention import plan_for  # noqa: E402
 from tuner.decode import decode_plan_for  # noqa: E402
-from tuner.dispatch import use_implementation  # noqa: E402
+from tuner.dispatch.rule import use_implementation  # noqa: E402
 
 TARGET_US = 10.0
 PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")
@@ -226,7 +227,8 @@ def build_sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[
     }
     if plan_for(q, k, v, is_causal=True).implementation.name != "sdpa":
         raise AssertionError("tuner.attention does not run SDPA here: a measurement is stored "
-                             "for this shape (use an empty TUNER_DATABASE_URL)")
+                             "or shipped for this shape (use an empty TUNER_DATABASE_URL and "
+                             "TUNER_SHIPPED=off)")
     direct, dispatched = (fn() for fn in calls.values())
     if not torch.equal(direct, dispatched):
         raise AssertionError("tuner.attention -> SDPA gave other outputs than torch SDPA")

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from templates import flash_attention_fwd  # noqa: E402
 from templates.attention_reference import attention_reference  # noqa: E402
 from templates.base import relative_error  # noqa: E402
-from templates.block_mask import BlockMask  # noqa: E402
-from templates.mask_mods import pattern_mask_mod  # noqa: E402
+from templates.masks.block_mask import BlockMask  # noqa: E402
+from templates.masks.mods import pattern_mask_mod  # noqa: E402
 
 B, H, N, D = 1, 16, 16384, 128
 PATTERNS = ["random:0.1", "sliding:512", "sliding:1024", "document:8", "causal"]

@@ -43,17 +43,17 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from templates.base import Problem, relative_error  # noqa: E402
-from templates.flash_decode import (  # noqa: E402
-    SPLIT_CHOICES,
-    TEMPLATE,
-    FlashDecodeConfig,
-    launch_with_config,
-)
-from templates.flash_decode_kernel import (  # noqa: E402
+from templates.decode.kernel import (  # noqa: E402
     COMBINE_MODES,
     check_decode_inputs,
     rows_per_tile,
     whole_wave_splits,
+)
+from templates.decode.template import (  # noqa: E402
+    SPLIT_CHOICES,
+    TEMPLATE,
+    FlashDecodeConfig,
+    launch_with_config,
 )
 
 WARMUP_MS, REP_MS = 25, 100

@@ -56,7 +56,7 @@ def grid_configs(grid: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
 
 def row_grid(batch: int, seqlen: int, configs: list[dict[str, Any]], budget_s: float,
              split_only: bool) -> dict[str, Any]:
-    from templates import flash_decode_kernel as kernel
+    from templates.decode import kernel
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, h, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tuner.runner.timing import back_to_back_ms  # noqa: E402
+from tuner.tuning.runner.timing import back_to_back_ms  # noqa: E402
 
 ROWS = {"b1-32k": (1, 32768), "b1-128k": (1, 131072), "b8-32k": (8, 32768),
         "b64-4k": (64, 4096)}

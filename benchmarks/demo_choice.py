@@ -7,7 +7,7 @@ spec that a sweep tuned, and, on a GPU, the time that saves against torch SDPA.
 Per problem (dense or top-left causal; masks and bottom-right causal are left out, as a plain
 SDPA call cannot pose them): ``tuner.attention.plan_for`` on inputs of the problem's shape
 gives the implementation, where its config comes from and why. On a GPU both the call and
-``torch.nn.functional.scaled_dot_product_attention`` are timed (``tuner.runner.timing``'s
+``torch.nn.functional.scaled_dot_product_attention`` are timed (``tuner.tuning.runner.timing``'s
 ``time_gpu``: do_bench's median, L2 flushed), and the line gives both and the difference;
 under the CPU interpreter only the choice is shown (its timings are not GPU timings).
 """
@@ -26,10 +26,10 @@ import tuner
 from templates.base import Problem
 from templates.device import interpreter_active
 from tuner.attention import plan_for
-from tuner.lookup import ConfigResolver, set_resolver
-from tuner.runner.timing import time_gpu
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
-from tuner.suites import resolve_spec
+from tuner.tuning.runner.timing import time_gpu
+from tuner.tuning.suites import resolve_spec
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

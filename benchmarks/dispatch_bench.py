@@ -1,6 +1,8 @@
 """Is ``tuner.attention`` ever slower than the torch SDPA it replaces? Side by side, one process.
 
     python benchmarks/dispatch_bench.py --db sqlite:///tuner.db --json dispatch.json
+    python benchmarks/dispatch_bench.py --shipped off   # the untuned state: every row SDPA
+    python benchmarks/dispatch_bench.py                 # a fresh install: the shipped table
     python benchmarks/dispatch_bench.py --smoke      # tiny rows on the CPU interpreter (CI)
 
 For every row (a problem of ``benchmarks/specs/dispatch_*.toml``: the standard forward shapes,
@@ -17,7 +19,10 @@ it times, with fresh random inputs and after checking each output against a floa
   config (or default),
 * ``sdpa again``: the same call as ``sdpa``, timed as another candidate: the noise floor,
 * ``tuner.attention``: the dispatcher's choice for this device with the database ``--db`` (a
-  sweep of the same specs stored there; none: every row runs SDPA).
+  sweep of the same specs stored there) and, after it, the measurements shipped for this GPU
+  model (``--shipped``, TUNER_SHIPPED's values: on by default, as a user's process has them).
+  With no ``--db`` that is what a fresh install runs; with no ``--db`` and ``--shipped off``,
+  the untuned state: every row runs SDPA. The JSON records both (``db``, ``shipped``).
 
 Training rows time forward + backward (``out.backward(do)``) and check dq, dk, dv; there
 ``gluon`` is the Gluon forward with cuDNN's backward (``gluon_cudnn_train``).
@@ -53,11 +58,11 @@ import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set wi
 from benchmarks.paired import LEVEL, VERDICTS, compare, describe, interleave  # noqa: E402
 from templates.base import Problem, relative_error  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
-from templates.torch_sdpa import sdpa  # noqa: E402
+from templates.pytorch.sdpa import sdpa  # noqa: E402
 from tuner.attention import clear_plans, plan_for  # noqa: E402
-from tuner.lookup import ConfigResolver, set_resolver  # noqa: E402
-from tuner.settings import load_settings  # noqa: E402
-from tuner.suites import load_spec_file  # noqa: E402
+from tuner.lookup.resolver import ConfigResolver, set_resolver  # noqa: E402
+from tuner.settings import SettingsError, load_settings  # noqa: E402
+from tuner.tuning.suites import load_spec_file  # noqa: E402
 
 SPECS = Path(__file__).resolve().parent / "specs"
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-3}  # o and grads vs fp32
@@ -322,8 +327,13 @@ def print_table(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--db", help="database with the sweep's bests (default: none, "
-                                     "so every row runs SDPA through tuner.attention)")
+    parser.add_argument("--db", help="database with the sweep's bests (default: none: "
+                                     "tuner.attention answers from the shipped table of this "
+                                     "GPU model, if one ships, else runs SDPA)")
+    parser.add_argument("--shipped", help="on, off or a folder of tables: the shipped "
+                                          "measurements tuner.attention consults after --db "
+                                          "(default: TUNER_SHIPPED, else on); off with no --db: "
+                                          "every row runs SDPA, the untuned state")
     parser.add_argument("--specs", default="fwd,decode,train",
                         help="which benchmarks/specs/dispatch_<name>.toml rows to run")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms)")
@@ -342,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu and not args.smoke:
         parser.error("needs a CUDA GPU (or --smoke for tiny rows under the interpreter)")
     url = args.db or f"sqlite:///{Path(os.devnull)}"
-    set_resolver(ConfigResolver(load_settings(database_url=url, url=None)))
+    try:
+        settings = load_settings(database_url=url, url=None, **(
+            {"shipped": args.shipped} if args.shipped is not None else {}))
+    except SettingsError as exc:  # a bad --shipped (or TUNER_*): what is allowed, no traceback
+        parser.error(str(exc))
+    set_resolver(ConfigResolver(settings))
     clear_plans()
     rows = run_rows(rows_of([s for s in args.specs.split(",") if s], args.smoke),
                     "cuda" if on_gpu else "cpu", bench_function(on_gpu, args.rep_ms),
@@ -356,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "date": datetime.date.today().isoformat(),
             "command": " ".join(["python", "benchmarks/dispatch_bench.py",
                                  *(sys.argv[1:] if argv is None else argv)]),
-            "db": args.db, "layout": args.layout, "timings_are_gpu_timings": on_gpu,
+            "db": args.db, "shipped": settings.shipped, "layout": args.layout,
+            "timings_are_gpu_timings": on_gpu,
             "rows": [{**asdict(r), **r.verdicts()} for r in rows]}, indent=2) + "\n")
     return 0
 

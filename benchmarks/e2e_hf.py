@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs a CUDA GPU (or --smoke)")
     if args.db:
         os.environ["TUNER_DATABASE_URL"] = args.db
-        from tuner.lookup import set_resolver
+        from tuner.lookup.resolver import set_resolver
 
         set_resolver(None)
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)

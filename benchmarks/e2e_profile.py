@@ -55,7 +55,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.db:
         os.environ["TUNER_DATABASE_URL"] = args.db
-        from tuner.lookup import set_resolver
+        from tuner.lookup.resolver import set_resolver
         set_resolver(None)
     name = register_transformers()
     calls = _count_masked_calls()

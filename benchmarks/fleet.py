@@ -45,10 +45,10 @@ from db.demand import DemandCount  # noqa: E402
 from db.session import dispose_engine, init_db, run_in_transaction  # noqa: E402
 from templates.base import Problem  # noqa: E402
 from templates.registry import get_template  # noqa: E402
-from tuner.demand_worker import probe_device  # noqa: E402
-from tuner.gpus import lock_path, visible_gpus  # noqa: E402
+from tuner.demand.worker import probe_device  # noqa: E402
 from tuner.record import Recorder  # noqa: E402
-from tuner.suites import SweepSpec, load_spec_file  # noqa: E402
+from tuner.tuning.gpus import lock_path, visible_gpus  # noqa: E402
+from tuner.tuning.suites import SweepSpec, load_spec_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_LABEL = "cpu-interpreter: not GPU timings"

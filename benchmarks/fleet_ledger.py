@@ -1,8 +1,8 @@
 """What a fleet run left in its database, read from the tables themselves (benchmarks/fleet.py).
 
 Duplicates: every config a worker measured is told to its Optuna study with the user
-attribute ``source = "measured"`` and ``result.config_key`` (``tuner.search.loop``); a study is
-one device x template version x shape bucket. Two such trials of one study with one config key
+attribute ``source = "measured"`` and ``result.config_key`` (``tuner.tuning.search.loop``); a study
+is one device x template version x shape bucket. Two such trials of one study with one config key
 are one config measured twice: the measurement the fleet must never make. (``tuning_trials``
 cannot show it: its unique key keeps the first row and drops the second.) Re-measurements of
 finalists beyond ``final_repeats`` per trial are duplicates too.

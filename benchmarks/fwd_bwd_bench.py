@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from templates.autograd import flash_attention  # noqa: E402
 from templates.base import TOLERANCE, Problem, relative_error  # noqa: E402
-from templates.flash_bwd import TEMPLATE as BWD  # noqa: E402
-from templates.flash_bwd import BwdConfig  # noqa: E402
+from templates.flash.autograd import flash_attention  # noqa: E402
+from templates.flash.bwd import TEMPLATE as BWD  # noqa: E402
+from templates.flash.bwd import BwdConfig  # noqa: E402
 from templates.kernel_common import normalize_causal
 
 WARMUP_MS, REP_MS = 25, 100

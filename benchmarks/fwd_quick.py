@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from templates.base import Problem, relative_error  # noqa: E402
 from templates.device import current_device  # noqa: E402
-from templates.flash_fwd import (  # noqa: E402
+from templates.flash.fwd import (  # noqa: E402
     TEMPLATE,
     FwdConfig,
     compile_for,

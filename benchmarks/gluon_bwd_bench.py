@@ -1,4 +1,4 @@
-"""The Gluon backward (templates.gluon_bwd) on one Hopper GPU: numerics, then speed.
+"""The Gluon backward (templates.gluon.bwd) on one Hopper GPU: numerics, then speed.
 
     python3 benchmarks/gluon_bwd_bench.py --check [--time] [--json PATH] [--budget-s 220]
 
@@ -54,7 +54,7 @@ CASES = [
 
 def config_for(name: str, problem: Problem) -> Any:
     from templates.device import current_device
-    from templates.gluon_bwd import TEMPLATE, GluonBwdConfig
+    from templates.gluon.bwd import TEMPLATE, GluonBwdConfig
 
     device = current_device()
     data = VARIANTS[name]
@@ -65,8 +65,8 @@ def config_for(name: str, problem: Problem) -> Any:
 def check_variant(name: str, queue: Any) -> None:
     """Child process: every case, one line per case onto ``queue``."""
     try:
-        from templates import gluon_bwd_kernel
-        from templates.gluon_bwd import TEMPLATE
+        from templates.gluon import bwd_kernel as gluon_bwd_kernel
+        from templates.gluon.bwd import TEMPLATE
 
         gluon_bwd_kernel.DEBUG_POISON = True
         for case in CASES:
@@ -145,10 +145,10 @@ def candidates(problem: Problem, names: list[str]) -> dict[str, dict[str, Any]]:
     """name -> {"bwd": fn() -> (dq, dk, dv), "fwd_bwd": fn() -> same} on shared inputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from templates.flash_bwd import flash_attention_bwd
-    from templates.flash_fwd import flash_attention_fwd
-    from templates.gluon_bwd import gluon_attention_bwd
-    from templates.gluon_fwd import gluon_attention_fwd
+    from templates.flash.bwd import flash_attention_bwd
+    from templates.flash.fwd import flash_attention_fwd
+    from templates.gluon.bwd import gluon_attention_bwd
+    from templates.gluon.fwd import gluon_attention_fwd
 
     causal = problem.causal != "none"
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -8,7 +8,7 @@ running when the child died. A total wall-clock budget bounds the whole run.
 
     python benchmarks/gluon_bwd_diag.py [--configs s3,n64] [--debug 0,4] [--budget-s 110]
 
-``--debug`` takes values of ``GLUON_BWD_DEBUG`` (see templates/gluon_bwd_kernel.py:
+``--debug`` takes values of ``GLUON_BWD_DEBUG`` (see templates/gluon/bwd_kernel.py:
 2 conservative waits/barriers, 4 no dQ GEMM). Two-stage rings are out of the config space
 (wrong on the H100); to chase that bug, relax ``GluonBwdConfig.stages``' choices locally.
 """
@@ -57,7 +57,7 @@ def _child(name: str, debug: int, cases: list, q) -> None:
     import torch
 
     from templates.base import Problem
-    from templates.gluon_bwd import TEMPLATE, GluonBwdConfig
+    from templates.gluon.bwd import TEMPLATE, GluonBwdConfig
     cfg = GluonBwdConfig(**CONFIGS[name])
     for case in cases:
         q.put(("start", case))

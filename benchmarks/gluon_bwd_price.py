@@ -1,11 +1,12 @@
 """What each piece of the Gluon backward costs on one Hopper GPU: the kernel timed with pieces
-switched off (``GLUON_BWD_DEBUG``, templates/gluon_bwd_kernel.py), beside cuDNN's backward.
+switched off (``GLUON_BWD_DEBUG``, templates/gluon/bwd_kernel.py), beside cuDNN's backward.
 
-    python benchmarks/gluon_bwd_price.py [--json PATH] [--debug 0,4,8,12] [--config JSON]
+    python benchmarks/gluon_bwd_price.py [--json PATH] [--debug 0,4,16,20,8] [--config JSON]
 
 A diagnostic, not a benchmark of anything a user runs: with a piece off the gradients are
-wrong by design (4: no dQ GEMM and atomics; 8: no exponentials; 12: neither, the GEMM skeleton
-with its waits and barriers), so only ``--debug 0`` is checked against cuDNN's gradients.
+wrong by design (4: no dQ GEMM, its tile's atomics still run; 16: no dQ atomics, the GEMM and
+the staging still run; 20: neither; 8: no exponentials; 12: no dQ GEMM, no exponentials), so
+only ``--debug 0`` is checked against cuDNN's gradients.
 bf16, 16k tokens per batch, H = 2048 / D (docs/PROTOCOL.md's shapes); median of 5 readings
 of 10 runs (CUDA events, gluon_bwd_bench's timer) after 3 warm runs each; TFLOP/s count the backward's 2.5x forward FLOPs
 (halved for causal) whatever is switched off, so they read as time ratios.
@@ -40,9 +41,9 @@ def median_ms(fn: Any, readings: int = 5) -> float:
 
 
 def main() -> int:
-    from templates import gluon_bwd_kernel
-    from templates.flash_bwd import TEMPLATE as FLASH_BWD
-    from templates.gluon_bwd import GluonBwdConfig, gluon_attention_bwd
+    from templates.flash.bwd import TEMPLATE as FLASH_BWD
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
+    from templates.gluon.bwd import GluonBwdConfig, gluon_attention_bwd
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="")

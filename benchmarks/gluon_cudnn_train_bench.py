@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from benchmarks.gluon_bwd_bench import event_ms  # noqa: E402  (3 warm runs, then 10 timed)
 from benchmarks.paired import round_orders  # noqa: E402
 from templates.base import TOLERANCE, relative_error  # noqa: E402
-from templates.flash_bwd import reference_grads  # noqa: E402
+from templates.flash.bwd import reference_grads  # noqa: E402
 from templates.kernel_common import normalize_causal
 
 # (B, H_q, H_kv, N_q, N_kv, D, dtype, causal)
@@ -65,7 +65,7 @@ def cudnn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    from templates.gluon_fwd import gluon_attention_fwd
+    from templates.gluon.fwd import gluon_attention_fwd
 
     return gluon_attention_fwd(q, k, v, causal=causal)
 

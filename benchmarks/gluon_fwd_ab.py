@@ -1,5 +1,5 @@
 """A/B of one gluon_fwd timing switch in one process: the template's default config as it
-ships (A) against the same config (B) with ``--diag N`` (templates/gluon_fwd_kernel.py,
+ships (A) against the same config (B) with ``--diag N`` (templates/gluon/fwd_kernel.py,
 ``_softmax_block``'s list; 3 = a persistent consumer waits for its O store at once) and/or
 with ``--kernel-order`` (a persistent causal grid walks the kernel's own longest-first order,
 two rounds per head group, instead of the host's ``lpt_schedule``) and/or with
@@ -145,9 +145,9 @@ def ab_problem(problem: Any, diag: int, kernel_order: bool, rounds: int, device:
 
     from benchmarks.gluon_fwd_bench import bench_ms, reference_fp32
     from benchmarks.paired import round_orders
-    from templates import gluon_fwd_kernel
     from templates.base import relative_error
-    from templates.gluon_fwd import TEMPLATE
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
+    from templates.gluon.fwd import TEMPLATE
 
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]

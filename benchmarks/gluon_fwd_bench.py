@@ -1,4 +1,4 @@
-"""The Gluon forward (templates.gluon_fwd) on one Hopper GPU: numerics, then speed.
+"""The Gluon forward (templates.gluon.fwd) on one Hopper GPU: numerics, then speed.
 
     python3 benchmarks/gluon_fwd_bench.py --check [--time] [--json DIR] [--budget-s 300]
     python3 benchmarks/gluon_fwd_bench.py --compile-only [--json DIR]   # CPU, sm_90 offline
@@ -16,8 +16,8 @@ side in this process with torch SDPA's cuDNN and FA2 backends and the project's 
 flash_fwd default. Every output is checked against an fp32 SDPA (EFFICIENT backend) before its
 time counts. Only variants that passed ``--check`` are timed when both are given.
 
-``--compile-only`` compiles each variant for sm_90 on this machine (templates.offline_target)
-and prints registers, spills and shared memory.
+``--compile-only`` compiles each variant for sm_90 on this machine
+(templates.compile.offline_target) and prints registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from templates.base import TOLERANCE, Problem, relative_error  # noqa: E402
-from templates.gluon_fwd import TEMPLATE, GluonFwdConfig  # noqa: E402
+from templates.gluon.fwd import TEMPLATE, GluonFwdConfig  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
 WARMUP_MS, REP_MS = 25, 100
@@ -130,8 +130,8 @@ def check_variant(name: str, queue: Any, warm: list[Problem]) -> None:
     """Child process: every CHECKS case for one variant; puts one dict per case. Then
     compiles the variant for the ``warm`` problems (Triton's on-disk cache), so that the
     timing phase does not wait for the compiler."""
-    from templates import gluon_fwd_kernel
     from templates.device import current_device
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
 
     gluon_fwd_kernel.DEBUG_POISON = True
     device = current_device()
@@ -310,7 +310,7 @@ def time_problem(problem: Problem, names: list[str], device: Any,
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from templates.flash_fwd import TEMPLATE as TRITON_FWD
+    from templates.flash.fwd import TEMPLATE as TRITON_FWD
 
     causal = problem.causal != "none"
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)
@@ -366,7 +366,7 @@ def time_problem(problem: Problem, names: list[str], device: Any,
     # Diagnostics (wrong results by design, never checked nor reported as speed): the same
     # kernel without the exponentials (diag1) or without the softmax (diag2), to see what
     # the softmax costs beside the GEMMs.
-    from templates import gluon_fwd_kernel
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
 
     for name in diag_names:
         cfg = fitted(VARIANTS[name], problem, device)
@@ -414,8 +414,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 # ----------------------------------------------------------------------------- offline
 def compile_only(names: list[str]) -> list[dict[str, Any]]:
-    from templates.compile_report import compile_config
-    from templates.offline_target import offline_target
+    from templates.compile.offline_target import offline_target
+    from templates.compile.report import compile_config
 
     rows = []
     with offline_target("h100") as device:

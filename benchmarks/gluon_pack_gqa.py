@@ -54,7 +54,7 @@ def candidates(problem: Any, inputs: dict[str, Any], device: Any, cfg: Any) -> d
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from templates.gluon_fwd import TEMPLATE
+    from templates.gluon.fwd import TEMPLATE
 
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     group = problem.heads_q // problem.heads_kv
@@ -79,7 +79,7 @@ def time_problem(problem: Any, rounds: int, device: Any) -> dict[str, Any]:
     from benchmarks.gluon_fwd_bench import bench_ms
     from benchmarks.paired import round_orders
     from templates.base import relative_error
-    from templates.gluon_fwd import TEMPLATE
+    from templates.gluon.fwd import TEMPLATE
 
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=0)
     ref = TEMPLATE.reference(inputs)[0]

@@ -5,7 +5,7 @@
 
 A call of ``tuner.attention`` (or ``gluon_attention_fwd``) at a new shape makes a plan before
 its launch; a persistent grid's plan walks the host's tile schedule in Python
-(``templates/gluon_schedule.py``), and a causal grid of few tiles first searches where to cut
+(``templates/gluon/schedule.py``), and a causal grid of few tiles first searches where to cut
 its longest ones. That cost is paid again at every new sequence length (a server's prompts), so
 it belongs next to the kernel's own time. Each shape's plan is made with the default config of
 an H100 (132 SMs), from stand-in tensors (no GPU needed), every schedule cache cleared before
@@ -39,11 +39,11 @@ def plan_times(shape: tuple[int, int, int, int], causal: str, repeats: int) -> d
     """One row: the plan's kind (TILE_ORDER, cut or not, tiles) and its making times in ms."""
     import torch
 
-    from templates import gluon_fwd_kernel
     from templates.base import Problem
-    from templates.gluon_fwd import TEMPLATE
-    from templates.offline_target import TARGETS
-    from templates.standin_tensor import StandinTensor
+    from templates.compile.offline_target import TARGETS
+    from templates.compile.standin_tensor import StandinTensor
+    from templates.gluon import fwd_kernel as gluon_fwd_kernel
+    from templates.gluon.fwd import TEMPLATE
 
     b, h, n, d = shape
     config = TEMPLATE.default_config(Problem(b, h, h, n, n, d, "bfloat16", causal),

@@ -1,6 +1,6 @@
 """What a Gluon forward kernel change does to the compiled code, without a GPU: the default
-config of each shape compiled for the H100 offline (``templates.offline_target``) with DIAG A
-and DIAG B (or the A/B's ``--config`` knobs on the B side), and per shape the instruction
+config of each shape compiled for the H100 offline (``templates.compile.offline_target``) with DIAG
+A and DIAG B (or the A/B's ``--config`` knobs on the B side), and per shape the instruction
 count, the stack (spilled) bytes and the opcodes whose counts changed.
 
     TRITON_INTERPRET=0 python benchmarks/gluon_sass_diff.py --diag 1
@@ -35,9 +35,9 @@ def compiled_counts(shape: tuple[int, int, int, int], causal: str, diag: int,
     """The kernel of ``shape``'s default config (with ``overrides``) under ``diag``, compiled
     for the H100: {"instructions", "stack_bytes", "opcodes"}."""
     from templates.base import Problem
-    from templates.compile_report import _cubin_resources, sass_opcodes, wgmma_serialization
-    from templates.gluon_fwd import TEMPLATE, standin_launch
-    from templates.offline_target import offline_target
+    from templates.compile.offline_target import offline_target
+    from templates.compile.report import _cubin_resources, sass_opcodes, wgmma_serialization
+    from templates.gluon.fwd import TEMPLATE, standin_launch
 
     b, h, n, d = shape
     problem = Problem(b, h, h, n, n, d, "bfloat16", causal)

@@ -56,14 +56,14 @@ from benchmarks.dispatch_bench import (  # noqa: E402
 from benchmarks.dispatch_bench import inputs_for as dense_inputs_for  # noqa: E402
 from templates.base import Problem  # noqa: E402
 from templates.device import current_device, interpreter_active  # noqa: E402
-from templates.gluon_fwd import GLUON_MISSING  # noqa: E402
-from templates.mask_mods import pattern_block_mask  # noqa: E402
-from templates.torch_sdpa import sdpa  # noqa: E402
+from templates.gluon.fwd import GLUON_MISSING  # noqa: E402
+from templates.masks.mods import pattern_block_mask  # noqa: E402
+from templates.pytorch.sdpa import sdpa  # noqa: E402
 from tuner.attention import clear_plans  # noqa: E402
-from tuner.dispatch import Call, choose  # noqa: E402
-from tuner.lookup import ConfigResolver, set_resolver  # noqa: E402
+from tuner.dispatch.rule import Call, choose  # noqa: E402
+from tuner.lookup.resolver import ConfigResolver, set_resolver  # noqa: E402
 from tuner.settings import load_settings  # noqa: E402
-from tuner.suites import load_spec_file  # noqa: E402
+from tuner.tuning.suites import load_spec_file  # noqa: E402
 
 SPEC = Path(__file__).resolve().parent / "specs" / "dispatch_masked.toml"
 SINGLES = ("flash", "flex", "gluon", "flash again")

@@ -66,14 +66,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fwd_bwd_bench import GRID, bench_ms, environment  # noqa: E402
-from templates.autograd import flash_attention  # noqa: E402
 from templates.base import TOLERANCE, Problem, relative_error  # noqa: E402
-from templates.block_mask import BlockMask, MaskMod  # noqa: E402
 from templates.device import current_device, interpreter_active  # noqa: E402
-from templates.flash_bwd import TEMPLATE as BWD  # noqa: E402
-from templates.flash_bwd import BwdConfig, block_mask_tile_reason, fit_to_block_mask  # noqa: E402
-from templates.gluon_fwd import GLUON_MISSING, gluon_attention_fwd  # noqa: E402
-from templates.mask_mods import (  # noqa: E402
+from templates.flash.autograd import flash_attention  # noqa: E402
+from templates.flash.bwd import TEMPLATE as BWD  # noqa: E402
+from templates.flash.bwd import BwdConfig, block_mask_tile_reason, fit_to_block_mask  # noqa: E402
+from templates.gluon.fwd import GLUON_MISSING, gluon_attention_fwd  # noqa: E402
+from templates.masks.block_mask import BlockMask, MaskMod  # noqa: E402
+from templates.masks.mods import (  # noqa: E402
     document_mask,
     or_masks,
     pattern_mask_mod,

@@ -39,10 +39,15 @@ from db.session import session_scope  # noqa: E402
 from templates.base import Problem  # noqa: E402
 from templates.device import current_device  # noqa: E402
 from templates.registry import get_template  # noqa: E402
-from tuner.bundle import BUNDLE_FORMAT, BundleDevice, store_bundle, validate_bundle  # noqa: E402
-from tuner.lookup import ConfigResolver, set_resolver  # noqa: E402
+from tuner.lookup.bundle import (  # noqa: E402
+    BUNDLE_FORMAT,
+    BundleDevice,
+    store_bundle,
+    validate_bundle,
+)
+from tuner.lookup.resolver import ConfigResolver, set_resolver  # noqa: E402
 from tuner.settings import load_settings  # noqa: E402
-from tuner.suites import load_spec_file  # noqa: E402
+from tuner.tuning.suites import load_spec_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "rank-agreement-" + os.urandom(12).hex()

@@ -1,5 +1,5 @@
 """What the ranks of a job and the process driving them share (benchmarks/rank_agreement.py,
-tests/tuner/snapshot_ranks.py): turns taken through files in a folder, and one rank's
+tests/tuner/lookup/snapshot_ranks.py): turns taken through files in a folder, and one rank's
 answer for one problem in a form every rank can compare."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from templates.base import Problem
-from tuner.dispatch import choose, keep
-from tuner.implementations.call import Call
+from tuner.dispatch.implementations.call import Call
+from tuner.dispatch.rule import choose, keep
 
 __all__ = ["WAIT_S", "chosen", "wait_for"]
 

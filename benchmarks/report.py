@@ -1227,6 +1227,8 @@ def dispatch_section(src: Source, data: dict[str, Any]) -> Section:
               "bshd": "q, k, v as transposed views of (B, S, H, D) memory, as a model hands "
                       "them over"}.get(str(data.get("layout")), f"layout {data.get('layout')}")
     facts = [layout, f"database `{data['db']}`" if data.get("db") else "no database",
+             # since TUNER_SHIPPED (older runs did not say): on, off or a folder of tables
+             f"shipped tables `{data['shipped']}`" if data.get("shipped") else "",
              f"cuDNN {data['cudnn']}" if data.get("cudnn") else ""]
     interpreted = ("" if data.get("timings_are_gpu_timings", True) else
                    " **Not GPU timings** (the CPU interpreter): they show the rows run, nothing "
@@ -1682,7 +1684,7 @@ def hybrid_train_section(src: Source, data: dict[str, Any]) -> Section:
           "gluon_cudnn_train_bench.py's rows (bf16, 16k tokens per batch, H = 2048 / D): "
           "*sdpa* is SDPA's cuDNN forward + backward through autograd (what a model runs), "
           "*hybrid* the Gluon forward (gluon_fwd's default) with cuDNN's backward fed its o and "
-          "logsumexp (`templates/cudnn_bwd.py`); ms are medians of paired rounds, *x* the "
+          "logsumexp (`templates/pytorch/cudnn_bwd.py`); ms are medians of paired rounds, *x* the "
           "median of sdpa / hybrid within each round, then its range over the rounds; the "
           "parts alone last. Every timed gradient was checked against the autograd "
           f"reference (largest relative error shown). Odd-shape checks passed: {passed} of "
@@ -1693,7 +1695,7 @@ def hybrid_train_section(src: Source, data: dict[str, Any]) -> Section:
     return Section(src, md, [])
 
 
-# What gluon_fwd_ab.py's DIAG values did (templates/gluon_fwd_kernel.py's ``_softmax_block``;
+# What gluon_fwd_ab.py's DIAG values did (templates/gluon/fwd_kernel.py's ``_softmax_block``;
 # 4 lived only in commit 0ae5ad6, reverted after its A/B).
 DIAG_MEANINGS = {
     1: "no exponentials (wrong results by design: timing only)",
@@ -1814,7 +1816,7 @@ def winners_section(src: Source, data: dict[str, Any]) -> Section:
           "*SDPA / ours*: torch SDPA's time over our fastest kernel's (above 1: ours is "
           "faster). Times in ms, medians of the head-to-head's rounds. *(noise)*: the "
           "head-to-head's readings do not tell the winner from the runner-up "
-          "(`tuner.close_calls`; files from before that field say nothing).", ""]
+          "(`tuner.dispatch.close_calls`; files from before that field say nothing).", ""]
     md += _table(["problem", "winner", "margin", "SDPA / ours", "ms"], cells)
     md.append("")
     if "standard" not in src.path.name:

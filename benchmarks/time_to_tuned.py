@@ -15,13 +15,16 @@ is tuned when every problem is: that moment is the time to tuned. The job's atte
 priced from the recording's counts (count x the problem's best time, summed; what the job
 would spend in attention per run of what was recorded, not a re-run of the job), against
 torch SDPA's best reading of each problem, at the time to tuned, at the end of the sweep and
-for the reference.
+for the reference. SDPA throughout is the job untuned with ``TUNER_SHIPPED=off``; where a table
+ships for this GPU model, a fresh install starts from that table's choices instead
+(``dispatch_bench.py`` with no ``--db`` times those). Neither sweep reads a shipped table (they
+measure from empty databases), so the time to tuned does not depend on one.
 
 ``replay`` scores the search strategies as Kernel Tuner's methodology does, on a fixed budget:
-each recorded problem is replayed (``tuner.replay``: no GPU) with ``--fraction`` (10%) of its
+each recorded problem is replayed (``tuner.tuning.replay``: no GPU) with ``--fraction`` (10%) of its
 grid's configs, over ``--seeds`` (5) seeds, by each strategy: ``tpe`` and ``random`` as a
 sweep runs them (the default first), and ``tpe+prior`` with the transfer prior of the grid's
-other problems' bests (``tuner.search.prior``, each problem left out of its own). The issue's
+other problems' bests (``tuner.tuning.search.prior``, each problem left out of its own). The issue's
 bar: within 2% of the grid's best on >= 90% of the problems, averaged over the seeds.
 """
 
@@ -44,17 +47,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import templates  # noqa: E402, F401  (registers the templates the recordings name)
 from db.session import dispose_engine  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
-from tuner.replay import (  # noqa: E402
+from tuner.tuning.replay import (  # noqa: E402
     RecordedProblem,
     compare_samplers,
     load_recorded_file,
     recorded_prior,
     search_space,
 )
-from tuner.runner.isolated import IsolatedRunner  # noqa: E402
-from tuner.search.budget import parse_duration  # noqa: E402
-from tuner.suites import load_spec_file, resolve_spec  # noqa: E402
-from tuner.sweep import SweepOptions, SweepReport, SweepStarted, TrialDone, run_sweep  # noqa: E402
+from tuner.tuning.runner.isolated import IsolatedRunner  # noqa: E402
+from tuner.tuning.search.budget import parse_duration  # noqa: E402
+from tuner.tuning.suites import load_spec_file, resolve_spec  # noqa: E402
+from tuner.tuning.sweep import (  # noqa: E402
+    SweepOptions,
+    SweepReport,
+    SweepStarted,
+    TrialDone,
+    run_sweep,
+)
 
 TARGET = 0.02
 FACTOR = 4
@@ -261,7 +270,8 @@ def print_sweep(result: dict[str, Any]) -> None:
     for name in ("at_time_to_tuned", "at_end", "reference"):
         if name in job:
             print(f"job attention {name.replace('_', ' ')}: {job[name]['ms']:.3f} ms, "
-                  f"{job[name]['speedup_over_sdpa']:.2f}x torch SDPA's {job['sdpa_ms']:.3f} ms")
+                  f"{job[name]['speedup_over_sdpa']:.2f}x torch SDPA's {job['sdpa_ms']:.3f} ms "
+                  "(the job untuned, with TUNER_SHIPPED=off)")
 
 
 def print_replay(result: dict[str, Any]) -> None:

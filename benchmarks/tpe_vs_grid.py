@@ -5,7 +5,7 @@ trial count, against the grid's best (target: within 2%). Input: every trial of 
 over a subset of the space small enough to run exhaustively (benchmarks/specs/grid_study.toml),
 as ``tuner export --trials`` writes them. For each problem, TPE (and random search, for
 contrast) is replayed with a budget of that fraction of the grid's measured configs, over
-many seeds: the sweep's own search loop (tuner.replay), each config answered with its
+many seeds: the sweep's own search loop (tuner.tuning.replay), each config answered with its
 recorded measurement, so no GPU is needed here. Reported per problem: the grid's best, what
 each sampler found (median and worst over the seeds), the ratios to the grid's best and the
 share of seeds within the target; each sampler both as a sweep runs it (the default config
@@ -41,16 +41,16 @@ from templates.base import Problem  # noqa: E402
 from templates.registry import get_template  # noqa: E402
 from tuner.cli.common import problem_label  # noqa: E402
 from tuner.errors import TunerError  # noqa: E402
-from tuner.replay import (  # noqa: E402
+from tuner.tuning.replay import (  # noqa: E402
     RecordedProblem,
     SamplerSummary,
     compare_samplers,
     load_recorded_file,
     search_space,
 )
-from tuner.search.space import SpaceRestriction, valid_configs  # noqa: E402
-from tuner.suites import load_spec_file  # noqa: E402
-from tuner.sweep import device_from_dict  # noqa: E402
+from tuner.tuning.search.space import SpaceRestriction, valid_configs  # noqa: E402
+from tuner.tuning.suites import load_spec_file  # noqa: E402
+from tuner.tuning.sweep import device_from_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SPEC = ROOT / "benchmarks" / "specs" / "grid_study.toml"

@@ -52,7 +52,7 @@ from benchmarks.dispatch_bench import (  # noqa: E402
 )
 from templates.device import interpreter_active  # noqa: E402
 from tuner.attention import clear_plans  # noqa: E402
-from tuner.lookup import ConfigResolver, set_resolver  # noqa: E402
+from tuner.lookup.resolver import ConfigResolver, set_resolver  # noqa: E402
 from tuner.settings import load_settings  # noqa: E402
 from tuner.varlen import (  # noqa: E402
     clear_document_masks,
@@ -152,7 +152,7 @@ def flex_document(offsets: list[int], device: str) -> Callable[..., torch.Tensor
     create_block_mask, built once here as a user would per step), on (1, H, T, D) views."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from templates.torch_flex import compiled_flex_attention
+    from templates.pytorch.flex import compiled_flex_attention
 
     cu = torch.tensor(offsets, device=device)
     doc = torch.searchsorted(cu, torch.arange(offsets[-1], device=device), right=True) - 1

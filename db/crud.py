@@ -811,7 +811,7 @@ def create_snapshot(s: Session, *, snapshot_id: str, content: str, items: int
                     ) -> tuple[Snapshot, bool]:
     """The snapshot row of ``snapshot_id``, inserted if new, and whether this call inserted it.
 
-    A row is never updated: ``snapshot_id`` is the hash of ``content`` (``tuner.snapshot``),
+    A row is never updated: ``snapshot_id`` is the hash of ``content`` (``tuner.lookup.snapshot``),
     so a row that exists already holds the same content; two processes creating it at once
     both get the one row."""
     existing = s.get(Snapshot, snapshot_id)

@@ -19,7 +19,7 @@ is), so the speedup over the default compares like with like: median with median
 
 The time a best is stored at, and priced at by the dispatcher (``priced_readings``): the median
 of its readings as above, unless the config took part in a finished head-to-head
-(``tuner.head_to_head``: the bests of every implementation of the problem measured side by
+(``tuner.tuning.head_to_head``: the bests of every implementation of the problem measured side by
 side, rotated over rounds); then the median of its readings in the latest one. Two
 implementations' bests are then compared by readings of one session, not by two searches'
 readings taken minutes apart. Those readings do not choose among a template's own configs
@@ -27,7 +27,7 @@ readings taken minutes apart. Those readings do not choose among a template's ow
 re-measurement does.
 
 Plain data in, plain data out: the database (``db.crud.refresh_best``) and the in-memory
-store of replays and tests (``tuner.search.store.MemoryStore``) use the same rule.
+store of replays and tests (``tuner.tuning.search.store.MemoryStore``) use the same rule.
 """
 
 from __future__ import annotations

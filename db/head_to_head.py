@@ -1,5 +1,5 @@
 """Reads and writes of head-to-head sessions (``db.models.HeadToHead``): the stored bests of a
-problem's implementations measured side by side (``tuner.head_to_head``). Keyword-only
+problem's implementations measured side by side (``tuner.tuning.head_to_head``). Keyword-only
 functions taking a Session first; they flush but never commit (``db.crud``'s rule).
 
 Every reading is stored as it is measured; a session prices its candidates only once

@@ -235,7 +235,7 @@ class RemeasurementClaim(Base):
 class HeadToHead(Base):
     """One side-by-side session of a problem on a device: the stored best config of each of
     its implementations' templates measured in one process, interleaved and rotated over
-    ``rounds`` rounds (``tuner.head_to_head``; once finished, the rounds that ran: a close
+    ``rounds`` rounds (``tuner.tuning.head_to_head``; once finished, the rounds that ran: a close
     call's two fastest take more). Its readings price those bests only once it is
     finished (``finished_at``): a session killed half-way keeps what it measured, for the
     record, but changes no choice."""
@@ -269,7 +269,7 @@ class HeadToHeadReading(Reading, Base):
 
 class Snapshot(Base):
     """Best configs frozen at one moment: a bundle's canonical JSON text, named by its SHA-256
-    (``tuner.snapshot``). Rows are inserted, and deleted whole by an operator (``tuner
+    (``tuner.lookup.snapshot``). Rows are inserted, and deleted whole by an operator (``tuner
     snapshot delete``), never updated: the same content is the same row, and a row's content
     never changes (a reader re-hashes it against its id)."""
 
@@ -283,7 +283,7 @@ class Snapshot(Base):
 
 class Demand(Base):
     """How often jobs ran one shape bucket of one template version on one device without a
-    tuned config (``tuner.demand`` counts them, ``POST /v1/demand`` stores them), and who
+    tuned config (``tuner.demand.reporter`` counts them, ``POST /v1/demand`` stores them), and who
     tunes it (``tuner worker``). One row per bucket: a sweep tunes one problem per bucket and
     its config serves them all; ``problem`` is the first one reported, the one a worker tunes.
 

@@ -35,7 +35,7 @@ python3 benchmarks/dispatch_bench.py --db "$db" --specs "$(echo $specs | tr ' ' 
   --json "$OUT/dispatch.json" >"$OUT/dispatch.log" 2>&1; echo "dispatch_bench: exit $?"
 TUNER_DATABASE_URL=sqlite:////nonexistent.db python3 benchmarks/attention_overhead.py \
   --json "$OUT/overhead.json" >"$OUT/overhead.log" 2>&1; echo "overhead: exit $?"
-python3 -m pytest -q -p no:cacheprovider tests/tuner/test_dispatch.py tests/tuner/test_cuda_graph.py \
+python3 -m pytest -q -p no:cacheprovider tests/tuner/dispatch/test_dispatch.py tests/tuner/test_cuda_graph.py \
   >"$OUT/tests.log" 2>&1; echo "tests: exit $?"
 cp "$db_file" "$OUT/tuner.db"
 tail -n 4 "$OUT/tests.log"; tail -n 14 "$OUT/overhead.log"; sed -n '/^row /,$p' "$OUT/dispatch.log"

@@ -38,13 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # GPU-marked test belongs to one (tests/test_gpu_tests.py checks it); "all" runs tests/ whole,
 # so a GPU test in a file named nowhere here still runs, and counts as "other".
 GROUPS: dict[str, tuple[str, ...]] = {
-    "fwd": ("tests/templates/test_flash_fwd.py", "tests/templates/test_block_sparse.py",
-            "tests/templates/test_gluon_fwd.py", "tests/templates/test_gluon_pack_gqa.py",
-            "tests/templates/test_direct_launch_fwd.py"),
-    "bwd": ("tests/templates/test_flash_bwd.py", "tests/templates/test_block_sparse_bwd.py",
-            "tests/templates/test_gluon_bwd.py", "tests/templates/test_torch_flex.py",
-            "tests/templates/test_gluon_cudnn_train.py", "tests/templates/test_gluon_train.py"),
-    "decode": ("tests/templates/test_flash_decode.py", "tests/templates/test_direct_launch.py"),
+    "fwd": ("tests/templates/flash/test_flash_fwd.py", "tests/templates/flash/test_block_sparse.py",
+            "tests/templates/gluon/test_gluon_fwd.py",
+            "tests/templates/gluon/test_gluon_pack_gqa.py",
+            "tests/templates/flash/test_direct_launch_fwd.py"),
+    "bwd": ("tests/templates/flash/test_flash_bwd.py",
+            "tests/templates/flash/test_block_sparse_bwd.py",
+            "tests/templates/gluon/test_gluon_bwd.py", "tests/templates/pytorch/test_torch_flex.py",
+            "tests/templates/gluon/test_gluon_cudnn_train.py",
+            "tests/templates/gluon/test_gluon_train.py"),
+    "decode": ("tests/templates/decode/test_flash_decode.py",
+               "tests/templates/decode/test_direct_launch.py"),
     "tuner": ("tests/tuner",),
 }
 OUTCOMES = ("passed", "failed", "error", "skipped")
@@ -61,7 +65,7 @@ class TestResult:
 
 
 def group_of(classname: str) -> str:
-    """The group of a test from its JUnit classname (``tests.templates.test_flash_fwd`` or
+    """The group of a test from its JUnit classname (``tests.templates.flash.test_flash_fwd`` or
     ``tests.tuner.test_x.TestClass``)."""
     for group, paths in GROUPS.items():
         for path in paths:

@@ -21,19 +21,19 @@ def _use_interpreter_without_cuda() -> None:
 _use_interpreter_without_cuda()
 
 # Importing a template module registers its template.
-from templates import gluon_cudnn_train, gluon_train  # noqa: E402, F401  (register their templates)
-from templates.autograd import flash_attention  # noqa: E402
 from templates.base import KernelConfig, Problem, Template  # noqa: E402
-from templates.block_mask import BlockMask  # noqa: E402
+from templates.decode.template import flash_decode  # noqa: E402
 from templates.device import CPU_INTERPRETER, DeviceInfo, current_device  # noqa: E402
-from templates.flash_bwd import flash_attention_bwd  # noqa: E402
-from templates.flash_decode import flash_decode  # noqa: E402
-from templates.flash_fwd import flash_attention_fwd  # noqa: E402
-from templates.gluon_bwd import gluon_attention_bwd  # noqa: E402
-from templates.gluon_fwd import gluon_attention_fwd  # noqa: E402
+from templates.flash.autograd import flash_attention  # noqa: E402
+from templates.flash.bwd import flash_attention_bwd  # noqa: E402
+from templates.flash.fwd import flash_attention_fwd  # noqa: E402
+from templates.gluon import cudnn_train, train  # noqa: E402, F401  (register their templates)
+from templates.gluon.bwd import gluon_attention_bwd  # noqa: E402
+from templates.gluon.fwd import gluon_attention_fwd  # noqa: E402
+from templates.masks.block_mask import BlockMask  # noqa: E402
+from templates.pytorch.flex import flex  # noqa: E402
+from templates.pytorch.sdpa import sdpa  # noqa: E402
 from templates.registry import all_templates, get_template, register  # noqa: E402
-from templates.torch_flex import flex  # noqa: E402
-from templates.torch_sdpa import sdpa  # noqa: E402
 
 __all__ = [
     "BlockMask",

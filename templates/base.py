@@ -32,8 +32,8 @@ from typing import Any, ClassVar, Self, cast
 
 import torch
 
+from templates.compile.offline_target import gpu_compiler_available
 from templates.device import DeviceInfo
-from templates.offline_target import gpu_compiler_available
 
 Scalar = int | bool | str
 # One kernel launch: (the @triton.jit function, grid, positional arguments, keyword options).
@@ -346,9 +346,10 @@ class Template(ABC):
                 + entry.replace("CONFIG_LITERAL", repr(config.to_dict())))
 
 
-# A top-level ``from templates.<module> import ...`` of a kernel module, on one line or in
-# parentheses over several (no parenthesis in its comments).
-_TEMPLATE_IMPORT = re.compile(r"^from (templates\.\w+) import (?:\([^)]*\)|[^\n(]+)$", re.MULTILINE)
+# A top-level ``from templates.<module> import ...`` (or ``templates.<package>.<module>``) of a
+# kernel module, on one line or in parentheses over several (no parenthesis in its comments).
+_TEMPLATE_IMPORT = re.compile(r"^from (templates(?:\.\w+)+) import (?:\([^)]*\)|[^\n(]+)$",
+                              re.MULTILINE)
 
 
 def inline_template_imports(source: str) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
 LOG2_E = 1.4426950408889634
+# ln(2) = 1 / LOG2_E: the kernels keep the logsumexp in base 2 and store it as ln (x * LN_2).
+LN_2 = 0.6931471805599453
 
 
 def block_d_for(head_dim: int) -> int:

@@ -23,51 +23,60 @@ SLOW = {
     "tests/api/test_api.py::test_a_bad_item_rejects_the_whole_upload": 18,
     "tests/api/test_api.py::test_bad_input_is_a_json_4xx": 10,
     # Kernels under the Triton interpreter.
-    "tests/templates/test_block_sparse.py::test_attn_mask_broadcasts": 20,
-    "tests/templates/test_block_sparse.py::test_random_block_masks": 13,
-    "tests/templates/test_block_sparse.py::test_per_batch_and_head_mask_mod_and_combining": 5,
-    "tests/templates/test_block_sparse.py::test_from_dense_round_trips": 5,
-    "tests/templates/test_block_sparse_bwd.py::test_attn_masks_broadcast": 47,
-    "tests/templates/test_block_sparse_bwd.py::test_random_block_masks_per_batch_and_head": 45,
-    "tests/templates/test_block_sparse_bwd.py::"
+    "tests/templates/flash/test_block_sparse.py::test_attn_mask_broadcasts": 20,
+    "tests/templates/flash/test_block_sparse.py::test_random_block_masks": 13,
+    "tests/templates/flash/test_block_sparse.py::test_per_batch_and_head_mask_mod_and_combining": 5,
+    "tests/templates/flash/test_block_sparse.py::test_from_dense_round_trips": 5,
+    "tests/templates/flash/test_block_sparse_bwd.py::test_attn_masks_broadcast": 47,
+    "tests/templates/flash/test_block_sparse_bwd.py::"
+    "test_random_block_masks_per_batch_and_head": 45,
+    "tests/templates/flash/test_block_sparse_bwd.py::"
     "test_helper_masks_with_causal_gqa_and_the_default_config": 25,
-    "tests/templates/test_block_sparse_bwd.py::test_skipped_blocks_are_never_read": 9,
-    "tests/templates/test_flash_bwd.py::test_strided_bnhd_views_match_contiguous_inputs": 26,
-    "tests/templates/test_flash_bwd.py::test_autograd_function_matches_reference": 22,
-    "tests/templates/test_flash_bwd.py::test_grads_match_reference_fp16": 16,
-    "tests/templates/test_flash_bwd.py::test_float32_inputs_explicit_scale_and_configs": 9,
-    "tests/templates/test_flash_bwd.py::test_standalone_source_imports_and_matches_the_template": 9,
-    "tests/templates/test_flash_bwd.py::test_make_inputs_are_random_reproducible_and_run": 7,
-    "tests/templates/test_flash_bwd.py::test_large_scores_neither_overflow_nor_lose_accuracy": 6,
-    "tests/templates/test_flash_decode.py::test_fused_combine_with_empty_and_single_tile_sequences": 38,
-    "tests/templates/test_flash_decode.py::test_fused_combine_matches_separate_and_reference": 29,
-    "tests/templates/test_flash_decode.py::test_fused_combine_reuses_its_counters": 7,
-    "tests/tuner/test_attention.py::test_the_first_call_may_be_a_training_step_in_a_fresh_process": 22,
+    "tests/templates/flash/test_block_sparse_bwd.py::test_skipped_blocks_are_never_read": 9,
+    "tests/templates/flash/test_flash_bwd.py::test_strided_bnhd_views_match_contiguous_inputs": 26,
+    "tests/templates/flash/test_flash_bwd.py::test_autograd_function_matches_reference": 22,
+    "tests/templates/flash/test_flash_bwd.py::test_grads_match_reference_fp16": 16,
+    "tests/templates/flash/test_flash_bwd.py::test_float32_inputs_explicit_scale_and_configs": 9,
+    "tests/templates/flash/test_flash_bwd.py::"
+    "test_standalone_source_imports_and_matches_the_template": 9,
+    "tests/templates/flash/test_flash_bwd.py::test_make_inputs_are_random_reproducible_and_run": 7,
+    "tests/templates/flash/test_flash_bwd.py::"
+    "test_large_scores_neither_overflow_nor_lose_accuracy": 6,
+    "tests/templates/decode/test_flash_decode.py::"
+    "test_fused_combine_with_empty_and_single_tile_sequences": 38,
+    "tests/templates/decode/test_flash_decode.py::"
+    "test_fused_combine_matches_separate_and_reference": 29,
+    "tests/templates/decode/test_flash_decode.py::test_fused_combine_reuses_its_counters": 7,
+    "tests/tuner/test_attention.py::"
+    "test_the_first_call_may_be_a_training_step_in_a_fresh_process": 22,
     "tests/tuner/test_attention.py::test_compiles_without_graph_breaks_forward_and_backward": 4,
-    "tests/tuner/test_comparison.py::"
+    "tests/tuner/dispatch/test_comparison.py::"
     "test_the_service_and_the_database_compare_as_the_dispatcher_chooses": 14,
     # Offline compiles for the H100 (triton's compiler on the CPU).
-    "tests/templates/test_gluon_fwd.py::test_default_configs_compile_for_the_h100_without_spills": 81,
-    "tests/templates/test_gluon_bwd.py::test_default_configs_compile_for_the_h100": 23,
-    "tests/templates/test_gluon_pack_gqa.py::test_packed_configs_compile_for_the_h100_without_spills": 14,
-    "tests/templates/test_offline_compile.py": 11,
-    "tests/tuner/test_compile_check.py": 19,
-    "tests/test_benchmark_gluon_sass_diff.py": 12,
+    "tests/templates/gluon/test_gluon_fwd.py::"
+    "test_default_configs_compile_for_the_h100_without_spills": 81,
+    "tests/templates/gluon/test_gluon_bwd.py::test_default_configs_compile_for_the_h100": 23,
+    "tests/templates/gluon/test_gluon_pack_gqa.py::"
+    "test_packed_configs_compile_for_the_h100_without_spills": 14,
+    "tests/templates/compile/test_offline_compile.py": 11,
+    "tests/tuner/cli/test_compile_check.py": 19,
+    "tests/benchmarks/test_benchmark_gluon_sass_diff.py": 12,
     # Sweeps, workers and recordings in fresh processes.
-    "tests/tuner/test_sweep_cli.py": 52,
-    "tests/tuner/test_resume_and_workers.py": 90,
-    "tests/tuner/test_verify.py::test_verify_remeasures_the_stored_best_in_a_fresh_worker": 8,
-    "tests/tuner/test_verify.py::test_a_stored_time_far_off_fails_and_names_the_problem": 3,
-    "tests/tuner/test_verify.py::test_auto_tolerance_and_longer_timing_through_the_cli": 3,
+    "tests/tuner/cli/test_sweep_cli.py": 52,
+    "tests/tuner/tuning/test_resume_and_workers.py": 90,
+    "tests/tuner/tuning/test_verify.py::"
+    "test_verify_remeasures_the_stored_best_in_a_fresh_worker": 8,
+    "tests/tuner/tuning/test_verify.py::test_a_stored_time_far_off_fails_and_names_the_problem": 3,
+    "tests/tuner/tuning/test_verify.py::test_auto_tolerance_and_longer_timing_through_the_cli": 3,
     "tests/tuner/test_record.py": 13,
-    "tests/tuner/test_space.py": 12,
-    "tests/tuner/test_search_storage.py": 7,
-    "tests/test_benchmark_dispatch.py": 7,
-    "tests/test_benchmark_attention_overhead.py": 5,
-    "tests/test_tpe_vs_grid.py": 5,
-    "tests/test_benchmark_fleet.py::"
+    "tests/tuner/tuning/test_space.py": 12,
+    "tests/tuner/tuning/test_search_storage.py": 7,
+    "tests/benchmarks/test_benchmark_dispatch.py": 7,
+    "tests/benchmarks/test_benchmark_attention_overhead.py": 5,
+    "tests/tuner/tuning/test_tpe_vs_grid.py": 5,
+    "tests/benchmarks/test_benchmark_fleet.py::"
     "test_two_workers_one_killed_finish_every_problem_without_duplicates": 75,
-    "tests/test_benchmark_rank_agreement.py": 45,
+    "tests/benchmarks/test_benchmark_rank_agreement.py": 45,
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tuner.attention import clear_plans
-from tuner.lookup import ConfigResolver, set_resolver
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -112,12 +112,12 @@ def test_bad_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="2" tests="7">
-<testcase classname="tests.templates.test_flash_fwd" name="test_gpu_matrix[a]" time="12.4"/>
-<testcase classname="tests.templates.test_block_sparse" name="test_gpu_block_masks[b]" time="3.0">
+<testcase classname="tests.templates.flash.test_flash_fwd" name="test_gpu_matrix[a]" time="12.4"/>
+<testcase classname="tests.templates.flash.test_block_sparse" name="test_gpu_block_masks[b]" time="3.0">
   <failure message="assert 0.1 &lt;= 0.01">trace</failure></testcase>
-<testcase classname="tests.templates.test_flash_bwd" name="test_gpu_matrix[c]" time="20.0">
+<testcase classname="tests.templates.flash.test_flash_bwd" name="test_gpu_matrix[c]" time="20.0">
   <error message="setup">trace</error></testcase>
-<testcase classname="tests.tuner.test_sweep_cli.TestGpu" name="test_on_the_gpu" time="0.0">
+<testcase classname="tests.tuner.cli.test_sweep_cli.TestGpu" name="test_on_the_gpu" time="0.0">
   <skipped message="no GPU"/></testcase>
 <testcase classname="tests.api.test_api" name="test_gpu_elsewhere" time="1.0"/>
 <testcase classname="" name="tests.tuner.test_attention_hf" time="0.000">
@@ -144,8 +144,8 @@ def test_the_summary_counts_each_group_from_the_junit_report(tmp_path: Path) -> 
                     "slowest": ["2", "(seconds,", "outcome,", "test):"]}
     assert "wall 301 s" in text and "STOPPED" not in text
     assert text.splitlines()[-2:] == [
-        "  failed  tests.templates.test_block_sparse::test_gpu_block_masks[b]",
-        "  error   tests.templates.test_flash_bwd::test_gpu_matrix[c]"]
+        "  failed  tests.templates.flash.test_block_sparse::test_gpu_block_masks[b]",
+        "  error   tests.templates.flash.test_flash_bwd::test_gpu_matrix[c]"]
     stopped = RUNNER.summary([], group="bwd", workers=8, wall_s=460, stopped_at_budget=450,
                              exit_code=2)
     assert "STOPPED at the budget of 450 s" in stopped and "no test results" in stopped

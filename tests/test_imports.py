@@ -1,12 +1,15 @@
 """The product packages' imports, read statically (issue 41, "Zero import cycles and no
 cross-module private imports"): no module imports itself back through others, and none takes
 another module's private (``_``) names. A cycle says two modules are one concept or a third is
-missing; a private name taken across modules is a public one that is not said to be."""
+missing; a private name taken across modules is a public one that is not said to be. And "the
+package layout drawn in docs/ARCHITECTURE.md matches the code": its layout table has a row for
+every package and none for another, and the modules it names are there."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,10 +194,10 @@ def test_one_error_hierarchy() -> None:
     # "One of each fact" (issue 41): there were two TunerError classes (tuner.errors and the
     # client's). Every error class of the product packages has its own name, and the tuner's
     # derive from tuner.errors.TunerError (db's, which imports nothing of the tuner's, aside).
-    from tuner.bundle import BundleError
     from tuner.errors import ServiceError, TunerError
+    from tuner.lookup.bundle import BundleError
+    from tuner.lookup.snapshot import SnapshotError
     from tuner.settings import SettingsError
-    from tuner.snapshot import SnapshotError
 
     names = [node.name for module, path in MODULES.items()
              for node in ast.walk(ast.parse(path.read_text()))
@@ -202,3 +205,42 @@ def test_one_error_hierarchy() -> None:
     assert len(names) == len(set(names)), sorted(names)
     assert all(issubclass(e, TunerError)
                for e in (BundleError, ServiceError, SettingsError, SnapshotError))
+
+
+# ------------------------------------------------------------------ the drawn layout
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+_LAYOUT_ROW = re.compile(r"^\| `(?P<package>[\w/]+/)` \| (?P<owns>.*) \|$")
+
+
+def drawn_layout(text: str) -> dict[str, str]:
+    """The layout table of docs/ARCHITECTURE.md: package folder -> what its row says."""
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return {m["package"].rstrip("/"): m["owns"]
+            for line in section.splitlines() if (m := _LAYOUT_ROW.match(line))}
+
+
+def code_packages() -> set[str]:
+    """Every package folder of the product packages (Alembic's scripts aside)."""
+    return {path.parent.relative_to(ROOT).as_posix() for module, path in MODULES.items()
+            if path.name == "__init__.py"}
+
+
+def test_docs_architecture_draws_every_package_and_no_other() -> None:
+    drawn = drawn_layout(ARCHITECTURE.read_text())
+    code = code_packages()
+    assert "tuner/dispatch/implementations" in code and len(drawn) > 10
+    undrawn, made_up = sorted(code - drawn.keys()), sorted(drawn.keys() - code)
+    assert not undrawn, f"docs/ARCHITECTURE.md's layout has no row for {undrawn}"
+    assert not made_up, f"docs/ARCHITECTURE.md's layout draws {made_up}, not in the code"
+    named = [f"{package}/{name}" for package, owns in drawn.items()
+             for name in re.findall(r"`(\w+\.py)`", owns)]
+    missing = [path for path in named if not (ROOT / path).is_file()]
+    assert named and not missing, f"docs/ARCHITECTURE.md names modules not there: {missing}"
+
+
+def test_the_layout_check_sees_a_missing_or_a_made_up_row() -> None:
+    text = ARCHITECTURE.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `tuner/lookup/` |"))
+    assert "tuner/lookup" not in drawn_layout(text.replace(row + "\n", ""))
+    made_up = text.replace(row, row + "\n| `tuner/nowhere/` | nothing |")
+    assert drawn_layout(made_up).keys() - code_packages() == {"tuner/nowhere"}

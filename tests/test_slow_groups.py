@@ -26,6 +26,6 @@ def test_each_slow_group_names_a_test(group: str) -> None:
 
 def test_the_slow_marker_reaches_the_groups() -> None:
     assert is_slow("tests/api/test_schemathesis.py::test_bundles_broken_at_random")
-    assert is_slow("tests/templates/test_flash_bwd.py::test_grads_match_reference_fp16[x-1]")
-    assert not is_slow("tests/templates/test_flash_bwd.py::test_grads_match_reference_fp16x")
+    assert is_slow("tests/templates/flash/test_flash_bwd.py::test_grads_match_reference_fp16[x-1]")
+    assert not is_slow("tests/templates/flash/test_flash_bwd.py::test_grads_match_reference_fp16x")
     assert not is_slow("tests/test_slow_groups.py::test_the_slow_marker_reaches_the_groups")

@@ -17,11 +17,11 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from templates.block_mask import BlockMask
+    from templates.masks.block_mask import BlockMask
     from tuner.attention import attention
     from tuner.client import TunerClient
     from tuner.decode import decode
-    from tuner.dispatch import use_implementation
+    from tuner.dispatch.rule import use_implementation
     from tuner.install import install, installed, uninstall
     from tuner.record import record, record_from_environment  # noqa: F401
     from tuner.varlen import varlen_attention
@@ -31,7 +31,7 @@ __all__: list[str] = ["BlockMask", "TunerClient", "attention", "decode", "instal
 
 # Public name -> the module that defines it.
 _PUBLIC = {
-    "BlockMask": "templates.block_mask",
+    "BlockMask": "templates.masks.block_mask",
     "TunerClient": "tuner.client",
     "attention": "tuner.attention",
     "decode": "tuner.decode",
@@ -40,7 +40,7 @@ _PUBLIC = {
     "record": "tuner.record",
     "record_from_environment": "tuner.record",
     "uninstall": "tuner.install",
-    "use_implementation": "tuner.dispatch",
+    "use_implementation": "tuner.dispatch.rule",
     "varlen_attention": "tuner.varlen",
 }
 
@@ -67,8 +67,8 @@ def __getattr__(name: str) -> Any:
     if module != "tuner.client":
         # All of the entry at once, in the order the eager imports had: tuner.attention
         # registers the implementations that use_implementation names.
-        for entry in ("templates.block_mask", "tuner.attention", "tuner.decode",
-                      "tuner.dispatch", "tuner.record"):
+        for entry in ("templates.masks.block_mask", "tuner.attention", "tuner.decode",
+                      "tuner.dispatch.rule", "tuner.record"):
             importlib.import_module(entry)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

@@ -5,16 +5,16 @@ that runs, for each call, the fastest implementation measured on this GPU for it
     out = tuner.attention(q, k, v, is_causal=True, enable_gqa=True)
 
 Semantics follow SDPA; ``block_mask`` (a ``tuner.BlockMask``) computes only its blocks (rows
-that see no key give zeros). Which implementation runs is ``tuner.dispatch``'s choice
+that see no key give zeros). Which implementation runs is ``tuner.dispatch.rule``'s choice
 (docs/DISPATCH.md); an ``attn_mask`` that is exactly causal, a causal window or documents
-runs as that (``tuner.dense_mask``); dropout, other masks, float64 or a value head dim other
-than the query's run torch SDPA as the user's code did (``use_implementation("flash")``
+runs as that (``tuner.dispatch.dense_mask``); dropout, other masks, float64 or a value head dim
+other than the query's run torch SDPA as the user's code did (``use_implementation("flash")``
 forces ours on a mask).
 
 This module validates, chooses and runs; how each implementation runs is its own
-(``tuner.implementations``; its base class is the contract). Eager, dense, without a gradient
-(the hot path: keep it tiny), the plan kept in ``tuner.plans`` under ("inference", problem)
-runs, per layout. Otherwise the chosen implementation's ``run``: its training op (a
+(``tuner.dispatch.implementations``; its base class is the contract). Eager, dense, without a
+gradient (the hot path: keep it tiny), the plan kept in ``tuner.dispatch.plans`` under ("inference",
+problem) runs, per layout. Otherwise the chosen implementation's ``run``: its training op (a
 ``torch.library`` op with its backward) for a gradient, the op ``tuner::attention_inference``
 under torch.compile; masks travel through both as tensors, so masked calls stay in compiled
 graphs. Under torch.compile the choice is made at trace time (``assume_constant_result``).
@@ -29,11 +29,10 @@ import torch
 # Imported first: without CUDA it sets TRITON_INTERPRET before anything imports triton (the
 # custom ops' first call imports torch._dynamo, which imports triton).
 import templates  # noqa: F401
-from templates.torch_sdpa import sdpa
-from tuner.dense_mask import recognize_mask
-from tuner.dispatch import Choice, choose, choose_masked, forced, keep, use_implementation
-from tuner.implementations import Request, get_implementation
-from tuner.implementations.call import (
+from templates.pytorch.sdpa import sdpa
+from tuner.dispatch.dense_mask import recognize_mask
+from tuner.dispatch.implementations import Request, get_implementation
+from tuner.dispatch.implementations.call import (
     call_of,
     call_of_shapes,
     check_inputs,
@@ -43,10 +42,11 @@ from tuner.implementations.call import (
     layout_key,
     problem_key,
 )
-from tuner.implementations.mask_args import Masked
-from tuner.implementations.ops import in_op_layout, output_fake
-from tuner.plans import MAX_PLANS, Plan, clear_plans, keep_plan
-from tuner.plans import PLANS as _PLANS
+from tuner.dispatch.implementations.mask_args import Masked
+from tuner.dispatch.implementations.ops import in_op_layout, output_fake
+from tuner.dispatch.plans import MAX_PLANS, Plan, clear_plans, keep_plan
+from tuner.dispatch.plans import PLANS as _PLANS
+from tuner.dispatch.rule import Choice, choose, choose_masked, forced, keep, use_implementation
 
 __all__ = ["MAX_PLANS", "attention", "clear_plans", "plan_for"]
 

@@ -147,8 +147,8 @@ class TunerClient:
 
     def report_demand(self, items: Sequence[Mapping[str, Any]]) -> DemandAccepted:
         """Report problems run without a tuned config (no token): each item names template,
-        template_version, device (key), problem and count. ``tuner.demand`` does this in the
-        background for ``tuner.attention``; the answer says which items were refused."""
+        template_version, device (key), problem and count. ``tuner.demand.reporter`` does this in
+        the background for ``tuner.attention``; the answer says which items were refused."""
         response = self._request("POST", "/v1/demand", json={"items": list(items)},
                                  ok_status=(202,))
         return _parse(response, DemandAccepted)
@@ -195,7 +195,7 @@ class TunerClient:
         return _parse(response, DemandRow)
 
     def upload(self, bundle: Mapping[str, Any]) -> UploadResult:
-        """Store a bundle (``tuner.bundle``'s format); needs the write token."""
+        """Store a bundle (``tuner.lookup.bundle``'s format); needs the write token."""
         response = self._request("POST", "/v1/results", json=dict(bundle),
                                  headers=self._write_headers)
         return _parse(response, UploadResult)

@@ -4,12 +4,12 @@ config tuned for this GPU and problem.
     o = tuner.decode(q, k_cache, v_cache, cache_seqlens=lengths)               # contiguous
     o = tuner.decode(q, k_pool, v_pool, cache_seqlens=lengths, block_table=t)  # paged
 
-Layouts and semantics are ``templates.flash_decode``'s (q (B, H_q, N_q, D) with N_q <= 16, the
+Layouts and semantics are ``templates.decode.template``'s (q (B, H_q, N_q, D) with N_q <= 16, the
 new tokens already in the cache, bottom-right causal among them). The config resolves as
 ``tuner.attention``'s do (cache -> local database -> service -> default), once per shape
 bucket; the checks of shapes, dtypes and devices run once per layout, and the lengths and pages
 are not read back from the GPU (no device-to-host sync on this path, so a decode step can be
-captured in a CUDA graph): they must be valid, as ``templates.flash_decode`` documents.
+captured in a CUDA graph): they must be valid, as ``templates.decode.template`` documents.
 Under ``torch.compile`` a call is traced as the custom op ``tuner::decode``, which runs this
 same path from the compiled graph.
 """
@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from templates.decode.kernel import DecodeShape, check_decode_inputs
+from templates.decode.template import TEMPLATE, FlashDecodeConfig, kept_launch, problem_of
 from templates.device import cpu_device, current_device
-from templates.flash_decode import TEMPLATE, FlashDecodeConfig, kept_launch, problem_of
-from templates.flash_decode_kernel import DecodeShape, check_decode_inputs
-from tuner.lookup import Resolved, keep_config, resolve_config
-from tuner.plans import PLANS, Plan, keep_plan
+from tuner.dispatch.plans import PLANS, Plan, keep_plan
+from tuner.lookup.resolver import Resolved, keep_config, resolve_config
 from tuner.record import note, recording
 
 __all__ = ["decode", "decode_plan_for"]
@@ -55,7 +55,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            v_cache.shape, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
            cache_seqlens.device, table, q.data_ptr() % 16, k_cache.data_ptr() % 16,
            v_cache.data_ptr() % 16, cache_seqlens.data_ptr() % 16)
-    plan = PLANS.get(key)  # the one plan cache (tuner.plans), mode "decode"
+    plan = PLANS.get(key)  # the one plan cache (tuner.dispatch.plans), mode "decode"
     if plan is None or plan.expires_at <= time.monotonic():
         plan = _plan(q, k_cache, v_cache, cache_seqlens, block_table, key)
     return plan.run(q, k_cache, v_cache, cache_seqlens, block_table, scale)  # type: ignore[misc, return-value]

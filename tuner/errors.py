@@ -1,6 +1,6 @@
 """The tuner's errors: what went wrong and how to fix it (``TunerError``), and the kinds a
 caller may tell apart (``ServiceError``: the config service's answer; ``tuner.settings``'
-``SettingsError``; ``tuner.snapshot``'s ``SnapshotError``). The database layer, which imports
+``SettingsError``; ``tuner.lookup.snapshot``'s ``SnapshotError``). The database layer, which imports
 nothing of the tuner's, has its own (``db.errors.DatabaseUnavailableError``, with the same
 ``message`` and ``fix``)."""
 

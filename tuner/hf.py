@@ -7,7 +7,7 @@
 Registers ``tuner.attention`` in transformers' ``AttentionInterface`` under ``name``, and a
 mask function of its own in ``AttentionMaskInterface``: for a prefill or a training step
 without padding, it reads transformers' mask rule (causal, sliding window, chunked, packed
-documents from ``position_ids``) and builds its ``BlockMask`` directly (``tuner.hf_mask``),
+documents from ``position_ids``) and builds its ``BlockMask`` directly (``tuner.dispatch.hf_mask``),
 once per forward (transformers asks once per mask type and shares the answer among the
 layers), kept per segment layout and shape; no L x L mask is made. Plain causal attention gets
 no mask (the dispatcher's causal path). The masks carry their named problem
@@ -20,7 +20,7 @@ Everything else (padded batches, prefills continuing a KV cache, decoding, custo
 mask, or a boolean (B, 1, L, S) mask, causality included, which the kernel reads tile by tile
 as SDPA's ``attn_mask``. Query rows that see no key (left padding) give zeros. A dense mask
 that is exactly the causal sliding window (``is_sliding_causal``), causal, or block-diagonal
-documents (``tuner.dense_mask``) runs as is_causal or a block mask (checked once per mask
+documents (``tuner.dispatch.dense_mask``) runs as is_causal or a block mask (checked once per mask
 tensor).
 """
 
@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from templates.block_mask import BlockMask
-from templates.mask_mods import pattern_block_mask
+from templates.masks.block_mask import BlockMask
+from templates.masks.mods import pattern_block_mask
 from tuner.attention import attention
-from tuner.dense_mask import recognize_mask
-from tuner.hf_mask import CAUSAL, rule_block_mask
+from tuner.dispatch.dense_mask import recognize_mask
+from tuner.dispatch.hf_mask import CAUSAL, rule_block_mask
 from tuner.varlen import varlen_attention
 
 DEFAULT_NAME = "tuner"
@@ -87,7 +87,7 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, torch.Tensor) and not dropout:
         # A dense mask from transformers' fallback (e.g. a custom mask rule) that is exactly
-        # causal, a window or documents: its block mask (tuner.dense_mask; read once per
+        # causal, a window or documents: its block mask (tuner.dispatch.dense_mask; read once per
         # mask tensor, refused after 8 sampled rows for left padding).
         found = recognize_mask(attention_mask, query.shape[2], key.shape[2])
         if found is not None:

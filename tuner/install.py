@@ -13,7 +13,7 @@ product_attention(...)``, as those libraries write it) reaches the dispatcher, e
 torch.compile. A name bound before ``install`` (``from torch.nn.functional import
 scaled_dot_product_attention`` at import) keeps torch's function: import tuner and install
 first. Where the dispatcher chooses SDPA it calls torch's own function, kept by
-``templates.torch_sdpa`` as torch defined it, so there is no recursion and the result is what
+``templates.pytorch.sdpa`` as torch defined it, so there is no recursion and the result is what
 torch gives.
 
 Why not torch's provider hook (``torch.nn.attention.register_flash_attention_impl`` /
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from templates.torch_sdpa import TORCH_SDPA_FUNCTION
+from templates.pytorch.sdpa import TORCH_SDPA_FUNCTION
 from tuner.attention import attention
 
 __all__ = ["install", "installed", "uninstall"]

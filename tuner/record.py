@@ -7,7 +7,7 @@
 or ``TUNER_RECORD=job-shapes.toml python train.py`` (written when the process exits).
 
 A problem is recorded when a plan for it is made (once per shape and layout, not per call),
-with the templates of every implementation that could serve it (``tuner.dispatch``): torch's
+with the templates of every implementation that could serve it (``tuner.dispatch.rule``): torch's
 SDPA templates beside ours, so the sweep also measures what the dispatcher compares against.
 Problems are written by the bucket the sweep tunes (``Problem.bucketed``: one stored config
 serves a bucket), one line each with ``count``, the plans the job made in that bucket: a decode
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from templates.base import Problem
 from templates.registry import get_template
+from tuner.dispatch.plans import clear_plans
 from tuner.errors import TunerError
-from tuner.plans import clear_plans
 
 __all__ = ["RECORDED_BY", "Recorder", "note", "record", "recording"]
 
@@ -110,7 +110,7 @@ class Recorder:
 
     def _read_existing(self) -> None:
         # lazy: optuna, sqlalchemy +0.47 s (2-core CPU); `import tuner.attention` skips it
-        from tuner.suites import load_spec_file
+        from tuner.tuning.suites import load_spec_file
 
         spec = load_spec_file(self.path)
         for problem in spec.problems:

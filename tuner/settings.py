@@ -9,15 +9,15 @@
     TUNER_TEMPLATE_MODULES JSON list of modules the service imports at start (templates from
                          outside the ``templates`` package, as a sweep spec's template_modules)
     TUNER_GPU_LOCK_DIR   folder where the sweep processes of one host claim their GPUs
-                         (see tuner/gpus.py); unset: a sweep uses every GPU it sees
+                         (see tuner/tuning/gpus.py); unset: a sweep uses every GPU it sees
     TUNER_SNAPSHOT       a snapshot id (64 hex digits, `tuner snapshot create`) or the path of
                          a bundle file: the job answers every lookup from it alone, loaded once
-                         (tuner/pinned.py); unset: lookups ask the database and the service
+                         (tuner/lookup/pinned.py); unset: lookups ask the database and the service
     TUNER_REFRESH        on: a running process picks up newer answers for problems it already
                          ran (default off: a config a kernel ran with is kept for the
                          process's life, docs/SERVING.md)
     TUNER_DEMAND         on (default) / off: report the problems run without a tuned config
-                         to TUNER_URL, for `tuner worker` to tune (tuner/demand.py)
+                         to TUNER_URL, for `tuner worker` to tune (tuner/demand/reporter.py)
     TUNER_DEMAND_INTERVAL seconds between a process's demand reports (default 10)
     TUNER_DEMAND_RATE_LIMIT the service's POST /v1/demand requests per second per client
                          address (default 20; bursts of twice that)
@@ -29,12 +29,17 @@
                          has no SDPA measurement (default 0.03: 3%; docs/DISPATCH.md)
     TUNER_DEMAND_MAX_PENDING the service's cap on problems waiting in the demand queue (open);
                          reports of new problems beyond it are refused (default 10,000)
+    TUNER_SHIPPED        on (default): lookups consult the measurements shipped in the package
+                         (tuner/lookup/shipped/) after the database and the service; off: never (the
+                         untuned state, your own measurements only); or the path of a folder of
+                         such tables (<model>.json, e.g. from `tuner ship --out`) to use instead
 """
 
 from __future__ import annotations
 
 import re
 from functools import lru_cache
+from pathlib import Path
 from typing import TypeVar
 
 from pydantic import Field, ValidationError, field_validator
@@ -48,6 +53,11 @@ DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
 # Problems waiting in the demand queue (a worker takes minutes per problem: more than a fleet
 # tunes in a day), a few MB of table.
 DEFAULT_DEMAND_MAX_PENDING = 10_000
+# TUNER_SHIPPED: the package's shipped tables, none, or (any other value) a folder of tables.
+# The words pydantic reads as booleans for the other on/off settings mean the same here.
+SHIPPED_ON, SHIPPED_OFF = "on", "off"
+SHIPPED_ON_WORDS = ("", "on", "true", "t", "1", "yes", "y")
+SHIPPED_OFF_WORDS = ("off", "false", "f", "0", "no", "n")
 
 # The write token's policy, one rule for the service's start and its every write
 # (``write_token_problem``): a token that looks set but protects nothing is refused.
@@ -101,7 +111,7 @@ class SettingsError(TunerError, ValueError):
     def __init__(self, message: str, variables: tuple[str, ...] = ()) -> None:
         names = ", ".join(variables) or "the TUNER_* variable named"
         super().__init__(message, f"correct or unset {names} (in the environment or in .env); "
-                                  "README.md lists them")
+                                  "docs/CONFIGURATION.md lists them")
         self.variables = variables
 
     def __str__(self) -> str:
@@ -162,6 +172,8 @@ class Settings(LogSettings):
         "to run an untuned one"))
     demand_max_pending: int = Field(DEFAULT_DEMAND_MAX_PENDING, ge=1, le=10_000_000, description=(
         "problems waiting in the demand queue before new ones are refused (service)"))
+    shipped: str = Field(SHIPPED_ON, description=(
+        "on: consult the package's shipped measurements; off: never; or a folder of tables"))
 
     @field_validator("database_url")
     @classmethod
@@ -189,6 +201,22 @@ class Settings(LogSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, but got {value!r}")
         return value.rstrip("/")
+
+    @field_validator("shipped")
+    @classmethod
+    def _check_shipped(cls, value: str) -> str:
+        word = value.strip()
+        if word.lower() in SHIPPED_ON_WORDS:  # "" too: compose passes an unset variable as ""
+            return SHIPPED_ON
+        if word.lower() in SHIPPED_OFF_WORDS:
+            return SHIPPED_OFF
+        folder = Path(word).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"must be {SHIPPED_ON}, {SHIPPED_OFF} or the path of a folder of "
+                             f"shipped tables (<model>.json, as `tuner ship --out` writes), "
+                             f"but got {value!r}, which is no folder")
+        # Absolute: the folder stays the same one if the process changes directory later.
+        return str(folder.resolve())
 
     @field_validator("snapshot")
     @classmethod

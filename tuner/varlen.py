@@ -17,7 +17,7 @@ blocks inside a document, partial ones where a document starts or ends or the ca
 runs, nothing between documents), built once per cu_seqlens and kept in a small LRU, so a
 model's layers share one. The call is then ``tuner.attention`` on a (1, H, total, D) view with
 that mask: the dispatcher runs our block-sparse kernels or compiled FlexAttention, as measured
-on the mask's named problem (``documents[_causal]:<L>``, ``templates.mask_patterns``). Forward
+on the mask's named problem (``documents[_causal]:<L>``, ``templates.masks.patterns``). Forward
 and backward (the view and the mask are differentiable through ``tuner.attention``).
 """
 
@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from templates.document_mask import clear_document_masks, document_block_mask
-from templates.torch_sdpa import TORCH_SDPA_FUNCTION
+from templates.masks.documents import clear_document_masks, document_block_mask
+from templates.pytorch.sdpa import TORCH_SDPA_FUNCTION
 from tuner.attention import attention
 
 __all__ = ["clear_document_masks", "document_block_mask", "varlen_attention",

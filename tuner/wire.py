@@ -139,7 +139,7 @@ class ImplementationTime(WireModel):
 class ImplementationsCompared(WireModel):
     """Which implementation ``tuner.attention`` runs a problem with on a device (inference),
     the runner-up, every measured implementation's time and each SDPA backend's: the
-    dispatcher's rule (``tuner.dispatch.decide``) over the stored bests (docs/DISPATCH.md)."""
+    dispatcher's rule (``tuner.dispatch.rule.decide``) over the stored bests (docs/DISPATCH.md)."""
 
     winner: str = Field(description="the implementation that runs")
     runner_up: str | None = Field(
@@ -224,7 +224,7 @@ class ConfigPage(WireModel):
 
 class ProblemWinner(WireModel):
     """One stored problem of a device: which implementation ``tuner.attention`` runs for it,
-    and every measured implementation beside it (``tuner.winners``)."""
+    and every measured implementation beside it (``tuner.dispatch.winners``)."""
 
     problem_key: str = Field(description="the shape bucket the bests are stored under")
     problem: dict[str, Any] = Field(description="the tuned problem of the bucket")
@@ -250,8 +250,9 @@ class ProblemWinner(WireModel):
     decided: bool | None = Field(
         None, description="whether the winner's and the runner-up's readings in the head-to-head "
                           "both come from tell them apart (their ranges apart, or a sign test "
-                          "over its rounds at p <= 0.05, tuner.close_calls); false: within the "
-                          "readings' noise, either would do; null: not read in one head-to-head")
+                          "over its rounds at p <= 0.05, tuner.dispatch.close_calls); false: "
+                          "within the readings' noise, either would do; null: not read in one "
+                          "head-to-head")
     sdpa_backends: dict[str, BackendTime] = Field(
         default_factory=dict,
         description="by SDPA backend (torch_sdpa's backend knob: cudnn, flash, efficient, "

@@ -10,7 +10,7 @@ from api.deps import SessionDep
 from db import crud, demand
 from db.models import utcnow
 from templates.registry import all_templates
-from tuner.winners import stored_winners
+from tuner.dispatch.winners import stored_winners
 
 router = APIRouter(tags=["dashboard"])
 

@@ -31,7 +31,8 @@ from tuner.wire import DemandRejection, ErrorOut
 
 router = APIRouter(prefix="/v1", tags=["demand"])
 
-# 500 items of ~300 bytes; a client sends at most 250 per request (tuner.demand.BATCH_ITEMS).
+# 500 items of ~300 bytes; a client sends at most 250 per request
+# (tuner.demand.reporter.BATCH_ITEMS).
 MAX_BODY_BYTES = 256 * 1024
 LISTED_REJECTIONS = 20  # rejected items listed in an answer; the rest are counted
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, HTTPException, Request, status
 
 from api.deps import BestCacheDep, SettingsDep, WriteAuth
 from api.store_process import StoreProcess
-from tuner.bundle import BUNDLE_FORMAT
+from tuner.lookup.bundle import BUNDLE_FORMAT
 from tuner.wire import ErrorOut, UploadResult
 
 router = APIRouter(prefix="/v1", tags=["results"])

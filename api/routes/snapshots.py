@@ -1,4 +1,5 @@
-"""Snapshots: the best configs frozen under the hash of their content (``tuner.snapshot``)."""
+"""Snapshots: the best configs frozen under the hash of their content
+(``tuner.lookup.snapshot``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from api.query import openapi_parameters, parse_query
 from api.schemas import SnapshotFilters, SnapshotsQuery
 from db import crud
 from db.session import run_in_transaction
-from tuner.snapshot import SNAPSHOT_ID, SnapshotError, freeze, stored_bundle
+from tuner.lookup.snapshot import SNAPSHOT_ID, SnapshotError, freeze, stored_bundle
 from tuner.wire import ErrorOut, SnapshotCreated, SnapshotList, SnapshotOut, SnapshotSummary
 
 router = APIRouter(prefix="/v1", tags=["snapshots"])

@@ -1,8 +1,8 @@
 """GET /v1/winners: per stored problem of a device, which implementation ``tuner.attention``
 runs, the runner-up, the margin and every measured implementation's TFLOP/s.
 
-The ranking is ``tuner.winners`` (what ``tuner winners`` prints), at the kernel versions this
-service runs: the versions it accepts uploads for. /v1/best stays one template's answer.
+The ranking is ``tuner.dispatch.winners`` (what ``tuner winners`` prints), at the kernel versions
+this service runs: the versions it accepts uploads for. /v1/best stays one template's answer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from api.deps import BestCacheDep, SettingsDep
 from api.query import openapi_parameters, parse_query
 from api.schemas import WinnersQuery
 from db.session import get_sessionmaker
-from tuner.winners import stored_winners
+from tuner.dispatch.winners import stored_winners
 from tuner.wire import ErrorOut, WinnersOut
 
 router = APIRouter(prefix="/v1", tags=["configs"])

@@ -10,7 +10,7 @@ from db.models import TrialStatus
 from db.session import session_scope
 from templates.base import Problem
 from tests.api.serving_data import FWD, H100, bundle, item, problem
-from tuner.bundle import store_bundle, validate_bundle
+from tuner.lookup.bundle import store_bundle, validate_bundle
 
 # The re-measured best's readings, as multiples of its first time: the median stays the first,
 # so its stored time and TFLOP/s are the bundle's, and the spread is (1.10 - 0.95) / 1.

@@ -15,7 +15,7 @@ import uvicorn
 from templates.base import Problem
 from templates.device import DeviceInfo, current_device
 from templates.registry import get_template
-from tuner.bundle import BUNDLE_FORMAT, BundleDevice
+from tuner.lookup.bundle import BUNDLE_FORMAT, BundleDevice
 
 TOKEN = "test-token-7f3a9c1e5b"  # >= 12 characters and no placeholder: accepted for writes
 
@@ -71,7 +71,7 @@ def bundle(*items: dict[str, Any], host: str | None = "gpu-test") -> dict[str, A
 def store(database_url: str, *items: dict[str, Any]) -> None:
     """A write by another process (a sweep): ``items`` straight into the database."""
     from db.session import session_scope
-    from tuner.bundle import store_bundle, validate_bundle
+    from tuner.lookup.bundle import store_bundle, validate_bundle
 
     with session_scope(database_url) as s:
         store_bundle(s, validate_bundle(bundle(*items)))

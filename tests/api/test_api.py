@@ -15,8 +15,8 @@ from api.answers import BestCache
 from api.main import create_app
 from db.session import session_scope
 from tests.api.serving_data import FWD, H100, TOKEN, bundle, item, problem
-from tuner.bundle import MAX_TFLOPS, store_bundle, validate_bundle
-from tuner.lookup import device_info_from_key
+from tuner.lookup.bundle import MAX_TFLOPS, store_bundle, validate_bundle
+from tuner.lookup.resolver import device_info_from_key
 from tuner.settings import load_settings
 
 

@@ -1,4 +1,4 @@
-"""tuner.bundle: export -> validate -> store round trip between two databases."""
+"""tuner.lookup.bundle: export -> validate -> store round trip between two databases."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from db import crud
 from db.session import dispose_engine, session_scope
 from tests.api.serving_data import bundle, item, problem
-from tuner.bundle import BundleError, make_bundle, store_bundle, validate_bundle
+from tuner.lookup.bundle import BundleError, make_bundle, store_bundle, validate_bundle
 
 
 def test_export_then_import_reproduces_the_best_configs(tmp_path: Path) -> None:

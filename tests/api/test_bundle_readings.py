@@ -18,7 +18,13 @@ from db import crud
 from db.models import Remeasurement, TrialStatus
 from db.session import dispose_engine, session_scope
 from tests.api.serving_data import FWD, H100, bundle, item, problem
-from tuner.bundle import BUNDLE_VERSION, BundleError, make_bundle, store_bundle, validate_bundle
+from tuner.lookup.bundle import (
+    BUNDLE_VERSION,
+    BundleError,
+    make_bundle,
+    store_bundle,
+    validate_bundle,
+)
 
 
 def _remeasure(url: str, p: Any, *, config: dict[str, Any],

@@ -18,8 +18,8 @@ from api.main import create_app
 from db import crud
 from db.session import session_scope
 from tests.api.serving_data import FWD, H100, TOKEN, bundle, item, problem
-from tuner import bundle as bundle_module
-from tuner.bundle import (
+from tuner.lookup import bundle as bundle_module
+from tuner.lookup.bundle import (
     MAX_BUNDLE_ITEMS,
     BundleError,
     drain,

@@ -55,7 +55,7 @@ from schemathesis.specs.openapi.schemas import OpenApiSchema  # noqa: E402
 from api.main import create_app  # noqa: E402
 from db.session import dispose_engine  # noqa: E402
 from tests.api.serving_data import H100, TOKEN, bundle, item, problem  # noqa: E402
-from tuner.bundle import BundleDevice  # noqa: E402
+from tuner.lookup.bundle import BundleDevice  # noqa: E402
 from tuner.settings import load_settings  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

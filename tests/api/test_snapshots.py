@@ -22,9 +22,9 @@ from tests.api.serving_data import (
 )
 from tuner.client import TunerClient
 from tuner.errors import ServiceError
-from tuner.lookup import ConfigResolver
+from tuner.lookup.resolver import ConfigResolver
+from tuner.lookup.snapshot import snapshot_id_of
 from tuner.settings import load_settings
-from tuner.snapshot import snapshot_id_of
 
 
 def test_creating_needs_the_token_and_the_same_content_gives_the_same_id(

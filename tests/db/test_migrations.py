@@ -212,7 +212,7 @@ def test_0003_adds_remeasurement_claims_to_a_0002_database_and_downgrades_back(
 
 def test_0004_adds_the_cudnn_version_to_a_0003_database_and_downgrades_back(
         db_url: str) -> None:
-    from tuner.lookup import device_info_from_row
+    from tuner.lookup.resolver import device_info_from_row
 
     engine = make_engine(db_url)
     _migrate(engine, "0003")

@@ -117,7 +117,7 @@ def test_workers_reserve_gpus_and_claim_one_each(compose: dict[str, Any]) -> Non
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     # Every GPU in sight (Docker hands out count: N from index 0 in every replica); each
-    # replica then claims its own through the shared lock folder (tuner/gpus.py).
+    # replica then claims its own through the shared lock folder (tuner/tuning/gpus.py).
     assert device["count"] == "all"
     locks = worker["environment"]["TUNER_GPU_LOCK_DIR"]
     assert f"gpu-locks:{locks}" in worker["volumes"] and "gpu-locks" in compose["volumes"]
@@ -184,7 +184,7 @@ def test_the_image_is_cuda_with_torch_and_triton_and_carries_no_secrets() -> Non
 
 
 def test_the_example_sweep_mounted_into_the_workers_is_valid(compose: dict[str, Any]) -> None:
-    from tuner.suites import resolve_spec
+    from tuner.tuning.suites import resolve_spec
 
     assert "./deploy/sweeps:/sweeps:ro" in compose["services"]["worker"]["volumes"]
     spec, _ = resolve_spec(str(ROOT / "deploy/sweeps/example.toml"), interpreter=False)

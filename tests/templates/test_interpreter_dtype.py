@@ -10,17 +10,17 @@ import pytest
 import torch
 
 import tuner
-from templates import flash_fwd
 from templates.attention_reference import attention_reference, lse_error
-from templates.autograd import flash_attention
 from templates.base import TOLERANCE, Problem, relative_error
-from templates.block_mask import BlockMask
+from templates.decode.template import TEMPLATE as DECODE
 from templates.device import current_device, interpreter_active
-from templates.flash_bwd import flash_attention_bwd, reference_grads
-from templates.flash_decode import TEMPLATE as DECODE
-from templates.flash_fwd import flash_attention_fwd, launch_plan
+from templates.flash import fwd as flash_fwd
+from templates.flash.autograd import flash_attention
+from templates.flash.bwd import flash_attention_bwd, reference_grads
+from templates.flash.fwd import flash_attention_fwd, launch_plan
 from templates.interpreter_dtype import Float32Plan
-from templates.mask_mods import causal_mask
+from templates.masks.block_mask import BlockMask
+from templates.masks.mods import causal_mask
 
 pytestmark = pytest.mark.skipif(not interpreter_active(),
                                 reason="bf16 is upcast only under the Triton interpreter")

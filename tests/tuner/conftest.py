@@ -15,9 +15,9 @@ from db.models import TrialStatus
 from templates import Problem, current_device, get_template
 from templates.attention_reference import attention_reference
 from tuner.attention import clear_plans
-from tuner.lookup import ConfigResolver, set_resolver
-from tuner.replay import RecordedProblem
-from tuner.runner.outcome import TrialOutcome
+from tuner.lookup.resolver import ConfigResolver, set_resolver
+from tuner.tuning.replay import RecordedProblem
+from tuner.tuning.runner.outcome import TrialOutcome
 
 TOY_PROBLEM = Problem(1, 1, 1, 16, 16, 16, "float16")
 
@@ -28,7 +28,7 @@ def no_tuned_configs(tmp_path: Path) -> Iterator[None]:
     stores one (tests of tuner.attention, the dispatcher and recording)."""
     from tuner.settings import load_settings
 
-    # No shipped tables either (tuner.shipped): a table shipped for a test device's model
+    # No shipped tables either (tuner.lookup.shipped): a table shipped for a test device's model
     # would otherwise answer these tests' problems.
     set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'no.db'}",
                                               url=None), shipped_dir=None))
@@ -40,9 +40,9 @@ def no_tuned_configs(tmp_path: Path) -> Iterator[None]:
 
 @pytest.fixture
 def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Calls of templates.torch_flex.flex, which answers with the reference (compiling Flex
+    """Calls of templates.pytorch.flex.flex, which answers with the reference (compiling Flex
     on the CPU takes ~10 s per shape, and it has no CPU backward)."""
-    import templates.torch_flex
+    import templates.pytorch.flex
 
     calls: list[dict[str, Any]] = []
 
@@ -54,7 +54,7 @@ def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
                                    v.repeat_interleave(group, 1), causal=kwargs["causal"],
                                    scale=q.shape[-1] ** -0.5, mask=block_mask.to_dense())[0]
 
-    monkeypatch.setattr(templates.torch_flex, "flex", recorder)
+    monkeypatch.setattr(templates.pytorch.flex, "flex", recorder)
     return calls
 
 

@@ -1,6 +1,6 @@
 """tuner.attention's flash path against torch SDPA (tiny shapes, under the interpreter without a
 GPU). Every test here forces the ``flash`` implementation: unmeasured calls would otherwise run
-torch SDPA itself (tests/tuner/test_dispatch.py tests that choice)."""
+torch SDPA itself (tests/tuner/dispatch/test_dispatch.py tests that choice)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from db.session import dispose_engine, session_scope
 from templates.device import current_device
 from tests.api.serving_data import FWD, bundle, item, problem, tuned_config
 from tuner.attention import _PLANS, MAX_PLANS, clear_plans, plan_for
-from tuner.bundle import store_bundle, validate_bundle
-from tuner.lookup import ConfigResolver, set_resolver
+from tuner.lookup.bundle import store_bundle, validate_bundle
+from tuner.lookup.resolver import ConfigResolver, set_resolver
 from tuner.settings import load_settings
 
 TOL = {torch.float16: 2e-3, torch.float32: 1e-4}

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import tuner
-from templates.torch_sdpa import TORCH_SDPA_FUNCTION
-from tuner.plans import PLANS, clear_plans
+from templates.pytorch.sdpa import TORCH_SDPA_FUNCTION
+from tuner.dispatch.plans import PLANS, clear_plans
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 

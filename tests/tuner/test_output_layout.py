@@ -14,7 +14,7 @@ import torch
 import tuner
 from templates.kernel_common import output_strides
 from tuner.attention import _attention_inference
-from tuner.implementations.flash import _attention_fwd
+from tuner.dispatch.implementations.flash import _attention_fwd
 
 
 @pytest.fixture(autouse=True)

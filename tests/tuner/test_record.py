@@ -14,9 +14,9 @@ import torch
 
 import tuner
 from templates.base import Problem
-from tests.tuner.test_sweep_cli import cli
+from tests.tuner.cli.test_sweep_cli import cli
 from tuner.errors import TunerError
-from tuner.suites import load_spec_file
+from tuner.tuning.suites import load_spec_file
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
 
@@ -138,7 +138,7 @@ shapes = [
 def test_a_recording_of_another_release_still_tunes(tmp_path: Path) -> None:
     """Problems are problems: a recording that names a template this release lacks, with other
     kernel versions, sweeps the problems with the templates it has (the rest skipped)."""
-    from tuner.sweep import expand_tasks
+    from tuner.tuning.sweep import expand_tasks
 
     path = tmp_path / "old.toml"
     path.write_text("""name = "old"

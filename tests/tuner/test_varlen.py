@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-import templates.document_mask
+import templates.masks.documents
 import tuner
 from templates.base import Problem
-from templates.block_mask import BlockMask
 from templates.device import current_device
-from tests.tuner.test_dispatch import measured, store
-from tuner.dispatch import Call, choose
+from templates.masks.block_mask import BlockMask
+from tests.tuner.dispatch.test_dispatch import measured, store
+from tuner.dispatch.rule import Call, choose
 from tuner.varlen import (
     clear_document_masks,
     document_block_mask,
@@ -125,13 +125,13 @@ def test_the_mask_is_built_once_for_the_same_documents(device: str,
                                                        ) -> None:
     clear_document_masks()
     built: list[object] = []
-    real = templates.document_mask._build_document_mask
+    real = templates.masks.documents._build_document_mask
 
     def counting(*args: Any) -> BlockMask:
         built.append(args)
         return real(*args)
 
-    monkeypatch.setattr(templates.document_mask, "_build_document_mask", counting)
+    monkeypatch.setattr(templates.masks.documents, "_build_document_mask", counting)
     q, k, v = inputs(SELF, SELF, torch.float32, device)
     cu_32, cu_64 = cu(SELF, device=device), cu(SELF, torch.int64, device)
     with torch.no_grad():
@@ -140,9 +140,9 @@ def test_the_mask_is_built_once_for_the_same_documents(device: str,
         assert len(built) == 1
         varlen_attention(q, k, v, cu_32, cu_32, 133, 133, causal=False)
         assert len(built) == 2
-    for i in range(templates.document_mask.MAX_CACHED_MASKS + 2):  # the LRU stays small
+    for i in range(templates.masks.documents.MAX_CACHED_MASKS + 2):  # the LRU stays small
         document_block_mask([0, i + 1], [0, i + 1], causal=True, device="cpu")
-    assert len(templates.document_mask._MASKS) == templates.document_mask.MAX_CACHED_MASKS
+    assert len(templates.masks.documents._MASKS) == templates.masks.documents.MAX_CACHED_MASKS
 
 
 def test_a_measured_flex_win_on_the_documents_problem_runs_flex(

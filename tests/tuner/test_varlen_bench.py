@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import BENCHMARKS, load_benchmark_script
+from tests.benchmarks.benchmark_scripts import BENCHMARKS, load_benchmark_script
 
 
 def test_the_document_lengths_are_in_range_and_fill_the_row() -> None:

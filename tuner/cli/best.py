@@ -18,6 +18,7 @@ from tuner.cli.common import (
     database_url,
     fmt_tflops,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.cli.comparison_table import compared_table
@@ -128,10 +129,10 @@ def best(
                       f"{it['speedup']:.2f}x" if it["speedup"] else "-",
                       *([_runs_text(it["runs"])] if shared else []),
                       config_text(it["config"]))
-    console.print(table)
+    print_table(table)
     for (device_key, key), found in compared.items():
-        console.print(compared_table(found, problem_label(asked[key].to_dict()),
-                                     names_of.get(device_key, device_key)))
+        print_table(compared_table(found, problem_label(asked[key].to_dict()),
+                                   names_of.get(device_key, device_key)))
     if shared:
         console.print("runs: whether tuner.attention runs this config, where the problem is "
                       "measured for several implementations (`tuner winners` ranks them all)")
@@ -177,7 +178,7 @@ def _template(name: str) -> Template:
 
 def _problem_of(template_name: str, shape: str, dtype: str, causal: str) -> Problem:
     # lazy: optuna, sqlalchemy, torch+triton +1.8 s (2-core CPU); keeps `tuner --help` < 1 s
-    from tuner.suites import parse_shape, spec_from_mapping
+    from tuner.tuning.suites import parse_shape, spec_from_mapping
 
     spec = spec_from_mapping({"templates": [template_name], "shapes": [parse_shape(shape)],
                               "dtypes": [dtype], "causal": [causal]}, source="--shape")
@@ -187,11 +188,12 @@ def _problem_of(template_name: str, shape: str, dtype: str, causal: str) -> Prob
 
 def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[str, str]
               ) -> dict[tuple[str, str], ImplementationsCompared]:
-    """With --shape: the implementations compared for the asked problem (``tuner.comparison``)
-    on each device and bucket the listed rows are of, at this install's kernel versions."""
+    """With --shape: the implementations compared for the asked problem
+    (``tuner.dispatch.comparison``) on each device and bucket the listed rows are of, at this
+    install's kernel versions."""
     # lazy: sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
-    from tuner.comparison import compare_in_database
-    from tuner.devices import device_info_from_row
+    from tuner.dispatch.comparison import compare_in_database
+    from tuner.lookup.devices import device_info_from_row
 
     margin = get_settings().neighbour_margin
     out = {}
@@ -204,10 +206,10 @@ def _compared(s: Any, rows: list[Any], asked: dict[str, Problem], current: dict[
 
 
 def _ranked(s: Any, rows: list[Any], current: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """``tuner.winners``' ranking of each device among ``rows`` that has bests of an
+    """``tuner.dispatch.winners``' ranking of each device among ``rows`` that has bests of an
     implementation's forward template: device key -> problem key -> ``ProblemWinner``."""
     # lazy: sqlalchemy, torch+triton +3.0 s (2-core CPU); keeps `tuner --help` < 1 s
-    from tuner.winners import forward_templates, stored_winners
+    from tuner.dispatch.winners import forward_templates, stored_winners
 
     forward = forward_templates()
     keys = sorted({r.device.key for r in rows if r.template.name in forward})
@@ -221,7 +223,7 @@ def _runs(row: Any, ranked: dict[str, dict[str, Any]], current: dict[str, str]
     several implementations: the implementation, the winner, the runner-up and the margin
     (None otherwise, and for bests of other kernel versions: they are not what runs)."""
     # lazy: sqlalchemy, torch+triton +3.1 s (2-core CPU); keeps `tuner --help` < 1 s
-    from tuner.winners import forward_templates
+    from tuner.dispatch.winners import forward_templates
 
     implementation = forward_templates().get(row.template.name)
     found = ranked.get(row.device.key, {}).get(row.problem_key)

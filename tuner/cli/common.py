@@ -11,11 +11,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from tuner.errors import TunerError
 from tuner.settings import SettingsError, get_settings, load_settings
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
+
     from tuner.settings import Settings
 
 __all__ = [
@@ -30,7 +34,9 @@ __all__ = [
     "err_console",
     "fmt_tflops",
     "gpu_lock_dir",
+    "plain_table",
     "print_json",
+    "print_table",
     "problem_label",
     "settings_with",
 ]
@@ -40,6 +46,8 @@ __all__ = [
 PIPED_WIDTH = 10_000
 console = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else PIPED_WIDTH)
+# Between the columns of a table printed piped (``plain_table``): a cell's own spaces are single.
+PLAIN_GAP = "  "
 
 DbOption = Annotated[str | None, typer.Option(
     "--db", help="SQLAlchemy database URL (default: TUNER_DATABASE_URL, else sqlite:///tuner.db)",
@@ -126,6 +134,47 @@ def _did_you_mean(flag: str, given: str, allowed: Sequence[str]) -> str:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def print_table(table: Table) -> None:
+    """``table`` for people: rich's boxed table on a terminal; piped, plain lines
+    (``plain_table``). Boxed at ``PIPED_WIDTH``, every row of ``tuner best`` was padded to its
+    widest cells, ~270 columns (issue 41, item 10); ``--json`` is the format for programs."""
+    if console.file.isatty():
+        console.print(table)
+    else:
+        console.file.write(plain_table(table))
+
+
+def plain_table(table: Table) -> str:
+    """``table`` as lines that grep, cut and less read: the title, a header, one line per row,
+    the caption. Columns are aligned, ``PLAIN_GAP`` apart (numbers to the right, as on a
+    terminal), without borders and with nothing after a row's last cell. A cell's own spaces
+    are single ones and an empty cell reads "-", so splitting a line at two or more spaces
+    gives its cells."""
+    columns = [[_one_line(column.header) or "-",
+                *(_one_line(cell) or "-" for cell in column.cells)]
+               for column in table.columns]
+    widths = [max(map(len, cells)) for cells in columns]
+    lines = [_plain(table.title)] if table.title else []
+    for row in zip(*columns, strict=True):
+        lines.append(PLAIN_GAP.join(
+            cell.rjust(width) if column.justify == "right" else cell.ljust(width)
+            for cell, width, column in zip(row, widths, table.columns, strict=True)).rstrip())
+    if table.caption:
+        lines.append(_plain(table.caption))
+    return "\n".join(lines) + "\n"
+
+
+def _plain(renderable: RenderableType) -> str:
+    """The text of a cell, title or caption as rich shows it, without its markup."""
+    if isinstance(renderable, str):
+        return Text.from_markup(renderable).plain
+    return renderable.plain if isinstance(renderable, Text) else str(renderable)
+
+
+def _one_line(renderable: RenderableType) -> str:
+    return " ".join(_plain(renderable).split())
 
 
 def fmt_tflops(value: float | None) -> str:

@@ -1,5 +1,5 @@
 """``tuner best --shape``'s comparison table: which implementation runs the asked problem, the
-runner-up, every implementation's time and each SDPA backend's (``tuner.comparison``)."""
+runner-up, every implementation's time and each SDPA backend's (``tuner.dispatch.comparison``)."""
 
 from __future__ import annotations
 

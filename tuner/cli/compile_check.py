@@ -2,8 +2,8 @@
 
 Triton compiles on the CPU; only running needs the GPU. For every problem of a spec, the
 default config for the target GPU (and with --known-good the template's measured runners-up)
-is compiled down to a cubin in a child process (``templates.compile_report`` under
-``templates.offline_target``), and the registers, stack bytes (spills) and shared memory of
+is compiled down to a cubin in a child process (``templates.compile.report`` under
+``templates.compile.offline_target``), and the registers, stack bytes (spills) and shared memory of
 each kernel are shown. A config that fails to compile makes the command exit 1: a CI gate
 for kernel changes, and a look at a config's resources before GPU time is spent on it.
 """
@@ -19,7 +19,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from tuner.cli.common import JsonOption, config_text, console, print_json, problem_label
+from tuner.cli.common import (
+    JsonOption,
+    config_text,
+    console,
+    print_json,
+    print_table,
+    problem_label,
+)
 from tuner.errors import TunerError
 
 __all__ = ["compile_check"]
@@ -42,9 +49,9 @@ def compile_check(
     """Compile each problem's default config for --target without that GPU; show registers,
     stack (spills) and shared memory per kernel. Exit 1 if a config fails to compile."""
     # lazy: optuna, sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
-    from templates.offline_target import TARGETS
-    from tuner.suites import resolve_spec
-    from tuner.sweep import expand_tasks
+    from templates.compile.offline_target import TARGETS
+    from tuner.tuning.suites import resolve_spec
+    from tuner.tuning.sweep import expand_tasks
 
     if target not in TARGETS:
         raise TunerError(f"unknown --target {target!r}", f"use one of {', '.join(TARGETS)}")
@@ -77,18 +84,18 @@ def compile_check(
 
 
 def _compile_in_child(request: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-    """Run ``templates.compile_report`` in a child without the interpreter (``@triton.jit``
+    """Run ``templates.compile.report`` in a child without the interpreter (``@triton.jit``
     decides at import time), so a compiler abort takes down only the child."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     try:
-        done = subprocess.run([sys.executable, "-m", "templates.compile_report"],
+        done = subprocess.run([sys.executable, "-m", "templates.compile.report"],
                               input=json.dumps(request), capture_output=True, text=True,
                               env=env, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         raise TunerError(f"compiling {len(request['jobs'])} configs took over {timeout_s:g} s",
                          "raise --timeout, or check fewer problems") from None
     # lazy: torch+triton +1.7 s (2-core CPU); keeps `tuner --help` < 1 s
-    from templates.compile_report import CompileOutcome
+    from templates.compile.report import CompileOutcome
 
     outcomes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or len(outcomes) < len(request["jobs"]):
@@ -132,7 +139,7 @@ def _print_table(outcomes: list[dict[str, Any]], device_name: str) -> None:
                 _num(kernel and kernel["registers"]), _num(kernel and kernel["stack_bytes"]),
                 f"{kernel['shared_bytes'] / 1024:.0f}" if kernel else "-",
                 f"{kernel['seconds']:.1f}" if kernel else "-", row_note)
-    console.print(table)
+    print_table(table)
 
 
 def _num(value: Any) -> str:

@@ -51,7 +51,7 @@ def _upgrade(url: str) -> dict[str, Any]:
     # lazy: alembic, optuna, sqlalchemy, torch+triton +2.5 s (2-core CPU); keeps `tuner --help` < 1 s
     from db.migrate import current_revision, head_revision
     from db.session import init_db, make_engine
-    from tuner.search.study import make_storage
+    from tuner.tuning.search.study import make_storage
 
     engine = make_engine(url)
     with engine.connect() as connection:

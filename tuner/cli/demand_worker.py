@@ -1,9 +1,9 @@
 """``tuner worker``: tune what jobs ran untuned, most reported first, for ever (or until told).
 
 The docker-compose ``demand-worker`` service runs it: each replica claims a GPU, then the
-demand of that GPU's device key (tuner/demand_worker.py), in the database it shares with the service.
-With ``--service URL`` a GPU host that reaches only the service does the same through its API
-(TUNER_TOKEN), tuning into a database of its own (``--db``) and uploading the results.
+demand of that GPU's device key (tuner/demand/worker.py), in the database it shares with the
+service. With ``--service URL`` a GPU host that reaches only the service does the same through its
+API (TUNER_TOKEN), tuning into a database of its own (``--db``) and uploading the results.
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ def worker(
     # lazy: httpx, optuna, sqlalchemy, torch+triton +3.4 s (2-core CPU); keeps `tuner --help` < 1 s
     import optuna
 
-    from tuner.demand_worker import WorkerOptions, run_worker
-    from tuner.gpus import gpus_for_sweep
-    from tuner.service_queue import ServiceQueue
-    from tuner.sweep import SweepOptions
+    from tuner.demand.service_queue import ServiceQueue
+    from tuner.demand.worker import WorkerOptions, run_worker
+    from tuner.tuning.gpus import gpus_for_sweep
+    from tuner.tuning.sweep import SweepOptions
 
     settings = settings_with(db)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -120,7 +120,7 @@ class _Lines:
 
     def __call__(self, event: Any) -> None:
         # lazy: optuna, sqlalchemy, torch+triton +3.3 s (2-core CPU); keeps `tuner --help` < 1 s
-        from tuner.demand_worker import JobClaimed, JobFinished, WorkerStarted, WorkerWaits
+        from tuner.demand.worker import JobClaimed, JobFinished, WorkerStarted, WorkerWaits
 
         if isinstance(event, WorkerStarted):
             device = event.device
@@ -149,7 +149,7 @@ class _JsonLines:
 
     def __call__(self, event: Any) -> None:
         # lazy: optuna, sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
-        from tuner.demand_worker import JobFinished, WorkerStarted, WorkerWaits
+        from tuner.demand.worker import JobFinished, WorkerStarted, WorkerWaits
 
         if isinstance(event, WorkerStarted):
             print_json_line({"event": "started", "worker": event.worker,

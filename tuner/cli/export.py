@@ -14,7 +14,7 @@ import typer
 
 from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json
 from tuner.errors import TunerError
-from tuner.snapshot import read_snapshot
+from tuner.lookup.snapshot import read_snapshot
 
 __all__ = ["export"]
 
@@ -43,8 +43,8 @@ def export(
     """
     # lazy: optuna, sqlalchemy, torch+triton +3.2 s (2-core CPU); keeps `tuner --help` < 1 s
     from db.session import session_scope
-    from tuner.bundle import make_bundle
-    from tuner.replay import dump_recorded, load_recorded_from_db
+    from tuner.lookup.bundle import make_bundle
+    from tuner.tuning.replay import dump_recorded, load_recorded_from_db
 
     url = database_url(db)
     if snapshot is not None:

@@ -27,7 +27,7 @@ def import_bundle(
     """
     # lazy: sqlalchemy, torch+triton +1.7 s (2-core CPU); keeps `tuner --help` < 1 s
     import templates  # noqa: F401  (registers the templates the items name)
-    from tuner.bundle import BundleError, store_bundle_in_batches, validate_bundle
+    from tuner.lookup.bundle import BundleError, store_bundle_in_batches, validate_bundle
 
     url = database_url(db)
     try:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json
+from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json, print_table
 
 __all__ = ["list_things"]
 
@@ -48,7 +48,7 @@ def list_things(
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*(_cell(row.get(c)) for c in columns))
-    console.print(table)
+    print_table(table)
 
 
 def _cell(value: Any) -> str:

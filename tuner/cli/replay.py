@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tuner.cli.common import DbOption, JsonOption, console, database_url, print_json
+from tuner.cli.common import DbOption, JsonOption, database_url, print_json, print_table
 from tuner.errors import TunerError
 
 __all__ = ["replay"]
@@ -44,14 +44,14 @@ def replay(
     """
     # lazy: optuna, sqlalchemy, torch+triton +2.9 s (2-core CPU); keeps `tuner --help` < 1 s
     import templates  # noqa: F401  (registers the templates replayed)
-    from tuner.replay import (
+    from tuner.tuning.replay import (
         compare_samplers,
         load_recorded_file,
         load_recorded_from_db,
         recorded_prior,
         search_space,
     )
-    from tuner.suites import load_spec_file
+    from tuner.tuning.suites import load_spec_file
 
     if budget is not None and budget < 1:
         raise TunerError(f"--budget must be >= 1, but got {budget}", "e.g. --budget 20")
@@ -85,4 +85,4 @@ def replay(
         table.add_row(s.problem_key, s.sampler, str(s.budget),
                       f"{s.mean_fraction:.3f}" if s.mean_fraction is not None else "-",
                       f"{s.worst_fraction:.3f}" if s.worst_fraction is not None else "-")
-    console.print(table)
+    print_table(table)

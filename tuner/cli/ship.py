@@ -1,5 +1,5 @@
-"""``tuner ship``: regenerate the shipped measurements of a GPU model (``tuner.shipped``) from
-a sweep's database or a bundle file, for the problems of a suite."""
+"""``tuner ship``: regenerate the shipped measurements of a GPU model (``tuner.lookup.shipped``)
+from a sweep's database or a bundle file, for the problems of a suite."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def ship(
                         "suite or a spec file)")] = "standard",
     out: Annotated[Path | None, typer.Option(
         "--out", help="the file to write (default: the package's tables, "
-                      "tuner/shipped/<device>.json)", show_default=False)] = None,
+                      "tuner/lookup/shipped/<device>.json)", show_default=False)] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Write a shipped table: what a fresh install runs before any sweep.
@@ -36,11 +36,11 @@ def ship(
     tuned for another version of a kernel than the installed one are dropped, and listed.
     """
     # The kernels, torch and SQLAlchemy are imported here, when the command runs: `tuner
-    # --help` stays free of them (tests/tuner/test_cli_new_user.py).
+    # --help` stays free of them (tests/tuner/cli/test_cli_new_user.py).
     from templates.registry import get_template
     from tuner.errors import TunerError
-    from tuner.shipped import PACKAGED_DIR, file_name
-    from tuner.shipped.build import (
+    from tuner.lookup.shipped import PACKAGED_DIR, file_name
+    from tuner.tuning.ship import (
         as_json,
         build_table,
         dropped_lines,
@@ -48,7 +48,7 @@ def ship(
         from_database,
         table_winners,
     )
-    from tuner.suites import resolve_spec
+    from tuner.tuning.suites import resolve_spec
 
     given = source or database_url(None)
     bests = from_database(given, device) if "://" in given else from_bundle(Path(given), device)

@@ -21,11 +21,11 @@ from tuner.cli.common import (
     database_url,
     fmt_tflops,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.errors import ServiceError, TunerError
-from tuner.settings import get_settings
-from tuner.snapshot import (
+from tuner.lookup.snapshot import (
     StoredSnapshot,
     check_snapshot_id,
     delete_snapshot,
@@ -33,6 +33,7 @@ from tuner.snapshot import (
     read_snapshot,
     snapshot_id_of,
 )
+from tuner.settings import get_settings
 
 __all__ = ["app"]
 
@@ -138,7 +139,7 @@ def show(
                       problem_label(entry["problem"]), config_text(entry["config"]),
                       fmt_tflops(tflops), fmt_tflops(default),
                       f"{tflops / default:.2f}x" if tflops and default else "-")
-    console.print(table)
+    print_table(table)
     console.print(f"pin a job to it: TUNER_SNAPSHOT={found.id}", highlight=False)
 
 

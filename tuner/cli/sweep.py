@@ -28,6 +28,7 @@ from tuner.cli.common import (
     fmt_tflops,
     gpu_lock_dir,
     print_json,
+    print_table,
 )
 from tuner.errors import TunerError
 
@@ -116,12 +117,12 @@ def sweep(
     import optuna
 
     from templates.device import interpreter_active
-    from tuner.gpus import gpus_for_sweep
-    from tuner.head_to_head import DEFAULT_HEAD_TO_HEAD_ROUNDS
-    from tuner.search.budget import parse_duration
-    from tuner.search.loop import DEFAULT_FINAL_REPEATS, DEFAULT_FINALISTS
-    from tuner.suites import resolve_spec, spec_from_flags
-    from tuner.sweep import SweepOptions, run_sweep
+    from tuner.tuning.gpus import gpus_for_sweep
+    from tuner.tuning.head_to_head import DEFAULT_HEAD_TO_HEAD_ROUNDS
+    from tuner.tuning.search.budget import parse_duration
+    from tuner.tuning.search.loop import DEFAULT_FINAL_REPEATS, DEFAULT_FINALISTS
+    from tuner.tuning.suites import resolve_spec, spec_from_flags
+    from tuner.tuning.sweep import SweepOptions, run_sweep
 
     budget_s = parse_duration(budget) if budget is not None else None
     url = database_url(db)
@@ -210,7 +211,7 @@ class SweepDisplay:
 
     def handle(self, event: Any) -> None:
         # lazy: optuna, sqlalchemy, torch+triton +3.0 s (2-core CPU); keeps `tuner --help` < 1 s
-        from tuner.sweep import (
+        from tuner.tuning.sweep import (
             HeadToHeadFinished,
             HeadToHeadStarted,
             ProblemFailed,
@@ -360,7 +361,7 @@ def print_summary(report: Any) -> None:
                       f"{p.speedup:.2f}x" if p.speedup else "-", _remeasured(p), str(p.ok),
                       failed, f"{p.seconds_per_trial:.2f}" if p.seconds_per_trial else "-",
                       f"{p.bench_seconds_per_trial:.2f}" if p.bench_seconds_per_trial else "-")
-    console.print(table)
+    print_table(table)
     if len(templates) == 1:
         console.print(f"template: {templates.pop()}; s/trial: worker seconds per measured "
                       "config; bench s: of which timing the kernel")

@@ -18,15 +18,16 @@ from tuner.cli.common import (
     fmt_tflops,
     gpu_lock_dir,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.errors import TunerError
-from tuner.runner.timing import REP_MS
-from tuner.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
+from tuner.tuning.runner.timing import REP_MS
+from tuner.tuning.verify_options import AUTO, DEFAULT_TOLERANCE, VerifyOptions, parse_tolerance
 from tuner.wire import readings_text
 
 if TYPE_CHECKING:
-    from tuner.verify import Verified
+    from tuner.tuning.verify import Verified
 
 __all__ = ["verify"]
 
@@ -96,12 +97,12 @@ def verify(
     # import torch and the kernels (python -X importtime; issue 41, item 1).
     from templates import current_device
     from templates.device import interpreter_active
-    from tuner.gpus import gpus_for_sweep
-    from tuner.runner.isolated import IsolatedRunner
-    from tuner.suites import resolve_spec, spec_from_flags
-    from tuner.sweep import expand_tasks
-    from tuner.verify import stored_for_tasks, stored_matching
-    from tuner.verify import verify as remeasure
+    from tuner.tuning.gpus import gpus_for_sweep
+    from tuner.tuning.runner.isolated import IsolatedRunner
+    from tuner.tuning.suites import resolve_spec, spec_from_flags
+    from tuner.tuning.sweep import expand_tasks
+    from tuner.tuning.verify import stored_for_tasks, stored_matching
+    from tuner.tuning.verify import verify as remeasure
     url = database_url(db)
     # The device the stored rows are looked up for: this machine's, as `tuner best` does.
     device_key = current_device().key
@@ -193,7 +194,7 @@ def _print_table(results: list[Verified], device: dict[str, Any],
                       f"{ratio:.3f}" if ratio is not None else "-",
                       readings_text(r.stored.readings, r.stored.spread),
                       *((_pct(r.tolerance, 1),) if auto else ()), verdict)
-    console.print(table)
+    print_table(table)
     off = [r for r in results if not r.within_tolerance]
     what = (f"within their bar, max({_pct(DEFAULT_TOLERANCE)}, the spread of their stored "
             "readings),") if auto else f"within {bar}"

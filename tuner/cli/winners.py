@@ -2,7 +2,7 @@
 the winner, the runner-up and every measured implementation's TFLOP/s beside them, and each
 SDPA backend's time.
 
-The ranking is ``tuner.winners`` (shared with ``tuner best``, ``GET /v1/winners`` and the
+The ranking is ``tuner.dispatch.winners`` (shared with ``tuner best``, ``GET /v1/winners`` and the
 dashboard), at the kernel versions of this install: a best tuned for other kernel source is
 not what would run here.
 """
@@ -22,6 +22,7 @@ from tuner.cli.common import (
     database_url,
     fmt_tflops,
     print_json,
+    print_table,
     problem_label,
 )
 from tuner.errors import TunerError
@@ -43,8 +44,8 @@ def winners(
     from db.session import session_scope
     from templates import current_device
     from templates.registry import get_template
-    from tuner.dispatch import implementations
-    from tuner.winners import forward_templates, stored_winners
+    from tuner.dispatch.rule import implementations
+    from tuner.dispatch.winners import forward_templates, stored_winners
 
     dtype = checked_dtype(dtype)
     url = database_url(db)
@@ -81,7 +82,7 @@ def winners(
                       *(fmt_tflops(it.tflops.get(n)) + (" (h2h)" if n in it.head_to_head
                                                          else "") for n in names),
                       *([backends_text(it.sdpa_backends)] if backends else []))
-    console.print(table)
+    print_table(table)
     console.print("TFLOP/s of each implementation's stored best; margin: the winner over the "
                   "runner-up (docs/DISPATCH.md), (noise) where their head-to-head's "
                   "readings do not tell them apart; (h2h): the median of the problem's "

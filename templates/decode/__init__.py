@@ -1,0 +1,3 @@
+"""Split-KV decode over contiguous or paged KV caches: the template (``template``) and its
+kernels (``kernel``).
+"""

@@ -1,0 +1,289 @@
+"""The Gluon backward template (Hopper only): its search space, constraints, defaults and entry.
+
+The kernels and their launcher live in ``templates.gluon.bwd_kernel`` (torch + triton only, so
+they can be emitted as standalone source). Like ``flash_bwd`` it takes the forward's ``o`` and
+``lse`` and the incoming gradient ``do`` and returns ``(dq, dk, dv)``: the tuner measures it on
+the same backward problems (inputs from ``FlashBwdTemplate.make_inputs``), so the two
+backwards compete by measurement. Written for triton 3.6's Gluon; on a triton without Gluon
+the template imports but rejects every problem.
+
+Status (notes/gluon_notes.md, "The backward's dQ path"): right on the H100 and the H200 with
+64 x 128 tiles, two warpgroups and a ring of three (the only tiles offered); on the H200
+0.65-0.74x cuDNN's backward at d128 and 0.60-0.66x at d64 (2026-11-29), so it is in no spec
+and the dispatcher never runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from templates.base import KernelConfig, KernelLaunch, Problem, knob
+from templates.compile.standin_tensor import StandinTensor
+from templates.device import DeviceInfo
+from templates.flash.bwd import TEMPLATE as FLASH_BWD
+from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    GluonTemplate,
+    load_kernel_module,
+    problem_of,
+)
+from templates.registry import register
+
+kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
+HEAD_DIMS = (64, 128)
+DTYPE_BYTES = 2
+# Shared memory Triton adds to the tiles (the mbarriers: 24 bytes in the offline build),
+# rounded up so that the estimate is an upper bound.
+BARRIER_BYTES = 512
+# fp32 registers per thread the step's big tiles may hold: the dK and dV accumulators plus
+# the S^T and dP^T tiles, (2 BLOCK_N D + 2 BLOCK_N BLOCK_M) / threads. Calibrated by the
+# offline sm_90 build (triton 3.9, notes/gluon_notes.md): 128 compiled in 186 registers
+# without spills; 192 in 250-255 registers, without spills (d128, 64x64 tiles, 4 warps) or
+# with 8-24 bytes of stack (d128 64x128 and d64 128x128 tiles, 8 warps); above 192 was not
+# compiled.
+MAX_TILE_REGISTERS = 192
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig(KernelConfig):
+    """One point of the Gluon backward kernel's search space."""
+
+    BLOCK_M: int = knob(
+        64, (64, 128),
+        "Query rows per step (one TMA load of Q and dO, the N of the S^T and dP^T GEMMs). "
+        "Larger steps halve the steps, barriers and atomics per key but double the S^T/dP^T "
+        "registers.")
+    BLOCK_N: int = knob(
+        128, (64, 128),
+        "Keys per program: its dK and dV accumulators (BLOCK_N x D fp32 each) stay in "
+        "registers for the whole walk; more keys reread Q and dO fewer times.")
+    stages: int = knob(
+        3, (3, 4),
+        "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
+        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline) nor "
+        "2 (wrong dK/dV on the H100, cause not found: notes/gluon_notes.md).")
+    consumers: int = knob(
+        2, (1, 2),
+        "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
+        "dK/dV accumulators and S^T rows.")
+    defer_dq: bool = knob(
+        True, (False, True),
+        "Add a step's dQ tile into the fp32 accumulator during the next step's S^T/dP^T "
+        "GEMMs (chunks of one row per warp, atomics from shared memory) instead of after its "
+        "own GEMMs with the tensor cores idle. Measured on the H200: 1.00-1.05x the speed.")
+
+
+def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
+    """Bytes of shared memory: K and V, the Q/dO ring with its lse2/delta rows, dS^T, the
+    fp32 dQ staging tile, the barriers."""
+    d = problem.head_dim
+    kv = 2 * config.BLOCK_N * d * DTYPE_BYTES
+    ring = config.stages * (2 * config.BLOCK_M * d * DTYPE_BYTES + 2 * config.BLOCK_M * 4)
+    ds = config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
+    dq = config.BLOCK_M * d * 4
+    return kv + ring + ds + dq + BARRIER_BYTES
+
+
+def tile_registers(problem: Problem, config: GluonBwdConfig) -> int:
+    """fp32 registers per thread of dK, dV, S^T and dP^T (see MAX_TILE_REGISTERS)."""
+    threads = 128 * config.consumers
+    n, m, d = config.BLOCK_N, config.BLOCK_M, problem.head_dim
+    return (2 * n * d + 2 * n * m) // threads
+
+
+class GluonBwdTemplate(GluonTemplate):
+    name = "gluon_bwd"
+    description = ("FlashAttention-3-style backward for Hopper in Gluon: one program per KV "
+                   "tile walks the query tiles of its GQA group (TMA ring of Q/dO/lse/delta, "
+                   "async wgmma in the transposed orientation, P^T and dS^T as register "
+                   "operands, dS^T staged in shared memory for dQ), dQ by fp32 vector "
+                   "atomics; dense and causal top-left or bottom-right, GQA/MQA, head dim "
+                   "64/128, fp16/bf16. Right on the H100 and H200 (64 x 128 tiles, 3 stages) "
+                   "but 0.65-0.74x cuDNN's backward at d128 on the H200: in no spec and not "
+                   "used by the dispatcher.")
+    config_cls = GluonBwdConfig
+    kernel = kernel
+    gluon_missing = GLUON_MISSING
+    head_dims = HEAD_DIMS
+    head_dims_why = ("at 256 the dK/dV accumulators of a 64-key tile alone fill a warpgroup's "
+                     "registers")
+
+    # -- the problem --------------------------------------------------------------------------
+    def flops(self, problem: Problem) -> float:
+        return FLASH_BWD.flops(problem)  # 2.5 x the forward's, as flash_bwd's
+
+    def bytes_moved(self, problem: Problem) -> float:
+        return FLASH_BWD.bytes_moved(problem)
+
+    # -- the space ----------------------------------------------------------------------------
+    def constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo) -> str | None:
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonBwdConfig)
+        reason = self.unsupported_on(problem, device)
+        if reason:
+            return reason
+        keys = cfg.BLOCK_N // cfg.consumers
+        if keys not in (64, 128):
+            return (f"each warpgroup takes 64 or 128 keys, but BLOCK_N {cfg.BLOCK_N} over "
+                    f"{cfg.consumers} consumer(s) gives {keys}")
+        smem = shared_memory_estimate(problem, cfg)
+        if smem > device.smem_per_block:
+            return (f"needs about {smem // 1024} KiB of shared memory (K and V {cfg.BLOCK_N}x"
+                    f"{problem.head_dim}, {cfg.stages} stage(s) of Q and dO {cfg.BLOCK_M}x"
+                    f"{problem.head_dim}, dS and the fp32 dQ tile), more than the "
+                    f"{device.smem_per_block // 1024} KiB a program may use on {device.name}")
+        regs = tile_registers(problem, cfg)
+        if regs > MAX_TILE_REGISTERS:
+            return (f"each thread would hold about {regs} registers of dK, dV, S^T and dP^T "
+                    f"tiles (more than {MAX_TILE_REGISTERS}): registers would spill; use "
+                    f"smaller tiles or more consumers")
+        # Measured wrong on the H100, causes not found (notes/gluon_notes.md, "Third GPU run"):
+        # only 64 x 128 tiles over two warpgroups with a ring of three gave right gradients.
+        if cfg.consumers == 1:
+            return ("one consumer warpgroup (4 warps) crashed on the H100 with an illegal "
+                    "address, with or without the dQ GEMM: not offered until found")
+        if cfg.stages != 3:
+            return (f"a ring of {cfg.stages} stages gave wrong dK/dV on the H100 (3 is right): "
+                    f"not offered until found")
+        if cfg.BLOCK_M != 64:
+            return (f"BLOCK_M {cfg.BLOCK_M} gave wrong gradients or crashed on the H100 (64 is "
+                    f"right): not offered until found")
+        return None
+
+    def default_config(self, problem: Problem, device: DeviceInfo) -> GluonBwdConfig:
+        for candidate in _candidates(problem):
+            if self.constraint(problem, candidate, device) is None:
+                return candidate
+        raise RuntimeError(f"no gluon_bwd config fits {problem.key()} on {device.name}")
+
+    def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
+        """Not measured yet: the compile-clean alternatives to the default (docs)."""
+        return [c for c in _candidates(problem)[1:]
+                if self.constraint(problem, c, device) is None]
+
+    # -- running and checking -----------------------------------------------------------------
+    def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
+        """flash_bwd's: random q, k, v, do and the forward's o and lse."""
+        return FLASH_BWD.make_inputs(problem, device, seed)
+
+    def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonBwdConfig)
+        return gluon_attention_bwd(inputs["do"], inputs["q"], inputs["k"], inputs["v"],
+                                   inputs["o"], inputs["lse"], causal=inputs["causal"],
+                                   scale=inputs["scale"], config=cfg)
+
+    def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
+        """The two Triton launches ``run`` makes (preprocess, main), over stand-in tensors
+        (the dq cast is torch's)."""
+        if kernel is None or self.unsupported(problem):
+            return None
+        cfg = self.config(config)
+        dtype = TORCH_DTYPES[problem.dtype]
+        q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
+        kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
+        q, k = StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape)
+        plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
+                                 scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict())
+        rows = StandinTensor(torch.float32, list(plan.rows_shape))
+        lse = StandinTensor(torch.float32, q_shape[:3])
+        pre_args = plan.preprocess_args(StandinTensor(dtype, q_shape),
+                                        StandinTensor(dtype, q_shape), lse, rows, rows)
+        main_args = plan.main_args(q, k, StandinTensor(dtype, kv_shape),
+                                   StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape),
+                                   StandinTensor(dtype, kv_shape),
+                                   StandinTensor(torch.float32, q_shape), rows, rows)
+        return [(kernel._gluon_bwd_preprocess_kernel, plan.pre_grid, pre_args,
+                 plan.preprocess_options()),
+                (kernel._gluon_bwd_kernel, plan.grid, main_args, dict(plan.options))]
+
+    def reference(self, inputs: Mapping[str, Any]) -> Any:
+        return FLASH_BWD.reference(inputs)
+
+    # -- code generation ----------------------------------------------------------------------
+    standalone_entry = '''
+
+# ----------------------------------------------------------------------------- baked-in config
+CONFIG: dict[str, object] = CONFIG_LITERAL
+
+
+def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        o: torch.Tensor, lse: torch.Tensor, *, causal: bool | str = False,
+                        scale: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of softmax(scale * q k^T) v with the config above baked in (Hopper GPUs).
+
+    q, o, do: (B, H_q, N_q, D); k, v: (B, H_kv, N_kv, D), float16 or bfloat16, D 64 or 128;
+    lse: (B, H_q, N_q) float32, the forward's natural-log logsumexp; causal: False, True
+    (= "top_left"), "none", "top_left" or "bottom_right"; scale defaults to 1/sqrt(D).
+    """
+    causal_mode, softmax_scale = validate_inputs(do, q, k, v, o, lse, causal, scale)
+    return launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
+                  config=CONFIG)
+'''
+
+
+def _candidates(problem: Problem) -> list[GluonBwdConfig]:
+    """The default first, then the alternatives. FA3's shapes (H100, hdim 64: 128x128 tiles,
+    hdim 128: 64 queries x 128 keys, two MMA warpgroups), fitted to this kernel's register
+    bound: 64 queries x 128 keys (d64: 128 registers of tiles; d128: 192, at the bound), and
+    at d64 128 x 128. Three stages: one spilled 136 bytes at d128, two gave wrong dK/dV on
+    the H100; one warpgroup (64 x 64 tiles) crashed there."""
+    base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
+    out = [base]
+    if problem.head_dim <= 64:
+        out.insert(1, dataclasses.replace(base, BLOCK_M=128))
+    return out
+
+
+def compile_for(problem: Problem, config: KernelConfig) -> list[Any]:
+    """Triton's compiled kernels (preprocess, main) for ``problem`` under ``config``, without
+    allocating or launching anything (needs a Hopper GPU or an ``offline_target``)."""
+    return [fn.warmup(*args, grid=grid, **options)
+            for fn, grid, args, options in TEMPLATE.standin_launches(problem, config)]
+
+
+# ----------------------------------------------------------------------------- entry point
+def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        o: torch.Tensor, lse: torch.Tensor, *, causal: bool | str = False,
+                        scale: float | None = None,
+                        config: GluonBwdConfig | Mapping[str, object] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward on a Hopper GPU: (dq, dk, dv) of o = softmax(scale q k^T [causal]) v.
+
+    Args:
+        do, q, o: (B, H_q, N_q, D) float16 or bfloat16 on a CUDA device of compute capability
+            9.x, D 64 or 128; layouts TMA cannot read are copied first.
+        k, v: (B, H_kv, N_kv, D), same dtype and device; H_q a multiple of H_kv (GQA/MQA).
+        lse: (B, H_q, N_q) float32, the forward's natural-log logsumexp (-inf for rows that
+            see no key: their gradients are 0). ``gluon_attention_fwd``'s and
+            ``flash_attention_fwd``'s lse are this.
+        causal: False / "none"; True / "top_left"; "bottom_right" (as the forwards).
+        scale: softmax scale, default 1/sqrt(D); must be the forward's.
+        config: a ``GluonBwdConfig`` or a mapping of its fields; None takes the default.
+
+    Returns:
+        dq, dk, dv contiguous in the inputs' dtype and shapes. dq is summed with fp32
+        atomics: not bitwise reproducible between runs (dk and dv are).
+
+    Raises:
+        TypeError / ValueError naming the offending argument or the constraint the config
+        violates; RuntimeError where Gluon is missing.
+    """
+    if kernel is None:
+        raise RuntimeError(GLUON_MISSING)
+    causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
+    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
+    return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
+                         config=cfg.to_dict())
+
+
+TEMPLATE = GluonBwdTemplate()
+register(TEMPLATE)

@@ -1,0 +1,57 @@
+"""``gluon_train``: a training step's attention by our own kernels both ways, the Gluon forward
+and the Gluon backward (``templates.gluon.bwd``, its default config), timed together.
+
+The sibling of ``gluon_cudnn_train`` (the same forward, cuDNN's backward): the dispatcher
+prices both beside ``torch_sdpa_train`` and runs the fastest measured, so the day our backward
+passes cuDNN's on a problem the training step there runs our kernels alone, with no change
+anywhere else. Its knobs are the Gluon forward's (``GluonFwdConfig``); the backward takes its
+template's default for the problem. Dense and causal problems (top-left, or bottom-right),
+head dims the backward takes (64, 128); no block masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from templates.base import KernelConfig, Problem
+from templates.gluon import bwd as gluon_bwd
+from templates.gluon import fwd
+from templates.gluon import training as gluon_training
+from templates.gluon.training import GluonTrainingTemplate
+from templates.registry import register
+
+
+class GluonTrainTemplate(GluonTrainingTemplate):
+    name = "gluon_train"
+    description = ("a training step's attention by our kernels both ways: the Gluon forward "
+                   "(gluon_fwd's knobs) and the Gluon backward (gluon_bwd's default config) fed "
+                   "with its o and logsumexp, timed together; compared with torch_sdpa_train "
+                   "and gluon_cudnn_train by the dispatcher.")
+
+    def source_modules(self) -> Sequence[str]:
+        return [*super().source_modules(), fwd.__name__, gluon_training.__name__,
+                gluon_bwd.__name__]
+
+    def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)
+        if reason or problem.mask != "none":
+            return reason
+        return gluon_bwd.TEMPLATE.unsupported(problem)
+
+    def backward(self, inputs: Mapping[str, Any], o: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return gluon_bwd.gluon_attention_bwd(inputs["do"], inputs["q"], inputs["k"],
+                                             inputs["v"], o, lse, causal=inputs["causal"],
+                                             scale=inputs["scale"])
+
+    def standalone_source(self, config: KernelConfig) -> str:
+        raise NotImplementedError(
+            f"{self.name} pairs two kernels: export gluon_fwd with this config "
+            f"({self.config(config).key()}) and gluon_bwd with its default, and feed the "
+            f"forward's o and logsumexp to the backward")
+
+
+TEMPLATE = register(GluonTrainTemplate())

@@ -1,0 +1,156 @@
+"""transformers' mask rule (a ``mask_function(batch, head, q_idx, kv_idx)``) straight to a
+``BlockMask``, for the causal, sliding-window, chunked and packed layers of a prefill or a
+training step: no (L, L) tensor is made.
+
+The rule is a closure transformers composes per forward, so its structure is read off the
+rule itself, in O(L) and O(blocks) evaluations:
+
+1. probe: every query sees itself, never the next key, and the previous key unless it starts
+   a *segment* (a packed document, a chunk, or a window of 1), per batch row;
+2. the hypothesis: query i sees key j iff they are in one segment, j <= i and, with a window
+   w (transformers' ``local_size``: the sliding window, or the chunk size, which no segment
+   exceeds), i - j < w. It classifies every block as empty, full or open;
+3. the open blocks (segment edges, the diagonal, the window's edge) are evaluated element by
+   element by transformers' rule itself, so every stored tile is exact;
+4. the blocks taken as empty or full are checked at 9 points each (3 x 3: corners, edge
+   midpoints, centre) against the rule. Any disagreement: not this family of rule, None
+   (the caller falls back to transformers' own mask). Within a segment, the rules of this
+   family are intersections of half-planes (j <= i, i - j < w), so a block whose corners
+   all lie inside is inside, and one whose corners all lie outside one half-plane is
+   outside it; the midpoints and centre catch a rule that is not of this family more often,
+   but not always: such a rule differing from the hypothesis only strictly inside blocks
+   the hypothesis calls empty or full, and the probe, is not caught.
+
+Cost per forward: ~3 L evaluations of the rule, 9 per block, and the open blocks' elements
+(O(L x block)), plus a few device-to-host reads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask
+from templates.masks.patterns import documents_pattern
+
+__all__ = ["CAUSAL", "clear_rule_masks", "rule_block_mask"]
+
+Rule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+CAUSAL: Literal["causal"] = "causal"  # the rule is plain causal attention: no mask needed
+MAX_CACHED_MASKS = 8
+_MASKS: OrderedDict[tuple[object, ...], BlockMask] = OrderedDict()
+
+
+def rule_block_mask(rule: Rule, batch: int, length: int, window: int | None,
+                    device: torch.device | str, block_size: int = DEFAULT_BLOCK_SIZE
+                    ) -> BlockMask | Literal["causal"] | None:
+    """The (B|1, 1, L, L) BlockMask of ``rule`` (module docstring), ``CAUSAL`` where it is
+    plain causal attention (one segment, no window short of L), or None where ``rule`` is
+    not of the causal / window / chunk / packed family. Kept per segment layout, window and
+    shape (an LRU of ``MAX_CACHED_MASKS``); the probe and the check run on every call."""
+    device = torch.device(device)
+    if window is not None and window < 1:
+        return None
+    if window is not None and window >= length:
+        window = None
+    segments = _segments(rule, batch, length, device)
+    if segments is None:
+        return None
+    rows = segments[:1] if bool((segments == segments[:1]).all()) else segments
+    first = torch.arange(0, length, block_size, device=device)
+    last = (first + block_size - 1).clamp(max=length - 1)
+    kinds = _kinds(rows, first, last, window)
+    if not _agrees(rule, kinds, batch, first, last, device):
+        return None
+    single = bool((rows[:, -1] == 0).all())
+    if single and window is None:
+        return CAUSAL
+    starts = tuple(tuple(r.nonzero().flatten().tolist()) for r in torch.diff(
+        rows, prepend=rows[:, :1] - 1, dim=1) != 0)
+    key = (starts, length, window, block_size, device)
+    mask = _MASKS.get(key)
+    if mask is not None:
+        _MASKS.move_to_end(key)
+        return mask
+    mask = BlockMask.from_block_kinds(kinds, rule, length, length, block_size,
+                                      pattern=_pattern(starts, length, window, block_size))
+    _MASKS[key] = mask
+    if len(_MASKS) > MAX_CACHED_MASKS:
+        _MASKS.popitem(last=False)
+    return mask
+
+
+def clear_rule_masks() -> None:
+    _MASKS.clear()
+
+
+def _segments(rule: Rule, batch: int, length: int, device: torch.device
+              ) -> torch.Tensor | None:
+    """(B, L) segment ids from the probe, or None where the rule is not causal with every
+    query seeing itself."""
+    b = torch.arange(batch, device=device)[:, None]
+    h = torch.zeros(1, 1, dtype=torch.long, device=device)
+    i = torch.arange(length, device=device)[None, :]
+
+    def at(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(rule(b, h, q, k), device=device).expand(batch, q.shape[1])
+
+    if not bool(at(i, i).all()) or bool(at(i[:, :-1], i[:, 1:]).any()):
+        return None
+    starts = ~at(i[:, 1:], i[:, :-1])
+    return torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device),
+                      starts.long().cumsum(-1)], dim=1)
+
+
+def _kinds(segments: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+           window: int | None) -> torch.Tensor:
+    """(Bm, 1, n, n) EMPTY / FULL / EVALUATE per block under the hypothesis."""
+    q_lo, q_hi = segments[:, first][:, :, None], segments[:, last][:, :, None]
+    k_lo, k_hi = segments[:, first][:, None, :], segments[:, last][:, None, :]
+    fq, lq = first[None, :, None], last[None, :, None]
+    fk, lk = first[None, None, :], last[None, None, :]
+    empty = (q_hi < k_lo) | (k_hi < q_lo) | (fk > lq)
+    full = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo) & (lk <= fq)
+    if window is not None:
+        empty = empty | (fq - lk >= window)
+        full = full & (lq - fk < window)
+    kinds = torch.full(empty.shape, EVALUATE, dtype=torch.int8, device=segments.device)
+    kinds[full & ~empty] = FULL
+    kinds[empty] = EMPTY
+    return kinds[:, None]
+
+
+def _agrees(rule: Rule, kinds: torch.Tensor, batch: int, first: torch.Tensor,
+            last: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``rule`` says what ``kinds`` does at 3 x 3 points of every EMPTY and FULL
+    block, for every batch row."""
+    pts = torch.stack([first, (first + last) // 2, last], dim=-1)  # (n, 3)
+    b = torch.arange(batch, device=device)[:, None, None, None, None]
+    h = torch.zeros(1, dtype=torch.long, device=device)[:, None, None, None, None]
+    q = pts[None, :, None, :, None]
+    k = pts[None, None, :, None, :]
+    seen = torch.as_tensor(rule(b, h, q, k), device=device)
+    n = first.numel()
+    seen = seen.expand(batch, n, n, 3, 3).flatten(3)
+    kind = kinds[:, 0].expand(batch, n, n)
+    wrong_empty = (kind == EMPTY) & seen.any(-1)
+    wrong_full = (kind == FULL) & ~seen.all(-1)
+    return not bool((wrong_empty | wrong_full).any())
+
+
+def _pattern(starts: tuple[tuple[int, ...], ...], length: int, window: int | None,
+             block_size: int) -> str | None:
+    """The named problem of the mask (every batch row alike, the sweeps' blocks): the
+    window alone, ``sliding_causal:<w>``; documents alone, ``documents_causal:<L>``."""
+    if len(starts) != 1 or block_size != DEFAULT_BLOCK_SIZE:
+        return None
+    bounds = [*starts[0], length]
+    if len(bounds) == 2 and window is not None:
+        return f"sliding_causal:{window}"
+    if window is None:
+        return documents_pattern([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+                                 causal=True)
+    return None

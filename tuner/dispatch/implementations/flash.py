@@ -1,0 +1,280 @@
+"""``flash``: the project's Triton FlashAttention kernels, forward (``flash_fwd``) and
+backward (``flash_bwd``), dense or under a mask (an elementwise ``attn_mask`` or a block mask,
+whose tiles they skip). The baseline of block-mask calls: it runs every one that nothing
+measured faster.
+
+Its training op ``tuner::attention_fwd`` (o, lse) has the backward op ``tuner::attention_bwd``;
+a mask travels through both as tensors (``mask_args``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import cast
+
+import torch
+
+from templates.base import KernelConfig
+from templates.device import interpreter_active
+from templates.flash import fwd_kernel as flash_fwd_kernel
+from templates.flash.bwd import BwdConfig, flash_attention_bwd
+from templates.flash.bwd import fit_to_block_mask as fit_bwd_to_block_mask
+from templates.flash.fwd import FwdConfig, fit_to_block_mask, flash_attention_fwd, launch_plan
+from templates.kernel_common import normalize_causal
+from templates.registry import get_template
+from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
+from tuner.dispatch.implementations.call import (
+    Call,
+    call_of,
+    check_inputs,
+    layout_key,
+    problem_key,
+    shapes_4d,
+)
+from tuner.dispatch.implementations.mask_args import Masked
+from tuner.dispatch.implementations.ops import (
+    backward_by,
+    in_op_layout,
+    setup_context,
+    training_fake,
+)
+from tuner.dispatch.implementations.registry import register_implementation
+from tuner.dispatch.plans import PLANS, Plan, keep_plan
+from tuner.lookup.resolver import Resolved, keep_config, resolve_config
+
+__all__ = ["Flash", "forward_plan", "runs_triton"]
+
+Pair = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def runs_triton(call: Call) -> str | None:
+    if call.device.is_interpreter and not interpreter_active():
+        return "Triton kernels need a CUDA GPU or TRITON_INTERPRET=1"
+    return None
+
+
+def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                 scale: float | None, config: KernelConfig) -> Pair:
+    """The flash_fwd launch plan for inputs laid out like these: (o, lse) in their shape."""
+    assert isinstance(config, FwdConfig)
+    q4, kv4 = shapes_4d(q, k)
+    out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
+    reshape = q.dim() != 4
+    # Inputs laid out alike reshape to views laid out alike: one launch plan serves them all.
+    if reshape:
+        q, k, v = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
+    # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
+    if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
+        config = replace(config, use_tma=False)
+    launch = launch_plan(q, k, v, causal=normalize_causal(is_causal), scale=scale, config=config)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        if reshape:
+            o, lse = launch(q.reshape(q4), k.reshape(kv4), v.reshape(kv4))
+            return o.reshape(out_shape), lse.reshape(lse_shape)
+        return launch(q, k, v)
+
+    return run
+
+
+def dense_call(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: str = "none") -> Call:
+    """The inference call of these inputs, for looking up one of our templates' configs."""
+    if q.device.type != "cuda" and not interpreter_active():
+        raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
+                         f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
+    return call_of(q, k, is_causal, needs_grad=False, mask=mask)
+
+
+def resolved_for(template_name: str, q: torch.Tensor, k: torch.Tensor, is_causal: bool
+                 ) -> Resolved:
+    """The config of ``template_name`` for the problem of these inputs, which a kernel is about
+    to run (so kept: ``tuner.lookup.resolver.ConfigResolver.keep``)."""
+    call = dense_call(q, k, is_causal)
+    return keep_config(resolve_config(get_template(template_name), call.problem, call.device))
+
+
+def mask_fallback_config(template_name: str, q: torch.Tensor, k: torch.Tensor,
+                         is_causal: bool) -> KernelConfig:
+    """The config of ``template_name`` for a masked call that no measurement of its mask
+    problem prices: the dense problem's where it is measured (its own bucket), else the
+    template's default. A nearest neighbour's config is no proxy here: on the H100 the
+    sliding-window training step (8k, 32/8 heads) took 11.8 ms with the flash_bwd config
+    tuned for a one-token decode problem (the nearest stored), 5.05 ms with the default."""
+    call = dense_call(q, k, is_causal)
+    template = get_template(template_name)
+    resolved = resolve_config(template, call.problem, call.device)
+    if resolved.match in ("exact", "bucket"):
+        return keep_config(resolved).config
+    return template.default_config(call.problem, call.device)
+
+
+class Flash(Implementation):
+    name = "flash"
+    forward = "flash_fwd"
+    training = ("flash_fwd", "flash_bwd")
+    description = "the project's Triton FlashAttention forward (and backward)"
+    runs_masks = True
+
+    def serves(self, call: Call) -> str | None:
+        return runs_triton(call)
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+             scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
+        run = forward_plan(q, k, v, is_causal, scale, choice.config)
+        return lambda q, k, v: run(q, k, v)[0]
+
+    def masked(self, r: Request, choice: Choice) -> torch.Tensor:
+        assert r.mask is not None
+        return masked_forward(r.q, r.k, r.v, r.is_causal, r.scale, r.mask,
+                              masked_configs(r.q, r.k, r.is_causal, r.mask, choice, False))[0]
+
+
+FLASH = register_implementation(Flash())
+
+
+def masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
+                   choice: Choice | None, needs_grad: bool
+                   ) -> tuple[FwdConfig, BwdConfig | None]:
+    """The forward (and backward) configs of a masked call: those measured on its mask problem
+    (``choice``'s; in an op, this implementation's own on the mask's pattern), else the dense
+    problem's, fitted to the mask's blocks."""
+    if choice is None and mask.pattern is not None:
+        call = call_of(q, k, is_causal, needs_grad, mask=mask.pattern)
+        choice = Choice(FLASH, tuple(
+            resolve_config(get_template(name), call.problem, call.device)
+            for name in FLASH.templates_for(call)), "the mask problem's own")
+    if choice is not None and choice.measured:
+        config, bwd = choice.resolved[0].config, (choice.resolved[1].config if needs_grad
+                                                  else None)
+        keep_config(choice.resolved[0])
+    else:
+        config = mask_fallback_config("flash_fwd", q, k, is_causal)
+        bwd = mask_fallback_config("flash_bwd", q, k, is_causal) if needs_grad else None
+    assert isinstance(config, FwdConfig) and (bwd is None or isinstance(bwd, BwdConfig))
+    if mask.block_size is not None:
+        config = fit_to_block_mask(config, mask.block_size)
+        bwd = None if bwd is None else fit_bwd_to_block_mask(bwd, mask.block_size)
+    return config, bwd
+
+
+def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float | None, mask: Masked, configs: tuple[FwdConfig, object]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    q4, kv4 = shapes_4d(q, k)
+    q_, k_, v_ = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
+    config = configs[0]
+    if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q_, k_, v_):
+        config = replace(config, use_tma=False)
+    attn_mask = None if mask.attn_mask is None else mask.attn_mask.reshape(
+        *q4[:-1], k.shape[-2])
+    o, lse = flash_attention_fwd(q_, k_, v_, causal=normalize_causal(is_causal), attn_mask=attn_mask,
+                                 block_mask=mask.block_mask, scale=scale, config=config)
+    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def repeatable(config: BwdConfig) -> BwdConfig:
+    """``config``, with dQ summed in a fixed order (dq_mode "separate": one program per query
+    tile, no atomics) when torch.use_deterministic_algorithms is on: "atomic" adds each key
+    tile's share in whatever order the programs run, so its dQ differs in the last bits from
+    run to run."""
+    if config.dq_mode == "atomic" and torch.are_deterministic_algorithms_enabled():
+        return replace(config, dq_mode="separate")
+    return config
+
+
+def _training_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float | None, enable_gqa: bool) -> Plan:
+    """The dense forward of a call that needs a gradient, kept per problem and layout."""
+    key = ("flash_fwd", *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
+           *layout_key(q, k, v))
+    plan = PLANS.get(key)
+    if plan is None or plan.expires_at <= time.monotonic():
+        check_inputs(q, k, v, enable_gqa)
+        resolved = resolved_for("flash_fwd", q, k, is_causal)
+        plan = keep_plan(key, Plan(forward_plan(q, k, v, is_causal, scale, resolved.config),
+                                   Choice(FLASH, (resolved,), "its training op"),
+                                   resolved.expires_at))
+    return plan
+
+
+def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> KernelConfig:
+    """The flash_bwd config for this problem (cache -> database -> service -> default), kept
+    per shape until the resolver's answer expires."""
+    key = ("flash_bwd", q.shape, k.shape, q.dtype, q.device, is_causal)
+    plan = PLANS.get(key)
+    if plan is None or plan.expires_at <= time.monotonic():
+        resolved = resolved_for("flash_bwd", q, k, is_causal)
+        plan = keep_plan(key, Plan(None, Choice(FLASH, (resolved,), "its backward op"),
+                                   resolved.expires_at))
+    assert isinstance(plan.choice, Choice)
+    return plan.choice.config
+
+
+@torch.library.custom_op("tuner::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float | None, enable_gqa: bool,
+                   full_counts: torch.Tensor | None = None, full_indices: torch.Tensor | None = None,
+                   partial_counts: torch.Tensor | None = None,
+                   partial_indices: torch.Tensor | None = None,
+                   partial_tile_ids: torch.Tensor | None = None,
+                   partial_tiles: torch.Tensor | None = None, mask_geometry: list[int] | None = None,
+                   mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): o like q (value's head dim; ``ops.op_output_strides``), lse (..., H_q, L)
+    float32 natural log; under the mask given as ``mask_args.Masked.op_args``."""
+    mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
+                               partial_tile_ids, partial_tiles, mask_geometry, mask_pattern, attn_mask)
+    if mask is None:
+        run = _training_plan(q, k, v, is_causal, scale, enable_gqa).run
+        assert run is not None
+        o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
+    else:
+        o, lse = masked_forward(q, k, v, is_causal, scale, mask,
+                                masked_configs(q, k, is_causal, mask, None, True))
+    return in_op_layout(o, q), lse
+
+
+_attention_fwd.register_fake(training_fake)
+
+
+@torch.library.custom_op("tuner::attention_bwd", mutates_args=())
+def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   o: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
+                   enable_gqa: bool,
+                   full_counts: torch.Tensor | None = None, full_indices: torch.Tensor | None = None,
+                   partial_counts: torch.Tensor | None = None,
+                   partial_indices: torch.Tensor | None = None,
+                   partial_tile_ids: torch.Tensor | None = None,
+                   partial_tiles: torch.Tensor | None = None, mask_geometry: list[int] | None = None,
+                   mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by the flash_bwd kernel from the forward's o and lse."""
+    mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
+                               partial_tile_ids, partial_tiles, mask_geometry, mask_pattern, attn_mask)
+    q4, kv4 = shapes_4d(q, k)
+    if mask is None:
+        config, block_mask, mask4 = _backward_config(q, k, is_causal), None, None
+    else:
+        config = masked_configs(q, k, is_causal, mask, None, True)[1]  # type: ignore[assignment]
+        block_mask = mask.block_mask
+        mask4 = None if mask.attn_mask is None else mask.attn_mask.reshape(*q4[:-1], k.shape[-2])
+    dq, dk, dv = flash_attention_bwd(
+        grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
+        lse.reshape(q4[:-1]), causal=normalize_causal(is_causal), scale=scale,
+        config=repeatable(config),  # type: ignore[arg-type]
+        attn_mask=mask4, block_mask=block_mask)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                        scale: float | None, enable_gqa: bool, *mask: object
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # flash_attention_bwd returns its gradients contiguous, whatever the inputs' layout.
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+_attention_fwd.register_autograd(backward_by("attention_bwd"), setup_context=setup_context)
+FLASH.training_op = torch.ops.tuner.attention_fwd

@@ -1,0 +1,97 @@
+"""What the implementations' ``torch.library`` ops share: the output layout their fakes and
+real bodies agree on, and the autograd that joins a training op to its backward op."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from templates.kernel_common import output_strides
+from tuner.dispatch.implementations.mask_args import NO_MASK
+
+__all__ = ["backward_by", "grads_fake", "grads_like", "in_op_layout", "op_output_strides",
+           "output_fake", "setup_context", "with_strides"]
+
+
+def op_output_strides(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
+    """The strides of the ops' o: the kernels' layout (``output_strides``: laid out as a 4-D q
+    that is a (B, N, H, D) tensor viewed as (B, H, N, D), else contiguous). The fake and the
+    real op must agree on them under torch.compile."""
+    shape = (*q.shape[:-1], value_dim)
+    if q.dim() == 4:
+        return output_strides(shape, tuple(q.stride()))
+    return torch.empty(shape, device="meta").stride()
+
+
+def with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``t`` itself where it has ``strides`` (what an op's fake says), else a copy with them."""
+    if t.stride() == tuple(strides):
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def grads_like(grads: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A backward op's (dq, dk, dv), each in its input's shape and laid out as
+    ``torch.empty_like`` of it (what the backward ops' fakes say; strides read off a meta
+    tensor)."""
+    dq, dk, dv = (with_strides(g.reshape(t.shape), torch.empty_like(t, device="meta").stride())
+                  for g, t in zip(grads, (q, k, v), strict=True))
+    return dq, dk, dv
+
+
+def grads_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``grads_like`` returns, for a backward op's fake."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def in_op_layout(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``o`` itself where it is laid out as the fakes say (every kernel of ours on 4-D
+    inputs), else a copy so laid out."""
+    return with_strides(o, op_output_strides(q, o.shape[-1]))
+
+
+def output_fake(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    shape = (*q.shape[:-1], v.shape[-1])
+    return q.new_empty_strided(shape, op_output_strides(q, v.shape[-1]))
+
+
+def training_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                  scale: float | None, enable_gqa: bool, *mask: object
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training op's (o, lse): o as ``output_fake``, lse (..., H_q, L) float32."""
+    return output_fake(q, v), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...],
+                  output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Save what a backward op takes: q, k, v, o, lse and the mask's tensors."""
+    q, k, v, is_causal, scale, enable_gqa, *given = inputs
+    mask = (*given, *NO_MASK[len(given):])
+    o, lse = output
+    # The mask's tensors saved as tensors (autograd keeps them alive and checks versions).
+    ctx.save_for_backward(q, k, v, o, lse, *mask[:6], mask[8])  # type: ignore[arg-type]
+    ctx.mark_non_differentiable(lse)  # the kernels compute no lse gradient
+    ctx.set_materialize_grads(False)
+    ctx.args = (is_causal, scale, enable_gqa)  # type: ignore[attr-defined]
+    ctx.mask = (mask[6], mask[7], len(given))  # type: ignore[attr-defined]
+
+
+def backward_by(op_name: str) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+    """The autograd backward of a training op: the backward op ``tuner::<op_name>`` on what
+    ``setup_context`` saved (the mask's arguments only to an op that takes them)."""
+
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor | None,
+                 grad_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        geometry, pattern, n_mask = ctx.mask  # type: ignore[attr-defined]
+        if grad_o is None:  # o did not reach the loss
+            return (None,) * (6 + n_mask)
+        q, k, v, o, lse, *tensors, attn_mask = ctx.saved_tensors  # type: ignore[attr-defined]
+        mask = (*tensors, geometry, pattern, attn_mask)[:n_mask]
+        op = getattr(torch.ops.tuner, op_name)
+        dq, dk, dv = op(grad_o, q, k, v, o, lse, *ctx.args, *mask)  # type: ignore[attr-defined]
+        return (dq, dk, dv) + (None,) * (3 + n_mask)
+
+    return backward

@@ -1,0 +1,235 @@
+"""Which implementation runs a call: chosen by measurement, never by assumption.
+
+An *implementation* is a way to compute a call of ``tuner.attention``: torch's own SDPA
+(``sdpa``), our Triton FlashAttention kernels (``flash``), the split-KV decode kernel
+(``decode``). Each names the templates whose stored measurements price it: the forward
+template for inference, the templates whose times add up to a training step when a gradient
+is needed. An implementation that cannot take the call says why (``serves``).
+
+The rule (docs/DISPATCH.md):
+
+* Each implementation that serves the call is priced from its templates' stored bests for
+  this device and the call's problem (exact or same shape bucket; a nearest shape or a default
+  is no measurement). Estimated time = the problem's FLOPs over the stored TFLOP/s, summed.
+* If torch SDPA is priced, the fastest priced implementation runs, with its tuned config.
+* If torch SDPA is not priced, the choice is decided on the nearest neighbouring bucket where
+  SDPA and another implementation were both measured (``tuner.dispatch.neighbours``): one that beat
+  SDPA there by ``TUNER_NEIGHBOUR_MARGIN`` runs, with its configs from that neighbour.
+* Otherwise torch SDPA runs as the user's code would have run it: ours must be measured
+  faster to be chosen.
+* ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
+* A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``),
+  compiled FlexAttention (``flex``) and, forward only on Hopper, the Gluon forward (``gluon``)
+  on its own bucket: the fastest priced runs where ours is priced; otherwise ours, what ran
+  before Flex was a candidate.
+
+A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
+the process's answers for their buckets (``tuner.lookup.resolver``: stable within a process), so a
+problem that ran one implementation and config runs them for the process's life.
+
+An implementation is a subclass of ``tuner.dispatch.implementations.Implementation`` (its docstring
+is the contract), registered with ``register_implementation``; the public entry needs no change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import replace
+
+from templates.base import Problem, Template
+from templates.device import DeviceInfo
+from templates.registry import get_template
+from tuner.dispatch.implementations.base import Choice, Estimate, Implementation
+from tuner.dispatch.implementations.call import Call
+from tuner.dispatch.implementations.registry import (
+    get_implementation,
+    implementations,
+    register_implementation,
+)
+from tuner.dispatch.neighbours import Contender, decide_on_neighbour
+from tuner.lookup.resolver import Resolved, get_resolver, keep_config, resolve_config
+from tuner.record import note, recording
+
+__all__ = ["Call", "Choice", "Estimate", "Implementation", "Resolve", "choose",
+           "choose_masked", "decide", "get_implementation", "implementations", "keep",
+           "register_implementation", "use_implementation"]
+
+# How a template's config for a problem on a device is found: the process's resolver
+# (``tuner.lookup.resolver.resolve_config``) for a call, the stored bests of a database for the
+# service's and ``tuner best``'s comparisons (``tuner.dispatch.comparison``).
+Resolve = Callable[[Template, Problem, DeviceInfo], Resolved]
+
+
+log = logging.getLogger("tuner.dispatch.rule")
+
+_FORCED: ContextVar[str | None] = ContextVar("tuner_forced_implementation", default=None)
+BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when unmeasured
+# What ran a block-mask call before FlexAttention was a candidate (our block-sparse kernels,
+# which beat Flex's forward on the H100): it runs a block-mask call when unmeasured.
+BLOCK_MASK_BASELINE = "flash"
+
+
+@contextlib.contextmanager
+def use_implementation(name: str | None) -> Iterator[None]:
+    """Run every ``tuner.attention`` call in this context with implementation ``name`` (its
+    tuned config, or its default), whatever was measured; None restores the choice by
+    measurement. A call the implementation cannot take raises ValueError saying why."""
+    if name is not None:
+        get_implementation(name)  # unknown names fail here, not at the first call
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def forced() -> str | None:
+    return _FORCED.get()
+
+
+def price(impl: Implementation, call: Call, resolve: Resolve = resolve_config) -> Estimate:
+    resolved = tuple(resolve(get_template(name), call.problem, call.device)
+                     for name in impl.templates_for(call))
+    total = 0.0
+    for name, r in zip(impl.templates_for(call), resolved, strict=True):
+        if not r.measured:
+            return Estimate(impl.name, resolved, None)
+        assert r.tflops is not None
+        total += get_template(name).flops(call.problem) / (r.tflops * 1e9)  # ms
+    return Estimate(impl.name, resolved, total)
+
+
+def choose(call: Call) -> Choice:
+    """The implementation and configs for ``call`` (see the module docstring); logged at
+    DEBUG (``TUNER_LOG_LEVEL=DEBUG``): once per problem and plan, not per call."""
+    choice = _choose(call)
+    if recording():  # tuner.record: the templates of every implementation that could run it
+        note(call.problem, [name for impl in implementations()
+                            if impl.why_not(call) is None for name in impl.templates_for(call)])
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s%s: %s %s (%s, from %s): %s", call.problem.key(),
+                  " with grad" if call.needs_grad else "", choice.implementation.name,
+                  choice.config.key(), choice.match, choice.source, choice.why)
+    return choice
+
+
+def keep(choice: Choice) -> Choice:
+    """``choice`` is about to run: the choice to run, its answers and those it was priced
+    among kept for their buckets (``ConfigResolver.keep``). Kept, the prices cannot change,
+    so neither can the choice, when its plan is rebuilt or another shape of its buckets
+    comes."""
+    estimates = tuple(replace(e, resolved=tuple(keep_config(r) for r in e.resolved))
+                      for e in choice.estimates)
+    return replace(choice, resolved=tuple(keep_config(r) for r in choice.resolved),
+                   estimates=estimates)
+
+
+def _choose(call: Call) -> Choice:
+    name = forced()
+    if name is not None:
+        impl = get_implementation(name)
+        reason = impl.why_not(call)
+        if reason:
+            raise ValueError(f"implementation {name!r} was forced but cannot run "
+                             f"{call.problem.key()}: {reason}")
+        estimate = price(impl, call)
+        return Choice(impl, estimate.resolved, "forced by use_implementation", (estimate,))
+    return decide(call, resolve=resolve_config, margin=get_resolver().settings.neighbour_margin)
+
+
+def decide(call: Call, *, resolve: Resolve, margin: float) -> Choice:
+    """The rule (module docstring), with each template's config found by ``resolve`` and a
+    neighbour's win needing ``margin``: what ``choose`` runs for a call, and what the service
+    and ``tuner best`` show for a problem (``tuner.dispatch.comparison``), one computation."""
+    if call.problem.mask != "none":
+        return _decide_block_mask(call, resolve)
+    estimates = tuple(price(impl, call, resolve) for impl in implementations()
+                      if impl.why_not(call) is None)
+    by_name = {e.implementation: e for e in estimates}
+    baseline = by_name.get(BASELINE)
+    if baseline is None:  # torch SDPA cannot take it (cannot happen for SDPA's own calls)
+        raise ValueError(f"torch SDPA cannot run {call.problem.key()}: "
+                         f"{get_implementation(BASELINE).why_not(call)}")
+    if baseline.ms is None:
+        return _on_neighbour(call, baseline, estimates, margin)
+    return _fastest_measured(estimates)
+
+
+def _fastest_measured(estimates: tuple[Estimate, ...]) -> Choice:
+    """The fastest of the priced estimates (the caller made sure its baseline is priced)."""
+    priced = [e for e in estimates if e.ms is not None]
+    best = min(priced, key=lambda e: e.ms)  # type: ignore[arg-type, return-value]
+    others = ", ".join(f"{e.implementation} {e.ms:.4g} ms" for e in priced if e is not best)
+    return Choice(get_implementation(best.implementation), best.resolved,
+                  f"fastest measured ({best.ms:.4g} ms; {others or 'no other measured'})",
+                  estimates)
+
+
+def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...],
+                  margin: float) -> Choice:
+    """SDPA not measured for this problem: decided on a neighbour (``tuner.dispatch.neighbours``),
+    or SDPA as the user's code would have run it."""
+    contenders = {e.implementation: Contender(e.implementation, tuple(
+        get_template(name) for name in get_implementation(e.implementation).templates_for(
+            call)), e.resolved) for e in estimates}
+    verdict = decide_on_neighbour(contenders.pop(BASELINE), list(contenders.values()), margin)
+    if verdict is None:
+        return Choice(get_implementation(BASELINE), baseline.resolved,
+                      "torch SDPA not measured for this problem on this device: running what "
+                      "SDPA would run", estimates)
+    # The winner's answers, configs from the neighbour, are what ``keep`` keeps for its buckets.
+    estimates = tuple(replace(e, resolved=verdict.resolved)
+                      if e.implementation == verdict.winner else e for e in estimates)
+    return Choice(get_implementation(verdict.winner), verdict.resolved, verdict.why, estimates,
+                  neighbour=verdict.neighbour, verdict=verdict)
+
+
+def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
+    """A block-mask problem (``Problem.mask`` a named pattern): the implementations serving it
+    (ours, ``flash``, compiled FlexAttention, ``flex``, and without a gradient on Hopper the
+    Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own
+    bucket. Ours priced: the fastest priced runs. Ours not priced: ours, as before Flex was a
+    candidate (no neighbour is consulted: a mask's ratio on another shape
+    is no measurement of this one)."""
+    estimates = tuple(price(impl, call, resolve) for impl in implementations()
+                      if impl.why_not(call) is None)
+    by_name = {e.implementation: e for e in estimates}
+    baseline = by_name.get(BLOCK_MASK_BASELINE)
+    if baseline is None:
+        raise ValueError(f"our block-sparse kernels cannot run {call.problem.key()}: "
+                         f"{get_implementation(BLOCK_MASK_BASELINE).why_not(call)}")
+    if baseline.ms is None:
+        return Choice(get_implementation(BLOCK_MASK_BASELINE), baseline.resolved,
+                      "our block-sparse kernels not measured for this mask problem on this "
+                      "device: running them (what ran before FlexAttention was a candidate)",
+                      estimates)
+    return _fastest_measured(estimates)
+
+
+def choose_masked(call: Call, pattern: str | None, block_size: tuple[int, int] | None
+                  ) -> Choice:
+    """Who runs a masked call (``call.problem.mask`` "none"; a block mask's ``pattern`` and
+    ``block_size``, or None for an elementwise mask): for a named pattern, the choice on that
+    mask problem's own measurements (``_decide_block_mask``); for a mask without a name, ours
+    (``BLOCK_MASK_BASELINE``, the dense problem's configs fitted to the mask), or the forced
+    implementation's ``unnamed_mask_choice`` (by default its forced dense choice). Whatever
+    the chosen one's ``mask_refusal`` refuses (blocks it cannot walk), and a forced
+    implementation that runs no masks, runs ours too."""
+    baseline = get_implementation(BLOCK_MASK_BASELINE)
+    fallback = Choice(baseline, (), "the dense problem's configs, fitted to the mask's blocks")
+    name = forced()
+    if block_size is None or (name is not None and not get_implementation(name).runs_masks):
+        return fallback
+    if pattern is not None:
+        choice = keep(choose(replace(call, problem=replace(call.problem, mask=pattern))))
+    elif name is None or name == BLOCK_MASK_BASELINE:
+        return fallback
+    else:
+        choice = (get_implementation(name).unnamed_mask_choice(call)
+                  or keep(choose(call)))  # raises if it cannot run the call
+    if choice.implementation.mask_refusal(block_size, call.needs_grad, choice) is not None:
+        return fallback
+    return choice

@@ -1,0 +1,55 @@
+"""The transfer prior: configs worth measuring first for a problem, before the sampler's own
+(issue 42). After the template's default: the stored best configs of the problem's
+neighbouring buckets on this device (nearest first, ``tuner.lookup.resolver``'s order), the stored
+best of the same bucket on other devices (fastest first); the search loop adds the template's
+known good configs after them. A good config of a neighbour is usually good here, so the search starts near the
+optimum and a short budget ends near it; each is checked against the template's constraint
+for this problem first, and one that no longer validates (another kernel version's knob) is
+left out.
+"""
+
+from __future__ import annotations
+
+from db import crud
+from db.session import session_scope
+from templates.base import KernelConfig, Problem, Template
+from templates.device import DeviceInfo
+from tuner.lookup.resolver import neighbours_of, parse_candidates
+from tuner.lookup.stored_bests import StoredBest
+
+__all__ = ["NEIGHBOURS", "stored_bests", "transfer_prior"]
+
+# Neighbouring buckets whose bests are measured first: enough to cover the buckets on either
+# side (shorter and longer sequences, fewer and more programs), few enough to leave the
+# budget to the sampler.
+NEIGHBOURS = 3
+OTHER_DEVICES = 2
+
+
+def stored_bests(url: str, template_name: str) -> list[StoredBest]:
+    """Every stored best config of ``template_name``, any device and version."""
+    with session_scope(url, write=False) as s:
+        total = crud.count_best(s, template=template_name)
+        return [StoredBest.of_row(row)
+                for row in crud.list_best(s, template=template_name, limit=total)]
+
+
+def transfer_prior(template: Template, version: str, problem: Problem, device: DeviceInfo,
+                   device_key: str, rows: list[StoredBest]) -> list[KernelConfig]:
+    """The stored configs to measure first after the default (module docstring), without
+    repeats."""
+    key = template.problem_key(problem)
+    here = [r for r in rows if r.device_key == device_key and r.template_version == version]
+    near = list(neighbours_of(template, problem, device, parse_candidates(template, here))
+                .values())[:NEIGHBOURS]
+    elsewhere = sorted((r for r in rows if r.device_key != device_key and r.problem_key == key),
+                       key=lambda r: -r.tflops)
+    found: list[KernelConfig] = [n.config for n in near]
+    for c in parse_candidates(template, elsewhere)[:OTHER_DEVICES]:
+        if template.constraint(problem, c.config, device) is None:
+            found.append(c.config)
+    out: list[KernelConfig] = []
+    for config in found:
+        if config not in out:
+            out.append(config)
+    return out
