@@ -91,7 +91,8 @@ def test_training_through_our_kernels_with_softcap(causal: bool) -> None:
     do = torch.randn(q.shape)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with use_implementation("flash"):
-        out = tuner.attention(*leaves, is_causal=causal, enable_gqa=True, softcap=CAP)
+        out = tuner.attention(leaves[0], leaves[1], leaves[2], is_causal=causal,
+                              enable_gqa=True, softcap=CAP)
     out.backward(do)
     mode = "top_left" if causal else "none"
     assert rel(out, reference(q, k, v, mode)) < 1e-5
