@@ -156,3 +156,26 @@ def test_forcing_an_implementation_that_cannot_cap_says_why() -> None:
         tuner.attention(q, k, v, enable_gqa=True, softcap=CAP)
     with pytest.raises(ValueError, match="softcap"), use_implementation("sdpa"):
         choose(call_of(q, k, False, False, softcap=CAP))
+
+
+def test_softcap_compiles_in_one_graph_forward_and_backward() -> None:
+    """Under torch.compile the cap travels through the ops (after the mask's arguments):
+    ours forward and backward, and eager attention as the torch operations it is."""
+    q, k, v = qkv(lq=40, lk=40)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return tuner.attention(q, k, v, is_causal=True, enable_gqa=True, softcap=CAP)
+
+    ref = reference(q, k, v, "top_left")
+    with use_implementation("flash"):
+        compiled = torch.compile(f, fullgraph=True)
+        assert rel(compiled(q, k, v), ref) < 1e-5
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        compiled(leaves[0], leaves[1], leaves[2]).sum().backward()
+    eager_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager_attention(eager_leaves[0], eager_leaves[1], eager_leaves[2], causal=True,
+                    softcap=CAP).sum().backward()
+    for ours, theirs in zip(leaves, eager_leaves, strict=True):
+        assert ours.grad is not None and theirs.grad is not None
+        assert rel(ours.grad, theirs.grad) < 1e-4
+    assert rel(torch.compile(f, fullgraph=True)(q, k, v), ref) < 1e-5
