@@ -52,15 +52,16 @@ from templates.device import interpreter_active  # noqa: E402
 from tuner.attention import plan_for  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 
-GEMMA2: dict[str, Any] = dict(hidden_size=3584, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-              num_hidden_layers=4, intermediate_size=4096, vocab_size=32000,
-              max_position_embeddings=16384, sliding_window=4096,
-              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-              query_pre_attn_scalar=256)
-TINY: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_hidden_layers=2, intermediate_size=128, vocab_size=64,
-            max_position_embeddings=256, sliding_window=24, attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0, query_pre_attn_scalar=16)
+GEMMA2: dict[str, Any] = dict(
+    hidden_size=3584, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+    num_hidden_layers=4, intermediate_size=4096, vocab_size=32000,
+    max_position_embeddings=16384, sliding_window=4096, attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0, query_pre_attn_scalar=256)
+TINY: dict[str, Any] = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=2, intermediate_size=128, vocab_size=64,
+    max_position_embeddings=256, sliding_window=24, attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0, query_pre_attn_scalar=16)
 SIZES = dict(prefill=8192, train_len=8192, logits=1024)
 TINY_SIZES = dict(prefill=64, train_len=48, logits=32)
 

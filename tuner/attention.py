@@ -7,8 +7,8 @@ that runs, for each call, the fastest implementation measured on this GPU for it
 Semantics follow SDPA; ``block_mask`` (a ``tuner.BlockMask``) computes only its blocks (rows
 that see no key give zeros); ``softcap`` caps the scaled scores, ``softcap * tanh(s /
 softcap)`` (Gemma 2), which SDPA cannot: such calls choose between our kernels and eager
-attention (what transformers runs for them), never SDPA. Which implementation runs is ``tuner.dispatch.rule``'s choice
-(docs/DISPATCH.md); an ``attn_mask`` that is exactly causal, a causal window or documents
+attention (what transformers runs for them), never SDPA. Which implementation runs is
+``tuner.dispatch.rule``'s choice (docs/DISPATCH.md); an ``attn_mask`` that is exactly causal, a causal window or documents
 runs as that (``tuner.dispatch.dense_mask``); dropout, other masks, float64 or a value head dim
 other than the query's run torch SDPA as the user's code did (``use_implementation("flash")``
 forces ours on a mask).

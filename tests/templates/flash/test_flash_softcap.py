@@ -36,12 +36,12 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def qkv(heads_q: int, heads_kv: int, seqlen_q: int, seqlen_kv: int, dtype: torch.dtype,
-        head_dim: int = 32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        device: str, head_dim: int = 32, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Scores of a few units up to ~20 (x3 inputs): uncapped and capped softmaxes differ."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(heads: int, n: int, mult: float) -> torch.Tensor:
-        return (torch.randn(1, heads, n, head_dim, generator=gen) * mult).to(dtype)
+        return (torch.randn(1, heads, n, head_dim, generator=gen) * mult).to(device, dtype)
 
     return (randn(heads_q, seqlen_q, 3.0), randn(heads_kv, seqlen_kv, 3.0),
             randn(heads_kv, seqlen_kv, 1.0), randn(heads_q, seqlen_q, 1.0))
@@ -60,8 +60,8 @@ CASES = [  # (causal, heads_q, heads_kv, seqlen_q, seqlen_kv, dq_mode)
 @pytest.mark.parametrize("causal,hq,hkv,nq,nkv,dq_mode", CASES)
 def test_forward_and_gradients_match_the_float64_reference(
         causal: str, hq: int, hkv: int, nq: int, nkv: int, dq_mode: str,
-        dtype: torch.dtype) -> None:
-    q, k, v, do = qkv(hq, hkv, nq, nkv, dtype)
+        dtype: torch.dtype, device: str) -> None:
+    q, k, v, do = qkv(hq, hkv, nq, nkv, dtype, device)
     scale = 1.0 / math.sqrt(q.shape[-1])
     o, lse = flash_attention_fwd(q, k, v, causal=causal, softcap=CAP, config=FWD)
     o_ref, lse_ref = attention_reference(q, k, v, causal=causal, scale=scale, softcap=CAP)
@@ -82,11 +82,11 @@ def test_forward_and_gradients_match_the_float64_reference(
         assert err < (5 if dtype == torch.float16 else 1) * tol, (name, err)
 
 
-def test_a_negative_scale_and_a_large_cap_are_right() -> None:
+def test_a_negative_scale_and_a_large_cap_are_right(device: str) -> None:
     """The launcher runs a negative scale as -q (the unmasked step takes the max before
     scaling); capped scores are the same either way. A cap far above the scores changes
     almost nothing, and must not lose accuracy near tanh(0)."""
-    q, k, v, do = qkv(2, 2, 33, 33, torch.float32)
+    q, k, v, do = qkv(2, 2, 33, 33, torch.float32, device)
     for scale, cap in ((-0.2, CAP), (0.2, 1e4)):
         o, lse = flash_attention_fwd(q, k, v, scale=scale, softcap=cap, config=FWD)
         o_ref, lse_ref = attention_reference(q, k, v, causal="none", scale=scale, softcap=cap)
@@ -94,11 +94,11 @@ def test_a_negative_scale_and_a_large_cap_are_right() -> None:
         assert lse_error(lse, lse_ref) < 1e-5
 
 
-def test_a_fully_masked_row_gives_zeros_and_zero_gradients() -> None:
+def test_a_fully_masked_row_gives_zeros_and_zero_gradients(device: str) -> None:
     """A block mask that hides every key from some query rows: o = 0, lse = -inf, no NaN in
     any gradient (the cap runs before the mask, so hidden scores never reach the softmax)."""
-    q, k, v, do = qkv(2, 2, 32, 32, torch.float32)
-    dense = torch.ones(32, 32, dtype=torch.bool)
+    q, k, v, do = qkv(2, 2, 32, 32, torch.float32, device)
+    dense = torch.ones(32, 32, dtype=torch.bool, device=device)
     dense[:16] = False  # the first query block sees nothing
     block_mask = BlockMask.from_dense(dense, block_size=(16, 16))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -118,10 +118,10 @@ def test_a_fully_masked_row_gives_zeros_and_zero_gradients() -> None:
     assert torch.isneginf(lse[:, :, :16]).all()
 
 
-def test_an_additive_attn_mask_adds_after_the_cap() -> None:
+def test_an_additive_attn_mask_adds_after_the_cap(device: str) -> None:
     """transformers' eager Gemma 2 caps, then adds its mask: so do the kernels."""
-    q, k, v, do = qkv(2, 2, 24, 40, torch.float32)
-    additive = torch.randn(24, 40) * 2
+    q, k, v, do = qkv(2, 2, 24, 40, torch.float32, device)
+    additive = torch.randn(24, 40, device=device) * 2
     scale = 1.0 / math.sqrt(q.shape[-1])
     o, _ = flash_attention_fwd(q, k, v, attn_mask=additive, softcap=CAP, config=FWD)
     o_ref, _ = attention_reference(q, k, v, causal="none", scale=scale, mask=additive,
@@ -130,8 +130,8 @@ def test_an_additive_attn_mask_adds_after_the_cap() -> None:
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "50", True])
-def test_bad_softcaps_are_refused_by_name(bad: object) -> None:
-    q, k, v, _ = qkv(1, 1, 16, 16, torch.float32)
+def test_bad_softcaps_are_refused_by_name(bad: object, device: str) -> None:
+    q, k, v, _ = qkv(1, 1, 16, 16, torch.float32, device)
     with pytest.raises((TypeError, ValueError), match="softcap must be a finite number >= 0"):
         flash_attention_fwd(q, k, v, softcap=bad)  # type: ignore[arg-type]
     with pytest.raises((TypeError, ValueError), match="Problem.softcap must be a finite"):
@@ -141,7 +141,8 @@ def test_bad_softcaps_are_refused_by_name(bad: object) -> None:
 def test_no_softcap_keys_and_serializes_as_before() -> None:
     plain = Problem(2, 8, 2, 1000, 1000, 128, "bfloat16", "top_left")
     for off in (None, 0, 0.0):
-        same = Problem(2, 8, 2, 1000, 1000, 128, "bfloat16", "top_left", softcap=off)  # type: ignore[arg-type]
+        same = Problem(2, 8, 2, 1000, 1000, 128, "bfloat16", "top_left",
+                       softcap=off)  # type: ignore[arg-type]
         assert same == plain and same.key() == plain.key()
     assert plain.key() == "b2-hq8-hkv2-q1000-kv1000-d128-bfloat16-causal-top_left"
     assert plain.bucket_key() == "b2-hq8-hkv2-q1024-kv1024-d128-bfloat16-causal-top_left"
@@ -166,13 +167,13 @@ def test_templates_without_a_cap_refuse_softcapped_problems_by_name() -> None:
             assert reason is not None and ("softcap" in reason or "gluon" in reason.lower())
 
 
-def test_the_templates_run_and_check_a_softcapped_problem() -> None:
+def test_the_templates_run_and_check_a_softcapped_problem(device: str) -> None:
     """What a sweep trial does: make_inputs, run, reference, error, for both templates."""
     problem = Problem(1, 2, 1, 40, 40, 32, "float32", "top_left", softcap=CAP)
-    device = current_device()
+    info = current_device()
     for name in ("flash_fwd", "flash_bwd"):
         template = get_template(name)
-        inputs = template.make_inputs(problem, "cpu")
+        inputs = template.make_inputs(problem, device)
         assert inputs["softcap"] == CAP
-        out = template.run(inputs, template.default_config(problem, device))
+        out = template.run(inputs, template.default_config(problem, info))
         assert template.error(out, template.reference(inputs)) < TOLERANCE["float32"]

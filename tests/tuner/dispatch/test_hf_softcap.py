@@ -18,10 +18,11 @@ CAP = 5.0
 N = 160
 
 
-def layer_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def layer_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return (torch.randn(1, 4, N, 16, generator=gen) * 3,
-            torch.randn(1, 2, N, 16, generator=gen) * 3, torch.randn(1, 2, N, 16, generator=gen))
+    return (torch.randn(1, 4, N, 16, generator=gen).to(device) * 3,
+            torch.randn(1, 2, N, 16, generator=gen).to(device) * 3,
+            torch.randn(1, 2, N, 16, generator=gen).to(device))
 
 
 def assert_capped(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -32,28 +33,28 @@ def assert_capped(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @pytest.mark.parametrize("implementation", [None, "flash"])
-def test_a_global_layer_caps_its_scores(implementation: str | None) -> None:
+def test_a_global_layer_caps_its_scores(implementation: str | None, device: str) -> None:
     """No mask (transformers' causal skip): eager where unmeasured, ours when forced."""
-    q, k, v = layer_inputs()
+    q, k, v = layer_inputs(device)
     with use_implementation(implementation):
         out, _ = tuner_attention_forward(torch.nn.Module(), q, k, v, None, scaling=0.25,
                                          softcap=CAP)
     assert_capped(out, q, k, v, "top_left")
 
 
-def test_a_sliding_layer_caps_its_scores_under_its_block_mask() -> None:
-    q, k, v = layer_inputs()
-    mask = hf_mask(N, 40)
+def test_a_sliding_layer_caps_its_scores_under_its_block_mask(device: str) -> None:
+    q, k, v = layer_inputs(device)
+    mask = hf_mask(N, 40, device)
     out, _ = tuner_attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.25,
                                      sliding_window=40, softcap=CAP)
     assert_capped(out, q, k, v, "none", mask)
 
 
-def test_a_padded_mask_caps_its_scores() -> None:
+def test_a_padded_mask_caps_its_scores(device: str) -> None:
     """A dense mask nothing recognizes (left padding): ours with the mask, capped; SDPA,
     which would drop the cap, never runs it."""
-    q, k, v = layer_inputs()
-    mask = hf_mask(N, N).clone()
+    q, k, v = layer_inputs(device)
+    mask = hf_mask(N, N, device).clone()
     mask[..., :7] = False  # the first keys are padding
     mask[..., :7, 0] = True  # (padded rows see one key, as transformers' masks make them)
     out, _ = tuner_attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.25,
@@ -61,8 +62,8 @@ def test_a_padded_mask_caps_its_scores() -> None:
     assert_capped(out, q, k, v, "none", mask)
 
 
-def test_no_softcap_kwarg_is_the_uncapped_call() -> None:
-    q, k, v = layer_inputs()
+def test_no_softcap_kwarg_is_the_uncapped_call(device: str) -> None:
+    q, k, v = layer_inputs(device)
     out, _ = tuner_attention_forward(torch.nn.Module(), q, k, v, None, scaling=0.25)
     ref = attention_reference(q, k, v, causal="top_left", scale=0.25)[0]
     assert float((out.transpose(1, 2).double() - ref).norm() / ref.norm()) < 1e-5

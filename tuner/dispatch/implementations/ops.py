@@ -14,8 +14,8 @@ from tuner.dispatch.implementations.mask_args import NO_MASK
 # (``mask_args.OpMask``), so ops without one keep their schema.
 SOFTCAP_ARG = len(NO_MASK)
 
-__all__ = ["SOFTCAP_ARG", "backward_by", "grads_fake", "grads_like", "in_op_layout", "op_output_strides",
-           "output_fake", "setup_context", "with_strides"]
+__all__ = ["SOFTCAP_ARG", "backward_by", "grads_fake", "grads_like", "in_op_layout",
+           "op_output_strides", "output_fake", "setup_context", "with_strides"]
 
 
 def op_output_strides(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
