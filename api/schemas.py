@@ -88,6 +88,8 @@ class ProblemQuery(BaseModel):
     causal: Literal["none", "top_left", "bottom_right"] = "none"
     mask: str = Field("none", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.:+-]+$",
                       description="block-sparse pattern name (e.g. sliding:1024), 'none' for dense")
+    softcap: float = Field(0.0, ge=0, allow_inf_nan=False,
+                           description="cap of softcapped scores (Gemma 2), 0 for none")
 
     @model_validator(mode="after")
     def _valid_problem(self) -> Self:
@@ -98,7 +100,8 @@ class ProblemQuery(BaseModel):
         return Problem(batch=self.batch, heads_q=self.heads_q,
                        heads_kv=self.heads_kv or self.heads_q, seqlen_q=self.seqlen_q,
                        seqlen_kv=self.seqlen_kv or self.seqlen_q, head_dim=self.head_dim,
-                       dtype=self.dtype, causal=self.causal, mask=self.mask)
+                       dtype=self.dtype, causal=self.causal, mask=self.mask,
+                       softcap=self.softcap)
 
 
 class KernelSourceQuery(ProblemQuery):

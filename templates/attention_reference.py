@@ -89,6 +89,8 @@ def random_inputs(problem: Problem, device: str, seed: int = 0, *, grad_out: boo
     if grad_out:
         inputs["do"] = randn(problem.heads_q, problem.seqlen_q)
     inputs.update(causal=problem.causal, scale=1.0 / math.sqrt(problem.head_dim))
+    if problem.softcap:  # only where set: templates that cap read it, no others see it
+        inputs["softcap"] = problem.softcap
     return inputs
 
 
@@ -99,9 +101,12 @@ def sum_range(lo: int, hi: int) -> int:
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str,
                         scale: float, compute_dtype: torch.dtype | None = None,
-                        mask: torch.Tensor | None = None
+                        mask: torch.Tensor | None = None, softcap: float = 0.0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of softmax(scale * q k^T, masked) v in ``compute_dtype``.
+
+    ``softcap`` > 0 caps the scaled scores first, ``softcap * tanh(s / softcap)`` (Gemma 2),
+    before any mask applies.
 
     ``mask`` broadcasts to (B, H_q, N_q, N_kv): bool (True = attend, e.g. a BlockMask's
     ``to_dense()``) or float (added to the scaled scores), on top of ``causal``.
@@ -125,6 +130,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     for first in range(0, q.shape[2], rows):
         chunk = slice(first, min(first + rows, q.shape[2]))
         s = torch.matmul(qc[:, :, chunk], kc.transpose(-1, -2)) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         if causal_mask is not None:
             s = s.masked_fill(~causal_mask[chunk], float("-inf"))
         if mask is not None:

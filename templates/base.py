@@ -34,6 +34,7 @@ import torch
 
 from templates.compile.offline_target import gpu_compiler_available
 from templates.device import DeviceInfo
+from templates.kernel_common import check_softcap
 
 Scalar = int | bool | str
 # One kernel launch: (the @triton.jit function, grid, positional arguments, keyword options).
@@ -136,7 +137,10 @@ class Problem:
     """One attention problem: shapes, dtype and variant. Hashable; ``key()`` is its identity.
 
     ``mask`` names a block-sparse pattern for the block-sparse variant (e.g. ``random:0.10``,
-    ``sliding:1024``, ``document:4``); ``none`` for dense attention.
+    ``sliding:1024``, ``document:4``); ``none`` for dense attention. ``softcap`` caps the
+    scaled scores as Gemma 2 does (``cap * tanh(s / cap)``), 0 for none: a problem attribute,
+    not a knob. A problem without it keys, buckets and serializes exactly as before it existed
+    (``to_dict`` leaves it out), so stored rows and shipped tables keep their keys.
     """
 
     batch: int
@@ -148,6 +152,7 @@ class Problem:
     dtype: str = "bfloat16"
     causal: str = "none"
     mask: str = "none"
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim"):
@@ -164,6 +169,8 @@ class Problem:
                              f"but got {self.causal!r}")
         if not isinstance(self.mask, str) or not self.mask:
             raise ValueError(f"Problem.mask must be a non-empty pattern name, got {self.mask!r}")
+        # Stored as a float: 50 and 50.0 are one problem, with one key.
+        object.__setattr__(self, "softcap", check_softcap(self.softcap, "Problem.softcap"))
 
     @property
     def gqa_ratio(self) -> int:
@@ -174,6 +181,8 @@ class Problem:
         parts = [] if self.causal == "none" else [f"causal-{self.causal}"]
         if self.mask != "none":
             parts.append(f"sparse-{self.mask}")
+        if self.softcap:
+            parts.append(f"softcap{self.softcap:g}")
         return "+".join(parts) or "dense"
 
     def key(self) -> str:
@@ -181,7 +190,10 @@ class Problem:
                 f"-kv{self.seqlen_kv}-d{self.head_dim}-{self.dtype}-{self.variant}")
 
     def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if not self.softcap:  # the form every problem had before softcap existed
+            del data["softcap"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Problem:
@@ -231,6 +243,9 @@ class Template(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     config_cls: ClassVar[type[KernelConfig]]
+    # Whether its kernels cap the scores (``Problem.softcap``); those that do not refuse a
+    # softcapped problem by name (``unsupported``), so the dispatcher serves it by another.
+    takes_softcap: ClassVar[bool] = False
 
     # -- identity -------------------------------------------------------------------------
     def source_modules(self) -> Sequence[str]:
@@ -245,7 +260,11 @@ class Template(ABC):
 
     # -- the problem ------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
-        """Why this template cannot take ``problem`` at all (None if it can)."""
+        """Why this template cannot take ``problem`` at all (None if it can). Overrides call
+        this first (it refuses softcapped problems of templates that do not cap)."""
+        if problem.softcap and not self.takes_softcap:
+            return (f"{self.name} does not compute softcapped scores (softcap="
+                    f"{problem.softcap:g}); softcap needs a template that caps them")
         return None
 
     @abstractmethod

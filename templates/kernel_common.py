@@ -12,6 +12,22 @@ LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
 
+def check_softcap(value: object, name: str = "softcap") -> float:
+    """``value`` as the cap of softcapped scores (c = cap * tanh(s / cap), Gemma 2's
+    ``attn_logit_softcapping``): a finite number >= 0, 0 or None meaning none; returned as a
+    float, so 50 and 50.0 are one problem."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a finite number >= 0 (0 or None: no cap), but got "
+                        f"{type(value).__name__} {value!r}")
+    cap = float(value)
+    if not (cap >= 0.0 and cap != float("inf")):  # also refuses NaN
+        raise ValueError(f"{name} must be a finite number >= 0 (0 or None: no cap), but got "
+                         f"{value!r}")
+    return cap
+
+
 def block_d_for(head_dim: int) -> int:
     """The kernels' padded head dim: the next power of two, at least 16 (tl.dot's minimum K)."""
     return max(16, 1 << (head_dim - 1).bit_length())

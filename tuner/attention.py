@@ -5,8 +5,10 @@ that runs, for each call, the fastest implementation measured on this GPU for it
     out = tuner.attention(q, k, v, is_causal=True, enable_gqa=True)
 
 Semantics follow SDPA; ``block_mask`` (a ``tuner.BlockMask``) computes only its blocks (rows
-that see no key give zeros). Which implementation runs is ``tuner.dispatch.rule``'s choice
-(docs/DISPATCH.md); an ``attn_mask`` that is exactly causal, a causal window or documents
+that see no key give zeros); ``softcap`` caps the scaled scores, ``softcap * tanh(s /
+softcap)`` (Gemma 2), which SDPA cannot: such calls choose between our kernels and eager
+attention (what transformers runs for them), never SDPA. Which implementation runs is
+``tuner.dispatch.rule``'s choice (docs/DISPATCH.md); an ``attn_mask`` that is exactly causal, a causal window or documents
 runs as that (``tuner.dispatch.dense_mask``); dropout, other masks, float64 or a value head dim
 other than the query's run torch SDPA as the user's code did (``use_implementation("flash")``
 forces ours on a mask).
@@ -29,6 +31,8 @@ import torch
 # Imported first: without CUDA it sets TRITON_INTERPRET before anything imports triton (the
 # custom ops' first call imports torch._dynamo, which imports triton).
 import templates  # noqa: F401
+from templates.kernel_common import check_softcap
+from templates.pytorch.eager import eager_attention
 from templates.pytorch.sdpa import sdpa
 from tuner.dispatch.dense_mask import recognize_mask
 from tuner.dispatch.implementations import Request, get_implementation
@@ -56,39 +60,47 @@ _now, _compiling = time.monotonic, torch.compiler.is_compiling
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-              *, block_mask: object | None = None) -> torch.Tensor:
-    """Scaled dot-product attention by the fastest measured implementation (module docstring)."""
+              *, block_mask: object | None = None, softcap: float | None = None
+              ) -> torch.Tensor:
+    """Scaled dot-product attention by the fastest measured implementation (module docstring).
+
+    ``softcap``: None or 0 for SDPA's scores; > 0 caps them (a finite number)."""
     try:
         needs_grad = torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad)
         if (attn_mask is None and block_mask is None and dropout_p == 0.0 and not needs_grad
-                and not torch.compiler.is_compiling()):
+                and not softcap and not torch.compiler.is_compiling()):
             return _forward(query, key, value, is_causal, scale, enable_gqa)
     except AttributeError:  # not tensors (checked only now, to keep the hot path short)
         check_tensors(query=query, key=key, value=value)
         raise
+    cap = check_softcap(softcap)
     if attn_mask is not None and block_mask is not None:
         raise ValueError("pass attn_mask or block_mask, not both")
     check_inputs(query, key, value, enable_gqa)
+    if cap and block_mask is None and (dropout_p != 0.0 or not in_kernel_scope(query, value)):
+        return _capped_outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal,
+                                            scale, enable_gqa, cap)
     if attn_mask is not None and not (_compiling() or is_causal or dropout_p or forced()) \
             and in_kernel_scope(query, value) and (found := recognize_mask(
                 attn_mask, query.shape[-2], key.shape[-2])) is not None:  # run as what it is
         return attention(query, key, value, is_causal=found.is_causal, scale=scale,
-                         enable_gqa=enable_gqa, block_mask=found.block_mask)
-    if block_mask is None and (dropout_p != 0.0 or not in_kernel_scope(query, value)
-                               or (attn_mask is not None and _forced() != "flash")):
+                         enable_gqa=enable_gqa, block_mask=found.block_mask, softcap=cap)
+    if block_mask is None and not cap and (
+            dropout_p != 0.0 or not in_kernel_scope(query, value)
+            or (attn_mask is not None and _forced() != "flash")):
         return _outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                      enable_gqa)
     mask = None if attn_mask is None and block_mask is None else Masked.of(
         query, key, attn_mask, block_mask)
-    r = Request(query, key, value, is_causal, scale, enable_gqa, needs_grad, mask)
+    r = Request(query, key, value, is_causal, scale, enable_gqa, needs_grad, mask, cap)
     if torch.compiler.is_compiling():
         name, constant = _traced_choice(
             ",".join(str(n) for n in query.shape), ",".join(str(n) for n in key.shape),
             str(query.dtype).removeprefix("torch."), str(query.device), is_causal, needs_grad,
             mask is not None, None if mask is None else mask.pattern,
-            "" if mask is None or mask.block_size is None else ",".join(map(str, mask.block_size))
-        ).split(":", 1)
+            "" if mask is None or mask.block_size is None else ",".join(map(str, mask.block_size)),
+            cap).split(":", 1)
         return get_implementation(name).run(r, None, constant)
     choice = _choose(r)
     return choice.implementation.run(r, choice, choice.implementation.constant(choice))
@@ -96,10 +108,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
              is_causal: bool = False, enable_gqa: bool = False,
-             needs_grad: bool = False) -> Choice:
+             needs_grad: bool = False, softcap: float | None = None) -> Choice:
     """Which implementation and config ``attention`` runs for these inputs, and why."""
+    cap = check_softcap(softcap)
     check_inputs(query, key, value, enable_gqa)
-    return choose(call_of(query, key, is_causal, needs_grad))
+    return choose(call_of(query, key, is_causal, needs_grad, softcap=cap))
 
 
 @torch.compiler.assume_constant_result
@@ -110,7 +123,7 @@ def _forced() -> str | None:
 
 def _choose(r: Request) -> Choice:
     """The kept choice for a checked call (a masked one by ``choose_masked``)."""
-    call = call_of(r.q, r.k, r.is_causal, r.needs_grad)
+    call = call_of(r.q, r.k, r.is_causal, r.needs_grad, softcap=r.softcap)
     if r.mask is None:
         return keep(choose(call))
     return choose_masked(call, r.mask.pattern, r.mask.block_size)
@@ -118,13 +131,14 @@ def _choose(r: Request) -> Choice:
 
 @torch.compiler.assume_constant_result
 def _traced_choice(shape_q: str, shape_k: str, dtype: str, device: str, is_causal: bool,
-                   needs_grad: bool, masked: bool, pattern: str | None, block_size: str
-                   ) -> str:
+                   needs_grad: bool, masked: bool, pattern: str | None, block_size: str,
+                   softcap: float = 0.0) -> str:
     """Under torch.compile: "<implementation>:<its constant>", fixed at trace time as a
     constant; arguments are scalars and strings, as Dynamo requires."""
     call = call_of_shapes(tuple(int(n) for n in shape_q.split(",")),
                           tuple(int(n) for n in shape_k.split(",")), getattr(torch, dtype),
-                          is_causal, needs_grad, device_info(torch.device(device)))
+                          is_causal, needs_grad, device_info(torch.device(device)),
+                          softcap=softcap)
     blocks = tuple(int(n) for n in block_size.split(",")) if block_size else None
     choice = (choose_masked(call, pattern, blocks) if masked  # type: ignore[arg-type]
               else keep(choose(call)))
@@ -157,6 +171,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     return run(q, k, v)  # type: ignore[return-value]
 
 
+def _capped_outside_kernel_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 attn_mask: torch.Tensor | None, dropout_p: float,
+                                 is_causal: bool, scale: float | None, enable_gqa: bool,
+                                 softcap: float) -> torch.Tensor:
+    """A softcapped call with dropout, or inputs no kernel of ours takes: eager attention, as
+    transformers runs it (SDPA cannot cap scores); forced to ``flash``, an error saying why
+    ours cannot."""
+    if _forced() == "flash":
+        return _outside_kernel_scope(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                     enable_gqa)  # raises, naming what ours lacks
+    return eager_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                           causal=is_causal, scale=scale, softcap=softcap)
+
+
 def _outside_kernel_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
                           scale: float | None, enable_gqa: bool) -> torch.Tensor:
@@ -181,16 +209,18 @@ def _attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
                          partial_indices: torch.Tensor | None = None,
                          partial_tile_ids: torch.Tensor | None = None,
                          partial_tiles: torch.Tensor | None = None, mask_geometry: list[int] | None = None,
-                         mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                         mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None,
+                         softcap: float = 0.0) -> torch.Tensor:
     """o by ``implementation`` as the trace chose it, under the mask given as
-    ``Masked.op_args``: the eager path, with that implementation forced."""
+    ``Masked.op_args`` and capped at ``softcap``: the eager path, with that implementation
+    forced."""
     mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
                                partial_tile_ids, partial_tiles, mask_geometry, mask_pattern, attn_mask)
     with torch.no_grad(), use_implementation(implementation):
         return in_op_layout(attention(
             q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
             attn_mask=None if mask is None else mask.attn_mask,
-            block_mask=None if mask is None else mask.block_mask), q)
+            block_mask=None if mask is None else mask.block_mask, softcap=softcap), q)
 
 
 @_attention_inference.register_fake

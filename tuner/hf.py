@@ -15,6 +15,10 @@ no mask (the dispatcher's causal path). The masks carry their named problem
 them as measured. Packed rows that come with the collator's ``cu_seq_lens_q/k`` kwargs
 (``DataCollatorWithFlattening``) run ``tuner.varlen_attention`` on those offsets.
 
+Softcapped scores (Gemma 2's ``attn_logit_softcapping``, passed as ``softcap``) go to
+``tuner.attention(..., softcap=...)`` on every path: ours or eager attention, as measured
+(transformers itself runs eager attention for them: SDPA cannot cap scores).
+
 Everything else (padded batches, prefills continuing a KV cache, decoding, custom
 ``or_mask_function`` / ``and_mask_function`` rules) gets transformers' "sdpa" mask as before: no
 mask, or a boolean (B, 1, L, S) mask, causality included, which the kernel reads tile by tile
@@ -49,7 +53,10 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, H, L, D) in, (B, L, H, D) out."""
     gqa = query.shape[1] != key.shape[1]
-    if _packed_offsets(query, key, kwargs) and dropout == 0.0:
+    # Gemma 2's attn_logit_softcapping (None elsewhere): every call below caps its scores;
+    # packed offsets then take the block-mask path (varlen attention takes no cap).
+    softcap = kwargs.get("softcap")
+    if _packed_offsets(query, key, kwargs) and dropout == 0.0 and not softcap:
         out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
                                value[0].transpose(0, 1), kwargs["cu_seq_lens_q"],
                                kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"]),
@@ -63,7 +70,7 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         attention_mask = attention_mask.to_dense()
     if isinstance(attention_mask, BlockMask):  # from tuner_mask: causality included
         out = attention(query, key, value, dropout_p=dropout, is_causal=False, scale=scaling,
-                        enable_gqa=gqa, block_mask=attention_mask)
+                        enable_gqa=gqa, block_mask=attention_mask, softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
     window = kwargs.get("sliding_window")
     # A window of 0 or less hides every key: no pattern names it, so it stays a dense mask.
@@ -73,7 +80,7 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # (measured) choice, e.g. cuDNN's causal kernel, without any mask.
         if window >= query.shape[2]:
             out = attention(query, key, value, dropout_p=dropout, is_causal=True,
-                            scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+                            scale=scaling, enable_gqa=gqa, softcap=softcap)
         else:
             # The block mask holds causality too (is_causal=False): its blocks below the
             # diagonal and inside the window are then full and run unmasked. With causality
@@ -81,9 +88,9 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             # kernel applies is_causal on top of full blocks): 2.14 ms per layer on the H100
             # for a Mistral-shaped 8k prefill, against 3.23 for cuDNN with the dense mask.
             out = attention(query, key, value, dropout_p=dropout, is_causal=False,
-                            scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+                            scale=scaling, enable_gqa=gqa,
                             block_mask=sliding_block_mask(query.shape[2], int(window),
-                                                          query.device))
+                                                          query.device), softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, torch.Tensor) and not dropout:
         # A dense mask from transformers' fallback (e.g. a custom mask rule) that is exactly
@@ -92,7 +99,7 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         found = recognize_mask(attention_mask, query.shape[2], key.shape[2])
         if found is not None:
             out = attention(query, key, value, is_causal=found.is_causal, scale=scaling,
-                            enable_gqa=gqa, block_mask=found.block_mask)
+                            enable_gqa=gqa, block_mask=found.block_mask, softcap=softcap)
             return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         # The mask already holds causality (as with transformers' own "sdpa" path).
@@ -103,7 +110,7 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # all but the first under SDPA's top-left alignment.
         causal = bool(causal) and query.shape[2] > 1
     out = attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                    is_causal=causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+                    is_causal=causal, scale=scaling, enable_gqa=gqa, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 

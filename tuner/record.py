@@ -92,7 +92,8 @@ class Recorder:
         for p in problems:
             fields = {"B": p.batch, "H_q": p.heads_q, "H_kv": p.heads_kv, "N_q": p.seqlen_q,
                       "N_kv": p.seqlen_kv, "D": p.head_dim, "dtype": p.dtype,
-                      "causal": p.causal, "mask": p.mask, "count": counts[p]}
+                      "causal": p.causal, "mask": p.mask,
+                      **({"softcap": p.softcap} if p.softcap else {}), "count": counts[p]}
             lines.append("  {" + ", ".join(f"{k} = {_toml(v)}" for k, v in fields.items())
                          + "},")
         lines += ["]", "", "[recorded]", f"by = {_toml(RECORDED_BY)}",
@@ -175,5 +176,7 @@ def _toml(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):  # a softcap: finite (Problem checks it), TOML's own form
+        return repr(value)
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'

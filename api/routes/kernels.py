@@ -47,10 +47,14 @@ async def kernel_source(
     """
     tmpl = template_or_404(template)
     problem = query.problem()
-    # The standalone module's entry point takes no mask: it would run the problem dense.
+    # The standalone module's entry point takes no mask and no softcap: it would run the
+    # problem dense and uncapped.
     why = (f"mask={problem.mask!r}: the standalone module runs dense attention only "
            "(block-sparse problems run through tuner.attention with a block_mask)"
-           if problem.mask != "none" else tmpl.unsupported(problem))
+           if problem.mask != "none" else
+           f"softcap={problem.softcap:g}: the standalone module runs uncapped scores only "
+           "(softcapped problems run through tuner.attention(..., softcap=...))"
+           if problem.softcap else tmpl.unsupported(problem))
     if why:
         raise HTTPException(422, detail=f"template {tmpl.name!r} cannot run this problem: {why}")
     answer = await best_answer(

@@ -223,6 +223,9 @@ class FlashDecodeTemplate(Template):
 
     # -- the problem ------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)  # a softcapped problem, where it does not cap
+        if reason:
+            return reason
         try:
             parse_decode_mask(problem.mask)
         except ValueError as exc:

@@ -27,22 +27,25 @@ BwdConfigLike = BwdConfig | Mapping[str, object] | None
 class FlashAttentionFunction(torch.autograd.Function):
     """o = softmax(scale * q k^T [masked]) v with FlashAttention kernels both ways.
 
-    ``apply(q, k, v, causal, scale, fwd_config, bwd_config, attn_mask, block_mask)``; see
-    ``flash_attention``.
+    ``apply(q, k, v, causal, scale, fwd_config, bwd_config, attn_mask, block_mask, softcap)``;
+    see ``flash_attention``.
     """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool | str, scale: float | None, fwd_config: FwdConfigLike,
                 bwd_config: BwdConfigLike, attn_mask: torch.Tensor | None = None,
-                block_mask: BlockMask | None = None) -> torch.Tensor:
+                block_mask: BlockMask | None = None, softcap: float | None = None
+                ) -> torch.Tensor:
         o, lse = flash_attention_fwd(q, k, v, causal=causal, scale=scale, config=fwd_config,
-                                     attn_mask=attn_mask, block_mask=block_mask)
+                                     attn_mask=attn_mask, block_mask=block_mask,
+                                     softcap=softcap)
         ctx.save_for_backward(q, k, v, o, lse, attn_mask)
         ctx.causal = causal
         ctx.scale = scale
         ctx.bwd_config = bwd_config
         ctx.block_mask = block_mask
+        ctx.softcap = softcap
         return o
 
     @staticmethod
@@ -51,15 +54,16 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, attn_mask = ctx.saved_tensors
         dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, causal=ctx.causal,
                                          scale=ctx.scale, config=ctx.bwd_config,
-                                         attn_mask=attn_mask, block_mask=ctx.block_mask)
-        return dq, dk, dv, None, None, None, None, None, None
+                                         attn_mask=attn_mask, block_mask=ctx.block_mask,
+                                         softcap=ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                     causal: bool | str = False, scale: float | None = None,
                     fwd_config: FwdConfigLike = None, bwd_config: BwdConfigLike = None,
-                    attn_mask: torch.Tensor | None = None, block_mask: BlockMask | None = None
-                    ) -> torch.Tensor:
+                    attn_mask: torch.Tensor | None = None, block_mask: BlockMask | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention output o (B, H_q, N_q, D) in q's dtype, differentiable w.r.t. q, k and v.
 
     Args:
@@ -72,6 +76,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             attn_mask is a constant here: asking for its gradient raises.
         fwd_config / bwd_config: configs of the flash_fwd / flash_bwd templates (or mappings
             of their fields); None takes each template's default for the problem and device.
+        softcap: cap the scaled scores, ``softcap * tanh(s / softcap)`` (Gemma 2), in both
+            passes; None or 0: no cap.
 
     Raises:
         TypeError / ValueError from either template's validation (shapes, dtypes, configs).
@@ -81,6 +87,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                   "gradient for it (that would be an N_q x N_kv matrix); pass "
                                   "attn_mask.detach() or use torch SDPA's math backend")
     o = FlashAttentionFunction.apply(q, k, v, causal, scale, fwd_config, bwd_config,
-                                     attn_mask, block_mask)
+                                     attn_mask, block_mask, softcap)
     assert isinstance(o, torch.Tensor)
     return o

@@ -32,6 +32,7 @@ from templates.device import (
     interpreter_active,
 )
 from templates.flash import bwd_kernel as kernel
+from templates.flash import softcap as softcap_kernel
 from templates.flash.fwd import check_block_mask, flash_attention_fwd, pattern_mask
 from templates.flash.fwd_kernel import attn_mask_view
 from templates.interpreter_dtype import as_float32, runs_in_float32
@@ -135,6 +136,7 @@ def registers_estimate(problem: Problem, config: BwdConfig) -> dict[str, int]:
 
 class FlashBwdTemplate(Template):
     name = "flash_bwd"
+    takes_softcap = True
     description = ("FlashAttention-2 backward: (dq, dk, dv) from q, k, v, o, do and the "
                    "forward's lse, recomputing P tile by tile; dK/dV per KV tile with the GQA "
                    "group summed in-program, dQ by fp32 atomics or a separate pass; dense, "
@@ -143,10 +145,14 @@ class FlashBwdTemplate(Template):
     config_cls = BwdConfig
 
     def source_modules(self) -> Sequence[str]:
-        return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__, __name__]
+        return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__,
+                softcap_kernel.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)  # a softcapped problem, where it does not cap
+        if reason:
+            return reason
         if problem.mask != "none":
             reason = pattern_problem(problem.mask, problem.seqlen_q, problem.seqlen_kv)
             if reason:
@@ -214,9 +220,11 @@ class FlashBwdTemplate(Template):
             block_mask = pattern_mask(problem.mask, problem.seqlen_q, problem.seqlen_kv,
                                        str(device))
         o, lse = forward_for_backward(q, k, v, causal=problem.causal, scale=scale,
-                                      block_mask=block_mask)
+                                      block_mask=block_mask, softcap=problem.softcap)
         inputs = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do,
                   "causal": problem.causal, "scale": scale}
+        if problem.softcap:
+            inputs["softcap"] = problem.softcap
         if block_mask is not None:
             inputs["block_mask"] = block_mask
         return inputs
@@ -227,7 +235,8 @@ class FlashBwdTemplate(Template):
         return flash_attention_bwd(inputs["do"], inputs["q"], inputs["k"], inputs["v"],
                                    inputs["o"], inputs["lse"], causal=inputs["causal"],
                                    scale=inputs["scale"], config=cfg,
-                                   block_mask=inputs.get("block_mask"))
+                                   block_mask=inputs.get("block_mask"),
+                                   softcap=inputs.get("softcap"))
 
     def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
         """The launches ``run`` makes, in order (dense problems only: a block mask's tensors
@@ -249,14 +258,15 @@ class FlashBwdTemplate(Template):
             StandinTensor(dq_dtype, q_shape), StandinTensor(dtype, kv_shape),
             StandinTensor(dtype, kv_shape),
             causal_mode=problem.causal, scale=1.0 / math.sqrt(problem.head_dim),
-            config=cfg.to_dict())
+            config=cfg.to_dict(), softcap=problem.softcap)
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         block_mask = inputs.get("block_mask")
         return reference_grads(inputs["q"], inputs["k"], inputs["v"], inputs["do"],
                                causal=kernel.normalize_causal(inputs["causal"]),
                                scale=inputs["scale"],
-                               mask=None if block_mask is None else block_mask.to_dense())
+                               mask=None if block_mask is None else block_mask.to_dense(),
+                               softcap=inputs.get("softcap", 0.0))
 
     # -- code generation ----------------------------------------------------------------------
     def standalone_source(self, config: KernelConfig) -> str:
@@ -448,19 +458,21 @@ def _default_config(template: FlashBwdTemplate, problem: Problem, device: Device
 
 # ----------------------------------------------------------------------------- references
 def forward_for_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str,
-                         scale: float, block_mask: BlockMask | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float, block_mask: BlockMask | None = None,
+                         softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) the backward consumes: the forward kernel's."""
-    return flash_attention_fwd(q, k, v, causal=causal, scale=scale, block_mask=block_mask)
+    return flash_attention_fwd(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
+                               softcap=softcap)
 
 
 def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
-                    causal: str, scale: float, mask: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    causal: str, scale: float, mask: torch.Tensor | None = None,
+                    softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by torch autograd through the plain-torch reference attention.
 
     ``mask`` as ``attention_reference``'s (bool or additive, broadcast to (B, H_q, N_q,
-    N_kv)). float64, or float32 on a GPU for large problems; computed per chunk of (batch, kv
+    N_kv)), ``softcap`` as its. float64, or float32 on a GPU for large problems; computed
+    per chunk of (batch, kv
     heads) so that memory stays bounded by REFERENCE_CHUNK_SCORES score elements per tensor.
     """
     batch, heads_q, seqlen_q, _ = q.shape
@@ -480,7 +492,8 @@ def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
                 batch, heads_q, seqlen_q, seqlen_kv)[b:b + 1, q_heads]
             with torch.enable_grad():
                 o, _ = attention_reference(*leaves, causal=causal, scale=scale,
-                                           compute_dtype=compute, mask=chunk_mask)
+                                           compute_dtype=compute, mask=chunk_mask,
+                                           softcap=softcap)
                 chunk = torch.autograd.grad(o, leaves, do[b:b + 1, q_heads].to(compute))
             for out, part, heads in zip(grads, chunk, (q_heads, kv_heads, kv_heads),
                                         strict=True):
@@ -489,10 +502,11 @@ def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
 
 
 # ----------------------------------------------------------------------------- entry point
-def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
+def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str,
+               softcap: float = 0.0) -> Problem:
     return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
                    seqlen_q=q.shape[2], seqlen_kv=k.shape[2], head_dim=q.shape[3],
-                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode)
+                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode, softcap=softcap)
 
 
 def resolve_config(config: BwdConfig | Mapping[str, object] | None, problem: Problem,
@@ -548,7 +562,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         scale: float | None = None,
                         config: BwdConfig | Mapping[str, object] | None = None,
                         attn_mask: torch.Tensor | None = None,
-                        block_mask: BlockMask | None = None
+                        block_mask: BlockMask | None = None, softcap: float | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: (dq, dk, dv) of o = softmax(scale * q k^T [masked]) v.
 
@@ -566,6 +580,8 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
             for this problem and device.
         attn_mask, block_mask: the forward's (see ``flash_attention_fwd``); the gradients are
             those of the masked attention. attn_mask itself gets no gradient.
+        softcap: the forward's cap (None or 0: none); the gradients are those of the capped
+            scores, ``softcap * tanh(s / softcap)``.
 
     Returns:
         dq, dk, dv in the inputs' dtype and shapes (q's, k's, v's), contiguous.
@@ -575,6 +591,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         constraint the config violates for this problem and device.
     """
     causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
+    cap = kernel_common.check_softcap(softcap)
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the kernels run on CUDA tensors (or under TRITON_INTERPRET=1), but q "
                          f"is on {q.device}")
@@ -583,7 +600,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if block_mask is not None:
         check_block_mask(block_mask, q, k)
     mask_view = None if attn_mask is None else attn_mask_view(attn_mask, q, k)
-    problem = problem_of(q, k, causal_mode)
+    problem = problem_of(q, k, causal_mode, cap)
     device = current_device(q.device.index) if q.is_cuda else current_device()
     cfg = resolve_config(config, problem, device,
                          None if block_mask is None else block_mask.block_size)
@@ -593,7 +610,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                            else (do, q, k, v, o))
     dq, dk, dv = kernel.launch(ldo, lq, lk, lv, lo, lse, causal_mode=causal_mode,
                                scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
-                               attn_mask=mask_view)
+                               attn_mask=mask_view, softcap=cap)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

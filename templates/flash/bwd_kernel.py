@@ -3,9 +3,9 @@
 This module imports only torch and triton: ``FlashBwdTemplate.standalone_source`` emits it
 verbatim, with a tuned config appended, as a module a user can drop into a project.
 
-Given the forward's ``o`` and ``lse`` (natural-log logsumexp of the scaled scores) and the
-incoming gradient ``do``, three kernels produce ``dq``, ``dk`` and ``dv`` without ever storing
-an N_q x N_kv matrix:
+Given the forward's ``o`` and ``lse`` (natural-log logsumexp of the scaled, possibly capped,
+scores) and the incoming gradient ``do``, three kernels produce ``dq``, ``dk`` and ``dv``
+without ever storing an N_q x N_kv matrix:
 
   * preprocess, one program per (query tile, query head, batch): ``delta = rowsum(dO * O)``
     in fp32, and the lse turned into the base-2 shift the main kernels subtract,
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from templates.flash.softcap import softcapped_with_slope
 from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     CAUSAL_MODES,
     LOG2_E,
@@ -82,10 +83,10 @@ def _dkdv_step(
     dk, dv, k, v,
     Q, DO, DQ, LSE2, DELTA,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-    m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+    m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale, softcap2,
     tile_base, am_base, stride_amm, stride_amn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, TILE_STRIDE: tl.constexpr,
-    ATTN_MASK: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    ATTN_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -97,6 +98,8 @@ def _dkdv_step(
     N_q, keys past N_kv, and the causal diagonal when ``CAUSAL``), ``TILE`` (a block mask's
     elementwise tile, transposed: uint8 rows per key ``TILE_STRIDE`` apart from ``tile_base``),
     ``ATTN_MASK`` (0 none, 1 bool, 2 additive, read from ``am_base`` by (query, key)).
+    ``SOFTCAP``: the scores are capped as in the forward (``softcap2``: the cap times
+    log2(e)) and dS takes the cap's slope ``1 - tanh^2``.
     """
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
@@ -112,6 +115,8 @@ def _dkdv_step(
         delta = tl.load(DELTA + offs_m)
     # Scores transposed (keys along rows): P^T feeds dV = P^T dO without a transpose.
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:  # the forward's capped scores, and their slope for dS
+        s_t, slope_t = softcapped_with_slope(s_t, softcap2)
     if ATTN_MASK != 0:
         am = tl.load(am_base + offs_m[None, :] * stride_amm + offs_n[:, None] * stride_amn,
                      mask=(offs_m[None, :] < N_Q) & (offs_n[:, None] < N_KV), other=0)
@@ -133,7 +138,10 @@ def _dkdv_step(
     p_t = tl.math.exp2(s_t)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # dS = dC * (1 - tanh^2); the scale is applied as without a cap
+        ds_t = ds_t * slope_t
+    ds_t = ds_t.to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
     if ATOMIC_DQ:
         dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
@@ -148,10 +156,10 @@ def _dkdv_walk_q_range(
     dk, dv, k, v,
     Q, DO, DQ, LSE2, DELTA,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-    offs_n, offs_d, m_start, m_stop, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+    offs_n, offs_d, m_start, m_stop, N_Q, N_KV, causal_offset, qk_scale, sm_scale, softcap2,
     am_base, stride_amm, stride_amn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold the query tiles m_start, m_start + BLOCK_M, ... < m_stop (dense and causal)."""
@@ -159,9 +167,9 @@ def _dkdv_walk_q_range(
         dk, dv = _dkdv_step(
             dk, dv, k, v, Q, DO, DQ, LSE2, DELTA,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-            m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+            m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale, softcap2,
             am_base, am_base, stride_amm, stride_amn,
-            MASKED, CAUSAL, False, 1, ATTN_MASK, ATOMIC_DQ,
+            MASKED, CAUSAL, False, 1, ATTN_MASK, SOFTCAP, ATOMIC_DQ,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DOT_PRECISION)
     return dk, dv
 
@@ -171,11 +179,12 @@ def _dkdv_walk_listed_blocks(
     dk, dv, k, v,
     Q, DO, DQ, LSE2, DELTA,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-    offs_n, offs_d, tile_row, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+    offs_n, offs_d, tile_row, N_Q, N_KV, causal_offset, qk_scale, sm_scale, softcap2,
     Count, Indices, TileIds, Tiles,
     am_base, stride_amm, stride_amn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, ATTN_MASK: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
+    SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -190,9 +199,9 @@ def _dkdv_walk_listed_blocks(
         dk, dv = _dkdv_step(
             dk, dv, k, v, Q, DO, DQ, LSE2, DELTA,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
-            m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
+            m0, offs_n, offs_d, N_Q, N_KV, causal_offset, qk_scale, sm_scale, softcap2,
             tile_base, am_base, stride_amm, stride_amn,
-            MASKED, CAUSAL, TILE, MASK_BLOCK_Q, ATTN_MASK, ATOMIC_DQ,
+            MASKED, CAUSAL, TILE, MASK_BLOCK_Q, ATTN_MASK, SOFTCAP, ATOMIC_DQ,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DOT_PRECISION)
     return dk, dv
 
@@ -207,7 +216,7 @@ def _flash_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dqb, stride_dqh, stride_dqm,
-    N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, qk_scale, sm_scale,
+    N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, qk_scale, sm_scale, softcap2,
     FullCount, FullIndices, PartialCount, PartialIndices, PartialTileIds, PartialTiles,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_il,
     AttnMask, stride_amb, stride_amh, stride_amm, stride_amn,
@@ -216,7 +225,7 @@ def _flash_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SPARSE: tl.constexpr, SPARSE_FULL_MASKED: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr, ATTN_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # -- which (batch, kv head, KV tile): a 1-D grid, tiles of one kv head next to each other
     # so the Q/dO of its group stay in L2. Tile 0 first: under causal masking the first KV
@@ -271,18 +280,18 @@ def _flash_bwd_dkdv_kernel(
                 dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                 offs_n, offs_d, n0 % MASK_BLOCK_KV, N_Q, N_KV, causal_offset, qk_scale,
-                sm_scale, FullCount + counts, FullIndices + lists, PartialTileIds + lists,
+                sm_scale, softcap2, FullCount + counts, FullIndices + lists, PartialTileIds + lists,
                 PartialTiles, am_base, stride_amm, stride_amn,
-                SPARSE_FULL_MASKED, CAUSAL, False, ATTN_MASK, ATOMIC_DQ,
+                SPARSE_FULL_MASKED, CAUSAL, False, ATTN_MASK, SOFTCAP, ATOMIC_DQ,
                 MASK_BLOCK_Q, MASK_BLOCK_KV, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                 DOT_PRECISION)
             dk, dv = _dkdv_walk_listed_blocks(
                 dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                 offs_n, offs_d, n0 % MASK_BLOCK_KV, N_Q, N_KV, causal_offset, qk_scale,
-                sm_scale, PartialCount + counts, PartialIndices + lists,
+                sm_scale, softcap2, PartialCount + counts, PartialIndices + lists,
                 PartialTileIds + lists, PartialTiles, am_base, stride_amm, stride_amn,
-                True, CAUSAL, True, ATTN_MASK, ATOMIC_DQ,
+                True, CAUSAL, True, ATTN_MASK, SOFTCAP, ATOMIC_DQ,
                 MASK_BLOCK_Q, MASK_BLOCK_KV, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                 DOT_PRECISION)
         else:
@@ -290,23 +299,24 @@ def _flash_bwd_dkdv_kernel(
                 dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                 offs_n, offs_d, m_begin, tl.minimum(m_full, N_Q), N_Q, N_KV, causal_offset,
-                qk_scale, sm_scale, am_base, stride_amm, stride_amn,
-                True, CAUSAL, ATTN_MASK, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                qk_scale, sm_scale, softcap2, am_base, stride_amm, stride_amn,
+                True, CAUSAL, ATTN_MASK, SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                 DOT_PRECISION)
             dk, dv = _dkdv_walk_q_range(
                 dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                 offs_n, offs_d, m_full, m_whole, N_Q, N_KV, causal_offset, qk_scale,
-                sm_scale, am_base, stride_amm, stride_amn,
-                False, CAUSAL, ATTN_MASK, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                sm_scale, softcap2, am_base, stride_amm, stride_amn,
+                False, CAUSAL, ATTN_MASK, SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                 DOT_PRECISION)
             if not EVEN_M:
                 dk, dv = _dkdv_walk_q_range(
                     dk, dv, k, v, Q_bh, DO_bh, DQ_bh, LSE2 + row0, DELTA + row0,
                     stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                     offs_n, offs_d, tl.maximum(m_full, m_whole), N_Q, N_Q, N_KV,
-                    causal_offset, qk_scale, sm_scale, am_base, stride_amm, stride_amn,
-                    True, CAUSAL, ATTN_MASK, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                    causal_offset, qk_scale, sm_scale, softcap2, am_base, stride_amm, stride_amn,
+                    True, CAUSAL, ATTN_MASK, SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    BLOCK_N,
                     DOT_PRECISION)
 
     out_mask = (offs_n[:, None] < N_KV) & (offs_d[None, :] < HEAD_DIM)
@@ -319,10 +329,10 @@ def _flash_bwd_dkdv_kernel(
 def _dq_step(
     dq, q, do, lse2, delta,
     K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-    n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale,
+    n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale, softcap2,
     tile_base, am_base, stride_amm, stride_amn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, TILE_STRIDE: tl.constexpr,
-    ATTN_MASK: tl.constexpr,
+    ATTN_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -336,6 +346,8 @@ def _dq_step(
     v = _load_rows(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                    offs_n, N_KV, offs_d, MASKED, HEAD_DIM, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        s, slope = softcapped_with_slope(s, softcap2)
     if ATTN_MASK != 0:
         am = tl.load(am_base + offs_m[:, None] * stride_amm + offs_n[None, :] * stride_amn,
                      mask=(offs_m[:, None] < N_Q) & (offs_n[None, :] < N_KV), other=0)
@@ -356,6 +368,8 @@ def _dq_step(
     p = tl.math.exp2(s)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:  # dS = dC * (1 - tanh^2); the scale is applied as without a cap
+        ds = ds * slope
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
@@ -363,18 +377,18 @@ def _dq_step(
 def _dq_walk_kv_range(
     dq, q, do, lse2, delta,
     K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, n_start, n_stop, N_Q, N_KV, causal_offset, qk_scale,
+    offs_m, offs_d, n_start, n_stop, N_Q, N_KV, causal_offset, qk_scale, softcap2,
     am_base, stride_amm, stride_amn,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold the KV tiles n_start, n_start + BLOCK_N, ... < n_stop (dense and causal)."""
     for n0 in range(n_start, n_stop, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                      n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale,
+                      n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale, softcap2,
                       am_base, am_base, stride_amm, stride_amn,
-                      MASKED, CAUSAL, False, 1, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+                      MASKED, CAUSAL, False, 1, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
                       DOT_PRECISION)
     return dq
 
@@ -383,10 +397,11 @@ def _dq_walk_kv_range(
 def _dq_walk_listed_blocks(
     dq, q, do, lse2, delta,
     K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, tile_row, N_Q, N_KV, causal_offset, qk_scale,
+    offs_m, offs_d, tile_row, N_Q, N_KV, causal_offset, qk_scale, softcap2,
     Count, Indices, TileIds, Tiles,
     am_base, stride_amm, stride_amn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, ATTN_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -397,9 +412,9 @@ def _dq_walk_listed_blocks(
         n0, tile_base = listed_block_step(Indices, TileIds, Tiles, t, tile_row, MASK_BLOCK_KV,
                                           BLOCK_N, MASK_BLOCK_Q * MASK_BLOCK_KV, TILE)
         dq = _dq_step(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                      n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale,
+                      n0, offs_m, offs_d, N_Q, N_KV, causal_offset, qk_scale, softcap2,
                       tile_base, am_base, stride_amm, stride_amn,
-                      MASKED, CAUSAL, TILE, MASK_BLOCK_KV, ATTN_MASK, HEAD_DIM, BLOCK_D,
+                      MASKED, CAUSAL, TILE, MASK_BLOCK_KV, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D,
                       BLOCK_N, DOT_PRECISION)
     return dq
 
@@ -412,7 +427,7 @@ def _flash_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm,
-    N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, qk_scale, sm_scale,
+    N_Q, N_KV, causal_offset, H_Q, GROUP, n_q_tiles, qk_scale, sm_scale, softcap2,
     FullCount, FullIndices, PartialCount, PartialIndices, PartialTileIds, PartialTiles,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_il,
     AttnMask, stride_amb, stride_amh, stride_amm, stride_amn,
@@ -420,6 +435,7 @@ def _flash_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr, ATTN_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -456,17 +472,17 @@ def _flash_bwd_dq_kernel(
         counts = b * stride_cb + h * stride_ch + q_block
         dq = _dq_walk_listed_blocks(
             dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_d, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            offs_m, offs_d, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             FullCount + counts, FullIndices + lists, PartialTileIds + lists, PartialTiles,
             am_base, stride_amm, stride_amn,
-            CAUSAL, CAUSAL, False, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            CAUSAL, CAUSAL, False, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
             HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
         dq = _dq_walk_listed_blocks(
             dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_d, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            offs_m, offs_d, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
             PartialTiles, am_base, stride_amm, stride_amn,
-            True, CAUSAL, True, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            True, CAUSAL, True, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
             HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     else:
         # -- the KV range: [0, n_full) full, [n_full, n_stop) partial.
@@ -482,14 +498,15 @@ def _flash_bwd_dq_kernel(
         dq = _dq_walk_kv_range(dq, q, do, lse2, delta, K_bh, V_bh,
                                stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_d, 0, n_full, N_Q, N_KV, causal_offset, qk_scale,
+                               softcap2,
                                am_base, stride_amm, stride_amn,
-                               False, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+                               False, CAUSAL, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
                                DOT_PRECISION)
         dq = _dq_walk_kv_range(dq, q, do, lse2, delta, K_bh, V_bh,
                                stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_d, n_full, n_stop, N_Q, N_KV, causal_offset,
-                               qk_scale, am_base, stride_amm, stride_amn,
-                               True, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+                               qk_scale, softcap2, am_base, stride_amm, stride_amn,
+                               True, CAUSAL, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
                                DOT_PRECISION)
 
     dq_ptrs = (DQ + b * stride_dqb + h * stride_dqh
@@ -605,13 +622,14 @@ def _empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> to
 def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            o: torch.Tensor, lse: torch.Tensor, *, causal_mode: str, scale: float,
            config: Mapping[str, object], block_mask: Any = None,
-           attn_mask: torch.Tensor | None = None
+           attn_mask: torch.Tensor | None = None, softcap: float = 0.0
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward on validated inputs with a config given as a plain mapping.
 
     ``block_mask``: the forward's ``templates.masks.block_mask.BlockMask`` (already checked against
     q and k; the dK/dV pass walks its ``transposed`` lists); ``attn_mask``: the forward's,
-    as ``flash_fwd_kernel.attn_mask_view`` returns it. Returns (dq, dk, dv), contiguous, in
+    as ``flash_fwd_kernel.attn_mask_view`` returns it; ``softcap``: the forward's cap (0:
+    none). Returns (dq, dk, dv), contiguous, in
     the inputs' dtype and shapes.
     """
     rows = tuple(q.shape[:3])
@@ -625,7 +643,7 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           else _empty(tuple(q.shape), q, q.dtype))
     calls = kernel_calls(do, q, k, v, o, lse, delta, lse2, dq, dk, dv,
                          causal_mode=causal_mode, scale=scale, config=config,
-                         block_mask=block_mask, attn_mask=attn_mask)
+                         block_mask=block_mask, attn_mask=attn_mask, softcap=softcap)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         for kernel, grid, args, options in calls:
             kernel[grid](*args, **options)
@@ -634,7 +652,8 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, lse2: Any,
                  dq: Any, dk: Any, dv: Any, *, causal_mode: str, scale: float,
-                 config: Mapping[str, object], block_mask: Any = None, attn_mask: Any = None
+                 config: Mapping[str, object], block_mask: Any = None, attn_mask: Any = None,
+                 softcap: float = 0.0
                  ) -> list[tuple[Any, tuple[int, ...], list[Any], dict[str, Any]]]:
     """(kernel, grid, positional arguments, options) of each launch, in launch order.
 
@@ -678,7 +697,7 @@ def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, 
     sparse = block_mask is not None
     mask_block_q, mask_block_kv = block_mask.block_size if sparse else (block_m1, block_n1)
     masks = dict(SPARSE=sparse, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
-                 ATTN_MASK=mask_kind)
+                 ATTN_MASK=mask_kind, SOFTCAP=softcap > 0)
 
     kv_tiles = triton.cdiv(seqlen_kv, block_n1)
     calls.append((
@@ -687,6 +706,7 @@ def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, 
          *q.stride(), *k.stride(), *v.stride(), *do.stride(),
          *dk.stride()[:3], *dq.stride()[:3],
          seqlen_q, seqlen_kv, offset, heads_q, heads_kv, group, kv_tiles, qk_scale, scale,
+         softcap * LOG2_E,
          *(block_mask.transposed.kernel_args() if sparse else [lse] * 6 + [0] * 5),
          *mask_args],
         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m1, BLOCK_N=block_n1,
@@ -701,6 +721,7 @@ def kernel_calls(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any, 
             [q, k, v, do, dq, lse2, delta,
              *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()[:3],
              seqlen_q, seqlen_kv, offset, heads_q, group, q_tiles, qk_scale, scale,
+             softcap * LOG2_E,
              *(block_mask.kernel_args() if sparse else [lse] * 6 + [0] * 5),
              *mask_args],
             dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2, BLOCK_N=block_n2,

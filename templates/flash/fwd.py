@@ -42,6 +42,7 @@ from templates.device import (
     interpreter_active,
 )
 from templates.flash import fwd_kernel as kernel
+from templates.flash import softcap as softcap_kernel
 from templates.interpreter_dtype import Float32Plan, as_float32, runs_in_float32
 from templates.masks import listed_blocks
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
@@ -144,6 +145,7 @@ def live_fp32_per_thread(problem: Problem, config: FwdConfig) -> int:
 
 class FlashFwdTemplate(Template):
     name = "flash_fwd"
+    takes_softcap = True
     description = ("FlashAttention-2 forward (online softmax, exp2), dense, causal top-left or "
                    "bottom-right, GQA/MQA, head dim <= 256, pointer or TMA loads; returns "
                    "(o, lse).")
@@ -151,10 +153,14 @@ class FlashFwdTemplate(Template):
 
     def source_modules(self) -> Sequence[str]:
         return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__,
+                softcap_kernel.__name__,
                 direct_launch.__name__, tensor_maps.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)  # a softcapped problem, where it does not cap
+        if reason:
+            return reason
         if problem.mask != "none":
             reason = pattern_problem(problem.mask, problem.seqlen_q, problem.seqlen_kv)
             if reason:
@@ -253,7 +259,8 @@ class FlashFwdTemplate(Template):
         assert isinstance(cfg, FwdConfig)
         return flash_attention_fwd(inputs["q"], inputs["k"], inputs["v"],
                                    causal=inputs["causal"], scale=inputs["scale"], config=cfg,
-                                   block_mask=inputs.get("block_mask"))
+                                   block_mask=inputs.get("block_mask"),
+                                   softcap=inputs.get("softcap"))
 
     def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
         """The one launch ``run`` makes (dense problems only: a block mask's tensors have no
@@ -269,7 +276,7 @@ class FlashFwdTemplate(Template):
             StandinTensor(dtype, kv_shape), StandinTensor(dtype, q_shape),
             StandinTensor(torch.float32, q_shape[:3]),
             causal_mode=problem.causal, scale=1.0 / math.sqrt(problem.head_dim),
-            config=cfg.to_dict())
+            config=cfg.to_dict(), softcap=problem.softcap)
         return [(kernel._flash_fwd_kernel, grid, args, options)]
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
@@ -277,7 +284,8 @@ class FlashFwdTemplate(Template):
         return attention_reference(inputs["q"], inputs["k"], inputs["v"],
                                    causal=kernel.normalize_causal(inputs["causal"]),
                                    scale=inputs["scale"],
-                                   mask=None if block_mask is None else block_mask.to_dense())
+                                   mask=None if block_mask is None else block_mask.to_dense(),
+                                   softcap=inputs.get("softcap", 0.0))
 
     def error(self, out: Any, ref: Any) -> float:
         """Largest of the relative errors of o and of lse (its -inf rows must match exactly)."""
@@ -402,17 +410,18 @@ def compile_for(problem: Problem, config: KernelConfig) -> Any:
 
 
 # ----------------------------------------------------------------------------- entry point
-def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str) -> Problem:
+def problem_of(q: torch.Tensor, k: torch.Tensor, causal_mode: str,
+               softcap: float = 0.0) -> Problem:
     return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
                    seqlen_q=q.shape[2], seqlen_kv=k.shape[2], head_dim=q.shape[3],
-                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode)
+                   dtype=DTYPE_NAMES[q.dtype], causal=causal_mode, softcap=softcap)
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         causal: bool | str = False, attn_mask: torch.Tensor | None = None,
                         block_mask: BlockMask | None = None, scale: float | None = None,
-                        config: FwdConfig | Mapping[str, object] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        config: FwdConfig | Mapping[str, object] | None = None,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: (o, lse) of softmax(scale * q k^T [masked]) v.
 
     Args:
@@ -429,6 +438,8 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         scale: softmax scale, default 1/sqrt(D).
         config: an ``FwdConfig`` or a mapping of its fields; None takes the template's default
             for this problem and device.
+        softcap: cap the scaled scores as Gemma 2 does, ``softcap * tanh(s / softcap)``,
+            before any mask; None or 0: no cap. A finite number >= 0.
 
     Returns:
         o (B, H_q, N_q, D) in q's dtype, contiguous (or laid out as q where q is a (B, N, H, D)
@@ -440,7 +451,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         TypeError / ValueError naming the offending argument, the config field, or the
         constraint the config violates for this problem and device.
     """
-    plan = _cached_plan(q, k, v, causal, attn_mask, block_mask, scale, config)
+    plan = _cached_plan(q, k, v, causal, attn_mask, block_mask, scale, config, softcap)
     if attn_mask is not None:
         attn_mask = kernel.broadcast_attn_mask(attn_mask, q, k)
     return plan(q, k, v, block_mask, attn_mask)
@@ -448,22 +459,23 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 causal: bool | str = False, scale: float | None = None,
-                config: FwdConfig | Mapping[str, object] | None = None) -> ForwardPlan:
+                config: FwdConfig | Mapping[str, object] | None = None,
+                softcap: float | None = None) -> ForwardPlan:
     """What ``flash_attention_fwd`` (without masks) checks and works out for these arguments,
     from its plan cache: calling the plan on tensors of the same shapes, strides, dtype, device
     and 16-byte alignment launches the kernel with none of the checks (a caller that keys on
     all of those, as ``tuner.attention`` does, skips this module's key and lookup too).
 
     Raises what ``flash_attention_fwd`` raises for the same arguments."""
-    return _cached_plan(q, k, v, causal, None, None, scale, config)
+    return _cached_plan(q, k, v, causal, None, None, scale, config, softcap)
 
 
 def _cached_plan(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: Any,
-                 scale: Any, config: Any) -> ForwardPlan:
-    key = _plan_key(q, k, v, causal, attn_mask, block_mask, scale, config)
+                 scale: Any, config: Any, softcap: Any = None) -> ForwardPlan:
+    key = _plan_key(q, k, v, causal, attn_mask, block_mask, scale, config, softcap)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _validated_plan(q, k, v, causal, attn_mask, block_mask, scale, config)
+        plan = _validated_plan(q, k, v, causal, attn_mask, block_mask, scale, config, softcap)
         _PLANS.put(key, plan)
     return plan
 
@@ -478,7 +490,7 @@ _PLANS: PlanCache[ForwardPlan] = PlanCache(maxsize=1024)
 
 
 def _plan_key(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: Any, scale: Any,
-              config: Any) -> tuple[object, ...] | None:
+              config: Any, softcap: Any = None) -> tuple[object, ...] | None:
     """Everything ``_validated_plan`` reads from its arguments, or None for arguments of a kind
     no plan is kept for (the full path then raises the right error).
 
@@ -500,6 +512,7 @@ def _plan_key(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: A
                 q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                 q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
                 causal.__class__, causal, scale.__class__, scale, config,
+                softcap.__class__, softcap,
                 None if attn_mask is None else (attn_mask.__class__, attn_mask.shape,
                                                 attn_mask.dtype, attn_mask.device),
                 None if block_mask is None else (block_mask.__class__, block_mask.shape,
@@ -510,11 +523,12 @@ def _plan_key(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: A
 
 def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool | str,
                     attn_mask: torch.Tensor | None, block_mask: BlockMask | None,
-                    scale: float | None, config: FwdConfig | Mapping[str, object] | None
-                    ) -> ForwardPlan:
+                    scale: float | None, config: FwdConfig | Mapping[str, object] | None,
+                    softcap: float | None = None) -> ForwardPlan:
     """Check the arguments, choose or check the config, and plan the launch (see
     ``flash_attention_fwd`` for the errors)."""
     causal_mode, softmax_scale = kernel.validate_inputs(q, k, v, causal, scale)
+    cap = kernel_common.check_softcap(softcap)
     if config is not None and not isinstance(config, FwdConfig | Mapping):
         raise TypeError(f"config must be an FwdConfig, a mapping of its fields or None, but "
                         f"got {type(config).__name__}")
@@ -526,7 +540,7 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if block_mask is not None:
         check_block_mask(block_mask, q, k)
     mask_view = None if attn_mask is None else kernel.attn_mask_view(attn_mask, q, k)
-    problem = problem_of(q, k, causal_mode)
+    problem = problem_of(q, k, causal_mode, cap)
     device = current_device(q.device.index) if q.is_cuda else current_device()
     if chosen is None:
         cfg = TEMPLATE.default_config(problem, device)
@@ -552,7 +566,7 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     planned_q, planned_k, planned_v = as_float32(q, k, v) if upcast else (q, k, v)
     plan = kernel.LaunchPlan(planned_q, planned_k, planned_v, causal_mode=causal_mode,
                              scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
-                             attn_mask=mask_view)
+                             attn_mask=mask_view, softcap=cap)
     return Float32Plan(plan) if upcast else plan
 
 

@@ -18,8 +18,8 @@ One kernel, specialized by ``tl.constexpr``:
 
 Outputs: ``o`` (B, H_q, N_q, D) in the input dtype (contiguous, or laid out as q where q is
 a (B, N, H, D) tensor viewed so: ``output_strides``), and ``lse`` (B, H_q, N_q)
-float32, the natural-log logsumexp of the scaled scores; a row that sees no key gets o = 0 and
-lse = -inf.
+float32, the natural-log logsumexp of the scaled (and, with ``softcap``, capped) scores; a row
+that sees no key gets o = 0 and lse = -inf.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
+from templates.flash.softcap import softcapped
 from templates.kernel_common import (  # noqa: F401  CAUSAL_MODES is re-exported
     CAUSAL_MODES,
     LN_2,
@@ -69,10 +70,10 @@ def _kv_step(
     acc, l_i, m_i, q,
     K, V, kv_b, kv_h,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale,
+    start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale, softcap2,
     tile_base, am_base, stride_amm, stride_amn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, TILE_STRIDE: tl.constexpr,
-    ATTN_MASK: tl.constexpr,
+    ATTN_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -83,6 +84,8 @@ def _kv_step(
     mask's elementwise tile of a partial block, uint8 rows ``TILE_STRIDE`` apart from
     ``tile_base``), ``ATTN_MASK`` (0 none, 1 bool, 2 additive: SDPA's attn_mask read tile by
     tile from ``am_base``). Masked blocks may hold rows with no visible key yet.
+    ``SOFTCAP``: the scaled scores are capped (``templates.flash.softcap``; ``softcap2`` is
+    the cap times log2(e)) before any mask; off, the step is what it was before softcap.
     With pointer loads ``K``/``V`` point at the (batch, kv head) base; with TMA they are
     rank-4 descriptors indexed by (kv_b, kv_h, row, 0).
     """
@@ -102,8 +105,11 @@ def _kv_step(
         else:
             k = tl.load(k_ptrs)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if MASKED or TILE or ATTN_MASK != 0:
+    if SOFTCAP:
+        s = softcapped(s * qk_scale, softcap2)
+    elif MASKED or TILE or ATTN_MASK != 0:
         s = s * qk_scale
+    if MASKED or TILE or ATTN_MASK != 0:
         visible = (keys[None, :] < N_KV) & (offs_m[:, None] >= 0)  # (BLOCK_M, BLOCK_N)
         if MASKED and CAUSAL:
             visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
@@ -123,6 +129,10 @@ def _kv_step(
         # A row with no visible key so far keeps m = -inf: shift by 0 instead, so that
         # exp2(-inf - -inf) never makes a NaN; its p and alpha are then exactly 0.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+    elif SOFTCAP:  # s is already capped and scaled
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
         p = tl.math.exp2(s - m_shift[:, None])
     else:
         # max(s) * scale is the scaled scores' max only for scale > 0: the launcher makes it so
@@ -152,9 +162,9 @@ def _attend_kv_range(
     acc, l_i, m_i, q,
     K, V, kv_b, kv_h,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, kv_lo, kv_hi, N_Q, N_KV, causal_offset, qk_scale,
+    offs_m, kv_lo, kv_hi, N_Q, N_KV, causal_offset, qk_scale, softcap2,
     am_base, stride_amm, stride_amn,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATTN_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -164,9 +174,9 @@ def _attend_kv_range(
                             loop_unroll_factor=LOOP_UNROLL, warp_specialize=WARP_SPECIALIZE):
         acc, l_i, m_i = _kv_step(
             acc, l_i, m_i, q, K, V, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
-            start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale,
+            start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             am_base, am_base, stride_amm, stride_amn,
-            MASKED, CAUSAL, False, 1, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+            MASKED, CAUSAL, False, 1, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
             DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -176,11 +186,11 @@ def _attend_listed_blocks(
     acc, l_i, m_i, q,
     K, V, kv_b, kv_h,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, tile_row, N_Q, N_KV, causal_offset, qk_scale,
+    offs_m, tile_row, N_Q, N_KV, causal_offset, qk_scale, softcap2,
     Count, Indices, TileIds, Tiles,
     am_base, stride_amm, stride_amn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TILE: tl.constexpr, ATTN_MASK: tl.constexpr,
-    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
+    SOFTCAP: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -195,10 +205,10 @@ def _attend_listed_blocks(
                                                MASK_BLOCK_Q * MASK_BLOCK_KV, TILE)
         acc, l_i, m_i = _kv_step(
             acc, l_i, m_i, q, K, V, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
-            start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale,
+            start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             tile_base, am_base, stride_amm, stride_amn,
-            MASKED, CAUSAL, TILE, MASK_BLOCK_KV, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
-            USE_TMA, DOT_PRECISION)
+            MASKED, CAUSAL, TILE, MASK_BLOCK_KV, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D,
+            BLOCK_N, USE_TMA, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -210,7 +220,7 @@ def _flash_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    N_Q, N_KV, causal_offset, H_Q, GROUP, BH, n_q_tiles, qk_scale,
+    N_Q, N_KV, causal_offset, H_Q, GROUP, BH, n_q_tiles, qk_scale, softcap2,
     FullCount, FullIndices, PartialCount, PartialIndices, PartialTileIds, PartialTiles,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     AttnMask, stride_amb, stride_amh, stride_amm, stride_amn,
@@ -221,7 +231,7 @@ def _flash_fwd_kernel(
     NUM_STAGES: tl.constexpr, MASKED_LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPARSE: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_KV: tl.constexpr,
-    ATTN_MASK: tl.constexpr,
+    ATTN_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # -- which (batch, head, query tile) this program owns: a 1-D grid decoded here, so the
     # launch order is a knob and no grid axis can exceed its hardware limit.
@@ -270,18 +280,18 @@ def _flash_fwd_kernel(
         acc, l_i, m_i = _attend_listed_blocks(
             acc, l_i, m_i, q, K_base, V_base, b, kv_h,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             FullCount + counts, FullIndices + lists, PartialTileIds + lists, PartialTiles,
             am_base, stride_amm, stride_amn,
-            CAUSAL, CAUSAL, False, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            CAUSAL, CAUSAL, False, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
             HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, NUM_STAGES, DOT_PRECISION)
         acc, l_i, m_i = _attend_listed_blocks(
             acc, l_i, m_i, q, K_base, V_base, b, kv_h,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale,
+            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
             PartialTiles, am_base, stride_amm, stride_amn,
-            True, CAUSAL, True, ATTN_MASK, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            True, CAUSAL, True, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
             HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
     else:
         # The KV range of this tile: [0, full_end) needs no mask, [full_end, kv_end) does.
@@ -296,16 +306,16 @@ def _flash_fwd_kernel(
         acc, l_i, m_i = _attend_kv_range(
             acc, l_i, m_i, q, K_base, V_base, b, kv_h,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, 0, full_end, N_Q, N_KV, causal_offset, qk_scale,
+            offs_m, 0, full_end, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             am_base, stride_amm, stride_amn,
-            False, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+            False, CAUSAL, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
             USE_TMA, NUM_STAGES, LOOP_UNROLL, WARP_SPECIALIZE, DOT_PRECISION)
         acc, l_i, m_i = _attend_kv_range(
             acc, l_i, m_i, q, K_base, V_base, b, kv_h,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, full_end, kv_end, N_Q, N_KV, causal_offset, qk_scale,
+            offs_m, full_end, kv_end, N_Q, N_KV, causal_offset, qk_scale, softcap2,
             am_base, stride_amm, stride_amn,
-            True, CAUSAL, ATTN_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
+            True, CAUSAL, ATTN_MASK, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
             USE_TMA, MASKED_LOOP_STAGES, 1, False, DOT_PRECISION)
 
     # -- epilogue: normalize; rows that saw no key get o = 0 and lse = -inf (never NaN).
@@ -426,30 +436,32 @@ def broadcast_attn_mask(attn_mask: torch.Tensor, q: Any, k: Any) -> torch.Tensor
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mode: str,
            scale: float, config: Mapping[str, Any], block_mask: Any = None,
-           attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           attn_mask: torch.Tensor | None = None, softcap: float = 0.0
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel on validated inputs with a config given as a plain mapping.
 
     ``block_mask``: a ``templates.masks.block_mask.BlockMask`` (already checked against q and k);
-    ``attn_mask``: as returned by ``attn_mask_view``."""
+    ``attn_mask``: as returned by ``attn_mask_view``; ``softcap``: the cap (0: none), as
+    ``check_softcap`` returns it."""
     if config["use_tma"]:
         reason = tma_inputs_problem(q, k, v)
         if reason:
             raise ValueError(f"{reason}; use a config with use_tma=False")
     plan = LaunchPlan(q, k, v, causal_mode=causal_mode, scale=scale, config=config,
-                      block_mask=block_mask, attn_mask=attn_mask)
+                      block_mask=block_mask, attn_mask=attn_mask, softcap=softcap)
     return plan(q, k, v, block_mask, attn_mask)
 
 
 def kernel_call(q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str, scale: float,
-                config: Mapping[str, Any], block_mask: Any = None, attn_mask: Any = None
-                ) -> tuple[tuple[int], list[Any], dict[str, Any]]:
+                config: Mapping[str, Any], block_mask: Any = None, attn_mask: Any = None,
+                softcap: float = 0.0) -> tuple[tuple[int], list[Any], dict[str, Any]]:
     """Grid, positional arguments and options of one launch (``o`` and ``lse`` contiguous).
 
     The tensors may be triton's ``MockTensor`` stand-ins (dtype and shape, contiguous), so that
     ``_flash_fwd_kernel.warmup`` can compile exactly what a launch would without any memory.
     """
     plan = LaunchPlan(q, k, v, causal_mode=causal_mode, scale=scale, config=config,
-                      block_mask=block_mask, attn_mask=attn_mask)
+                      block_mask=block_mask, attn_mask=attn_mask, softcap=softcap)
     return plan.grid, plan.args(q, k, v, o, lse, block_mask, attn_mask), plan.options
 
 
@@ -468,7 +480,7 @@ _NO_MASK_ARGS: tuple[Any, ...] = (None,) * 6 + (0,) * 5 + (None,) + (0,) * 4
 class LaunchPlan:
     """One launch of ``_flash_fwd_kernel`` less its tensors: the grid, the compile-time options
     and every scalar argument, worked out once from the inputs' shapes, strides and dtype, the
-    causal mode, the scale, the config and the kinds of mask.
+    causal mode, the scale, the softcap (0: none), the config and the kinds of mask.
 
     Calling it launches on tensors laid out like the ones it was made from (same shapes,
     strides, dtype and device; for TMA, 16-byte aligned): then the only host work left is two
@@ -483,7 +495,7 @@ class LaunchPlan:
 
     def __init__(self, q: Any, k: Any, v: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, Any], block_mask: Any = None,
-                 attn_mask: Any = None) -> None:
+                 attn_mask: Any = None, softcap: float = 0.0) -> None:
         batch, heads_q, seqlen_q, head_dim = q.shape
         heads_kv, seqlen_kv = k.shape[1], k.shape[2]
         block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
@@ -501,7 +513,7 @@ class LaunchPlan:
         self.scalars = [*q.stride(), *k.stride(), *v.stride(), *self.out_strides,
                         seqlen_q, seqlen_kv, causal_offset(causal_mode, seqlen_q, seqlen_kv),
                         heads_q, heads_q // heads_kv, batch * heads_q, n_q_tiles,
-                        abs(scale) * LOG2_E]
+                        abs(scale) * LOG2_E, softcap * LOG2_E]
         # A negative scale runs as -q with |scale| (the same scores, exactly): the unmasked
         # step takes the row max before scaling, right only for a positive scale.
         self.negate_q = scale < 0
@@ -524,6 +536,7 @@ class LaunchPlan:
             SPARSE=block_mask is not None, MASK_BLOCK_Q=mask_block_q,
             MASK_BLOCK_KV=mask_block_kv,
             ATTN_MASK=0 if attn_mask is None else (1 if attn_mask.dtype == torch.uint8 else 2),
+            SOFTCAP=softcap > 0,
             num_warps=int(config["num_warps"]), num_stages=num_stages,
         )
         m_block, n_block = self.block_shapes

@@ -55,6 +55,9 @@ class GluonTemplate(Template):
         return mods
 
     def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)  # a softcapped problem, where it does not cap
+        if reason:
+            return reason
         if self.gluon_missing:
             return self.gluon_missing
         if problem.mask != "none":

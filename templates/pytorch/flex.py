@@ -26,6 +26,7 @@ template runs Flex's own tiles only (one config).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,16 +150,30 @@ def _convert(block_mask: BlockMask, causal: str) -> Any:
 # ----------------------------------------------------------------------------- running
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, *,
          causal: str = "none", scale: float | None = None, enable_gqa: bool = False,
-         config: FlexConfig | None = None) -> torch.Tensor:
+         config: FlexConfig | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Compiled FlexAttention of (B, H, L, E) inputs under ``block_mask`` (and ``causal``);
-    differentiable. Rows that see no key give zeros, as ours."""
+    differentiable. Rows that see no key give zeros, as ours. ``softcap`` > 0 caps the scaled
+    scores by a score_mod (``softcap * tanh(s / softcap)``, Gemma 2)."""
     reason = block_size_problem(block_mask)
     if reason:
         raise ValueError(reason)
     options = None if config is None else config.kernel_options()
     return compiled_flex_attention()(  # type: ignore[no-any-return]
         q, k, v, block_mask=to_flex_block_mask(block_mask, causal), scale=scale,
-        enable_gqa=enable_gqa, kernel_options=options if q.is_cuda else None)
+        enable_gqa=enable_gqa, kernel_options=options if q.is_cuda else None,
+        score_mod=softcap_score_mod(softcap) if softcap else None)
+
+
+@functools.lru_cache(maxsize=8)
+def softcap_score_mod(softcap: float) -> Callable[..., torch.Tensor]:
+    """Flex's score_mod capping the scaled score; one function per cap, so a compiled graph
+    that specializes on it is reused by every call with that cap."""
+
+    def capped(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+               kv_idx: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(score / softcap) * softcap
+
+    return capped
 
 
 # Flex's tiles on Hopper: its forward's are 128 and must divide the mask's blocks. Smaller
@@ -198,8 +213,12 @@ class _FlexTemplate(Template):
     """What the forward and the training templates share: problems, space, inputs."""
 
     config_cls = FlexConfig
+    takes_softcap = True  # by a score_mod
 
     def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)  # a softcapped problem, where it does not cap
+        if reason:
+            return reason
         if problem.mask == "none":
             return (f"{self.name} is a candidate for block masks; dense problems are "
                     f"torch_sdpa's")
@@ -233,7 +252,8 @@ class _FlexTemplate(Template):
         cfg = self.config(config)
         assert isinstance(cfg, FlexConfig)
         return flex(q, k, v, inputs["block_mask"], causal=inputs["causal"],
-                    scale=inputs["scale"], enable_gqa=q.shape[1] != k.shape[1], config=cfg)
+                    scale=inputs["scale"], enable_gqa=q.shape[1] != k.shape[1], config=cfg,
+                    softcap=inputs.get("softcap", 0.0))
 
     @staticmethod
     def _dense_mask(inputs: Mapping[str, Any]) -> torch.Tensor:
@@ -260,7 +280,8 @@ class TorchFlexTemplate(_FlexTemplate):
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         return attention_reference(inputs["q"], inputs["k"], inputs["v"],
                                    causal=inputs["causal"], scale=inputs["scale"],
-                                   mask=self._dense_mask(inputs))[0]
+                                   mask=self._dense_mask(inputs),
+                                   softcap=inputs.get("softcap", 0.0))[0]
 
 
 class TorchFlexTrainTemplate(_FlexTemplate):
@@ -295,7 +316,8 @@ class TorchFlexTrainTemplate(_FlexTemplate):
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         return reference_grads(inputs["q"], inputs["k"], inputs["v"], inputs["do"],
                                causal=inputs["causal"], scale=inputs["scale"],
-                               mask=self._dense_mask(inputs))
+                               mask=self._dense_mask(inputs),
+                               softcap=inputs.get("softcap", 0.0))
 
 
 TORCH_FLEX = register(TorchFlexTemplate())

@@ -97,6 +97,9 @@ class _SdpaTemplate(Template):
     config_cls = SdpaConfig
 
     def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)  # a softcapped problem, where it does not cap
+        if reason:
+            return reason
         if problem.mask != "none":
             return (f"torch_sdpa takes dense problems; block-sparse pattern {problem.mask!r} "
                     f"is for the block-mask kernels")

@@ -322,6 +322,14 @@ def test_malformed_bundles_are_422(client: TestClient, auth: dict[str, str], bod
     ("/v1/kernels/nope/source?device=d&batch=1&heads_q=2&seqlen_q=8&head_dim=16", 404, "known"),
     ("/v1/kernels/flash_fwd/source?device=d&batch=1&heads_q=2&seqlen_q=8&head_dim=16"
      "&mask=sliding:16", 422, "block-sparse"),
+    ("/v1/kernels/flash_fwd/source?device=d&batch=1&heads_q=2&seqlen_q=8&head_dim=16"
+     "&softcap=50", 422, "uncapped scores only"),
+    ("/v1/best?device=d&template=flash_fwd&batch=1&heads_q=2&seqlen_q=8&head_dim=16"
+     "&softcap=-1", 422, "softcap"),
+    ("/v1/best?device=d&template=flash_fwd&batch=1&heads_q=2&seqlen_q=8&head_dim=16"
+     "&softcap=nan", 422, "softcap"),
+    ("/v1/best?device=d&template=torch_sdpa&batch=1&heads_q=2&seqlen_q=8&head_dim=16"
+     "&softcap=50", 422, "softcap"),
     ("/v1/nothing", 404, "not found"),
 ])
 def test_bad_input_is_a_json_4xx(client: TestClient, url: str, code: int, needle: str) -> None:

@@ -229,3 +229,43 @@ def test_the_collators_offsets_run_varlen_attention(device: str,
                    cu_seq_lens_k=offsets, max_length_q=130, max_length_k=130).logits
     assert len(calls) == 1 and calls[0] is offsets
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+def tiny_gemma2(attn: str, device: str, *, window: int = 48, seed: int = 0) -> Any:
+    """Gemma 2's attention: scores softcapped at 50 (attn_logit_softcapping), sliding and
+    global layers alternating; its own config object per model."""
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=256, sliding_window=window,
+                                       attn_logit_softcapping=50.0,
+                                       query_pre_attn_scalar=16)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    return model.to(device).eval()
+
+
+def test_gemma2_softcapped_logits_and_grads_match_eager(device: str) -> None:
+    """transformers hands the layers ``softcap``: "tuner" caps as "eager" does (what
+    transformers runs for Gemma 2), in the forward and in the gradients."""
+    name = register_transformers()
+    eager, ours = tiny_gemma2("eager", device), tiny_gemma2(name, device)
+    ours.load_state_dict(eager.state_dict())
+    # Scores large enough for the cap to bend them (x400 query projections: the logits then
+    # move by 0.1 without the cap, 2e-6 between eager and ours with it).
+    with torch.no_grad():
+        for m in (eager, ours):
+            for layer in m.model.layers:
+                layer.self_attn.q_proj.weight.mul_(400.0)
+    ids = torch.randint(0, 64, (1, 100), device=device)
+    with torch.no_grad():
+        expected = eager(ids).logits
+        got = ours(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    eager(ids, labels=ids).loss.backward()
+    ours(ids, labels=ids).loss.backward()
+    for (pname, p_eager), p_ours in zip(eager.named_parameters(), ours.parameters(),
+                                        strict=True):
+        if p_eager.grad is not None:
+            torch.testing.assert_close(p_ours.grad, p_eager.grad, rtol=2e-3, atol=2e-4,
+                                       msg=pname)

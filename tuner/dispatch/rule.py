@@ -18,6 +18,10 @@ The rule (docs/DISPATCH.md):
 * Otherwise torch SDPA runs as the user's code would have run it: ours must be measured
   faster to be chosen.
 * ``use_implementation(name)`` forces one (tests, experiments); its tuned config or default.
+* A softcapped problem (``Problem.softcap``, Gemma 2; torch SDPA cannot cap scores) is
+  decided between ours (``flash``) and eager attention as transformers runs it (``eager``) on
+  its own bucket: the fastest priced runs where eager is priced; otherwise eager, what the
+  user's model ran. SDPA never runs it.
 * A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``),
   compiled FlexAttention (``flex``) and, forward only on Hopper, the Gluon forward (``gluon``)
   on its own bucket: the fastest priced runs where ours is priced; otherwise ours, what ran
@@ -70,6 +74,8 @@ BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when
 # What ran a block-mask call before FlexAttention was a candidate (our block-sparse kernels,
 # which beat Flex's forward on the H100): it runs a block-mask call when unmeasured.
 BLOCK_MASK_BASELINE = "flash"
+# What transformers runs for softcapped scores, which SDPA cannot compute: eager attention.
+SOFTCAP_BASELINE = "eager"
 
 
 @contextlib.contextmanager
@@ -146,6 +152,8 @@ def decide(call: Call, *, resolve: Resolve, margin: float) -> Choice:
     and ``tuner best`` show for a problem (``tuner.dispatch.comparison``), one computation."""
     if call.problem.mask != "none":
         return _decide_block_mask(call, resolve)
+    if call.problem.softcap:
+        return _decide_softcap(call, resolve)
     estimates = tuple(price(impl, call, resolve) for impl in implementations()
                       if impl.why_not(call) is None)
     by_name = {e.implementation: e for e in estimates}
@@ -194,17 +202,36 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     bucket. Ours priced: the fastest priced runs. Ours not priced: ours, as before Flex was a
     candidate (no neighbour is consulted: a mask's ratio on another shape
     is no measurement of this one)."""
+    return _decide_on_own_bucket(
+        call, resolve, BLOCK_MASK_BASELINE, "our block-sparse kernels",
+        "our block-sparse kernels not measured for this mask problem on this device: running "
+        "them (what ran before FlexAttention was a candidate)")
+
+
+def _decide_softcap(call: Call, resolve: Resolve) -> Choice:
+    """A dense softcapped problem: the implementations serving it (ours, ``flash``, and eager
+    attention, ``eager``; SDPA's templates refuse it) priced on the problem's own bucket.
+    Eager priced: the fastest priced runs. Eager not priced: eager, as the user's model ran
+    it (ours must be measured faster to be chosen; no neighbour is consulted)."""
+    return _decide_on_own_bucket(
+        call, resolve, SOFTCAP_BASELINE, "eager attention",
+        "eager attention not measured for this softcapped problem on this device: running it "
+        "(what transformers runs where SDPA cannot cap scores)")
+
+
+def _decide_on_own_bucket(call: Call, resolve: Resolve, baseline_name: str, baseline_what: str,
+                          unpriced_why: str) -> Choice:
+    """The implementations serving ``call`` priced on its own bucket: the fastest priced where
+    ``baseline_name`` is priced, else the baseline itself (``unpriced_why``)."""
     estimates = tuple(price(impl, call, resolve) for impl in implementations()
                       if impl.why_not(call) is None)
     by_name = {e.implementation: e for e in estimates}
-    baseline = by_name.get(BLOCK_MASK_BASELINE)
+    baseline = by_name.get(baseline_name)
     if baseline is None:
-        raise ValueError(f"our block-sparse kernels cannot run {call.problem.key()}: "
-                         f"{get_implementation(BLOCK_MASK_BASELINE).why_not(call)}")
+        raise ValueError(f"{baseline_what} cannot run {call.problem.key()}: "
+                         f"{get_implementation(baseline_name).why_not(call)}")
     if baseline.ms is None:
-        return Choice(get_implementation(BLOCK_MASK_BASELINE), baseline.resolved,
-                      "our block-sparse kernels not measured for this mask problem on this "
-                      "device: running them (what ran before FlexAttention was a candidate)",
+        return Choice(get_implementation(baseline_name), baseline.resolved, unpriced_why,
                       estimates)
     return _fastest_measured(estimates)
 

@@ -301,8 +301,9 @@ def _as_list(value: object, key: str, source: str) -> list[Any]:
 
 
 # Keys a shape may carry to pin its own dtype, causal mode or mask instead of the spec's
-# lists (what `tuner.record` writes: each recorded problem exactly, no cross product).
-SHAPE_OVERRIDES = ("dtype", "causal", "mask")
+# lists (what `tuner.record` writes: each recorded problem exactly, no cross product), and its
+# softcap (Problem.softcap; 0 when left out).
+SHAPE_OVERRIDES = ("dtype", "causal", "mask", "softcap")
 # How often the job ran the shape's problems (tuner.record's plans per bucket): a weight.
 SHAPE_COUNT = "count"
 
@@ -457,8 +458,9 @@ def _spec_from_mapping(data: Mapping[str, Any], *, source: str, dtype: str) -> S
                     raise TunerError(f"{source}: shapes[{index}]: dtype {dtype!r} is unknown",
                                      f"use {', '.join(DTYPES)}")
                 try:
-                    problem = Problem(**shape, dtype=dtype, causal=mode, mask=mask)
-                except ValueError as exc:
+                    problem = Problem(**shape, dtype=dtype, causal=mode, mask=mask,
+                                      softcap=pinned.get("softcap", 0.0))  # type: ignore[arg-type]
+                except (TypeError, ValueError) as exc:
                     raise TunerError(f"{source}: problem {i} (shapes[{index}]: {shape}, "
                                      f"{dtype}, causal={mode}) is invalid: {exc}",
                                      "fix that shape in the spec") from None

@@ -412,7 +412,8 @@ def test_template_is_registered_with_a_source_version() -> None:
     assert isinstance(TEMPLATE, FlashBwdTemplate)
     assert set(TEMPLATE.source_modules()) == {"templates.flash.bwd", "templates.flash.bwd_kernel",
                                               "templates.kernel_common",
-                                              "templates.masks.listed_blocks"}
+                                              "templates.masks.listed_blocks",
+                                              "templates.flash.softcap"}
     assert len(TEMPLATE.version()) == 16
     assert templates.flash_attention_bwd is flash_attention_bwd
     assert templates.flash_attention is flash_attention

@@ -55,7 +55,8 @@ def test_implementations_with_unordered_dq_do_not_serve_a_gradient(
 def test_flash_sums_dq_per_query_tile(monkeypatch: pytest.MonkeyPatch,
                                       deterministic: None) -> None:
     atomic = dataclasses.replace(BwdConfig(), dq_mode="atomic")
-    monkeypatch.setattr(flash_impl, "_backward_config", lambda q, k, is_causal: atomic)
+    monkeypatch.setattr(flash_impl, "_backward_config",
+                        lambda q, k, is_causal, softcap=0.0: atomic)
     seen: list[Any] = []
     real = flash_impl.flash_attention_bwd
 

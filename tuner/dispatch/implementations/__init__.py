@@ -2,7 +2,7 @@
 
 ``base.Implementation`` is the contract (its docstring); a module subclasses it and registers
 an instance with ``register_implementation``. Imported here in registration order: torch SDPA
-first (the baseline), then ours.
+first (the baseline), then ours, then the eager baseline of softcapped calls.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tuner.dispatch.implementations import (  # noqa: F401
     gluon,
     gluon_train,
     flex,
+    eager,
 )
 # isort: on
 from tuner.dispatch.implementations.base import Choice, Estimate, Implementation, Request, Run

@@ -13,7 +13,7 @@ import torch
 from templates.base import KernelConfig
 from templates.registry import get_template
 from tuner.dispatch.implementations.call import Call
-from tuner.dispatch.implementations.mask_args import Masked
+from tuner.dispatch.implementations.mask_args import NO_MASK, Masked
 from tuner.dispatch.neighbours import Verdict
 from tuner.lookup.resolver import Resolved
 
@@ -24,8 +24,9 @@ Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """A checked call of ``tuner.attention`` off the hot path (a gradient needed, a mask, or
-    under torch.compile); ``mask`` is None for a dense call."""
+    """A checked call of ``tuner.attention`` off the hot path (a gradient needed, a mask, a
+    softcap, or under torch.compile); ``mask`` is None for a dense call, ``softcap`` 0 for
+    uncapped scores."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -35,6 +36,16 @@ class Request:
     enable_gqa: bool
     needs_grad: bool
     mask: Masked | None = None
+    softcap: float = 0.0
+
+    def op_args(self) -> tuple[object, ...]:
+        """What a training op takes after (q, k, v, is_causal, scale, enable_gqa): the mask's
+        arguments (none for a dense call), then the softcap where there is one
+        (``ops.SOFTCAP_ARG``)."""
+        mask = () if self.mask is None else self.mask.op_args()
+        if self.softcap:
+            return (*(mask or NO_MASK), self.softcap)
+        return mask
 
 
 class Implementation:
@@ -76,6 +87,12 @@ class Implementation:
     forced, for a mask no measurement prices. Masks travel through ops as tensors
     (``tuner.dispatch.implementations.mask_args``). Packed sequences will plan through
     ``varlen_plan``.
+
+    Softcapped scores (``Request.softcap``, ``Problem.softcap``; Gemma 2): served where every
+    template of it takes them (``Template.takes_softcap``; the others refuse the problem by
+    name). A dense inference call runs ``softcap_plan``; a masked one ``masked`` (which reads
+    ``request.softcap``); a gradient the training op, given the softcap after the mask's
+    arguments (``Request.op_args``). Never the hot path: softcap calls are not SDPA's.
     """
 
     name: str = ""
@@ -112,12 +129,18 @@ class Implementation:
              scale: float | None, enable_gqa: bool, choice: Choice) -> Run:
         raise NotImplementedError(f"{self.name} has no inference plan")
 
+    def softcap_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float,
+                     choice: Choice) -> Run:
+        """``plan`` for scores capped at ``softcap`` (> 0)."""
+        raise NotImplementedError(f"{self.name} has no softcap plan")
+
     def constant(self, choice: Choice) -> str:
         """What of ``choice`` a call traced by torch.compile keeps (a string)."""
         return ""
 
     def run(self, r: Request, choice: Choice | None, constant: str) -> torch.Tensor:
-        mask = () if r.mask is None else r.mask.op_args()  # a dense call: the 6-argument form
+        mask = r.op_args()  # a dense uncapped call: the 6-argument form
         if r.needs_grad:
             if self.training_op is None:
                 raise ValueError(f"{self.name} has no training op")
@@ -126,6 +149,9 @@ class Implementation:
         if choice is None:  # traced: the eager path, run from the graph by this op
             return torch.ops.tuner.attention_inference(  # type: ignore[no-any-return]
                 r.q, r.k, r.v, r.is_causal, r.scale, r.enable_gqa, self.name, *mask)
+        if r.mask is None and r.softcap:
+            return self.softcap_plan(r.q, r.k, r.v, r.is_causal, r.scale, r.enable_gqa,
+                                     r.softcap, choice)(r.q, r.k, r.v)
         if r.mask is None:  # (eager dense calls take the hot path; this is for completeness)
             return self.plan(r.q, r.k, r.v, r.is_causal, r.scale, r.enable_gqa, choice)(
                 r.q, r.k, r.v)

@@ -92,20 +92,20 @@ def device_info(device: torch.device) -> DeviceInfo:
 
 def call_of_shapes(shape_q: tuple[int, ...], shape_k: tuple[int, ...], dtype: torch.dtype,
                    is_causal: bool, needs_grad: bool, device: DeviceInfo,
-                   mask: str = "none") -> Call:
+                   mask: str = "none", softcap: float = 0.0) -> Call:
     batch = math.prod(shape_q[:-3])
     heads_q, heads_kv = (shape_q[-3], shape_k[-3]) if len(shape_q) >= 3 else (1, 1)
     problem = Problem(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=shape_q[-2],
                       seqlen_kv=shape_k[-2], head_dim=shape_q[-1], dtype=DTYPE_NAMES[dtype],
-                      causal=normalize_causal(is_causal), mask=mask)
+                      causal=normalize_causal(is_causal), mask=mask, softcap=softcap)
     return Call(problem, needs_grad, device)
 
 
 def call_of(q: torch.Tensor, k: torch.Tensor, is_causal: bool, needs_grad: bool,
-            mask: str = "none") -> Call:
+            mask: str = "none", softcap: float = 0.0) -> Call:
     """The problem of checked inputs, on their device."""
     return call_of_shapes(tuple(q.shape), tuple(k.shape), q.dtype, is_causal, needs_grad,
-                          device_info(q.device), mask)
+                          device_info(q.device), mask, softcap)
 
 
 def shapes_4d(q: torch.Tensor, k: torch.Tensor

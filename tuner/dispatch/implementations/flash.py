@@ -55,8 +55,9 @@ def runs_triton(call: Call) -> str | None:
 
 
 def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                 scale: float | None, config: KernelConfig) -> Pair:
-    """The flash_fwd launch plan for inputs laid out like these: (o, lse) in their shape."""
+                 scale: float | None, config: KernelConfig, softcap: float = 0.0) -> Pair:
+    """The flash_fwd launch plan for inputs laid out like these: (o, lse) in their shape;
+    ``softcap`` > 0 caps the scores."""
     assert isinstance(config, FwdConfig)
     q4, kv4 = shapes_4d(q, k)
     out_shape, lse_shape = tuple(q.shape), tuple(q.shape[:-1])
@@ -67,7 +68,8 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
         config = replace(config, use_tma=False)
-    launch = launch_plan(q, k, v, causal=normalize_causal(is_causal), scale=scale, config=config)
+    launch = launch_plan(q, k, v, causal=normalize_causal(is_causal), scale=scale, config=config,
+                         softcap=softcap)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,30 +81,31 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     return run
 
 
-def dense_call(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: str = "none") -> Call:
+def dense_call(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: str = "none",
+               softcap: float = 0.0) -> Call:
     """The inference call of these inputs, for looking up one of our templates' configs."""
     if q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"the flash kernels run on CUDA tensors (or CPU tensors under "
                          f"TRITON_INTERPRET=1), but the inputs are on {q.device}")
-    return call_of(q, k, is_causal, needs_grad=False, mask=mask)
+    return call_of(q, k, is_causal, needs_grad=False, mask=mask, softcap=softcap)
 
 
-def resolved_for(template_name: str, q: torch.Tensor, k: torch.Tensor, is_causal: bool
-                 ) -> Resolved:
+def resolved_for(template_name: str, q: torch.Tensor, k: torch.Tensor, is_causal: bool,
+                 softcap: float = 0.0) -> Resolved:
     """The config of ``template_name`` for the problem of these inputs, which a kernel is about
     to run (so kept: ``tuner.lookup.resolver.ConfigResolver.keep``)."""
-    call = dense_call(q, k, is_causal)
+    call = dense_call(q, k, is_causal, softcap=softcap)
     return keep_config(resolve_config(get_template(template_name), call.problem, call.device))
 
 
 def mask_fallback_config(template_name: str, q: torch.Tensor, k: torch.Tensor,
-                         is_causal: bool) -> KernelConfig:
+                         is_causal: bool, softcap: float = 0.0) -> KernelConfig:
     """The config of ``template_name`` for a masked call that no measurement of its mask
     problem prices: the dense problem's where it is measured (its own bucket), else the
     template's default. A nearest neighbour's config is no proxy here: on the H100 the
     sliding-window training step (8k, 32/8 heads) took 11.8 ms with the flash_bwd config
     tuned for a one-token decode problem (the nearest stored), 5.05 ms with the default."""
-    call = dense_call(q, k, is_causal)
+    call = dense_call(q, k, is_causal, softcap=softcap)
     template = get_template(template_name)
     resolved = resolve_config(template, call.problem, call.device)
     if resolved.match in ("exact", "bucket"):
@@ -125,23 +128,30 @@ class Flash(Implementation):
         run = forward_plan(q, k, v, is_causal, scale, choice.config)
         return lambda q, k, v: run(q, k, v)[0]
 
+    def softcap_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float,
+                     choice: Choice) -> Run:
+        run = forward_plan(q, k, v, is_causal, scale, choice.config, softcap)
+        return lambda q, k, v: run(q, k, v)[0]
+
     def masked(self, r: Request, choice: Choice) -> torch.Tensor:
         assert r.mask is not None
         return masked_forward(r.q, r.k, r.v, r.is_causal, r.scale, r.mask,
-                              masked_configs(r.q, r.k, r.is_causal, r.mask, choice, False))[0]
+                              masked_configs(r.q, r.k, r.is_causal, r.mask, choice, False,
+                                             r.softcap), r.softcap)[0]
 
 
 FLASH = register_implementation(Flash())
 
 
 def masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
-                   choice: Choice | None, needs_grad: bool
+                   choice: Choice | None, needs_grad: bool, softcap: float = 0.0
                    ) -> tuple[FwdConfig, BwdConfig | None]:
     """The forward (and backward) configs of a masked call: those measured on its mask problem
     (``choice``'s; in an op, this implementation's own on the mask's pattern), else the dense
     problem's, fitted to the mask's blocks."""
     if choice is None and mask.pattern is not None:
-        call = call_of(q, k, is_causal, needs_grad, mask=mask.pattern)
+        call = call_of(q, k, is_causal, needs_grad, mask=mask.pattern, softcap=softcap)
         choice = Choice(FLASH, tuple(
             resolve_config(get_template(name), call.problem, call.device)
             for name in FLASH.templates_for(call)), "the mask problem's own")
@@ -150,8 +160,8 @@ def masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Mask
                                                   else None)
         keep_config(choice.resolved[0])
     else:
-        config = mask_fallback_config("flash_fwd", q, k, is_causal)
-        bwd = mask_fallback_config("flash_bwd", q, k, is_causal) if needs_grad else None
+        config = mask_fallback_config("flash_fwd", q, k, is_causal, softcap)
+        bwd = mask_fallback_config("flash_bwd", q, k, is_causal, softcap) if needs_grad else None
     assert isinstance(config, FwdConfig) and (bwd is None or isinstance(bwd, BwdConfig))
     if mask.block_size is not None:
         config = fit_to_block_mask(config, mask.block_size)
@@ -160,8 +170,8 @@ def masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Mask
 
 
 def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   scale: float | None, mask: Masked, configs: tuple[FwdConfig, object]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float | None, mask: Masked, configs: tuple[FwdConfig, object],
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     q4, kv4 = shapes_4d(q, k)
     q_, k_, v_ = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
     config = configs[0]
@@ -170,7 +180,8 @@ def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     attn_mask = None if mask.attn_mask is None else mask.attn_mask.reshape(
         *q4[:-1], k.shape[-2])
     o, lse = flash_attention_fwd(q_, k_, v_, causal=normalize_causal(is_causal), attn_mask=attn_mask,
-                                 block_mask=mask.block_mask, scale=scale, config=config)
+                                 block_mask=mask.block_mask, scale=scale, config=config,
+                                 softcap=softcap)
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
@@ -185,27 +196,29 @@ def repeatable(config: BwdConfig) -> BwdConfig:
 
 
 def _training_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   scale: float | None, enable_gqa: bool) -> Plan:
+                   scale: float | None, enable_gqa: bool, softcap: float = 0.0) -> Plan:
     """The dense forward of a call that needs a gradient, kept per problem and layout."""
     key = ("flash_fwd", *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
-           *layout_key(q, k, v))
+           *layout_key(q, k, v), softcap)
     plan = PLANS.get(key)
     if plan is None or plan.expires_at <= time.monotonic():
         check_inputs(q, k, v, enable_gqa)
-        resolved = resolved_for("flash_fwd", q, k, is_causal)
-        plan = keep_plan(key, Plan(forward_plan(q, k, v, is_causal, scale, resolved.config),
+        resolved = resolved_for("flash_fwd", q, k, is_causal, softcap)
+        plan = keep_plan(key, Plan(forward_plan(q, k, v, is_causal, scale, resolved.config,
+                                                softcap),
                                    Choice(FLASH, (resolved,), "its training op"),
                                    resolved.expires_at))
     return plan
 
 
-def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> KernelConfig:
+def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool,
+                     softcap: float = 0.0) -> KernelConfig:
     """The flash_bwd config for this problem (cache -> database -> service -> default), kept
     per shape until the resolver's answer expires."""
-    key = ("flash_bwd", q.shape, k.shape, q.dtype, q.device, is_causal)
+    key = ("flash_bwd", q.shape, k.shape, q.dtype, q.device, is_causal, softcap)
     plan = PLANS.get(key)
     if plan is None or plan.expires_at <= time.monotonic():
-        resolved = resolved_for("flash_bwd", q, k, is_causal)
+        resolved = resolved_for("flash_bwd", q, k, is_causal, softcap)
         plan = keep_plan(key, Plan(None, Choice(FLASH, (resolved,), "its backward op"),
                                    resolved.expires_at))
     assert isinstance(plan.choice, Choice)
@@ -220,18 +233,21 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    partial_indices: torch.Tensor | None = None,
                    partial_tile_ids: torch.Tensor | None = None,
                    partial_tiles: torch.Tensor | None = None, mask_geometry: list[int] | None = None,
-                   mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None,
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o like q (value's head dim; ``ops.op_output_strides``), lse (..., H_q, L)
-    float32 natural log; under the mask given as ``mask_args.Masked.op_args``."""
+    float32 natural log; under the mask given as ``mask_args.Masked.op_args``, the scores
+    capped at ``softcap`` (0: none)."""
     mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
                                partial_tile_ids, partial_tiles, mask_geometry, mask_pattern, attn_mask)
     if mask is None:
-        run = _training_plan(q, k, v, is_causal, scale, enable_gqa).run
+        run = _training_plan(q, k, v, is_causal, scale, enable_gqa, softcap).run
         assert run is not None
         o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
     else:
         o, lse = masked_forward(q, k, v, is_causal, scale, mask,
-                                masked_configs(q, k, is_causal, mask, None, True))
+                                masked_configs(q, k, is_causal, mask, None, True, softcap),
+                                softcap)
     return in_op_layout(o, q), lse
 
 
@@ -247,23 +263,24 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                    partial_indices: torch.Tensor | None = None,
                    partial_tile_ids: torch.Tensor | None = None,
                    partial_tiles: torch.Tensor | None = None, mask_geometry: list[int] | None = None,
-                   mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None,
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by the flash_bwd kernel from the forward's o and lse."""
     mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
                                partial_tile_ids, partial_tiles, mask_geometry, mask_pattern, attn_mask)
     q4, kv4 = shapes_4d(q, k)
     if mask is None:
-        config, block_mask, mask4 = _backward_config(q, k, is_causal), None, None
+        config, block_mask, mask4 = _backward_config(q, k, is_causal, softcap), None, None
     else:
-        config = masked_configs(q, k, is_causal, mask, None, True)[1]  # type: ignore[assignment]
+        config = masked_configs(q, k, is_causal, mask, None, True,  # type: ignore[assignment]
+                                softcap)[1]
         block_mask = mask.block_mask
         mask4 = None if mask.attn_mask is None else mask.attn_mask.reshape(*q4[:-1], k.shape[-2])
     dq, dk, dv = flash_attention_bwd(
         grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
         lse.reshape(q4[:-1]), causal=normalize_causal(is_causal), scale=scale,
         config=repeatable(config),  # type: ignore[arg-type]
-        attn_mask=mask4, block_mask=block_mask)
+        attn_mask=mask4, block_mask=block_mask, softcap=softcap)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 

@@ -71,7 +71,8 @@ def _flex(r: Request, config: FlexConfig) -> torch.Tensor:
     # Looked up on the module at each call (tests stand in for it).
     return torch_flex.flex(r.q.reshape(q4), r.k.reshape(kv4), r.v.reshape(kv4),
                            r.mask.block_mask, causal=normalize_causal(r.is_causal), scale=r.scale,
-                           enable_gqa=r.enable_gqa, config=config).reshape(r.q.shape)
+                           enable_gqa=r.enable_gqa, config=config,
+                           softcap=r.softcap).reshape(r.q.shape)
 
 
 @torch.compiler.disable

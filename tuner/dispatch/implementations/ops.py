@@ -10,8 +10,12 @@ import torch
 from templates.kernel_common import output_strides
 from tuner.dispatch.implementations.mask_args import NO_MASK
 
-__all__ = ["backward_by", "grads_fake", "grads_like", "in_op_layout", "op_output_strides",
-           "output_fake", "setup_context", "with_strides"]
+# Where a training op that caps scores takes its softcap: after the mask's arguments
+# (``mask_args.OpMask``), so ops without one keep their schema.
+SOFTCAP_ARG = len(NO_MASK)
+
+__all__ = ["SOFTCAP_ARG", "backward_by", "grads_fake", "grads_like", "in_op_layout",
+           "op_output_strides", "output_fake", "setup_context", "with_strides"]
 
 
 def op_output_strides(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
@@ -67,16 +71,18 @@ def training_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...],
                   output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Save what a backward op takes: q, k, v, o, lse and the mask's tensors."""
+    """Save what a backward op takes: q, k, v, o, lse, the mask's tensors and, for an op that
+    takes one after the mask's arguments, the softcap (``SOFTCAP_ARG``)."""
     q, k, v, is_causal, scale, enable_gqa, *given = inputs
     mask = (*given, *NO_MASK[len(given):])
+    softcap = given[SOFTCAP_ARG] if len(given) > SOFTCAP_ARG else 0.0
     o, lse = output
     # The mask's tensors saved as tensors (autograd keeps them alive and checks versions).
     ctx.save_for_backward(q, k, v, o, lse, *mask[:6], mask[8])  # type: ignore[arg-type]
     ctx.mark_non_differentiable(lse)  # the kernels compute no lse gradient
     ctx.set_materialize_grads(False)
     ctx.args = (is_causal, scale, enable_gqa)  # type: ignore[attr-defined]
-    ctx.mask = (mask[6], mask[7], len(given))  # type: ignore[attr-defined]
+    ctx.mask = (mask[6], mask[7], len(given), softcap)  # type: ignore[attr-defined]
 
 
 def backward_by(op_name: str) -> Callable[..., tuple[torch.Tensor | None, ...]]:
@@ -85,11 +91,11 @@ def backward_by(op_name: str) -> Callable[..., tuple[torch.Tensor | None, ...]]:
 
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor | None,
                  grad_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        geometry, pattern, n_mask = ctx.mask  # type: ignore[attr-defined]
+        geometry, pattern, n_mask, softcap = ctx.mask  # type: ignore[attr-defined]
         if grad_o is None:  # o did not reach the loss
             return (None,) * (6 + n_mask)
         q, k, v, o, lse, *tensors, attn_mask = ctx.saved_tensors  # type: ignore[attr-defined]
-        mask = (*tensors, geometry, pattern, attn_mask)[:n_mask]
+        mask = (*tensors, geometry, pattern, attn_mask, softcap)[:n_mask]
         op = getattr(torch.ops.tuner, op_name)
         dq, dk, dv = op(grad_o, q, k, v, o, lse, *ctx.args, *mask)  # type: ignore[attr-defined]
         return (dq, dk, dv) + (None,) * (3 + n_mask)
