@@ -32,8 +32,6 @@ import torch
 # custom ops' first call imports torch._dynamo, which imports triton).
 import templates  # noqa: F401
 from templates.kernel_common import check_softcap
-from templates.pytorch.eager import eager_attention
-from templates.pytorch.sdpa import sdpa
 from tuner.dispatch.dense_mask import recognize_mask
 from tuner.dispatch.implementations import Request, get_implementation
 from tuner.dispatch.implementations.call import (
@@ -48,6 +46,7 @@ from tuner.dispatch.implementations.call import (
 )
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import in_op_layout, output_fake
+from tuner.dispatch.outside_scope import capped_outside_kernel_scope, outside_kernel_scope
 from tuner.dispatch.plans import MAX_PLANS, Plan, clear_plans, keep_plan
 from tuner.dispatch.plans import PLANS as _PLANS
 from tuner.dispatch.rule import Choice, choose, choose_masked, forced, keep, use_implementation
@@ -79,8 +78,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError("pass attn_mask or block_mask, not both")
     check_inputs(query, key, value, enable_gqa)
     if cap and block_mask is None and (dropout_p != 0.0 or not in_kernel_scope(query, value)):
-        return _capped_outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal,
-                                            scale, enable_gqa, cap)
+        return capped_outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal,
+                                           scale, enable_gqa, cap, _forced())
     if attn_mask is not None and not (_compiling() or is_causal or dropout_p or forced()) \
             and in_kernel_scope(query, value) and (found := recognize_mask(
                 attn_mask, query.shape[-2], key.shape[-2])) is not None:  # run as what it is
@@ -89,8 +88,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if block_mask is None and not cap and (
             dropout_p != 0.0 or not in_kernel_scope(query, value)
             or (attn_mask is not None and _forced() != "flash")):
-        return _outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                     enable_gqa)
+        return outside_kernel_scope(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                    enable_gqa, _forced())
     mask = None if attn_mask is None and block_mask is None else Masked.of(
         query, key, attn_mask, block_mask)
     r = Request(query, key, value, is_causal, scale, enable_gqa, needs_grad, mask, cap)
@@ -154,7 +153,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     if plan is None or plan.expires_at <= _now():
         check_inputs(q, k, v, enable_gqa)
         if not in_kernel_scope(q, v):  # float64, another value head dim: never kept
-            return _outside_kernel_scope(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
+            return outside_kernel_scope(q, k, v, None, 0.0, is_causal, scale, enable_gqa,
+                                        _forced())
         choice = keep(choose(call_of(q, k, is_causal, needs_grad=False)))
         impl = choice.implementation
         plan = keep_plan(key, Plan(
@@ -169,36 +169,6 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
         run = plan.layouts[layout] = plan.choice.implementation.plan(
             q, k, v, is_causal, scale, enable_gqa, plan.choice)
     return run(q, k, v)  # type: ignore[return-value]
-
-
-def _capped_outside_kernel_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 attn_mask: torch.Tensor | None, dropout_p: float,
-                                 is_causal: bool, scale: float | None, enable_gqa: bool,
-                                 softcap: float) -> torch.Tensor:
-    """A softcapped call with dropout, or inputs no kernel of ours takes: eager attention, as
-    transformers runs it (SDPA cannot cap scores); forced to ``flash``, an error saying why
-    ours cannot."""
-    if _forced() == "flash":
-        return _outside_kernel_scope(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                     enable_gqa)  # raises, naming what ours lacks
-    return eager_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                           causal=is_causal, scale=scale, softcap=softcap)
-
-
-def _outside_kernel_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
-                          scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    """Dropout, an elementwise mask, or inputs no kernel of ours takes: torch SDPA, as the
-    user's code ran it; forced to ``flash``, an error saying why ours cannot."""
-    if _forced() != "flash":
-        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=scale, enable_gqa=enable_gqa)
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"the flash kernels have no dropout: dropout_p must be 0.0, "
-                                  f"but got {dropout_p}")
-    raise NotImplementedError(f"the flash kernels take float16, bfloat16 or float32 with the "
-                              f"value head dim equal to the query's, but got {q.dtype}, "
-                              f"query head dim {q.shape[-1]}, value head dim {v.shape[-1]}")
 
 
 @torch.library.custom_op("tuner::attention_inference", mutates_args=())
