@@ -100,17 +100,20 @@ def checked_dtype(dtype: str | None) -> str | None:
 
 def checked_variant(variant: str | None) -> str | None:
     """``--variant`` as given, if it is a variant name as ``Problem.variant`` writes it
-    (dense, causal-<mode>, sparse-<mask>, causal-<mode>+sparse-<mask>)."""
+    (dense, causal-<mode>, sparse-<mask>, causal-<mode>+sparse-<mask>, any of them but dense
+    followed by +softcap<cap>, or softcap<cap> alone)."""
     # lazy: torch+triton +1.4 s (2-core CPU); keeps `tuner --help` < 1 s
     from templates.base import CAUSAL_MODES
 
     causal = "|".join(m for m in CAUSAL_MODES if m != "none")
-    if variant is None or re.fullmatch(rf"dense|((causal-({causal}))(\+sparse-\S+)?|sparse-\S+)",
-                                       variant):
+    cap = r"softcap\d[\d.e+-]*"  # the cap as Problem.variant writes it ({:g})
+    shaped = rf"causal-(?:{causal})(?:\+sparse-[^+\s]+)?|sparse-[^+\s]+"
+    if variant is None or re.fullmatch(rf"dense|{cap}|(?:{shaped})(?:\+{cap})?", variant):
         return variant
     examples = ["dense", *(f"causal-{m}" for m in CAUSAL_MODES if m != "none")]
     raise TunerError(f"--variant must be dense, causal-<mode> (mode: {causal.replace('|', ', ')}),"
-                     f" sparse-<mask> or causal-<mode>+sparse-<mask>, but got {variant!r}",
+                     f" sparse-<mask> or causal-<mode>+sparse-<mask>, each may end in "
+                     f"+softcap<cap> (softcap<cap> alone: dense), but got {variant!r}",
                      _did_you_mean("--variant", variant, examples))
 
 
@@ -195,6 +198,8 @@ def problem_label(problem: dict[str, Any]) -> str:
     variant = "dense" if variant == "none" else f"causal-{variant}"
     if problem.get("mask", "none") != "none":
         variant += f"+sparse-{problem['mask']}"
+    if problem.get("softcap"):
+        variant += f" softcap {problem['softcap']:g}"
     return (f"B{problem.get('batch')} {heads} {seq} D{problem.get('head_dim')} "
             f"{problem.get('dtype')} {variant}")
 

@@ -121,12 +121,29 @@ def test_a_typo_in_a_filter_is_an_error_not_an_empty_answer(
     assert error["fix"] == fix
 
 
-@pytest.mark.parametrize("variant", ["dense", "causal-top_left", "causal-bottom_right",
-                                     "sparse-random:0.10", "causal-top_left+sparse-sliding:64"])
+def _variant(causal: str = "none", mask: str = "none", softcap: float = 0.0) -> str:
+    from templates.base import Problem
+
+    return Problem(1, 2, 2, 64, 64, 64, "float16", causal, mask=mask, softcap=softcap).variant
+
+
+@pytest.mark.parametrize("variant", [
+    _variant(), _variant("top_left"), _variant("bottom_right"), _variant(mask="random:0.10"),
+    _variant("top_left", "sliding:64"), _variant(softcap=50.0),
+    _variant("top_left", softcap=30.0), _variant("top_left", "sliding:64", softcap=0.5),
+    _variant(mask="document:4", softcap=1e6)])
 def test_every_variant_a_problem_has_is_accepted(variant: str, tmp_path: Path) -> None:
     code, out, err = cli("best", "--variant", variant, "--db", f"sqlite:///{tmp_path / 'x.db'}",
                          "--json")
     assert (code, json.loads(out)) == (0, []), err
+
+
+@pytest.mark.parametrize("variant", ["dense+softcap50", "softcap", "causal-top_left+softcapx",
+                                     "softcap50+causal-top_left"])
+def test_a_softcap_variant_out_of_order_is_refused(variant: str, tmp_path: Path) -> None:
+    code, out, _ = cli("best", "--variant", variant, "--db", f"sqlite:///{tmp_path / 'x.db'}",
+                       "--json")
+    assert code == 2 and "+softcap<cap>" in json.loads(out)["error"], out
 
 
 def test_a_template_stored_but_not_registered_here_is_accepted(tmp_path: Path) -> None:
