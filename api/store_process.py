@@ -65,7 +65,8 @@ from tuner.lookup.bundle import (
     store_bundle_in_batches,
 )
 
-__all__ = ["StoreOutcome", "StoreProcess", "StoreProcessDied", "store_body"]
+__all__ = ["StoreOutcome", "StoreProcess", "StoreProcessDied", "registered_template_modules",
+           "store_body"]
 
 log = logging.getLogger("api")
 
@@ -118,6 +119,14 @@ def warm(database_url: str, template_modules: Sequence[str]) -> int:
         template.version()
     configure_mappers()
     return multiprocessing.current_process().pid or 0
+
+
+def registered_template_modules() -> list[str]:
+    """The modules of every template registered in this (the serving) process: the child
+    imports them, so it checks uploads against the same templates, however they came to be
+    registered (``TUNER_TEMPLATE_MODULES``, or an import by the program embedding the
+    service)."""
+    return sorted({type(template).__module__ for template in all_templates()})
 
 
 def _prepare(database_url: str, template_modules: Sequence[str]) -> None:

@@ -26,7 +26,7 @@ import logging
 from sqlalchemy.orm import configure_mappers
 from starlette.types import ASGIApp, Message
 
-from api.store_process import StoreProcess
+from api.store_process import StoreProcess, registered_template_modules
 from tuner.settings import Settings
 
 __all__ = ["WARM_UP_CLIENT", "WARM_UP_REQUESTS", "warm_store", "warm_up"]
@@ -75,7 +75,7 @@ async def warm_store(store: StoreProcess, settings: Settings) -> int | None:
     """The store process started and warmed: its pid (None: it failed, logged; the first
     upload then starts it)."""
     try:
-        return await store.warm_up(settings.database_url, settings.template_modules)
+        return await store.warm_up(settings.database_url, registered_template_modules())
     except Exception as exc:  # noqa: BLE001 (a warm-up must not stop the service)
         log.warning("warming up the upload store process failed: %s: %s",
                     type(exc).__name__, exc)

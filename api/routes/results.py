@@ -5,7 +5,7 @@ from email.message import Message
 from fastapi import APIRouter, HTTPException, Request, status
 
 from api.deps import BestCacheDep, SettingsDep, WriteAuth
-from api.store_process import StoreProcess
+from api.store_process import StoreProcess, registered_template_modules
 from tuner.lookup.bundle import BUNDLE_FORMAT
 from tuner.wire import ErrorOut, UploadResult
 
@@ -44,7 +44,7 @@ async def upload_results(request: Request, settings: SettingsDep,
     # Parsed, checked and stored in the store process (api/store_process.py: in this process,
     # that Python work made the event loop wait for the GIL, and every read with it).
     store: StoreProcess = request.app.state.bundle_store
-    outcome = await store.store(settings.database_url, body, settings.template_modules)
+    outcome = await store.store(settings.database_url, body, registered_template_modules())
     if outcome.summary is None:
         raise HTTPException(outcome.refused_status or 422, detail=outcome.refused_detail)
     summary = outcome.summary

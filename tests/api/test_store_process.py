@@ -224,3 +224,14 @@ def test_the_store_process_ends_when_the_service_process_ends_without_stopping_i
     if alive:
         os.kill(child, 9)
     assert not alive, "the store process outlived the service process by 10 s"
+
+
+def test_the_child_imports_every_template_module_the_service_registered() -> None:
+    # A template registered by an import in the serving process (not by TUNER_TEMPLATE_MODULES)
+    # must be known to the store child too, or its uploads are refused as an unknown template.
+    import tests.tuner.toy_templates  # noqa: F401  registers toy_add
+    from api.store_process import registered_template_modules
+
+    modules = registered_template_modules()
+    assert "tests.tuner.toy_templates" in modules
+    assert "templates.flash.fwd" in modules and modules == sorted(set(modules))
