@@ -10,7 +10,8 @@ document may be empty). Query tokens of document d see only the keys of document
 ``causal`` only those at or before them, aligned bottom-right as FlashAttention aligns them
 when a document's query and key lengths differ: query i of a document of L_q queries and L_k
 keys sees key j iff j <= i + L_k - L_q (so with L_q > L_k the first L_q - L_k queries see
-nothing). A query that sees no key gets zeros, as in FlashAttention.
+nothing). A query that sees no key gets zeros, as in FlashAttention. ``softcap`` caps the
+scaled scores (``softcap * tanh(s / softcap)``, Gemma 2; as flash_attn_varlen_func's).
 
 How it runs: the documents become one block mask over the (total_q, total_k) scores (full
 blocks inside a document, partial ones where a document starts or ends or the causal diagonal
@@ -27,7 +28,9 @@ import math
 
 import torch
 
+from templates.kernel_common import check_softcap
 from templates.masks.documents import clear_document_masks, document_block_mask
+from templates.pytorch.eager import eager_attention
 from templates.pytorch.sdpa import TORCH_SDPA_FUNCTION
 from tuner.attention import attention
 
@@ -37,10 +40,11 @@ __all__ = ["clear_document_masks", "document_block_mask", "varlen_attention",
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, causal: bool = False, scale: float | None = None
-                     ) -> torch.Tensor:
+                     max_seqlen_k: int, causal: bool = False, scale: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Attention within each packed document (module docstring): (total_q, H_q, D_v) out."""
     _check_tensors(q, k, v)
+    check_softcap(softcap)
     offsets_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     offsets_k = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     if len(offsets_q) != len(offsets_k):
@@ -52,7 +56,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # (total, H, D) -> (1, H, total, D): a view; the kernels read this layout as it is.
     out = attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                     v.transpose(0, 1).unsqueeze(0), scale=scale,
-                    enable_gqa=q.shape[1] != k.shape[1], block_mask=mask)
+                    enable_gqa=q.shape[1] != k.shape[1], block_mask=mask, softcap=softcap)
     # Contiguous, as FlashAttention returns it (callers .view() it): free for our kernels,
     # whose output already has q's packed layout; a copy where Flex answered (1, H, T, D).
     return out[0].transpose(0, 1).contiguous()
@@ -118,10 +122,13 @@ def _check_max_seqlen(name: str, max_seqlen: int, offsets: tuple[int, ...]) -> N
 def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                causal: bool = False, scale: float | None = None,
-                               upcast: bool = True) -> torch.Tensor:
-    """The same attention as a loop of torch SDPA calls, one per document (for tests and
-    benchmarks; differentiable). ``upcast``: computed in float32, returned in q's dtype.
-    Queries that see no key get zeros (SDPA itself would give NaN for them)."""
+                               upcast: bool = True, softcap: float | None = None
+                               ) -> torch.Tensor:
+    """The same attention as a loop of torch SDPA calls, one per document (eager attention
+    where ``softcap`` caps the scores: SDPA cannot), for tests and benchmarks; differentiable.
+    ``upcast``: computed in float32, returned in q's dtype. Queries that see no key get zeros
+    (SDPA itself would give NaN for them)."""
+    cap = check_softcap(softcap)
     offsets_q = [int(x) for x in cu_seqlens_q.tolist()]
     offsets_k = [int(x) for x in cu_seqlens_k.tolist()]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -143,8 +150,12 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         rows = torch.arange(n_q - blind, device=q.device)[:, None] + blind
         cols = torch.arange(n_k, device=q.device)[None, :]
         mask = cols <= rows + n_k - n_q if causal else None
-        out = TORCH_SDPA_FUNCTION(
-            qd[:, blind:], kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if cap:
+            out = eager_attention(qd[:, blind:], kd, vd, attn_mask=mask, scale=scale,
+                                  softcap=cap)
+        else:
+            out = TORCH_SDPA_FUNCTION(
+                qd[:, blind:], kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out = out.transpose(0, 1).to(q.dtype)
         if blind:
             out = torch.cat([out.new_zeros(blind, *out.shape[1:]), out])

@@ -1,6 +1,7 @@
 """tuner.varlen_attention: packed documents against a per-document loop of torch SDPA
 (forward and gradients, fp32 and fp16 under the interpreter, odd lengths, GQA, empty
-documents, query and key offsets that differ), and its errors for bad cu_seqlens."""
+documents, query and key offsets that differ; softcapped scores against eager attention per
+document), and its errors for bad cu_seqlens and caps."""
 
 from __future__ import annotations
 
@@ -72,6 +73,25 @@ def test_forward_and_gradients_match_the_per_document_loop(
     assert relative_error(out, ref) < tolerance
     for name, g, w in zip("qkv", got, want, strict=True):
         assert relative_error(g, w) < tolerance * 5, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcapped_documents_match_the_per_document_eager_loop(device: str,
+                                                                causal: bool) -> None:
+    """Gemma 2's capped scores within each document, forward and gradients, against eager
+    attention per document; the cap is applied (a small cap moves the output)."""
+    q, k, v = inputs(CROSS_Q, CROSS_K, torch.float32, device)
+    q, k = (t.detach().mul(4).requires_grad_() for t in (q, k))  # scores the cap bends
+    cu_q, cu_k = cu(CROSS_Q, device=device), cu(CROSS_K, device=device)
+    out = varlen_attention(q, k, v, cu_q, cu_k, 130, 130, causal=causal, softcap=2.0)
+    ref = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=causal, softcap=2.0)
+    uncapped = varlen_attention_reference(q, k, v, cu_q, cu_k, causal=causal)
+    assert relative_error(out, ref) < 1e-5 and relative_error(uncapped, ref) > 1e-2
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert relative_error(g, w) < 5e-5, name
 
 
 def test_queries_that_see_no_key_get_zeros(device: str) -> None:
@@ -194,6 +214,8 @@ def call_with(**changes: Any) -> None:
     ({"max_seqlen_k": 4.0}, TypeError, ["max_seqlen_k must be an int"]),
     ({"q": torch.randn(1, 9, 4, 16)}, ValueError, ["q must be (total_tokens, heads, head_dim)"]),
     ({"q": torch.randn(9, 3, 16)}, ValueError, ["query heads (3)", "key/value heads (2)"]),
+    ({"softcap": -1.0}, ValueError, ["softcap must be a finite number >= 0", "-1.0"]),
+    ({"softcap": "50"}, TypeError, ["softcap must be a finite number >= 0", "str"]),
 ])
 def test_bad_arguments_are_named(changes: dict[str, Any], error: type[Exception],
                                  words: list[str]) -> None:
