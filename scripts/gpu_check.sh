@@ -2,7 +2,7 @@
 # On a CUDA host: GPU-marked tests, then the quick benchmarks; a short table last.
 #
 #   bash scripts/gpu_check.sh [--tests-only|--bench-only] [--group all|fwd|bwd|decode|tuner]
-#                             [--workers N] [--budget-s S]
+#                             [--workers N] [--budget-s S] [--device-tests]
 #
 # The tests run through scripts/gpu_tests.py: spread over --workers processes (pytest-xdist,
 # default 8), interrupted at --budget-s (default 450) so that a 10-minute device call always
@@ -18,11 +18,12 @@ test_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests-only|--bench-only) mode=$1 ;;
+    --device-tests) test_args+=("$1") ;;
     --group|--workers|--budget-s)
       [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; exit 2; }
       test_args+=("$1" "$2"); shift ;;
     *) echo "error: unknown argument '$1'" >&2
-       echo "fix: use --tests-only, --bench-only, --group G, --workers N or --budget-s S" >&2
+       echo "fix: use --tests-only, --bench-only, --group G, --workers N, --budget-s S or --device-tests" >&2
        exit 2 ;;
   esac
   shift

@@ -1,7 +1,7 @@
 """The GPU-marked tests, by group, spread over processes and held to a time budget; a summary.
 
     python3 scripts/gpu_tests.py [--group all|fwd|bwd|decode|tuner] [--workers N]
-                                 [--budget-s S] [--timeout-s S] [--out DIR]
+                                 [--budget-s S] [--timeout-s S] [--out DIR] [--device-tests]
 
 ``scripts/gpu_check.sh --tests-only`` runs it on a CUDA host. Why it is shaped so:
 
@@ -140,8 +140,13 @@ def xdist_dist_mode() -> str | None:
 
 
 def pytest_command(paths: list[str], *, workers: int, junit: Path, timeout_s: int,
-                   dist: str | None) -> list[str]:
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *paths,
+                   dist: str | None, device_tests: bool = False) -> list[str]:
+    """The pytest run: the GPU-marked tests of ``paths``; with ``device_tests`` also those
+    that take the ``device`` fixture (``on_device``: kernel tests that run under the
+    interpreter in CI and on CUDA here, 250-odd, not selected by default: they double the
+    run)."""
+    marker = "gpu or on_device" if device_tests else "gpu"
+    command = [sys.executable, "-m", "pytest", "-q", "-m", marker, *paths,
                "-p", "no:cacheprovider", "--timeout", str(timeout_s), "--durations", "15",
                f"--junitxml={junit}"]
     if workers > 1 and dist is not None:
@@ -179,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                              "finished (default 450: with the install and the stop, a run "
                              "stays under 8 minutes)")
     parser.add_argument("--timeout-s", type=int, default=300, help="limit of one test")
+    parser.add_argument("--device-tests", action="store_true",
+                        help="also the tests that take the device fixture (on CUDA here)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")),
                         help="folder for the log, the JUnit XML and the summary")
     args = parser.parse_args(argv)
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_tests: pytest-xdist is not installed: running in one process")
     paths = ["tests"] if args.group == "all" else list(GROUPS[args.group])
     command = pytest_command(paths, workers=workers, junit=junit, timeout_s=args.timeout_s,
-                             dist=dist)
+                             dist=dist, device_tests=args.device_tests)
     print("gpu_tests:", " ".join(command[1:]), flush=True)
     start = time.monotonic()
     code, stopped = run_pytest(command, log, args.budget_s)

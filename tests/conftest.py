@@ -89,6 +89,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+        # Kernel tests written once for both hosts: the GPU run can select them too.
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.on_device)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU host)")

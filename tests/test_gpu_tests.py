@@ -160,3 +160,23 @@ def test_the_gpu_matrix_keeps_every_pair_of_values() -> None:
     for i, j in itertools.combinations(range(len(all_axes)), 2):
         wanted = set(itertools.product(all_axes[i], all_axes[j]))
         assert {(case[i], case[j]) for case in cases} == wanted, (i, j)
+
+
+def test_device_tests_are_marked_and_selected_only_when_asked(tmp_path: Path) -> None:
+    # Kernel tests written with the device fixture run on CUDA on a GPU host, but only the
+    # gpu marker selected them: softcap's and varlen's GPU runs depended on someone naming them.
+    base = RUNNER.pytest_command(["tests"], workers=1, junit=tmp_path / "j.xml", timeout_s=60,
+                                 dist=None)
+    more = RUNNER.pytest_command(["tests"], workers=1, junit=tmp_path / "j.xml", timeout_s=60,
+                                 dist=None, device_tests=True)
+    def marker(command: list[str]) -> str:
+        return command[command.index("-m", command.index("pytest")) + 1]
+
+    assert (marker(base), marker(more)) == ("gpu", "gpu or on_device")
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "-p", "no:cacheprovider", "-m", "on_device",
+                           "tests/tuner/test_varlen.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert collected and all("test_varlen.py::" in line for line in collected), done.stdout
+    assert not any("test_bad_arguments_are_named" in line for line in collected)  # no device
