@@ -189,6 +189,15 @@ class Problem:
         return (f"b{self.batch}-hq{self.heads_q}-hkv{self.heads_kv}-q{self.seqlen_q}"
                 f"-kv{self.seqlen_kv}-d{self.head_dim}-{self.dtype}-{self.variant}")
 
+    @property
+    def label(self) -> str:
+        """The problem for people (the sweep's progress, the CLI's tables): "B4 H32/8 N4096
+        D128 bfloat16 causal-top_left"."""
+        heads = f"H{self.heads_q}" + (f"/{self.heads_kv}" if self.heads_kv != self.heads_q else "")
+        seq = f"N{self.seqlen_q}" + (f"/{self.seqlen_kv}" if self.seqlen_kv != self.seqlen_q
+                                     else "")
+        return f"B{self.batch} {heads} {seq} D{self.head_dim} {self.dtype} {self.variant}"
+
     def to_dict(self) -> dict[str, object]:
         data = dataclasses.asdict(self)
         if not self.softcap:  # the form every problem had before softcap existed

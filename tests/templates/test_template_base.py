@@ -49,6 +49,17 @@ def test_problem_validation_and_buckets() -> None:
     assert Problem.from_dict(p.to_dict()) == p
 
 
+def test_problem_label_is_the_one_people_read_everywhere() -> None:
+    # The sweep's progress and the CLI's tables (from a stored dict) print this one label.
+    from tuner.cli.common import problem_label
+
+    p = Problem(3, 16, 4, 1000, 3333, 128, causal="top_left", mask="sliding:64", softcap=50.0)
+    assert p.label == "B3 H16/4 N1000/3333 D128 bfloat16 causal-top_left+sparse-sliding:64+softcap50"
+    assert Problem(1, 2, 2, 64, 64, 32, mask="document:4").label.endswith(" sparse-document:4")
+    assert Problem(1, 2, 2, 64, 64, 32).label == "B1 H2 N64 D32 bfloat16 dense"
+    assert problem_label(p.to_dict()) == p.label and problem_label({}) == "-"
+
+
 def test_exported_source_inlines_the_modules_of_the_family_packages() -> None:
     # A kernel module imports the shared modules by their package path
     # (templates.masks.listed_blocks); exported, each is pasted in its place, once.

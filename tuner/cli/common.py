@@ -188,20 +188,13 @@ def fmt_tflops(value: float | None) -> str:
 
 
 def problem_label(problem: dict[str, Any]) -> str:
+    """A stored problem (``Problem.to_dict``'s form) as ``Problem.label`` writes it."""
     if not problem:
         return "-"
-    hq, hkv = problem.get("heads_q"), problem.get("heads_kv")
-    nq, nkv = problem.get("seqlen_q"), problem.get("seqlen_kv")
-    heads = f"H{hq}" + (f"/{hkv}" if hkv != hq else "")
-    seq = f"N{nq}" + (f"/{nkv}" if nkv != nq else "")
-    variant = problem.get("causal", "none")
-    variant = "dense" if variant == "none" else f"causal-{variant}"
-    if problem.get("mask", "none") != "none":
-        variant += f"+sparse-{problem['mask']}"
-    if problem.get("softcap"):
-        variant += f" softcap {problem['softcap']:g}"
-    return (f"B{problem.get('batch')} {heads} {seq} D{problem.get('head_dim')} "
-            f"{problem.get('dtype')} {variant}")
+    # lazy: torch+triton +1.4 s (2-core CPU); keeps `tuner --help` < 1 s
+    from templates.base import Problem
+
+    return Problem.from_dict(problem).label
 
 
 def config_text(config: dict[str, Any]) -> str:

@@ -100,7 +100,6 @@ __all__ = [
     "TrialDone",
     "device_from_dict",
     "expand_tasks",
-    "problem_label",
     "run_sweep",
 ]
 
@@ -191,14 +190,7 @@ class Task:
 
     @property
     def label(self) -> str:
-        return f"{self.template.name} {problem_label(self.problem)}"
-
-
-def problem_label(p: Problem) -> str:
-    shape = (f"B{p.batch} H{p.heads_q}" + (f"/{p.heads_kv}" if p.heads_kv != p.heads_q else "")
-             + f" N{p.seqlen_q}" + (f"/{p.seqlen_kv}" if p.seqlen_kv != p.seqlen_q else "")
-             + f" D{p.head_dim}")
-    return f"{shape} {p.dtype} {p.variant}"
+        return f"{self.template.name} {self.problem.label}"
 
 
 # ----------------------------------------------------------------------------- events
@@ -791,7 +783,7 @@ def _head_to_heads(shared: _Shared, device: dict[str, Any], emit: Callable[[Even
         for index, (problem, templates) in enumerate(groups):
             if shared.stop.is_set():
                 break
-            label, rounds = problem_label(problem), options.head_to_head_rounds
+            label, rounds = problem.label, options.head_to_head_rounds
             if shared.budget is not None and not _time_for(shared.budget, rounds,
                                                            len(templates)):
                 log.info("head-to-head of %s left out: the --budget is spent", label)
