@@ -37,8 +37,13 @@ MAX_ROWS = 100_000
 
 
 def forward_templates() -> dict[str, str]:
-    """Template name -> the implementation whose inference calls it prices."""
-    return {impl.forward: impl.name for impl in implementations()}
+    """Template name -> the implementation whose inference calls it prices: the first
+    registered with that forward (``gluon``, not ``gluon_train`` or another training pairing
+    of the same forward, whose inference calls are the first's)."""
+    impl_of: dict[str, str] = {}
+    for impl in implementations():
+        impl_of.setdefault(impl.forward, impl.name)
+    return impl_of
 
 
 def backend_times(configs: Iterable[tuple[Mapping[str, Any], Measured]]

@@ -310,3 +310,16 @@ def test_a_winner_within_its_head_to_heads_noise_says_so(target: Target) -> None
     assert code == 0, err
     rows = [line for line in out.splitlines() if "sdpa" in line and "x " in line]
     assert sum("(noise)" in line for line in rows) == 1, out
+
+
+def test_forward_templates_name_the_implementation_that_serves_inference() -> None:
+    # gluon_train pairs gluon's forward with our backward: its inference calls are gluon's, so
+    # a table or `tuner winners` naming gluon_fwd's winner must say gluon (a dict built in
+    # registration order once named the last pairing registered instead).
+    import tuner.dispatch.implementations.gluon_train  # noqa: F401  (registers gluon_train)
+    from tuner.dispatch.implementations import implementations
+    from tuner.dispatch.winners import forward_templates
+
+    sharing = [impl.name for impl in implementations() if impl.forward == "gluon_fwd"]
+    assert len(sharing) >= 2, sharing  # the case this guards
+    assert forward_templates()["gluon_fwd"] == "gluon"
