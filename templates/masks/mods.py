@@ -71,7 +71,10 @@ def document_mask(lengths: list[int] | torch.Tensor, *, causal: bool = False,
         # Positions past the documents see nothing. Clamped indexing, not a Python check, so
         # FlexAttention can trace this same function.
         inside = (q < total) & (k < total)
-        same = doc_of[q.clamp(max=total - 1)] == doc_of[k.clamp(max=total - 1)]
+        # The table follows the indices: a mask built for the CPU (the default) and evaluated
+        # on a GPU block mask still answers (a copy per call; pass ``device`` to avoid it).
+        table = doc_of if doc_of.device == q.device else doc_of.to(q.device)
+        same = table[q.clamp(max=total - 1)] == table[k.clamp(max=total - 1)]
         visible = inside & same
         return visible & (k <= q) if causal else visible
 
