@@ -5,6 +5,10 @@ time. GPU only.
     python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind sliding
     python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind sliding --train  # a step
     python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind llama --decode 16 --tokens 2048
+    python benchmarks/e2e_profile.py --kind gemma2 --force flash   # softcapped, against eager
+
+``--kind gemma2``: e2e_softcap.py's Gemma-2-style model (softcapped scores, head dim 256),
+whose baseline is ``"eager"`` (SDPA cannot cap scores); ``--force`` runs one implementation.
 
 ``--decode N``: a greedy ``generate`` of N tokens after a prompt of ``--tokens``; it also
 counts, for "tuner", the attention calls that came with a mask (transformers' mask function
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -23,7 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_hf import LLAMA, build  # noqa: E402
+from e2e_softcap import GEMMA2  # noqa: E402
+from e2e_softcap import build as build_gemma2  # noqa: E402
 
+import tuner  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 
 
@@ -44,7 +52,9 @@ def step(model: torch.nn.Module, ids: torch.Tensor, train: bool, decode: int = 0
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--db", help="database of tuned configs")
-    parser.add_argument("--kind", default="sliding", choices=("llama", "sliding"))
+    parser.add_argument("--kind", default="sliding", choices=("llama", "sliding", "gemma2"))
+    parser.add_argument("--force", help="run this implementation for every attention call "
+                        "(tuner.use_implementation), e.g. flash")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--top", type=int, default=14)
@@ -59,18 +69,27 @@ def main() -> int:
         set_resolver(None)
     name = register_transformers()
     calls = _count_masked_calls()
-    ids = torch.randint(0, LLAMA["vocab_size"], (1, args.tokens), device="cuda")
-    for attn in ("sdpa", name):
-        model = build(args.kind, attn, LLAMA, args.window, torch.bfloat16, "cuda")
+    dims = GEMMA2 if args.kind == "gemma2" else LLAMA
+    ids = torch.randint(0, dims["vocab_size"], (1, args.tokens), device="cuda")
+    baseline = "eager" if args.kind == "gemma2" else "sdpa"
+    for attn in (baseline, name):
+        if args.kind == "gemma2":
+            model = build_gemma2(attn, GEMMA2, torch.bfloat16, "cuda")
+        else:
+            model = build(args.kind, attn, LLAMA, args.window, torch.bfloat16, "cuda")
         model.train(args.train)
-        for _ in range(2):
-            step(model, ids, args.train, args.decode)
-        torch.cuda.synchronize()
-        calls.clear()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step(model, ids, args.train, args.decode)
+        scope = (tuner.use_implementation(args.force) if args.force and attn == name
+                 else nullcontext())
+        with scope:
+            for _ in range(2):
+                step(model, ids, args.train, args.decode)
             torch.cuda.synchronize()
+            calls.clear()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]
+                                        ) as prof:
+                step(model, ids, args.train, args.decode)
+                torch.cuda.synchronize()
         if attn == name:
             print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
         averages = prof.key_averages()

@@ -216,7 +216,9 @@ def test_a_config_kept_from_one_neighbour_is_compared_there_alone(
     inference = keep(choose(Call(p, needs_grad=False, device=current_device())))
     assert inference.neighbour == FWD.problem_key(near), inference.why
     training = keep(choose(Call(p, needs_grad=True, device=current_device())))
-    assert training.implementation.name == "flash", training.why
+    priced = [(e.implementation, e.ms, [(r.match, r.neighbour, list(r.neighbours))
+                                        for r in e.resolved]) for e in training.estimates]
+    assert training.implementation.name == "flash", (training.why, priced)
     assert training.neighbour == FWD.problem_key(near)
     assert training.config == inference.config
 
