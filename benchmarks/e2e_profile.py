@@ -17,8 +17,10 @@ decides that, per step).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -60,6 +62,9 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--train", action="store_true",
                         help="profile a training step (loss backward) instead of a prefill")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="also list where the step synchronizes the host with the GPU "
+                             "(torch.cuda.set_sync_debug_mode), by source line")
     parser.add_argument("--decode", type=int, default=0,
                         help="profile a generate of this many tokens after the prompt")
     args = parser.parse_args()
@@ -90,6 +95,11 @@ def main() -> int:
                                         ) as prof:
                 step(model, ids, args.train, args.decode)
                 torch.cuda.synchronize()
+            if args.sync_debug:
+                print(f"\n=== {attn}: host-GPU synchronizations by source line")
+                for where, count in synchronizations(
+                        functools.partial(step, model, ids, args.train, args.decode)):
+                    print(f"{count:5d}  {where}")
         if attn == name:
             print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
         averages = prof.key_averages()
@@ -100,6 +110,26 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     return 0
+
+
+def synchronizations(run: Callable[[], None]) -> list[tuple[str, int]]:
+    """Where ``run`` makes the host wait for the GPU (a copy to the host, ``.item()``, a
+    ``bool`` of a CUDA tensor...): torch's sync debug warnings counted by the Python line
+    that caused them, most frequent first."""
+    import collections
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    return lines.most_common()
 
 
 def _count_masked_calls() -> list[bool]:
