@@ -22,7 +22,7 @@ rule itself, in O(L) and O(blocks) evaluations:
    the hypothesis calls empty or full, and the probe, is not caught.
 
 Cost per forward: ~3 L evaluations of the rule, 9 per block, and the open blocks' elements
-(O(L x block)), plus a few device-to-host reads.
+(O(L x block)), and one read from the device (a new layout also builds its BlockMask).
 """
 
 from __future__ import annotations
@@ -56,20 +56,25 @@ def rule_block_mask(rule: Rule, batch: int, length: int, window: int | None,
         return None
     if window is not None and window >= length:
         window = None
-    segments = _segments(rule, batch, length, device)
-    if segments is None:
-        return None
-    rows = segments[:1] if bool((segments == segments[:1]).all()) else segments
+    # Everything up to the cache lookup runs on the device without reading it back, then one
+    # read (the segment ids with the two verdicts): each read waits for the GPU, and a
+    # transformers forward asks once per mask type before its first layer.
+    segments, probe_ok = _segments(rule, batch, length, device)
     first = torch.arange(0, length, block_size, device=device)
     last = (first + block_size - 1).clamp(max=length - 1)
-    kinds = _kinds(rows, first, last, window)
-    if not _agrees(rule, kinds, batch, first, last, device):
+    kinds = _kinds(segments, first, last, window)
+    agrees = _agrees(rule, kinds, batch, first, last, device)
+    read = torch.cat([segments.flatten(), torch.stack([probe_ok, agrees]).long()]).cpu()
+    if not bool(read[-2]) or not bool(read[-1]):
         return None
-    single = bool((rows[:, -1] == 0).all())
+    host = read[:-2].view(batch, length)
+    if bool((host == host[:1]).all()):  # every batch row alike: one row of blocks
+        host, kinds = host[:1], kinds[:1]
+    single = bool((host[:, -1] == 0).all())
     if single and window is None:
         return CAUSAL
     starts = tuple(tuple(r.nonzero().flatten().tolist()) for r in torch.diff(
-        rows, prepend=rows[:, :1] - 1, dim=1) != 0)
+        host, prepend=host[:, :1] - 1, dim=1) != 0)
     key = (starts, length, window, block_size, device)
     mask = _MASKS.get(key)
     if mask is not None:
@@ -88,9 +93,10 @@ def clear_rule_masks() -> None:
 
 
 def _segments(rule: Rule, batch: int, length: int, device: torch.device
-              ) -> torch.Tensor | None:
-    """(B, L) segment ids from the probe, or None where the rule is not causal with every
-    query seeing itself."""
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) segment ids from the probe, and whether the rule is causal with every query
+    seeing itself (a 0-d bool tensor, not read here; the ids mean nothing where it is
+    False)."""
     b = torch.arange(batch, device=device)[:, None]
     h = torch.zeros(1, 1, dtype=torch.long, device=device)
     i = torch.arange(length, device=device)[None, :]
@@ -98,11 +104,11 @@ def _segments(rule: Rule, batch: int, length: int, device: torch.device
     def at(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(rule(b, h, q, k), device=device).expand(batch, q.shape[1])
 
-    if not bool(at(i, i).all()) or bool(at(i[:, :-1], i[:, 1:]).any()):
-        return None
+    ok = at(i, i).all() & ~at(i[:, :-1], i[:, 1:]).any()
     starts = ~at(i[:, 1:], i[:, :-1])
-    return torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device),
-                      starts.long().cumsum(-1)], dim=1)
+    ids = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device),
+                     starts.long().cumsum(-1)], dim=1)
+    return ids, ok
 
 
 def _kinds(segments: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
@@ -124,9 +130,9 @@ def _kinds(segments: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
 
 
 def _agrees(rule: Rule, kinds: torch.Tensor, batch: int, first: torch.Tensor,
-            last: torch.Tensor, device: torch.device) -> bool:
+            last: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Whether ``rule`` says what ``kinds`` does at 3 x 3 points of every EMPTY and FULL
-    block, for every batch row."""
+    block, for every batch row (a 0-d bool tensor, not read here)."""
     pts = torch.stack([first, (first + last) // 2, last], dim=-1)  # (n, 3)
     b = torch.arange(batch, device=device)[:, None, None, None, None]
     h = torch.zeros(1, dtype=torch.long, device=device)[:, None, None, None, None]
@@ -138,7 +144,7 @@ def _agrees(rule: Rule, kinds: torch.Tensor, batch: int, first: torch.Tensor,
     kind = kinds[:, 0].expand(batch, n, n)
     wrong_empty = (kind == EMPTY) & seen.any(-1)
     wrong_full = (kind == FULL) & ~seen.all(-1)
-    return not bool((wrong_empty | wrong_full).any())
+    return ~(wrong_empty | wrong_full).any()
 
 
 def _pattern(starts: tuple[tuple[int, ...], ...], length: int, window: int | None,
