@@ -3,6 +3,12 @@ a 4x longer sweep finds, and how its search strategies do on recorded grids.
 
     # on the GPU, a recording of the job (tuner.record):
     python benchmarks/time_to_tuned.py sweep job.toml --budget 5m --dir ttt/ --json ttt.json
+    # the same in device calls of <= 10 minutes: the 20-minute reference in parts, then the test
+    python benchmarks/time_to_tuned.py sweep job.toml --part reference --budget 9m --dir ttt/
+    python benchmarks/time_to_tuned.py sweep job.toml --part reference --budget 9m --dir ttt/
+    python benchmarks/time_to_tuned.py sweep job.toml --part reference --budget 2m --dir ttt/
+    python benchmarks/time_to_tuned.py sweep job.toml --part test --budget 5m --dir ttt/ \
+        --json ttt.json
     # anywhere, grids recorded by `tuner sweep SPEC --sampler grid` + `tuner export --trials`:
     python benchmarks/time_to_tuned.py replay grid_trials.json --spec SPEC --json replay.json
 
@@ -86,7 +92,7 @@ class Timed:
     readings: list[Reading]
     counts: dict[str, int]
     wall_s: float
-    report: SweepReport
+    report: SweepReport | None  # None: read back from a saved reference
 
 
 def timed_sweep(spec_path: str, budget_s: float, db_url: str,
@@ -164,6 +170,53 @@ def analyse(fast: Timed, reference: Timed, target: float = TARGET) -> dict[str, 
     return out
 
 
+REFERENCE_READINGS = "reference_readings.json"
+
+
+def run_reference_part(spec: str, budget_s: float, folder: Path,
+                       make_runner: Callable[..., Any] = IsolatedRunner, **options: Any
+                       ) -> dict[str, Any]:
+    """One part of the reference sweep (a device call lasts at most 10 minutes, the reference
+    of a 5-minute sweep 20): the sweep of ``folder``'s reference database goes on with
+    ``budget_s`` more, and its readings are added to ``REFERENCE_READINGS`` there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    part = timed_sweep(spec, budget_s, f"sqlite:///{folder / 'reference.db'}", make_runner,
+                       **options)
+    path = folder / REFERENCE_READINGS
+    saved = json.loads(path.read_text()) if path.is_file() else {"spec": spec, "parts": []}
+    saved["parts"].append({"budget_s": budget_s, "wall_s": part.wall_s, "counts": part.counts,
+                           "readings": [asdict(r) for r in part.readings]})
+    path.write_text(json.dumps(saved))
+    return {"spec": spec, "part": len(saved["parts"]), "part_budget_s": budget_s,
+            "reference_budget_s": sum(p["budget_s"] for p in saved["parts"]),
+            "readings": sum(len(p["readings"]) for p in saved["parts"])}
+
+
+def saved_reference(folder: Path) -> tuple[Timed, float]:
+    """The reference sweep that ``run_reference_part`` left in ``folder``, and its budget."""
+    path = folder / REFERENCE_READINGS
+    if not path.is_file():
+        raise SystemExit(f"error: no reference readings in {folder} ({REFERENCE_READINGS})\n"
+                         "fix: run `time_to_tuned.py sweep SPEC --part reference --dir "
+                         f"{folder}` first (as often as the reference's budget needs)")
+    saved = json.loads(path.read_text())
+    readings = [Reading(**r) for part in saved["parts"] for r in part["readings"]]
+    counts = {k: v for part in saved["parts"] for k, v in part["counts"].items()}
+    wall = sum(p["wall_s"] for p in saved["parts"])
+    return Timed(readings, counts, wall, report=None), sum(p["budget_s"] for p in saved["parts"])
+
+
+def run_against_saved_reference(spec: str, budget_s: float, folder: Path,
+                                make_runner: Callable[..., Any] = IsolatedRunner,
+                                **options: Any) -> dict[str, Any]:
+    """The sweep under test, against the reference saved in ``folder``."""
+    reference, reference_budget = saved_reference(folder)
+    fast = timed_sweep(spec, budget_s, f"sqlite:///{folder / 'sweep.db'}", make_runner,
+                       **options)
+    return {"spec": spec, "budget_s": budget_s, "factor": reference_budget / budget_s,
+            "device": fast.report.device, **analyse(fast, reference)}
+
+
 def run_sweeps(spec: str, budget_s: float, folder: Path, *, factor: int = FACTOR,
                make_runner: Callable[..., Any] = IsolatedRunner, **options: Any
                ) -> dict[str, Any]:
@@ -230,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--budget", default="5m", help="the sweep under test's --budget")
     sweep.add_argument("--factor", type=int, default=FACTOR, help="the reference's multiple")
     sweep.add_argument("--dir", type=Path, help="where the two databases go (default: temp)")
+    sweep.add_argument("--part", choices=("both", "reference", "test"), default="both",
+                       help="both sweeps in one run; or, across device calls of at most 10 "
+                            "minutes, the reference in parts of --budget each (same --dir), "
+                            "then the sweep under test against it")
     sweep.add_argument("--json", type=Path)
     rep = sub.add_parser("replay", help="score the search strategies on recorded grids")
     rep.add_argument("trials", type=Path, help="`tuner export --trials` of a grid sweep")
@@ -239,9 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.command == "sweep":
+        if args.part != "both" and args.dir is None:
+            parser.error("--part reference/test needs --dir (the folder the parts share)")
         folder = args.dir or Path(tempfile.mkdtemp(prefix="time_to_tuned_"))
-        result = run_sweeps(args.spec, parse_duration(args.budget), folder, factor=args.factor)
-        print_sweep(result)
+        budget = parse_duration(args.budget)
+        if args.part == "reference":
+            result = run_reference_part(args.spec, budget, folder)
+            print(f"reference part {result['part']}: {result['part_budget_s']:g} s "
+                  f"({result['reference_budget_s']:g} s in all, {result['readings']} readings)")
+        else:
+            result = (run_sweeps(args.spec, budget, folder, factor=args.factor)
+                      if args.part == "both" else
+                      run_against_saved_reference(args.spec, budget, folder))
+            print_sweep(result)
     else:
         space = load_spec_file(args.spec).space if args.spec else None
         result = replay_strategies(load_recorded_file(args.trials), fraction=args.fraction,
@@ -259,7 +326,7 @@ def _plain(value: Any) -> Any:
 def print_sweep(result: dict[str, Any]) -> None:
     tuned = result["time_to_tuned_s"]
     print(f"{result['problems']} problem(s); within {result['target']:.0%} of the "
-          f"{result['factor']}x longer sweep's best: {result['within_target']}")
+          f"{result['factor']:g}x longer sweep's best: {result['within_target']}")
     print("time to tuned: " + (f"{tuned:.0f} s" if tuned is not None else
                                f"not reached within the budget ({result['budget_s']:g} s)"))
     for row in result["per_problem"]:

@@ -94,3 +94,27 @@ def test_replayed_strategies_and_the_prior_that_finds_a_neighbours_best(
                              "--sampler", "tpe", "--budget", "2", "--seeds", "2", "--json")
     assert code == 0, err
     assert [s["worst_fraction_of_best"] for s in json.loads(printed)] == [1.0, 1.0]
+
+
+def test_the_reference_in_parts_then_the_sweep_under_test_against_it(
+        ttt: ModuleType, tmp_path: Path) -> None:
+    # A device call lasts at most 10 minutes: the reference runs in parts sharing --dir, the
+    # second part going on from the first's database, and the sweep under test reads it back.
+    spec = tmp_path / "job.toml"
+    spec.write_text('name = "job"\ntemplates = ["torch_sdpa", "flash_fwd"]\nshapes = [\n'
+                    '  {B = 1, H = 2, N = 32, D = 16, dtype = "float16", count = 3},\n]\n')
+    runner = SlowRunner({"torch_sdpa": [1.0], "flash_fwd": [1.0, 0.5]}, delay_s=0.2)
+    folder = tmp_path / "ttt"
+    with pytest.raises(SystemExit, match="no reference readings"):
+        ttt.saved_reference(folder)
+    options = {"make_runner": runner, "seed": 1, "head_to_head_rounds": 0}
+    first = ttt.run_reference_part(str(spec), 6.0, folder, **options)
+    second = ttt.run_reference_part(str(spec), 6.0, folder, **options)
+    assert (first["part"], second["part"]) == (1, 2)
+    assert second["reference_budget_s"] == 12.0 and second["readings"] > first["readings"]
+    result = ttt.run_against_saved_reference(str(spec), 6.0, folder, **options)
+    assert result["factor"] == pytest.approx(2.0)
+    (row,) = result["per_problem"]
+    assert row["count"] == 3 and row["reference_ms"] == pytest.approx(0.5, rel=1e-6)
+    assert result["within_target"] == 1 and result["time_to_tuned_s"] is not None
+    assert (folder / "sweep.db").is_file() and (folder / "reference.db").is_file()
