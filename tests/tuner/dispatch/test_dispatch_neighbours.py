@@ -209,10 +209,14 @@ def test_a_config_kept_from_one_neighbour_is_compared_there_alone(
     # from there is kept for the bucket. A gradient would be decided on ``nearer`` (every
     # training template measured there), but the forward that runs is ``near``'s: so it is
     # decided on ``near``, where that config was measured.
+    # flash_bwd's bests with a config that runs the call's problem here: a neighbour's own
+    # default may not (on a GPU its 128-key tile is refused for 40 keys as wasted padding,
+    # and the call would be priced without it).
+    bwd = get_template("flash_bwd").default_config(p, current_device()).to_dict()
     store(tmp_path, measured("torch_sdpa_train", nearer, 100.0), flash_on(nearer, 1000.0),
-          measured("flash_bwd", nearer, 1000.0),
+          measured("flash_bwd", nearer, 1000.0, bwd),
           measured("torch_sdpa", near, 100.0), flash_on(near, 110.0),
-          measured("torch_sdpa_train", near, 100.0), measured("flash_bwd", near, 1000.0))
+          measured("torch_sdpa_train", near, 100.0), measured("flash_bwd", near, 1000.0, bwd))
     inference = keep(choose(Call(p, needs_grad=False, device=current_device())))
     assert inference.neighbour == FWD.problem_key(near), inference.why
     training = keep(choose(Call(p, needs_grad=True, device=current_device())))
