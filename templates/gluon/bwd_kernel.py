@@ -491,9 +491,10 @@ class LaunchPlan:
         size = rows.shape[0] * rows.shape[1] * rows.shape[2]
         return TensorDescriptor(rows, [size], [1], self.rows_block, self.rows_layout)
 
-    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        """(delta, lse2, dq_accum, dk, dv): what the launches write (the warp-specialized
+        kernel's plan shares them)."""
         delta = q.new_empty(self.rows_shape, dtype=torch.float32)
         lse2 = q.new_empty(self.rows_shape, dtype=torch.float32)
         # Every visited step adds into dq_accum: it starts at zero.
@@ -504,12 +505,22 @@ class LaunchPlan:
         else:
             dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), \
                 torch.empty_like(v, memory_format=torch.contiguous_format)
+        return delta, lse2, dq_accum, dk, dv
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        delta, lse2, dq_accum, dk, dv = self.buffers(q, k, v)
         with torch.cuda.device(q.device):
             _gluon_bwd_preprocess_kernel[self.pre_grid](
                 *self.preprocess_args(o, do, lse, delta, lse2), **self.preprocess_options())
-            _gluon_bwd_kernel[self.grid](
+            self.main_kernel()[self.grid](
                 *self.main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta), **self.options)
         return dq_accum.to(q.dtype), dk, dv
+
+    def main_kernel(self) -> Any:
+        """The main kernel this plan launches (the warp-specialized plan names its own)."""
+        return _gluon_bwd_kernel
 
 
 def validate_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -566,8 +577,18 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            o: torch.Tensor, lse: torch.Tensor, *, causal_mode: str, scale: float,
            config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward on validated CUDA inputs with a config given as a plain mapping."""
+    return launch_plan(LaunchPlan, do, q, k, v, o, lse, causal_mode=causal_mode, scale=scale,
+                       config=config)
+
+
+def launch_plan(plan_cls: type[LaunchPlan], do: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
+                causal_mode: str, scale: float, config: Mapping[str, Any]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``launch`` through a plan of class ``plan_cls`` (this module's or the
+    warp-specialized kernel's): layouts TMA cannot read copied first."""
     q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
     if o.stride(-1) != 1:
         o = o.contiguous()
-    plan = LaunchPlan(q, k, causal_mode=causal_mode, scale=scale, config=config)
+    plan = plan_cls(q, k, causal_mode=causal_mode, scale=scale, config=config)
     return plan(do, q, k, v, o, lse)
