@@ -75,10 +75,11 @@ class GluonBwdConfig(KernelConfig):
         "Keys per program: its dK and dV accumulators (BLOCK_N x D fp32 each) stay in "
         "registers for the whole walk; more keys reread Q and dO fewer times.")
     stages: int = knob(
-        3, (3, 4),
+        3, (2, 3, 4),
         "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
-        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline) nor "
-        "2 (wrong dK/dV on the H100, cause not found: notes/gluon_notes.md).")
+        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline); 2 "
+        "only with warp_specialize (the compute warps' own ring gave wrong dK/dV on the "
+        "H100, cause not found: notes/gluon_notes.md).")
     consumers: int = knob(
         2, (1, 2),
         "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
@@ -174,7 +175,10 @@ class GluonBwdTemplate(GluonTemplate):
         if cfg.consumers == 1:
             return ("one consumer warpgroup (4 warps) crashed on the H100 with an illegal "
                     "address, with or without the dQ GEMM: not offered until found")
-        if cfg.stages != 3:
+        # (The warp-specialized kernel's ring has an empty barrier per slot instead of the
+        # compute warps' refill: two slots there are a different protocol, in its space so
+        # that a GPU run can tell.)
+        if cfg.stages != 3 and not (cfg.warp_specialize and cfg.stages == 2):
             return (f"a ring of {cfg.stages} stages gave wrong dK/dV on the H100 (3 is right): "
                     f"not offered until found")
         if cfg.BLOCK_M != 64:
@@ -184,13 +188,15 @@ class GluonBwdTemplate(GluonTemplate):
 
     def warp_specialized_configs(self, problem: Problem, device: DeviceInfo
                                  ) -> list[GluonBwdConfig]:
-        """The warp-specialized configs that fit ``problem`` on ``device`` (two dQ buffers
-        first where they fit). Not among ``known_good_configs`` until measured right on a
+        """The warp-specialized configs that fit ``problem`` on ``device``: a ring of three
+        with two dQ staging tiles (where they fit) or one, then a ring of two with two tiles
+        (which fit at d128 too). Not among ``known_good_configs`` until measured right on a
         GPU; the tests and ``benchmarks/gluon_bwd_bench.py`` run them."""
         out = []
         for base in _candidates(problem):
-            for buffers in (2, 1):
-                cfg = dataclasses.replace(base, warp_specialize=True, dq_buffers=buffers)
+            for stages, buffers in ((3, 2), (3, 1), (2, 2)):
+                cfg = dataclasses.replace(base, warp_specialize=True, stages=stages,
+                                          dq_buffers=buffers)
                 if self.constraint(problem, cfg, device) is None:
                     out.append(cfg)
         return out
