@@ -134,7 +134,7 @@ def _gluon_bwd_preprocess_kernel(
 
 # ----------------------------------------------------------------------------- layouts
 @gluon.constexpr_function
-def _mma_layout(num_warps, m, n):
+def mma_layout(num_warps, m, n):
     """wgmma accumulator layout of an (m, n) fp32 tile over ``num_warps`` warps: warpgroups
     stacked along M while each still gets 64 rows (a wgmma's M), the others side by side
     along N."""
@@ -147,7 +147,7 @@ def _mma_layout(num_warps, m, n):
 
 # ----------------------------------------------------------------------------- one step
 @gluon.jit
-def _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale,
+def probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """P^T = exp2(S^T * qk_scale - lse2) of one (keys x queries) tile. MASKED hides keys
     past N_kv and, for causal, keys past each query's diagonal (masked before nothing: the
@@ -198,9 +198,9 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     the kernel's tail: ``_dq_atomics``) while that step's S^T and dP^T GEMMs run; this step
     adds the previous one's (``prev_bh``, ``prev_m0``) if ``has_prev``."""
     dtype: gl.constexpr = q_smem.dtype
-    st_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
-    kv_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
-    dq_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
+    st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
+    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
+    dq_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     zeros_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
 
@@ -228,7 +228,7 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     if DEBUG & 8:
         p_t = s_t
     else:
-        p_t = _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED,
+        p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED,
                        CAUSAL)
     p16 = p_t.to(dtype)
     p_op = gl.convert_layout(p16, a_layout)
@@ -363,7 +363,7 @@ def _gluon_bwd_kernel(
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
                 ready, i, i, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row, BLOCK_M)
 
-    kv_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N, HEAD_DIM)
+    kv_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N, HEAD_DIM)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)

@@ -45,10 +45,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the standalone entry's
     DEBUG,
     LaunchPlan,
-    _mma_layout,
-    _probs_t,
     host_smem_layout,
     launch_plan,
+    mma_layout,
+    probs_t,
     tma_load,
     tma_store,
     validate_inputs,
@@ -59,13 +59,14 @@ from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the sta
 # least 24): they compute coordinates and issue TMA operations only.
 LOAD_REGS = 24
 # Registers per thread of the MMA warpgroups: the register file (65536) over three
-# warpgroups is 168 each at launch (maxnreg); the two MMA warpgroups take what the worker
-# warpgroup gives up, (3 x 168 - 24) / 2 = 240 (FA3's split for two MMA warpgroups).
+# warpgroups is 168 each at launch (maxnreg); Triton gives the two MMA warpgroups what the
+# worker warpgroup gives up, (3 x 168 - 24) / 2 = 240 (FA3's split for two MMA warpgroups;
+# the PTX's setmaxnreg.inc 240).
 MAX_REGS = 168
 MMA_REGS = (3 * MAX_REGS - LOAD_REGS) // 2
-# Warps of the MMA partition (two warpgroups) and of each worker partition.
+# Warps of the MMA partition (two warpgroups; ``_mma_partition`` says 8 itself); the two
+# worker partitions have one warp each, in the warpgroup Triton pads them to.
 MMA_WARPS = 8
-WORKER_WARPS = 1
 
 
 @builtin
@@ -184,9 +185,9 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
     operands) that returns its dQ tile instead of adding it: (dk, dv, dq), every GEMM of
     the step completed."""
     dtype: gl.constexpr = q_smem.dtype
-    st_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
-    kv_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
-    dq_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
+    st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
+    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
+    dq_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     zeros_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
 
@@ -200,7 +201,7 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
 
     s_t = warpgroup_mma_wait(1, deps=(s_tok,))
     lse2 = lse_smem.load(cols)
-    p_t = _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
+    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
     p16 = p_t.to(dtype)
     p_op = gl.convert_layout(p16, a_layout)
     dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
@@ -238,8 +239,8 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
-    NUM_WARPS: gl.constexpr = 8
-    kv_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
+    NUM_WARPS: gl.constexpr = 8  # MMA_WARPS
+    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     # K and V have landed before anything reads them or (no step at all) dK/dV overwrite them.
