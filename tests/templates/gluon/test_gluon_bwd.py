@@ -1,6 +1,7 @@
 """The Gluon backward template (templates.gluon.bwd): its space and constraints on the CPU, an
 offline sm_90 compile of its default configs (registers, spills, shared memory) in a child
-process without the interpreter, and numerics on a Hopper GPU (``gpu`` marker).
+process without the interpreter, and numerics on a Hopper GPU (``gpu`` marker); the
+warp-specialized kernel (``warp_specialize``) in each of them.
 
 Gluon kernels do not run under Triton's interpreter, so the CPU cannot check their numbers;
 the compile is the CPU's check, the GPU tests the numerics. dq is summed with fp32 atomics,
