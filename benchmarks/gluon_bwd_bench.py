@@ -1,6 +1,7 @@
 """The Gluon backward (templates.gluon.bwd) on one Hopper GPU: numerics, then speed.
 
     python3 benchmarks/gluon_bwd_bench.py --check [--time] [--json PATH] [--budget-s 220]
+        [--variants default,ws,ws_dq2,ws_s2] [--head-dims 128,64]
 
 ``--check`` runs every variant (a named config) on odd shapes: bf16 and fp16, GQA/MQA, N = 1,
 N not a multiple of the tiles, N_q != N_kv, causal top-left and bottom-right (rows that see
@@ -8,7 +9,12 @@ no key included), D 64/128; each variant in a child process with a timeout (a ba
 hangs one variant, not the run). dk/dv are poisoned with NaN first; dq, dk, dv are compared
 with the float64/float32 autograd reference (flash_bwd's), max errors printed.
 
-``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal;
+Variants (``VARIANTS``): ``default``, ``eager_dq``, and the warp-specialized kernel ``ws`` (one
+dQ staging tile), ``ws_dq2`` (two; d64 only) and ``ws_s2`` (two, beside a ring of two stages);
+a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
+
+``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
+(``--head-dims`` picks the head dims);
 backward-only and forward+backward TFLOP/s (FLOPs: 2.5x / 3.5x the forward's 4 B H N^2 D,
 halved for causal) of torch SDPA's cuDNN and FLASH_ATTENTION backends, the project's Triton
 flash_fwd + flash_bwd (defaults) and each gluon variant (gluon_fwd default + gluon_bwd);
@@ -39,6 +45,15 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
     "eager_dq": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                  "defer_dq": False},
+    # The warp-specialized kernel (FA3's structure: load warp, dQ warp with a TMA reduce, two
+    # MMA warpgroups at 240 registers), one dQ staging tile / two (d64 only: shared memory).
+    "ws": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+           "warp_specialize": True, "dq_buffers": 1},
+    "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+               "warp_specialize": True, "dq_buffers": 2},
+    # A ring of two, which leaves room for two dQ tiles at d128 too.
+    "ws_s2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 2, "consumers": 2,
+              "warp_specialize": True, "dq_buffers": 2},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
@@ -126,7 +141,10 @@ def run_checks(names: list[str], timeout_s: float) -> tuple[list[dict[str, Any]]
 # ----------------------------------------------------------------------------- timing
 def protocol_problems() -> list[Problem]:
     return [Problem(16384 // n, 2048 // d, 2048 // d, n, n, d, "bfloat16", causal)
-            for d in (128, 64) for n in (4096, 16384) for causal in ("none", "top_left")]
+            for d in HEAD_DIMS for n in (4096, 16384) for causal in ("none", "top_left")]
+
+
+HEAD_DIMS = [128, 64]  # --head-dims narrows it
 
 
 def event_ms(fn: Any, reps: int = 10) -> float:
@@ -251,7 +269,10 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=220.0)
     parser.add_argument("--check-timeout-s", type=float, default=90.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--head-dims", default="128,64",
+                        help="head dims --time runs, in this order (comma-separated)")
     args = parser.parse_args()
+    HEAD_DIMS[:] = [int(d) for d in args.head_dims.split(",") if d]
     start = time.monotonic()
     names = [n for n in args.variants.split(",") if n]
     result: dict[str, Any] = {"torch": torch.__version__,

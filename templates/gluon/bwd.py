@@ -10,7 +10,10 @@ the template imports but rejects every problem.
 Status (notes/gluon_notes.md, "The backward's dQ path"): right on the H100 and the H200 with
 64 x 128 tiles, two warpgroups and a ring of three (the only tiles offered); on the H200
 0.65-0.74x cuDNN's backward at d128 and 0.60-0.66x at d64 (2026-11-29), so it is in no spec
-and the dispatcher never runs it.
+and the dispatcher never runs it. The ``warp_specialize`` knob selects the warp-specialized
+kernel (``templates.gluon.bwd_ws_kernel``: load warp, dQ warp, two MMA warpgroups), compiled
+offline only so far: off by default and outside ``known_good_configs`` until a GPU run says
+it is right (``warp_specialized_configs`` lists its configs for the tests and the bench).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
 from templates.registry import register
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
+# The warp-specialized kernel (``warp_specialize``): its own module, which reuses the
+# first's preprocess, step maths and launch plan.
+ws_kernel, _ = load_kernel_module("templates.gluon.bwd_ws_kernel")
 HEAD_DIMS = (64, 128)
 DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles (the mbarriers: 24 bytes in the offline build),
@@ -49,6 +55,10 @@ BARRIER_BYTES = 512
 # with 8-24 bytes of stack (d128 64x128 and d64 128x128 tiles, 8 warps); above 192 was not
 # compiled.
 MAX_TILE_REGISTERS = 192
+# The same bound for the warp-specialized kernel's MMA warpgroups, which run at 240
+# registers (setmaxnreg, the load/dQ warps' warpgroup at 24), not 255. Calibrated by the
+# offline sm_90 build (notes/gluon_notes.md, "The warp-specialized backward").
+MAX_WS_TILE_REGISTERS = 192
 
 
 @dataclass(frozen=True)
@@ -65,10 +75,11 @@ class GluonBwdConfig(KernelConfig):
         "Keys per program: its dK and dV accumulators (BLOCK_N x D fp32 each) stay in "
         "registers for the whole walk; more keys reread Q and dO fewer times.")
     stages: int = knob(
-        3, (3, 4),
+        3, (2, 3, 4),
         "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
-        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline) nor "
-        "2 (wrong dK/dV on the H100, cause not found: notes/gluon_notes.md).")
+        "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline); 2 "
+        "only with warp_specialize (the compute warps' own ring gave wrong dK/dV on the "
+        "H100, cause not found: notes/gluon_notes.md).")
     consumers: int = knob(
         2, (1, 2),
         "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
@@ -78,16 +89,27 @@ class GluonBwdConfig(KernelConfig):
         "Add a step's dQ tile into the fp32 accumulator during the next step's S^T/dP^T "
         "GEMMs (chunks of one row per warp, atomics from shared memory) instead of after its "
         "own GEMMs with the tensor cores idle. Measured on the H200: 1.00-1.05x the speed.")
+    warp_specialize: bool = knob(
+        False, (False, True),
+        "FlashAttention-3's structure (templates/gluon/bwd_ws_kernel.py): the two warpgroups "
+        "only compute (setmaxnreg 240); one warp loads Q, dO, lse2 and delta by TMA into the "
+        "ring (full/empty mbarriers), another adds each step's dQ tile, handed over in "
+        "shared memory, into the fp32 accumulator by one TMA bulk reduce. Not measured yet.")
+    dq_buffers: int = knob(
+        1, (1, 2),
+        "dQ staging tiles (BLOCK_M x D fp32) of the warp-specialized kernel: with two the "
+        "compute warps fill one while the dQ warp's reduce reads the other. Without "
+        "warp_specialize only 1.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
     """Bytes of shared memory: K and V, the Q/dO ring with its lse2/delta rows, dS^T, the
-    fp32 dQ staging tile, the barriers."""
+    fp32 dQ staging tile(s), the barriers."""
     d = problem.head_dim
     kv = 2 * config.BLOCK_N * d * DTYPE_BYTES
     ring = config.stages * (2 * config.BLOCK_M * d * DTYPE_BYTES + 2 * config.BLOCK_M * 4)
     ds = config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
-    dq = config.BLOCK_M * d * 4
+    dq = config.dq_buffers * config.BLOCK_M * d * 4
     return kv + ring + ds + dq + BARRIER_BYTES
 
 
@@ -140,22 +162,44 @@ class GluonBwdTemplate(GluonTemplate):
                     f"{problem.head_dim}, dS and the fp32 dQ tile), more than the "
                     f"{device.smem_per_block // 1024} KiB a program may use on {device.name}")
         regs = tile_registers(problem, cfg)
-        if regs > MAX_TILE_REGISTERS:
+        bound = MAX_WS_TILE_REGISTERS if cfg.warp_specialize else MAX_TILE_REGISTERS
+        if regs > bound:
             return (f"each thread would hold about {regs} registers of dK, dV, S^T and dP^T "
-                    f"tiles (more than {MAX_TILE_REGISTERS}): registers would spill; use "
+                    f"tiles (more than {bound}): registers would spill; use "
                     f"smaller tiles or more consumers")
+        reason = _warp_specialize_problem(cfg)
+        if reason:
+            return reason
         # Measured wrong on the H100, causes not found (notes/gluon_notes.md, "Third GPU run"):
         # only 64 x 128 tiles over two warpgroups with a ring of three gave right gradients.
         if cfg.consumers == 1:
             return ("one consumer warpgroup (4 warps) crashed on the H100 with an illegal "
                     "address, with or without the dQ GEMM: not offered until found")
-        if cfg.stages != 3:
+        # (The warp-specialized kernel's ring has an empty barrier per slot instead of the
+        # compute warps' refill: two slots there are a different protocol, in its space so
+        # that a GPU run can tell.)
+        if cfg.stages != 3 and not (cfg.warp_specialize and cfg.stages == 2):
             return (f"a ring of {cfg.stages} stages gave wrong dK/dV on the H100 (3 is right): "
                     f"not offered until found")
         if cfg.BLOCK_M != 64:
             return (f"BLOCK_M {cfg.BLOCK_M} gave wrong gradients or crashed on the H100 (64 is "
                     f"right): not offered until found")
         return None
+
+    def warp_specialized_configs(self, problem: Problem, device: DeviceInfo
+                                 ) -> list[GluonBwdConfig]:
+        """The warp-specialized configs that fit ``problem`` on ``device``: a ring of three
+        with two dQ staging tiles (where they fit) or one, then a ring of two with two tiles
+        (which fit at d128 too). Not among ``known_good_configs`` until measured right on a
+        GPU; the tests and ``benchmarks/gluon_bwd_bench.py`` run them."""
+        out = []
+        for base in _candidates(problem):
+            for stages, buffers in ((3, 2), (3, 1), (2, 2)):
+                cfg = dataclasses.replace(base, warp_specialize=True, stages=stages,
+                                          dq_buffers=buffers)
+                if self.constraint(problem, cfg, device) is None:
+                    out.append(cfg)
+        return out
 
     def default_config(self, problem: Problem, device: DeviceInfo) -> GluonBwdConfig:
         for candidate in _candidates(problem):
@@ -186,12 +230,15 @@ class GluonBwdTemplate(GluonTemplate):
         if kernel is None or self.unsupported(problem):
             return None
         cfg = self.config(config)
+        assert isinstance(cfg, GluonBwdConfig)
+        module = _kernel_module(cfg)
         dtype = TORCH_DTYPES[problem.dtype]
         q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
         kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
         q, k = StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape)
-        plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
-                                 scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict())
+        plan_cls = module.WsLaunchPlan if cfg.warp_specialize else module.LaunchPlan
+        plan = plan_cls(q, k, causal_mode=problem.causal,
+                        scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict())
         rows = StandinTensor(torch.float32, list(plan.rows_shape))
         lse = StandinTensor(torch.float32, q_shape[:3])
         pre_args = plan.preprocess_args(StandinTensor(dtype, q_shape),
@@ -202,12 +249,27 @@ class GluonBwdTemplate(GluonTemplate):
                                    StandinTensor(torch.float32, q_shape), rows, rows)
         return [(kernel._gluon_bwd_preprocess_kernel, plan.pre_grid, pre_args,
                  plan.preprocess_options()),
-                (kernel._gluon_bwd_kernel, plan.grid, main_args, dict(plan.options))]
+                (plan.main_kernel(), plan.grid, main_args, dict(plan.options))]
 
     def reference(self, inputs: Mapping[str, Any]) -> Any:
         return FLASH_BWD.reference(inputs)
 
     # -- code generation ----------------------------------------------------------------------
+    def source_modules(self) -> list[str]:
+        mods = list(super().source_modules())
+        if ws_kernel is not None:
+            mods.insert(0, ws_kernel.__name__)
+        return mods
+
+    def standalone_source(self, config: KernelConfig) -> str:
+        """The kernel module the config runs (the warp-specialized one inlines the other),
+        with the config baked in."""
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonBwdConfig)
+        if self.kernel is None:
+            raise NotImplementedError(self.gluon_missing)
+        return self._kernel_module_with_config(_kernel_module(cfg), self.standalone_entry, cfg)
+
     standalone_entry = '''
 
 # ----------------------------------------------------------------------------- baked-in config
@@ -241,6 +303,28 @@ def _candidates(problem: Problem) -> list[GluonBwdConfig]:
     if problem.head_dim <= 64:
         out.insert(1, dataclasses.replace(base, BLOCK_M=128))
     return out
+
+
+def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
+    """Why ``cfg``'s warp-specialization knobs do not go together (None if they do)."""
+    if not cfg.warp_specialize:
+        if cfg.dq_buffers != 1:
+            return (f"dq_buffers {cfg.dq_buffers} needs warp_specialize (without it the "
+                    f"compute warps add their one dQ tile themselves)")
+        return None
+    if ws_kernel is None:
+        return "the warp-specialized kernel module did not import"
+    if not cfg.defer_dq:
+        return ("defer_dq=False has no meaning with warp_specialize (the dQ warp adds every "
+                "tile): leave it at True")
+    if cfg.consumers != 2:
+        return "warp_specialize runs two MMA warpgroups (consumers=2)"
+    return None
+
+
+def _kernel_module(cfg: GluonBwdConfig) -> Any:
+    """The kernel module ``cfg`` runs."""
+    return ws_kernel if cfg.warp_specialize else kernel
 
 
 def compile_for(problem: Problem, config: KernelConfig) -> list[Any]:
@@ -281,8 +365,9 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         raise RuntimeError(GLUON_MISSING)
     causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
     cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
-    return kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
-                         config=cfg.to_dict())
+    assert isinstance(cfg, GluonBwdConfig)
+    return _kernel_module(cfg).launch(do, q, k, v, o, lse, causal_mode=causal_mode,
+                                      scale=softmax_scale, config=cfg.to_dict())
 
 
 TEMPLATE = GluonBwdTemplate()

@@ -134,7 +134,7 @@ def _gluon_bwd_preprocess_kernel(
 
 # ----------------------------------------------------------------------------- layouts
 @gluon.constexpr_function
-def _mma_layout(num_warps, m, n):
+def mma_layout(num_warps, m, n):
     """wgmma accumulator layout of an (m, n) fp32 tile over ``num_warps`` warps: warpgroups
     stacked along M while each still gets 64 rows (a wgmma's M), the others side by side
     along N."""
@@ -147,7 +147,7 @@ def _mma_layout(num_warps, m, n):
 
 # ----------------------------------------------------------------------------- one step
 @gluon.jit
-def _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale,
+def probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """P^T = exp2(S^T * qk_scale - lse2) of one (keys x queries) tile. MASKED hides keys
     past N_kv and, for causal, keys past each query's diagonal (masked before nothing: the
@@ -198,9 +198,9 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     the kernel's tail: ``_dq_atomics``) while that step's S^T and dP^T GEMMs run; this step
     adds the previous one's (``prev_bh``, ``prev_m0``) if ``has_prev``."""
     dtype: gl.constexpr = q_smem.dtype
-    st_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
-    kv_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
-    dq_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
+    st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
+    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
+    dq_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     zeros_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
 
@@ -228,7 +228,7 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
     if DEBUG & 8:
         p_t = s_t
     else:
-        p_t = _probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED,
+        p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED,
                        CAUSAL)
     p16 = p_t.to(dtype)
     p_op = gl.convert_layout(p16, a_layout)
@@ -363,7 +363,7 @@ def _gluon_bwd_kernel(
         _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
                 ready, i, i, n_steps, n_q_steps, b, h0, H_Q, N_Q_PAD, first_row, BLOCK_M)
 
-    kv_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N, HEAD_DIM)
+    kv_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N, HEAD_DIM)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
@@ -491,9 +491,10 @@ class LaunchPlan:
         size = rows.shape[0] * rows.shape[1] * rows.shape[2]
         return TensorDescriptor(rows, [size], [1], self.rows_block, self.rows_layout)
 
-    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        """(delta, lse2, dq_accum, dk, dv): what the launches write (the warp-specialized
+        kernel's plan shares them)."""
         delta = q.new_empty(self.rows_shape, dtype=torch.float32)
         lse2 = q.new_empty(self.rows_shape, dtype=torch.float32)
         # Every visited step adds into dq_accum: it starts at zero.
@@ -504,12 +505,22 @@ class LaunchPlan:
         else:
             dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), \
                 torch.empty_like(v, memory_format=torch.contiguous_format)
+        return delta, lse2, dq_accum, dk, dv
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        delta, lse2, dq_accum, dk, dv = self.buffers(q, k, v)
         with torch.cuda.device(q.device):
             _gluon_bwd_preprocess_kernel[self.pre_grid](
                 *self.preprocess_args(o, do, lse, delta, lse2), **self.preprocess_options())
-            _gluon_bwd_kernel[self.grid](
+            self.main_kernel()[self.grid](
                 *self.main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta), **self.options)
         return dq_accum.to(q.dtype), dk, dv
+
+    def main_kernel(self) -> Any:
+        """The main kernel this plan launches (the warp-specialized plan names its own)."""
+        return _gluon_bwd_kernel
 
 
 def validate_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -566,8 +577,18 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            o: torch.Tensor, lse: torch.Tensor, *, causal_mode: str, scale: float,
            config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward on validated CUDA inputs with a config given as a plain mapping."""
+    return launch_plan(LaunchPlan, do, q, k, v, o, lse, causal_mode=causal_mode, scale=scale,
+                       config=config)
+
+
+def launch_plan(plan_cls: type[LaunchPlan], do: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
+                causal_mode: str, scale: float, config: Mapping[str, Any]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``launch`` through a plan of class ``plan_cls`` (this module's or the
+    warp-specialized kernel's): layouts TMA cannot read copied first."""
     q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
     if o.stride(-1) != 1:
         o = o.contiguous()
-    plan = LaunchPlan(q, k, causal_mode=causal_mode, scale=scale, config=config)
+    plan = plan_cls(q, k, causal_mode=causal_mode, scale=scale, config=config)
     return plan(do, q, k, v, o, lse)

@@ -1,6 +1,7 @@
 """The Gluon backward template (templates.gluon.bwd): its space and constraints on the CPU, an
 offline sm_90 compile of its default configs (registers, spills, shared memory) in a child
-process without the interpreter, and numerics on a Hopper GPU (``gpu`` marker).
+process without the interpreter, and numerics on a Hopper GPU (``gpu`` marker); the
+warp-specialized kernel (``warp_specialize``) in each of them.
 
 Gluon kernels do not run under Triton's interpreter, so the CPU cannot check their numbers;
 the compile is the CPU's check, the GPU tests the numerics. dq is summed with fp32 atomics,
@@ -66,6 +67,7 @@ def test_constraints_name_what_is_wrong() -> None:
     d64 = Problem(1, 2, 2, 1024, 1024, 64, "bfloat16", "none")
     for cfg, words in ((GluonBwdConfig(BLOCK_N=64, consumers=1), "one consumer"),
                        (GluonBwdConfig(stages=4), "4 stages"),
+                       (GluonBwdConfig(stages=2), "2 stages"),
                        (GluonBwdConfig(BLOCK_M=128), "BLOCK_M 128")):
         reason = TEMPLATE.constraint(d64, cfg, H100)
         assert reason is not None and words in reason and "H100" in reason
@@ -95,8 +97,58 @@ def test_config_round_trip_and_grid() -> None:
     cfg = GluonBwdConfig(BLOCK_M=128, stages=4)
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
-        GluonBwdConfig(stages=2)  # wrong on the H100: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 2 * 2 * 2
+        GluonBwdConfig(stages=1)  # spilled at d128: not in the space
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2
+    ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
+    assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
+    assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False
+    with pytest.raises(ValueError, match="dq_buffers"):
+        GluonBwdConfig(warp_specialize=True, dq_buffers=3)
+
+
+@needs_gluon
+def test_warp_specialized_configs_and_their_constraints() -> None:
+    d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
+    d128 = Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
+    # Two dQ staging tiles fit beside a ring of three at d64, not at d128 (242 KiB there),
+    # beside a ring of two at both.
+    def shapes(problem: Problem) -> list[tuple[int, int]]:
+        return [(c.stages, c.dq_buffers)
+                for c in TEMPLATE.warp_specialized_configs(problem, H100)]
+
+    assert shapes(d64) == [(3, 2), (3, 1), (2, 2)]
+    assert shapes(d128) == [(3, 1), (2, 2)]
+    for problem in (d64, d128):
+        for cfg in TEMPLATE.warp_specialized_configs(problem, H100):
+            assert cfg.warp_specialize and TEMPLATE.constraint(problem, cfg, H100) is None
+        # Not offered until measured right on a GPU.
+        assert not TEMPLATE.default_config(problem, H100).warp_specialize
+        assert not any(c.warp_specialize for c in TEMPLATE.known_good_configs(problem, H100))
+    reason = TEMPLATE.constraint(d128, GluonBwdConfig(warp_specialize=True, dq_buffers=2), H100)
+    assert reason is not None and "shared memory" in reason
+    reason = TEMPLATE.constraint(d64, GluonBwdConfig(dq_buffers=2), H100)
+    assert reason is not None and "needs warp_specialize" in reason
+    reason = TEMPLATE.constraint(d64, GluonBwdConfig(warp_specialize=True, defer_dq=False), H100)
+    assert reason is not None and "defer_dq" in reason
+    reason = TEMPLATE.constraint(d64, GluonBwdConfig(BLOCK_N=64, consumers=1,
+                                                     warp_specialize=True), H100)
+    assert reason is not None and "consumer" in reason
+    # Its launch: the worker warps' registers go to the two MMA warpgroups (maxnreg 168 over
+    # three warpgroups, setmaxnreg 240 / 24), dq_accum goes in as a TMA descriptor.
+    from templates.gluon import bwd_ws_kernel
+
+    cfg = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
+    (pre, _, _, _), (main, grid, args, options) = TEMPLATE.kernel_launches(d64, cfg)
+    assert main is bwd_ws_kernel._gluon_bwd_ws_kernel
+    assert options["maxnreg"] == 168 and options["num_warps"] == 8
+    assert options["DQ_BUFFERS"] == 2 and options["LOAD_REGS"] == 24
+    assert bwd_ws_kernel.MMA_REGS == 240
+    assert grid == (32 * 4 * 32,) and len(args) == 9 + 10
+    assert type(args[8]).__name__ == "TensorDescriptor"
+    (_, _, _, _), (plain, _, plain_args, plain_options) = TEMPLATE.kernel_launches(
+        d64, GluonBwdConfig())
+    assert plain.__name__ == "_gluon_bwd_kernel" and "maxnreg" not in plain_options
+    assert type(plain_args[8]).__name__ == "StandinTensor"
 
 
 @needs_gluon
@@ -107,6 +159,21 @@ def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
     module = import_standalone(source, tmp_path / "gluon_bwd_standalone.py")
     assert module.tma_ready and module.tma_load and module.LaunchPlan
     assert "@gluon.jit" in source and "def gluon_attention_bwd(" in source
+    assert "_gluon_bwd_ws_kernel" not in source
+
+
+@needs_gluon
+def test_warp_specialized_standalone_source(tmp_path: Path) -> None:
+    problem = protocol_problems()[0]
+    cfg = TEMPLATE.warp_specialized_configs(problem, H100)[0]
+    source = TEMPLATE.standalone_source(cfg)
+    assert "from templates" not in source and "import templates" not in source
+    module = import_standalone(source, tmp_path / "gluon_bwd_ws_standalone.py")
+    # The warp-specialized launcher is the one the entry calls (it inlines the first module,
+    # whose launch it replaces).
+    assert module.launch.__doc__ and "warp-specialized" in module.launch.__doc__
+    assert module.WsLaunchPlan and module._gluon_bwd_ws_kernel
+    assert module.CONFIG["warp_specialize"] is True
 
 
 @needs_gluon
@@ -146,13 +213,18 @@ COMPILE_JOBS = [
 # 1.10-1.16x the speed of the spill-free order on the H200 (notes/gluon_notes.md). d64 has
 # none.
 D128_STACK = 96
+# The warp-specialized kernel's MMA warpgroups at 240 registers: 8-40 bytes at d128 with
+# triton 3.9, 40-56 with 3.6, none at d64 (notes/gluon_notes.md, "The warp-specialized
+# backward").
+WS_D128_STACK = 64
 
 
 @needs_gluon
 def test_default_configs_compile_for_the_h100() -> None:
     jobs: list[dict[str, Any]] = []
     for p in COMPILE_JOBS:
-        for cfg in [TEMPLATE.default_config(p, H100)] + TEMPLATE.known_good_configs(p, H100):
+        for cfg in ([TEMPLATE.default_config(p, H100)] + TEMPLATE.known_good_configs(p, H100)
+                    + TEMPLATE.warp_specialized_configs(p, H100)):
             jobs.append({"template": "gluon_bwd", "problem": p.to_dict(),
                          "config": cfg.to_dict()})
     outcomes = compile_reports("templates.gluon.bwd", jobs)
@@ -161,11 +233,16 @@ def test_default_configs_compile_for_the_h100() -> None:
         assert out["error"] == "" and out["constraint"] == "", out
         pre, main = out["kernels"]
         assert pre["kernel"] == "_gluon_bwd_preprocess_kernel" and pre["stack_bytes"] == 0
-        assert main["kernel"] == "_gluon_bwd_kernel"
-        assert 32 < main["registers"] <= 255, out
         problem = Problem.from_dict(job["problem"])
         cfg = GluonBwdConfig.from_dict(job["config"])
-        allowed = D128_STACK if tile_registers(problem, cfg) >= 192 else 0
+        if cfg.warp_specialize:
+            # The cubin's count is maxnreg (168); the MMA warpgroups run at 240 (setmaxnreg).
+            assert main["kernel"] == "_gluon_bwd_ws_kernel" and main["registers"] == 168, out
+            allowed = WS_D128_STACK if tile_registers(problem, cfg) >= 192 else 0
+        else:
+            assert main["kernel"] == "_gluon_bwd_kernel"
+            assert 32 < main["registers"] <= 255, out
+            allowed = D128_STACK if tile_registers(problem, cfg) >= 192 else 0
         assert main["stack_bytes"] <= allowed, f"registers spilled: {out}"
         assert main["wgmma_serialized"] == "", out  # ptxas keeps the GEMMs asynchronous
         estimate = shared_memory_estimate(problem, cfg)
@@ -177,6 +254,13 @@ def test_default_configs_compile_for_the_h100() -> None:
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,  # defer_dq: a step's dQ added during the next step's GEMMs
     "eager_dq": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2, "defer_dq": False},
+    # FA3's structure: load warp, dQ warp (TMA reduce), two MMA warpgroups at 240 registers.
+    "ws": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+           "warp_specialize": True, "dq_buffers": 1},
+    "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+               "warp_specialize": True, "dq_buffers": 2},  # d64 only (shared memory)
+    "ws_s2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 2, "consumers": 2,
+              "warp_specialize": True, "dq_buffers": 2},  # a ring of two: room for 2 dQ tiles
 }
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -1,0 +1,411 @@
+"""The Gluon backward for Hopper, warp-specialized (FlashAttention-3's structure).
+
+The same backward as ``templates.gluon.bwd_kernel`` (whose preprocess, per-step maths, input
+checks and launch plan it reuses: same inputs, same delta/lse2 preprocess, same fp32 dQ
+accumulator cast at the end), with the work of a program split over three partitions of
+``gl.warp_specialize``:
+
+  * the MMA partition (the kernel's own 8 warps: two warpgroups, ``setmaxnreg`` raised to
+    MMA_REGS) runs every step's five GEMMs and the softmax, keeps dK/dV in registers, and
+    hands each step's dQ tile over in shared memory: it never issues a load nor a global
+    atomic;
+  * a load warp (LOAD_REGS registers) brings K and V once, then each step's Q, dO, lse2 and
+    delta by TMA into a ring of ``STAGES`` slots, each with a full and an empty mbarrier (the
+    MMA partition releases a slot when the step's GEMMs that read it have completed);
+  * a dQ warp (LOAD_REGS registers) adds each staged dQ tile into the fp32 accumulator with
+    one TMA bulk reduce (``cp.reduce.async.bulk.tensor ... add.f32``) and releases the
+    staging buffer once the reduce has read it; with ``DQ_BUFFERS`` 2 the MMA partition fills
+    one buffer while the other is being added, so it waits on the reduce only when the
+    reduce takes longer than a whole step.
+
+dq is not bitwise deterministic (the reduces of the programs of one query tile land in any
+order); dk and dv are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the standalone entry's
+    DEBUG,
+    LaunchPlan,
+    host_smem_layout,
+    launch_plan,
+    mma_layout,
+    probs_t,
+    tma_load,
+    tma_store,
+    validate_inputs,
+    warps_barrier,
+)
+
+# Registers per thread of the load and dQ warps' warpgroup (setmaxnreg: a multiple of 8, at
+# least 24): they compute coordinates and issue TMA operations only.
+LOAD_REGS = 24
+# Registers per thread of the MMA warpgroups: the register file (65536) over three
+# warpgroups is 168 each at launch (maxnreg); Triton gives the two MMA warpgroups what the
+# worker warpgroup gives up, (3 x 168 - 24) / 2 = 240 (FA3's split for two MMA warpgroups;
+# the PTX's setmaxnreg.inc 240).
+MAX_REGS = 168
+MMA_REGS = (3 * MAX_REGS - LOAD_REGS) // 2
+# Warps of the MMA partition (two warpgroups; ``_mma_partition`` says 8 itself); the two
+# worker partitions have one warp each, in the warpgroup Triton pads them to.
+MMA_WARPS = 8
+
+
+@builtin
+def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):  # noqa: ANN001, ANN202
+    """global[the box at ``coord``] += shared ``src``: one TMA bulk reduce, completed like a
+    TMA store (``tma.store_wait``). triton 3.6's Gluon has the op in its builder but no Python
+    name for it (measured right on the H200 in session #22); later versions call it
+    ``tma.async_atomic_add`` (picked below)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+
+
+# ----------------------------------------------------------------------------- the walk
+@gluon.jit
+def _program_walk(N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """This program's KV tile and the query tiles it walks, the same in every partition:
+    (b, kv head, n0, first_row, full_row, n_q_steps, n_steps, h0). Step t is query tile
+    ``first_row / BLOCK_M + t % n_q_steps`` of query head ``h0 + t // n_q_steps``; steps on
+    rows below ``full_row`` take the masked maths (as ``bwd_kernel``'s walk)."""
+    pid = gl.program_id(0)
+    tile = pid % n_kv_tiles
+    bkv = pid // n_kv_tiles
+    b = bkv // H_KV
+    kv_h = bkv % H_KV
+    n0 = tile * BLOCK_N
+    if CAUSAL:
+        first_row = (gl.maximum(n0 - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        full_row = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M
+    else:
+        first_row = n0 * 0
+        full_row = n0 * 0
+    full_row = gl.where(n0 + BLOCK_N > N_KV, n_q_tiles * BLOCK_M, full_row)
+    n_q_steps = gl.maximum(n_q_tiles - first_row // BLOCK_M, 0)
+    n_steps = n_q_steps * GROUP
+    h0 = kv_h * GROUP
+    return b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0
+
+
+@gluon.jit
+def _step_rows(t, n_q_steps, h0, first_row, BLOCK_M: gl.constexpr):
+    """(query head, first query row) of step t."""
+    per_head = gl.maximum(n_q_steps, 1)  # no division by zero when there is no step at all
+    return h0 + t // per_head, first_row + (t % per_head) * BLOCK_M
+
+
+# ----------------------------------------------------------------------------- the load warp
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+                    dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
+                    ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
+                    N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+                    qk_scale, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                    DEBUG: gl.constexpr):
+    """K and V once, then step t's Q, dO, lse2 and delta into slot t % STAGES once the MMA
+    partition has released it (the empty barrier's previous phase; a fresh barrier passes)."""
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+    N_Q_PAD = n_q_tiles * BLOCK_M
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
+    tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + 2 * lse_desc.block_type.nbytes)
+    for t in range(n_steps):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+        row0 = (b * H_Q + h) * N_Q_PAD + m0
+        mbarrier.expect(ready.index(slot), step_bytes)
+        tma_load(q_desc, [b, h, m0, 0], ready.index(slot), q_bufs.index(slot))
+        tma_load(do_desc, [b, h, m0, 0], ready.index(slot), do_bufs.index(slot))
+        tma_load(lse_desc, [row0], ready.index(slot), lse_bufs.index(slot))
+        tma_load(delta_desc, [row0], ready.index(slot), delta_bufs.index(slot))
+
+
+# ----------------------------------------------------------------------------- the dQ warp
+@gluon.jit
+def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+                  dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
+                  ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
+                  N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+                  qk_scale, sm_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                  DEBUG: gl.constexpr):
+    """Step t's dQ tile, staged in buffer t % DQ_BUFFERS, added into the accumulator's rows
+    of its query head by one TMA bulk reduce (rows past N_q are dropped by the TMA unit);
+    the buffer goes back to the MMA partition once the reduce is done with it."""
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+    for t in range(n_steps):
+        buf = t % DQ_BUFFERS
+        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+        mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
+        if (DEBUG & 16) == 0:
+            tma_reduce_add(dq_desc, [b * H_Q + h, m0, 0], dq_bufs.index(buf))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(buf))
+
+
+# ----------------------------------------------------------------------------- the MMA warps
+@gluon.jit
+def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
+             m0, n0, N_KV, causal_offset, qk_scale, sm_scale,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+             DEBUG: gl.constexpr):
+    """One step of ``bwd_kernel._bwd_step``'s maths (same GEMMs, same orientation, same
+    operands) that returns its dQ tile instead of adding it: (dk, dv, dq), every GEMM of
+    the step completed."""
+    dtype: gl.constexpr = q_smem.dtype
+    st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
+    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
+    dq_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    zeros_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+
+    s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zeros_st, use_acc=False,
+                          is_async=True)
+    dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_st, use_acc=False,
+                           is_async=True)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+
+    s_t = warpgroup_mma_wait(1, deps=(s_tok,))
+    lse2 = lse_smem.load(cols)
+    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
+    p16 = p_t.to(dtype)
+    p_op = gl.convert_layout(p16, a_layout)
+    dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
+
+    dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
+    delta = delta_smem.load(cols)
+    ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+    if DEBUG & 4:  # no dQ GEMM: a zero tile is handed over (prices the GEMM)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        return dk, dv, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    # dQ = dS K: dS^T through shared memory, read transposed (as bwd_kernel).
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    warps_barrier()
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                           gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
+    return dk, dv, dq
+
+
+@gluon.jit
+def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+                   delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                   dq_bufs, ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
+                   N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+                   qk_scale, sm_scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                   DEBUG: gl.constexpr):
+    """Every step's GEMMs and softmax; dK and dV summed in registers and stored by TMA at the
+    end (through K's and V's buffers); each step's dQ tile handed to the dQ warp."""
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+    dtype: gl.constexpr = q_desc.dtype
+    NUM_WARPS: gl.constexpr = 8  # MMA_WARPS
+    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    # K and V have landed before anything reads them or (no step at all) dK/dV overwrite them.
+    mbarrier.wait(kv_ready, 0)
+    for t in range(n_steps):
+        slot = t % STAGES
+        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        # An index LLVM cannot see is 0, so K's and V's shared-memory descriptors are
+        # rebuilt each step instead of held across it (bwd_kernel: hoisted, they spilled).
+        zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        k_smem = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+        v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+        q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        if m0 < full_row:
+            dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                                  lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
+                                  causal_offset, qk_scale, sm_scale, True, CAUSAL, HEAD_DIM,
+                                  BLOCK_M, BLOCK_N, NUM_WARPS, DEBUG)
+        else:
+            dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                                  lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
+                                  causal_offset, qk_scale, sm_scale, False, CAUSAL, HEAD_DIM,
+                                  BLOCK_M, BLOCK_N, NUM_WARPS, DEBUG)
+        # dQ into a free staging buffer (the dQ warp's reduce of its previous tile has read
+        # it), made visible to the TMA unit; after the barrier every warp's GEMMs of this
+        # step have completed (each waited for its own): the ring slot goes back to the load
+        # warp, dS^T may be overwritten by the next step, and the tile goes to the dQ warp.
+        buf = t % DQ_BUFFERS
+        mbarrier.wait(dq_empty.index(buf), ((t // DQ_BUFFERS) & 1) ^ 1)
+        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+        fence_async_shared()
+        warps_barrier()
+        mbarrier.arrive(empty.index(slot))
+        mbarrier.arrive(dq_full.index(buf))
+
+    # dK and dV leave through K's and V's buffers (every GEMM reading them has completed) and
+    # TMA stores, which drop the rows past N_kv. A tile no query sees stores zeros.
+    k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).store(dk.to(dtype))
+    v_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
+    fence_async_shared()
+    warps_barrier()
+    tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
+    tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
+    tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------- kernel
+@gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "H_KV", "GROUP",
+                              "n_kv_tiles", "n_q_tiles"])
+def _gluon_bwd_ws_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+    N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, DEBUG: gl.constexpr = 0,
+):
+    # Program -> (KV tile, batch, kv head), as bwd_kernel's (``_program_walk``).
+    dtype: gl.constexpr = q_desc.dtype
+    q_block: gl.constexpr = q_desc.block_type.shape
+    kv_block: gl.constexpr = k_desc.block_type.shape
+    k_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    # dQ staging tiles in the TMA reduce's box and layout (rank 3: (1, BLOCK_M, D) of the
+    # (B H_q, N_q, D) accumulator; 128-byte swizzle, which also spreads the accumulator's
+    # stores over the banks, as bwd_kernel's staging tile).
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape,
+                                        dq_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                             element_bitwidth=16, rank=2))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    # One arrival per partition: an arrive in a partition of several warps is one thread's,
+    # after a barrier of the partition.
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(DQ_BUFFERS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    fence_async_shared()
+
+    # Every partition takes the same arguments, written out three times: a tuple assigned
+    # to a name would turn the constexprs in it into tensors.
+    gl.warp_specialize([
+        (_mma_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+          k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
+          ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+          CAUSAL, DQ_BUFFERS, DEBUG)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+          k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
+          ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+          CAUSAL, DQ_BUFFERS, DEBUG)),
+        (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+          k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
+          ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+          CAUSAL, DQ_BUFFERS, DEBUG)),
+    ],
+                       [1, 1], [LOAD_REGS, LOAD_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+class WsLaunchPlan(LaunchPlan):
+    """``bwd_kernel.LaunchPlan`` (grids, preprocess, descriptors) for the warp-specialized
+    kernel: its options, and dq_accum's TMA descriptor for the reduce."""
+
+    def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
+                 config: Mapping[str, Any]) -> None:
+        super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config)
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        block_m = int(config["BLOCK_M"])
+        # dq_accum as (B H_q, N_q, D): a box of one head's BLOCK_M rows (those past N_q are
+        # dropped by the TMA unit), fp32 in the 128-byte swizzle.
+        self.dq_shape = (batch * heads_q, seqlen_q, head_dim)
+        self.dq_block = [1, block_m, head_dim]
+        self.dq_layout = host_smem_layout(self.dq_block, 32)
+        self.options = dict(
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=int(config["BLOCK_N"]),
+            STAGES=int(config["stages"]), CAUSAL=causal_mode != "none",
+            DQ_BUFFERS=int(config.get("dq_buffers", 1)), LOAD_REGS=LOAD_REGS,
+            num_warps=MMA_WARPS, maxnreg=MAX_REGS)
+        # bwd_kernel's switches this kernel honours: 4 (no dQ GEMM, a zero tile is handed
+        # over) and 16 (no dQ reduce).
+        debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
+        if debug:
+            self.options["DEBUG"] = debug
+
+    def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,
+                  lse2: Any, delta: Any) -> list[Any]:
+        args = super().main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta)
+        # The parent's list holds dq_accum itself after the eight descriptors: this kernel
+        # takes the accumulator's TMA descriptor there.
+        assert args[8] is dq_accum
+        args[8] = self._dq_descriptor(dq_accum)
+        return args
+
+    def _dq_descriptor(self, dq_accum: Any) -> Any:
+        """dq_accum (contiguous (B, H_q, N_q, D) fp32) seen as (B H_q, N_q, D)."""
+        _, rows, dims = self.dq_shape
+        return TensorDescriptor(dq_accum, list(self.dq_shape), [rows * dims, dims, 1],
+                                self.dq_block, self.dq_layout)
+
+    def main_kernel(self) -> Any:
+        return _gluon_bwd_ws_kernel
+
+
+def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           o: torch.Tensor, lse: torch.Tensor, *, causal_mode: str, scale: float,
+           config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the warp-specialized backward on validated CUDA inputs (``bwd_kernel.launch``'s
+    contract)."""
+    return launch_plan(WsLaunchPlan, do, q, k, v, o, lse, causal_mode=causal_mode, scale=scale,
+                       config=config)
+
