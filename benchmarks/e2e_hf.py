@@ -206,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true", help="sweep the model's shapes first")
     parser.add_argument("--tune-s", type=int, default=240, help="seconds the sweep may take")
     parser.add_argument("--rows", default="llama,sliding", help="llama and/or sliding")
+    parser.add_argument("--train-len", type=int,
+                        help="tokens per row of the training step (default: llama 4096 with "
+                             "2 rows, sliding twice the window with 1); e.g. 32768 with "
+                             "--train-batch 1 for issue 40's long-context row")
+    parser.add_argument("--train-batch", type=int, help="rows of the training step")
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU interpreter")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--rounds", type=int,
@@ -222,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         set_resolver(None)
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     dims = TINY if args.smoke else LLAMA
+    if args.train_len and args.train_len > dims["max_position_embeddings"]:
+        dims = dict(dims, max_position_embeddings=args.train_len)
     sizes = (dict(prefill=64, prompt=16, new_tokens=4, train_batch=2, train_len=32,
                   window=24, logits=32) if args.smoke else
              dict(prefill=8192, prompt=2048, new_tokens=64, train_batch=2, train_len=4096,
@@ -237,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         kind_sizes = dict(sizes)
         if kind == "sliding":  # one batch of the window's twice for training
             kind_sizes.update(train_batch=1, train_len=2 * window)
+        if args.train_len:
+            kind_sizes["train_len"] = args.train_len
+        if args.train_batch:
+            kind_sizes["train_batch"] = args.train_batch
         gen = torch.Generator(device=device).manual_seed(2)
         ids = torch.randint(0, dims["vocab_size"], (1, sizes["logits"]), device=device,
                             generator=gen)
