@@ -18,6 +18,9 @@ training row, dq, dk, dv), then timed in ``--rounds`` alternated rounds (median 
 * ``flex (document mask_mod)``: compiled ``flex_attention`` with ``create_block_mask`` of a
   document mask_mod, as a FlexAttention user writes it (the mask built once, not timed);
 * ``torch varlen_attn``: ``torch.nn.attention.varlen.varlen_attn`` where present;
+* ``torch_varlen (dispatcher)``: the same run by the dispatcher's ``torch_varlen``
+  implementation (``use_implementation("torch_varlen")``): its cost through
+  ``tuner.varlen_attention``, the mask lookup included;
 * ``per-document SDPA``: one ``scaled_dot_product_attention`` call per document.
 
 Also printed: the time to build the document mask from cu_seqlens (cache cleared), which
@@ -184,6 +187,7 @@ def candidates(offsets: list[int], device: str) -> dict[str, Callable[..., torch
         varlen = torch_varlen()
         if varlen is not None:
             out["torch varlen_attn"] = varlen
+            out["torch_varlen (dispatcher)"] = _forced("torch_varlen")
     out["per-document SDPA"] = per_document_sdpa
     out["ours again"] = _forced("flash")
     return out
