@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -54,6 +53,7 @@ from benchmarks.dispatch_bench import (  # noqa: E402
     ms_cell,
 )
 from templates.device import interpreter_active  # noqa: E402
+from templates.pytorch.varlen import varlen_attn_function, varlen_call  # noqa: E402
 from tuner.attention import clear_plans  # noqa: E402
 from tuner.lookup.resolver import ConfigResolver, set_resolver  # noqa: E402
 from tuner.settings import load_settings  # noqa: E402
@@ -124,28 +124,16 @@ def per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: A
 
 
 def torch_varlen() -> Callable[..., torch.Tensor] | None:
-    """torch's varlen_attn, adapted to this torch's signature (2.10 has ``is_causal``, later
-    ones ``window_size``; GQA by ``enable_gqa`` where it exists, else repeated K/V heads)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    """torch's varlen_attn called directly, adapted to this torch's signature as the
+    dispatcher's ``torch_varlen`` adapts it (``templates.pytorch.varlen.varlen_call``: 2.10
+    and 2.11 take ``is_causal``, later ones ``window_size``; GQA by ``enable_gqa`` where it
+    exists, else repeated K/V heads); None where this torch has none."""
+    if varlen_attn_function() is None:
         return None
-    params = inspect.signature(varlen_attn).parameters
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
-        extra: dict[str, Any] = {}
-        if "is_causal" in params:
-            extra["is_causal"] = kw["causal"]
-        elif kw["causal"]:
-            extra["window_size"] = (-1, 0)
-        if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in params:
-                extra["enable_gqa"] = True
-            else:
-                group = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return varlen_attn(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"],  # type: ignore[return-value]
-                           kw["max_seqlen_q"], kw["max_seqlen_k"], **extra)
+        return varlen_call(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"],
+                           kw["max_seqlen_k"], causal=kw["causal"])
 
     return call
 
