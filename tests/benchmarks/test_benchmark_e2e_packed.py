@@ -28,7 +28,7 @@ def test_smoke_row_times_and_loss_check(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "A/A noise floor" in done.stdout
     data = json.loads(out.read_text())
-    assert data["rounds"] == 3 and data["failed"] == []
+    assert data["rounds"] == 3 and data["failed"] == [] and data["errors"] == {}
     assert sum(data["lengths"]) == 96 and all(5 <= n <= 40 for n in data["lengths"])
     impls = {"sdpa", "tuner", "tuner + cu_seq_lens"}
     assert set(data["train_step_ms"]) == impls | {"sdpa again"}

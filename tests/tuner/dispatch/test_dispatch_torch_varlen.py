@@ -399,3 +399,41 @@ def test_the_sweep_times_it_on_the_gpu() -> None:
         inputs = template.make_inputs(p, "cuda")
         out = template.run(inputs, template.config())
         assert template.error(out, template.reference(inputs)) < template.tolerance(p), name
+
+
+@pytest.mark.parametrize("release", [Release211], indirect=True)
+@pytest.mark.parametrize("collator_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_a_packed_transformers_row_reaches_it(release: Recorder, collator_kwargs: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Llama trained padding-free through attn_implementation="tuner" with torch_varlen
+    forced (serves stood in for on the CPU): every layer's attention reaches varlen_attn with
+    the row's documents (from position_ids' mask rule, or the collator's cu_seq_lens), and
+    the loss is the "sdpa" model's on the same packed row."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from tuner.hf import register_transformers
+
+    monkeypatch.setattr(IMPL, "serves", lambda call: None)
+    lengths = [40, 7, 81]
+    offsets = [0, 40, 47, 128]
+    ids = torch.randint(0, 64, (1, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False,
+             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    if collator_kwargs:
+        cu = torch.tensor(offsets, dtype=torch.int32)
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=81, max_length_k=81)
+    losses = {}
+    for attn in ("sdpa", register_transformers()):
+        config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16,
+                                          num_hidden_layers=2, intermediate_size=128,
+                                          vocab_size=64, max_position_embeddings=256)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        model = model.to(torch.float16)
+        with tuner.use_implementation("torch_varlen"):
+            loss = model(**batch).loss
+        loss.backward()
+        losses[attn] = loss.detach()
+    assert len(release.calls) == 2  # one per layer
+    assert all(call["cu_q"] == offsets and call["is_causal"] for call in release.calls)
+    assert abs(float(losses["tuner"]) - float(losses["sdpa"])) < 1e-2 * float(losses["sdpa"])
