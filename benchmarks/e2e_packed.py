@@ -20,7 +20,10 @@ the documents off the ``position_ids`` (``find_packed_sequence_indices``): "sdpa
 "flex_attention" transformers' own Flex block mask. "tuner + cu_seq_lens" is the "tuner"
 model given the collator's flash kwargs too (``cu_seq_lens_q/k``, ``max_length_q/k``, as
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds them), which ``tuner.hf``
-runs through ``tuner.varlen_attention`` on those offsets.
+runs through ``tuner.varlen_attention`` on those offsets. "tuner:<implementation>" is the
+"tuner" model with that implementation forced (``tuner.use_implementation``): on the GPU by
+default "tuner:torch_varlen" (torch's varlen_attn) and "tuner:flex", so one run shows what
+each candidate of the dispatcher would give the model whichever the database picks.
 
 The step: forward with labels, loss backward, gradients dropped (no optimizer: the same for
 every implementation), a synchronized wall time after a warm-up; ``--rounds`` paired rounds
@@ -65,12 +68,17 @@ from benchmarks import paired  # noqa: E402
 from benchmarks.paired import compare, describe, interleave  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
 from templates.masks.patterns import documents_pattern  # noqa: E402
+from tuner.dispatch.implementations import (  # noqa: E402
+    implementations as registered_implementations,
+)
 from tuner.hf import register_transformers  # noqa: E402
 
 SMOKE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, intermediate=128,
              vocab=64, tokens=96, min_doc=5, max_doc=40)
 SDPA, AGAIN = "sdpa", "sdpa again"
 COLLATOR = "tuner + cu_seq_lens"  # the tuner model, given the collator's flash kwargs
+GPU_IMPLS = "sdpa,tuner,tuner+cu_seq_lens,tuner:torch_varlen,tuner:flex,flex_attention"
+SMOKE_IMPLS = "sdpa,tuner,tuner+cu_seq_lens"
 # Absolute floors of the check (fp32 on the CPU agrees far closer than bf16).
 FLOOR = {torch.bfloat16: {"loss": 1e-3, "logits": 1e-2},
          torch.float32: {"loss": 1e-6, "logits": 1e-5}}
@@ -148,11 +156,11 @@ def unpacked_reference(model: Any, row: dict[str, Any], lengths: list[int]
 
 
 def packed_check(model: Any, batch: dict[str, Any], reference: tuple[float, list[torch.Tensor]],
-                 **kwargs: Any) -> dict[str, float]:
+                 kwargs: dict[str, Any], forced: str | None = None) -> dict[str, float]:
     """The packed row's loss and logits against the unpacked run's: relative differences."""
     ref_loss, ref_logits = reference
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), tuner.use_implementation(forced):
         out = model(**batch, **kwargs)
     want = torch.cat(ref_logits).double()
     got = out.logits[0].double()
@@ -174,7 +182,7 @@ def verdicts(checks: dict[str, dict[str, float]], dtype: torch.dtype) -> dict[st
 
 # ----------------------------------------------------------------------------- timing
 def train_step(model: Any, batch: dict[str, Any], kwargs: dict[str, Any],
-               sync: Callable[[], None]) -> Callable[[], float]:
+               sync: Callable[[], None], forced: str | None = None) -> Callable[[], float]:
     """One training step's milliseconds: forward with labels, backward, gradients dropped
     (two or more models resident: only the one timed holds gradients, and only now)."""
     def step() -> float:
@@ -182,7 +190,8 @@ def train_step(model: Any, batch: dict[str, Any], kwargs: dict[str, Any],
         sync()
         start = time.perf_counter()
         try:
-            model(**batch, **kwargs).loss.backward()
+            with tuner.use_implementation(forced):
+                model(**batch, **kwargs).loss.backward()
             sync()
             return (time.perf_counter() - start) * 1e3
         finally:
@@ -245,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-doc", type=int, default=200, help="shortest document")
     parser.add_argument("--max-doc", type=int, default=4000, help="longest document")
     parser.add_argument("--seed", type=int, default=0, help="document lengths' seed")
-    parser.add_argument("--impls", default="sdpa,tuner,tuner+cu_seq_lens,flex_attention",
-                        help="comma-separated: sdpa (always), tuner, tuner+cu_seq_lens, "
-                             "flex_attention (GPU only)")
+    parser.add_argument("--impls", help="comma-separated: sdpa (always), tuner, "
+                                        "tuner+cu_seq_lens, tuner:<implementation> (forced), "
+                                        f"flex_attention (GPU only); default: {GPU_IMPLS} "
+                                        f"(--smoke: {SMOKE_IMPLS})")
     parser.add_argument("--db", help="database of tuned configs (default: TUNER_DATABASE_URL)")
     parser.add_argument("--tune", action="store_true", help="sweep the row's problem first")
     parser.add_argument("--tune-s", type=int, default=240, help="seconds the sweep may take")
@@ -261,10 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         for name, value in SMOKE.items():
             setattr(args, name, value)
-    wanted = [n.strip() for n in args.impls.split(",") if n.strip()]
+    impls = args.impls or (SMOKE_IMPLS if args.smoke else GPU_IMPLS)
+    wanted = [n.strip() for n in impls.split(",") if n.strip()]
     known = ("sdpa", "tuner", "tuner+cu_seq_lens", "flex_attention")
-    if unknown := [n for n in wanted if n not in known]:
-        parser.error(f"--impls: unknown {unknown}; known: {list(known)}")
+    forced_names = {n.partition(":")[2] for n in wanted if n.startswith("tuner:")}
+    implementations = {impl.name for impl in registered_implementations()}
+    if unknown := [n for n in wanted if n not in known and n.partition(":")[2] not in
+                   implementations]:
+        parser.error(f"--impls: unknown {unknown}; known: {list(known)} and tuner:<one of "
+                     f"{sorted(implementations)}>")
     if args.db:
         os.environ["TUNER_DATABASE_URL"] = args.db
         from tuner.lookup.resolver import set_resolver
@@ -283,18 +298,22 @@ def main(argv: list[str] | None = None) -> int:
 
     row = packed_row(lengths, args.vocab, device)
     batch, flash_kwargs = row["batch"], row["flash_kwargs"]
-    attns = [SDPA, *(["tuner"] if {"tuner", "tuner+cu_seq_lens"} & set(wanted) else []),
+    uses_tuner = bool({"tuner", "tuner+cu_seq_lens"} & set(wanted) or forced_names)
+    attns = [SDPA, *(["tuner"] if uses_tuner else []),
              *(["flex_attention"] if "flex_attention" in wanted and on_gpu else [])]
     models = {attn: build(name if attn == "tuner" else attn, args, dtype, device)
               for attn in attns}
-    # The implementations, each a model and the kwargs its step passes.
-    runs: dict[str, tuple[Any, dict[str, Any]]] = {SDPA: (models[SDPA], {})}
+    # The implementations, each a model, the kwargs its step passes and the implementation
+    # forced in it (None: the dispatcher's choice).
+    runs: dict[str, tuple[Any, dict[str, Any], str | None]] = {SDPA: (models[SDPA], {}, None)}
     if "tuner" in wanted:
-        runs["tuner"] = (models["tuner"], {})
+        runs["tuner"] = (models["tuner"], {}, None)
     if "tuner+cu_seq_lens" in wanted:
-        runs[COLLATOR] = (models["tuner"], flash_kwargs)
+        runs[COLLATOR] = (models["tuner"], flash_kwargs, None)
+    for forced in sorted(forced_names):
+        runs[f"tuner:{forced}"] = (models["tuner"], {}, forced)
     if "flex_attention" in models:
-        runs["flex_attention"] = (models["flex_attention"], {})
+        runs["flex_attention"] = (models["flex_attention"], {}, None)
 
     reference_model = build(SDPA, args, torch.float32, device)
     reference = unpacked_reference(reference_model, row, lengths)
@@ -303,11 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     # reported and left out of the timing, not the end of the run; only sdpa's is fatal.
     errors: dict[str, str] = {}
     checks = {}
-    for impl, (model, kwargs) in list(runs.items()):
+    for impl, (model, kwargs, forced) in list(runs.items()):
         try:
-            checks[impl] = packed_check(model, batch, reference, **kwargs)
+            checks[impl] = packed_check(model, batch, reference, kwargs, forced)
             if impl != SDPA:
-                train_step(model, batch, kwargs, sync)()  # the backward too, before timing
+                train_step(model, batch, kwargs, sync, forced)()  # the backward too
         except Exception as exc:  # noqa: BLE001  (any failure is the row's finding)
             if impl == SDPA:
                 raise
@@ -317,13 +336,14 @@ def main(argv: list[str] | None = None) -> int:
             del runs[impl]
     leaking = {**batch, "position_ids": torch.arange(args.tokens, device=device)[None]}
     checks["control: documents leaking (sdpa, no position resets)"] = packed_check(
-        models[SDPA], leaking, reference)
+        models[SDPA], leaking, reference, {})
     passed = verdicts(checks, dtype)
     del reference
     if on_gpu:
         torch.cuda.empty_cache()
 
-    steps = {impl: train_step(model, batch, kwargs, sync) for impl, (model, kwargs) in runs.items()}
+    steps = {impl: train_step(model, batch, kwargs, sync, forced)
+             for impl, (model, kwargs, forced) in runs.items()}
     for step in steps.values():  # warm-up: plans, compiles, cuDNN graphs, masks
         step()
     rounds = max(1, args.rounds if args.rounds is not None else 3 if args.smoke else 15)
@@ -349,9 +369,12 @@ def main(argv: list[str] | None = None) -> int:
             mark = "ok" if passed[impl] else "FAIL"
         print(f"{impl:<52} {c['loss']:>9.5f} {c['loss_rel_diff']:>10.2e} "
               f"{c['logits_rel_err']:>11.2e}  {mark}")
-    # flex_attention is a reference point: its failure is reported, not the row's failure.
+    for impl, error in errors.items():
+        print(f"{impl:<52} not run: {error}")
+    # flex_attention and forced implementations are reference points: their failure to run
+    # is reported, not the row's failure (a wrong result is).
     failed = [impl for impl in checks if passed[impl] == impl.startswith("control")] + [
-        impl for impl in errors if impl != "flex_attention"]
+        impl for impl in errors if impl != "flex_attention" and not impl.startswith("tuner:")]
 
     if args.json:
         import transformers

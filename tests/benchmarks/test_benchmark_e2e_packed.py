@@ -65,3 +65,25 @@ def test_the_packed_row_is_what_the_collator_makes() -> None:
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9]
     assert kwargs["cu_seq_lens_q"].dtype == torch.int32 and kwargs["max_length_q"] == 4
     assert batch["use_cache"] is False
+
+
+def test_forced_implementations_run_or_are_reported(tmp_path: Path) -> None:
+    """tuner:<implementation> runs the tuner model with it forced: ours passes the check; one
+    that cannot run here (torch's varlen_attn on the CPU, in fp32) is reported with its reason and
+    left out of the timing, which is no failure of the row."""
+    out = tmp_path / "packed.json"
+    env = {**os.environ, "TUNER_DATABASE_URL": f"sqlite:///{tmp_path / 'none.db'}"}
+    env.pop("TUNER_URL", None)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "e2e_packed.py"), "--smoke",
+                           "--impls", "sdpa,tuner:flash,tuner:torch_varlen", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["loss_check"]["tuner:flash"]["passed"]
+    assert "forced but cannot run" in data["errors"]["tuner:torch_varlen"]
+    assert data["failed"] == []
+    assert set(data["train_step_ms"]) == {"sdpa", "tuner:flash", "sdpa again"}
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "e2e_packed.py"), "--smoke",
+                          "--impls", "sdpa,tuner:nope"], env=env, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert bad.returncode == 2 and "unknown ['tuner:nope']" in bad.stderr
