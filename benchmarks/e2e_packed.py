@@ -35,8 +35,11 @@ The check, before any timing: every implementation's packed loss and logits agai
 documents run unpacked by a float32 model (the same weights, "sdpa", one document per call:
 no mask, no neighbours; PROTOCOL.md's float32 reference). The bf16 noise is what "sdpa"
 itself reads packed against it: an implementation passes if its loss and logits differ from
-the reference's by at most twice that (or a small absolute floor). A control shows the check can fail: the same row with ``position_ids`` that do not
-restart (one 16k document: every token sees the documents before its own) must miss it.
+the reference's by at most NOISE_FACTOR (3) times that, or a small absolute floor (bf16
+kernels that tile and accumulate differently read up to ~2x apart; a mask that lets documents
+see each other reads orders of magnitude further). A control shows the check can fail: the
+same row with ``position_ids`` that do not restart (one 16k document: every token sees the
+documents before its own) must miss it.
 Every call passes ``use_cache=False``, as a training loop does: transformers looks for packed
 documents only without a KV cache (the default config makes one, and the row is then one
 causal sequence).
@@ -79,6 +82,7 @@ SDPA, AGAIN = "sdpa", "sdpa again"
 COLLATOR = "tuner + cu_seq_lens"  # the tuner model, given the collator's flash kwargs
 GPU_IMPLS = "sdpa,tuner,tuner+cu_seq_lens,tuner:torch_varlen,tuner:flex,flex_attention"
 SMOKE_IMPLS = "sdpa,tuner,tuner+cu_seq_lens"
+NOISE_FACTOR = 3.0  # how many times sdpa's own packed-vs-reference difference passes
 # Absolute floors of the check (fp32 on the CPU agrees far closer than bf16).
 FLOOR = {torch.bfloat16: {"loss": 1e-3, "logits": 1e-2},
          torch.float32: {"loss": 1e-6, "logits": 1e-5}}
@@ -169,13 +173,13 @@ def packed_check(model: Any, batch: dict[str, Any], reference: tuple[float, list
 
 
 def verdicts(checks: dict[str, dict[str, float]], dtype: torch.dtype) -> dict[str, bool]:
-    """Pass: loss and logits within twice what "sdpa" reads packed against unpacked (the
-    bf16 noise of the two runs), or the dtype's floor. The control (documents leaking) is
+    """Pass: loss and logits within NOISE_FACTOR times what "sdpa" reads packed against the
+    float32 unpacked reference (its bf16 noise), or the dtype's floor. The control (documents leaking) is
     judged the same way: it must fail, or the check cannot tell a wrong mask."""
     floor = FLOOR[dtype]
     noise = checks[SDPA]
-    loss_tol = max(2 * noise["loss_rel_diff"], floor["loss"])
-    logits_tol = max(2 * noise["logits_rel_err"], floor["logits"])
+    loss_tol = max(NOISE_FACTOR * noise["loss_rel_diff"], floor["loss"])
+    logits_tol = max(NOISE_FACTOR * noise["logits_rel_err"], floor["logits"])
     return {name: c["loss_rel_diff"] <= loss_tol and c["logits_rel_err"] <= logits_tol
             for name, c in checks.items()}
 
