@@ -230,6 +230,22 @@ def test_rows_are_packed_one_after_another(release: Recorder) -> None:
         assert relative_error(out[row].transpose(0, 1), want) < 1e-5
 
 
+@pytest.mark.parametrize("release", [Release211, Release213], indirect=True)
+def test_its_templates_run_the_sweep_inputs_against_their_references(release: Recorder
+                                                                    ) -> None:
+    """What a sweep times (on the CPU, a fake varlen_attn): the pattern's mask carries its
+    documents, the inputs are packed views, and forward and gradients match the
+    references the sweep checks them against."""
+    p = docs_problem(heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=300, head_dim=16,
+                     dtype="float16", mask="documents_causal:128", batch=2)
+    for name in ("torch_varlen", "torch_varlen_train"):
+        template = get_template(name)
+        inputs = template.make_inputs(p, "cpu")
+        out = template.run(inputs, template.config())
+        assert template.error(out, template.reference(inputs)) < template.tolerance(p), name
+    assert release.calls[-1]["cu_q"] == [0, 128, 256, 300, 428, 556, 600]
+
+
 # ----------------------------------------------------------------------------- the dispatcher
 @pytest.mark.parametrize(("tflops", "winner"), [
     ({"flash_fwd": 300.0, "flash_bwd": 300.0, "torch_flex": 250.0, "torch_flex_train": 250.0,
