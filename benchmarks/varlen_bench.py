@@ -18,6 +18,9 @@ training row, dq, dk, dv), then timed in ``--rounds`` alternated rounds (median 
 * ``flex (document mask_mod)``: compiled ``flex_attention`` with ``create_block_mask`` of a
   document mask_mod, as a FlexAttention user writes it (the mask built once, not timed);
 * ``torch varlen_attn``: ``torch.nn.attention.varlen.varlen_attn`` where present;
+* ``torch_varlen (dispatcher)``: the same run by the dispatcher's ``torch_varlen``
+  implementation (``use_implementation("torch_varlen")``): its cost through
+  ``tuner.varlen_attention``, the mask lookup included;
 * ``per-document SDPA``: one ``scaled_dot_product_attention`` call per document.
 
 Also printed: the time to build the document mask from cu_seqlens (cache cleared), which
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -51,6 +53,7 @@ from benchmarks.dispatch_bench import (  # noqa: E402
     ms_cell,
 )
 from templates.device import interpreter_active  # noqa: E402
+from templates.pytorch.varlen import varlen_attn_function, varlen_call  # noqa: E402
 from tuner.attention import clear_plans  # noqa: E402
 from tuner.lookup.resolver import ConfigResolver, set_resolver  # noqa: E402
 from tuner.settings import load_settings  # noqa: E402
@@ -121,28 +124,16 @@ def per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: A
 
 
 def torch_varlen() -> Callable[..., torch.Tensor] | None:
-    """torch's varlen_attn, adapted to this torch's signature (2.10 has ``is_causal``, later
-    ones ``window_size``; GQA by ``enable_gqa`` where it exists, else repeated K/V heads)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    """torch's varlen_attn called directly, adapted to this torch's signature as the
+    dispatcher's ``torch_varlen`` adapts it (``templates.pytorch.varlen.varlen_call``: 2.10
+    and 2.11 take ``is_causal``, later ones ``window_size``; GQA by ``enable_gqa`` where it
+    exists, else repeated K/V heads); None where this torch has none."""
+    if varlen_attn_function() is None:
         return None
-    params = inspect.signature(varlen_attn).parameters
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
-        extra: dict[str, Any] = {}
-        if "is_causal" in params:
-            extra["is_causal"] = kw["causal"]
-        elif kw["causal"]:
-            extra["window_size"] = (-1, 0)
-        if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in params:
-                extra["enable_gqa"] = True
-            else:
-                group = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return varlen_attn(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"],  # type: ignore[return-value]
-                           kw["max_seqlen_q"], kw["max_seqlen_k"], **extra)
+        return varlen_call(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"],
+                           kw["max_seqlen_k"], causal=kw["causal"])
 
     return call
 
@@ -184,6 +175,7 @@ def candidates(offsets: list[int], device: str) -> dict[str, Callable[..., torch
         varlen = torch_varlen()
         if varlen is not None:
             out["torch varlen_attn"] = varlen
+            out["torch_varlen (dispatcher)"] = _forced("torch_varlen")
     out["per-document SDPA"] = per_document_sdpa
     out["ours again"] = _forced("flash")
     return out

@@ -31,7 +31,7 @@ from templates.gluon import cudnn_train, train  # noqa: E402, F401  (register th
 from templates.gluon.bwd import gluon_attention_bwd  # noqa: E402
 from templates.gluon.fwd import gluon_attention_fwd  # noqa: E402
 from templates.masks.block_mask import BlockMask  # noqa: E402
-from templates.pytorch import eager  # noqa: E402, F401  (registers its templates)
+from templates.pytorch import eager, varlen  # noqa: E402, F401  (register their templates)
 from templates.pytorch.flex import flex  # noqa: E402
 from templates.pytorch.sdpa import sdpa  # noqa: E402
 from templates.registry import all_templates, get_template, register  # noqa: E402

@@ -99,7 +99,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             str(query.dtype).removeprefix("torch."), str(query.device), is_causal, needs_grad,
             mask is not None, None if mask is None else mask.pattern,
             "" if mask is None or mask.block_size is None else ",".join(map(str, mask.block_size)),
-            cap).split(":", 1)
+            cap, mask is not None and mask.documents is not None).split(":", 1)
         return get_implementation(name).run(r, None, constant)
     choice = _choose(r)
     return choice.implementation.run(r, choice, choice.implementation.constant(choice))
@@ -125,13 +125,13 @@ def _choose(r: Request) -> Choice:
     call = call_of(r.q, r.k, r.is_causal, r.needs_grad, softcap=r.softcap)
     if r.mask is None:
         return keep(choose(call))
-    return choose_masked(call, r.mask.pattern, r.mask.block_size)
+    return choose_masked(call, r.mask.pattern, r.mask.block_size, r.mask.documents is not None)
 
 
 @torch.compiler.assume_constant_result
 def _traced_choice(shape_q: str, shape_k: str, dtype: str, device: str, is_causal: bool,
                    needs_grad: bool, masked: bool, pattern: str | None, block_size: str,
-                   softcap: float = 0.0) -> str:
+                   softcap: float = 0.0, documents: bool = False) -> str:
     """Under torch.compile: "<implementation>:<its constant>", fixed at trace time as a
     constant; arguments are scalars and strings, as Dynamo requires."""
     call = call_of_shapes(tuple(int(n) for n in shape_q.split(",")),
@@ -139,7 +139,7 @@ def _traced_choice(shape_q: str, shape_k: str, dtype: str, device: str, is_causa
                           is_causal, needs_grad, device_info(torch.device(device)),
                           softcap=softcap)
     blocks = tuple(int(n) for n in block_size.split(",")) if block_size else None
-    choice = (choose_masked(call, pattern, blocks) if masked  # type: ignore[arg-type]
+    choice = (choose_masked(call, pattern, blocks, documents) if masked  # type: ignore[arg-type]
               else keep(choose(call)))
     return f"{choice.implementation.name}:{choice.implementation.constant(choice)}"
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from templates.masks.document_offsets import DocumentOffsets
 from templates.masks.patterns import pattern_problem
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "EMPTY", "EVALUATE", "FULL", "BlockMask", "MaskMod"]
@@ -81,6 +82,10 @@ class BlockMask:
     # dispatcher prices a block-mask call by the stored measurements of that problem (ours
     # against FlexAttention); None (any other mask) runs our block-sparse kernels.
     pattern: str | None = None
+    # The packed documents this mask is exactly, where it was built from them (one row's
+    # offsets, every batch row alike): an implementation that runs documents by their
+    # offsets (torch's varlen_attn) needs them; None for any other mask.
+    documents: DocumentOffsets | None = None
 
     def __post_init__(self) -> None:
         """Check everything the kernel trusts (once, at construction): shapes, dtypes, and
@@ -128,6 +133,15 @@ class BlockMask:
             reason = pattern_problem(self.pattern, self.seqlen_q, self.seqlen_kv)
             if reason:
                 raise ValueError(f"BlockMask.pattern: {reason}")
+        docs = self.documents
+        if docs is not None and self.full_counts.shape[0] != 1:
+            raise ValueError(f"BlockMask.documents describes one row packed alike in every "
+                             f"batch row, but the mask has {self.full_counts.shape[0]} rows")
+        if docs is not None and (docs.offsets_q[-1], docs.offsets_k[-1]) != (
+                self.seqlen_q, self.seqlen_kv):
+            raise ValueError(f"BlockMask.documents must cover the mask's {self.seqlen_q} x "
+                             f"{self.seqlen_kv} scores, but its offsets end at "
+                             f"{docs.offsets_q[-1]} x {docs.offsets_k[-1]}")
 
     # -- constructors ---------------------------------------------------------------------
     @classmethod
@@ -148,13 +162,14 @@ class BlockMask:
     @classmethod
     def from_mask_mod(cls, mask_mod: MaskMod, B: int | None, H: int | None, N_q: int,
                       N_kv: int, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-                      device: torch.device | str = "cpu", *, pattern: str | None = None
-                      ) -> BlockMask:
+                      device: torch.device | str = "cpu", *, pattern: str | None = None,
+                      documents: DocumentOffsets | None = None) -> BlockMask:
         """From ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (broadcasting index tensors,
         as FlexAttention's). B or H None (or 1) means the mask is the same for all of them.
         ``pattern``: the named pattern (``Problem.mask``) ``mask_mod`` is, if it is one, so
         that the dispatcher can price the mask (``BlockMask.pattern``); not checked against
-        ``mask_mod``.
+        ``mask_mod``. ``documents``: the packed documents it is, if it is their mask
+        (``BlockMask.documents``; not checked against ``mask_mod`` either).
 
         Evaluated a few query blocks at a time (at most ~16M elements at once), so an N x N
         mask is never held, whatever N.
@@ -175,12 +190,13 @@ class BlockMask:
             return out.expand(bm, hm, hi - lo, N_kv)
 
         return cls._build(rows, bm, hm, N_q, N_kv, block_size, torch.device(device),
-                          pattern=pattern)
+                          pattern=pattern, documents=documents)
 
     @classmethod
     def _build(cls, rows: Callable[[int, int], torch.Tensor], bm: int, hm: int, n_q: int,
                n_kv: int, block_size: int | tuple[int, int], device: torch.device, *,
-               pattern: str | None = None) -> BlockMask:
+               pattern: str | None = None, documents: DocumentOffsets | None = None
+               ) -> BlockMask:
         """Classify every block from dense row chunks ``rows(lo, hi)`` (Bm, Hm, hi-lo, N_kv),
         whole query blocks of at most ~_CHUNK_ELEMENTS elements at a time."""
         qb, kb = _block_sizes(block_size)
@@ -215,12 +231,13 @@ class BlockMask:
             tiles.append(cells[is_partial].to(torch.uint8))
             n_tiles += tiles[-1].shape[0]
         return cls._from_blocks(full, partial, tile_of_block, tiles, n_q, n_kv, (qb, kb),
-                                pattern)
+                                pattern, documents)
 
     @classmethod
     def from_block_kinds(cls, kinds: torch.Tensor, mask_mod: MaskMod, N_q: int, N_kv: int,
                          block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE, *,
-                         pattern: str | None = None) -> BlockMask:
+                         pattern: str | None = None, documents: DocumentOffsets | None = None
+                         ) -> BlockMask:
         """From a block-level classification known beforehand: ``kinds`` (Bm, Hm, nq, nk)
         integer, per block ``EMPTY`` (0: nothing visible), ``FULL`` (1: all visible) or
         ``EVALUATE`` (2: ``mask_mod`` decides each element; the block may turn out empty,
@@ -231,7 +248,8 @@ class BlockMask:
         for b and h and (P, Q_BLOCK, 1), (P, 1, KV_BLOCK) for q and kv, clamped into range
         (elements past N_q or N_kv are not visible, as in ``from_mask_mod``). A FULL block
         reaching past N_kv is evaluated (a ragged last KV block is never full).
-        The caller vouches for the EMPTY and FULL blocks: they are not checked."""
+        The caller vouches for the EMPTY and FULL blocks: they are not checked, nor are
+        ``documents`` (``BlockMask.documents``)."""
         qb, kb = _block_sizes(block_size)
         nq, nk = _cdiv(N_q, qb), _cdiv(N_kv, kb)
         if (not isinstance(kinds, torch.Tensor) or kinds.dim() != 4
@@ -276,13 +294,13 @@ class BlockMask:
             tile_of_block[where] = n_tiles + torch.arange(tiles[-1].shape[0], device=device)
             n_tiles += tiles[-1].shape[0]
         return cls._from_blocks(full, partial, tile_of_block, tiles, N_q, N_kv, (qb, kb),
-                                pattern)
+                                pattern, documents)
 
     @classmethod
     def _from_blocks(cls, full: torch.Tensor, partial: torch.Tensor,
                      tile_of_block: torch.Tensor, tiles: list[torch.Tensor], n_q: int,
-                     n_kv: int, block_size: tuple[int, int], pattern: str | None
-                     ) -> BlockMask:
+                     n_kv: int, block_size: tuple[int, int], pattern: str | None,
+                     documents: DocumentOffsets | None = None) -> BlockMask:
         """The lists of classified blocks: ``full`` and ``partial`` (Bm, Hm, nq, nk) bool,
         ``tile_of_block`` the row of the concatenated ``tiles`` each partial block uses."""
         qb, kb = block_size
@@ -294,7 +312,7 @@ class BlockMask:
         tile_ids = torch.gather(tile_of_block, 3, partial_indices.long()).to(torch.int32)
         tile_ids = torch.where(listed_slots(partial_counts, nk), tile_ids, 0)
         return cls(n_q, n_kv, (qb, kb), full_counts, full_indices, partial_counts,
-                   partial_indices, tile_ids, partial_tiles.contiguous(), pattern)
+                   partial_indices, tile_ids, partial_tiles.contiguous(), pattern, documents)
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -343,7 +361,7 @@ class BlockMask:
          partial_tiles) = (t.to(device) for t in self._tensors())
         return BlockMask(self.seqlen_q, self.seqlen_kv, self.block_size, full_counts,
                          full_indices, partial_counts, partial_indices, partial_tile_ids,
-                         partial_tiles, self.pattern)
+                         partial_tiles, self.pattern, self.documents)
 
     def to_dense(self, row_lo: int = 0, row_hi: int | None = None) -> torch.Tensor:
         """The bool mask (Bm, Hm, rows, N_kv) of rows [row_lo, row_hi): for references and

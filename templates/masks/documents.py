@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask, MaskMod
+from templates.masks.document_offsets import DocumentOffsets
 from templates.masks.patterns import documents_pattern
 
 __all__ = ["MAX_CACHED_MASKS", "clear_document_masks", "document_block_mask"]
@@ -31,7 +32,9 @@ def document_block_mask(offsets_q: Sequence[int], offsets_k: Sequence[int], *, c
     contents of cu_seqlens), causal per document bottom-right; from the LRU when the same
     documents were asked for lately. Carries ``documents[_causal]:<L>``
     (``documents_pattern``) when queries and keys share their offsets (self-attention; the
-    sweeps' masks are square) and the block size is the sweeps'; else no pattern (ours run)."""
+    sweeps' masks are square) and the block size is the sweeps'; else no pattern (ours run).
+    It carries its offsets (``BlockMask.documents``) for implementations that run documents
+    by them."""
     device = torch.device(device)
     key = (tuple(offsets_q), tuple(offsets_k), causal, block_size, device)
     mask = _MASKS.get(key)
@@ -87,7 +90,8 @@ def _build_document_mask(offsets_q: tuple[int, ...], offsets_k: tuple[int, ...],
     pattern = (documents_pattern(lengths, causal=causal)
                if offsets_q == offsets_k and (qb, kb) == (DEFAULT_BLOCK_SIZE,) * 2 else None)
     return BlockMask.from_block_kinds(kinds[None, None], mask_mod, total_q, total_k,
-                                      (qb, kb), pattern=pattern)
+                                      (qb, kb), pattern=pattern,
+                                      documents=DocumentOffsets(offsets_q, offsets_k, causal))
 
 
 def _document_of(cu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

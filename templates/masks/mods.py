@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
+from templates.masks.document_offsets import DocumentOffsets
 from templates.masks.patterns import PATTERNS, parse_pattern, pattern_problem
 
 __all__ = ["and_masks", "causal_mask", "document_mask", "or_masks", "pattern_block_mask",
@@ -162,12 +163,29 @@ def pattern_block_mask(pattern: str, seqlen_q: int, seqlen_kv: int, *,
                        device: torch.device | str = "cpu") -> BlockMask:
     """The (1, 1, N_q, N_kv) BlockMask of a named pattern. With the sweeps' block size and
     seed (``Problem.mask``'s masks) it carries the pattern's name (``BlockMask.pattern``), so
-    the dispatcher prices calls with it by that problem's measurements."""
+    the dispatcher prices calls with it by that problem's measurements. A documents pattern's
+    mask carries its documents (``BlockMask.documents``), as a packed call's does."""
     mod = pattern_mask_mod(pattern, seqlen_q, seqlen_kv, block_size=block_size, seed=seed,
                            device=device)
     named = block_size == DEFAULT_BLOCK_SIZE and seed == 0
     return BlockMask.from_mask_mod(mod, None, None, seqlen_q, seqlen_kv, block_size,
-                                   device=device, pattern=pattern if named else None)
+                                   device=device, pattern=pattern if named else None,
+                                   documents=pattern_documents(pattern, seqlen_q))
+
+
+def pattern_documents(pattern: str, seqlen: int) -> DocumentOffsets | None:
+    """The documents of a ``document:<n>`` / ``documents[_causal]:<L>`` pattern over
+    ``seqlen`` tokens (as ``pattern_mask_mod`` lays them out); None for other patterns."""
+    name, arg = parse_pattern(pattern)
+    if name == "document":
+        base, extra = divmod(seqlen, int(arg))
+        return DocumentOffsets.of_lengths([base + (i < extra) for i in range(int(arg))],
+                                          causal=False)
+    if name in ("documents", "documents_causal"):
+        whole, rest = divmod(seqlen, int(arg))
+        return DocumentOffsets.of_lengths([int(arg)] * whole + ([rest] if rest else []),
+                                          causal=name == "documents_causal")
+    return None
 
 
 def pattern_density(pattern: str, seqlen_q: int, seqlen_kv: int) -> float:

@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask
+from templates.masks.document_offsets import DocumentOffsets
 from templates.masks.patterns import documents_pattern
 
 __all__ = ["CAUSAL", "clear_rule_masks", "rule_block_mask"]
@@ -81,7 +82,8 @@ def rule_block_mask(rule: Rule, batch: int, length: int, window: int | None,
         _MASKS.move_to_end(key)
         return mask
     mask = BlockMask.from_block_kinds(kinds, rule, length, length, block_size,
-                                      pattern=_pattern(starts, length, window, block_size))
+                                      pattern=_pattern(starts, length, window, block_size),
+                                      documents=_documents(starts, length, window))
     _MASKS[key] = mask
     if len(_MASKS) > MAX_CACHED_MASKS:
         _MASKS.popitem(last=False)
@@ -145,6 +147,16 @@ def _agrees(rule: Rule, kinds: torch.Tensor, batch: int, first: torch.Tensor,
     wrong_empty = (kind == EMPTY) & seen.any(-1)
     wrong_full = (kind == FULL) & ~seen.all(-1)
     return ~(wrong_empty | wrong_full).any()
+
+
+def _documents(starts: tuple[tuple[int, ...], ...], length: int, window: int | None
+               ) -> DocumentOffsets | None:
+    """The causal packed documents the mask is (``BlockMask.documents``), where every batch
+    row is packed alike and no window cuts them (a chunk or a window is no document)."""
+    if len(starts) != 1 or window is not None:
+        return None
+    bounds = (*starts[0], length)
+    return DocumentOffsets(bounds, bounds, causal=True)
 
 
 def _pattern(starts: tuple[tuple[int, ...], ...], length: int, window: int | None,

@@ -236,15 +236,17 @@ def _decide_on_own_bucket(call: Call, resolve: Resolve, baseline_name: str, base
     return _fastest_measured(estimates)
 
 
-def choose_masked(call: Call, pattern: str | None, block_size: tuple[int, int] | None
-                  ) -> Choice:
+def choose_masked(call: Call, pattern: str | None, block_size: tuple[int, int] | None,
+                  documents: bool = False) -> Choice:
     """Who runs a masked call (``call.problem.mask`` "none"; a block mask's ``pattern`` and
     ``block_size``, or None for an elementwise mask): for a named pattern, the choice on that
     mask problem's own measurements (``_decide_block_mask``); for a mask without a name, ours
     (``BLOCK_MASK_BASELINE``, the dense problem's configs fitted to the mask), or the forced
     implementation's ``unnamed_mask_choice`` (by default its forced dense choice). Whatever
     the chosen one's ``mask_refusal`` refuses (blocks it cannot walk), and a forced
-    implementation that runs no masks, runs ours too."""
+    implementation that runs no masks, runs ours too; so does a choice that runs only masks
+    carrying their packed documents (``Implementation.needs_documents``: torch's varlen) for
+    a mask that carries none (``documents`` False)."""
     baseline = get_implementation(BLOCK_MASK_BASELINE)
     fallback = Choice(baseline, (), "the dense problem's configs, fitted to the mask's blocks")
     name = forced()
@@ -258,5 +260,7 @@ def choose_masked(call: Call, pattern: str | None, block_size: tuple[int, int] |
         choice = (get_implementation(name).unnamed_mask_choice(call)
                   or keep(choose(call)))  # raises if it cannot run the call
     if choice.implementation.mask_refusal(block_size, call.needs_grad, choice) is not None:
+        return fallback
+    if choice.implementation.needs_documents and not documents:
         return fallback
     return choice

@@ -2,7 +2,8 @@
 
 ``base.Implementation`` is the contract (its docstring); a module subclasses it and registers
 an instance with ``register_implementation``. Imported here in registration order: torch SDPA
-first (the baseline), then ours, then the eager baseline of softcapped calls.
+first (the baseline), then ours, then the eager baseline of softcapped calls, then torch's
+varlen attention for packed documents.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tuner.dispatch.implementations import (  # noqa: F401
     gluon_train,
     flex,
     eager,
+    torch_varlen,
 )
 # isort: on
 from tuner.dispatch.implementations.base import Choice, Estimate, Implementation, Request, Run

@@ -85,8 +85,12 @@ class Implementation:
     call eagerly; ``mask_refusal`` says why a mask's blocks make it hand the call to the
     block-mask baseline (None: it runs it); ``unnamed_mask_choice`` is its choice, when
     forced, for a mask no measurement prices. Masks travel through ops as tensors
-    (``tuner.dispatch.implementations.mask_args``). Packed sequences will plan through
-    ``varlen_plan``.
+    (``tuner.dispatch.implementations.mask_args``).
+
+    Packed sequences (``tuner.varlen_attention``) are masked calls whose document mask
+    carries its offsets (``BlockMask.documents``); ``needs_documents`` says it runs only
+    such masks (torch's ``varlen_attn`` takes offsets, not blocks), and a mask without them
+    goes to the block-mask baseline (``tuner.dispatch.rule.choose_masked``).
 
     Softcapped scores (``Request.softcap``, ``Problem.softcap``; Gemma 2): served where every
     template of it takes them (``Template.takes_softcap``; the others refuse the problem by
@@ -101,6 +105,8 @@ class Implementation:
     description: str = ""
     layout_free = False  # one plan serves inputs of any strides and alignment
     runs_masks = False
+    # Whether it runs only block masks that carry their packed documents' offsets.
+    needs_documents = False
     # Whether its gradients are bitwise repeatable (or can be made so under
     # torch.use_deterministic_algorithms); False: not offered for a gradient then.
     deterministic_backward = True
@@ -168,10 +174,6 @@ class Implementation:
         """Its choice when forced on a block mask without a pattern (None: the block-mask
         baseline's)."""
         return None
-
-    def varlen_plan(self, *args: object, **kwargs: object) -> Run:
-        """The plan of a packed-sequence call (documents as a block mask); none yet."""
-        raise NotImplementedError(f"{self.name} has no varlen plan")
 
     def __repr__(self) -> str:
         return f"<implementation {self.name}>"

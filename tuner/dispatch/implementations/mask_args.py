@@ -13,6 +13,7 @@ import torch
 
 from templates.flash.fwd import check_block_mask
 from templates.masks.block_mask import BlockMask
+from templates.masks.document_offsets import DocumentOffsets
 
 __all__ = ["Masked", "OpMask"]
 
@@ -47,6 +48,11 @@ class Masked:
     @property
     def pattern(self) -> str | None:
         return None if self.block_mask is None else self.block_mask.pattern
+
+    @property
+    def documents(self) -> DocumentOffsets | None:
+        """The packed documents a document block mask carries (``BlockMask.documents``)."""
+        return None if self.block_mask is None else self.block_mask.documents
 
     @property
     def block_size(self) -> tuple[int, int] | None:
