@@ -45,6 +45,7 @@ from dataclasses import replace
 
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
+from templates.masks.patterns import parse_pattern
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Estimate, Implementation
 from tuner.dispatch.implementations.call import Call
@@ -74,6 +75,11 @@ BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when
 # What ran a block-mask call before FlexAttention was a candidate (our block-sparse kernels,
 # which beat Flex's forward on the H100): it runs a block-mask call when unmeasured.
 BLOCK_MASK_BASELINE = "flash"
+# What packed documents ran without us (FlashAttention's varlen kernels, as torch's varlen_attn
+# runs them), where it can serve the call: it runs a documents mask problem when unmeasured.
+# Untuned, it measured 1.45x faster than our kernels' defaults (H200, 13 documents in 16k
+# tokens, forward + backward; docs/PERFORMANCE.md "Packed sequences").
+DOCUMENTS_BASELINE = "torch_varlen"
 # What transformers runs for softcapped scores, which SDPA cannot compute: eager attention.
 SOFTCAP_BASELINE = "eager"
 
@@ -201,7 +207,17 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own
     bucket. Ours priced: the fastest priced runs. Ours not priced: ours, as before Flex was a
     candidate (no neighbour is consulted: a mask's ratio on another shape
-    is no measurement of this one)."""
+    is no measurement of this one). Packed documents (``document:<n>``, ``documents:<L>``,
+    ``documents_causal:<L>``) that torch's varlen kernels can run have those as the baseline
+    instead (``DOCUMENTS_BASELINE``): what such calls ran without us, so ours and Flex run
+    only where measured faster."""
+    if (parse_pattern(call.problem.mask)[0] in ("document", "documents", "documents_causal")
+            and get_implementation(DOCUMENTS_BASELINE).why_not(call) is None):
+        return _decide_on_own_bucket(
+            call, resolve, DOCUMENTS_BASELINE, "torch's varlen_attn",
+            "torch's varlen_attn not measured for these packed documents on this device: "
+            "running it (FlashAttention's varlen kernels, what packed documents ran without "
+            "us)")
     return _decide_on_own_bucket(
         call, resolve, BLOCK_MASK_BASELINE, "our block-sparse kernels",
         "our block-sparse kernels not measured for this mask problem on this device: running "

@@ -254,8 +254,9 @@ def test_its_templates_run_the_sweep_inputs_against_their_references(release: Re
     ({"flash_fwd": 300.0, "flash_bwd": 150.0, "torch_flex": 250.0, "torch_flex_train": 200.0,
       "torch_varlen": 250.0, "torch_varlen_train": 300.0}, {False: "flash",
                                                              True: "torch_varlen"}),
-    # Not measured: never chosen (ours runs what nothing prices).
-    ({"flash_fwd": 300.0, "flash_bwd": 300.0}, {False: "flash", True: "flash"}),
+    # Not measured: it runs (the baseline of packed documents: what they ran without us),
+    # however fast ours was measured; ours must be measured faster than it to run.
+    ({"flash_fwd": 300.0, "flash_bwd": 300.0}, {False: "torch_varlen", True: "torch_varlen"}),
 ])
 def test_it_is_priced_like_ours_and_flex(tflops: dict[str, float], winner: dict[bool, str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,3 +454,19 @@ def test_a_packed_transformers_row_reaches_it(release: Recorder, collator_kwargs
     assert len(release.calls) == 2  # one per layer
     assert all(call["cu_q"] == offsets and call["is_causal"] for call in release.calls)
     assert abs(float(losses["tuner"]) - float(losses["sdpa"])) < 1e-2 * float(losses["sdpa"])
+
+
+def test_where_it_cannot_serve_unmeasured_documents_run_ours(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documents baseline only where torch's varlen can run the call: capped scores (or
+    the CPU, or a torch without varlen_attn) keep ours as the baseline."""
+    monkeypatch.setattr(varlen_templates, "varlen_attn_function", lambda: Release213())
+    nothing = priced({})
+    served = decide(Call(docs_problem(), False, H100), resolve=nothing, margin=0.03)
+    assert served.implementation.name == "torch_varlen" and "not measured" in served.why
+    capped = decide(Call(docs_problem(softcap=50.0), False, H100), resolve=nothing,
+                    margin=0.03)
+    assert capped.implementation.name == "flash", capped.why
+    monkeypatch.setattr(varlen_templates, "varlen_attn_function", lambda: None)
+    missing = decide(Call(docs_problem(), True, H100), resolve=nothing, margin=0.03)
+    assert missing.implementation.name == "flash", missing.why
