@@ -7,13 +7,15 @@ the same backward problems (inputs from ``FlashBwdTemplate.make_inputs``), so th
 backwards compete by measurement. Written for triton 3.6's Gluon; on a triton without Gluon
 the template imports but rejects every problem.
 
-Status (notes/gluon_notes.md, "The backward's dQ path"): right on the H100 and the H200 with
-64 x 128 tiles, two warpgroups and a ring of three (the only tiles offered); on the H200
-0.65-0.74x cuDNN's backward at d128 and 0.60-0.66x at d64 (2026-11-29), so it is in no spec
-and the dispatcher never runs it. The ``warp_specialize`` knob selects the warp-specialized
-kernel (``templates.gluon.bwd_ws_kernel``: load warp, dQ warp, two MMA warpgroups), compiled
-offline only so far: off by default and outside ``known_good_configs`` until a GPU run says
-it is right (``warp_specialized_configs`` lists its configs for the tests and the bench).
+Status (notes/gluon_notes.md, "The backward's dQ path", "The warp-specialized backward"):
+right on the H100 and the H200 with 64 x 128 tiles, two warpgroups and a ring of three (the
+only tiles offered). The ``warp_specialize`` knob selects the warp-specialized kernel
+(``templates.gluon.bwd_ws_kernel``: load warp, dQ warp, two MMA warpgroups): right on the
+H200 on every odd case of the GPU tests (2026-11-29), and at d128 1.22-1.29x the speed of the
+kernel without it (0.78-0.92x cuDNN's backward, forward + backward 0.86-0.97x), so it is the
+d128 default; at d64 right but not timed yet, so among ``known_good_configs`` for a sweep.
+Still slower than cuDNN's backward: training runs it only where a sweep measures
+``gluon_train`` faster than ``gluon_cudnn_train`` and SDPA.
 """
 
 from __future__ import annotations
@@ -78,8 +80,9 @@ class GluonBwdConfig(KernelConfig):
         3, (2, 3, 4),
         "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
         "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline); 2 "
-        "only with warp_specialize (the compute warps' own ring gave wrong dK/dV on the "
-        "H100, cause not found: notes/gluon_notes.md).")
+        "nowhere: the compute warps' own ring of two gave wrong dK/dV on the H100, the "
+        "warp-specialized one an illegal memory access on the H200 (causes not found: "
+        "notes/gluon_notes.md).")
     consumers: int = knob(
         2, (1, 2),
         "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
@@ -94,7 +97,8 @@ class GluonBwdConfig(KernelConfig):
         "FlashAttention-3's structure (templates/gluon/bwd_ws_kernel.py): the two warpgroups "
         "only compute (setmaxnreg 240); one warp loads Q, dO, lse2 and delta by TMA into the "
         "ring (full/empty mbarriers), another adds each step's dQ tile, handed over in "
-        "shared memory, into the fp32 accumulator by one TMA bulk reduce. Not measured yet.")
+        "shared memory, into the fp32 accumulator by one TMA bulk reduce. Measured on the "
+        "H200 at d128: 1.22-1.29x the speed without it.")
     dq_buffers: int = knob(
         1, (1, 2),
         "dQ staging tiles (BLOCK_M x D fp32) of the warp-specialized kernel: with two the "
@@ -175,12 +179,13 @@ class GluonBwdTemplate(GluonTemplate):
         if cfg.consumers == 1:
             return ("one consumer warpgroup (4 warps) crashed on the H100 with an illegal "
                     "address, with or without the dQ GEMM: not offered until found")
-        # (The warp-specialized kernel's ring has an empty barrier per slot instead of the
-        # compute warps' refill: two slots there are a different protocol, in its space so
-        # that a GPU run can tell.)
-        if cfg.stages != 3 and not (cfg.warp_specialize and cfg.stages == 2):
-            return (f"a ring of {cfg.stages} stages gave wrong dK/dV on the H100 (3 is right): "
-                    f"not offered until found")
+        # The warp-specialized kernel's ring (an empty barrier per slot, another protocol than
+        # the compute warps' refill) of two slots crashed too: illegal memory access on the
+        # H200, every case (benchmarks/results/gluon_bwd_h200_ws.json).
+        if cfg.stages != 3:
+            return (f"a ring of {cfg.stages} stages gave wrong dK/dV on the H100 and an illegal "
+                    f"memory access on the H200 with warp_specialize (3 is right): not offered "
+                    f"until found")
         if cfg.BLOCK_M != 64:
             return (f"BLOCK_M {cfg.BLOCK_M} gave wrong gradients or crashed on the H100 (64 is "
                     f"right): not offered until found")
@@ -189,15 +194,14 @@ class GluonBwdTemplate(GluonTemplate):
     def warp_specialized_configs(self, problem: Problem, device: DeviceInfo
                                  ) -> list[GluonBwdConfig]:
         """The warp-specialized configs that fit ``problem`` on ``device``: a ring of three
-        with two dQ staging tiles (where they fit) or one, then a ring of two with two tiles
-        (which fit at d128 too). Not among ``known_good_configs`` until measured right on a
-        GPU; the tests and ``benchmarks/gluon_bwd_bench.py`` run them."""
+        with two dQ staging tiles (where they fit: d64) or one. The tests and
+        ``benchmarks/gluon_bwd_bench.py`` run them."""
         out = []
         for base in _candidates(problem):
-            for stages, buffers in ((3, 2), (3, 1), (2, 2)):
+            for stages, buffers in ((3, 2), (3, 1)):
                 cfg = dataclasses.replace(base, warp_specialize=True, stages=stages,
                                           dq_buffers=buffers)
-                if self.constraint(problem, cfg, device) is None:
+                if self.constraint(problem, cfg, device) is None and cfg not in out:
                     out.append(cfg)
         return out
 
@@ -208,7 +212,9 @@ class GluonBwdTemplate(GluonTemplate):
         raise RuntimeError(f"no gluon_bwd config fits {problem.key()} on {device.name}")
 
     def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
-        """Not measured yet: the compile-clean alternatives to the default (docs)."""
+        """The alternatives to the default a sweep measures first: at d64 the larger query
+        step and the warp-specialized kernel (right on the H200, not timed); at d128 the
+        kernel without warp specialization."""
         return [c for c in _candidates(problem)[1:]
                 if self.constraint(problem, c, device) is None]
 
@@ -297,12 +303,13 @@ def _candidates(problem: Problem) -> list[GluonBwdConfig]:
     hdim 128: 64 queries x 128 keys, two MMA warpgroups), fitted to this kernel's register
     bound: 64 queries x 128 keys (d64: 128 registers of tiles; d128: 192, at the bound), and
     at d64 128 x 128. Three stages: one spilled 136 bytes at d128, two gave wrong dK/dV on
-    the H100; one warpgroup (64 x 64 tiles) crashed there."""
+    the H100; one warpgroup (64 x 64 tiles) crashed there. The warp-specialized kernel first
+    at d128 (measured 1.22-1.29x faster on the H200), after the others at d64 (not timed)."""
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
-    out = [base]
+    ws = [dataclasses.replace(base, warp_specialize=True, dq_buffers=n) for n in (1, 2)]
     if problem.head_dim <= 64:
-        out.insert(1, dataclasses.replace(base, BLOCK_M=128))
-    return out
+        return [base, dataclasses.replace(base, BLOCK_M=128), *ws]
+    return [*ws, base]
 
 
 def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:

@@ -110,20 +110,25 @@ def test_config_round_trip_and_grid() -> None:
 def test_warp_specialized_configs_and_their_constraints() -> None:
     d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
     d128 = Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
-    # Two dQ staging tiles fit beside a ring of three at d64, not at d128 (242 KiB there),
-    # beside a ring of two at both.
+    # Two dQ staging tiles fit beside a ring of three at d64, not at d128 (242 KiB there).
     def shapes(problem: Problem) -> list[tuple[int, int]]:
         return [(c.stages, c.dq_buffers)
                 for c in TEMPLATE.warp_specialized_configs(problem, H100)]
 
-    assert shapes(d64) == [(3, 2), (3, 1), (2, 2)]
-    assert shapes(d128) == [(3, 1), (2, 2)]
+    assert shapes(d64) == [(3, 2), (3, 1)]
+    assert shapes(d128) == [(3, 1)]
     for problem in (d64, d128):
         for cfg in TEMPLATE.warp_specialized_configs(problem, H100):
             assert cfg.warp_specialize and TEMPLATE.constraint(problem, cfg, H100) is None
-        # Not offered until measured right on a GPU.
-        assert not TEMPLATE.default_config(problem, H100).warp_specialize
-        assert not any(c.warp_specialize for c in TEMPLATE.known_good_configs(problem, H100))
+    # Right on the H200 on every GPU case; 1.22-1.29x faster at d128 (the default there), not
+    # timed at d64 (offered to a sweep first there, after the default).
+    assert TEMPLATE.default_config(d128, H100).warp_specialize
+    assert not TEMPLATE.default_config(d64, H100).warp_specialize
+    assert {(c.stages, c.dq_buffers) for c in TEMPLATE.known_good_configs(d64, H100)
+            if c.warp_specialize} == {(3, 1), (3, 2)}
+    # A ring of two crashed on the H200 (illegal memory access): refused by name.
+    reason = TEMPLATE.constraint(d64, GluonBwdConfig(warp_specialize=True, stages=2), H100)
+    assert reason is not None and "H200" in reason and "2 stages" in reason
     reason = TEMPLATE.constraint(d128, GluonBwdConfig(warp_specialize=True, dq_buffers=2), H100)
     assert reason is not None and "shared memory" in reason
     reason = TEMPLATE.constraint(d64, GluonBwdConfig(dq_buffers=2), H100)
@@ -259,8 +264,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
            "warp_specialize": True, "dq_buffers": 1},
     "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 2},  # d64 only (shared memory)
-    "ws_s2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 2, "consumers": 2,
-              "warp_specialize": True, "dq_buffers": 2},  # a ring of two: room for 2 dQ tiles
 }
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
