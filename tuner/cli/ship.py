@@ -23,7 +23,7 @@ def ship(
                          "needed where the source holds several", show_default=False)] = None,
     suite: Annotated[str, typer.Option(
         "--suite", help="ship the bests in the buckets of this suite's problems (a built-in "
-                        "suite or a spec file)")] = "standard",
+                        "suite or a spec file)")] = "ship",
     out: Annotated[Path | None, typer.Option(
         "--out", help="the file to write (default: the package's tables, "
                       "tuner/lookup/shipped/<device>.json)", show_default=False)] = None,

@@ -183,6 +183,22 @@ def standard_suite() -> SweepSpec:
                   ["bfloat16"], ["none", "top_left"], trials=40)
 
 
+# Grouped-query prefill rows of Llama-3-8B's attention (32 query / 8 KV heads, d128), 8k tokens
+# per batch as dispatch_bench.py's: a fresh install runs them from the shipped table too (the
+# standard suite's heads are all MHA, and a table's neighbours never cross head groupings).
+SHIP_GQA_SHAPES = [{"B": max(1, 8192 // n), "H_q": 32, "H_kv": 8, "N": n, "D": 128}
+                   for n in (2048, 4096, 8192, 16384)]
+
+
+def ship_suite() -> SweepSpec:
+    """What a shipped table is made from (``tuner ship``'s default suite): the standard suite
+    and Llama-3-8B's grouped-query prefill rows at 2k-16k tokens, causal and not."""
+    standard = standard_suite()
+    gqa = _suite("ship", SHIP_GQA_SHAPES, ["bfloat16"], ["none", "top_left"], trials=40)
+    return dataclasses.replace(standard, name="ship",
+                               problems=standard.problems + gqa.problems)
+
+
 def cpu_suite() -> SweepSpec:
     """Tiny shapes the Triton interpreter runs in a minute or two (fp16: the interpreter runs
     bf16 inputs through float32, see default_dtype). Proves the pipeline; its timings are not
@@ -193,7 +209,8 @@ def cpu_suite() -> SweepSpec:
                   templates=("torch_sdpa", "flash_fwd"))
 
 
-BUILTIN_SUITES = {"quick": quick_suite, "standard": standard_suite, "cpu": cpu_suite}
+BUILTIN_SUITES = {"quick": quick_suite, "standard": standard_suite, "ship": ship_suite,
+                  "cpu": cpu_suite}
 
 
 def resolve_spec(arg: str, *, interpreter: bool) -> tuple[SweepSpec, str | None]:
@@ -212,8 +229,8 @@ def resolve_spec(arg: str, *, interpreter: bool) -> tuple[SweepSpec, str | None]
     if interpreter and arg == "quick":
         return cpu_suite(), ("no CUDA GPU: suite 'quick' runs as 'cpu' "
                              "(tiny fp16 shapes under the Triton interpreter)")
-    if interpreter and arg == "standard":
-        raise TunerError("suite 'standard' needs a CUDA GPU (N up to 16k would take days "
+    if interpreter and arg in ("standard", "ship"):
+        raise TunerError(f"suite {arg!r} needs a CUDA GPU (N up to 16k would take days "
                          "under the Triton interpreter)",
                          "run it on a GPU host, or use `tuner sweep cpu` here")
     return BUILTIN_SUITES[arg](), None

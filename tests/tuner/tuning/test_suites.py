@@ -228,3 +228,17 @@ def test_sweep_tasks_are_problem_major_so_a_stopped_sweep_leaves_whole_problems(
     order = [(t.problem.seqlen_q, t.template.name) for t in tasks]
     assert order == [(128, "torch_sdpa"), (128, "flash_fwd"),
                      (256, "torch_sdpa"), (256, "flash_fwd")]
+
+
+def test_the_ship_suite_is_standard_and_llamas_grouped_query_rows() -> None:
+    from tuner.tuning.suites import ship_suite, standard_suite
+
+    ship, standard = ship_suite(), standard_suite()
+    assert ship.name == "ship" and ship.templates == standard.templates
+    assert ship.problems[:len(standard.problems)] == standard.problems
+    gqa = ship.problems[len(standard.problems):]
+    assert {(p.heads_q, p.heads_kv, p.head_dim) for p in gqa} == {(32, 8, 128)}
+    assert sorted({p.seqlen_q for p in gqa}) == [2048, 4096, 8192, 16384]
+    assert {p.causal for p in gqa} == {"none", "top_left"}
+    with pytest.raises(TunerError, match="needs a CUDA GPU"):
+        resolve_spec("ship", interpreter=True)
