@@ -98,7 +98,9 @@ def steps_for(model: Any, kind: str, sizes: dict[str, int], device: str,
 
     steps = {"prefill ms": run_prefill}
     if kind == "llama":
-        prompt = torch.randint(0, vocab, (1, sizes["prompt"]), device=device, generator=gen)
+        # Never token 0: generate() takes prompt tokens equal to pad_token_id (0 here) for
+        # padding, and a "padded" prompt runs a dense mask (another problem than the job's).
+        prompt = torch.randint(1, vocab, (1, sizes["prompt"]), device=device, generator=gen)
         new = sizes["new_tokens"]
 
         def run_decode() -> float:  # generate time minus the prompt's forward, per new token
