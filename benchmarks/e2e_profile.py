@@ -75,7 +75,7 @@ def main() -> int:
     name = register_transformers()
     calls = _count_masked_calls()
     dims = GEMMA2 if args.kind == "gemma2" else LLAMA
-    # From 1: --decode's generate() takes token 0 (its pad_token_id) in a prompt for padding.
+    # From 1: --decode's generate() may take prompt tokens equal to a pad token for padding.
     ids = torch.randint(1, dims["vocab_size"], (1, args.tokens), device="cuda")
     baseline = "eager" if args.kind == "gemma2" else "sdpa"
     for attn in (baseline, name):
