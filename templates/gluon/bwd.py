@@ -15,7 +15,10 @@ H200 on every odd case of the GPU tests (2026-11-29), and at d128 1.22-1.29x the
 kernel without it (0.78-0.92x cuDNN's backward, forward + backward 0.86-0.97x), so it is the
 d128 default; at d64 right but not timed yet, so among ``known_good_configs`` for a sweep.
 Still slower than cuDNN's backward: training runs it only where a sweep measures
-``gluon_train`` faster than ``gluon_cudnn_train`` and SDPA.
+``gluon_train`` faster than ``gluon_cudnn_train`` and SDPA. With a block mask (named patterns,
+blocks of 128 x 128, causal "none": the mask's own causality) the warp-specialized kernel
+walks the mask's KV-major lists (``block_mask_reason``); compiled offline, not yet run on a
+GPU (notes/gluon_notes.md, "Block masks in the warp-specialized backward").
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ class GluonBwdTemplate(GluonTemplate):
                    "tile walks the query tiles of its GQA group (TMA ring of Q/dO/lse/delta, "
                    "async wgmma in the transposed orientation, P^T and dS^T as register "
                    "operands, dS^T staged in shared memory for dQ), dQ by fp32 vector "
-                   "atomics; dense and causal top-left or bottom-right, GQA/MQA, head dim "
+                   "atomics; dense, causal top-left or bottom-right, or a block mask's "
+                   "listed blocks (warp-specialized kernel), GQA/MQA, head dim "
                    "64/128, fp16/bf16. Right on the H100 and H200 (64 x 128 tiles, 3 stages) "
                    "but 0.65-0.74x cuDNN's backward at d128 on the H200: in no spec and not "
                    "used by the dispatcher.")
