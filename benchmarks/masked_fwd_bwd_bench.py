@@ -16,9 +16,11 @@ default configs) forward and forward + backward, then (while the budget lasts) a
 of backward configs, FlexAttention (``torch.compile(flex_attention, dynamic=False)`` with
 ``create_block_mask`` of the same mask_mod) forward and forward + backward, on a Hopper GPU
 with Gluon our Gluon forward (``gluon_attention_fwd(q, k, v, block_mask=...)``, the
-template's default config; forward only: it has no backward), and SDPA with the mask as a
-dense bool ``attn_mask``: the cuDNN backend if it takes the mask, else the efficient one (FA2
-takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
+template's default config; ``gluon``: inference, no graph) and our Gluon kernels both ways
+(``gluon-train``: that forward, then the warp-specialized Gluon backward walking the same
+mask, ``gluon_attention_bwd(..., block_mask=...)``, its default config: gluon_train's
+pairing), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
+the mask, else the efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
 graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
 call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
 
@@ -43,6 +45,7 @@ row's FlexAttention graphs): no row starts after it (those left out are listed),
 backward grid shares what the rows leave.
 
     python benchmarks/masked_fwd_bwd_bench.py [--json out.json] [--budget-s 240] [--no-grid]
+        [--impls gluon-train,flex,ours]   # only these (the grid is "ours-grid")
     TRITON_INTERPRET=1 python benchmarks/masked_fwd_bwd_bench.py --smoke   # CPU: one tiny
         shape, our kernels and the reference only (no Flex, no SDPA, no CUDA timing)
 """
@@ -71,6 +74,7 @@ from templates.device import current_device, interpreter_active  # noqa: E402
 from templates.flash.autograd import flash_attention  # noqa: E402
 from templates.flash.bwd import TEMPLATE as BWD  # noqa: E402
 from templates.flash.bwd import BwdConfig, block_mask_tile_reason, fit_to_block_mask  # noqa: E402
+from templates.gluon.bwd import gluon_attention_bwd  # noqa: E402
 from templates.gluon.fwd import GLUON_MISSING, gluon_attention_fwd  # noqa: E402
 from templates.masks.block_mask import BlockMask, MaskMod  # noqa: E402
 from templates.masks.mods import (  # noqa: E402
@@ -83,7 +87,7 @@ from templates.masks.mods import (  # noqa: E402
 TOKENS, HIDDEN = 16384, 2048
 FWD_BWD_FACTOR = 3.5  # PROTOCOL: forward + backward = 3.5 x the forward's FLOPs
 OUTPUTS = ("o", "dq", "dk", "dv")
-FORWARD_ONLY = ("gluon",)  # no backward: no forward + backward step
+FORWARD_ONLY = ("gluon",)  # an inference forward: no forward + backward step
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Call = Callable[[], tuple[torch.Tensor, ...]]
 
@@ -176,7 +180,7 @@ def dense_mask(mod: MaskMod, seqlen: int, device: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- rows
 @dataclass
 class Measurement:
-    impl: str  # ours, ours-grid, flex, gluon, sdpa-cudnn, sdpa-efficient
+    impl: str  # ours, ours-grid, flex, gluon, gluon-train, sdpa-cudnn, sdpa-efficient
     step: str  # fwd, fwd+bwd
     status: str  # timed; wrong (failed the check, not timed); error (raised, not timed)
     ms: float | None = None
@@ -306,6 +310,32 @@ def gluon(block_mask: BlockMask) -> Attention:
     return attention
 
 
+class _GluonBothWays(torch.autograd.Function):
+    """The Gluon forward, and for the gradient the Gluon backward under the same block mask
+    (fed the forward's o and lse): gluon_train's pair of kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                block_mask: BlockMask) -> torch.Tensor:
+        o, lse = gluon_attention_fwd(q, k, v, block_mask=block_mask)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.block_mask = block_mask
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = gluon_attention_bwd(do, q, k, v, o, lse, block_mask=ctx.block_mask)
+        return dq, dk, dv, None
+
+
+def gluon_train(block_mask: BlockMask) -> Attention:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _GluonBothWays.apply(q, k, v, block_mask)  # type: ignore[no-any-return]
+
+    return attention
+
+
 def gluon_runs(setup: Setup) -> bool:
     """Whether the Gluon forward can run here: a Hopper GPU and a triton with Gluon."""
     return setup.device == "cuda" and not GLUON_MISSING and current_device().family == "hopper"
@@ -359,6 +389,7 @@ def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], At
     built: list[tuple[str, Callable[[], Attention]]] = [("ours", partial(ours, case.block_mask))]
     if gluon_runs(setup):
         built.append(("gluon", partial(gluon, case.block_mask)))
+        built.append(("gluon-train", partial(gluon_train, case.block_mask)))
     if setup.baselines:
         from torch.nn.attention import SDPBackend
 
@@ -368,12 +399,15 @@ def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], At
     return built
 
 
-def measure_row(setup: Setup, head_dim: int, seqlen: int, pattern: str) -> Row:
-    """Ours with default configs, then Gluon (forward only, where it runs), FlexAttention
-    and SDPA (the first backend that runs)."""
+def measure_row(setup: Setup, head_dim: int, seqlen: int, pattern: str,
+                only: frozenset[str] | None = None) -> Row:
+    """Ours with default configs, then Gluon (where it runs: the inference forward, and
+    both Gluon kernels), FlexAttention and SDPA (the first backend that runs)."""
     case = prepare(setup, head_dim, seqlen, pattern)
     row, t = case.row, case.tensors
     for impl, build in implementations(setup, case):
+        if only is not None and impl not in only:
+            continue
         if impl == "sdpa-efficient" and row.timed(("sdpa-cudnn",), "fwd+bwd"):
             break  # cuDNN took the mask: the efficient backend is only its fallback
         try:
@@ -457,10 +491,12 @@ def print_tables(rows: list[Row]) -> None:
             return "-" if m is None else f"{getattr(m, value):.{1 if value == 'tflops' else 3}f}"
 
         print(f"\n{unit}; ours/flex = flex ms / ours ms; gluon/ours = ours ms / gluon ms; "
-              f"best = default or grid backward")
+              f"best = default or grid backward; glu f+b = gluon-train (Gluon both ways), "
+              f"glu/flex = flex f+b ms / gluon-train f+b ms")
         head = (f"{'row':34} {'vis':>5} {'ours fwd':>9} {'flex fwd':>9} {'ours/flex':>9} "
                 f"{'gluon fwd':>9} {'gluon/ours':>10} "
                 f"{'ours f+b':>9} {'best f+b':>9} {'flex f+b':>9} {'best/flex':>9} "
+                f"{'glu f+b':>9} {'glu/flex':>9} "
                 f"{'sdpa fwd':>9} {'sdpa f+b':>9}  sdpa backend")
         print(head)
         print("-" * len(head))
@@ -470,11 +506,13 @@ def print_tables(rows: list[Row]) -> None:
             best, flex_fb = r.timed(("ours", "ours-grid"), "fwd+bwd"), r.timed(("flex",),
                                                                                 "fwd+bwd")
             sdpa_fb = r.timed(sdpa_impls, "fwd+bwd")
+            glu_fb = r.timed(("gluon-train",), "fwd+bwd")
             print(f"{r.name:34} {r.visible_fraction:5.3f} {cell(ours_fwd):>9} "
                   f"{cell(flex_fwd):>9} {ratio(ours_fwd, flex_fwd):>9} "
                   f"{cell(gluon_fwd):>9} {ratio(gluon_fwd, ours_fwd):>10} "
                   f"{cell(r.timed(('ours',), 'fwd+bwd')):>9} {cell(best):>9} "
                   f"{cell(flex_fb):>9} {ratio(best, flex_fb):>9} "
+                  f"{cell(glu_fb):>9} {ratio(glu_fb, flex_fb):>9} "
                   f"{cell(r.timed(sdpa_impls, 'fwd')):>9} {cell(sdpa_fb):>9}  "
                   f"{sdpa_fb.impl if sdpa_fb else '-'}")
     failed = [(r.name, m) for r in rows for m in r.results if m.status != "timed"]
@@ -488,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="wall-clock budget: no new row, and no grid config, after it")
     parser.add_argument("--no-grid", action="store_true", help="default backward config only")
+    parser.add_argument("--impls", help="comma-separated implementations to run (default: "
+                        "all; e.g. gluon-train,flex), the others skipped")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU under TRITON_INTERPRET=1: one tiny shape, ours and the "
                              "reference only")
@@ -498,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         print("masked_fwd_bwd_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     setup = SMOKE if args.smoke else GPU
+    only = frozenset(args.impls.split(",")) if args.impls else None
     start = time.monotonic()
     env = smoke_environment() if args.smoke else environment()
     print(json.dumps(env))
@@ -509,10 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() - start > args.budget_s:
             print(f"budget spent: {len(specs) - i} row(s) not run: {specs[i:]}")
             break
-        rows.append(measure_row(setup, *spec))
+        rows.append(measure_row(setup, *spec, only=only))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for i, row in enumerate([] if args.no_grid else rows):
+    grid = not args.no_grid and (only is None or "ours-grid" in only)
+    for i, row in enumerate(rows if grid else []):
         # Share what is left of the budget among the rows still to run.
         left = args.budget_s - (time.monotonic() - start)
         if left <= 0:
@@ -529,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
              "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"({time.monotonic() - start:.0f} s)")
     print_tables(rows)
-    wrong = any(m.status == "wrong" and (m.impl.startswith("ours") or m.impl == "gluon")
+    wrong = any(m.status == "wrong" and m.impl.startswith(("ours", "gluon"))
                 for r in rows for m in r.results)
     return 1 if wrong else 0
 

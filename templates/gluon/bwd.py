@@ -15,7 +15,10 @@ H200 on every odd case of the GPU tests (2026-11-29), and at d128 1.22-1.29x the
 kernel without it (0.78-0.92x cuDNN's backward, forward + backward 0.86-0.97x), so it is the
 d128 default; at d64 right but not timed yet, so among ``known_good_configs`` for a sweep.
 Still slower than cuDNN's backward: training runs it only where a sweep measures
-``gluon_train`` faster than ``gluon_cudnn_train`` and SDPA.
+``gluon_train`` faster than ``gluon_cudnn_train`` and SDPA. With a block mask (named patterns,
+blocks of 128 x 128, causal "none": the mask's own causality) the warp-specialized kernel
+walks the mask's KV-major lists (``block_mask_reason``); compiled offline, not yet run on a
+GPU (notes/gluon_notes.md, "Block masks in the warp-specialized backward").
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ import torch
 from templates.base import KernelConfig, KernelLaunch, Problem, knob
 from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
+from templates.flash.fwd import check_block_mask
+from templates.gluon.fwd import StandinBlockMask
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
     TORCH_DTYPES,
@@ -130,7 +136,8 @@ class GluonBwdTemplate(GluonTemplate):
                    "tile walks the query tiles of its GQA group (TMA ring of Q/dO/lse/delta, "
                    "async wgmma in the transposed orientation, P^T and dS^T as register "
                    "operands, dS^T staged in shared memory for dQ), dQ by fp32 vector "
-                   "atomics; dense and causal top-left or bottom-right, GQA/MQA, head dim "
+                   "atomics; dense, causal top-left or bottom-right, or a block mask's "
+                   "listed blocks (warp-specialized kernel), GQA/MQA, head dim "
                    "64/128, fp16/bf16. Right on the H100 and H200 (64 x 128 tiles, 3 stages) "
                    "but 0.65-0.74x cuDNN's backward at d128 on the H200: in no spec and not "
                    "used by the dispatcher.")
@@ -140,8 +147,18 @@ class GluonBwdTemplate(GluonTemplate):
     head_dims = HEAD_DIMS
     head_dims_why = ("at 256 the dK/dV accumulators of a 64-key tile alone fill a warpgroup's "
                      "registers")
+    # The warp-specialized kernel walks a block mask's KV-major lists (``block_mask_reason``).
+    block_masks = True
 
     # -- the problem --------------------------------------------------------------------------
+    def unsupported(self, problem: Problem) -> str | None:
+        reason = super().unsupported(problem)
+        if reason is None and problem.mask != "none" and problem.causal != "none":
+            return (f"a block mask carries its own causality (the *_causal patterns): "
+                    f"gluon_bwd takes mask {problem.mask!r} with causal 'none', not "
+                    f"{problem.causal!r}")
+        return reason
+
     def flops(self, problem: Problem) -> float:
         return FLASH_BWD.flops(problem)  # 2.5 x the forward's, as flash_bwd's
 
@@ -174,6 +191,10 @@ class GluonBwdTemplate(GluonTemplate):
         reason = _warp_specialize_problem(cfg)
         if reason:
             return reason
+        if problem.mask != "none":  # sweep problems' masks have the default block size
+            reason = block_mask_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
+            if reason:
+                return reason
         # Measured wrong on the H100, causes not found (notes/gluon_notes.md, "Third GPU run"):
         # only 64 x 128 tiles over two warpgroups with a ring of three gave right gradients.
         if cfg.consumers == 1:
@@ -211,6 +232,29 @@ class GluonBwdTemplate(GluonTemplate):
                 return candidate
         raise RuntimeError(f"no gluon_bwd config fits {problem.key()} on {device.name}")
 
+    def run_constraint(self, problem: Problem, config: KernelConfig, device: DeviceInfo,
+                       mask_block: tuple[int, int] | None) -> str | None:
+        """``constraint`` for a call (``problem`` without its mask) whose block mask, if any,
+        has blocks ``mask_block``."""
+        cfg = self.config(config)
+        assert isinstance(cfg, GluonBwdConfig)
+        reason = self.constraint(problem, cfg, device)
+        if reason is None and mask_block is not None:
+            reason = block_mask_reason(cfg, mask_block)
+        return reason
+
+    def run_default(self, problem: Problem, device: DeviceInfo,
+                    mask_block: tuple[int, int] | None) -> GluonBwdConfig:
+        reasons = []
+        for candidate in _candidates(problem):
+            reason = self.run_constraint(problem, candidate, device, mask_block)
+            if reason is None:
+                return candidate
+            reasons.append(reason)
+        blocks = f" with a block mask of blocks {mask_block}" if mask_block else ""
+        raise ValueError(f"no gluon_bwd config fits {problem.key()}{blocks} on {device.name}: "
+                         f"{reasons[0]}")
+
     def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
         """The alternatives to the default a sweep measures first: at d64 the larger query
         step and the warp-specialized kernel (right on the H200, not timed); at d128 the
@@ -220,7 +264,8 @@ class GluonBwdTemplate(GluonTemplate):
 
     # -- running and checking -----------------------------------------------------------------
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
-        """flash_bwd's: random q, k, v, do and the forward's o and lse."""
+        """flash_bwd's: random q, k, v, do, the forward's o and lse, and the block mask of
+        ``problem.mask`` (if any) under ``block_mask``."""
         return FLASH_BWD.make_inputs(problem, device, seed)
 
     def run(self, inputs: Mapping[str, Any], config: KernelConfig) -> Any:
@@ -228,7 +273,8 @@ class GluonBwdTemplate(GluonTemplate):
         assert isinstance(cfg, GluonBwdConfig)
         return gluon_attention_bwd(inputs["do"], inputs["q"], inputs["k"], inputs["v"],
                                    inputs["o"], inputs["lse"], causal=inputs["causal"],
-                                   scale=inputs["scale"], config=cfg)
+                                   scale=inputs["scale"], config=cfg,
+                                   block_mask=inputs.get("block_mask"))
 
     def kernel_launches(self, problem: Problem, config: KernelConfig) -> list[KernelLaunch] | None:
         """The two Triton launches ``run`` makes (preprocess, main), over stand-in tensors
@@ -242,9 +288,18 @@ class GluonBwdTemplate(GluonTemplate):
         q_shape = [problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim]
         kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
         q, k = StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape)
-        plan_cls = module.WsLaunchPlan if cfg.warp_specialize else module.LaunchPlan
-        plan = plan_cls(q, k, causal_mode=problem.causal,
-                        scale=1.0 / math.sqrt(problem.head_dim), config=cfg.to_dict())
+        scale = 1.0 / math.sqrt(problem.head_dim)
+        if problem.mask != "none":
+            if block_mask_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)):
+                return None
+            # The KV-major lists of a default-size mask: (N_kv, N_q) in (KV, query) blocks.
+            kv_major = StandinBlockMask(problem.seqlen_kv, problem.seqlen_q)
+            plan = module.WsLaunchPlan(q, k, causal_mode=problem.causal, scale=scale,
+                                       config=cfg.to_dict(), kv_major_mask=kv_major)
+        else:
+            plan_cls = module.WsLaunchPlan if cfg.warp_specialize else module.LaunchPlan
+            plan = plan_cls(q, k, causal_mode=problem.causal, scale=scale,
+                            config=cfg.to_dict())
         rows = StandinTensor(torch.float32, list(plan.rows_shape))
         lse = StandinTensor(torch.float32, q_shape[:3])
         pre_args = plan.preprocess_args(StandinTensor(dtype, q_shape),
@@ -329,6 +384,22 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
     return None
 
 
+def block_mask_reason(config: GluonBwdConfig, block_size: tuple[int, int]) -> str | None:
+    """Why ``config`` cannot walk a block mask of ``block_size`` (query, kv), None if it
+    can: the warp-specialized kernel walks masks of the sweeps' default blocks."""
+    if not config.warp_specialize:
+        return ("only the warp-specialized kernel walks a block mask (its load warp walks the "
+                "mask's KV-major lists): use warp_specialize=True")
+    if tuple(block_size) != (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE):
+        return (f"gluon_bwd walks block masks of {DEFAULT_BLOCK_SIZE} x {DEFAULT_BLOCK_SIZE} "
+                f"blocks (the sweeps' default; the only ones verified), but got a block mask "
+                f"of blocks {tuple(block_size)}")
+    if DEFAULT_BLOCK_SIZE % config.BLOCK_M or DEFAULT_BLOCK_SIZE % config.BLOCK_N:
+        return (f"BLOCK_M ({config.BLOCK_M}) and BLOCK_N ({config.BLOCK_N}) must divide the "
+                f"block mask's block size {tuple(block_size)}")
+    return None
+
+
 def _kernel_module(cfg: GluonBwdConfig) -> Any:
     """The kernel module ``cfg`` runs."""
     return ws_kernel if cfg.warp_specialize else kernel
@@ -345,9 +416,11 @@ def compile_for(problem: Problem, config: KernelConfig) -> list[Any]:
 def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         o: torch.Tensor, lse: torch.Tensor, *, causal: bool | str = False,
                         scale: float | None = None,
-                        config: GluonBwdConfig | Mapping[str, object] | None = None
+                        config: GluonBwdConfig | Mapping[str, object] | None = None,
+                        block_mask: BlockMask | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward on a Hopper GPU: (dq, dk, dv) of o = softmax(scale q k^T [causal]) v.
+    """Attention backward on a Hopper GPU: (dq, dk, dv) of o = softmax(scale q k^T [causal]
+    [masked]) v.
 
     Args:
         do, q, o: (B, H_q, N_q, D) float16 or bfloat16 on a CUDA device of compute capability
@@ -359,6 +432,9 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         causal: False / "none"; True / "top_left"; "bottom_right" (as the forwards).
         scale: softmax scale, default 1/sqrt(D); must be the forward's.
         config: a ``GluonBwdConfig`` or a mapping of its fields; None takes the default.
+        block_mask: the forward's ``BlockMask`` (blocks of 128 x 128; its causality is its
+            own, so causal must be "none"), or None. The warp-specialized kernel walks, per
+            KV tile, only the query blocks its transposed lists give.
 
     Returns:
         dq, dk, dv contiguous in the inputs' dtype and shapes. dq is summed with fp32
@@ -371,10 +447,19 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if kernel is None:
         raise RuntimeError(GLUON_MISSING)
     causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
-    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
-    assert isinstance(cfg, GluonBwdConfig)
-    return _kernel_module(cfg).launch(do, q, k, v, o, lse, causal_mode=causal_mode,
-                                      scale=softmax_scale, config=cfg.to_dict())
+    if block_mask is None:
+        cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
+        assert isinstance(cfg, GluonBwdConfig)
+        return _kernel_module(cfg).launch(do, q, k, v, o, lse, causal_mode=causal_mode,
+                                          scale=softmax_scale, config=cfg.to_dict())
+    check_block_mask(block_mask, q, k)
+    if causal_mode != "none":
+        raise ValueError(f"causal must be 'none' with a block_mask (the mask carries its own "
+                         f"causality), but got {causal!r}")
+    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config, block_mask.block_size)
+    assert isinstance(cfg, GluonBwdConfig) and cfg.warp_specialize
+    return ws_kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
+                            config=cfg.to_dict(), block_mask=block_mask)
 
 
 TEMPLATE = GluonBwdTemplate()

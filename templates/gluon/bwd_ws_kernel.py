@@ -18,12 +18,22 @@ accumulator cast at the end), with the work of a program split over three partit
     one buffer while the other is being added, so it waits on the reduce only when the
     reduce takes longer than a whole step.
 
+With a block mask (``SPARSE``) a program walks, for each query head of its group, only the
+query blocks the mask's *transposed* lists give for its KV block (``BlockMask.transposed``:
+per KV block, its full then its partial query blocks, ascending), each mask block of
+MASK_BLOCK_Q rows as MASK_BLOCK_Q / BLOCK_M steps; full blocks take the unmasked maths,
+partial ones hide what their (transposed, keys x queries) uint8 tile hides in P^T, so dS^T
+too. Causality is the mask's own (CAUSAL False). The three partitions run the same walk
+(``_mask_head`` and ``_mask_step``): the load warp issues the step's loads, the MMA warps
+compute it, the dQ warp adds its dQ tile where the walk says.
+
 dq is not bitwise deterministic (the reduces of the programs of one query tile land in any
 order); dk and dv are.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +54,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the standalone entry's
     DEBUG,
+    PREPROCESS_ROWS,
     LaunchPlan,
     host_smem_layout,
     launch_plan,
@@ -117,16 +128,59 @@ def _step_rows(t, n_q_steps, h0, first_row, BLOCK_M: gl.constexpr):
     return h0 + t // per_head, first_row + (t % per_head) * BLOCK_M
 
 
+# ----------------------------------------------------------------------------- the mask walk
+@gluon.jit
+def _mask_head(FullCounts, PartialCounts, b, h, n0, stride_cb, stride_ch, stride_ib, stride_ih,
+               stride_iq, BLOCK_M: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+               MASK_BLOCK_KV: gl.constexpr):
+    """(SPARSE) The walk of query head h for the KV tile from key n0, from the transposed
+    mask's lists (rows = KV blocks): (offset of the tile's list row, its full blocks, its
+    steps). A step is BLOCK_M rows of a listed query block: full blocks' steps first."""
+    SUB: gl.constexpr = MASK_BLOCK_Q // BLOCK_M
+    kv_row = n0 // MASK_BLOCK_KV
+    counts = b * stride_cb + h * stride_ch + kv_row
+    lrow = b * stride_ib + h * stride_ih + kv_row * stride_iq
+    n_full = gl.load(FullCounts + counts)
+    n_partial = gl.load(PartialCounts + counts)
+    return lrow, n_full, (n_full + n_partial) * SUB
+
+
+@gluon.jit
+def _mask_step(FullIndices, PartialIndices, PartialTileIds, PartialTiles, lrow, n_full, j, n0,
+               BLOCK_M: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+               MASK_BLOCK_KV: gl.constexpr):
+    """(SPARSE) Step j of a head's walk (``_mask_head``): (first query row, whether its block
+    is partial, where the step's keys x queries uint8 tile starts: row ``n0 % MASK_BLOCK_KV``
+    of the block's transposed tile, its columns of this step's queries; unused for a full
+    block). Slot 0 of a list row is readable even where the row lists nothing."""
+    SUB: gl.constexpr = MASK_BLOCK_Q // BLOCK_M
+    slot = j // SUB
+    sub = j % SUB
+    partial = slot >= n_full
+    p_slot = gl.maximum(slot - n_full, 0)
+    if partial:
+        block = gl.load(PartialIndices + lrow + p_slot)
+    else:
+        block = gl.load(FullIndices + lrow + slot)
+    tile_id = gl.load(PartialTileIds + lrow + p_slot)
+    tile_base = (PartialTiles + tile_id.to(gl.int64) * (MASK_BLOCK_Q * MASK_BLOCK_KV)
+                 + (n0 % MASK_BLOCK_KV) * MASK_BLOCK_Q + sub * BLOCK_M)
+    return block * MASK_BLOCK_Q + sub * BLOCK_M, partial, tile_base
+
+
 # ----------------------------------------------------------------------------- the load warp
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                     dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                     ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
                     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
-                    qk_scale, sm_scale,
+                    qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+                    PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
+                    stride_ib, stride_ih, stride_iq,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                    DEBUG: gl.constexpr):
+                    SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                    MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr):
     """K and V once, then step t's Q, dO, lse2 and delta into slot t % STAGES once the MMA
     partition has released it (the empty barrier's previous phase; a fresh barrier passes)."""
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
@@ -135,18 +189,41 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
     tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
+    if SPARSE:
+        step = n0 * 0
+        for g in range(GROUP):
+            lrow, n_full, n_head = _mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
+                                              stride_cb, stride_ch, stride_ib, stride_ih,
+                                              stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            for j in range(n_head):
+                m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
+                                                    PartialTileIds, PartialTiles, lrow, n_full,
+                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                           delta_bufs, ready, empty, step, b, h0 + g, m0, H_Q, N_Q_PAD, STAGES)
+                step += 1
+    else:
+        for t in range(n_steps):
+            h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                       delta_bufs, ready, empty, t, b, h, m0, H_Q, N_Q_PAD, STAGES)
+
+
+@gluon.jit
+def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
+               ready, empty, t, b, h, m0, H_Q, N_Q_PAD, STAGES: gl.constexpr):
+    """Step t's Q, dO, lse2 and delta (query head h, rows from m0) into slot t % STAGES once
+    the MMA partition has released it."""
     step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + 2 * lse_desc.block_type.nbytes)
-    for t in range(n_steps):
-        slot = t % STAGES
-        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
-        row0 = (b * H_Q + h) * N_Q_PAD + m0
-        mbarrier.expect(ready.index(slot), step_bytes)
-        tma_load(q_desc, [b, h, m0, 0], ready.index(slot), q_bufs.index(slot))
-        tma_load(do_desc, [b, h, m0, 0], ready.index(slot), do_bufs.index(slot))
-        tma_load(lse_desc, [row0], ready.index(slot), lse_bufs.index(slot))
-        tma_load(delta_desc, [row0], ready.index(slot), delta_bufs.index(slot))
+    slot = t % STAGES
+    mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+    row0 = (b * H_Q + h) * N_Q_PAD + m0
+    mbarrier.expect(ready.index(slot), step_bytes)
+    tma_load(q_desc, [b, h, m0, 0], ready.index(slot), q_bufs.index(slot))
+    tma_load(do_desc, [b, h, m0, 0], ready.index(slot), do_bufs.index(slot))
+    tma_load(lse_desc, [row0], ready.index(slot), lse_bufs.index(slot))
+    tma_load(delta_desc, [row0], ready.index(slot), delta_bufs.index(slot))
 
 
 # ----------------------------------------------------------------------------- the dQ warp
@@ -155,35 +232,60 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
                   dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                   ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
                   N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
-                  qk_scale, sm_scale,
+                  qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+                  PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
+                  stride_ib, stride_ih, stride_iq,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                  DEBUG: gl.constexpr):
+                  SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                  MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr):
     """Step t's dQ tile, staged in buffer t % DQ_BUFFERS, added into the accumulator's rows
     of its query head by one TMA bulk reduce (rows past N_q are dropped by the TMA unit);
     the buffer goes back to the MMA partition once the reduce is done with it."""
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
-    for t in range(n_steps):
-        buf = t % DQ_BUFFERS
-        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
-        mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
-        if (DEBUG & 16) == 0:
-            tma_reduce_add(dq_desc, [b * H_Q + h, m0, 0], dq_bufs.index(buf))
-        tma.store_wait(0)
-        mbarrier.arrive(dq_empty.index(buf))
+    if SPARSE:
+        step = n0 * 0
+        for g in range(GROUP):
+            lrow, n_full, n_head = _mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
+                                              stride_cb, stride_ch, stride_ib, stride_ih,
+                                              stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            for j in range(n_head):
+                m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
+                                                    PartialTileIds, PartialTiles, lrow, n_full,
+                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, step, b * H_Q + h0 + g, m0,
+                         DQ_BUFFERS, DEBUG)
+                step += 1
+    else:
+        for t in range(n_steps):
+            h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0, DQ_BUFFERS, DEBUG)
+
+
+@gluon.jit
+def _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, DQ_BUFFERS: gl.constexpr,
+             DEBUG: gl.constexpr):
+    """Step t's staged dQ tile (rows from m0 of head row bh) added by one TMA reduce."""
+    buf = t % DQ_BUFFERS
+    mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
+    if (DEBUG & 16) == 0:
+        tma_reduce_add(dq_desc, [bh, m0, 0], dq_bufs.index(buf))
+    tma.store_wait(0)
+    mbarrier.arrive(dq_empty.index(buf))
 
 
 # ----------------------------------------------------------------------------- the MMA warps
 @gluon.jit
 def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
-             m0, n0, N_KV, causal_offset, qk_scale, sm_scale,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-             DEBUG: gl.constexpr):
+             m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
+             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_WARPS: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr):
     """One step of ``bwd_kernel._bwd_step``'s maths (same GEMMs, same orientation, same
     operands) that returns its dQ tile instead of adding it: (dk, dv, dq), every GEMM of
-    the step completed."""
+    the step completed. TILE: a block mask's partial block, whose keys x queries uint8 tile
+    (rows MASK_BLOCK_Q apart from ``tile_base``) hides P^T's zeros, so dS^T's too."""
     dtype: gl.constexpr = q_smem.dtype
     st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
     kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
@@ -199,9 +301,16 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
 
+    if TILE:  # read under the GEMMs
+        tile_offs = (gl.expand_dims((offs_n - n0) * MASK_BLOCK_Q, 1)
+                     + gl.expand_dims(offs_m - m0, 0))
+        keep = gl.load(tile_base + tile_offs) != 0
+
     s_t = warpgroup_mma_wait(1, deps=(s_tok,))
     lse2 = lse_smem.load(cols)
     p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
+    if TILE:  # a where, not a product: a hidden score's exp2 may be inf
+        p_t = gl.where(keep, p_t, 0.0)
     p16 = p_t.to(dtype)
     p_op = gl.convert_layout(p16, a_layout)
     dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
@@ -226,14 +335,64 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
 
 
 @gluon.jit
+def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem,
+              ready, empty, dq_full, dq_empty, t, m0, n0, N_KV, causal_offset, qk_scale,
+              sm_scale, masked, tile_base, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              DQ_BUFFERS: gl.constexpr, NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr,
+              MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr):
+    """Step t (query rows from m0, in ring slot t % STAGES): its GEMMs, the masked maths
+    where ``masked`` (dense: causal diagonal or N_kv tail; SPARSE: a partial block, its tile
+    at ``tile_base``), its dQ tile handed to the dQ warp. Returns (dk, dv)."""
+    slot = t % STAGES
+    mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+    # An index LLVM cannot see is 0, so K's and V's shared-memory descriptors are
+    # rebuilt each step instead of held across it (bwd_kernel: hoisted, they spilled).
+    zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    k_smem = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+    v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+    q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    # A partial block's tile replaces the dense mask (SPARSE runs without CAUSAL).
+    if masked:
+        dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                              lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
+                              causal_offset, qk_scale, sm_scale, tile_base, not SPARSE,
+                              CAUSAL, SPARSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+                              MASK_BLOCK_Q, DEBUG)
+    else:
+        dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                              lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
+                              causal_offset, qk_scale, sm_scale, tile_base, False, CAUSAL,
+                              False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, MASK_BLOCK_Q,
+                              DEBUG)
+    # dQ into a free staging buffer (the dQ warp's reduce of its previous tile has read
+    # it), made visible to the TMA unit; after the barrier every warp's GEMMs of this
+    # step have completed (each waited for its own): the ring slot goes back to the load
+    # warp, dS^T may be overwritten by the next step, and the tile goes to the dQ warp.
+    buf = t % DQ_BUFFERS
+    mbarrier.wait(dq_empty.index(buf), ((t // DQ_BUFFERS) & 1) ^ 1)
+    dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+    fence_async_shared()
+    warps_barrier()
+    mbarrier.arrive(empty.index(slot))
+    mbarrier.arrive(dq_full.index(buf))
+    return dk, dv
+
+
+@gluon.jit
 def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                    delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
                    dq_bufs, ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
                    N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
-                   qk_scale, sm_scale,
+                   qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+                   PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
+                   stride_ib, stride_ih, stride_iq,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                   DEBUG: gl.constexpr):
+                   SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr):
     """Every step's GEMMs and softmax; dK and dV summed in registers and stored by TMA at the
     end (through K's and V's buffers); each step's dQ tile handed to the dQ warp."""
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
@@ -245,39 +404,33 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     # K and V have landed before anything reads them or (no step at all) dK/dV overwrite them.
     mbarrier.wait(kv_ready, 0)
-    for t in range(n_steps):
-        slot = t % STAGES
-        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        # An index LLVM cannot see is 0, so K's and V's shared-memory descriptors are
-        # rebuilt each step instead of held across it (bwd_kernel: hoisted, they spilled).
-        zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-        k_smem = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
-        v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
-        q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        if m0 < full_row:
-            dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                  lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
-                                  causal_offset, qk_scale, sm_scale, True, CAUSAL, HEAD_DIM,
-                                  BLOCK_M, BLOCK_N, NUM_WARPS, DEBUG)
-        else:
-            dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                  lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
-                                  causal_offset, qk_scale, sm_scale, False, CAUSAL, HEAD_DIM,
-                                  BLOCK_M, BLOCK_N, NUM_WARPS, DEBUG)
-        # dQ into a free staging buffer (the dQ warp's reduce of its previous tile has read
-        # it), made visible to the TMA unit; after the barrier every warp's GEMMs of this
-        # step have completed (each waited for its own): the ring slot goes back to the load
-        # warp, dS^T may be overwritten by the next step, and the tile goes to the dQ warp.
-        buf = t % DQ_BUFFERS
-        mbarrier.wait(dq_empty.index(buf), ((t // DQ_BUFFERS) & 1) ^ 1)
-        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
-        fence_async_shared()
-        warps_barrier()
-        mbarrier.arrive(empty.index(slot))
-        mbarrier.arrive(dq_full.index(buf))
+    if SPARSE:
+        step = n0 * 0
+        for g in range(GROUP):
+            lrow, n_full, n_head = _mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
+                                              stride_cb, stride_ch, stride_ib, stride_ih,
+                                              stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            for j in range(n_head):
+                m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
+                                                    PartialTileIds, PartialTiles, lrow, n_full,
+                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                # Causality is the mask's: a full block sees every pair, a partial one what
+                # its tile keeps (keys past N_kv included: they are never visible).
+                dk, dv = _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs,
+                                   delta_bufs, dq_bufs, ds_smem, ready, empty, dq_full,
+                                   dq_empty, step, m0, n0, N_KV, causal_offset, qk_scale,
+                                   sm_scale, partial, tile_base, False, HEAD_DIM, BLOCK_M,
+                                   BLOCK_N, STAGES, DQ_BUFFERS, NUM_WARPS, True,
+                                   MASK_BLOCK_Q, DEBUG)
+                step += 1
+    else:
+        for t in range(n_steps):
+            h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            dk, dv = _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                               dq_bufs, ds_smem, ready, empty, dq_full, dq_empty, t, m0, n0,
+                               N_KV, causal_offset, qk_scale, sm_scale, m0 < full_row, None,
+                               CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS,
+                               NUM_WARPS, False, MASK_BLOCK_Q, DEBUG)
 
     # dK and dV leave through K's and V's buffers (every GEMM reading them has completed) and
     # TMA stores, which drop the rows past N_kv. A tile no query sees stores zeros.
@@ -292,13 +445,20 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "H_KV", "GROUP",
-                              "n_kv_tiles", "n_q_tiles"])
+                              "n_kv_tiles", "n_q_tiles", "stride_cb", "stride_ch",
+                              "stride_ib", "stride_ih", "stride_iq"])
 def _gluon_bwd_ws_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+    # The transposed block mask's lists (``BlockMask.kernel_args`` order); unused (dense
+    # launches pass stand-ins) unless SPARSE.
+    FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-    LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, DEBUG: gl.constexpr = 0,
+    LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, SPARSE: gl.constexpr = False,
+    MASK_BLOCK_Q: gl.constexpr = 128, MASK_BLOCK_KV: gl.constexpr = 128,
+    DEBUG: gl.constexpr = 0,
 ):
     # Program -> (KV tile, batch, kv head), as bwd_kernel's (``_program_walk``).
     dtype: gl.constexpr = q_desc.dtype
@@ -340,18 +500,24 @@ def _gluon_bwd_ws_kernel(
         (_mma_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-          CAUSAL, DQ_BUFFERS, DEBUG)),
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+          PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+          stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-          CAUSAL, DQ_BUFFERS, DEBUG)),
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+          PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+          stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
         (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-          CAUSAL, DQ_BUFFERS, DEBUG)),
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+          PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+          stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
     ],
                        [1, 1], [LOAD_REGS, LOAD_REGS])
 
@@ -359,13 +525,20 @@ def _gluon_bwd_ws_kernel(
 # ----------------------------------------------------------------------------- host side
 class WsLaunchPlan(LaunchPlan):
     """``bwd_kernel.LaunchPlan`` (grids, preprocess, descriptors) for the warp-specialized
-    kernel: its options, and dq_accum's TMA descriptor for the reduce."""
+    kernel: its options, and dq_accum's TMA descriptor for the reduce.
+
+    ``kv_major_mask``: for a block-masked backward, the mask's KV-major lists
+    (``BlockMask.transposed``: per KV block, the query blocks that see it; anything with
+    its ``block_size`` (KV, query) and ``kernel_args()``), None for a dense or causal one."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
-                 config: Mapping[str, Any]) -> None:
+                 config: Mapping[str, Any], kv_major_mask: Any = None) -> None:
         super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config)
         batch, heads_q, seqlen_q, head_dim = q.shape
         block_m = int(config["BLOCK_M"])
+        self.mask_args = None
+        if kv_major_mask is not None:
+            self._plan_mask_walk(kv_major_mask, causal_mode, block_m, int(config["BLOCK_N"]))
         # dq_accum as (B H_q, N_q, D): a box of one head's BLOCK_M rows (those past N_q are
         # dropped by the TMA unit), fp32 in the 128-byte swizzle.
         self.dq_shape = (batch * heads_q, seqlen_q, head_dim)
@@ -378,9 +551,33 @@ class WsLaunchPlan(LaunchPlan):
             num_warps=MMA_WARPS, maxnreg=MAX_REGS)
         # bwd_kernel's switches this kernel honours: 4 (no dQ GEMM, a zero tile is handed
         # over) and 16 (no dQ reduce).
+        if self.mask_args is not None:
+            block_kv, block_q = kv_major_mask.block_size
+            self.options.update(SPARSE=True, MASK_BLOCK_Q=block_q, MASK_BLOCK_KV=block_kv)
         debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
         if debug:
             self.options["DEBUG"] = debug
+
+    def _plan_mask_walk(self, kv_major_mask: Any, causal_mode: str, block_m: int,
+                        block_n: int) -> None:
+        """Check the mask's blocks against the tiles and pad the row vectors to whole mask
+        blocks: a listed query block is walked whole (its last step may lie past N_q; its
+        rows then read zeros and lse2 = +inf, so they add nothing, and their dQ rows are
+        dropped by the TMA unit)."""
+        block_kv, block_q = kv_major_mask.block_size
+        if causal_mode != "none":
+            raise ValueError(f"a block mask carries its own causality: causal must be 'none' "
+                             f"with it, but got {causal_mode!r}")
+        if block_q % block_m or block_kv % block_n:
+            raise ValueError(f"BLOCK_M ({block_m}) and BLOCK_N ({block_n}) must divide the "
+                             f"block mask's block size {(block_q, block_kv)} (query, kv)")
+        n_blocks = -(-self.seqlen_q // block_q)
+        self.rows_pad = n_blocks * block_q
+        self.pre_tiles = self.rows_pad // PREPROCESS_ROWS
+        self.pre_grid = (self.pre_tiles * self.rows_shape[0] * self.rows_shape[1],)
+        self.rows_shape = (self.rows_shape[0], self.rows_shape[1], self.rows_pad)
+        self.scalars[7] = self.rows_pad // block_m  # n_q_tiles: the kernel's N_Q_PAD / BLOCK_M
+        self.mask_args = list(kv_major_mask.kernel_args())
 
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,
                   lse2: Any, delta: Any) -> list[Any]:
@@ -389,7 +586,8 @@ class WsLaunchPlan(LaunchPlan):
         # takes the accumulator's TMA descriptor there.
         assert args[8] is dq_accum
         args[8] = self._dq_descriptor(dq_accum)
-        return args
+        # Dense launches pass lse2 for the mask's pointers and zero strides (never read).
+        return args + (self.mask_args or [lse2] * 6 + [0] * 5)
 
     def _dq_descriptor(self, dq_accum: Any) -> Any:
         """dq_accum (contiguous (B, H_q, N_q, D) fp32) seen as (B H_q, N_q, D)."""
@@ -403,9 +601,12 @@ class WsLaunchPlan(LaunchPlan):
 
 def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            o: torch.Tensor, lse: torch.Tensor, *, causal_mode: str, scale: float,
-           config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           config: Mapping[str, Any], block_mask: Any = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the warp-specialized backward on validated CUDA inputs (``bwd_kernel.launch``'s
-    contract)."""
-    return launch_plan(WsLaunchPlan, do, q, k, v, o, lse, causal_mode=causal_mode, scale=scale,
-                       config=config)
+    contract); ``block_mask``: the forward's BlockMask (checked by the caller against q and
+    k), whose KV-major lists the kernel walks, or None."""
+    kv_major = None if block_mask is None else block_mask.transposed
+    return launch_plan(functools.partial(WsLaunchPlan, kv_major_mask=kv_major), do, q, k, v,
+                       o, lse, causal_mode=causal_mode, scale=scale, config=config)
 

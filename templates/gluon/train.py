@@ -6,7 +6,9 @@ prices both beside ``torch_sdpa_train`` and runs the fastest measured, so the da
 passes cuDNN's on a problem the training step there runs our kernels alone, with no change
 anywhere else. Its knobs are the Gluon forward's (``GluonFwdConfig``); the backward takes its
 template's default for the problem. Dense and causal problems (top-left, or bottom-right),
-head dims the backward takes (64, 128); no block masks.
+head dims the backward takes (64, 128), and block masks of the named patterns with causal
+"none" (the mask carries its causality): the Gluon forward and the warp-specialized Gluon
+backward both walk the mask's blocks (128 x 128).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from templates.base import KernelConfig, Problem
+from templates.flash.bwd import reference_grads
 from templates.gluon import bwd as gluon_bwd
 from templates.gluon import fwd
 from templates.gluon import training as gluon_training
@@ -35,17 +38,36 @@ class GluonTrainTemplate(GluonTrainingTemplate):
         return [*super().source_modules(), fwd.__name__, gluon_training.__name__,
                 gluon_bwd.__name__]
 
+    # Both kernels walk block masks (the backward: its warp-specialized kernel).
+    block_masks = True
+
     def unsupported(self, problem: Problem) -> str | None:
-        reason = super().unsupported(problem)
-        if reason or problem.mask != "none":
-            return reason
-        return gluon_bwd.TEMPLATE.unsupported(problem)
+        # The Gluon forward's refusals (GluonTrainingTemplate's "dense only" is cuDNN's
+        # backward's), then the backward's: causal "none" under a mask, head dims 64/128.
+        reason = fwd.GluonFwdTemplate.unsupported(self, problem)
+        return reason or gluon_bwd.TEMPLATE.unsupported(problem)
+
+    def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
+        """Random q, k, v and do, and the block mask of ``problem.mask`` (if any) under
+        ``block_mask``, as gluon_fwd's."""
+        inputs = super().make_inputs(problem, device, seed)
+        if problem.mask != "none":
+            inputs["block_mask"] = fwd.pattern_mask(problem.mask, problem.seqlen_q,
+                                                    problem.seqlen_kv, str(device))
+        return inputs
 
     def backward(self, inputs: Mapping[str, Any], o: torch.Tensor, lse: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return gluon_bwd.gluon_attention_bwd(inputs["do"], inputs["q"], inputs["k"],
                                              inputs["v"], o, lse, causal=inputs["causal"],
-                                             scale=inputs["scale"])
+                                             scale=inputs["scale"],
+                                             block_mask=inputs.get("block_mask"))
+
+    def reference(self, inputs: Mapping[str, Any]) -> Any:
+        block_mask = inputs.get("block_mask")
+        return reference_grads(inputs["q"], inputs["k"], inputs["v"], inputs["do"],
+                               causal=inputs["causal"], scale=inputs["scale"],
+                               mask=None if block_mask is None else block_mask.to_dense())
 
     def standalone_source(self, config: KernelConfig) -> str:
         raise NotImplementedError(

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from templates.attention_reference import attention_reference
+from templates.flash.bwd import reference_grads
 from tests.benchmarks.benchmark_scripts import BENCHMARKS, load_benchmark_script
 
 SCRIPT = BENCHMARKS / "masked_fwd_bwd_bench.py"
@@ -121,34 +122,51 @@ def test_a_matching_output_is_timed_and_counts_visible_flops(bench: ModuleType,
 
 
 # ----------------------------------------------------------------------------- Gluon
-def test_gluon_where_it_runs_is_checked_and_timed_forward_only(
+def test_gluon_where_it_runs_is_checked_and_timed_both_ways(
         bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """On a Hopper GPU with Gluon: its forward beside ours, checked, timed, in the table
-    (stood in for by the reference here: Gluon kernels need a Hopper GPU)."""
+    """On a Hopper GPU with Gluon: its inference forward beside ours, and both Gluon kernels
+    (``gluon-train``: the forward, then the Gluon backward under the same mask), checked,
+    timed, in the table (stood in for by the reference here: Gluon kernels need a Hopper
+    GPU)."""
     assert not bench.gluon_runs(bench.SMOKE)
-    masks: list[Any] = []
+    forwards: list[tuple[Any, bool]] = []
+    backwards: list[Any] = []
 
     def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                            block_mask: Any) -> tuple[torch.Tensor, None]:
-        assert not (q.requires_grad or k.requires_grad or v.requires_grad)
-        masks.append(block_mask)
-        o, _ = attention_reference(q, k, v, causal="none", scale=q.shape[-1] ** -0.5,
-                                   mask=block_mask.to_dense())
-        return o.to(q.dtype), None
+                            block_mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        forwards.append((block_mask, torch.is_grad_enabled() and q.requires_grad))
+        o, lse = attention_reference(q.detach(), k.detach(), v.detach(), causal="none",
+                                     scale=q.shape[-1] ** -0.5, mask=block_mask.to_dense())
+        return o.to(q.dtype), lse.float()
+
+    def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
+                            block_mask: Any) -> tuple[torch.Tensor, ...]:
+        backwards.append(block_mask)
+        grads = reference_grads(q, k, v, do, causal="none", scale=q.shape[-1] ** -0.5,
+                                mask=block_mask.to_dense())
+        return tuple(g.to(q.dtype) for g in grads)
 
     monkeypatch.setattr(bench, "gluon_runs", lambda setup: True)
     monkeypatch.setattr(bench, "gluon_attention_fwd", gluon_attention_fwd)
+    monkeypatch.setattr(bench, "gluon_attention_bwd", gluon_attention_bwd)
     setup = dataclasses.replace(bench.SMOKE, timer=lambda call: 2.0)
     row = bench.measure_row(setup, 16, 64, "sliding-causal:8")
     assert [(m.impl, m.step, m.status) for m in row.results] == [
-        ("ours", "fwd", "timed"), ("ours", "fwd+bwd", "timed"), ("gluon", "fwd", "timed")]
-    assert len(masks) == 1 and masks[0].block_size == (32, 32)  # checked once, then timed
-    assert list(row.results[2].errors) == ["o"]
+        ("ours", "fwd", "timed"), ("ours", "fwd+bwd", "timed"), ("gluon", "fwd", "timed"),
+        ("gluon-train", "fwd", "timed"), ("gluon-train", "fwd+bwd", "timed")]
+    # Checked once each, then timed; every call under the row's mask; no graph in a forward.
+    assert len(forwards) == 3 and len(backwards) == 1
+    assert all(m.block_size == (32, 32) and not graph for m, graph in forwards)
+    assert list(row.results[4].errors) == ["o", "dq", "dk", "dv"]
     bench.print_tables([row])
     table = capsys.readouterr().out
-    assert "gluon fwd" in table and "gluon/ours" in table
+    assert "gluon fwd" in table and "gluon/ours" in table and "glu f+b" in table
     assert "1.00x" in table  # gluon/ours: both 2 ms (ours/flex and best/flex: no Flex, "-")
+    only = bench.measure_row(setup, 16, 64, "sliding-causal:8",
+                             only=frozenset({"gluon-train"}))
+    assert {m.impl for m in only.results} == {"gluon-train"}
 
 
 # ----------------------------------------------------------------------------- the smoke run

@@ -528,10 +528,10 @@ def test_unsupported_problems() -> None:
         Problem(1, 2, 2, 256, 256, 64, mask="sliding:x")))
     if not GLUON_MISSING:
         assert TEMPLATE.unsupported(Problem(1, 2, 2, 256, 256, 64, mask="sliding:128")) is None
-    from templates.gluon.bwd import TEMPLATE as GLUON_BWD  # no block masks there
+    from templates.gluon.bwd import TEMPLATE as GLUON_BWD  # masks with their own causality
 
-    assert "block masks" in str(GLUON_BWD.unsupported(
-        Problem(1, 2, 2, 256, 256, 64, mask="sliding:128")))
+    assert "own causality" in str(GLUON_BWD.unsupported(
+        Problem(1, 2, 2, 256, 256, 64, "bfloat16", "top_left", mask="sliding:128")))
     if not GLUON_MISSING:
         assert TEMPLATE.unsupported(Problem(1, 4, 1, 300, 700, 256, "float16",
                                             "bottom_right")) is None

@@ -38,12 +38,20 @@ def test_takes_dense_and_causal_problems_with_the_forwards_knobs() -> None:
 
 
 @pytest.mark.parametrize(("kw", "why"), [
-    ({"mask": "sliding:128"}, "no block mask"),
+    # Block masks with the mask's own causality only (the backward's walk).
+    ({"mask": "sliding:128"}, "own causality"),
     ({"dtype": "float32"}, "float16 or bfloat16"),
     ({"head_dim": 256}, "head_dim"),
 ])
 def test_refuses_what_either_kernel_cannot_take(kw: dict[str, Any], why: str) -> None:
     assert why in (TRAIN.unsupported(problem(**kw)) or "")
+
+
+def test_takes_mask_patterns_with_causal_none() -> None:
+    masked = problem(causal="none", mask="sliding_causal:128")
+    assert TRAIN.unsupported(masked) is None
+    assert TRAIN.constraint(masked, TRAIN.default_config(masked, H100), H100) is None
+    assert "no block mask" in str(get_template("gluon_cudnn_train").unsupported(masked))
 
 
 def test_exports_no_source_and_says_what_to_export_instead() -> None:

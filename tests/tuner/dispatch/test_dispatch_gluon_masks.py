@@ -225,3 +225,16 @@ def test_gluon_forced_on_a_call_it_cannot_take_says_why(
         tuner.attention(q, k, v, block_mask=mask(), is_causal=True, enable_gqa=True)
     assert not gluon_calls
 
+
+
+def test_a_config_that_cuts_tiles_is_fitted_to_the_mask() -> None:
+    """A dense problem's default may cut tiles (split_tail), which passes block_mask_reason
+    but not the forward's constraint under a mask: mask_config fits it."""
+    from tuner.dispatch.implementations.gluon import mask_config
+
+    dense = dataclasses.replace(MASKED, mask="none", causal="none")
+    cut = dataclasses.replace(GLUON.default_config(dense, H100), split_tail=True,
+                              persistent=True)
+    fitted = mask_config(cut, (128, 128))
+    assert fitted is not None and not fitted.split_tail
+    assert GLUON.run_constraint(dense, fitted, H100, (128, 128)) is None

@@ -67,7 +67,9 @@ def mask_config(config: KernelConfig, block_size: tuple[int, int]) -> GluonFwdCo
     them (``gluon_fwd.fit_to_block_mask``: a dense problem's causal config runs longest tiles
     first, which a mask's row order forbids); None where no fitting can."""
     assert isinstance(config, GluonFwdConfig)
-    if gluon_fwd.block_mask_reason(config, block_size) is None:
+    # split_tail passes block_mask_reason but not gluon_fwd's constraint under a mask (a
+    # dense problem's default cuts tiles): fitted below.
+    if gluon_fwd.block_mask_reason(config, block_size) is None and not config.split_tail:
         return config
     try:
         fitted = gluon_fwd.fit_to_block_mask(config, block_size)

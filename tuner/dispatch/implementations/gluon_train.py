@@ -3,29 +3,43 @@ forward and the Gluon backward (``templates.gluon.bwd``), priced together by the
 ``gluon_train`` template beside ``torch_sdpa_train`` and ``gluon_cudnn_train``.
 
 Inference calls are the ``gluon`` implementation's (the same forward). Its training op
-``tuner::gluon_train_fwd`` (o, lse) has the backward op ``tuner::gluon_attention_bwd``; no
-block masks (the Gluon backward walks none yet).
+``tuner::gluon_train_fwd`` (o, lse) has the backward op ``tuner::gluon_attention_bwd``.
+Block masks too (both kernels walk them; the backward's warp-specialized kernel blocks of
+128 x 128 only, with the mask's own causality): a masked call runs here only where a sweep
+measured ``gluon_train`` fastest on the mask's named pattern (``rule.choose_masked``), or
+when forced; the mask travels through both ops as tensors (``mask_args``), as flash's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from templates.gluon.bwd import gluon_attention_bwd
-from tuner.dispatch.implementations.base import Implementation
-from tuner.dispatch.implementations.call import Call
-from tuner.dispatch.implementations.gluon import GLUON, backward_of, training_forward
+from templates.gluon import fwd as gluon_fwd
+from templates.base import KernelConfig
+from templates.gluon.bwd import GluonBwdConfig, block_mask_reason, gluon_attention_bwd
+from templates.registry import get_template
+from tuner.dispatch.implementations.base import Choice, Implementation
+from tuner.dispatch.implementations.call import Call, call_of, shapes_4d
+from tuner.dispatch.implementations.gluon import GLUON, backward_of, mask_config, training_forward
+from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import (
     backward_by,
     grads_fake,
+    grads_like,
+    in_op_layout,
     setup_context,
     training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
+from tuner.lookup.resolver import keep_config, resolve_config
 
 __all__ = ["GluonTrain"]
 
 TRAINING_TEMPLATE = "gluon_train"
+# The backward kernel a block mask runs (gluon_bwd's default for a mask is one of these).
+MASKED_BACKWARD = GluonBwdConfig(warp_specialize=True)
 
 
 class GluonTrain(Implementation):
@@ -33,26 +47,92 @@ class GluonTrain(Implementation):
     forward = "gluon_fwd"
     training = (TRAINING_TEMPLATE,)
     description = ("for a gradient on Hopper, our kernels both ways: the Gluon forward and the "
-                   "Gluon backward fed its o and logsumexp (gluon_train); inference is gluon's")
+                   "Gluon backward fed its o and logsumexp (gluon_train), block masks "
+                   "included; inference is gluon's")
     deterministic_backward = False  # dQ by fp32 atomics in any order
+    runs_masks = True
 
     def serves(self, call: Call) -> str | None:
         if not call.needs_grad:
             return "it serves calls that need a gradient (inference is the gluon implementation's)"
         return GLUON.serves(call)
 
+    def mask_refusal(self, block_size: tuple[int, int], needs_grad: bool, choice: Choice
+                     ) -> str | None:
+        return masked_training_refusal(block_size, choice.config)
+
 
 GLUON_TRAIN = register_implementation(GluonTrain())
 
 
+def masked_training_refusal(block_size: tuple[int, int], config: KernelConfig) -> str | None:
+    """Why a block mask of ``block_size`` cannot run both Gluon kernels, the forward with
+    ``config`` (None if it can)."""
+    reason = block_mask_reason(MASKED_BACKWARD, block_size)
+    if reason:
+        return f"the Gluon backward: {reason}"
+    if mask_config(config, block_size) is None:
+        return "blocks the Gluon forward cannot walk (under its 64-row tiles)"
+    return None
+
+
+def masked_training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            is_causal: bool, scale: float | None, mask: Masked
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of a masked call by the Gluon forward: gluon_train's config for the mask's
+    named problem (measured there, or that problem's default; without a name the dense
+    problem's), fitted to the mask's blocks. Refused before anything runs where the backward
+    could not follow: an elementwise mask, causal on top of the mask, blocks it cannot walk."""
+    block_mask = mask.block_mask
+    if block_mask is None:
+        raise ValueError("gluon_train runs block masks, not an elementwise attn_mask")
+    if is_causal:
+        raise ValueError("gluon_train's backward takes a block mask's own causality: pass "
+                         "is_causal=False with a causal mask (e.g. the *_causal patterns)")
+    call = call_of(q, k, is_causal, needs_grad=True, mask=block_mask.pattern or "none")
+    resolved = keep_config(resolve_config(get_template(TRAINING_TEMPLATE), call.problem,
+                                          call.device))
+    blocks = block_mask.block_size
+    reason = masked_training_refusal(blocks, resolved.config)
+    if reason:
+        raise ValueError(f"gluon_train cannot run a block mask of blocks {blocks}: {reason}")
+    config = mask_config(resolved.config, blocks)
+    dense = dataclasses.replace(call.problem, mask="none")
+    if config is None or gluon_fwd.TEMPLATE.run_constraint(dense, config, call.device, blocks):
+        # A config the fitting leaves unable to walk the mask (split pieces): the forward's
+        # default for these blocks (ValueError where none fits).
+        config = gluon_fwd.TEMPLATE.run_default(dense, call.device, blocks)
+    q4, kv4 = shapes_4d(q, k)
+    # Looked up on the module at each call (tests stand in for it).
+    o, lse = gluon_fwd.gluon_attention_fwd(
+        q.reshape(q4), k.reshape(kv4), v.reshape(kv4), causal="none", scale=scale,
+        config=config, block_mask=block_mask)
+    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
 @torch.library.custom_op("tuner::gluon_train_fwd", mutates_args=())
 def _gluon_train_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                     scale: float | None, enable_gqa: bool
+                     scale: float | None, enable_gqa: bool,
+                     full_counts: torch.Tensor | None = None,
+                     full_indices: torch.Tensor | None = None,
+                     partial_counts: torch.Tensor | None = None,
+                     partial_indices: torch.Tensor | None = None,
+                     partial_tile_ids: torch.Tensor | None = None,
+                     partial_tiles: torch.Tensor | None = None,
+                     mask_geometry: list[int] | None = None, mask_pattern: str | None = None,
+                     attn_mask: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) by the Gluon forward with gluon_train's config; its backward is the Gluon
-    backward (``tuner::gluon_attention_bwd``)."""
-    return training_forward(GLUON_TRAIN, TRAINING_TEMPLATE, q, k, v, is_causal, scale,
-                            enable_gqa)
+    """(o, lse) by the Gluon forward with gluon_train's config, under the block mask given
+    as ``mask_args.Masked.op_args`` (if any); its backward is the Gluon backward
+    (``tuner::gluon_attention_bwd``)."""
+    mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
+                               partial_tile_ids, partial_tiles, mask_geometry, mask_pattern,
+                               attn_mask)
+    if mask is None:
+        return training_forward(GLUON_TRAIN, TRAINING_TEMPLATE, q, k, v, is_causal, scale,
+                                enable_gqa)
+    o, lse = masked_training_forward(q, k, v, is_causal, scale, mask)
+    return in_op_layout(o, q), lse
 
 
 _gluon_train_fwd.register_fake(training_fake)
@@ -61,19 +141,37 @@ _gluon_train_fwd.register_fake(training_fake)
 @torch.library.custom_op("tuner::gluon_attention_bwd", mutates_args=())
 def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
-                         scale: float | None, enable_gqa: bool
+                         scale: float | None, enable_gqa: bool,
+                         full_counts: torch.Tensor | None = None,
+                         full_indices: torch.Tensor | None = None,
+                         partial_counts: torch.Tensor | None = None,
+                         partial_indices: torch.Tensor | None = None,
+                         partial_tile_ids: torch.Tensor | None = None,
+                         partial_tiles: torch.Tensor | None = None,
+                         mask_geometry: list[int] | None = None,
+                         mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by the Gluon backward (its template's default config) from the forward's
-    o and lse, laid out as ``torch.empty_like`` of q, k, v."""
+    o and lse, under the forward's block mask (if any), laid out as ``torch.empty_like`` of
+    q, k, v."""
+    mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
+                               partial_tile_ids, partial_tiles, mask_geometry, mask_pattern,
+                               attn_mask)
     # Looked up on the module at each call (tests stand in for it).
-    return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale)
+    if mask is None:
+        return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale)
+    q4, kv4 = shapes_4d(q, k)
+    grads = gluon_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
+                                v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
+                                causal=is_causal, scale=scale, block_mask=mask.block_mask)
+    return grads_like(grads, q, k, v)
 
 
 @_gluon_attention_bwd.register_fake
 def _gluon_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                              is_causal: bool, scale: float | None, enable_gqa: bool
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              is_causal: bool, scale: float | None, enable_gqa: bool,
+                              *mask: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return grads_fake(q, k, v)
 
 
