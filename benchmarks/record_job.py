@@ -19,10 +19,8 @@ The recording says how many problems it holds; nothing is timed here.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
 from benchmarks.e2e_hf import LLAMA, TINY, build  # noqa: E402
+from benchmarks.e2e_softcap import build as build_gemma2  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 
@@ -44,15 +43,6 @@ TINY_INTERLEAVED = dict(INTERLEAVED, hidden_size=64, num_attention_heads=4,
                         query_pre_attn_scalar=16)
 SIZES = dict(prefill=8192, prompt=2048, train_batch=2, train_len=4096, interleaved_train=8192)
 TINY_SIZES = dict(prefill=64, prompt=16, train_batch=2, train_len=32, interleaved_train=48)
-
-
-def interleaved_model(attn: str, dims: dict[str, Any], dtype: torch.dtype, device: str) -> Any:
-    import transformers
-
-    config = copy.deepcopy(transformers.Gemma2Config(**dims))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    return model.to(device=device, dtype=dtype)
 
 
 def run_job(attn: str, *, smoke: bool, new_tokens: int, device: str, dtype: torch.dtype
@@ -77,7 +67,7 @@ def run_job(attn: str, *, smoke: bool, new_tokens: int, device: str, dtype: torc
     llama.train()(batch, labels=batch).loss.backward()
     del llama
     dims = TINY_INTERLEAVED if smoke else INTERLEAVED
-    model = interleaved_model(attn, dims, dtype, device)
+    model = build_gemma2(attn, dims, dtype, device)  # Gemma 2's layout, uncapped dims
     with torch.no_grad():
         model.eval()(ids(1, sizes["prefill"], dims["vocab_size"]))
     batch = ids(1, sizes["interleaved_train"], dims["vocab_size"])

@@ -5,8 +5,6 @@ those calls run the dispatcher's choice; uninstalled, the model gives torch's re
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -14,19 +12,10 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed here (the GPU host has it)")
 
 import tuner  # noqa: E402
+from tests.tuner.test_attention_hf import tiny_llama  # noqa: E402
 from tuner.dispatch.plans import PLANS, clear_plans  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs")
-
-
-def sdpa_llama(device: str) -> Any:
-    """transformers' own "sdpa" path: code we do not own, unmodified."""
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return model.to(device=device, dtype=torch.float16).eval()
 
 
 def planned() -> set[str]:
@@ -36,7 +25,7 @@ def planned() -> set[str]:
 
 def test_an_unedited_transformers_model_runs_the_dispatcher_and_uninstall_restores_torch(
         device: str) -> None:
-    model = sdpa_llama(device)
+    model = tiny_llama("sdpa", device).half()  # transformers' own "sdpa" path, unmodified
     ids = torch.randint(0, 64, (2, 24), device=device)
     with torch.no_grad():
         before = model(ids).logits

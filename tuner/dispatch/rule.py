@@ -45,7 +45,6 @@ from dataclasses import replace
 
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
-from templates.masks.patterns import parse_pattern
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Estimate, Implementation
 from tuner.dispatch.implementations.call import Call
@@ -211,8 +210,9 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     ``documents_causal:<L>``) that torch's varlen kernels can run have those as the baseline
     instead (``DOCUMENTS_BASELINE``): what such calls ran without us, so ours and Flex run
     only where measured faster."""
-    if (parse_pattern(call.problem.mask)[0] in ("document", "documents", "documents_causal")
-            and get_implementation(DOCUMENTS_BASELINE).why_not(call) is None):
+    # Its why_not refuses every mask but packed documents (its templates' ``unsupported``),
+    # the CPU, a torch without varlen_attn, capped scores.
+    if get_implementation(DOCUMENTS_BASELINE).why_not(call) is None:
         return _decide_on_own_bucket(
             call, resolve, DOCUMENTS_BASELINE, "torch's varlen_attn",
             "torch's varlen_attn not measured for these packed documents on this device: "
