@@ -34,7 +34,6 @@ import torch
 from templates.base import KernelConfig, KernelLaunch, Problem, knob
 from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
-from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
 from templates.flash.fwd import check_block_mask
 from templates.gluon.fwd import StandinBlockMask
@@ -45,6 +44,7 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
     load_kernel_module,
     problem_of,
 )
+from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.registry import register
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
@@ -458,8 +458,9 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                          f"causality), but got {causal!r}")
     cfg = TEMPLATE.config_to_run(q, k, causal_mode, config, block_mask.block_size)
     assert isinstance(cfg, GluonBwdConfig) and cfg.warp_specialize
-    return ws_kernel.launch(do, q, k, v, o, lse, causal_mode=causal_mode, scale=softmax_scale,
-                            config=cfg.to_dict(), block_mask=block_mask)
+    return _kernel_module(cfg).launch(do, q, k, v, o, lse, causal_mode=causal_mode,
+                                      scale=softmax_scale, config=cfg.to_dict(),
+                                      block_mask=block_mask)
 
 
 TEMPLATE = GluonBwdTemplate()

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -581,7 +581,7 @@ def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        config=config)
 
 
-def launch_plan(plan_cls: type[LaunchPlan], do: torch.Tensor, q: torch.Tensor,
+def launch_plan(plan_cls: Callable[..., LaunchPlan], do: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
                 causal_mode: str, scale: float, config: Mapping[str, Any]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -536,7 +536,7 @@ class WsLaunchPlan(LaunchPlan):
         super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config)
         batch, heads_q, seqlen_q, head_dim = q.shape
         block_m = int(config["BLOCK_M"])
-        self.mask_args = None
+        self.mask_args: list[Any] | None = None
         if kv_major_mask is not None:
             self._plan_mask_walk(kv_major_mask, causal_mode, block_m, int(config["BLOCK_N"]))
         # dq_accum as (B H_q, N_q, D): a box of one head's BLOCK_M rows (those past N_q are

@@ -16,8 +16,8 @@ import dataclasses
 
 import torch
 
-from templates.gluon import fwd as gluon_fwd
 from templates.base import KernelConfig
+from templates.gluon import fwd as gluon_fwd
 from templates.gluon.bwd import GluonBwdConfig, block_mask_reason, gluon_attention_bwd
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation
