@@ -25,6 +25,7 @@ and backward (the view and the mask are differentiable through ``tuner.attention
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -80,9 +81,19 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
 
 
+# The checked offsets of the cu_seqlens tensors seen lately, by identity: a model's layers
+# (and every step of a loop over one batch) pass the same tensor, and reading it is a
+# device-to-host copy that waits for the GPU, which leaves the GPU idle while Python dispatches
+# the call. An entry holds its tensor weakly and its version counter, so a tensor changed in
+# place or freed (its address reused by another) is read again, never answered from here.
+_OFFSETS_KEPT = 64
+_offsets_seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, ...]]] = {}
+
+
 def _offsets(name: str, cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, ...]:
-    """The offsets in ``cu`` (one device-to-host copy), checked against FlashAttention's
-    rules; the error names the argument, the index and the rule."""
+    """The offsets in ``cu`` (one device-to-host copy the first time this tensor is seen),
+    checked against FlashAttention's rules; the error names the argument, the index and the
+    rule."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, but got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -93,18 +104,41 @@ def _offsets(name: str, cu: torch.Tensor, total: int, device: torch.device) -> t
     if cu.device != device:
         raise ValueError(f"{name} must be on the inputs' device {device}, but is on "
                          f"{cu.device}")
-    offsets = tuple(int(x) for x in cu.tolist())
+    seen = _offsets_seen.get(id(cu))
+    if seen is not None and seen[0]() is cu and seen[1] == cu._version:
+        offsets = seen[2]
+    else:
+        offsets = tuple(int(x) for x in cu.tolist())
+        _check_offsets(name, offsets)
+        _remember_offsets(cu, offsets)
+    if offsets[-1] != total:
+        raise ValueError(f"{name}[-1] must be the total number of tokens {total}, but is "
+                         f"{offsets[-1]} (nothing is truncated: pass the offsets of every "
+                         f"packed token)")
+    return offsets
+
+
+def _check_offsets(name: str, offsets: tuple[int, ...]) -> None:
     if offsets[0] != 0:
         raise ValueError(f"{name}[0] must be 0, but is {offsets[0]}")
     for i in range(1, len(offsets)):
         if offsets[i] < offsets[i - 1]:
             raise ValueError(f"{name} must not decrease, but {name}[{i}] = {offsets[i]} < "
                              f"{name}[{i - 1}] = {offsets[i - 1]}")
-    if offsets[-1] != total:
-        raise ValueError(f"{name}[-1] must be the total number of tokens {total}, but is "
-                         f"{offsets[-1]} (nothing is truncated: pass the offsets of every "
-                         f"packed token)")
-    return offsets
+
+
+def _remember_offsets(cu: torch.Tensor, offsets: tuple[int, ...]) -> None:
+    if cu.requires_grad or torch.compiler.is_compiling():
+        return  # (no integer tensor needs a gradient; a traced call reads a fake tensor)
+    key = id(cu)
+    while len(_offsets_seen) >= _OFFSETS_KEPT:
+        _offsets_seen.pop(next(iter(_offsets_seen)))
+    _offsets_seen[key] = (weakref.ref(cu, lambda _, key=key: _forget(key)), cu._version,
+                          offsets)
+
+
+def _forget(key: int) -> None:
+    _offsets_seen.pop(key, None)
 
 
 def _check_max_seqlen(name: str, max_seqlen: int, offsets: tuple[int, ...]) -> None:

@@ -228,3 +228,46 @@ def test_bad_arguments_are_named(changes: dict[str, Any], error: type[Exception]
 def test_cu_seqlens_on_another_device_is_refused() -> None:
     with pytest.raises(ValueError, match="cu_seqlens_q must be on the inputs' device cpu"):
         call_with(cu_seqlens_q=torch.empty(3, dtype=torch.int32, device="meta"))
+
+
+# ----------------------------------------------------------------------------- cu_seqlens reads
+def test_a_cu_seqlens_tensor_is_read_once_while_it_is_unchanged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offsets are a device-to-host copy (a wait on the GPU): read once per tensor, and
+    again after the tensor changes in place, with every rule checked on the new values."""
+    import tuner.varlen as varlen_module
+
+    reads: list[object] = []
+    real = torch.Tensor.tolist
+
+    def counting(self: torch.Tensor) -> object:
+        reads.append(self)
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    offsets = cu([0, 5, 9])
+    for _ in range(3):
+        assert varlen_module._offsets("cu_seqlens_q", offsets, 9, offsets.device) == (0, 5, 9)
+    assert len(reads) == 1
+    with pytest.raises(ValueError, match=r"total number of tokens 12, but is 9"):
+        varlen_module._offsets("cu_seqlens_q", offsets, 12, offsets.device)
+    offsets[1] = 7  # in place: read again
+    assert varlen_module._offsets("cu_seqlens_q", offsets, 9, offsets.device) == (0, 7, 9)
+    offsets[1] = 11
+    with pytest.raises(ValueError, match="must not decrease"):
+        varlen_module._offsets("cu_seqlens_q", offsets, 9, offsets.device)
+    assert len(reads) == 3
+
+
+def test_a_freed_cu_seqlens_tensor_leaves_nothing_behind() -> None:
+    import gc
+
+    import tuner.varlen as varlen_module
+
+    offsets = cu([0, 3, 4])
+    varlen_module._offsets("cu_seqlens_k", offsets, 4, offsets.device)
+    key = id(offsets)
+    assert key in varlen_module._offsets_seen
+    del offsets
+    gc.collect()
+    assert key not in varlen_module._offsets_seen
