@@ -50,6 +50,7 @@ from tuner.dispatch.outside_scope import capped_outside_kernel_scope, outside_ke
 from tuner.dispatch.plans import MAX_PLANS, Plan, clear_plans, keep_plan
 from tuner.dispatch.plans import PLANS as _PLANS
 from tuner.dispatch.rule import Choice, choose, choose_masked, forced, keep, use_implementation
+from tuner.record import recording
 
 __all__ = ["MAX_PLANS", "attention", "clear_plans", "plan_for"]
 
@@ -121,11 +122,24 @@ def _forced() -> str | None:
 
 
 def _choose(r: Request) -> Choice:
-    """The kept choice for a checked call (a masked one by ``choose_masked``)."""
-    call = call_of(r.q, r.k, r.is_causal, r.needs_grad, softcap=r.softcap)
-    if r.mask is None:
-        return keep(choose(call))
-    return choose_masked(call, r.mask.pattern, r.mask.block_size, r.mask.documents is not None)
+    """The kept choice for a checked call (a masked one by ``choose_masked``), itself kept
+    per problem, kind of mask, forced implementation and deterministic mode until its
+    answers expire: a training or masked call works it out once, not on every step (pricing
+    takes a few hundred microseconds of host time, as long as a small step's kernels)."""
+    mask = r.mask
+    key = ("choice", r.q.shape, r.k.shape, r.q.dtype, r.q.device, r.is_causal, r.needs_grad,
+           r.softcap, forced(), torch.are_deterministic_algorithms_enabled(),
+           None if mask is None else (mask.pattern, mask.block_size,
+                                      mask.documents is not None, mask.attn_mask is None))
+    plan = _PLANS.get(key)
+    # (while tuner.record listens, every call is priced: the recording counts the calls)
+    if plan is None or plan.expires_at <= _now() or recording():
+        call = call_of(r.q, r.k, r.is_causal, r.needs_grad, softcap=r.softcap)
+        choice = keep(choose(call)) if mask is None else choose_masked(
+            call, mask.pattern, mask.block_size, mask.documents is not None)
+        plan = keep_plan(key, Plan(None, choice, choice.expires_at))
+    assert isinstance(plan.choice, Choice)
+    return plan.choice
 
 
 @torch.compiler.assume_constant_result

@@ -24,6 +24,7 @@ and backward (the view and the mask are differentiable through ``tuner.attention
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -133,11 +134,11 @@ def _remember_offsets(cu: torch.Tensor, offsets: tuple[int, ...]) -> None:
     key = id(cu)
     while len(_offsets_seen) >= _OFFSETS_KEPT:
         _offsets_seen.pop(next(iter(_offsets_seen)))
-    _offsets_seen[key] = (weakref.ref(cu, lambda _, key=key: _forget(key)), cu._version,
+    _offsets_seen[key] = (weakref.ref(cu, functools.partial(_forget, key)), cu._version,
                           offsets)
 
 
-def _forget(key: int) -> None:
+def _forget(key: int, _: object) -> None:
     _offsets_seen.pop(key, None)
 
 

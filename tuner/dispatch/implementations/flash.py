@@ -8,6 +8,7 @@ a mask travels through both as tensors (``mask_args``)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -105,12 +106,18 @@ def mask_fallback_config(template_name: str, q: torch.Tensor, k: torch.Tensor,
     template's default. A nearest neighbour's config is no proxy here: on the H100 the
     sliding-window training step (8k, 32/8 heads) took 11.8 ms with the flash_bwd config
     tuned for a one-token decode problem (the nearest stored), 5.05 ms with the default."""
+    return _mask_fallback(template_name, q, k, is_causal, softcap)[0]
+
+
+def _mask_fallback(template_name: str, q: torch.Tensor, k: torch.Tensor, is_causal: bool,
+                   softcap: float) -> tuple[KernelConfig, float]:
+    """``mask_fallback_config`` and when the answer it read expires."""
     call = dense_call(q, k, is_causal, softcap=softcap)
     template = get_template(template_name)
     resolved = resolve_config(template, call.problem, call.device)
     if resolved.match in ("exact", "bucket"):
-        return keep_config(resolved).config
-    return template.default_config(call.problem, call.device)
+        return keep_config(resolved).config, resolved.expires_at
+    return template.default_config(call.problem, call.device), resolved.expires_at
 
 
 class Flash(Implementation):
@@ -150,23 +157,50 @@ def masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Mask
     """The forward (and backward) configs of a masked call: those measured on its mask problem
     (``choice``'s; in an op, this implementation's own on the mask's pattern), else the dense
     problem's, fitted to the mask's blocks."""
+    return _masked_configs(q, k, is_causal, mask, choice, needs_grad, softcap)[0]
+
+
+def op_masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
+                      softcap: float) -> tuple[FwdConfig, BwdConfig | None]:
+    """``masked_configs`` of a training op's call (its own, no choice given), kept per shape
+    and kind of mask until the answers they came from expire: working them out again takes
+    a few hundred microseconds of host time per call (templates' dataclasses, the resolver),
+    as long as a masked step's kernels at 4k tokens take on the GPU."""
+    key = ("flash_masked", q.shape, k.shape, q.dtype, q.device, is_causal, mask.pattern,
+           mask.block_size, mask.attn_mask is None, softcap)
+    plan = PLANS.get(key)
+    if plan is None or plan.expires_at <= time.monotonic():
+        configs, expires_at = _masked_configs(q, k, is_causal, mask, None, True, softcap)
+        plan = keep_plan(key, Plan(None, configs, expires_at))
+    return plan.choice  # type: ignore[return-value]
+
+
+def _masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
+                    choice: Choice | None, needs_grad: bool, softcap: float
+                    ) -> tuple[tuple[FwdConfig, BwdConfig | None], float]:
+    """``masked_configs`` and when the earliest answer they came from expires."""
+    expires_at = math.inf
     if choice is None and mask.pattern is not None:
         call = call_of(q, k, is_causal, needs_grad, mask=mask.pattern, softcap=softcap)
         choice = Choice(FLASH, tuple(
             resolve_config(get_template(name), call.problem, call.device)
             for name in FLASH.templates_for(call)), "the mask problem's own")
+    if choice is not None:
+        expires_at = min((r.expires_at for r in choice.resolved), default=math.inf)
     if choice is not None and choice.measured:
         config, bwd = choice.resolved[0].config, (choice.resolved[1].config if needs_grad
                                                   else None)
         keep_config(choice.resolved[0])
     else:
-        config = mask_fallback_config("flash_fwd", q, k, is_causal, softcap)
-        bwd = mask_fallback_config("flash_bwd", q, k, is_causal, softcap) if needs_grad else None
+        config, fwd_until = _mask_fallback("flash_fwd", q, k, is_causal, softcap)
+        bwd, bwd_until = (_mask_fallback("flash_bwd", q, k, is_causal, softcap) if needs_grad
+                          else (None, math.inf))
+        expires_at = min(expires_at, fwd_until, bwd_until)
     assert isinstance(config, FwdConfig) and (bwd is None or isinstance(bwd, BwdConfig))
     if mask.block_size is not None:
         config = fit_to_block_mask(config, mask.block_size)
         bwd = None if bwd is None else fit_bwd_to_block_mask(bwd, mask.block_size)
-    return config, bwd
+    return (config, bwd), expires_at
 
 
 def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
@@ -246,8 +280,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
     else:
         o, lse = masked_forward(q, k, v, is_causal, scale, mask,
-                                masked_configs(q, k, is_causal, mask, None, True, softcap),
-                                softcap)
+                                op_masked_configs(q, k, is_causal, mask, softcap), softcap)
     return in_op_layout(o, q), lse
 
 
@@ -272,8 +305,8 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if mask is None:
         config, block_mask, mask4 = _backward_config(q, k, is_causal, softcap), None, None
     else:
-        config = masked_configs(q, k, is_causal, mask, None, True,  # type: ignore[assignment]
-                                softcap)[1]
+        config = op_masked_configs(q, k, is_causal, mask,  # type: ignore[assignment]
+                                   softcap)[1]
         block_mask = mask.block_mask
         mask4 = None if mask.attn_mask is None else mask.attn_mask.reshape(*q4[:-1], k.shape[-2])
     dq, dk, dv = flash_attention_bwd(

@@ -13,6 +13,7 @@ when forced; the mask travels through both ops as tensors (``mask_args``), as fl
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -33,6 +34,7 @@ from tuner.dispatch.implementations.ops import (
     training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
+from tuner.dispatch.plans import PLANS, Plan, keep_plan
 from tuner.lookup.resolver import keep_config, resolve_config
 
 __all__ = ["GluonTrain"]
@@ -89,10 +91,27 @@ def masked_training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if is_causal:
         raise ValueError("gluon_train's backward takes a block mask's own causality: pass "
                          "is_causal=False with a causal mask (e.g. the *_causal patterns)")
-    call = call_of(q, k, is_causal, needs_grad=True, mask=block_mask.pattern or "none")
+    config = _masked_forward_config(q, k, block_mask.pattern, block_mask.block_size)
+    q4, kv4 = shapes_4d(q, k)
+    # Looked up on the module at each call (tests stand in for it).
+    o, lse = gluon_fwd.gluon_attention_fwd(
+        q.reshape(q4), k.reshape(kv4), v.reshape(kv4), causal="none", scale=scale,
+        config=config, block_mask=block_mask)
+    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def _masked_forward_config(q: torch.Tensor, k: torch.Tensor, pattern: str | None,
+                           blocks: tuple[int, int]) -> gluon_fwd.GluonFwdConfig:
+    """The Gluon forward's config for a masked training call (``masked_training_forward``),
+    kept per shape and kind of mask until the answer it came from expires (working it out
+    costs host time on every step otherwise: templates' dataclasses, the resolver)."""
+    key = ("gluon_train_masked", q.shape, k.shape, q.dtype, q.device, pattern, blocks)
+    plan = PLANS.get(key)
+    if plan is not None and plan.expires_at > time.monotonic():
+        return plan.choice  # type: ignore[return-value]
+    call = call_of(q, k, False, needs_grad=True, mask=pattern or "none")
     resolved = keep_config(resolve_config(get_template(TRAINING_TEMPLATE), call.problem,
                                           call.device))
-    blocks = block_mask.block_size
     reason = masked_training_refusal(blocks, resolved.config)
     if reason:
         raise ValueError(f"gluon_train cannot run a block mask of blocks {blocks}: {reason}")
@@ -102,12 +121,9 @@ def masked_training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # A config the fitting leaves unable to walk the mask (split pieces): the forward's
         # default for these blocks (ValueError where none fits).
         config = gluon_fwd.TEMPLATE.run_default(dense, call.device, blocks)
-    q4, kv4 = shapes_4d(q, k)
-    # Looked up on the module at each call (tests stand in for it).
-    o, lse = gluon_fwd.gluon_attention_fwd(
-        q.reshape(q4), k.reshape(kv4), v.reshape(kv4), causal="none", scale=scale,
-        config=config, block_mask=block_mask)
-    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+    assert isinstance(config, gluon_fwd.GluonFwdConfig)
+    keep_plan(key, Plan(None, config, resolved.expires_at))
+    return config
 
 
 @torch.library.custom_op("tuner::gluon_train_fwd", mutates_args=())
