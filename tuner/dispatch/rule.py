@@ -76,8 +76,9 @@ BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when
 BLOCK_MASK_BASELINE = "flash"
 # What packed documents ran without us (FlashAttention's varlen kernels, as torch's varlen_attn
 # runs them), where it can serve the call: it runs a documents mask problem when unmeasured.
-# Untuned, it measured 1.45x (forward) and 1.47x (forward + backward) faster than our kernels'
-# defaults (H200, 13 documents in 16k tokens; docs/PERFORMANCE.md "Packed sequences").
+# Untuned on the H200 (13 documents in 16k tokens; docs/PERFORMANCE.md "Packed sequences") our
+# defaults' forward read 1.42x faster than it, forward + backward 1.12x slower: as for dense
+# calls, ours runs where a sweep measured it faster, never on a guess.
 DOCUMENTS_BASELINE = "torch_varlen"
 # What transformers runs for softcapped scores, which SDPA cannot compute: eager attention.
 SOFTCAP_BASELINE = "eager"
