@@ -123,9 +123,21 @@ def match_candidates(template: Template, problem: Problem, device: DeviceInfo,
     # Constraints are checked only until one candidate passes: they cost more than matching.
     for kind, group in ranked:
         for c in group:
-            if template.constraint(problem, c.config, device) is None:
+            if runs(template, problem, c.config, device):
                 return Match(c.source, kind, c.config)
     return None
+
+
+def runs(template: Template, problem: Problem, config: KernelConfig, device: DeviceInfo
+         ) -> bool:
+    """Whether a config measured on another shape can run ``problem``: the template's
+    ``hard_constraint`` where it separates what cannot run from what is not worth a trial
+    (flash_bwd: a tile larger than a short sequence needs, a register estimate), else its
+    whole ``constraint``. A search leaves wasteful configs out; serving must not: on the H200
+    a neighbour's flash_bwd config measured 10x faster than the default was refused for a
+    slightly shorter call as "padding", and the call ran SDPA."""
+    check = getattr(template, "hard_constraint", None) or template.constraint
+    return check(problem, config, device) is None
 
 
 def match_best(template: Template, problem: Problem, device: DeviceInfo,
@@ -145,7 +157,7 @@ def neighbours_of(template: Template, problem: Problem, device: DeviceInfo,
     for c in _nearest_first(problem, near):
         # Checked here, once per answer, not per call: 1-2 us each (flash_bwd's 36 us) on
         # the dev VM.
-        if c.problem_key not in out and template.constraint(problem, c.config, device) is None:
+        if c.problem_key not in out and runs(template, problem, c.config, device):
             out[c.problem_key] = Neighbour(c.problem_key, c.problem, c.config, c.tflops)
     return out
 

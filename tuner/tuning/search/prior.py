@@ -44,7 +44,10 @@ def transfer_prior(template: Template, version: str, problem: Problem, device: D
                 .values())[:NEIGHBOURS]
     elsewhere = sorted((r for r in rows if r.device_key != device_key and r.problem_key == key),
                        key=lambda r: -r.tflops)
-    found: list[KernelConfig] = [n.config for n in near]
+    # A search measures only what its constraint offers (serving's neighbours may also hold
+    # configs that run but waste work here, ``matching.runs``).
+    found: list[KernelConfig] = [n.config for n in near
+                                 if template.constraint(problem, n.config, device) is None]
     for c in parse_candidates(template, elsewhere)[:OTHER_DEVICES]:
         if template.constraint(problem, c.config, device) is None:
             found.append(c.config)
