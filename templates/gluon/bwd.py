@@ -12,13 +12,14 @@ right on the H100 and the H200 with 64 x 128 tiles, two warpgroups and a ring of
 only tiles offered). The ``warp_specialize`` knob selects the warp-specialized kernel
 (``templates.gluon.bwd_ws_kernel``: load warp, dQ warp, two MMA warpgroups): right on the
 H200 on every odd case of the GPU tests (2026-11-29), and at d128 1.22-1.29x the speed of the
-kernel without it (0.78-0.92x cuDNN's backward, forward + backward 0.86-0.97x), so it is the
-d128 default; at d64 right but not timed yet, so among ``known_good_configs`` for a sweep.
-Still slower than cuDNN's backward: training runs it only where a sweep measures
-``gluon_train`` faster than ``gluon_cudnn_train`` and SDPA. With a block mask (named patterns,
-blocks of 128 x 128, causal "none": the mask's own causality) the warp-specialized kernel
-walks the mask's KV-major lists (``block_mask_reason``); compiled offline, not yet run on a
-GPU (notes/gluon_notes.md, "Block masks in the warp-specialized backward").
+kernel without it (0.78-0.92x cuDNN's backward, forward + backward 0.86-0.97x) and at d64
+1.16-1.20x (0.70-0.76x cuDNN), so it is the default at both. Still slower than cuDNN's
+backward: training runs it only where a sweep measures ``gluon_train`` faster than
+``gluon_cudnn_train`` and SDPA. With a block mask (named patterns, blocks of 128 x 128, causal
+"none": the mask's own causality) the warp-specialized kernel walks the mask's KV-major lists
+(``block_mask_reason``): right on the H200, and forward + backward with the Gluon forward
+1.02-1.19x compiled Flex's speed at d128 16k (notes/gluon_notes.md, "Block masks in the
+warp-specialized backward"; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -256,9 +257,9 @@ class GluonBwdTemplate(GluonTemplate):
                          f"{reasons[0]}")
 
     def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
-        """The alternatives to the default a sweep measures first: at d64 the larger query
-        step and the warp-specialized kernel (right on the H200, not timed); at d128 the
-        kernel without warp specialization."""
+        """The alternatives to the default a sweep measures first: the warp-specialized
+        kernel's second dQ tile where it fits (d64), the kernel without warp specialization,
+        and at d64 its larger query step."""
         return [c for c in _candidates(problem)[1:]
                 if self.constraint(problem, c, device) is None]
 
@@ -358,12 +359,13 @@ def _candidates(problem: Problem) -> list[GluonBwdConfig]:
     hdim 128: 64 queries x 128 keys, two MMA warpgroups), fitted to this kernel's register
     bound: 64 queries x 128 keys (d64: 128 registers of tiles; d128: 192, at the bound), and
     at d64 128 x 128. Three stages: one spilled 136 bytes at d128, two gave wrong dK/dV on
-    the H100; one warpgroup (64 x 64 tiles) crashed there. The warp-specialized kernel first
-    at d128 (measured 1.22-1.29x faster on the H200), after the others at d64 (not timed)."""
+    the H100; one warpgroup (64 x 64 tiles) crashed there. The warp-specialized kernel first:
+    on the H200 1.22-1.29x faster than the others at d128, 1.16-1.20x at d64 (its two dQ
+    tiles timed the same as one there; benchmarks/results/gluon_bwd_h200_ws*.json)."""
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     ws = [dataclasses.replace(base, warp_specialize=True, dq_buffers=n) for n in (1, 2)]
     if problem.head_dim <= 64:
-        return [base, dataclasses.replace(base, BLOCK_M=128), *ws]
+        return [*ws, base, dataclasses.replace(base, BLOCK_M=128)]
     return [*ws, base]
 
 

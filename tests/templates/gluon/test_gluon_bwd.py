@@ -10,6 +10,7 @@ only (dk and dv are checked for bitwise repeatability)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -120,12 +121,13 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     for problem in (d64, d128):
         for cfg in TEMPLATE.warp_specialized_configs(problem, H100):
             assert cfg.warp_specialize and TEMPLATE.constraint(problem, cfg, H100) is None
-    # Right on the H200 on every GPU case; 1.22-1.29x faster at d128 (the default there), not
-    # timed at d64 (offered to a sweep first there, after the default).
+    # Right on the H200 on every GPU case, 1.22-1.29x faster at d128 and 1.16-1.20x at d64:
+    # the default at both; at d64 its second dQ tile is the first alternative a sweep measures.
     assert TEMPLATE.default_config(d128, H100).warp_specialize
-    assert not TEMPLATE.default_config(d64, H100).warp_specialize
+    assert TEMPLATE.default_config(d64, H100).warp_specialize
+    assert TEMPLATE.default_config(d64, H100).dq_buffers == 1
     assert {(c.stages, c.dq_buffers) for c in TEMPLATE.known_good_configs(d64, H100)
-            if c.warp_specialize} == {(3, 1), (3, 2)}
+            if c.warp_specialize} == {(3, 2)}
     # A ring of two crashed on the H200 (illegal memory access): refused by name.
     reason = TEMPLATE.constraint(d64, GluonBwdConfig(warp_specialize=True, stages=2), H100)
     assert reason is not None and "H200" in reason and "2 stages" in reason
@@ -159,7 +161,9 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
 
 @needs_gluon
 def test_standalone_source_needs_only_torch_and_triton(tmp_path: Path) -> None:
-    source = TEMPLATE.standalone_source(TEMPLATE.default_config(protocol_problems()[0], H100))
+    plain = dataclasses.replace(TEMPLATE.default_config(protocol_problems()[0], H100),
+                                warp_specialize=False, dq_buffers=1)
+    source = TEMPLATE.standalone_source(plain)
     compile(source, "gluon_bwd_standalone.py", "exec")
     assert "from templates" not in source and "import templates" not in source
     module = import_standalone(source, tmp_path / "gluon_bwd_standalone.py")
