@@ -524,10 +524,11 @@ def _wg_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     else:
         # dQ_wg = dS_wg K_wg: dS^T read transposed, K's rows of this warpgroup.
+        dv, p_op = warpgroup_mma_wait(1, deps=(dv_tok, p_op))
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
                                gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                                use_acc=False, is_async=True)
-        dv, dk, dq, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op))
+        dk, dq = warpgroup_mma_wait(0, deps=(dk_tok, dq_tok))
     return dk, dv, dq
 
 
