@@ -226,13 +226,14 @@ class GluonBwdTemplate(GluonTemplate):
     def warp_specialized_configs(self, problem: Problem, device: DeviceInfo
                                  ) -> list[GluonBwdConfig]:
         """The warp-specialized configs that fit ``problem`` on ``device``: a ring of three
-        with two dQ staging tiles (where they fit: d64) or one. The tests and
-        ``benchmarks/gluon_bwd_bench.py`` run them."""
+        with two dQ staging tiles (where they fit: d64) or one, then a dQ partial per MMA
+        warpgroup (``dq_per_warpgroup``: compiled offline, not run yet, so never a default
+        nor known-good). The tests run them."""
         out = []
         for base in _candidates(problem):
-            for stages, buffers in ((3, 2), (3, 1)):
+            for stages, buffers, per_wg in ((3, 2, False), (3, 1, False), (3, 1, True)):
                 cfg = dataclasses.replace(base, warp_specialize=True, stages=stages,
-                                          dq_buffers=buffers)
+                                          dq_buffers=buffers, dq_per_warpgroup=per_wg)
                 if self.constraint(problem, cfg, device) is None and cfg not in out:
                     out.append(cfg)
         return out
