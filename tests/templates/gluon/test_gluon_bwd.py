@@ -233,12 +233,15 @@ def test_dq_per_warpgroup_is_offered_but_never_chosen() -> None:
     # Its launch: the kernel's 4 warps are MMA warpgroup 0 (a 4-warp worker is the other).
     from templates.gluon import bwd_ws_kernel
 
-    (_, _, _, _), (main, _, _, options) = TEMPLATE.kernel_launches(d128, split)
+    launches = TEMPLATE.kernel_launches(d128, split)
+    assert launches is not None
+    main, _, _, options = launches[1]
     assert main is bwd_ws_kernel._gluon_bwd_ws_kernel
     assert options["DQ_SPLIT"] is True and options["num_warps"] == 4
     assert options["maxnreg"] == 168 and options["DQ_BUFFERS"] == 1
-    (_, _, _, _), (_, _, _, ws_options) = TEMPLATE.kernel_launches(
-        d128, GluonBwdConfig(warp_specialize=True))
+    launches = TEMPLATE.kernel_launches(d128, GluonBwdConfig(warp_specialize=True))
+    assert launches is not None
+    ws_options = launches[1][3]
     assert "DQ_SPLIT" not in ws_options and ws_options["num_warps"] == 8
 
 
