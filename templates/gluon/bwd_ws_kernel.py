@@ -27,6 +27,14 @@ too. Causality is the mask's own (CAUSAL False). The three partitions run the sa
 (``_mask_head`` and ``_mask_step``): the load warp issues the step's loads, the MMA warps
 compute it, the dQ warp adds its dQ tile where the walk says.
 
+With ``DQ_SPLIT`` (gluon_bwd's ``dq_per_warpgroup``; compiled offline, not run yet) the two
+MMA warpgroups are partitions of their own (the kernel's 4 warps and a 4-warp worker, both at
+MMA_REGS): each owns BLOCK_N / 2 keys for every GEMM, dQ included (its partial dS_wg K_wg over
+its own keys, BLOCK_M x D fp32), and hands its partial over in its own staging tile, which
+also holds its dS^T; the dQ warp reduces both partials of a step into the same rows. Nothing
+makes one warpgroup wait for the other within a step: a ring slot is freed when both have
+released it (empty barrier of count 2) and they meet once, before dK/dV are stored.
+
 dq is not bitwise deterministic (the reduces of the programs of one query tile land in any
 order); dk and dv are.
 """
