@@ -11,7 +11,8 @@ with the float64/float32 autograd reference (flash_bwd's), max errors printed.
 
 Variants (``VARIANTS``): ``default``, ``eager_dq``, and the warp-specialized kernel ``ws`` (one
 dQ staging tile) and ``ws_dq2`` (two; d64 only; a ring of two stages, which would leave room
-for two at d128, crashed on the H200: refused by the template);
+for two at d128, crashed on the H200: refused by the template), ``ws_dqwg`` (each MMA
+warpgroup its own dQ partial over its own keys, ``dq_per_warpgroup``: not run yet);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -52,6 +53,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
            "warp_specialize": True, "dq_buffers": 1},
     "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 2},
+    # Each MMA warpgroup a partition of its own computing its own dQ partial over its own 64
+    # keys, reduced by the dQ warp (no barrier between the warpgroups within a step).
+    "ws_dqwg": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                "warp_specialize": True, "dq_buffers": 1, "dq_per_warpgroup": True},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
