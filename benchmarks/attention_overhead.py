@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="block mask pattern of the training rows (default: "
                              "sliding_causal:min(1024, N/4))")
     parser.add_argument("--no-train", action="store_true", help="skip the training rows")
+    parser.add_argument("--train-only", action="store_true",
+                        help="only the training rows (no forward, SDPA or decode rows)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shape and few calls: checks the script runs (CI)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -421,15 +423,6 @@ def main(argv: list[str] | None = None) -> None:
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype)
                for _ in range(3))
 
-    with use_implementation("flash"):
-        calls, config, source = build_calls(q, k, v)
-    sdpa_calls = build_sdpa_calls(q, k, v)
-    rounds = timed_rounds(calls, "flash", args.reps, args.rounds, on_gpu)
-    # SDPA has no launch to skip: its "host" rounds are real calls (on a GPU, enqueue time).
-    for timing, by_path in timed_rounds(sdpa_calls, None, args.reps, args.rounds, on_gpu,
-                                        skip_launches=False).items():
-        rounds[timing].update(by_path)
-    summary = summarize(rounds)
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1): "
         + (platform.processor() or platform.machine()),
@@ -437,17 +430,29 @@ def main(argv: list[str] | None = None) -> None:
         "python": platform.python_version(),
         "command": " ".join(["python", "benchmarks/attention_overhead.py",
                              *(sys.argv[1:] if argv is None else argv)]),
-        "shape": args.shape, "dtype": str(dtype), "causal": True, "reps": args.reps,
-        "rounds": args.rounds, "config": config.key(), "config_source": source,
-        "target_us": TARGET_US, **summary,
-        "rounds_us": {t: {name: [round(x, 3) for x in runs] for name, runs in by_path.items()}
-                      for t, by_path in rounds.items()},
     }
-    print_table(summary)
-    print(f"shape {args.shape} {dtype}, config {config.key()} (from {source}), "
-          f"on {results['device']}")
-    results["decode"] = decode_results(args.decode_shape, device, dtype, args.reps, args.rounds,
-                                       on_gpu)
+    if not args.train_only:
+        with use_implementation("flash"):
+            calls, config, source = build_calls(q, k, v)
+        sdpa_calls = build_sdpa_calls(q, k, v)
+        rounds = timed_rounds(calls, "flash", args.reps, args.rounds, on_gpu)
+        # SDPA has no launch to skip: its "host" rounds are real calls (on a GPU, enqueue time).
+        for timing, by_path in timed_rounds(sdpa_calls, None, args.reps, args.rounds, on_gpu,
+                                            skip_launches=False).items():
+            rounds[timing].update(by_path)
+        summary = summarize(rounds)
+        results.update({
+            "shape": args.shape, "dtype": str(dtype), "causal": True, "reps": args.reps,
+            "rounds": args.rounds, "config": config.key(), "config_source": source,
+            "target_us": TARGET_US, **summary,
+            "rounds_us": {t: {name: [round(x, 3) for x in runs] for name, runs in by_path.items()}
+                          for t, by_path in rounds.items()},
+        })
+        print_table(summary)
+        print(f"shape {args.shape} {dtype}, config {config.key()} (from {source}), "
+              f"on {results['device']}")
+        results["decode"] = decode_results(args.decode_shape, device, dtype, args.reps,
+                                           args.rounds, on_gpu)
     if not args.no_train:
         train_shape = args.train_shape or ("4,16,4096,128" if on_gpu else args.shape)
         results["train"] = train_results(train_shape, args.mask, device, dtype,

@@ -8,12 +8,16 @@ one training step of one attention call:
 
 * ``flash entry points``: ``flash_attention_fwd`` then ``flash_attention_bwd`` on its o and
   lse, the templates' default configs (fitted to the mask's blocks) given as config objects;
+* ``flash entry points, unplanned backward``: the same, the backward as
+  ``flash_attention_bwd`` ran before its plans (checks, config, ``bwd_kernel.launch``
+  through the JIT on every call), for the plans' gain in one process;
 * ``flash_attention``: the templates' autograd function, the same configs,
   ``torch.autograd.grad(o, (q, k, v), do)``;
 * ``tuner.attention``: the same step through the dispatcher, ``flash`` forced;
 * (CUDA, Hopper, Gluon present) ``gluon entry points``: ``gluon_attention_fwd`` then
   ``gluon_attention_bwd`` (their default configs), and ``tuner.attention (gluon_train)``:
-  the dispatcher's step with ``gluon_train`` forced.
+  the dispatcher's step with ``gluon_train`` forced, and ``gluon entry points, unplanned
+  backward`` (the backward's launch plan made and launched through the JIT on each call).
 
 Every path's gradients are checked against the first path's (one real call each, before any
 timing) within fp16/bf16 tolerance: the configs may differ between the Gluon and the Triton
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,8 +40,10 @@ from templates.flash.autograd import flash_attention
 from templates.kernel_common import normalize_causal
 
 Call = Callable[[], object]
-FLASH_PATHS = ("flash entry points", "flash_attention", "tuner.attention")
-GLUON_PATHS = ("gluon entry points", "tuner.attention (gluon_train)")
+FLASH_PATHS = ("flash entry points", "flash_attention", "tuner.attention",
+               "flash entry points, unplanned backward")
+GLUON_PATHS = ("gluon entry points", "tuner.attention (gluon_train)",
+               "gluon entry points, unplanned backward")
 CASES = ("dense causal", "block mask")
 # Gradients of two paths agree within this (fp16/bf16 inputs, fp32 accumulation; dQ by
 # atomics in some configs).
@@ -99,8 +105,33 @@ def flash_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
                             bwd_config=bwd_config, block_mask=block_mask)
         return torch.autograd.grad(o, leaves, do)
 
+    def unplanned() -> object:
+        o, lse = flash_fwd.flash_attention_fwd(q, k, v, causal=causal, config=fwd_config,
+                                               block_mask=block_mask)
+        return unplanned_flash_backward(do, q, k, v, o, lse, causal, bwd_config, block_mask)
+
     return {FLASH_PATHS[0]: entry_points, FLASH_PATHS[1]: autograd_function,
-            FLASH_PATHS[2]: dispatched(leaves, do, is_causal, block_mask)}
+            FLASH_PATHS[2]: dispatched(leaves, do, is_causal, block_mask),
+            FLASH_PATHS[3]: unplanned}
+
+
+def unplanned_flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: str,
+                             config: flash_bwd.BwdConfig, block_mask: Any) -> object:
+    """``flash_attention_bwd`` as it was before its plans (the same checks, the config
+    checked, ``bwd_kernel.launch`` working out the three launches and launching them through
+    the JIT), timed beside the planned entry: the plans' gain in one process."""
+    from templates.flash import bwd_kernel
+
+    mode, scale = bwd_kernel.validate_inputs(do, q, k, v, o, lse, causal, None)
+    if block_mask is not None:
+        flash_fwd.check_block_mask(block_mask, q, k)
+    problem = flash_bwd.problem_of(q, k, mode)
+    device = current_device(q.device.index) if q.is_cuda else current_device()
+    cfg = flash_bwd.resolve_config(config, problem, device,
+                                   None if block_mask is None else block_mask.block_size)
+    return bwd_kernel.launch(do, q, k, v, o, lse, causal_mode=mode, scale=scale,
+                             config=cfg.to_dict(), block_mask=block_mask)
 
 
 def gluon_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
@@ -115,15 +146,35 @@ def gluon_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
         o, lse = gluon_attention_fwd(q, k, v, causal=causal, block_mask=block_mask)
         return gluon_attention_bwd(do, q, k, v, o, lse, causal=causal, block_mask=block_mask)
 
+    def unplanned() -> object:
+        from templates.gluon import bwd as gluon_bwd
+
+        o, lse = gluon_attention_fwd(q, k, v, causal=causal, block_mask=block_mask)
+        # gluon_attention_bwd as it was before its plans: a launch plan and its descriptors
+        # made, and both kernels launched through the JIT, on every call.
+        assert gluon_bwd.kernel is not None
+        mode, scale = gluon_bwd.kernel.validate_inputs(do, q, k, v, o, lse, causal, None)
+        cfg = gluon_bwd.TEMPLATE.config_to_run(
+            q, k, mode, None, None if block_mask is None else block_mask.block_size)
+        assert isinstance(cfg, gluon_bwd.GluonBwdConfig)
+        module = gluon_bwd.ws_kernel if cfg.warp_specialize else gluon_bwd.kernel
+        assert module is not None
+        extra = {} if block_mask is None else {"block_mask": block_mask}
+        return module.launch(do, q, k, v, o, lse, causal_mode=mode, scale=scale,
+                             config=cfg.to_dict(), **extra)
+
     return {GLUON_PATHS[0]: entry_points,
-            GLUON_PATHS[1]: dispatched(leaves, do, is_causal, block_mask)}
+            GLUON_PATHS[1]: dispatched(leaves, do, is_causal, block_mask),
+            GLUON_PATHS[2]: unplanned}
 
 
 def dispatched(leaves: tuple[torch.Tensor, ...], do: torch.Tensor, is_causal: bool,
                block_mask: Any) -> Call:
     """One training step through ``tuner.attention`` (the implementation forced around it)."""
+    q, k, v = leaves
+
     def step() -> object:
-        o = tuner.attention(*leaves, is_causal=is_causal, block_mask=block_mask)
+        o = tuner.attention(q, k, v, is_causal=is_causal, block_mask=block_mask)
         return torch.autograd.grad(o, leaves, do)
     return step
 
@@ -136,7 +187,7 @@ def check_grads(case: TrainCase) -> None:
     for implementation, calls in case.calls.items():
         with use_implementation(implementation):
             for name, fn in calls.items():
-                grads = tuple(fn())  # type: ignore[call-overload]
+                grads = tuple(cast(tuple[torch.Tensor, ...], fn()))
                 if reference is None:
                     reference = grads
                     continue
