@@ -4,6 +4,7 @@
     python benchmarks/attention_overhead.py --reps 20000 --json out.json
     python benchmarks/attention_overhead.py --smoke          # seconds, also on the CPU interpreter
     python benchmarks/attention_overhead.py --decode-shape 8,32,8,4096,128
+    python benchmarks/attention_overhead.py --train-only --mask random:0.1   # training rows
 
 Three ways to run one kernel with one config on the same inputs, timed side by side in one
 process, all in the steady state of a training or inference loop (the shape was seen before):
@@ -26,6 +27,14 @@ the same way, under the JSON's ``decode`` key:
     and the launches): the floor.
 (b) ``tuner.decode(q, k, v, cache_seqlens=...)`` on a plan-cache hit.
 (c) ``tuner.attention(q, k, v, enable_gqa=True)`` with its ``decode`` implementation forced.
+
+Training (``--train-only`` for these alone, ``--no-train`` without them; ``--train-shape``,
+default 4,16,4096,128 on CUDA and ``--shape`` on the CPU; ``--mask``), under the JSON's
+``train`` key, per case (dense causal; a block mask, ``sliding_causal`` by default): one
+forward + backward step through the flash entry points, ``flash_attention``,
+``tuner.attention`` with ``flash`` forced, and the entry points with the backward as it ran
+before its launch plans (``..., unplanned backward``); on Hopper the same for the Gluon
+kernels and ``gluon_train`` (``benchmarks/train_overhead.py``).
 
 On CUDA the plans are also timed with ``DirectLaunch`` off (``..., JIT``: every launch through
 Triton's JIT, as before the plans launched the compiled kernels directly).
