@@ -4,6 +4,7 @@
     python benchmarks/attention_overhead.py --reps 20000 --json out.json
     python benchmarks/attention_overhead.py --smoke          # seconds, also on the CPU interpreter
     python benchmarks/attention_overhead.py --decode-shape 8,32,8,4096,128
+    python benchmarks/attention_overhead.py --train-only --mask random:0.1   # training rows
 
 Three ways to run one kernel with one config on the same inputs, timed side by side in one
 process, all in the steady state of a training or inference loop (the shape was seen before):
@@ -26,6 +27,14 @@ the same way, under the JSON's ``decode`` key:
     and the launches): the floor.
 (b) ``tuner.decode(q, k, v, cache_seqlens=...)`` on a plan-cache hit.
 (c) ``tuner.attention(q, k, v, enable_gqa=True)`` with its ``decode`` implementation forced.
+
+Training (``--train-only`` for these alone, ``--no-train`` without them; ``--train-shape``,
+default 4,16,4096,128 on CUDA and ``--shape`` on the CPU; ``--mask``), under the JSON's
+``train`` key, per case (dense causal; a block mask, ``sliding_causal`` by default): one
+forward + backward step through the flash entry points, ``flash_attention``,
+``tuner.attention`` with ``flash`` forced, and the entry points with the backward as it ran
+before its launch plans (``..., unplanned backward``); on Hopper the same for the Gluon
+kernels and ``gluon_train`` (``benchmarks/train_overhead.py``).
 
 On CUDA the plans are also timed with ``DirectLaunch`` off (``..., JIT``: every launch through
 Triton's JIT, as before the plans launched the compiled kernels directly).
@@ -66,6 +75,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402  (imports templates first: TRITON_INTERPRET is set without CUDA)
+from benchmarks import train_overhead  # noqa: E402
 from templates.compile import direct_launch  # noqa: E402
 from templates.compile.direct_launch import DirectLaunch  # noqa: E402
 from templates.decode.kernel import (  # noqa: E402
@@ -75,8 +85,10 @@ from templates.decode.kernel import (  # noqa: E402
 )
 from templates.decode.template import FlashDecodeConfig  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
-from templates.flash import fwd_kernel as flash_fwd_kernel
+from templates.flash import bwd_kernel as flash_bwd_kernel  # noqa: E402
+from templates.flash import fwd_kernel as flash_fwd_kernel  # noqa: E402
 from templates.flash.fwd import FwdConfig, flash_attention_fwd  # noqa: E402
+from templates.gluon.fwd import GLUON_MISSING  # noqa: E402
 from tuner.attention import plan_for  # noqa: E402
 from tuner.decode import decode_plan_for  # noqa: E402
 from tuner.dispatch.rule import use_implementation  # noqa: E402
@@ -129,18 +141,38 @@ def _ignore(*args: object, **kwargs: object) -> None:
 
 @contextlib.contextmanager
 def launches_skipped() -> Iterator[None]:
-    """Launches do nothing: a ``DirectLaunch``'s (dense plans, decode), after its checks, and
-    the JIT's (LaunchPlan reads the kernel's module global at each masked or first call)."""
-    saved = (flash_fwd_kernel._flash_fwd_kernel, DirectLaunch._launch_direct,
-             DirectLaunch._launch_through_jit)
-    flash_fwd_kernel._flash_fwd_kernel = _NoLaunch()  # type: ignore[assignment]
+    """Launches do nothing: a ``DirectLaunch``'s (dense plans, decode, the backward's plans),
+    after its checks, and the JIT's (kernels read as module globals at each masked or first
+    call: the forwards', the backwards' where they launch through the JIT)."""
+    saved = (DirectLaunch._launch_direct, DirectLaunch._launch_through_jit)
     DirectLaunch._launch_direct = _ignore  # type: ignore[method-assign]
     DirectLaunch._launch_through_jit = _ignore  # type: ignore[method-assign]
+    globals_saved = [(module, name, getattr(module, name)) for module, name in _jit_kernels()]
+    for module, name, _ in globals_saved:
+        setattr(module, name, _NoLaunch())
     try:
         yield
     finally:
-        (flash_fwd_kernel._flash_fwd_kernel, DirectLaunch._launch_direct,
-         DirectLaunch._launch_through_jit) = saved  # type: ignore[method-assign]
+        DirectLaunch._launch_direct, DirectLaunch._launch_through_jit = saved  # type: ignore[method-assign]
+        for module, name, kernel in globals_saved:
+            setattr(module, name, kernel)
+
+
+def _jit_kernels() -> list[tuple[Any, str]]:
+    """(module, name) of every kernel a path launches through ``kernel[grid](...)``."""
+    out: list[tuple[Any, str]] = [(flash_fwd_kernel, "_flash_fwd_kernel")]
+    out += [(flash_bwd_kernel, name) for name in (
+        "_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel")]
+    from templates.gluon import bwd as gluon_bwd
+    from templates.gluon import fwd as gluon_fwd
+    if gluon_fwd.kernel is not None:
+        out.append((gluon_fwd.kernel, "_gluon_fwd_kernel"))
+    if gluon_bwd.kernel is not None:
+        out += [(gluon_bwd.kernel, "_gluon_bwd_preprocess_kernel"),
+                (gluon_bwd.kernel, "_gluon_bwd_kernel")]
+    if gluon_bwd.ws_kernel is not None:
+        out.append((gluon_bwd.ws_kernel, "_gluon_bwd_ws_kernel"))
+    return out
 
 
 def build_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -318,6 +350,46 @@ def decode_results(shape: str, device: str, dtype: torch.dtype, reps: int, round
                           for t, by in timed.items()}}
 
 
+def train_results(shape: str, mask: str | None, device: str, dtype: torch.dtype, reps: int,
+                  rounds: int, on_gpu: bool) -> dict[str, Any]:
+    """The training rows (``benchmarks/train_overhead.py``) timed, printed; the JSON's
+    ``train``: per case, per timing, per path, microseconds per forward + backward step, and
+    what the dispatcher adds over the entry points (``dispatch_over_entry_us``)."""
+    batch, heads, seqlen, head_dim = (int(x) for x in shape.split(","))
+    q, k, v, do = (torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype)
+                   for _ in range(4))
+    mask = mask or train_overhead.default_mask(seqlen)
+    with_gluon = on_gpu and torch.cuda.get_device_capability()[0] == 9 and not GLUON_MISSING
+    out: dict[str, Any] = {"shape": shape, "mask": mask, "reps": reps, "gluon": with_gluon,
+                           "cases": {}}
+    for case in train_overhead.train_cases(q, k, v, do, mask, with_gluon):
+        timed: dict[str, dict[str, list[float]]] = {}
+        for implementation, calls in case.calls.items():
+            for timing, by_path in timed_rounds(calls, implementation, reps, rounds,
+                                                on_gpu).items():
+                timed.setdefault(timing, {}).update(by_path)
+        per_call = {t: {name: round(min(runs), 3) for name, runs in by.items()}
+                    for t, by in timed.items()}
+        over = {t: {"flash": round(row["tuner.attention"] - row["flash entry points"], 3)}
+                for t, row in per_call.items()}
+        for t, row in per_call.items():
+            if "gluon entry points" in row:
+                over[t]["gluon_train"] = round(
+                    row["tuner.attention (gluon_train)"] - row["gluon entry points"], 3)
+        out["cases"][case.name] = {
+            "mask": case.mask, "configs": case.configs, "us_per_call": per_call,
+            "dispatch_over_entry_us": over,
+            "rounds_us": {t: {name: [round(x, 3) for x in runs] for name, runs in by.items()}
+                          for t, by in timed.items()}}
+        print()
+        timings = list(per_call)
+        print(f"{'train: ' + case.name + ' (us/step)':<36}" + "".join(f"{t:>10}" for t in timings))
+        for name in per_call[timings[0]]:
+            print(f"{name:<36}" + "".join(f"{per_call[t][name]:>10.2f}" for t in timings))
+    print(f"train shape {shape} {dtype}, block mask {mask}, forward + backward per step")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5000, help="calls per timing round")
@@ -325,6 +397,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="1,8,128,64", help="B,H,N,D of q, k and v")
     parser.add_argument("--decode-shape", default="1,32,8,4096,128",
                         help="B,H_q,H_kv,N,D of the decode call (one query token)")
+    parser.add_argument("--train-shape", default=None,
+                        help="B,H,N,D of the training rows (default: 4,16,4096,128 on CUDA, "
+                             "--shape on the CPU, where the checks run the interpreter)")
+    parser.add_argument("--train-reps", type=int, default=None,
+                        help="training steps per timing round (default: --reps / 10)")
+    parser.add_argument("--mask", default=None,
+                        help="block mask pattern of the training rows (default: "
+                             "sliding_causal:min(1024, N/4))")
+    parser.add_argument("--no-train", action="store_true", help="skip the training rows")
+    parser.add_argument("--train-only", action="store_true",
+                        help="only the training rows (no forward, SDPA or decode rows)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shape and few calls: checks the script runs (CI)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -332,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.shape, args.reps, args.rounds = "1,2,32,16", 200, 2
         args.decode_shape = "1,4,2,64,16"
+        args.train_shape, args.train_reps = "1,2,32,16", 20
     if args.reps < 1 or args.rounds < 1:
         parser.error(f"--reps and --rounds must be >= 1, but got {args.reps}, {args.rounds}")
     try:
@@ -348,15 +432,6 @@ def main(argv: list[str] | None = None) -> None:
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype)
                for _ in range(3))
 
-    with use_implementation("flash"):
-        calls, config, source = build_calls(q, k, v)
-    sdpa_calls = build_sdpa_calls(q, k, v)
-    rounds = timed_rounds(calls, "flash", args.reps, args.rounds, on_gpu)
-    # SDPA has no launch to skip: its "host" rounds are real calls (on a GPU, enqueue time).
-    for timing, by_path in timed_rounds(sdpa_calls, None, args.reps, args.rounds, on_gpu,
-                                        skip_launches=False).items():
-        rounds[timing].update(by_path)
-    summary = summarize(rounds)
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1): "
         + (platform.processor() or platform.machine()),
@@ -364,17 +439,34 @@ def main(argv: list[str] | None = None) -> None:
         "python": platform.python_version(),
         "command": " ".join(["python", "benchmarks/attention_overhead.py",
                              *(sys.argv[1:] if argv is None else argv)]),
-        "shape": args.shape, "dtype": str(dtype), "causal": True, "reps": args.reps,
-        "rounds": args.rounds, "config": config.key(), "config_source": source,
-        "target_us": TARGET_US, **summary,
-        "rounds_us": {t: {name: [round(x, 3) for x in runs] for name, runs in by_path.items()}
-                      for t, by_path in rounds.items()},
     }
-    print_table(summary)
-    print(f"shape {args.shape} {dtype}, config {config.key()} (from {source}), "
-          f"on {results['device']}")
-    results["decode"] = decode_results(args.decode_shape, device, dtype, args.reps, args.rounds,
-                                       on_gpu)
+    if not args.train_only:
+        with use_implementation("flash"):
+            calls, config, source = build_calls(q, k, v)
+        sdpa_calls = build_sdpa_calls(q, k, v)
+        rounds = timed_rounds(calls, "flash", args.reps, args.rounds, on_gpu)
+        # SDPA has no launch to skip: its "host" rounds are real calls (on a GPU, enqueue time).
+        for timing, by_path in timed_rounds(sdpa_calls, None, args.reps, args.rounds, on_gpu,
+                                            skip_launches=False).items():
+            rounds[timing].update(by_path)
+        summary = summarize(rounds)
+        results.update({
+            "shape": args.shape, "dtype": str(dtype), "causal": True, "reps": args.reps,
+            "rounds": args.rounds, "config": config.key(), "config_source": source,
+            "target_us": TARGET_US, **summary,
+            "rounds_us": {t: {name: [round(x, 3) for x in runs] for name, runs in by_path.items()}
+                          for t, by_path in rounds.items()},
+        })
+        print_table(summary)
+        print(f"shape {args.shape} {dtype}, config {config.key()} (from {source}), "
+              f"on {results['device']}")
+        results["decode"] = decode_results(args.decode_shape, device, dtype, args.reps,
+                                           args.rounds, on_gpu)
+    if not args.no_train:
+        train_shape = args.train_shape or ("4,16,4096,128" if on_gpu else args.shape)
+        results["train"] = train_results(train_shape, args.mask, device, dtype,
+                                         args.train_reps or max(1, args.reps // 10),
+                                         args.rounds, on_gpu)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

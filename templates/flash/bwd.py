@@ -24,6 +24,7 @@ from templates.attention_reference import (
     forward_flops,
 )
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
+from templates.compile.plan_cache import PlanCache
 from templates.compile.standin_tensor import StandinTensor
 from templates.device import (
     DeviceInfo,
@@ -33,6 +34,7 @@ from templates.device import (
 )
 from templates.flash import bwd_kernel as kernel
 from templates.flash import softcap as softcap_kernel
+from templates.flash.bwd_plan import BackwardPlan, block_mask_key
 from templates.flash.fwd import check_block_mask, flash_attention_fwd, pattern_mask
 from templates.flash.fwd_kernel import attn_mask_view
 from templates.interpreter_dtype import as_float32, runs_in_float32
@@ -596,6 +598,88 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         TypeError / ValueError naming the offending argument, the config field, or the
         constraint the config violates for this problem and device.
     """
+    key = _plan_key(do, q, k, v, o, lse, causal, scale, config, attn_mask, block_mask, softcap)
+    planned = _PLANS.get(key)
+    if planned is None:
+        planned = _validated_plan(do, q, k, v, o, lse, causal, scale, config, attn_mask,
+                                  block_mask, softcap)
+        _PLANS.put(key, planned)
+    return planned(do, q, k, v, o, lse, block_mask, attn_mask)
+
+
+class PlannedBackward:
+    """A kept ``BackwardPlan`` and what the entry does around it: the attn_mask's kernel view
+    (``attn_mask_view``) and, for bf16 under the interpreter, float32 copies of the inputs
+    (``templates.interpreter_dtype``), the gradients cast back to the inputs' dtypes."""
+
+    def __init__(self, plan: BackwardPlan, upcast: bool) -> None:
+        self.plan = plan
+        self.upcast = upcast
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, block_mask: BlockMask | None,
+                 attn_mask: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mask_view = None if attn_mask is None else attn_mask_view(attn_mask, q, k)
+        if not self.upcast:
+            return self.plan(do, q, k, v, o, lse, block_mask, mask_view)
+        ldo, lq, lk, lv, lo = as_float32(do, q, k, v, o)
+        dq, dk, dv = self.plan(ldo, lq, lk, lv, lo, lse, block_mask, mask_view)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# Backward plans of flash_attention_bwd by _plan_key: a repeated call skips the checks, the
+# config choice and the working out of its three launches, and launches them directly
+# (templates.flash.bwd_plan). As the forward's: one per layout and mask geometry.
+_PLANS: PlanCache[PlannedBackward] = PlanCache(maxsize=1024)
+
+
+def _plan_key(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any,
+              config: Any, attn_mask: Any, block_mask: Any, softcap: Any
+              ) -> tuple[object, ...] | None:
+    """Everything ``_validated_plan`` reads from its arguments, or None for arguments of a kind
+    no plan is kept for (the full path then raises the right error).
+
+    Tensors enter by class, shape, strides, dtype and device; an attn_mask likewise (its
+    kernel view follows from those), a block mask by its geometry (``block_mask_key``);
+    scalars with their class, so that 1 (refused) never matches True. A mapping config is
+    validated into a BwdConfig first, on every call: pass a BwdConfig to skip that. Values
+    never enter: the plan does not depend on them. Whether the six inputs' pointers are all
+    16-byte aligned enters too (what Triton specializes on); the plan also checks every
+    pointer at each call, those of the masks included, and launches misaligned ones through
+    the JIT (``BackwardPlan``)."""
+    if config is not None and not isinstance(config, BwdConfig):
+        if not isinstance(config, Mapping):
+            return None
+        try:
+            config = TEMPLATE.config(config)
+        except (TypeError, ValueError):
+            return None
+    try:
+        return (do.__class__, q.__class__, k.__class__, v.__class__, o.__class__,
+                lse.__class__, do.shape, q.shape, k.shape, v.shape, o.shape, lse.shape,
+                do.stride(), q.stride(), k.stride(), v.stride(), o.stride(), lse.stride(),
+                do.dtype, q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype,
+                do.device, q.device, k.device, v.device, o.device, lse.device,
+                (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()
+                 | lse.data_ptr()) % 16,
+                causal.__class__, causal, scale.__class__, scale, config,
+                softcap.__class__, softcap,
+                None if attn_mask is None else (attn_mask.__class__, attn_mask.shape,
+                                                attn_mask.stride(), attn_mask.dtype,
+                                                attn_mask.device),
+                block_mask_key(block_mask))
+    except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors
+        return None
+
+
+def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, causal: bool | str,
+                    scale: float | None, config: BwdConfig | Mapping[str, object] | None,
+                    attn_mask: torch.Tensor | None, block_mask: BlockMask | None,
+                    softcap: float | None) -> PlannedBackward:
+    """Check the arguments, choose or check the config, and plan the launches (see
+    ``flash_attention_bwd`` for the errors)."""
     causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
     cap = kernel_common.check_softcap(softcap)
     if q.device.type != "cuda" and not interpreter_active():
@@ -611,13 +695,13 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     cfg = resolve_config(config, problem, device,
                          None if block_mask is None else block_mask.block_size)
     # bf16 under the interpreter runs on float32 copies (templates.interpreter_dtype); the
-    # gradients come back in the inputs' dtype (.to is a no-op otherwise).
-    ldo, lq, lk, lv, lo = (as_float32(do, q, k, v, o) if runs_in_float32(q.dtype)
-                           else (do, q, k, v, o))
-    dq, dk, dv = kernel.launch(ldo, lq, lk, lv, lo, lse, causal_mode=causal_mode,
-                               scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
-                               attn_mask=mask_view, softcap=cap)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # gradients come back in the inputs' dtype.
+    upcast = runs_in_float32(q.dtype)
+    ldo, lq, lk, lv, lo = as_float32(do, q, k, v, o) if upcast else (do, q, k, v, o)
+    plan = BackwardPlan(ldo, lq, lk, lv, lo, lse, causal_mode=causal_mode,
+                        scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
+                        attn_mask=mask_view, softcap=cap)
+    return PlannedBackward(plan, upcast)
 
 
 TEMPLATE: FlashBwdTemplate = register(FlashBwdTemplate())

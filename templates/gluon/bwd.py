@@ -33,10 +33,13 @@ from typing import Any
 import torch
 
 from templates.base import KernelConfig, KernelLaunch, Problem, knob
+from templates.compile.plan_cache import PlanCache
 from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
+from templates.flash.bwd_plan import block_mask_key
 from templates.flash.fwd import check_block_mask
+from templates.gluon.bwd_plan import GluonBackwardPlan
 from templates.gluon.fwd import StandinBlockMask
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
@@ -466,21 +469,83 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     """
     if kernel is None:
         raise RuntimeError(GLUON_MISSING)
+    key = _plan_key(do, q, k, v, o, lse, causal, scale, config, block_mask)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _validated_plan(do, q, k, v, o, lse, causal, scale, config, block_mask)
+        _PLANS.put(key, plan)
+    return plan(do, q, k, v, o, lse, block_mask)
+
+
+# Backward plans of gluon_attention_bwd by _plan_key: a repeated call skips the checks, the
+# config choice, the launch plan and its descriptors' layouts, and launches both kernels
+# directly (templates.gluon.bwd_plan).
+_PLANS: PlanCache[GluonBackwardPlan] = PlanCache(maxsize=1024)
+
+
+def _plan_key(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any,
+              config: Any, block_mask: Any) -> tuple[object, ...] | None:
+    """Everything ``_validated_plan`` reads from its arguments (classes, shapes, strides,
+    dtypes and devices of the six tensors, causal, scale, config, the block mask's geometry),
+    or None where no plan is kept (the full path then raises the right error). Pointer
+    alignment enters where TMA reads it (q, k, v, do: a misaligned one is copied first);
+    the plan launches other misaligned pointers through the JIT."""
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        return None
+    if config is not None and not isinstance(config, GluonBwdConfig):
+        if not isinstance(config, Mapping):
+            return None
+        try:
+            config = TEMPLATE.config(config)
+        except (TypeError, ValueError):
+            return None
+    try:
+        return (do.__class__, q.__class__, k.__class__, v.__class__, o.__class__,
+                lse.__class__, do.shape, q.shape, k.shape, v.shape, o.shape, lse.shape,
+                do.stride(), q.stride(), k.stride(), v.stride(), o.stride(), lse.stride(),
+                do.dtype, q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype,
+                do.device, q.device, k.device, v.device, o.device, lse.device,
+                (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
+                causal.__class__, causal, scale.__class__, scale, config,
+                block_mask_key(block_mask))
+    except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors
+        return None
+
+
+def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, causal: bool | str,
+                    scale: float | None, config: GluonBwdConfig | Mapping[str, object] | None,
+                    block_mask: BlockMask | None) -> GluonBackwardPlan:
+    """Check the arguments, choose or check the config and plan both launches (see
+    ``gluon_attention_bwd`` for the errors)."""
+    assert kernel is not None
     causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
-    if block_mask is None:
-        cfg = TEMPLATE.config_to_run(q, k, causal_mode, config)
-        assert isinstance(cfg, GluonBwdConfig)
-        return _kernel_module(cfg).launch(do, q, k, v, o, lse, causal_mode=causal_mode,
-                                          scale=softmax_scale, config=cfg.to_dict())
-    check_block_mask(block_mask, q, k)
-    if causal_mode != "none":
-        raise ValueError(f"causal must be 'none' with a block_mask (the mask carries its own "
-                         f"causality), but got {causal!r}")
-    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config, block_mask.block_size)
-    assert isinstance(cfg, GluonBwdConfig) and cfg.warp_specialize
-    return _kernel_module(cfg).launch(do, q, k, v, o, lse, causal_mode=causal_mode,
-                                      scale=softmax_scale, config=cfg.to_dict(),
-                                      block_mask=block_mask)
+    mask_block = None
+    if block_mask is not None:
+        check_block_mask(block_mask, q, k)
+        if causal_mode != "none":
+            raise ValueError(f"causal must be 'none' with a block_mask (the mask carries its "
+                             f"own causality), but got {causal!r}")
+        mask_block = block_mask.block_size
+    cfg = TEMPLATE.config_to_run(q, k, causal_mode, config, mask_block)
+    assert isinstance(cfg, GluonBwdConfig)
+    assert block_mask is None or cfg.warp_specialize
+    module = _kernel_module(cfg)
+    # As bwd_kernel.launch_plan: layouts TMA cannot read are copied first (per call, by the
+    # plan); the launch plan is made for the copies' layout.
+    ready = [kernel.tma_ready(t) for t in (q, k, v, do)]
+    copy_inputs = any(r is not t for r, t in zip(ready, (q, k, v, do), strict=True))
+    if cfg.warp_specialize:
+        launch_plan = module.WsLaunchPlan(
+            ready[0], ready[1], causal_mode=causal_mode, scale=softmax_scale,
+            config=cfg.to_dict(),
+            kv_major_mask=None if block_mask is None else block_mask.transposed)
+    else:
+        launch_plan = module.LaunchPlan(ready[0], ready[1], causal_mode=causal_mode,
+                                        scale=softmax_scale, config=cfg.to_dict())
+    return GluonBackwardPlan(launch_plan, kernel._gluon_bwd_preprocess_kernel,
+                             warp_specialized=cfg.warp_specialize, copy_inputs=copy_inputs,
+                             copy_o=o.stride(-1) != 1)
 
 
 TEMPLATE = GluonBwdTemplate()

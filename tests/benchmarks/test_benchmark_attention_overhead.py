@@ -1,6 +1,6 @@
-"""benchmarks/attention_overhead.py --smoke: the three forward paths and the three decode paths
-run (on the CPU interpreter here), agree, and come out as the tables' rows and the JSON's
-numbers."""
+"""benchmarks/attention_overhead.py --smoke: the three forward paths, the three decode paths
+and the training rows (forward + backward, dense causal and a block mask) run (on the CPU
+interpreter here), agree, and come out as the tables' rows and the JSON's numbers."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ SCRIPT = BENCHMARKS / "attention_overhead.py"
 PATHS = ("launch plan", "flash_attention_fwd", "tuner.attention")
 SDPA_PATHS = ("torch SDPA", "tuner.attention -> SDPA")
 DECODE_PATHS = ("decode plan", "tuner.decode", "tuner.attention")
+TRAIN_PATHS = ("flash entry points", "flash_attention", "tuner.attention",
+               "flash entry points, unplanned backward")
 
 
 def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) -> None:
@@ -58,3 +60,14 @@ def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) ->
             name: round(row[name] - row["decode plan"], 3) for name in DECODE_PATHS[1:]}
         assert decode["meets_target"][timing] == all(
             x <= results["target_us"] for x in decode["overhead_us"][timing].values())
+
+    train = results["train"]
+    assert train["shape"] == "1,2,32,16" and train["mask"].startswith("sliding_causal:")
+    assert list(train["cases"]) == ["dense causal", "block mask"]
+    for case in train["cases"].values():
+        for timing in timings:
+            row = case["us_per_call"][timing]
+            assert list(row)[:4] == list(TRAIN_PATHS) and all(x > 0 for x in row.values())
+            assert case["dispatch_over_entry_us"][timing]["flash"] == round(
+                row["tuner.attention"] - row["flash entry points"], 3)
+    assert "train: block mask (us/step)" in done.stdout

@@ -1,0 +1,117 @@
+"""The Gluon backward's kept plans (``templates.gluon.bwd_plan``): on the CPU, stand-in kernels
+record what each launch gets: the first call goes through the JIT with the launch plan's own
+arguments, later ones to the compiled launchers with the same arguments (plain pointers as
+addresses, descriptors made from the kept ones); misaligned pointers keep the JIT's path; the
+entry's plan cache tells layouts, configs and masks apart. The GPU tests
+(``test_gluon_bwd.py``) compare the gradients with the reference through this path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from templates.gluon import bwd as gluon_bwd
+from tests.templates.flash.test_direct_launch_fwd import _Kernel
+
+pytestmark = pytest.mark.skipif(gluon_bwd.kernel is None, reason="this triton has no Gluon")
+
+
+class _ParamKernel(_Kernel):
+    """A stand-in that also shows the real kernel's parameters (their defaults)."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(real.arg_names)
+        if hasattr(real, "params"):
+            self.params = real.params
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q, do, o = (torch.randn(1, 4, 96, 64, generator=gen).half() for _ in range(3))
+    k, v = (torch.randn(1, 2, 160, 64, generator=gen).half() for _ in range(2))
+    return do, q, k, v, o, torch.randn(1, 4, 96, generator=gen)
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True])
+def test_launches_go_direct_after_the_first_with_the_jits_arguments(
+        monkeypatch: pytest.MonkeyPatch, warp_specialize: bool) -> None:
+    from templates.gluon.bwd_plan import GluonBackwardPlan
+
+    module = gluon_bwd.ws_kernel if warp_specialize else gluon_bwd.kernel
+    assert module is not None and gluon_bwd.kernel is not None
+    pre = _ParamKernel(gluon_bwd.kernel._gluon_bwd_preprocess_kernel)
+    main_name = "_gluon_bwd_ws_kernel" if warp_specialize else "_gluon_bwd_kernel"
+    main = _ParamKernel(getattr(module, main_name))
+    monkeypatch.setattr(module, main_name, main)
+    do, q, k, v, o, lse = _inputs()
+    config = gluon_bwd.GluonBwdConfig(warp_specialize=warp_specialize).to_dict()
+    plan_cls = module.WsLaunchPlan if warp_specialize else module.LaunchPlan
+    launch_plan = plan_cls(q, k, causal_mode="top_left", scale=0.125, config=config)
+    plan = GluonBackwardPlan(launch_plan, pre, warp_specialized=warp_specialize)
+    plan(do, q, k, v, o, lse)
+    plan(do, q, k, v, o, lse)
+    for kernel, launch in ((pre, plan.preprocess), (main, plan.main)):
+        (jit_tag, jit_args, _), (direct_tag, direct_args) = kernel.calls
+        assert (jit_tag, direct_tag) == ("jit", "direct")
+        assert launch.direct_launches == 1
+        launched = direct_args[9:9 + len(jit_args)]
+        for position, (jit_arg, arg) in enumerate(zip(jit_args, launched, strict=True)):
+            if position in launch.descriptors:  # made from the kept one, the same layout
+                assert type(arg) is type(jit_arg) and arg.block_shape == jit_arg.block_shape
+                assert (arg.shape, arg.strides, arg.layout) == (jit_arg.shape, jit_arg.strides,
+                                                                jit_arg.layout)
+            elif isinstance(jit_arg, torch.Tensor):
+                assert isinstance(arg, int) and arg % 16 == 0
+            else:
+                assert arg == jit_arg
+    # The JIT's first call got what the launch plan's own path passes.
+    (_, main_args, main_kwargs) = main.calls[0]
+    assert main_kwargs == {**launch_plan.options, **main_kwargs}
+    assert list(main_args[9:9 + len(launch_plan.scalars)]) == launch_plan.scalars
+    assert [a.block_shape for a in main_args[:6]] == [launch_plan.q_block, launch_plan.kv_block,
+                                                      launch_plan.kv_block, launch_plan.q_block,
+                                                      launch_plan.kv_block, launch_plan.kv_block]
+
+
+def test_misaligned_pointers_keep_the_jit_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from templates.gluon.bwd_plan import GluonBackwardPlan
+
+    module = gluon_bwd.kernel
+    assert module is not None
+    pre = _ParamKernel(module._gluon_bwd_preprocess_kernel)
+    main = _ParamKernel(module._gluon_bwd_kernel)
+    monkeypatch.setattr(module, "_gluon_bwd_kernel", main)
+    do, q, k, v, o, lse = _inputs()
+    launch_plan = module.LaunchPlan(q, k, causal_mode="none", scale=0.125,
+                                    config=gluon_bwd.GluonBwdConfig().to_dict())
+    plan = GluonBackwardPlan(launch_plan, pre, warp_specialized=False)
+    plan(do, q, k, v, o, lse)
+    shifted = torch.randn(o.numel() + 1).half()[1:].view(o.shape)
+    plan(do, q, k, v, shifted, lse)
+    assert [c[0] for c in pre.calls] == ["jit", "jit"] and pre.calls[1][1][0] is shifted
+    assert [c[0] for c in main.calls] == ["jit", "jit"]
+
+
+def test_keys_tell_apart_layouts_configs_and_masks() -> None:
+    from templates.flash.fwd import pattern_mask
+
+    do, q, k, v, o, lse = _inputs()
+
+    def key(**kw: Any) -> Any:
+        args = dict(do=do, q=q, k=k, v=v, o=o, lse=lse, causal=True, scale=None, config=None,
+                    block_mask=None)
+        args.update(kw)
+        return gluon_bwd._plan_key(**args)
+
+    base = key()
+    assert base == key(do=_inputs(1)[0])
+    mask = pattern_mask("sliding_causal:64", 96, 160, "cpu")
+    others = [key(k=torch.randn(1, 2, 64, 160).half().transpose(2, 3)),
+              key(q=q.float(), do=do.float(), k=k.float(), v=v.float(), o=o.float()),
+              key(q=torch.randn(q.numel() + 1).half()[1:].view(q.shape)),
+              key(causal="bottom_right"),
+              key(config=gluon_bwd.GluonBwdConfig(warp_specialize=True)),
+              key(causal=False, block_mask=mask)]
+    assert base not in others and len(set(others)) == len(others)
