@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -507,7 +508,9 @@ def _plan_key(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sc
                 do.device, q.device, k.device, v.device, o.device, lse.device,
                 (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
                 causal.__class__, causal, scale.__class__, scale, config,
-                block_mask_key(block_mask))
+                block_mask_key(block_mask),
+                # the pricing switches (benchmarks/gluon_bwd_price.py sets them per run)
+                os.environ.get("GLUON_BWD_DEBUG"))
     except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors
         return None
 
