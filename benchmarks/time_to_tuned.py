@@ -332,7 +332,8 @@ def print_sweep(result: dict[str, Any]) -> None:
     for row in result["per_problem"]:
         ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
         at = f"{row['tuned_at_s']:.0f} s" if row["tuned_at_s"] is not None else "never"
-        print(f"  {row['problem']} (count {row['count']}): found/reference {ratio}, at {at}")
+        print(f"  {row['problem']} (count {row['count']}): time found / reference {ratio}, "
+              f"within {result['target']:.0%} at {at}")
     job = result["job"]
     for name in ("at_time_to_tuned", "at_end", "reference"):
         if name in job:
