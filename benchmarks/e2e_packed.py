@@ -136,7 +136,10 @@ def build(attn: str, args: argparse.Namespace, dtype: torch.dtype, device: str) 
         num_hidden_layers=args.layers, intermediate_size=args.intermediate,
         vocab_size=args.vocab, max_position_embeddings=max(args.max_doc, args.tokens))
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    # Built where it runs: 631M parameters initialized on the CPU took ~30 s a model (four
+    # models and the reference per run; the GPU's RNG gives them all the same weights too).
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     return model.to(device=device, dtype=dtype)
 
 
