@@ -12,7 +12,9 @@ with the float64/float32 autograd reference (flash_bwd's), max errors printed.
 Variants (``VARIANTS``): ``default``, ``eager_dq``, and the warp-specialized kernel ``ws`` (one
 dQ staging tile) and ``ws_dq2`` (two; d64 only; a ring of two stages, which would leave room
 for two at d128, crashed on the H200: refused by the template), ``ws_dqwg`` (each MMA
-warpgroup its own dQ partial over its own keys, ``dq_per_warpgroup``: not run yet);
+warpgroup its own dQ partial over its own keys, ``dq_per_warpgroup``: not run yet),
+``ws_det`` (``ws`` with dQ added in KV-tile order, ``deterministic``: not run yet; ``--check``
+runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -57,6 +59,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # keys, reduced by the dQ warp (no barrier between the warpgroups within a step).
     "ws_dqwg": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                 "warp_specialize": True, "dq_buffers": 1, "dq_per_warpgroup": True},
+    # ``ws`` with dQ added in KV-tile order (a counter per query tile): bitwise-repeatable dq.
+    "ws_det": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+               "warp_specialize": True, "dq_buffers": 1, "deterministic": True},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
@@ -104,6 +109,13 @@ def check_variant(name: str, queue: Any) -> None:
             for label, g, r in zip(("dq", "dk", "dv"), out, ref, strict=True):
                 row[f"max_abs_{label}"] = float((g.double() - r.double()).abs().max())
             row["ok"] = row["ok"] and not row["nan"]
+            if cfg.deterministic:
+                # The point of the variant: a second run on the same inputs gives the same dq
+                # bit for bit (dk and dv always do).
+                again = TEMPLATE.run(inputs, cfg)
+                torch.cuda.synchronize()
+                row["dq_bitwise_repeat"] = bool(torch.equal(out[0], again[0]))
+                row["ok"] = row["ok"] and row["dq_bitwise_repeat"]
             queue.put(row)
     except Exception:  # noqa: BLE001  (report it, the parent goes on)
         queue.put({"variant": name, "crash": traceback.format_exc()[-1500:]})

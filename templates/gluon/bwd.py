@@ -121,6 +121,12 @@ class GluonBwdConfig(KernelConfig):
         "half of the keys and hands it to the dQ warp's TMA reduce through its own staging "
         "tile, so the two warpgroups never wait for each other within a step (unverified on "
         "a GPU: notes/gluon_notes.md, \"dQ per warpgroup\").")
+    deterministic: bool = knob(
+        False, (False, True),
+        "With warp_specialize, the dQ warp adds each query tile's dQ in increasing KV-tile "
+        "order (an int32 counter per query tile in global memory, FA3's semaphore), so dq is "
+        "bitwise repeatable between runs, at the price of the waits (unverified on a GPU: "
+        "notes/gluon_notes.md, \"Deterministic dQ\").")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -324,7 +330,8 @@ class GluonBwdTemplate(GluonTemplate):
         main_args = plan.main_args(q, k, StandinTensor(dtype, kv_shape),
                                    StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape),
                                    StandinTensor(dtype, kv_shape),
-                                   StandinTensor(torch.float32, q_shape), rows, rows)
+                                   StandinTensor(torch.float32, q_shape), rows, rows,
+                                   **_standin_counters(plan, problem))
         return [(kernel._gluon_bwd_preprocess_kernel, plan.pre_grid, pre_args,
                  plan.preprocess_options()),
                 (plan.main_kernel(), plan.grid, main_args, dict(plan.options))]
@@ -394,7 +401,13 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if cfg.dq_per_warpgroup:
             return ("dq_per_warpgroup needs warp_specialize (its partials go to the dQ warp; "
                     "without it the compute warps add one dQ tile themselves)")
+        if cfg.deterministic:
+            return ("deterministic needs warp_specialize (the dQ warp orders the reduces; "
+                    "without it every warp adds its dQ by atomics in no fixed order)")
         return None
+    if cfg.deterministic and cfg.dq_per_warpgroup:
+        return ("deterministic orders one dQ reduce per step and query tile, but "
+                "dq_per_warpgroup makes two (one per warpgroup): not offered together")
     if cfg.dq_per_warpgroup and cfg.dq_buffers != 1:
         return (f"dq_per_warpgroup stages one partial per warpgroup (its dS^T in the same "
                 f"tile): dq_buffers {cfg.dq_buffers} is not offered with it, only 1")
@@ -414,6 +427,10 @@ def block_mask_reason(config: GluonBwdConfig, block_size: tuple[int, int]) -> st
     if not config.warp_specialize:
         return ("only the warp-specialized kernel walks a block mask (its load warp walks the "
                 "mask's KV-major lists): use warp_specialize=True")
+    if config.deterministic:
+        return ("deterministic is not offered with a block mask: the KV tiles that see a "
+                "query block are the mask's, not 0 .. k, so a counter cannot tell a tile its "
+                "turn")
     if tuple(block_size) != (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE):
         return (f"gluon_bwd walks block masks of {DEFAULT_BLOCK_SIZE} x {DEFAULT_BLOCK_SIZE} "
                 f"blocks (the sweeps' default; the only ones verified), but got a block mask "
@@ -422,6 +439,15 @@ def block_mask_reason(config: GluonBwdConfig, block_size: tuple[int, int]) -> st
         return (f"BLOCK_M ({config.BLOCK_M}) and BLOCK_N ({config.BLOCK_N}) must divide the "
                 f"block mask's block size {tuple(block_size)}")
     return None
+
+
+def _standin_counters(plan: Any, problem: Problem) -> dict[str, Any]:
+    """A deterministic warp-specialized plan's dQ counters as a stand-in (the plan would
+    allocate real ones), as ``main_args``'s keyword; nothing for other plans."""
+    if not getattr(plan, "deterministic", False):
+        return {}
+    count = problem.batch * problem.heads_q * plan.scalars[7]
+    return {"dq_counters": StandinTensor(torch.int32, [count])}
 
 
 def _kernel_module(cfg: GluonBwdConfig) -> Any:
@@ -462,7 +488,8 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
     Returns:
         dq, dk, dv contiguous in the inputs' dtype and shapes. dq is summed with fp32
-        atomics: not bitwise reproducible between runs (dk and dv are).
+        atomics: not bitwise reproducible between runs (dk and dv are), unless the config is
+        ``deterministic`` (warp-specialized, no block mask; unverified on a GPU).
 
     Raises:
         TypeError / ValueError naming the offending argument or the constraint the config

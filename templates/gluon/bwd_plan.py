@@ -94,6 +94,9 @@ class GluonBackwardPlan:
         if self.copy_o:
             o = o.contiguous()
         delta, lse2, dq_accum, dk, dv = self.plan.buffers(q, k, v)
+        # A deterministic plan's dQ counters: zeroed for this call, like dq_accum (a counter
+        # left by an earlier call would make the kernel wait for turns that never come).
+        dq_counters = self.plan.dq_counters(q) if self.warp_specialized else None
         mask_tensors = (block_mask.transposed.kernel_args()[:_MASK_TENSORS] if self.sparse
                         else [lse2] * _MASK_TENSORS)
         if self._device_guard is None:
@@ -103,15 +106,19 @@ class GluonBackwardPlan:
                  if self._device_guard and q.device.index != torch.cuda.current_device()
                  else contextlib.nullcontext())
         with guard:
-            self._launch(do, q, k, v, o, lse, delta, lse2, dq_accum, dk, dv, mask_tensors)
+            self._launch(do, q, k, v, o, lse, delta, lse2, dq_accum, dk, dv, mask_tensors,
+                         dq_counters)
         return dq_accum.to(q.dtype), dk, dv
 
     def _launch(self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any,
-                lse2: Any, dq_accum: Any, dk: Any, dv: Any, mask_tensors: list[Any]) -> None:
+                lse2: Any, dq_accum: Any, dk: Any, dv: Any, mask_tensors: list[Any],
+                dq_counters: Any = None) -> None:
         plan = self.plan
         pre_tail = plan.preprocess_args(o, do, lse, delta, lse2)[5:]
         main_head = [q, k, v, do, dk, dv, lse2, delta]
-        mask_tail = [*mask_tensors, *(self.mask_strides or [0] * 5)] \
+        # The warp-specialized kernel's last runtime argument: the dQ counters, or None (a
+        # constexpr: the default kernel compiles it out).
+        mask_tail = [*mask_tensors, *(self.mask_strides or [0] * 5), dq_counters] \
             if self.warp_specialized else []
         pointers = [t.data_ptr() for t in (o, do, lse, delta, lse2, dq_accum, *mask_tensors)]
         aligned = all(p % 16 == 0 for p in pointers)
@@ -126,7 +133,11 @@ class GluonBackwardPlan:
             else:
                 self.preprocess.kernel[plan.pre_grid](o, do, lse, delta, lse2, *pre_tail,
                                                       **self.pre_options)
-        direct_tail = [*pointers[6:], *mask_tail[_MASK_TENSORS:]] if mask_tail else []
+        # The counters (torch's allocation: 16-byte aligned, as the compiled kernel assumes)
+        # go as their address, or None.
+        counters_ptr = None if dq_counters is None else dq_counters.data_ptr()
+        direct_tail = ([*pointers[6:], *mask_tail[_MASK_TENSORS:-1], counters_ptr] if mask_tail
+                       else [])
         if aligned and self.main.try_direct(stream, *main_head, dq_arg, *plan.scalars,
                                             *direct_tail):
             return

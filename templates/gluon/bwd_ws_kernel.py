@@ -36,7 +36,11 @@ makes one warpgroup wait for the other within a step: a ring slot is freed when 
 released it (empty barrier of count 2) and they meet once, before dK/dV are stored.
 
 dq is not bitwise deterministic (the reduces of the programs of one query tile land in any
-order); dk and dv are.
+order); dk and dv are. With ``DETERMINISTIC`` (gluon_bwd's ``deterministic``; dense and causal
+only; compiled offline, not run yet) the dQ warp adds each query tile's dQ in increasing
+KV-tile order, through an int32 counter per (batch, query head, query tile) in global memory
+(FA3's semaphore; ``_dq_step_in_order`` says why it is ordered and when it cannot deadlock),
+so dq is bitwise repeatable too.
 """
 
 from __future__ import annotations
@@ -253,16 +257,19 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
                   N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
                   qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
                   PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
-                  stride_ib, stride_ih, stride_iq,
+                  stride_ib, stride_ih, stride_iq, DqCounters,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                   SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                  MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr):
+                  MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
     """Step t's dQ tile, staged in buffer t % DQ_BUFFERS, added into the accumulator's rows
     of its query head by one TMA bulk reduce (rows past N_q are dropped by the TMA unit);
     the buffer goes back to the MMA partition once the reduce is done with it. With a split
     dQ (``dq_bufs`` holds a tile per MMA warpgroup) a step's tile is the warpgroups' partials,
-    one reduce each."""
+    one reduce each. With DETERMINISTIC (dense or causal, one partial) each query tile's
+    reduces land in increasing KV-tile order (``_dq_step_in_order``; ``DqCounters``: an
+    int32 counter per (batch, query head, query tile), zeroed by the host per call)."""
     PARTIALS: gl.constexpr = dq_bufs.shape[0] // DQ_BUFFERS
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
@@ -282,8 +289,17 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
     else:
         for t in range(n_steps):
             h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
-            _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0, DQ_BUFFERS,
-                     PARTIALS, DEBUG)
+            if DETERMINISTIC:
+                # The KV tiles that visit a query tile are 0 .. k (``_program_walk``: a
+                # tile's first row never decreases with its index, and every tile walks on
+                # to the last query tile), so this tile's turn at any of its query tiles is
+                # its own index. Per query head: a GQA program's heads each count their own.
+                counter = DqCounters + ((b * H_Q + h) * n_q_tiles + m0 // BLOCK_M)
+                _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0,
+                                  counter, n0 // BLOCK_N, DQ_BUFFERS, DEBUG)
+            else:
+                _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0, DQ_BUFFERS,
+                         PARTIALS, DEBUG)
 
 
 @gluon.jit
@@ -299,6 +315,89 @@ def _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, DQ_BUFFERS: gl.cons
             tma_reduce_add(dq_desc, [bh, m0, 0], dq_bufs.index(buf))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(buf))
+
+
+
+# ----------------------------------------------------------------------------- dQ in KV-tile order
+# (DETERMINISTIC) fp32 additions do not commute bitwise, so dq is repeatable only if every
+# query tile's partial tiles are added in one fixed order: here increasing KV tile, as FA3's
+# deterministic backward does, by a counter per (batch, query head, query tile) in global
+# memory. The dQ warp of KV tile n waits until the counter reads n (the KV tiles before it
+# have added theirs), adds its tile, waits until the addition has been *performed* in global
+# memory, and then increments the counter.
+#
+# Memory ordering. The reduce is written by the TMA unit (the async proxy); the counter is read
+# and written by ordinary loads and atomics (the generic proxy). So:
+#   * after the reduce, ``cp.async.bulk.wait_group 0`` (not ``.read``, which is all
+#     ``tma.store_wait`` asks: that only says the shared-memory tile has been read) waits
+#     until the reduce's writes are complete; ``fence.proxy.async.global`` then orders those
+#     async-proxy writes before this thread's later generic-proxy accesses, so the release
+#     below covers them;
+#   * the increment is a ``red.release.gpu``: whoever acquires the new value sees the reduce;
+#   * the waiter's load is an ``ld.acquire.gpu``, followed by ``fence.proxy.async.global`` so
+#     that its TMA reduce (async proxy) is ordered after what the acquire made visible.
+# The reduce is issued by one elected lane of the warp and the counter incremented by lane 0:
+# ``bar.warp.sync`` between them orders the issuing lane's wait and fence before lane 0's
+# release (a warp barrier orders the memory accesses of the lanes it joins).
+#
+# Deadlock. KV tile n waits only on tiles 0 .. n-1 of the same (batch, kv head), which never
+# wait on it (tile 0 never waits; by induction each finishes), so the waits form no cycle. What
+# they need is that those tiles *run*: the program of tile n - 1 is pid - 1 (pid = tile +
+# n_kv_tiles (b H_kv + kv head)), and the hardware hands out a grid's programs in increasing
+# pid order, so by the time pid runs, every lower pid is resident or done, and a waiting
+# program holds its SM until then. Not guaranteed by the CUDA programming model (FA3 relies on
+# the same order): a scheduler that started programs out of order while more programs exist
+# than can be resident at once could fill every SM with waiters whose lower tiles never start.
+# Sharing the GPU (MPS, green contexts, another stream's kernels) only delays, as long as the
+# lower pids are started first.
+@gluon.jit
+def _wait_for_turn(counter, turn):
+    """Spin until ``*counter == turn`` (acquire, then the generic -> async proxy fence)."""
+    # Lane 0's value for every lane (shfl), so the loop's exit is the same for the whole warp.
+    seen = _load_acquire(counter)
+    while seen != turn:
+        seen = _load_acquire(counter)
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, 0;", "=r,r", [turn],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_acquire(counter):
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .b32 seen;\n\tld.acquire.gpu.global.b32 seen, [$1];\n\t"
+        "shfl.sync.idx.b32 $0, seen, 0, 0x1f, -1;\n\t}", "=r,l", [counter],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pass_turn(counter):
+    """This warp's bulk reduces complete and visible, then ``*counter += 1`` (release), once."""
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred first;\n\t.reg .b32 lane;\n\t"
+        "cp.async.bulk.wait_group 0;\n\t"
+        "fence.proxy.async.global;\n\t"
+        "bar.warp.sync -1;\n\t"
+        "mov.u32 lane, %laneid;\n\t"
+        "setp.eq.u32 first, lane, 0;\n\t"
+        "@first red.release.gpu.global.add.s32 [$1], 1;\n\t"
+        "mov.b32 $0, 0;\n\t}", "=r,l", [counter], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, counter, turn,
+                      DQ_BUFFERS: gl.constexpr, DEBUG: gl.constexpr):
+    """``_dq_step`` (one partial) at this KV tile's turn ``turn`` of the query tile whose
+    counter is ``counter``. The turn is waited for before the tile is (the tile is usually
+    still being computed then); the staging buffer goes back as soon as the reduce has read
+    it, the turn once the reduce is complete."""
+    buf = t % DQ_BUFFERS
+    _wait_for_turn(counter, turn)
+    mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
+    if (DEBUG & 16) == 0:
+        tma_reduce_add(dq_desc, [bh, m0, 0], dq_bufs.index(buf))
+    tma.store_wait(0)
+    mbarrier.arrive(dq_empty.index(buf))
+    _pass_turn(counter)
 
 
 # ----------------------------------------------------------------------------- the MMA warps
@@ -673,13 +772,20 @@ def _gluon_bwd_ws_kernel(
     # launches pass stand-ins) unless SPARSE.
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+    # (DETERMINISTIC) int32 counters, one per (batch, query head, query tile), zeroed per
+    # call; None otherwise (a constexpr then: the default kernel's parameters are unchanged).
+    DqCounters,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, SPARSE: gl.constexpr = False,
     MASK_BLOCK_Q: gl.constexpr = 128, MASK_BLOCK_KV: gl.constexpr = 128,
     DEBUG: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False,
 ):
     # Program -> (KV tile, batch, kv head), as bwd_kernel's (``_program_walk``).
+    # The ordered dQ needs the KV tiles of a query tile to be 0 .. k and one reduce per step:
+    # neither a block mask's walk nor the split dQ gives that (gluon_bwd refuses both).
+    gl.static_assert(not (DETERMINISTIC and (SPARSE or DQ_SPLIT)))
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -750,8 +856,8 @@ def _gluon_bwd_ws_kernel(
               ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
               n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
               PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1, SPARSE,
-              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
+              stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1, SPARSE,
+              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, False)),
         ],
                            [4, 1, 1], [MMA_REGS_JIT, LOAD_REGS, LOAD_REGS])
     else:
@@ -801,8 +907,8 @@ def _gluon_bwd_ws_kernel(
               ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
               n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
               PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
+              stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
+              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC)),
         ],
                            [1, 1], [LOAD_REGS, LOAD_REGS])
 
@@ -837,6 +943,10 @@ class WsLaunchPlan(LaunchPlan):
         if config.get("dq_per_warpgroup"):
             # Each MMA warpgroup a partition of its own: the kernel's warps are warpgroup 0.
             self.options.update(DQ_SPLIT=True, num_warps=MMA_WARPS // 2)
+        # dQ added in KV-tile order: one int32 counter per (batch, query head, query tile).
+        self.deterministic = bool(config.get("deterministic"))
+        if self.deterministic:
+            self.options.update(DETERMINISTIC=True)
         # bwd_kernel's switches this kernel honours: 4 (no dQ GEMM, a zero tile is handed
         # over) and 16 (no dQ reduce).
         if self.mask_args is not None:
@@ -868,14 +978,29 @@ class WsLaunchPlan(LaunchPlan):
         self.mask_args = list(kv_major_mask.kernel_args())
 
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,
-                  lse2: Any, delta: Any) -> list[Any]:
+                  lse2: Any, delta: Any, dq_counters: Any = None) -> list[Any]:
+        """The main launch's arguments; ``dq_counters``: the call's zeroed counters
+        (``dq_counters``) where the plan is deterministic, made here if not given."""
         args = super().main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta)
         # The parent's list holds dq_accum itself after the eight descriptors: this kernel
         # takes the accumulator's TMA descriptor there.
         assert args[8] is dq_accum
         args[8] = self._dq_descriptor(dq_accum)
+        if dq_counters is None:
+            dq_counters = self.dq_counters(q)
         # Dense launches pass lse2 for the mask's pointers and zero strides (never read).
-        return args + (self.mask_args or [lse2] * 6 + [0] * 5)
+        return args + (self.mask_args or [lse2] * 6 + [0] * 5) + [dq_counters]
+
+    def dq_counters(self, q: torch.Tensor) -> torch.Tensor | None:
+        """A new zeroed int32 counter per (batch, query head, query tile) for a deterministic
+        call, None otherwise. New per call, never kept by a plan: the kernel leaves each at
+        the number of KV tiles that added into its query tile, and a second call counting on
+        from there would wait forever."""
+        if not self.deterministic:
+            return None
+        batch, heads_q = q.shape[0], q.shape[1]
+        return torch.zeros(batch * heads_q * self.scalars[7], device=q.device,
+                           dtype=torch.int32)
 
     def _dq_descriptor(self, dq_accum: Any) -> Any:
         """dq_accum (contiguous (B, H_q, N_q, D) fp32) seen as (B H_q, N_q, D)."""

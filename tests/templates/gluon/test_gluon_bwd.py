@@ -99,7 +99,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
         GluonBwdConfig(stages=1)  # spilled at d128: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False
@@ -151,8 +151,9 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     assert options["maxnreg"] == 168 and options["num_warps"] == 8
     assert options["DQ_BUFFERS"] == 2 and options["LOAD_REGS"] == 24
     assert bwd_ws_kernel.MMA_REGS == 240
-    # 9 descriptors/tensors, 10 scalars, the block mask's 11 arguments (stand-ins: dense).
-    assert grid == (32 * 4 * 32,) and len(args) == 9 + 10 + 11
+    # 9 descriptors/tensors, 10 scalars, the block mask's 11 arguments (stand-ins: dense),
+    # the dQ counters (None: not deterministic).
+    assert grid == (32 * 4 * 32,) and len(args) == 9 + 10 + 11 + 1 and args[-1] is None
     assert type(args[8]).__name__ == "TensorDescriptor"
     (_, _, _, _), (plain, _, plain_args, plain_options) = TEMPLATE.kernel_launches(
         d64, GluonBwdConfig())
@@ -248,6 +249,63 @@ def test_dq_per_warpgroup_is_offered_but_never_chosen() -> None:
     assert "DQ_SPLIT" not in ws_options and ws_options["num_warps"] == 8
 
 
+@needs_gluon
+def test_default_configs_are_unchanged_by_the_deterministic_knob() -> None:
+    """The knob is off by default; the defaults and the runners-up a sweep measures first
+    are the measured ones (warp-specialized, one dQ tile; at d64 two next), none ordered."""
+    assert GluonBwdConfig().deterministic is False
+    ws = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_specialize=True)
+    for problem in protocol_problems():
+        assert TEMPLATE.default_config(problem, H100) == ws
+        for cfg in (TEMPLATE.known_good_configs(problem, H100)
+                    + TEMPLATE.warp_specialized_configs(problem, H100)):
+            assert not getattr(cfg, "deterministic", False)
+    d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
+    assert TEMPLATE.known_good_configs(d64, H100)[0] == dataclasses.replace(ws, dq_buffers=2)
+
+
+@needs_gluon
+def test_deterministic_is_offered_and_refused_where_the_order_is_not_defined() -> None:
+    from templates.masks.block_mask import DEFAULT_BLOCK_SIZE
+
+    d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
+    d128 = Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
+    gqa = Problem(1, 8, 2, 1000, 3000, 128, "bfloat16", "bottom_right")
+    det = GluonBwdConfig(warp_specialize=True, deterministic=True)
+    for problem in (d64, d128, gqa):
+        assert TEMPLATE.constraint(problem, det, H100) is None
+        # Two dQ tiles where they fit (d64), refused by shared memory as without the knob.
+        assert TEMPLATE.constraint(problem, dataclasses.replace(det, dq_buffers=2), H100) \
+            == TEMPLATE.constraint(problem, GluonBwdConfig(warp_specialize=True, dq_buffers=2),
+                                   H100)
+    # Each refusal says why in one sentence.
+    reason = TEMPLATE.constraint(d64, GluonBwdConfig(deterministic=True), H100)
+    assert reason is not None and "deterministic needs warp_specialize" in reason
+    reason = TEMPLATE.constraint(d64, dataclasses.replace(det, dq_per_warpgroup=True), H100)
+    assert reason is not None and "dq_per_warpgroup" in reason and "deterministic" in reason
+    block = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
+    masked = Problem(1, 2, 2, 1024, 1024, 64, "bfloat16", "none", mask="sliding:256")
+    for reason in (TEMPLATE.constraint(masked, det, H100),
+                   TEMPLATE.run_constraint(d64, det, H100, block)):
+        assert reason is not None and "block mask" in reason and "0 .. k" in reason
+    assert TEMPLATE.run_constraint(d64, det, H100, None) is None
+    # Its launch: DETERMINISTIC and one int32 counter per (batch, query head, query tile) as
+    # the last runtime argument; the default launch passes None there (compiled out).
+    from templates.compile.standin_tensor import StandinTensor
+    from templates.gluon import bwd_ws_kernel
+
+    launches = TEMPLATE.kernel_launches(gqa, det)
+    assert launches is not None
+    main, _, args, options = launches[1]
+    assert main is bwd_ws_kernel._gluon_bwd_ws_kernel and options["DETERMINISTIC"] is True
+    assert len(args) == 9 + 10 + 11 + 1
+    assert isinstance(args[-1], StandinTensor) and args[-1].dtype == torch.int32
+    assert list(args[-1].shape) == [1 * 8 * math.ceil(1000 / 64)]
+    launches = TEMPLATE.kernel_launches(gqa, GluonBwdConfig(warp_specialize=True))
+    assert launches is not None
+    assert "DETERMINISTIC" not in launches[1][3] and launches[1][2][-1] is None
+
+
 # ----------------------------------------------------------------------------- offline compile
 COMPILE_JOBS = [
     Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "none"),
@@ -300,6 +358,29 @@ def test_default_configs_compile_for_the_h100() -> None:
         assert main["shared_bytes"] <= H100.smem_per_block
 
 
+@needs_gluon
+def test_deterministic_configs_compile_for_the_h100() -> None:
+    """The ordered dQ (spin, reduce, full wait, fence, release) fits beside the ``ws``
+    kernel: no more stack than its bound, no wgmma serialization, its shared memory."""
+    jobs: list[dict[str, Any]] = [
+        {"template": "gluon_bwd", "problem": p.to_dict(),
+         "config": GluonBwdConfig(warp_specialize=True, deterministic=True,
+                                  dq_buffers=n).to_dict()}
+        for p, n in ((COMPILE_JOBS[1], 1), (COMPILE_JOBS[4], 1), (COMPILE_JOBS[3], 2))]
+    outcomes = compile_reports("templates.gluon.bwd", jobs)
+    assert len(outcomes) == len(jobs)
+    for job, out in zip(jobs, outcomes, strict=True):
+        assert out["error"] == "" and out["constraint"] == "", out
+        main = out["kernels"][1]
+        problem = Problem.from_dict(job["problem"])
+        cfg = GluonBwdConfig.from_dict(job["config"])
+        assert main["kernel"] == "_gluon_bwd_ws_kernel" and main["registers"] == 168, out
+        allowed = WS_D128_STACK if tile_registers(problem, cfg) >= 192 else 0
+        assert main["stack_bytes"] <= allowed, f"registers spilled: {out}"
+        assert main["wgmma_serialized"] == "", out
+        assert 0 <= shared_memory_estimate(problem, cfg) - main["shared_bytes"] <= 1024
+
+
 # ----------------------------------------------------------------------------- GPU numerics
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,  # defer_dq: a step's dQ added during the next step's GEMMs
@@ -312,6 +393,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # Each MMA warpgroup its own dQ partial over its own keys (no barrier between them).
     "ws_dqwg": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                 "warp_specialize": True, "dq_buffers": 1, "dq_per_warpgroup": True},
+    # dQ added in KV-tile order (a counter per query tile): dq bitwise repeatable too.
+    "ws_det": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+               "warp_specialize": True, "dq_buffers": 1, "deterministic": True},
+    "ws_det_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                   "warp_specialize": True, "dq_buffers": 2, "deterministic": True},
 }
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
@@ -350,9 +436,48 @@ def test_matches_the_reference_on_the_gpu(variant: str, case: tuple[Any, ...],
             assert not torch.isnan(grad).any()
         err = TEMPLATE.error(out, ref)
         assert err <= TEMPLATE.tolerance(problem), (cfg.key(), err)
-    # dk and dv are summed in registers in a fixed order; dq by atomics is not (no check).
+    # dk and dv are summed in registers in a fixed order; dq by atomics is not (no check),
+    # unless the config orders them.
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+    if cfg.deterministic:
+        assert torch.equal(runs[0][0], runs[1][0])
     if problem.causal == "bottom_right" and problem.seqlen_q > problem.seqlen_kv:
         blind = problem.seqlen_q - problem.seqlen_kv
         assert torch.all(runs[0][0][..., :blind, :] == 0)
     assert math.isfinite(err)
+
+
+REPEAT_CASES = [
+    (2, 8, 2, 4096, 4096, 128, "bfloat16", "top_left"),  # GQA: 4 query heads per program
+    (2, 16, 16, 4096, 4096, 128, "bfloat16", "none"),  # 32 KV tiles per query tile
+    (1, 4, 1, 1500, 3000, 64, "float16", "bottom_right"),  # MQA, N_q != N_kv
+    (4, 16, 16, 2048, 2048, 64, "bfloat16", "none"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", REPEAT_CASES, ids=lambda c: Problem(*c).key())
+def test_deterministic_dq_is_bitwise_repeatable(case: tuple[Any, ...]) -> None:
+    """Three runs of the deterministic config on the same inputs: dq (and dk, dv) identical
+    bit for bit, and right. Whether ``ws`` (unordered) differs on the same inputs is printed,
+    not asserted: it says whether the case could have caught a lost order."""
+    if not is_hopper():
+        pytest.skip("gluon_bwd needs a Hopper GPU")
+    from templates.device import current_device
+
+    problem = Problem(*case)
+    device = current_device()
+    det = GluonBwdConfig(warp_specialize=True, deterministic=True)
+    if TEMPLATE.constraint(problem, det, device):
+        pytest.skip(f"deterministic does not fit {problem.key()}")
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=5)
+    runs = [TEMPLATE.run(inputs, det) for _ in range(3)]
+    torch.cuda.synchronize()
+    for out in runs[1:]:
+        for label, a, b in zip(("dq", "dk", "dv"), runs[0], out, strict=True):
+            assert torch.equal(a, b), f"{label} differs between runs of {det.key()}"
+    err = TEMPLATE.error(runs[0], TEMPLATE.reference(inputs))
+    assert err <= TEMPLATE.tolerance(problem), (det.key(), err)
+    plain = [TEMPLATE.run(inputs, GluonBwdConfig(warp_specialize=True))[0] for _ in range(3)]
+    print(f"{problem.key()}: unordered ws dq bitwise repeatable over 3 runs: "
+          f"{all(torch.equal(plain[0], p) for p in plain[1:])}")

@@ -34,9 +34,10 @@ def _inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
     return do, q, k, v, o, torch.randn(1, 4, 96, generator=gen)
 
 
-@pytest.mark.parametrize("warp_specialize", [False, True])
+@pytest.mark.parametrize(("warp_specialize", "deterministic"),
+                         [(False, False), (True, False), (True, True)])
 def test_launches_go_direct_after_the_first_with_the_jits_arguments(
-        monkeypatch: pytest.MonkeyPatch, warp_specialize: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, warp_specialize: bool, deterministic: bool) -> None:
     from templates.gluon.bwd_plan import GluonBackwardPlan
 
     module = gluon_bwd.ws_kernel if warp_specialize else gluon_bwd.kernel
@@ -46,12 +47,40 @@ def test_launches_go_direct_after_the_first_with_the_jits_arguments(
     main = _ParamKernel(getattr(module, main_name))
     monkeypatch.setattr(module, main_name, main)
     do, q, k, v, o, lse = _inputs()
-    config = gluon_bwd.GluonBwdConfig(warp_specialize=warp_specialize).to_dict()
+    config = gluon_bwd.GluonBwdConfig(warp_specialize=warp_specialize,
+                                      deterministic=deterministic).to_dict()
     plan_cls = module.WsLaunchPlan if warp_specialize else module.LaunchPlan
     launch_plan = plan_cls(q, k, causal_mode="top_left", scale=0.125, config=config)
+    counters: list[Any] = []
+    if warp_specialize:
+        made = launch_plan.dq_counters
+
+        def recorded(t: torch.Tensor) -> Any:
+            out = made(t)
+            counters.append(out)
+            return out
+
+        monkeypatch.setattr(launch_plan, "dq_counters", recorded)
     plan = GluonBackwardPlan(launch_plan, pre, warp_specialized=warp_specialize)
     plan(do, q, k, v, o, lse)
     plan(do, q, k, v, o, lse)
+    if deterministic:
+        # A new zeroed int32 counter per (batch, query head, query tile) for every call: a
+        # kept plan never hands the kernel counters an earlier call has counted up.
+        assert len(counters) == 2 and counters[0] is not counters[1]
+        for c in counters:
+            assert c.dtype == torch.int32 and c.shape == (1 * 4 * 2,) and not c.any()
+        # The last runtime argument (the direct launcher's come after 9 of its own).
+        last = 9 + len(main.calls[0][1]) - 1
+        assert main.calls[0][1][-1] is counters[0]
+        assert main.calls[1][1][last] == counters[1].data_ptr()
+        assert main.calls[0][2]["DETERMINISTIC"] is True
+    elif warp_specialize:
+        # The default kernel's counters are None (a constexpr: compiled out).
+        assert counters == [None, None]
+        last = 9 + len(main.calls[0][1]) - 1
+        assert main.calls[0][1][-1] is None and main.calls[1][1][last] is None
+        assert "DETERMINISTIC" not in launch_plan.options
     for kernel, launch in ((pre, plan.preprocess), (main, plan.main)):
         (jit_tag, jit_args, _), (direct_tag, direct_args) = kernel.calls
         assert (jit_tag, direct_tag) == ("jit", "direct")
