@@ -167,6 +167,33 @@ def test_measured_fastest_trains_a_mask_with_both_gluon_kernels(
     assert_reference_grads(q, k, v, do, block_mask)
 
 
+def test_the_masked_forward_config_is_worked_out_once_per_shape(
+        tmp_path: Path, kernels: dict[str, list[dict[str, Any]]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training loop's later steps reuse the config (pricing it took host time on every
+    step, as long as a 4k step's kernels); a new sweep (``clear_plans``) prices it again."""
+    from tuner.dispatch.plans import clear_plans
+
+    cfg = gluon_config_not_the_default(OWN, MASKED)
+    store_ours_fastest(tmp_path, cfg)
+    resolved: list[object] = []
+    real = gluon_train_impl.resolve_config
+
+    def counting(*args: Any) -> Any:
+        resolved.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(gluon_train_impl, "resolve_config", counting)
+    block_mask = mask()
+    for _ in range(3):
+        train(block_mask)
+    assert len(resolved) == 1 and len(kernels["fwd"]) == 3
+    assert all(call["config"] == OWN.config(cfg) for call in kernels["fwd"])
+    clear_plans()
+    train(block_mask)
+    assert len(resolved) == 2
+
+
 def test_unmeasured_or_slower_gluon_train_does_not_run(
         tmp_path: Path, kernels: dict[str, list[dict[str, Any]]]) -> None:
     train(mask())  # nothing measured: the block-mask baseline (flash)
