@@ -147,9 +147,12 @@ def match_best(template: Template, problem: Problem, device: DeviceInfo,
 
 
 def neighbours_of(template: Template, problem: Problem, device: DeviceInfo,
-                  candidates: Sequence[Candidate]) -> dict[str, Neighbour]:
+                  candidates: Sequence[Candidate], *, for_search: bool = False
+                  ) -> dict[str, Neighbour]:
     """The stored bests of the other buckets of ``problem``'s family whose configs run it on
-    ``device``, by problem key, nearest first (the order of ``match_candidates``'s nearest)."""
+    ``device`` (``runs``; ``for_search``: that a search of it would try, the template's whole
+    ``constraint``), by problem key, nearest first (the order of ``match_candidates``'s
+    nearest)."""
     want_bucket = template.problem_key(problem)
     near = (c for c in candidates if c.problem != problem and c.problem_key != want_bucket
             and _same_family(c.problem, problem))
@@ -157,7 +160,9 @@ def neighbours_of(template: Template, problem: Problem, device: DeviceInfo,
     for c in _nearest_first(problem, near):
         # Checked here, once per answer, not per call: 1-2 us each (flash_bwd's 36 us) on
         # the dev VM.
-        if c.problem_key not in out and runs(template, problem, c.config, device):
+        if c.problem_key not in out and (
+                template.constraint(problem, c.config, device) is None if for_search
+                else runs(template, problem, c.config, device)):
             out[c.problem_key] = Neighbour(c.problem_key, c.problem, c.config, c.tflops)
     return out
 

@@ -34,6 +34,8 @@ def test_a_wasteful_but_runnable_config_is_served_to_a_neighbour() -> None:
     assert match is not None and match.kind == "nearest" and match.config == wide
     assert list(neighbours_of(BWD, CALL, device, [candidate(wide)])) == [
         BWD.problem_key(STORED)]
+    # A search's transfer prior offers only what it would try.
+    assert neighbours_of(BWD, CALL, device, [candidate(wide)], for_search=True) == {}
 
 
 def test_a_config_that_cannot_run_is_still_passed_over() -> None:

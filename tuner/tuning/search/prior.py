@@ -40,14 +40,13 @@ def transfer_prior(template: Template, version: str, problem: Problem, device: D
     repeats."""
     key = template.problem_key(problem)
     here = [r for r in rows if r.device_key == device_key and r.template_version == version]
-    near = list(neighbours_of(template, problem, device, parse_candidates(template, here))
-                .values())[:NEIGHBOURS]
+    # Only what the search's constraint offers (serving's neighbours also hold configs that
+    # run but waste work here, ``matching.runs``).
+    near = list(neighbours_of(template, problem, device, parse_candidates(template, here),
+                              for_search=True).values())[:NEIGHBOURS]
     elsewhere = sorted((r for r in rows if r.device_key != device_key and r.problem_key == key),
                        key=lambda r: -r.tflops)
-    # A search measures only what its constraint offers (serving's neighbours may also hold
-    # configs that run but waste work here, ``matching.runs``).
-    found: list[KernelConfig] = [n.config for n in near
-                                 if template.constraint(problem, n.config, device) is None]
+    found: list[KernelConfig] = [n.config for n in near]
     for c in parse_candidates(template, elsewhere)[:OTHER_DEVICES]:
         if template.constraint(problem, c.config, device) is None:
             found.append(c.config)
