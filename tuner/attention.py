@@ -47,7 +47,7 @@ from tuner.dispatch.implementations.call import (
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import in_op_layout, output_fake
 from tuner.dispatch.outside_scope import capped_outside_kernel_scope, outside_kernel_scope
-from tuner.dispatch.plans import MAX_PLANS, Plan, clear_plans, keep_plan
+from tuner.dispatch.plans import MAX_PLANS, Plan, clear_plans, keep_plan, kept_plan
 from tuner.dispatch.plans import PLANS as _PLANS
 from tuner.dispatch.rule import Choice, choose, choose_masked, forced, keep, use_implementation
 from tuner.record import recording
@@ -131,13 +131,14 @@ def _choose(r: Request) -> Choice:
            r.softcap, forced(), torch.are_deterministic_algorithms_enabled(),
            None if mask is None else (mask.pattern, mask.block_size,
                                       mask.documents is not None, mask.attn_mask is None))
-    plan = _PLANS.get(key)
-    # (while tuner.record listens, every call is priced: the recording counts the calls)
-    if plan is None or plan.expires_at <= _now() or recording():
+    def make() -> Plan:
         call = call_of(r.q, r.k, r.is_causal, r.needs_grad, softcap=r.softcap)
         choice = keep(choose(call)) if mask is None else choose_masked(
             call, mask.pattern, mask.block_size, mask.documents is not None)
-        plan = keep_plan(key, Plan(None, choice, choice.expires_at))
+        return Plan(None, choice, choice.expires_at)
+
+    # (while tuner.record listens, every call is priced: the recording counts the calls)
+    plan = kept_plan(key, make, refresh=recording(), now=_now)
     assert isinstance(plan.choice, Choice)
     return plan.choice
 

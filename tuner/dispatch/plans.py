@@ -10,12 +10,13 @@ shape bucket's config is cached by the resolver).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tuner.lookup.resolver import get_resolver
 
-__all__ = ["MAX_PLANS", "PLANS", "Plan", "clear_plans", "keep_plan"]
+__all__ = ["MAX_PLANS", "PLANS", "Plan", "clear_plans", "keep_plan", "kept_plan"]
 
 MAX_PLANS = 4096
 
@@ -40,6 +41,17 @@ def keep_plan(key: tuple[object, ...], plan: Plan) -> Plan:
     if len(PLANS) >= MAX_PLANS:
         PLANS.clear()
     PLANS[key] = plan
+    return plan
+
+
+def kept_plan(key: tuple[object, ...], make: Callable[[], Plan], *, refresh: bool = False,
+              now: Callable[[], float] = time.monotonic) -> Plan:
+    """The plan kept under ``key`` until it expires by ``now``, else ``make()``'s, kept
+    (always ``make()``'s with ``refresh``). ``tuner.attention``'s inference hot path looks its
+    plans up inline instead: one call fewer per call."""
+    plan = PLANS.get(key)
+    if plan is None or refresh or plan.expires_at <= now():
+        plan = keep_plan(key, make())
     return plan
 
 

@@ -9,7 +9,6 @@ a mask travels through both as tensors (``mask_args``)."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import cast
@@ -41,7 +40,7 @@ from tuner.dispatch.implementations.ops import (
     training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
-from tuner.dispatch.plans import PLANS, Plan, keep_plan
+from tuner.dispatch.plans import Plan, kept_plan
 from tuner.lookup.resolver import Resolved, keep_config, resolve_config
 
 __all__ = ["Flash", "forward_plan", "runs_triton"]
@@ -168,11 +167,11 @@ def op_masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: M
     as long as a masked step's kernels at 4k tokens take on the GPU."""
     key = ("flash_masked", q.shape, k.shape, q.dtype, q.device, is_causal, mask.pattern,
            mask.block_size, mask.attn_mask is None, softcap)
-    plan = PLANS.get(key)
-    if plan is None or plan.expires_at <= time.monotonic():
+    def make() -> Plan:
         configs, expires_at = _masked_configs(q, k, is_causal, mask, None, True, softcap)
-        plan = keep_plan(key, Plan(None, configs, expires_at))
-    return plan.choice  # type: ignore[return-value]
+        return Plan(None, configs, expires_at)
+
+    return kept_plan(key, make).choice  # type: ignore[return-value]
 
 
 def _masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
@@ -234,15 +233,13 @@ def _training_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     """The dense forward of a call that needs a gradient, kept per problem and layout."""
     key = ("flash_fwd", *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
            *layout_key(q, k, v), softcap)
-    plan = PLANS.get(key)
-    if plan is None or plan.expires_at <= time.monotonic():
+    def make() -> Plan:
         check_inputs(q, k, v, enable_gqa)
         resolved = resolved_for("flash_fwd", q, k, is_causal, softcap)
-        plan = keep_plan(key, Plan(forward_plan(q, k, v, is_causal, scale, resolved.config,
-                                                softcap),
-                                   Choice(FLASH, (resolved,), "its training op"),
-                                   resolved.expires_at))
-    return plan
+        return Plan(forward_plan(q, k, v, is_causal, scale, resolved.config, softcap),
+                    Choice(FLASH, (resolved,), "its training op"), resolved.expires_at)
+
+    return kept_plan(key, make)
 
 
 def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool,
@@ -250,11 +247,11 @@ def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool,
     """The flash_bwd config for this problem (cache -> database -> service -> default), kept
     per shape until the resolver's answer expires."""
     key = ("flash_bwd", q.shape, k.shape, q.dtype, q.device, is_causal, softcap)
-    plan = PLANS.get(key)
-    if plan is None or plan.expires_at <= time.monotonic():
+    def make() -> Plan:
         resolved = resolved_for("flash_bwd", q, k, is_causal, softcap)
-        plan = keep_plan(key, Plan(None, Choice(FLASH, (resolved,), "its backward op"),
-                                   resolved.expires_at))
+        return Plan(None, Choice(FLASH, (resolved,), "its backward op"), resolved.expires_at)
+
+    plan = kept_plan(key, make)
     assert isinstance(plan.choice, Choice)
     return plan.choice.config
 

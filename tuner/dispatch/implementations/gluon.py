@@ -7,7 +7,6 @@ Its training op ``tuner::gluon_attention_fwd`` (o, lse) has the backward op
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import cast
 
@@ -36,7 +35,7 @@ from tuner.dispatch.implementations.ops import (
     training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
-from tuner.dispatch.plans import PLANS, Plan, keep_plan
+from tuner.dispatch.plans import Plan, kept_plan
 
 __all__ = ["Gluon", "backward_of", "forward_plan", "training_forward", "training_plan"]
 
@@ -138,14 +137,13 @@ def training_plan(implementation: Implementation, template: str, q: torch.Tensor
     problem and layout."""
     key = (template, *problem_key(q, k, v, is_causal, scale, enable_gqa, None),
            *layout_key(q, k, v))
-    plan = PLANS.get(key)
-    if plan is None or plan.expires_at <= time.monotonic():
+    def make() -> Plan:
         check_inputs(q, k, v, enable_gqa)
         resolved = resolved_for(template, q, k, is_causal)
-        plan = keep_plan(key, Plan(forward_plan(q, k, is_causal, scale, resolved.config),
-                                   Choice(implementation, (resolved,), "its training op"),
-                                   resolved.expires_at))
-    return plan
+        return Plan(forward_plan(q, k, is_causal, scale, resolved.config),
+                    Choice(implementation, (resolved,), "its training op"), resolved.expires_at)
+
+    return kept_plan(key, make)
 
 
 def training_forward(implementation: Implementation, template: str, q: torch.Tensor,

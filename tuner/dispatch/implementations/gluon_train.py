@@ -13,7 +13,6 @@ when forced; the mask travels through both ops as tensors (``mask_args``), as fl
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -34,7 +33,7 @@ from tuner.dispatch.implementations.ops import (
     training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
-from tuner.dispatch.plans import PLANS, Plan, keep_plan
+from tuner.dispatch.plans import Plan, kept_plan
 from tuner.lookup.resolver import keep_config, resolve_config
 
 __all__ = ["GluonTrain"]
@@ -106,24 +105,26 @@ def _masked_forward_config(q: torch.Tensor, k: torch.Tensor, pattern: str | None
     kept per shape and kind of mask until the answer it came from expires (working it out
     costs host time on every step otherwise: templates' dataclasses, the resolver)."""
     key = ("gluon_train_masked", q.shape, k.shape, q.dtype, q.device, pattern, blocks)
-    plan = PLANS.get(key)
-    if plan is not None and plan.expires_at > time.monotonic():
-        return plan.choice  # type: ignore[return-value]
-    call = call_of(q, k, False, needs_grad=True, mask=pattern or "none")
-    resolved = keep_config(resolve_config(get_template(TRAINING_TEMPLATE), call.problem,
-                                          call.device))
-    reason = masked_training_refusal(blocks, resolved.config)
-    if reason:
-        raise ValueError(f"gluon_train cannot run a block mask of blocks {blocks}: {reason}")
-    config = mask_config(resolved.config, blocks)
-    dense = dataclasses.replace(call.problem, mask="none")
-    if config is None or gluon_fwd.TEMPLATE.run_constraint(dense, config, call.device, blocks):
-        # A config the fitting leaves unable to walk the mask (split pieces): the forward's
-        # default for these blocks (ValueError where none fits).
-        config = gluon_fwd.TEMPLATE.run_default(dense, call.device, blocks)
-    assert isinstance(config, gluon_fwd.GluonFwdConfig)
-    keep_plan(key, Plan(None, config, resolved.expires_at))
-    return config
+
+    def make() -> Plan:
+        call = call_of(q, k, False, needs_grad=True, mask=pattern or "none")
+        resolved = keep_config(resolve_config(get_template(TRAINING_TEMPLATE), call.problem,
+                                              call.device))
+        reason = masked_training_refusal(blocks, resolved.config)
+        if reason:
+            raise ValueError(f"gluon_train cannot run a block mask of blocks {blocks}: "
+                             f"{reason}")
+        config = mask_config(resolved.config, blocks)
+        dense = dataclasses.replace(call.problem, mask="none")
+        if config is None or gluon_fwd.TEMPLATE.run_constraint(dense, config, call.device,
+                                                               blocks):
+            # A config the fitting leaves unable to walk the mask (split pieces): the
+            # forward's default for these blocks (ValueError where none fits).
+            config = gluon_fwd.TEMPLATE.run_default(dense, call.device, blocks)
+        assert isinstance(config, gluon_fwd.GluonFwdConfig)
+        return Plan(None, config, resolved.expires_at)
+
+    return kept_plan(key, make).choice  # type: ignore[return-value]
 
 
 @torch.library.custom_op("tuner::gluon_train_fwd", mutates_args=())
