@@ -25,6 +25,7 @@ from templates.attention_reference import (
 )
 from templates.base import KernelConfig, KernelLaunch, Problem, Template, knob, next_pow2
 from templates.compile.plan_cache import PlanCache
+from templates.compile.plan_keys import NO_PLAN, config_key, layout_key
 from templates.compile.standin_tensor import StandinTensor
 from templates.device import (
     DeviceInfo,
@@ -648,26 +649,16 @@ def _plan_key(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sc
     16-byte aligned enters too (what Triton specializes on); the plan also checks every
     pointer at each call, those of the masks included, and launches misaligned ones through
     the JIT (``BackwardPlan``)."""
-    if config is not None and not isinstance(config, BwdConfig):
-        if not isinstance(config, Mapping):
-            return None
-        try:
-            config = TEMPLATE.config(config)
-        except (TypeError, ValueError):
-            return None
+    config = config_key(TEMPLATE, config, BwdConfig)
+    if config is NO_PLAN:
+        return None
     try:
-        return (do.__class__, q.__class__, k.__class__, v.__class__, o.__class__,
-                lse.__class__, do.shape, q.shape, k.shape, v.shape, o.shape, lse.shape,
-                do.stride(), q.stride(), k.stride(), v.stride(), o.stride(), lse.stride(),
-                do.dtype, q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype,
-                do.device, q.device, k.device, v.device, o.device, lse.device,
+        return (layout_key(do, q, k, v, o, lse),
                 (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()
                  | lse.data_ptr()) % 16,
                 causal.__class__, causal, scale.__class__, scale, config,
                 softcap.__class__, softcap,
-                None if attn_mask is None else (attn_mask.__class__, attn_mask.shape,
-                                                attn_mask.stride(), attn_mask.dtype,
-                                                attn_mask.device),
+                None if attn_mask is None else layout_key(attn_mask),
                 block_mask_key(block_mask))
     except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors
         return None

@@ -35,6 +35,7 @@ import torch
 
 from templates.base import KernelConfig, KernelLaunch, Problem, knob
 from templates.compile.plan_cache import PlanCache
+from templates.compile.plan_keys import NO_PLAN, config_key, layout_key
 from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
@@ -520,19 +521,11 @@ def _plan_key(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sc
     the plan launches other misaligned pointers through the JIT."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         return None
-    if config is not None and not isinstance(config, GluonBwdConfig):
-        if not isinstance(config, Mapping):
-            return None
-        try:
-            config = TEMPLATE.config(config)
-        except (TypeError, ValueError):
-            return None
+    config = config_key(TEMPLATE, config, GluonBwdConfig)
+    if config is NO_PLAN:
+        return None
     try:
-        return (do.__class__, q.__class__, k.__class__, v.__class__, o.__class__,
-                lse.__class__, do.shape, q.shape, k.shape, v.shape, o.shape, lse.shape,
-                do.stride(), q.stride(), k.stride(), v.stride(), o.stride(), lse.stride(),
-                do.dtype, q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype,
-                do.device, q.device, k.device, v.device, o.device, lse.device,
+        return (layout_key(do, q, k, v, o, lse),
                 (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
                 causal.__class__, causal, scale.__class__, scale, config,
                 block_mask_key(block_mask),
