@@ -14,7 +14,6 @@ import torch
 import tuner
 from templates.kernel_common import output_strides
 from tuner.attention import _attention_inference
-from tuner.dispatch.implementations.flash import _attention_fwd
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +59,7 @@ def test_ops_fakes_match_the_real_strides(device: str, layout: str) -> None:
         q, k, v = (torch.randn(shape, device=device, dtype=torch.float16) for _ in range(3))
     # opcheck's fake-tensor test runs the real op and its fake and compares their outputs'
     # shapes, dtypes and strides.
-    torch.library.opcheck(_attention_fwd, (q, k, v, False, None, False),
+    torch.library.opcheck(torch.ops.tuner.attention_fwd.default, (q, k, v, False, None, False),
                           test_utils=("test_faketensor",))
     torch.library.opcheck(_attention_inference, (q, k, v, False, None, False, "flash"),
                           test_utils=("test_faketensor",))

@@ -98,14 +98,13 @@ def test_where_cudnns_backward_is_faster_gluon_keeps_it_and_inference_is_gluons(
 
 def test_the_ops_fakes_match_the_real_strides(calls: dict[str, list[dict[str, Any]]],  # noqa: F811
                                               own_backward: list[dict[str, Any]]) -> None:
-    ops = tuner.dispatch.implementations.gluon_train
     for layout in ("bhnd", "bnhd"):
         q, k, v, do = (t.detach() for t in leaves(layout))
         with tuner.use_implementation("gluon_train"):
-            torch.library.opcheck(ops._gluon_train_fwd, (q, k, v, True, None, True),
+            torch.library.opcheck(torch.ops.tuner.gluon_train_fwd.default, (q, k, v, True, None, True),
                                   test_utils=("test_faketensor",))
-            o, lse = ops._gluon_train_fwd(q, k, v, True, None, True)
-        torch.library.opcheck(ops._gluon_attention_bwd,
+            o, lse = torch.ops.tuner.gluon_train_fwd(q, k, v, True, None, True)
+        torch.library.opcheck(torch.ops.tuner.gluon_attention_bwd.default,
                               (do.contiguous(), q, k, v, o, lse, True, None, True),
                               test_utils=("test_faketensor",))
 

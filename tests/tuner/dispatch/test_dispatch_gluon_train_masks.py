@@ -238,11 +238,11 @@ def test_the_masked_ops_fakes_match_the_real_strides(
     block_mask = mask()
     args = Masked.of(q, k, None, block_mask).op_args()
     with tuner.use_implementation("gluon_train"):
-        torch.library.opcheck(gluon_train_impl._gluon_train_fwd,
+        torch.library.opcheck(torch.ops.tuner.gluon_train_fwd.default,
                               (q, k, v, False, None, True, *args),
                               test_utils=("test_faketensor",))
-        o, lse = gluon_train_impl._gluon_train_fwd(q, k, v, False, None, True, *args)
-    torch.library.opcheck(gluon_train_impl._gluon_attention_bwd,
+        o, lse = torch.ops.tuner.gluon_train_fwd(q, k, v, False, None, True, *args)
+    torch.library.opcheck(torch.ops.tuner.gluon_attention_bwd.default,
                           (do, q, k, v, o, lse, False, None, True, *args),
                           test_utils=("test_faketensor",))
 

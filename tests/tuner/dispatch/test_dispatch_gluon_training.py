@@ -29,7 +29,6 @@ from tests.api.serving_data import H100
 from tests.tuner.dispatch.test_dispatch import measured as measured_on
 from tests.tuner.dispatch.test_dispatch import store
 from tests.tuner.dispatch.test_dispatch_gluon_masks import gluon_config_not_the_default
-from tuner.dispatch.implementations.gluon import _cudnn_attention_bwd, _gluon_attention_fwd
 from tuner.dispatch.rule import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
@@ -162,10 +161,10 @@ def test_the_ops_fakes_match_the_real_strides(calls: dict[str, list[dict[str, An
     for layout in ("bhnd", "bnhd"):
         q, k, v, do = (t.detach() for t in leaves(layout))
         with tuner.use_implementation("gluon"):
-            torch.library.opcheck(_gluon_attention_fwd, (q, k, v, True, None, True),
+            torch.library.opcheck(torch.ops.tuner.gluon_attention_fwd.default, (q, k, v, True, None, True),
                                   test_utils=("test_faketensor",))
-            o, lse = _gluon_attention_fwd(q, k, v, True, None, True)
-        torch.library.opcheck(_cudnn_attention_bwd,
+            o, lse = torch.ops.tuner.gluon_attention_fwd(q, k, v, True, None, True)
+        torch.library.opcheck(torch.ops.tuner.cudnn_attention_bwd.default,
                               (do.contiguous(), q, k, v, o, lse, True, None, True),
                               test_utils=("test_faketensor",))
 

@@ -66,11 +66,12 @@ class Implementation:
     (``tuner.dispatch.plans``) and calls only it on later calls of that problem and layout: do every
     check and lookup in ``plan``, none in what it returns.
 
-    Its training op: ``training_op``, one ``torch.library`` op (q, k, v, is_causal, scale,
-    enable_gqa, *mask) -> (o, lse), with its fake and its backward registered by the
-    implementation's module; it runs calls that need a gradient, eager or compiled (Dynamo
-    keeps a custom op in the graph), and finds its configs itself (through
-    ``tuner.dispatch.plans``).
+    Its training op: ``training_op``, called (q, k, v, is_causal, scale, enable_gqa, *mask)
+    -> (o, lse): a ``torch.library`` op with its fake and its backward registered by the
+    implementation's module, or (what ours are) an ``ops.TrainingOp``, which runs that op
+    under torch.compile (Dynamo keeps a custom op in the graph) and its bodies under one
+    autograd.Function eagerly. It runs calls that need a gradient and finds its configs
+    itself (through ``tuner.dispatch.plans``).
 
     How it runs a call off the hot path: ``run(request, choice, constant)`` (a gradient, a
     mask, or under torch.compile, where ``choice`` is None and ``constant`` is what
@@ -110,7 +111,7 @@ class Implementation:
     # Whether its gradients are bitwise repeatable (or can be made so under
     # torch.use_deterministic_algorithms); False: not offered for a gradient then.
     deterministic_backward = True
-    training_op: Any = None  # the op (torch.ops.tuner.<name>) running calls with a gradient
+    training_op: Any = None  # what runs calls with a gradient (a TrainingOp or library op)
 
     def serves(self, call: Call) -> str | None:
         return None

@@ -34,10 +34,8 @@ from tuner.dispatch.implementations.call import (
 )
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import (
-    backward_by,
+    TrainingOp,
     in_op_layout,
-    setup_context,
-    training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
 from tuner.dispatch.plans import Plan, kept_plan
@@ -256,7 +254,6 @@ def _backward_config(q: torch.Tensor, k: torch.Tensor, is_causal: bool,
     return plan.choice.config
 
 
-@torch.library.custom_op("tuner::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    scale: float | None, enable_gqa: bool,
                    full_counts: torch.Tensor | None = None, full_indices: torch.Tensor | None = None,
@@ -281,10 +278,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return in_op_layout(o, q), lse
 
 
-_attention_fwd.register_fake(training_fake)
 
-
-@torch.library.custom_op("tuner::attention_bwd", mutates_args=())
 def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    o: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
                    enable_gqa: bool,
@@ -314,7 +308,6 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
-@_attention_bwd.register_fake
 def _attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                         scale: float | None, enable_gqa: bool, *mask: object
@@ -323,5 +316,5 @@ def _attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
-_attention_fwd.register_autograd(backward_by("attention_bwd"), setup_context=setup_context)
-FLASH.training_op = torch.ops.tuner.attention_fwd
+FLASH.training_op = TrainingOp.define("attention_fwd", _attention_fwd, "attention_bwd",
+                                      _attention_bwd, _attention_bwd_fake)

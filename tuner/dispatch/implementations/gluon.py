@@ -27,12 +27,10 @@ from tuner.dispatch.implementations.call import (
 )
 from tuner.dispatch.implementations.flash import Pair, resolved_for
 from tuner.dispatch.implementations.ops import (
-    backward_by,
+    TrainingOp,
     grads_fake,
     grads_like,
     in_op_layout,
-    setup_context,
-    training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
 from tuner.dispatch.plans import Plan, kept_plan
@@ -168,7 +166,6 @@ def backward_of(kernel: Callable[..., tuple[torch.Tensor, ...]], grad_o: torch.T
     return grads_like(grads, q, k, v)
 
 
-@torch.library.custom_op("tuner::gluon_attention_fwd", mutates_args=())
 def _gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                          scale: float | None, enable_gqa: bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,10 +174,7 @@ def _gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     return training_forward(GLUON, TRAINING_TEMPLATE, q, k, v, is_causal, scale, enable_gqa)
 
 
-_gluon_attention_fwd.register_fake(training_fake)
 
-
-@torch.library.custom_op("tuner::cudnn_attention_bwd", mutates_args=())
 def _cudnn_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                          scale: float | None, enable_gqa: bool
@@ -191,7 +185,6 @@ def _cudnn_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return backward_of(cudnn_bwd.cudnn_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale)
 
 
-@_cudnn_attention_bwd.register_fake
 def _cudnn_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                               is_causal: bool, scale: float | None, enable_gqa: bool
@@ -199,6 +192,6 @@ def _cudnn_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     return grads_fake(q, k, v)
 
 
-_gluon_attention_fwd.register_autograd(backward_by("cudnn_attention_bwd"),
-                                       setup_context=setup_context)
-GLUON.training_op = torch.ops.tuner.gluon_attention_fwd
+GLUON.training_op = TrainingOp.define("gluon_attention_fwd", _gluon_attention_fwd,
+                                      "cudnn_attention_bwd", _cudnn_attention_bwd,
+                                      _cudnn_attention_bwd_fake)

@@ -25,12 +25,10 @@ from tuner.dispatch.implementations.call import Call, call_of, shapes_4d
 from tuner.dispatch.implementations.gluon import GLUON, backward_of, mask_config, training_forward
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import (
-    backward_by,
+    TrainingOp,
     grads_fake,
     grads_like,
     in_op_layout,
-    setup_context,
-    training_fake,
 )
 from tuner.dispatch.implementations.registry import register_implementation
 from tuner.dispatch.plans import Plan, kept_plan
@@ -127,7 +125,6 @@ def _masked_forward_config(q: torch.Tensor, k: torch.Tensor, pattern: str | None
     return kept_plan(key, make).choice  # type: ignore[return-value]
 
 
-@torch.library.custom_op("tuner::gluon_train_fwd", mutates_args=())
 def _gluon_train_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                      scale: float | None, enable_gqa: bool,
                      full_counts: torch.Tensor | None = None,
@@ -152,10 +149,7 @@ def _gluon_train_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     return in_op_layout(o, q), lse
 
 
-_gluon_train_fwd.register_fake(training_fake)
 
-
-@torch.library.custom_op("tuner::gluon_attention_bwd", mutates_args=())
 def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                          scale: float | None, enable_gqa: bool,
@@ -184,7 +178,6 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return grads_like(grads, q, k, v)
 
 
-@_gluon_attention_bwd.register_fake
 def _gluon_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                               is_causal: bool, scale: float | None, enable_gqa: bool,
@@ -192,6 +185,6 @@ def _gluon_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     return grads_fake(q, k, v)
 
 
-_gluon_train_fwd.register_autograd(backward_by("gluon_attention_bwd"),
-                                   setup_context=setup_context)
-GLUON_TRAIN.training_op = torch.ops.tuner.gluon_train_fwd
+GLUON_TRAIN.training_op = TrainingOp.define("gluon_train_fwd", _gluon_train_fwd,
+                                            "gluon_attention_bwd", _gluon_attention_bwd,
+                                            _gluon_attention_bwd_fake)

@@ -4,8 +4,10 @@ real bodies agree on, and the autograd that joins a training op to its backward 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from templates.kernel_common import output_strides
 from tuner.dispatch.implementations.mask_args import NO_MASK
@@ -14,7 +16,7 @@ from tuner.dispatch.implementations.mask_args import NO_MASK
 # (``mask_args.OpMask``), so ops without one keep their schema.
 SOFTCAP_ARG = len(NO_MASK)
 
-__all__ = ["SOFTCAP_ARG", "backward_by", "grads_fake", "grads_like", "in_op_layout",
+__all__ = ["SOFTCAP_ARG", "TrainingOp", "backward_by", "grads_fake", "grads_like", "in_op_layout",
            "op_output_strides", "output_fake", "setup_context", "with_strides"]
 
 
@@ -91,13 +93,90 @@ def backward_by(op_name: str) -> Callable[..., tuple[torch.Tensor | None, ...]]:
 
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor | None,
                  grad_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        geometry, pattern, n_mask, softcap = ctx.mask  # type: ignore[attr-defined]
-        if grad_o is None:  # o did not reach the loss
-            return (None,) * (6 + n_mask)
-        q, k, v, o, lse, *tensors, attn_mask = ctx.saved_tensors  # type: ignore[attr-defined]
-        mask = (*tensors, geometry, pattern, attn_mask, softcap)[:n_mask]
-        op = getattr(torch.ops.tuner, op_name)
-        dq, dk, dv = op(grad_o, q, k, v, o, lse, *ctx.args, *mask)  # type: ignore[attr-defined]
-        return (dq, dk, dv) + (None,) * (3 + n_mask)
+        return backward_with(ctx, grad_o, getattr(torch.ops.tuner, op_name))
 
     return backward
+
+
+def backward_with(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor | None,
+                  backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                  ) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of a training op's inputs: ``backward`` (the backward op, or its body)
+    on what ``setup_context`` saved (the mask's arguments only to an op that takes them);
+    None for o that did not reach the loss."""
+    geometry, pattern, n_mask, softcap = ctx.mask  # type: ignore[attr-defined]
+    if grad_o is None:
+        return (None,) * (6 + n_mask)
+    q, k, v, o, lse, *tensors, attn_mask = ctx.saved_tensors  # type: ignore[attr-defined]
+    mask = (*tensors, geometry, pattern, attn_mask, softcap)[:n_mask]
+    dq, dk, dv = backward(grad_o, q, k, v, o, lse, *ctx.args, *mask)  # type: ignore[attr-defined]
+    return (dq, dk, dv) + (None,) * (3 + n_mask)
+
+
+class _EagerTraining(torch.autograd.Function):
+    """A training op's forward and backward bodies joined by autograd without the library
+    op's dispatch: what ``TrainingOp`` runs outside torch.compile."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, op: TrainingOp,
+                *inputs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        output = op.forward(*inputs)
+        setup_context(ctx, inputs, output)
+        ctx.op = op  # type: ignore[attr-defined]
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor | None,
+                 grad_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (None, *backward_with(ctx, grad_o, ctx.op.backward))  # type: ignore[attr-defined]
+
+
+def _library_op_needed(tensors: tuple[object, ...]) -> bool:
+    """Whether a call must go through the library op: traced by torch.compile or export,
+    under a functorch transform or a dispatch mode (fake tensors, a flop counter), or given
+    tensor subclasses; those are what the op's fake and registrations are for."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True
+    if _get_current_dispatch_mode() is not None:
+        return True
+    return any(type(t) is not torch.Tensor for t in tensors)
+
+
+class TrainingOp:
+    """A training op in its two forms. ``library``: the ``torch.library`` op
+    (``tuner::<name>``, with its fake and its autograd by the backward op), what torch.compile
+    traces. Called eagerly, the same Python bodies run joined by one ``torch.autograd.Function``
+    instead: the library op's dispatch (defaults filled, autograd and backend wrappers in
+    Python, twice per step with the backward op) cost 0.5-1 ms of host time per forward +
+    backward on the H200 host, as much as a 4 x 4k masked step's kernels."""
+
+    def __init__(self, library: Any, forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                 ) -> None:
+        self.library = library
+        self.forward = forward
+        self.backward = backward
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if _library_op_needed((q, k, v)):
+            return self.library(q, k, v, *args)  # type: ignore[no-any-return]
+        return _EagerTraining.apply(self, q, k, v, *args)  # type: ignore[no-any-return]
+
+    @classmethod
+    def define(cls, name: str, forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+               backward_name: str,
+               backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               backward_fake: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+               ) -> TrainingOp:
+        """Register ``tuner::<name>`` (body ``forward``, fake ``training_fake``) and
+        ``tuner::<backward_name>`` (``backward``, ``backward_fake``), join them by autograd,
+        and return the pair as a ``TrainingOp``."""
+        forward_op = torch.library.custom_op(f"tuner::{name}", forward, mutates_args=())
+        forward_op.register_fake(training_fake)
+        backward_op = torch.library.custom_op(f"tuner::{backward_name}", backward,
+                                              mutates_args=())
+        backward_op.register_fake(backward_fake)
+        forward_op.register_autograd(backward_by(backward_name), setup_context=setup_context)
+        return cls(getattr(torch.ops.tuner, name), forward, backward)
