@@ -11,8 +11,7 @@ with the float64/float32 autograd reference (flash_bwd's), max errors printed.
 
 Variants (``VARIANTS``): ``default``, ``eager_dq``, and the warp-specialized kernel ``ws`` (one
 dQ staging tile) and ``ws_dq2`` (two; d64 only; a ring of two stages, which would leave room
-for two at d128, crashed on the H200: refused by the template), ``ws_dqwg`` (each MMA
-warpgroup its own dQ partial over its own keys, ``dq_per_warpgroup``: not run yet),
+for two at d128, crashed on the H200: refused by the template),
 ``ws_det`` (``ws`` with dQ added in KV-tile order, ``deterministic``: not run yet; ``--check``
 runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
@@ -55,10 +54,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
            "warp_specialize": True, "dq_buffers": 1},
     "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 2},
-    # Each MMA warpgroup a partition of its own computing its own dQ partial over its own 64
-    # keys, reduced by the dQ warp (no barrier between the warpgroups within a step).
-    "ws_dqwg": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                "warp_specialize": True, "dq_buffers": 1, "dq_per_warpgroup": True},
     # ``ws`` with dQ added in KV-tile order (a counter per query tile): bitwise-repeatable dq.
     "ws_det": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 1, "deterministic": True},

@@ -116,12 +116,6 @@ class GluonBwdConfig(KernelConfig):
         "dQ staging tiles (BLOCK_M x D fp32) of the warp-specialized kernel: with two the "
         "compute warps fill one while the dQ warp's reduce reads the other. Without "
         "warp_specialize only 1.")
-    dq_per_warpgroup: bool = knob(
-        False, (False, True),
-        "With warp_specialize, each MMA warpgroup computes its own dQ partial over its own "
-        "half of the keys and hands it to the dQ warp's TMA reduce through its own staging "
-        "tile, so the two warpgroups never wait for each other within a step (unverified on "
-        "a GPU: notes/gluon_notes.md, \"dQ per warpgroup\").")
     deterministic: bool = knob(
         False, (False, True),
         "With warp_specialize, the dQ warp adds each query tile's dQ in increasing KV-tile "
@@ -132,13 +126,10 @@ class GluonBwdConfig(KernelConfig):
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
     """Bytes of shared memory: K and V, the Q/dO ring with its lse2/delta rows, dS^T, the
-    fp32 dQ staging tile(s), the barriers. With ``dq_per_warpgroup`` a staging tile per MMA
-    warpgroup, each holding its warpgroup's dS^T too (no tile of its own)."""
+    fp32 dQ staging tile(s), the barriers."""
     d = problem.head_dim
     kv = 2 * config.BLOCK_N * d * DTYPE_BYTES
     ring = config.stages * (2 * config.BLOCK_M * d * DTYPE_BYTES + 2 * config.BLOCK_M * 4)
-    if config.dq_per_warpgroup:
-        return kv + ring + 2 * config.BLOCK_M * d * 4 + BARRIER_BYTES
     ds = config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
     dq = config.dq_buffers * config.BLOCK_M * d * 4
     return kv + ring + ds + dq + BARRIER_BYTES
@@ -199,11 +190,9 @@ class GluonBwdTemplate(GluonTemplate):
                     f"{cfg.consumers} consumer(s) gives {keys}")
         smem = shared_memory_estimate(problem, cfg)
         if smem > device.smem_per_block:
-            staging = ("an fp32 dQ partial per warpgroup" if cfg.dq_per_warpgroup
-                       else "dS and the fp32 dQ tile")
             return (f"needs about {smem // 1024} KiB of shared memory (K and V {cfg.BLOCK_N}x"
                     f"{problem.head_dim}, {cfg.stages} stage(s) of Q and dO {cfg.BLOCK_M}x"
-                    f"{problem.head_dim}, {staging}), more than the "
+                    f"{problem.head_dim}, dS and the fp32 dQ tile), more than the "
                     f"{device.smem_per_block // 1024} KiB a program may use on {device.name}")
         regs = tile_registers(problem, cfg)
         bound = MAX_WS_TILE_REGISTERS if cfg.warp_specialize else MAX_TILE_REGISTERS
@@ -238,14 +227,12 @@ class GluonBwdTemplate(GluonTemplate):
     def warp_specialized_configs(self, problem: Problem, device: DeviceInfo
                                  ) -> list[GluonBwdConfig]:
         """The warp-specialized configs that fit ``problem`` on ``device``: a ring of three
-        with two dQ staging tiles (where they fit: d64) or one, then a dQ partial per MMA
-        warpgroup (``dq_per_warpgroup``: compiled offline, not run yet, so never a default
-        nor known-good). The tests run them."""
+        with two dQ staging tiles (where they fit: d64) or one. The tests run them."""
         out = []
         for base in _candidates(problem):
-            for stages, buffers, per_wg in ((3, 2, False), (3, 1, False), (3, 1, True)):
+            for stages, buffers in ((3, 2), (3, 1)):
                 cfg = dataclasses.replace(base, warp_specialize=True, stages=stages,
-                                          dq_buffers=buffers, dq_per_warpgroup=per_wg)
+                                          dq_buffers=buffers)
                 if self.constraint(problem, cfg, device) is None and cfg not in out:
                     out.append(cfg)
         return out
@@ -399,19 +386,10 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if cfg.dq_buffers != 1:
             return (f"dq_buffers {cfg.dq_buffers} needs warp_specialize (without it the "
                     f"compute warps add their one dQ tile themselves)")
-        if cfg.dq_per_warpgroup:
-            return ("dq_per_warpgroup needs warp_specialize (its partials go to the dQ warp; "
-                    "without it the compute warps add one dQ tile themselves)")
         if cfg.deterministic:
             return ("deterministic needs warp_specialize (the dQ warp orders the reduces; "
                     "without it every warp adds its dQ by atomics in no fixed order)")
         return None
-    if cfg.deterministic and cfg.dq_per_warpgroup:
-        return ("deterministic orders one dQ reduce per step and query tile, but "
-                "dq_per_warpgroup makes two (one per warpgroup): not offered together")
-    if cfg.dq_per_warpgroup and cfg.dq_buffers != 1:
-        return (f"dq_per_warpgroup stages one partial per warpgroup (its dS^T in the same "
-                f"tile): dq_buffers {cfg.dq_buffers} is not offered with it, only 1")
     if ws_kernel is None:
         return "the warp-specialized kernel module did not import"
     if not cfg.defer_dq:

@@ -27,14 +27,6 @@ too. Causality is the mask's own (CAUSAL False). The three partitions run the sa
 (``_mask_head`` and ``_mask_step``): the load warp issues the step's loads, the MMA warps
 compute it, the dQ warp adds its dQ tile where the walk says.
 
-With ``DQ_SPLIT`` (gluon_bwd's ``dq_per_warpgroup``; compiled offline, not run yet) the two
-MMA warpgroups are partitions of their own (the kernel's 4 warps and a 4-warp worker, both at
-MMA_REGS): each owns BLOCK_N / 2 keys for every GEMM, dQ included (its partial dS_wg K_wg over
-its own keys, BLOCK_M x D fp32), and hands its partial over in its own staging tile, which
-also holds its dS^T; the dQ warp reduces both partials of a step into the same rows. Nothing
-makes one warpgroup wait for the other within a step: a ring slot is freed when both have
-released it (empty barrier of count 2) and they meet once, before dK/dV are stored.
-
 dq is not bitwise deterministic (the reduces of the programs of one query tile land in any
 order); dk and dv are. With ``DETERMINISTIC`` (gluon_bwd's ``deterministic``; dense and causal
 only; compiled offline, not run yet) the dQ warp adds each query tile's dQ in increasing
@@ -87,9 +79,6 @@ LOAD_REGS = 24
 # the PTX's setmaxnreg.inc 240).
 MAX_REGS = 168
 MMA_REGS = (3 * MAX_REGS - LOAD_REGS) // 2
-# The same inside the kernel (a jit function reads a global only as a constexpr): the split-dQ
-# kernel's second MMA warpgroup is a worker partition whose registers are asked for by number.
-MMA_REGS_JIT = gl.constexpr(MMA_REGS)
 # Warps of the MMA partition (two warpgroups; ``_mma_partition`` says 8 itself); the two
 # worker partitions have one warp each, in the warpgroup Triton pads them to.
 MMA_WARPS = 8
@@ -107,14 +96,6 @@ def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):  # noqa: ANN001
 
 
 tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
-
-
-@builtin
-def _smem_view(smem, dtype, shape, layout, _semantic=None):  # noqa: ANN001, ANN202
-    """``smem`` seen as another dtype, shape and layout (the same bytes): ``_reinterpret`` in
-    triton 3.6's Gluon, ``reinterpret`` later."""
-    view = getattr(smem, "reinterpret", None) or smem._reinterpret
-    return view(dtype, shape, layout, _semantic=_semantic)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -265,12 +246,10 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
                   DETERMINISTIC: gl.constexpr):
     """Step t's dQ tile, staged in buffer t % DQ_BUFFERS, added into the accumulator's rows
     of its query head by one TMA bulk reduce (rows past N_q are dropped by the TMA unit);
-    the buffer goes back to the MMA partition once the reduce is done with it. With a split
-    dQ (``dq_bufs`` holds a tile per MMA warpgroup) a step's tile is the warpgroups' partials,
-    one reduce each. With DETERMINISTIC (dense or causal, one partial) each query tile's
-    reduces land in increasing KV-tile order (``_dq_step_in_order``; ``DqCounters``: an
-    int32 counter per (batch, query head, query tile), zeroed by the host per call)."""
-    PARTIALS: gl.constexpr = dq_bufs.shape[0] // DQ_BUFFERS
+    the buffer goes back to the MMA partition once the reduce is done with it. With
+    DETERMINISTIC (dense or causal) each query tile's reduces land in increasing KV-tile
+    order (``_dq_step_in_order``; ``DqCounters``: an int32 counter per (batch, query head,
+    query tile), zeroed by the host per call)."""
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     if SPARSE:
@@ -284,7 +263,7 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
                                                     PartialTileIds, PartialTiles, lrow, n_full,
                                                     j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
                 _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, step, b * H_Q + h0 + g, m0,
-                         DQ_BUFFERS, PARTIALS, DEBUG)
+                         DQ_BUFFERS, DEBUG)
                 step += 1
     else:
         for t in range(n_steps):
@@ -299,22 +278,19 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
                                   counter, n0 // BLOCK_N, DQ_BUFFERS, DEBUG)
             else:
                 _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0, DQ_BUFFERS,
-                         PARTIALS, DEBUG)
+                         DEBUG)
 
 
 @gluon.jit
 def _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, DQ_BUFFERS: gl.constexpr,
-             PARTIALS: gl.constexpr, DEBUG: gl.constexpr):
-    """Step t's staged dQ tile (rows from m0 of head row bh) added by one TMA reduce; with
-    PARTIALS 2 (split dQ) the two warpgroups' partials of the step, each by its own reduce
-    and released on its own as soon as the reduce has read it (buffer = warpgroup)."""
-    for part in gl.static_range(PARTIALS):
-        buf = (t % DQ_BUFFERS) * PARTIALS + part
-        mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
-        if (DEBUG & 16) == 0:
-            tma_reduce_add(dq_desc, [bh, m0, 0], dq_bufs.index(buf))
-        tma.store_wait(0)
-        mbarrier.arrive(dq_empty.index(buf))
+             DEBUG: gl.constexpr):
+    """Step t's staged dQ tile (rows from m0 of head row bh) added by one TMA reduce."""
+    buf = t % DQ_BUFFERS
+    mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
+    if (DEBUG & 16) == 0:
+        tma_reduce_add(dq_desc, [bh, m0, 0], dq_bufs.index(buf))
+    tma.store_wait(0)
+    mbarrier.arrive(dq_empty.index(buf))
 
 
 
@@ -386,7 +362,7 @@ def _pass_turn(counter):
 @gluon.jit
 def _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, counter, turn,
                       DQ_BUFFERS: gl.constexpr, DEBUG: gl.constexpr):
-    """``_dq_step`` (one partial) at this KV tile's turn ``turn`` of the query tile whose
+    """``_dq_step`` at this KV tile's turn ``turn`` of the query tile whose
     counter is ``counter``. The turn is waited for before the tile is (the tile is usually
     still being computed then); the staging buffer goes back as soon as the reduce has read
     it, the turn once the reduce is complete."""
@@ -568,199 +544,6 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     tma.store_wait(0)
 
 
-# ----------------------------------------------------------------------------- split dQ
-# With DQ_SPLIT each MMA warpgroup is a partition of its own (4 warps: the kernel's own as
-# warpgroup 0, a 4-warp worker as warpgroup 1), owning KEYS = BLOCK_N / 2 of the tile's keys
-# for every GEMM, dQ included: its dQ partial dS_wg K_wg (BLOCK_M x D over its own keys) goes
-# to the dQ warp through its own staging tile, so nothing makes one warpgroup wait for the
-# other within a step and one's softmax may run under the other's GEMMs. The warpgroups meet
-# only where they share a resource: the ring slot (empty barrier of count 2) and, once, the
-# dK/dV store of the whole tile.
-@gluon.jit
-def _wg_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_empty,
-             dq_phase, m0, key0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
-             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
-             MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr):
-    """One warpgroup's step over its KEYS keys from key0 (``_ws_step``'s maths for 4 warps):
-    (dk, dv, dq) with every GEMM of the step completed in this warpgroup, dq its partial over
-    its own keys. dS^T is staged in ``ds_smem``, which lies in the warpgroup's dQ staging
-    tile: written only once ``dq_empty`` (phase ``dq_phase``) says the dQ warp's reduce of the
-    previous partial has read it. dK's and dQ's GEMMs both read dS^T there (no register
-    operand for it: the 64 registers of the dQ partial take their place)."""
-    dtype: gl.constexpr = q_smem.dtype
-    NUM_WARPS: gl.constexpr = 4
-    st_layout: gl.constexpr = mma_layout(NUM_WARPS, KEYS, BLOCK_M)
-    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, KEYS, HEAD_DIM)
-    dq_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    zeros_st = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
-
-    s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zeros_st, use_acc=False,
-                          is_async=True)
-    dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_st, use_acc=False,
-                           is_async=True)
-    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
-    offs_n = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
-
-    if TILE:  # read under the GEMMs; the tile's rows are the KV block's keys
-        tile_offs = (gl.expand_dims((offs_n - key0) * MASK_BLOCK_Q, 1)
-                     + gl.expand_dims(offs_m - m0, 0))
-        keep = gl.load(tile_base + tile_offs) != 0
-
-    s_t = warpgroup_mma_wait(1, deps=(s_tok,))
-    lse2 = lse_smem.load(cols)
-    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
-    if TILE:  # a where, not a product: a hidden score's exp2 may be inf
-        p_t = gl.where(keep, p_t, 0.0)
-    p16 = p_t.to(dtype)
-    p_op = gl.convert_layout(p16, a_layout)
-    dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
-
-    dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
-    delta = delta_smem.load(cols)
-    ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
-    mbarrier.wait(dq_empty, dq_phase)
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    warps_barrier()
-    dk_tok = warpgroup_mma(ds_smem, q_smem, dk, is_async=True)
-    if DEBUG & 4:  # no dQ GEMM: a zero partial is handed over (prices the GEMM)
-        dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op))
-        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    else:
-        # dQ_wg = dS_wg K_wg: dS^T read transposed, K's rows of this warpgroup.
-        dv, p_op = warpgroup_mma_wait(1, deps=(dv_tok, p_op))
-        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
-        dk, dq = warpgroup_mma_wait(0, deps=(dk_tok, dq_tok))
-    return dk, dv, dq
-
-
-@gluon.jit
-def _mma_wg_step(dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_smem,
-                 ds_smem, ready, empty, dq_full, dq_empty, t, m0, key0, N_KV, causal_offset,
-                 qk_scale, sm_scale, masked, tile_base, CAUSAL: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
-                 STAGES: gl.constexpr, SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                 DEBUG: gl.constexpr):
-    """Step t of one warpgroup (``_mma_step`` for its own keys and staging tile): its
-    GEMMs, its dQ partial handed to the dQ warp through ``dq_smem``. Returns (dk, dv)."""
-    slot = t % STAGES
-    mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-    q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    # The staging tile has held a partial before this step's dS^T may go there: the dQ
-    # warp's reduce of step t - 1's partial must have read it.
-    dq_phase = (t & 1) ^ 1
-    if masked:
-        dk, dv, dq = _wg_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              lse_bufs.index(slot), delta_bufs.index(slot), dq_empty,
-                              dq_phase, m0, key0, N_KV, causal_offset, qk_scale, sm_scale,
-                              tile_base, not SPARSE, CAUSAL, SPARSE, HEAD_DIM, BLOCK_M, KEYS,
-                              MASK_BLOCK_Q, DEBUG)
-    else:
-        dk, dv, dq = _wg_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              lse_bufs.index(slot), delta_bufs.index(slot), dq_empty,
-                              dq_phase, m0, key0, N_KV, causal_offset, qk_scale, sm_scale,
-                              tile_base, False, CAUSAL, False, HEAD_DIM, BLOCK_M, KEYS,
-                              MASK_BLOCK_Q, DEBUG)
-    # Every warp of this warpgroup has waited for its GEMMs: dS^T (under the partial's
-    # tile) may be overwritten and this warpgroup is done with the ring slot (the load warp
-    # refills it once the other warpgroup is too: count 2).
-    warps_barrier()
-    mbarrier.arrive(empty.index(slot))
-    dq_smem.store(dq)
-    fence_async_shared()
-    warps_barrier()
-    mbarrier.arrive(dq_full)
-    return dk, dv
-
-
-@gluon.jit
-def _mma_wg_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
-                      delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                      dq_bufs, ds_smem, kv_ready, ready, empty, dq_full, dq_empty, kv_done,
-                      N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
-                      qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
-                      PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
-                      stride_ib, stride_ih, stride_iq,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constexpr,
-                      MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
-                      DEBUG: gl.constexpr, WG: gl.constexpr):
-    """MMA warpgroup WG (0: the kernel's own warps, 1: a worker) of a split-dQ program: keys
-    WG * KEYS .. of the tile for every step of the walk (``_mma_partition``'s walk), dK and dV
-    of those keys in registers. At the end each warpgroup writes its halves of dK and dV over
-    its own rows of K's and V's buffers (the other warpgroup never reads them) and warpgroup 0
-    stores the whole tiles once both have (``kv_done``, count 2)."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
-        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
-    dtype: gl.constexpr = q_desc.dtype
-    KEYS: gl.constexpr = BLOCK_N // 2
-    # dS^T tiles of KEYS x BLOCK_M bf16 in the bf16 view of the staging tiles: this
-    # warpgroup's is the first of its own staging tile.
-    DS_PER_TILE: gl.constexpr = ds_smem.shape[0] // 2
-    kv_layout: gl.constexpr = mma_layout(4, KEYS, HEAD_DIM)
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    key0 = n0 + WG * KEYS
-    dq_smem = dq_bufs.index(WG).reshape([BLOCK_M, HEAD_DIM])
-    ds_wg = ds_smem.index(WG * DS_PER_TILE)
-    mbarrier.wait(kv_ready, 0)
-    if SPARSE:
-        step = n0 * 0
-        for g in range(GROUP):
-            lrow, n_full, n_head = _mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
-                                              stride_cb, stride_ch, stride_ib, stride_ih,
-                                              stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
-            for j in range(n_head):
-                m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
-                                                    PartialTileIds, PartialTiles, lrow, n_full,
-                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
-                # This warpgroup's rows of the step's keys x queries tile.
-                zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [step],
-                                                 dtype=gl.int32, is_pure=False, pack=1)
-                k_smem = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
-                v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
-                dk, dv = _mma_wg_step(dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                                      delta_bufs, dq_smem, ds_wg, ready, empty,
-                                      dq_full.index(WG), dq_empty.index(WG), step, m0, key0,
-                                      N_KV, causal_offset, qk_scale, sm_scale, partial,
-                                      tile_base + WG * KEYS * MASK_BLOCK_Q, False, HEAD_DIM,
-                                      BLOCK_M, KEYS, STAGES, True, MASK_BLOCK_Q, DEBUG)
-                step += 1
-    else:
-        for t in range(n_steps):
-            h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
-            # K's and V's descriptors rebuilt each step, as _mma_step's (an index LLVM
-            # cannot see is 0).
-            zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32,
-                                             is_pure=False, pack=1)
-            k_smem = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
-            v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS)
-            dk, dv = _mma_wg_step(dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                                  delta_bufs, dq_smem, ds_wg, ready, empty, dq_full.index(WG),
-                                  dq_empty.index(WG), t, m0, key0, N_KV, causal_offset,
-                                  qk_scale, sm_scale, m0 < full_row, None, CAUSAL, HEAD_DIM,
-                                  BLOCK_M, KEYS, STAGES, False, MASK_BLOCK_Q, DEBUG)
-
-    # dK and dV over this warpgroup's rows of K's and V's buffers (its GEMMs, the only ones
-    # reading those rows, have completed), then one TMA store of each whole tile.
-    k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS).store(dk.to(dtype))
-    v_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * KEYS, KEYS).store(dv.to(dtype))
-    fence_async_shared()
-    warps_barrier()
-    mbarrier.arrive(kv_done)
-    if WG == 0:
-        mbarrier.wait(kv_done, 0)
-        tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
-        tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
-        tma.store_wait(0)
-
-
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "H_KV", "GROUP",
                               "n_kv_tiles", "n_q_tiles", "stride_cb", "stride_ch",
@@ -779,13 +562,12 @@ def _gluon_bwd_ws_kernel(
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, SPARSE: gl.constexpr = False,
     MASK_BLOCK_Q: gl.constexpr = 128, MASK_BLOCK_KV: gl.constexpr = 128,
-    DEBUG: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False,
-    DETERMINISTIC: gl.constexpr = False,
+    DEBUG: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
 ):
     # Program -> (KV tile, batch, kv head), as bwd_kernel's (``_program_walk``).
-    # The ordered dQ needs the KV tiles of a query tile to be 0 .. k and one reduce per step:
-    # neither a block mask's walk nor the split dQ gives that (gluon_bwd refuses both).
-    gl.static_assert(not (DETERMINISTIC and (SPARSE or DQ_SPLIT)))
+    # The ordered dQ needs the KV tiles of a query tile to be 0 .. k: a block mask's walk does
+    # not give that (gluon_bwd refuses it).
+    gl.static_assert(not (DETERMINISTIC and SPARSE))
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -795,122 +577,56 @@ def _gluon_bwd_ws_kernel(
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    if DQ_SPLIT:
-        # A staging tile per MMA warpgroup for its dQ partial (the reduce's box, as below);
-        # its dS^T (KEYS x BLOCK_M, bf16) lies in the first bytes of the same tile, which
-        # saves the separate dS^T tile and lets a ring of three fit at d128
-        # (``shared_memory_estimate``): the bf16 view below, DS_PER_TILE of its tiles per
-        # staging tile.
-        KEYS: gl.constexpr = BLOCK_N // 2
-        DS_PER_TILE: gl.constexpr = (BLOCK_M * HEAD_DIM * 4) // (KEYS * BLOCK_M * 2)
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
-                                            dq_desc.layout)
-        ds_smem = _smem_view(dq_bufs, dtype, [2 * DS_PER_TILE, KEYS, BLOCK_M],
-                             gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                  element_bitwidth=16, rank=2))
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_ready, count=1)
-        # A ring slot is free once both warpgroups are done with it; each warpgroup's
-        # staging tile has barriers of its own; dK/dV are stored once both halves are in.
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(dq_full.index(i), count=1)
-            mbarrier.init(dq_empty.index(i), count=1)
-        mbarrier.init(kv_done, count=2)
-        fence_async_shared()
+    # dQ staging tiles in the TMA reduce's box and layout (rank 3: (1, BLOCK_M, D) of the
+    # (B H_q, N_q, D) accumulator; 128-byte swizzle, which also spreads the accumulator's
+    # stores over the banks, as bwd_kernel's staging tile).
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape,
+                                        dq_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                             element_bitwidth=16, rank=2))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    # One arrival per partition: an arrive in a partition of several warps is one thread's,
+    # after a barrier of the partition.
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(DQ_BUFFERS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    fence_async_shared()
 
-        # Warpgroup 0 is the kernel's own 4 warps, warpgroup 1 a 4-warp worker at the same
-        # MMA_REGS (Triton gives the default partition what the workers leave of maxnreg:
-        # (3 x 168 - 240 - 24) = 240); the load and dQ warps as without the split.
-        gl.warp_specialize([
-            (_mma_wg_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-              k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
-              ready, empty, dq_full, dq_empty, kv_done, N_Q, N_KV, causal_offset, H_Q, H_KV,
-              GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
-              PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb,
-              stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-              CAUSAL, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, 0)),
-            (_mma_wg_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-              k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
-              ready, empty, dq_full, dq_empty, kv_done, N_Q, N_KV, causal_offset, H_Q, H_KV,
-              GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
-              PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb,
-              stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-              CAUSAL, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, 1)),
-            (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-              k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
-              ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-              n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
-              PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1, SPARSE,
-              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
-            (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-              k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
-              ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-              n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
-              PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1, SPARSE,
-              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, False)),
-        ],
-                           [4, 1, 1], [MMA_REGS_JIT, LOAD_REGS, LOAD_REGS])
-    else:
-        # dQ staging tiles in the TMA reduce's box and layout (rank 3: (1, BLOCK_M, D) of the
-        # (B H_q, N_q, D) accumulator; 128-byte swizzle, which also spreads the accumulator's
-        # stores over the banks, as bwd_kernel's staging tile).
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape,
-                                            dq_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                                 element_bitwidth=16, rank=2))
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_ready, count=1)
-        # One arrival per partition: an arrive in a partition of several warps is one thread's,
-        # after a barrier of the partition.
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(DQ_BUFFERS):
-            mbarrier.init(dq_full.index(i), count=1)
-            mbarrier.init(dq_empty.index(i), count=1)
-        fence_async_shared()
-
-        # Every partition takes the same arguments, written out three times: a tuple assigned
-        # to a name would turn the constexprs in it into tensors.
-        gl.warp_specialize([
-            (_mma_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-              k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
-              ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-              n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
-              PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
-            (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-              k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
-              ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-              n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
-              PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
-            (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-              k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
-              ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
-              n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
-              PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC)),
-        ],
-                           [1, 1], [LOAD_REGS, LOAD_REGS])
+    # Every partition takes the same arguments, written out three times: a tuple assigned
+    # to a name would turn the constexprs in it into tensors.
+    gl.warp_specialize([
+        (_mma_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+          k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
+          ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+          PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+          stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+          k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
+          ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+          PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+          stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
+        (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+          k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
+          ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
+          n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
+          PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+          stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC)),
+    ],
+                       [1, 1], [LOAD_REGS, LOAD_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -940,9 +656,6 @@ class WsLaunchPlan(LaunchPlan):
             STAGES=int(config["stages"]), CAUSAL=causal_mode != "none",
             DQ_BUFFERS=int(config.get("dq_buffers", 1)), LOAD_REGS=LOAD_REGS,
             num_warps=MMA_WARPS, maxnreg=MAX_REGS)
-        if config.get("dq_per_warpgroup"):
-            # Each MMA warpgroup a partition of its own: the kernel's warps are warpgroup 0.
-            self.options.update(DQ_SPLIT=True, num_warps=MMA_WARPS // 2)
         # dQ added in KV-tile order: one int32 counter per (batch, query head, query tile).
         self.deterministic = bool(config.get("deterministic"))
         if self.deterministic:

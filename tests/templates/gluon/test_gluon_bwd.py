@@ -99,7 +99,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
         GluonBwdConfig(stages=1)  # spilled at d128: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False
@@ -112,13 +112,12 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
     d128 = Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
     # Two dQ staging tiles fit beside a ring of three at d64, not at d128 (242 KiB there).
-    # Then the dQ partial per warpgroup (its staging tiles hold dS^T: 226 KiB at d128).
-    def shapes(problem: Problem) -> list[tuple[int, int, bool]]:
-        return [(c.stages, c.dq_buffers, c.dq_per_warpgroup)
+    def shapes(problem: Problem) -> list[tuple[int, int]]:
+        return [(c.stages, c.dq_buffers)
                 for c in TEMPLATE.warp_specialized_configs(problem, H100)]
 
-    assert shapes(d64) == [(3, 2, False), (3, 1, False), (3, 1, True)]
-    assert shapes(d128) == [(3, 1, False), (3, 1, True)]
+    assert shapes(d64) == [(3, 2), (3, 1)]
+    assert shapes(d128) == [(3, 1)]
     for problem in (d64, d128):
         for cfg in TEMPLATE.warp_specialized_configs(problem, H100):
             assert cfg.warp_specialize and TEMPLATE.constraint(problem, cfg, H100) is None
@@ -211,45 +210,6 @@ def test_input_errors_name_the_argument() -> None:
 
 
 @needs_gluon
-def test_dq_per_warpgroup_is_offered_but_never_chosen() -> None:
-    d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
-    d128 = Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
-    split = GluonBwdConfig(warp_specialize=True, dq_per_warpgroup=True)
-    for problem in (d64, d128):
-        assert TEMPLATE.constraint(problem, split, H100) is None
-        # Unverified on a GPU: neither the default nor a runner-up a sweep measures first.
-        assert not TEMPLATE.default_config(problem, H100).dq_per_warpgroup
-        assert not any(getattr(c, "dq_per_warpgroup", False)
-                       for c in TEMPLATE.known_good_configs(problem, H100))
-    # Two fp32 partials of 64 x 128 with dS^T inside them, a ring of three: 226 KiB at d128,
-    # within the 227 KiB of a Hopper program; a program with less is refused by name.
-    assert shared_memory_estimate(d128, split) == 231424
-    small = dataclasses.replace(H100, smem_per_block=200 * 1024)
-    reason = TEMPLATE.constraint(d128, split, small)
-    assert reason is not None and "dQ partial per warpgroup" in reason
-    # Refused without warp specialization, with two staging tiles, with a ring of two.
-    reason = TEMPLATE.constraint(d64, GluonBwdConfig(dq_per_warpgroup=True), H100)
-    assert reason is not None and "dq_per_warpgroup needs warp_specialize" in reason
-    reason = TEMPLATE.constraint(d64, dataclasses.replace(split, dq_buffers=2), H100)
-    assert reason is not None and "dq_buffers 2 is not offered" in reason
-    reason = TEMPLATE.constraint(d64, dataclasses.replace(split, stages=2), H100)
-    assert reason is not None and "2 stages" in reason
-    # Its launch: the kernel's 4 warps are MMA warpgroup 0 (a 4-warp worker is the other).
-    from templates.gluon import bwd_ws_kernel
-
-    launches = TEMPLATE.kernel_launches(d128, split)
-    assert launches is not None
-    main, _, _, options = launches[1]
-    assert main is bwd_ws_kernel._gluon_bwd_ws_kernel
-    assert options["DQ_SPLIT"] is True and options["num_warps"] == 4
-    assert options["maxnreg"] == 168 and options["DQ_BUFFERS"] == 1
-    launches = TEMPLATE.kernel_launches(d128, GluonBwdConfig(warp_specialize=True))
-    assert launches is not None
-    ws_options = launches[1][3]
-    assert "DQ_SPLIT" not in ws_options and ws_options["num_warps"] == 8
-
-
-@needs_gluon
 def test_default_configs_are_unchanged_by_the_deterministic_knob() -> None:
     """The knob is off by default; the defaults and the runners-up a sweep measures first
     are the measured ones (warp-specialized, one dQ tile; at d64 two next), none ordered."""
@@ -281,8 +241,6 @@ def test_deterministic_is_offered_and_refused_where_the_order_is_not_defined() -
     # Each refusal says why in one sentence.
     reason = TEMPLATE.constraint(d64, GluonBwdConfig(deterministic=True), H100)
     assert reason is not None and "deterministic needs warp_specialize" in reason
-    reason = TEMPLATE.constraint(d64, dataclasses.replace(det, dq_per_warpgroup=True), H100)
-    assert reason is not None and "dq_per_warpgroup" in reason and "deterministic" in reason
     block = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
     masked = Problem(1, 2, 2, 1024, 1024, 64, "bfloat16", "none", mask="sliding:256")
     for reason in (TEMPLATE.constraint(masked, det, H100),
@@ -390,9 +348,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
            "warp_specialize": True, "dq_buffers": 1},
     "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 2},  # d64 only (shared memory)
-    # Each MMA warpgroup its own dQ partial over its own keys (no barrier between them).
-    "ws_dqwg": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                "warp_specialize": True, "dq_buffers": 1, "dq_per_warpgroup": True},
     # dQ added in KV-tile order (a counter per query tile): dq bitwise repeatable too.
     "ws_det": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 1, "deterministic": True},
