@@ -12,7 +12,7 @@ with the float64/float32 autograd reference (flash_bwd's), max errors printed.
 Variants (``VARIANTS``): ``default``, ``eager_dq``, and the warp-specialized kernel ``ws`` (one
 dQ staging tile) and ``ws_dq2`` (two; d64 only; a ring of two stages, which would leave room
 for two at d128, crashed on the H200: refused by the template),
-``ws_det`` (``ws`` with dQ added in KV-tile order, ``deterministic``: not run yet; ``--check``
+``ws_det`` (``ws`` with dQ added in KV-tile order, ``deterministic``; ``--check``
 runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
