@@ -104,3 +104,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device() -> str:
     """Torch device for kernel tests: cuda on a GPU host, cpu (interpreter) otherwise."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+def cuda_context_lost() -> bool:
+    """Whether this process's CUDA context is poisoned (an illegal address, a device-side
+    assert): every later CUDA call in it fails, whatever the test."""
+    if not (HAS_CUDA and torch.cuda.is_initialized()):
+        return False
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:  # torch.AcceleratorError is one
+        return True
+    return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """After a test that left the CUDA context poisoned, stop this process instead of failing
+    every test after it with the same error (one GPU run once showed 159 such failures for
+    two real ones). Its own report is already out. Under pytest-xdist the worker exits and a
+    fresh one runs the rest; alone, pytest stops with a message naming the test."""
+    yield
+    if not cuda_context_lost():
+        return
+    message = (f"{item.nodeid} left the CUDA context poisoned (an illegal address or a "
+               f"device-side assert): later tests in this process could only fail")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import sys
+
+        print(message, file=sys.stderr, flush=True)
+        os._exit(70)
+    pytest.exit(message, returncode=1)
