@@ -13,6 +13,7 @@ when forced; the mask travels through both ops as tensors (``mask_args``), as fl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -39,6 +40,11 @@ __all__ = ["GluonTrain"]
 TRAINING_TEMPLATE = "gluon_train"
 # The backward kernel a block mask runs (gluon_bwd's default for a mask is one of these).
 MASKED_BACKWARD = GluonBwdConfig(warp_specialize=True)
+# The backward under torch.use_deterministic_algorithms: the warp-specialized kernel with dQ
+# added in KV-tile order (bitwise repeatable; on the H200 as fast as without it on dense
+# calls, about half as fast on causal ones, benchmarks/results/gluon_bwd_h200_ws_det_dqwg.json).
+REPEATABLE_BACKWARD = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2,
+                                     warp_specialize=True, deterministic=True)
 
 
 class GluonTrain(Implementation):
@@ -48,12 +54,18 @@ class GluonTrain(Implementation):
     description = ("for a gradient on Hopper, our kernels both ways: the Gluon forward and the "
                    "Gluon backward fed its o and logsumexp (gluon_train), block masks "
                    "included; inference is gluon's")
-    deterministic_backward = False  # dQ by fp32 atomics in any order
+    # Its tuned backwards add dQ in no fixed order; under torch.use_deterministic_algorithms
+    # it runs REPEATABLE_BACKWARD instead, where that is priced right (``serves``).
+    deterministic_backward = True
     runs_masks = True
 
     def serves(self, call: Call) -> str | None:
         if not call.needs_grad:
             return "it serves calls that need a gradient (inference is the gluon implementation's)"
+        if torch.are_deterministic_algorithms_enabled():
+            reason = repeatable_refusal(call)
+            if reason:
+                return reason
         return GLUON.serves(call)
 
     def mask_refusal(self, block_size: tuple[int, int], needs_grad: bool, choice: Choice
@@ -62,6 +74,20 @@ class GluonTrain(Implementation):
 
 
 GLUON_TRAIN = register_implementation(GluonTrain())
+
+
+def repeatable_refusal(call: Call) -> str | None:
+    """Why a call that needs bitwise-repeatable gradients cannot run here (None if it can):
+    the deterministic backward walks no block mask, and on a causal call its waits halve its
+    speed, which the stored measurements (of the tuned backward) would not price."""
+    if call.problem.mask != "none":
+        return ("under torch.use_deterministic_algorithms its backward adds dQ in a fixed "
+                "order, which it does not do under a block mask")
+    if call.problem.causal != "none":
+        return ("under torch.use_deterministic_algorithms its backward adds dQ in a fixed "
+                "order, about half as fast on causal calls as the backward its measurements "
+                "priced: not offered there")
+    return get_template("gluon_bwd").constraint(call.problem, REPEATABLE_BACKWARD, call.device)
 
 
 def masked_training_refusal(block_size: tuple[int, int], config: KernelConfig) -> str | None:
@@ -162,15 +188,18 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          mask_geometry: list[int] | None = None,
                          mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) by the Gluon backward (its template's default config) from the forward's
-    o and lse, under the forward's block mask (if any), laid out as ``torch.empty_like`` of
+    """(dq, dk, dv) by the Gluon backward (its template's default config; under
+    torch.use_deterministic_algorithms ``REPEATABLE_BACKWARD``) from the forward's o and lse, under the forward's block mask (if any), laid out as ``torch.empty_like`` of
     q, k, v."""
     mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
                                partial_tile_ids, partial_tiles, mask_geometry, mask_pattern,
                                attn_mask)
     # Looked up on the module at each call (tests stand in for it).
     if mask is None:
-        return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale)
+        kernel = gluon_attention_bwd
+        if torch.are_deterministic_algorithms_enabled():
+            kernel = functools.partial(gluon_attention_bwd, config=REPEATABLE_BACKWARD)
+        return backward_of(kernel, grad_o, q, k, v, o, lse, is_causal, scale)
     q4, kv4 = shapes_4d(q, k)
     grads = gluon_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
                                 v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
