@@ -93,3 +93,20 @@ def test_while_recording_every_call_is_priced(counted: dict[str, int], tmp_path:
         step(mask)
         step(mask)
     assert counted["choose_masked"] == 2
+
+
+def test_a_masked_inference_call_works_out_its_configs_once(counted: dict[str, int]) -> None:
+    """Without a gradient (the masked forward of prefill and of tuner.varlen_attention)."""
+    mask = pattern_mask("sliding_causal:64", N, N, "cpu")
+    q, k, v = (torch.randn(1, 2, N, 16) for _ in range(3))
+    with tuner.use_implementation("flash"):
+        for _ in range(3):
+            tuner.attention(q, k, v, block_mask=mask)
+        assert counted == {"choose_masked": 1, "configs": 1}
+        tuner.attention(q[:, :, :128], k[:, :, :128], v[:, :, :128],
+                        block_mask=pattern_mask("sliding_causal:64", 128, 128, "cpu"))
+        assert counted == {"choose_masked": 2, "configs": 2}  # another shape: its own
+    attention_module.clear_plans()  # a new sweep
+    with tuner.use_implementation("flash"):
+        tuner.attention(q, k, v, block_mask=mask)
+    assert counted == {"choose_masked": 3, "configs": 3}
