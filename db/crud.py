@@ -200,7 +200,8 @@ def record_trial(s: Session, *, device_id: int, template_id: int, problem_key: s
                  tflops: float | None = None, compile_s: float | None = None,
                  error: float | None = None, is_default: bool = False,
                  sweep_id: int | None = None, optuna_study: str | None = None,
-                 optuna_trial: int | None = None, worker: str = "") -> Trial:
+                 optuna_trial: int | None = None, worker: str = "",
+                 phases: dict[str, Any] | None = None) -> Trial:
     """Store one trial, or return the row already stored for the same identity.
 
     The identity is (device, template version, problem_key, config_key). A config is measured
@@ -219,7 +220,7 @@ def record_trial(s: Session, *, device_id: int, template_id: int, problem_key: s
         "reason": reason, "median_ms": median_ms, "tflops": tflops, "compile_s": compile_s,
         "error": error, "is_default": is_default, "sweep_id": sweep_id,
         "optuna_study": optuna_study, "optuna_trial": optuna_trial, "worker": worker,
-        "created_at": utcnow(),
+        "phases": phases, "created_at": utcnow(),
     }
     _insert_if_absent(s, Trial, values,
                       ("device_id", "template_id", "problem_key", "config_key"))
@@ -273,7 +274,7 @@ def insert_new_trials(s: Session, *, rows: Sequence[Mapping[str, Any]]
                              f"{missing} are missing (got {sorted(row)})")
         values.append({**{f: row[f] for f in _NEW_TRIAL_FIELDS},
                        "status": TrialStatus(row["status"]), "reason": row.get("reason", ""),
-                       "created_at": now})
+                       "phases": row.get("phases"), "created_at": now})
     stmt = (dialect_insert(s, Trial)
             .on_conflict_do_nothing(index_elements=["device_id", "template_id", "problem_key",
                                                     "config_key"])
@@ -306,7 +307,8 @@ def trial_counts(s: Session, *, sweep_id: int | None = None) -> dict[str, int]:
 def record_remeasurement(s: Session, *, trial_id: int, status: TrialStatus, reason: str = "",
                          median_ms: float | None = None, tflops: float | None = None,
                          error: float | None = None, sweep_id: int | None = None,
-                         worker: str = "") -> Remeasurement:
+                         worker: str = "", phases: dict[str, Any] | None = None
+                         ) -> Remeasurement:
     """Store one more measurement of a trial's config (a finalist's, ``db.finalists``).
 
     Unlike trials, every call adds a row: two workers that re-measure one finalist at once
@@ -314,7 +316,7 @@ def record_remeasurement(s: Session, *, trial_id: int, status: TrialStatus, reas
     """
     row = Remeasurement(trial_id=trial_id, status=TrialStatus(status), reason=reason,
                         median_ms=median_ms, tflops=tflops, error=error, sweep_id=sweep_id,
-                        worker=worker, created_at=utcnow())
+                        worker=worker, phases=phases, created_at=utcnow())
     s.add(row)
     s.flush()
     return row
@@ -322,12 +324,12 @@ def record_remeasurement(s: Session, *, trial_id: int, status: TrialStatus, reas
 
 def insert_remeasurements(s: Session, *, rows: Sequence[Mapping[str, Any]]) -> int:
     """``record_remeasurement`` for many rows at once (one multi-row INSERT); returns how many.
-    Each row gives trial_id and status, and any of reason, median_ms, tflops, error, sweep_id
-    and worker."""
+    Each row gives trial_id and status, and any of reason, median_ms, tflops, error, sweep_id,
+    worker and phases."""
     if not rows:
         return 0
     now = utcnow()
-    fields = ("reason", "median_ms", "tflops", "error", "sweep_id", "worker")
+    fields = ("reason", "median_ms", "tflops", "error", "sweep_id", "worker", "phases")
     defaults: dict[str, Any] = {"reason": "", "worker": ""}
     values = [{"trial_id": row["trial_id"], "status": TrialStatus(row["status"]),
                "created_at": now, **{f: row.get(f, defaults.get(f)) for f in fields}}

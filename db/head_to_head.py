@@ -57,10 +57,11 @@ def record_head_to_head_reading(s: Session, *, head_to_head_id: int, trial_id: i
                                 round: int, position: int, status: TrialStatus,
                                 reason: str = "", median_ms: float | None = None,
                                 tflops: float | None = None,
-                                error: float | None = None) -> None:
+                                error: float | None = None,
+                                phases: dict[str, Any] | None = None) -> None:
     s.add(HeadToHeadReading(head_to_head_id=head_to_head_id, trial_id=trial_id, round=round,
                             position=position, status=TrialStatus(status), reason=reason,
-                            median_ms=median_ms, tflops=tflops, error=error,
+                            median_ms=median_ms, tflops=tflops, error=error, phases=phases,
                             created_at=utcnow()))
     s.flush()
 

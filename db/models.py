@@ -151,6 +151,9 @@ class Trial(Base):
     compile_s: Mapped[float | None] = mapped_column(Float, default=None)
     error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
     is_default: Mapped[bool] = mapped_column(default=False)
+    # Where the worker's time went (seconds per phase: TrialOutcome.phase_record); NULL for a
+    # config rejected by a constraint, or a row stored before migration 0009.
+    phases: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     optuna_study: Mapped[str | None] = mapped_column(String(500), default=None)
     optuna_trial: Mapped[int | None] = mapped_column(Integer, default=None)
     worker: Mapped[str] = mapped_column(String(200), default="")
@@ -198,6 +201,8 @@ class Reading:
     median_ms: Mapped[float | None] = mapped_column(Float, default=None)
     tflops: Mapped[float | None] = mapped_column(Float, default=None)
     error: Mapped[float | None] = mapped_column(Float, default=None)  # relative error vs reference
+    # Where the worker's time went, as Trial.phases (NULL before migration 0009)
+    phases: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
 
 class Remeasurement(Reading, Base):

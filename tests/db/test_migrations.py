@@ -1,13 +1,14 @@
 """Migrations from an empty database, repeated calls, Optuna's tables beside ours, 0001 -> 0002
 (the remeasurements table), 0002 -> 0003 (remeasurement_claims), 0003 -> 0004
 (devices.cudnn_version), 0004 -> 0005 (snapshots), 0005 -> 0006 (the demand queue), 0006 ->
-0007 (head-to-head sessions) and 0007 -> 0008 (the best_changes counter) up and down with data
-in place."""
+0007 (head-to-head sessions), 0007 -> 0008 (the best_changes counter) and 0008 -> 0009 (the
+phases of each measurement) up and down with data in place."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
 import optuna
 import pytest
@@ -31,7 +32,7 @@ from db.session import dispose_engine, init_db, make_engine, session_scope
 OUR_TABLES = {"devices", "templates", "sweeps", "tuning_trials", "best_configs",
               "remeasurements", "remeasurement_claims", "snapshots", "demand",
               "head_to_heads", "head_to_head_readings", "best_changes"}
-HEAD = "0008"
+HEAD = "0009"
 
 
 @contextmanager
@@ -128,11 +129,22 @@ def _migrate(engine: sa.Engine, revision: str, *, down: bool = False) -> None:
         (command.downgrade if down else command.upgrade)(alembic_config(connection), revision)
 
 
+def _insert(s: Session, table: str, **values: object) -> int:
+    """One row written with exactly ``values``' columns (those of an older schema, which
+    lacks the model's later ones), dicts as JSON; its id."""
+    columns = [sa.column(name, sa.JSON) if isinstance(value, dict) else sa.column(name)
+               for name, value in values.items()]
+    row = s.execute(sa.insert(sa.table(table, *columns, sa.column("id"))).values(**values)
+                    .returning(sa.column("id")))
+    return int(row.scalar_one())
+
+
 def _one_trial(engine: sa.Engine) -> tuple[int, int, int]:
     """A device, a template and one OK trial, written through the schema as it is; their ids.
 
-    The device row is written with the columns of the first release (the model's later
-    columns, such as cudnn_version, are not in an older schema)."""
+    The device and the trial are written with the columns of the first release (the models'
+    later columns, such as devices.cudnn_version and tuning_trials.phases, are not in an
+    older schema)."""
     with Session(engine) as s, s.begin():
         s.execute(sa.text(
             "INSERT INTO devices (key, name, compute_capability, sm_count, total_memory, "
@@ -140,11 +152,11 @@ def _one_trial(engine: sa.Engine) -> tuple[int, int, int]:
             "('gpu|1', 'gpu', '9.0', 1, 1, '1', '1', '1', '1', CURRENT_TIMESTAMP)"))
         device_id = s.scalar(sa.text("SELECT id FROM devices WHERE key = 'gpu|1'"))
         template = crud.get_or_create_template(s, name="t", version="v", space={})
-        trial = crud.record_trial(s, device_id=device_id, template_id=template.id,
-                                  problem_key="p", problem={"dtype": "float16"},
-                                  config_key="c", config={}, status=TrialStatus.OK,
-                                  median_ms=2.0, tflops=50.0)
-        return device_id, template.id, trial.id
+        trial_id = _insert(s, "tuning_trials", device_id=device_id, template_id=template.id,
+                           problem_key="p", problem={"dtype": "float16"}, config_key="c",
+                           config={}, status="ok", reason="", median_ms=2.0, tflops=50.0,
+                           is_default=False, worker="", created_at=datetime.now(UTC))
+        return device_id, template.id, trial_id
 
 
 def test_0002_adds_remeasurements_to_a_0001_database_and_downgrades_back(db_url: str) -> None:
@@ -186,9 +198,9 @@ def test_0003_adds_remeasurement_claims_to_a_0002_database_and_downgrades_back(
     _migrate(engine, "0002")
     assert "remeasurement_claims" not in sa.inspect(engine).get_table_names()
     trial_id = _one_trial(engine)[2]
-    with Session(engine) as s, s.begin():
-        crud.record_remeasurement(s, trial_id=trial_id, status=TrialStatus.OK, median_ms=2.2,
-                                  tflops=45.0)
+    with Session(engine) as s, s.begin():  # with the columns of 0002
+        _insert(s, "remeasurements", trial_id=trial_id, status="ok", reason="", median_ms=2.2,
+                tflops=45.0, worker="", created_at=datetime.now(UTC))
 
     init_db(db_url)
     with engine.connect() as connection:
@@ -392,3 +404,52 @@ def test_0008_counts_changes_of_what_the_service_caches_and_downgrades_back(
         crud.get_or_create_template(s, name="t", version="v3", space={})
     _migrate(engine, "head")
     assert _changes(engine) == 0
+
+
+def test_0009_adds_the_phases_of_each_measurement_and_downgrades_back(db_url: str) -> None:
+    from db import head_to_head
+
+    tables = ("tuning_trials", "remeasurements", "head_to_head_readings")
+    engine = make_engine(db_url)
+    _migrate(engine, "0008")
+    for table in tables:
+        assert "phases" not in {c["name"] for c in sa.inspect(engine).get_columns(table)}
+    device_id, template_id, old_trial = _one_trial(engine)
+
+    init_db(db_url)
+    with engine.connect() as connection:
+        assert current_revision(connection) == head_revision() == HEAD
+    phases = {"inputs_s": 0.5, "compile_s": 2.0, "reference_s": 4.0, "check_s": 0.1,
+              "bench_s": 0.4, "runner_s": 7.1, "reference_kept": True}
+    with session_scope(db_url) as s:
+        assert crud.find_trial(s, device_id=device_id, template_id=template_id,
+                               problem_key="p", config_key="c").phases is None  # not recorded
+        trial = crud.record_trial(s, device_id=device_id, template_id=template_id,
+                                  problem_key="p", problem={}, config_key="d", config={},
+                                  status=TrialStatus.OK, median_ms=1.0, tflops=9.0,
+                                  phases=phases)
+        again = crud.record_remeasurement(s, trial_id=trial.id, status=TrialStatus.OK,
+                                          median_ms=1.1, tflops=8.0, phases=phases)
+        session = head_to_head.start_head_to_head(s, device_id=device_id, problem={}, rounds=1)
+        head_to_head.record_head_to_head_reading(
+            s, head_to_head_id=session, trial_id=old_trial, round=0, position=0,
+            status=TrialStatus.OK, median_ms=2.0, tflops=50.0, phases=phases)
+        s.flush()
+        assert (trial.phases, again.phases) == (phases, phases)
+    with session_scope(db_url) as s:
+        assert crud.trials_for(s, device_id=device_id, template_id=template_id,
+                               problem_key="p")[1].phases == phases
+
+    _migrate(engine, "0008", down=True)
+    for table in tables:
+        assert "phases" not in {c["name"] for c in sa.inspect(engine).get_columns(table)}
+    with engine.connect() as connection:
+        assert current_revision(connection) == "0008"
+        assert connection.scalars(sa.text(
+            "SELECT median_ms FROM tuning_trials ORDER BY id")).all() == [2.0, 1.0]
+        assert connection.scalar(sa.text("SELECT median_ms FROM remeasurements")) == 1.1
+        assert connection.scalar(sa.text("SELECT median_ms FROM head_to_head_readings")) == 2.0
+    _migrate(engine, "head")
+    with engine.connect() as connection:
+        assert connection.scalar(sa.text(
+            "SELECT count(*) FROM tuning_trials WHERE phases IS NULL")) == 2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import (
@@ -31,6 +31,9 @@ from tuner.cli.common import (
     print_table,
 )
 from tuner.errors import TunerError
+
+if TYPE_CHECKING:
+    from tuner.tuning.runner.outcome import PhaseTotals
 
 __all__ = ["sweep"]
 
@@ -336,7 +339,17 @@ def _remeasured(p: Any) -> str:
     return f"{p.remeasured}, {p.disqualified} out" if p.disqualified else str(p.remeasured)
 
 
+def _where_it_went(phases: PhaseTotals, wall_s: float, count: int, per: str) -> str:
+    """The phases of ``count`` trials, per trial (``PhaseTotals.breakdown``); nothing where
+    their runner told none (a replay)."""
+    if not phases.trials or not phases.runner_s:
+        return ""
+    return f"; {per}: {phases.breakdown(wall_s, count)}"
+
+
 def print_summary(report: Any) -> None:
+    from tuner.tuning.runner.outcome import PhaseTotals  # lazy: db.models, sqlalchemy
+
     templates = {p.template for p in report.problems if not p.skipped}
     table = Table(title=f"sweep {report.sweep_id} ({report.name}): {report.status}, "
                         f"sampler {report.sampler}, {report.workers} worker(s); TFLOP/s")
@@ -346,6 +359,7 @@ def print_summary(report: Any) -> None:
                          else "right", overflow="fold")
     measured = remeasurements = 0
     wall = bench = final = 0.0
+    phases, final_phases = PhaseTotals(), PhaseTotals()
     for p in report.problems:
         label = p.label if len(templates) > 1 else p.label.split(" ", 1)[-1]
         if p.skipped:
@@ -356,6 +370,8 @@ def print_summary(report: Any) -> None:
         wall += p.wall_s
         bench += p.bench_s
         final += p.final_s
+        phases = phases.merged(p.phases)
+        final_phases = final_phases.merged(p.final_phases)
         failed = ", ".join(f"{n} {kind}" for kind, n in sorted(p.failed.items())) or "-"
         table.add_row(label, fmt_tflops(p.best_tflops), fmt_tflops(p.default_tflops),
                       f"{p.speedup:.2f}x" if p.speedup else "-", _remeasured(p), str(p.ok),
@@ -373,10 +389,12 @@ def print_summary(report: Any) -> None:
         console.print(f"{measured} config(s) measured by this sweep in {report.wall_s:.0f} s: "
                       f"{wall / measured:.2f} s per trial of worker time, of which "
                       f"{bench / measured:.2f} s timing the kernel "
-                      f"(compile-ahead processes: {report.compile_ahead})")
+                      f"(compile-ahead processes: {report.compile_ahead})"
+                      + _where_it_went(phases, wall, measured, "per trial"))
     if remeasurements:
         console.print(f"{remeasurements} finalist re-measurement(s) by this sweep: "
-                      f"{final:.0f} s of worker time")
+                      f"{final:.0f} s of worker time"
+                      + _where_it_went(final_phases, final, remeasurements, "each"))
     if report.head_to_heads:
         console.print("head-to-heads: each implementation's best measured side by side at "
                       "the end; these medians price them for the dispatcher")

@@ -9,7 +9,9 @@ problem on this device; at least two implementations must be priced entirely by 
 is nothing to compare and the step is skipped.
 
 How: ``rounds`` rounds, each measuring every candidate once, as a trial is measured (the
-sweep's runner: fresh inputs, the reference check, ``time_gpu``); round r starts at candidate
+sweep's runner: inputs made afresh, the reference check, ``time_gpu``; one seed for the
+session, so that the worker's kept reference of a candidate serves its next readings:
+``tuner.tuning.runner.reference_cache``); round r starts at candidate
 r mod n (``rotation``), so each candidate runs first, and in every place, equally often (a
 cyclic rotation: within a round each still follows the one before it in the list); a fixed
 order slowed whatever ran right after gluon by up to 10% on the H100. Then, while the two
@@ -177,7 +179,8 @@ class HeadToHeadStore:
         run_in_transaction(self.url, lambda s: head_to_head.record_head_to_head_reading(
             s, head_to_head_id=session, trial_id=candidate.trial_id, round=round,
             position=position, status=outcome.status, reason=outcome.reason,
-            median_ms=outcome.median_ms, tflops=outcome.tflops, error=outcome.error))
+            median_ms=outcome.median_ms, tflops=outcome.tflops, error=outcome.error,
+            phases=outcome.phase_record()))
 
     def finish(self, session: int, candidates: Sequence[Candidate], rounds: int) -> None:
         """Mark the session finished after ``rounds`` rounds and refresh its candidates'
@@ -224,7 +227,7 @@ def run_head_to_head(store: HeadToHeadStore, runner: Runner, candidates: Sequenc
     calls = [[tuple(index[name] for name in names) for names in priced]
              for priced in priced_by(problem, list(index), device)]
     session = result.session = store.start(problem, rounds)
-    rng = random.Random(seed)
+    inputs_seed = random.Random(seed).randrange(2**31)  # one for the session
     gflop: dict[int, float] = {}
 
     def measure(r: int, order: Sequence[int]) -> None:
@@ -239,7 +242,7 @@ def run_head_to_head(store: HeadToHeadStore, runner: Runner, candidates: Sequenc
                 template=candidate.template.name,
                 template_module=type(candidate.template).__module__,
                 problem=problem.to_dict(), config=candidate.config,
-                seed=rng.randrange(2**31)), timeout_s)
+                seed=inputs_seed), timeout_s)
             if stop.is_set() and not outcome.ok:
                 return  # the runner was torn down under it: nothing to store (search.loop)
             store.record(session, candidate, r, position, outcome)

@@ -61,7 +61,7 @@ from tuner.tuning.head_to_head import (
 from tuner.tuning.runner.compile_ahead import CompileAhead
 from tuner.tuning.runner.isolated import IsolatedRunner
 from tuner.tuning.runner.measure import describe_exception
-from tuner.tuning.runner.outcome import WorkerRunner
+from tuner.tuning.runner.outcome import PhaseTotals, WorkerRunner
 from tuner.tuning.search.budget import SweepBudget, job_cost
 from tuner.tuning.search.contenders import beaten_templates
 from tuner.tuning.search.loop import (
@@ -300,6 +300,10 @@ class ProblemReport:
     disqualified: int = 0  # of which failed a re-measurement
     remeasurements: int = 0  # re-measurements run by this sweep
     final_s: float = 0.0  # worker seconds they took (not in wall_s)
+    # Where the worker time of the measured configs (of wall_s), and of the re-measurements
+    # (of final_s), went: each phase of a trial (tuner.tuning.runner.outcome.PHASES)
+    phases: PhaseTotals = field(default_factory=PhaseTotals)
+    final_phases: PhaseTotals = field(default_factory=PhaseTotals)
     # The current finalists: config, readings (the first, then the re-measurements), median
     finalists: list[dict[str, Any]] = field(default_factory=list)
     skipped: str | None = None
@@ -696,7 +700,9 @@ def _best_readings(task: Task, store: DbStore) -> list[float]:
 
 def _merged(a: SearchStats, b: SearchStats) -> SearchStats:
     """Two passes of one worker over one problem as one."""
-    out = dataclasses.replace(b, statuses=a.statuses + b.statuses)
+    out = dataclasses.replace(b, statuses=a.statuses + b.statuses,
+                              phases=a.phases.merged(b.phases),
+                              final_phases=a.final_phases.merged(b.final_phases))
     for name in ("measured", "reused", "invalid", "deferred", "asks", "wall_s", "bench_s",
                  "runner_s", "remeasured", "disqualified", "final_s", "measure_s"):
         setattr(out, name, getattr(a, name) + getattr(b, name))
@@ -875,6 +881,8 @@ def _problem_reports(db_url: str, device: dict[str, Any], tasks: list[Task],
             report.bench_s += s.bench_s
             report.remeasurements += s.remeasured
             report.final_s += s.final_s
+            report.phases = report.phases.merged(s.phases)
+            report.final_phases = report.final_phases.merged(s.final_phases)
         if device:
             store = stores.get(name)
             if store is None:

@@ -109,10 +109,17 @@ class IsolatedRunner:
 
     # -- trials -------------------------------------------------------------------------------
     def measure(self, request: TrialRequest, timeout_s: float) -> TrialOutcome:
+        started = time.monotonic()
+        start_s = 0.0  # starting a worker for this trial (the first, or after a crash)
         if not self.alive:
             if self._proc is not None:
                 self.restarts += 1
             self.start()
+            start_s = time.monotonic() - started
+        outcome = self._measure(request, timeout_s)
+        return dataclasses.replace(outcome, start_s=start_s) if start_s else outcome
+
+    def _measure(self, request: TrialRequest, timeout_s: float) -> TrialOutcome:
         assert self._conn is not None and self._proc is not None
         self._log.write_bytes(b"")  # the log of this trial only: the worker appends
         start = time.monotonic()

@@ -14,7 +14,13 @@ from typing import Any, Protocol
 from db.models import TrialStatus
 from tuner.tuning.runner.timing import REP_MS
 
-__all__ = ["Runner", "TrialOutcome", "TrialRequest", "WorkerRunner"]
+__all__ = ["PHASES", "PhaseTotals", "Runner", "TrialOutcome", "TrialRequest", "WorkerRunner"]
+
+# The phases of a trial in the worker, in order (``tuner.tuning.runner.measure``): making the
+# inputs, the first launch (compile or cache load, and one run), the reference, the check of
+# the output against it, the timed runs. What the worker spent beside them (the request,
+# poisoning freed memory, ...) is ``runner_s`` less their sum.
+PHASES = ("inputs_s", "compile_s", "reference_s", "check_s", "bench_s")
 
 
 @dataclass(frozen=True)
@@ -51,13 +57,40 @@ class TrialOutcome:
     compile_s: float | None = None  # the first launch: compile (or cache load) and one run
     error: float | None = None  # relative error against the reference
     bench_s: float = 0.0  # seconds spent timing (do_bench, or the interpreter's runs)
-    runner_s: float = 0.0  # seconds the runner spent on the trial in all
+    runner_s: float = 0.0  # seconds the worker spent on the trial in all
     gpu_timing: bool = False  # False: interpreter wall-clock runs, not GPU timings
     fatal: bool = False  # the runner process cannot go on (CUDA context lost, crash)
+    # The other phases (PHASES), None where the trial did not get that far
+    inputs_s: float | None = None  # make_inputs
+    reference_s: float | None = None  # the reference: computed, or the kept one checked
+    check_s: float | None = None  # template.error of the output against it
+    reference_kept: bool = False  # the reference was the worker's kept one (not computed)
+    start_s: float = 0.0  # seconds spent starting a fresh worker for this trial (the parent)
 
     @property
     def ok(self) -> bool:
         return self.status == TrialStatus.OK
+
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase the trial went through (PHASES; a phase it did not reach
+        is left out; ``bench_s`` only where it timed)."""
+        found = {name: getattr(self, name) for name in PHASES}
+        return {name: float(seconds) for name, seconds in found.items()
+                if seconds is not None and (name != "bench_s" or seconds > 0)}
+
+    def phase_record(self) -> dict[str, Any] | None:
+        """What a stored row keeps of where the trial's time went (its ``phases`` column):
+        the phases, ``runner_s``, ``start_s`` where a worker was started for it, and
+        ``reference_kept``; None for a config that never reached a worker (rejected by a
+        constraint in the search)."""
+        if not self.runner_s and not self.start_s and not self.phases():
+            return None
+        record: dict[str, Any] = {**self.phases(), "runner_s": self.runner_s}
+        if self.start_s:
+            record["start_s"] = self.start_s
+        if self.reference_kept:
+            record["reference_kept"] = True
+        return record
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -71,6 +104,59 @@ class TrialOutcome:
     @classmethod
     def failed(cls, status: TrialStatus, reason: str, **extra: Any) -> TrialOutcome:
         return cls(status=status, reason=reason, **extra)
+
+
+@dataclass
+class PhaseTotals:
+    """Where the worker time of some trials went: each phase (PHASES) summed over them, the
+    worker's whole time on them (``runner_s``), and the seconds spent starting workers."""
+
+    trials: int = 0
+    inputs_s: float = 0.0
+    compile_s: float = 0.0
+    reference_s: float = 0.0
+    check_s: float = 0.0
+    bench_s: float = 0.0
+    runner_s: float = 0.0
+    start_s: float = 0.0
+    references_kept: int = 0  # trials whose reference was the worker's kept one
+
+    def add(self, outcome: TrialOutcome) -> None:
+        self.trials += 1
+        for name, seconds in outcome.phases().items():
+            setattr(self, name, getattr(self, name) + seconds)
+        self.runner_s += outcome.runner_s
+        self.start_s += outcome.start_s
+        self.references_kept += outcome.reference_kept
+
+    def merged(self, other: PhaseTotals) -> PhaseTotals:
+        return PhaseTotals(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                              for f in dataclasses.fields(self)})
+
+    @property
+    def rest_s(self) -> float:
+        """The worker's time beside the phases: reading the request, poisoning freed memory,
+        a failure's clean-up."""
+        return max(0.0, self.runner_s - sum(getattr(self, name) for name in PHASES))
+
+    def breakdown(self, wall_s: float, count: int) -> str:
+        """Per one of ``count`` trials that took ``wall_s`` seconds in all: each phase, the
+        rest of the worker's time, and what was spent outside the worker (starting workers,
+        and the search's own work: the sampler, the database, waiting on compile-ahead)."""
+        if count <= 0:
+            return ""
+        outside = max(0.0, wall_s - self.runner_s - self.start_s)
+        parts = [("inputs", self.inputs_s), ("compile", self.compile_s),
+                 ("reference", self.reference_s), ("check", self.check_s),
+                 ("timing", self.bench_s), ("rest of the worker", self.rest_s)]
+        if self.start_s:
+            parts.append(("starting workers", self.start_s))
+        parts.append(("outside the worker", outside))
+        text = ", ".join(f"{name} {seconds / count:.2f} s" for name, seconds in parts)
+        if self.references_kept:
+            text += (f"; {self.references_kept} of {self.trials} reference(s) kept from an "
+                     "earlier trial")
+        return text
 
 
 class Runner(Protocol):

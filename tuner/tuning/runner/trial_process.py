@@ -7,7 +7,8 @@ sweep: the parent records the failure and starts another.
 
 Protocol over a Pipe: the worker sends ``{"kind": "ready", "device": {...}}`` once, then
 answers each request dict (a TrialRequest) with an outcome dict (a TrialOutcome); ``None``
-or the pipe closing ends it.
+or the pipe closing ends it. Between trials it keeps the last references of the problem at
+hand (``tuner.tuning.runner.reference_cache``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import os
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tuner.tuning.runner.parent_death import die_with_parent
+
+if TYPE_CHECKING:
+    from tuner.tuning.runner.reference_cache import ReferenceCache
 
 __all__ = ["trial_process_main"]
 
@@ -60,8 +64,10 @@ def trial_process_main(conn: Connection, env: dict[str, str], log_path: str | No
     # After os.environ.update(env): torch and triton read CUDA_VISIBLE_DEVICES, TRITON_* at import.
     import templates  # noqa: F401  (registers the built-in templates)
     from templates.device import current_device
+    from tuner.tuning.runner.reference_cache import ReferenceCache
 
     device = current_device()
+    cache = ReferenceCache.for_device(not device.is_interpreter)
     conn.send({"kind": "ready", "device": device.to_dict() | {"key": device.key},
                "pid": os.getpid()})
     while True:
@@ -71,7 +77,7 @@ def trial_process_main(conn: Connection, env: dict[str, str], log_path: str | No
             return
         if message is None:
             return
-        outcome = _answer(message, device)
+        outcome = _answer(message, device, cache)
         try:
             conn.send(outcome)
         except (BrokenPipeError, OSError):
@@ -82,7 +88,8 @@ def trial_process_main(conn: Connection, env: dict[str, str], log_path: str | No
             os._exit(3)
 
 
-def _answer(message: dict[str, Any], device: Any) -> dict[str, Any]:
+def _answer(message: dict[str, Any], device: Any,
+            cache: ReferenceCache | None = None) -> dict[str, Any]:
     # lazy: the kernels are imported once trial_process_main has set the environment (above)
     from db.models import TrialStatus
     from templates.base import Problem
@@ -106,6 +113,6 @@ def _answer(message: dict[str, Any], device: Any) -> dict[str, Any]:
             outcome = TrialOutcome.failed(TrialStatus.INVALID, str(exc))
         else:
             outcome = measure(template, problem, config, device=device, seed=request.seed,
-                              rep_ms=request.rep_ms)
+                              rep_ms=request.rep_ms, cache=cache)
     outcome = dataclasses.replace(outcome, runner_s=time.perf_counter() - start)
     return outcome.to_dict()

@@ -23,9 +23,9 @@ cores while the current one is timed.
 
 Then the finalists (``db.finalists``): the ``finalists`` configs of the problem with the
 fastest first readings (any space, any sweep), and the default config, are measured
-``final_repeats`` times more, each time as a trial (fresh inputs, the reference check), and
-the best is chosen by the median of each finalist's readings: the fastest of many single
-readings is biased to a lucky one. A re-measurement that fails disqualifies its config (the
+``final_repeats`` times more, each time as a trial (inputs made afresh, the reference
+check), and the best is chosen by the median of each finalist's readings: the fastest of many
+single readings is biased to a lucky one. A re-measurement that fails disqualifies its config (the
 reason logged and stored; its first measurement stays) and the next config takes its place.
 Every re-measurement is stored as it finishes, and which finalist still lacks some is read
 from the store before each one: a search resumed after a kill runs only the missing ones, and
@@ -42,6 +42,12 @@ Several workers on one problem measure at most ``budget`` configs in all: a conf
 measured while the results and the configs other workers hold ahead of it (RUNNING trials
 with lower numbers, without results yet) already make up the budget; its trial is released,
 and the worker waits while the configs of others are in flight.
+
+Every trial of a problem, search and finalists, asks for one seed (``inputs_seed``: the
+problem key and ``SearchSettings.seed``, or a salt drawn once per process), so that the
+trial worker computes the problem's reference once and keeps it for the next trials
+(``tuner.tuning.runner.reference_cache``, which also keeps a repeated seed from reading an
+earlier run's output in freed memory).
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from tuner.tuning.runner.compile_ahead import CompileAhead
 from tuner.tuning.runner.measure import describe_exception
-from tuner.tuning.runner.outcome import Runner, TrialOutcome, TrialRequest
+from tuner.tuning.runner.outcome import PhaseTotals, Runner, TrialOutcome, TrialRequest
 from tuner.tuning.search.space import (
     SearchSpace,
     distributions,
@@ -101,6 +107,7 @@ __all__ = [
     "SearchSettings",
     "SearchStats",
     "TrialEvent",
+    "inputs_seed",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,6 +120,16 @@ CLAIM_RENEW_S = 10.0
 # Issue 6: of 4 H100 bests measured once, one re-measured 5.5% slower (1.066 vs 1.011 ms).
 DEFAULT_FINALISTS = 3
 DEFAULT_FINAL_REPEATS = 2
+
+# Salts the inputs' seeds of searches without a seed: drawn once per process, so that the
+# passes of one problem in one sweep (a probe, then its search) share theirs.
+_SEED_SALT = random.SystemRandom().randrange(2**31)
+
+
+def inputs_seed(problem_key: str, seed: int | None) -> int:
+    """The seed of every trial's inputs of a problem: one per problem key and search seed."""
+    salt = _SEED_SALT if seed is None else seed
+    return random.Random(f"{salt}|{problem_key}").randrange(2**31)
 
 
 @dataclass(frozen=True)
@@ -177,6 +194,9 @@ class SearchStats:
     remeasured: int = 0  # re-measurements of finalists this worker ran
     disqualified: int = 0  # of which failed (their configs disqualified)
     final_s: float = 0.0  # seconds spent on them (not in wall_s)
+    # Where the worker time of the measured configs, and of the re-measurements, went
+    phases: PhaseTotals = field(default_factory=PhaseTotals)
+    final_phases: PhaseTotals = field(default_factory=PhaseTotals)
     best: ProblemBest | None = None
     budget_spent: bool = False  # the search ended at its deadline (SearchSettings)
     measure_s: float = 0.0  # wall seconds of this worker's measurements (the sweep's pace)
@@ -228,6 +248,7 @@ class ProblemSearch:
         self.prior = tuple(prior)
         self.on_measure = on_measure or (lambda seconds: None)
         self._rng = random.Random(settings.seed)
+        self._inputs_seed = inputs_seed(self.problem_key, settings.seed)
         # The study's sampler must draw from the same space (make_sampler(..., space)).
         self.space = space or SearchSpace.full(template.config_cls)
         self._dists = distributions(self.space)
@@ -473,6 +494,7 @@ class ProblemSearch:
             self.stats.statuses[outcome.status.value] += 1
             self.stats.bench_s += outcome.bench_s
             self.stats.runner_s += outcome.runner_s
+            self.stats.phases.add(outcome)
             results += 1
         best = self.store.record(TrialRecord(
             problem=self.problem, problem_key=self.problem_key, config=config, outcome=outcome,
@@ -569,6 +591,7 @@ class ProblemSearch:
             self.store.drop_claim(claim)
             return False  # the runner was torn down under it, as in _handle
         self.stats.remeasured += 1
+        self.stats.final_phases.add(outcome)
         if not outcome.ok:
             self.stats.disqualified += 1
             log.warning("%s: finalist %s is disqualified: re-measured, it gave %s (%s); its "
@@ -671,7 +694,7 @@ class ProblemSearch:
         return TrialRequest(template=self.template.name,
                             template_module=type(self.template).__module__,
                             problem=self.problem.to_dict(), config=config.to_dict(),
-                            seed=self._rng.randrange(2**31))
+                            seed=self._inputs_seed)
 
     def _compile_key(self, config: KernelConfig) -> tuple[str, str, str]:
         return (self.template.name, self.problem_key, config.key())

@@ -232,7 +232,7 @@ class DbStore:
                 tflops=outcome.tflops, compile_s=outcome.compile_s, error=outcome.error,
                 is_default=record.is_default, sweep_id=self.sweep_id,
                 optuna_study=record.study, optuna_trial=record.trial_number,
-                worker=self.worker)
+                worker=self.worker, phases=outcome.phase_record())
             row = crud.refresh_best(s, device_id=self.device_id, template_id=self.template_id,
                                     problem_key=record.problem_key)
             return _best(row, _runs_of(s, row))
@@ -262,7 +262,7 @@ class DbStore:
             crud.record_remeasurement(
                 s, trial_id=trial.id, status=outcome.status, reason=outcome.reason,
                 median_ms=outcome.median_ms, tflops=outcome.tflops, error=outcome.error,
-                sweep_id=self.sweep_id, worker=self.worker)
+                sweep_id=self.sweep_id, worker=self.worker, phases=outcome.phase_record())
             if record.claim is not None:
                 crud.drop_remeasurement_claim(s, claim_id=record.claim)
             row = crud.refresh_best(s, device_id=self.device_id, template_id=self.template_id,
