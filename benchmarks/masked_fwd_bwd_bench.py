@@ -19,7 +19,7 @@ with Gluon our Gluon forward (``gluon_attention_fwd(q, k, v, block_mask=...)``, 
 template's default config; ``gluon``: inference, no graph) and our Gluon kernels both ways
 (``gluon-train``: that forward, then the warp-specialized Gluon backward walking the same
 mask, ``gluon_attention_bwd(..., block_mask=...)``, its default config: gluon_train's
-pairing), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
+pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
 the mask, else the efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
 graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
 call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
@@ -74,6 +74,7 @@ from templates.device import current_device, interpreter_active  # noqa: E402
 from templates.flash.autograd import flash_attention  # noqa: E402
 from templates.flash.bwd import TEMPLATE as BWD  # noqa: E402
 from templates.flash.bwd import BwdConfig, block_mask_tile_reason, fit_to_block_mask  # noqa: E402
+from templates.flash.fwd import flash_attention_fwd  # noqa: E402
 from templates.gluon.bwd import gluon_attention_bwd  # noqa: E402
 from templates.gluon.fwd import GLUON_MISSING, gluon_attention_fwd  # noqa: E402
 from templates.masks.block_mask import BlockMask, MaskMod  # noqa: E402
@@ -180,7 +181,7 @@ def dense_mask(mod: MaskMod, seqlen: int, device: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- rows
 @dataclass
 class Measurement:
-    impl: str  # ours, ours-grid, flex, gluon, gluon-train, sdpa-cudnn, sdpa-efficient
+    impl: str  # ours, ours-grid, flex, gluon, gluon-train, flash-gluon, sdpa-cudnn, sdpa-efficient
     step: str  # fwd, fwd+bwd
     status: str  # timed; wrong (failed the check, not timed); error (raised, not timed)
     ms: float | None = None
@@ -310,14 +311,15 @@ def gluon(block_mask: BlockMask) -> Attention:
     return attention
 
 
-class _GluonBothWays(torch.autograd.Function):
-    """The Gluon forward, and for the gradient the Gluon backward under the same block mask
-    (fed the forward's o and lse): gluon_train's pair of kernels."""
+class _ThenGluonBackward(torch.autograd.Function):
+    """``forward_fn`` (the Gluon forward: gluon_train's pair; the Triton one: flash_gluon's),
+    and for the gradient the Gluon backward under the same block mask, fed the forward's o
+    and lse."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                block_mask: BlockMask) -> torch.Tensor:
-        o, lse = gluon_attention_fwd(q, k, v, block_mask=block_mask)
+                block_mask: BlockMask, forward_fn: Callable[..., Any]) -> torch.Tensor:
+        o, lse = forward_fn(q, k, v, block_mask=block_mask)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.block_mask = block_mask
         return o
@@ -326,12 +328,21 @@ class _GluonBothWays(torch.autograd.Function):
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = gluon_attention_bwd(do, q, k, v, o, lse, block_mask=ctx.block_mask)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def gluon_train(block_mask: BlockMask) -> Attention:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _GluonBothWays.apply(q, k, v, block_mask)  # type: ignore[no-any-return]
+        return _ThenGluonBackward.apply(  # type: ignore[no-any-return]
+            q, k, v, block_mask, gluon_attention_fwd)
+
+    return attention
+
+
+def flash_gluon(block_mask: BlockMask) -> Attention:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _ThenGluonBackward.apply(  # type: ignore[no-any-return]
+            q, k, v, block_mask, flash_attention_fwd)
 
     return attention
 
@@ -390,6 +401,7 @@ def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], At
     if gluon_runs(setup):
         built.append(("gluon", partial(gluon, case.block_mask)))
         built.append(("gluon-train", partial(gluon_train, case.block_mask)))
+        built.append(("flash-gluon", partial(flash_gluon, case.block_mask)))
     if setup.baselines:
         from torch.nn.attention import SDPBackend
 
@@ -492,11 +504,12 @@ def print_tables(rows: list[Row]) -> None:
 
         print(f"\n{unit}; ours/flex = flex ms / ours ms; gluon/ours = ours ms / gluon ms; "
               f"best = default or grid backward; glu f+b = gluon-train (Gluon both ways), "
-              f"glu/flex = flex f+b ms / gluon-train f+b ms")
+              f"glu/flex = flex f+b ms / gluon-train f+b ms; f+g = flash-gluon (the Triton "
+              f"forward, the Gluon backward)")
         head = (f"{'row':34} {'vis':>5} {'ours fwd':>9} {'flex fwd':>9} {'ours/flex':>9} "
                 f"{'gluon fwd':>9} {'gluon/ours':>10} "
                 f"{'ours f+b':>9} {'best f+b':>9} {'flex f+b':>9} {'best/flex':>9} "
-                f"{'glu f+b':>9} {'glu/flex':>9} "
+                f"{'glu f+b':>9} {'glu/flex':>9} {'f+g f+b':>9} {'f+g/flex':>9} "
                 f"{'sdpa fwd':>9} {'sdpa f+b':>9}  sdpa backend")
         print(head)
         print("-" * len(head))
@@ -507,12 +520,14 @@ def print_tables(rows: list[Row]) -> None:
                                                                                 "fwd+bwd")
             sdpa_fb = r.timed(sdpa_impls, "fwd+bwd")
             glu_fb = r.timed(("gluon-train",), "fwd+bwd")
+            fg_fb = r.timed(("flash-gluon",), "fwd+bwd")
             print(f"{r.name:34} {r.visible_fraction:5.3f} {cell(ours_fwd):>9} "
                   f"{cell(flex_fwd):>9} {ratio(ours_fwd, flex_fwd):>9} "
                   f"{cell(gluon_fwd):>9} {ratio(gluon_fwd, ours_fwd):>10} "
                   f"{cell(r.timed(('ours',), 'fwd+bwd')):>9} {cell(best):>9} "
                   f"{cell(flex_fb):>9} {ratio(best, flex_fb):>9} "
                   f"{cell(glu_fb):>9} {ratio(glu_fb, flex_fb):>9} "
+                  f"{cell(fg_fb):>9} {ratio(fg_fb, flex_fb):>9} "
                   f"{cell(r.timed(sdpa_impls, 'fwd')):>9} {cell(sdpa_fb):>9}  "
                   f"{sdpa_fb.impl if sdpa_fb else '-'}")
     failed = [(r.name, m) for r in rows for m in r.results if m.status != "timed"]

@@ -24,7 +24,7 @@ def test_the_spec_holds_the_mistral_layer_for_ours_flex_and_gluon() -> None:
     spec = load_spec_file(SPEC)
     assert spec.problems == (MISTRAL,)
     assert set(spec.templates) == {"flash_fwd", "flash_bwd", "torch_flex", "torch_flex_train",
-                                   "gluon_fwd", "gluon_train"}
+                                   "gluon_fwd", "gluon_train", "gluon_bwd"}
     assert sliding_block_mask(8192, 4096, torch.device("cpu")).pattern == MISTRAL.mask
 
 

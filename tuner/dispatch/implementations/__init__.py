@@ -16,6 +16,7 @@ from tuner.dispatch.implementations import (  # noqa: F401
     decode,
     gluon,
     gluon_train,
+    flash_gluon,
     flex,
     eager,
     torch_varlen,

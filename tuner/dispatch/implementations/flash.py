@@ -41,7 +41,7 @@ from tuner.dispatch.implementations.registry import register_implementation
 from tuner.dispatch.plans import Plan, kept_plan
 from tuner.lookup.resolver import Resolved, keep_config, resolve_config
 
-__all__ = ["Flash", "forward_plan", "runs_triton"]
+__all__ = ["Flash", "forward_plan", "mask_fallback_config", "masked_forward", "runs_triton"]
 
 Pair = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

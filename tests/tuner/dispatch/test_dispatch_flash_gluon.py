@@ -1,0 +1,135 @@
+"""``flash_gluon``: a block-mask training call by our Triton forward and the Gluon backward fed
+its o and logsumexp. Priced by flash_fwd + gluon_bwd on the mask's named problem and run only
+where that pair was measured fastest (or forced); dense calls, inference, elementwise masks and
+causal calls on top of a mask are not its own.
+
+The CPU stands in for an H100: the Triton forward runs under the interpreter, the Gluon
+backward is a recorder answering with the reference (its numerics under masks are
+tests/templates/gluon/test_gluon_bwd_mask.py's, on the GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tuner
+import tuner.dispatch.implementations.flash_gluon as flash_gluon_impl
+from templates.attention_reference import attention_reference
+from templates.base import Problem
+from templates.flash.bwd import reference_grads
+from templates.gluon.bwd import GluonBwdConfig
+from templates.masks.mods import pattern_block_mask
+from tests.api.serving_data import H100
+from tests.tuner.dispatch.test_dispatch import measured as measured_on
+from tests.tuner.dispatch.test_dispatch import store
+from tests.tuner.dispatch.test_dispatch_gluon_masks import on_hopper  # noqa: F401  (a fixture)
+from tuner.dispatch.rule import Call, choose
+
+pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
+
+PATTERN = "sliding_causal:100"  # causality inside the mask: the call passes is_causal=False
+N, D = 256, 64
+MASKED = Problem(batch=1, heads_q=4, heads_kv=2, seqlen_q=N, seqlen_kv=N, head_dim=D,
+                 dtype="float16", causal="none", mask=PATTERN)
+# A backward config other than gluon_bwd's default for a mask (one dQ staging tile).
+TUNED_BWD = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
+
+
+def measured(template: str, tflops: float, config: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    return measured_on(template, MASKED, tflops, config, device=H100)
+
+
+def store_pair_fastest(tmp_path: Path) -> None:
+    # Forward FLOPs F: flash_gluon F/300 + 2.5F/400 (0.0096 F) beats flash F/300 + 2.5F/200
+    # (0.016 F), gluon_train 3.5F/300 (0.0117 F) and Flex 3.5F/250 (0.014 F).
+    store(tmp_path, measured("flash_fwd", 300.0), measured("flash_bwd", 200.0),
+          measured("gluon_bwd", 400.0, TUNED_BWD.to_dict()),
+          measured("torch_flex_train", 250.0), measured("gluon_train", 300.0))
+
+
+@pytest.fixture
+def gluon_backward(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The Gluon backward's calls, answered with the reference under the call's mask."""
+    calls: list[dict[str, Any]] = []
+
+    def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, ...]:
+        calls.append({"o": o, "lse": lse, **kw})
+        group = q.shape[1] // k.shape[1]
+        dq, dk, dv = reference_grads(q, k.repeat_interleave(group, 1),
+                                     v.repeat_interleave(group, 1), do, causal="none",
+                                     scale=kw["scale"] or q.shape[-1] ** -0.5,
+                                     mask=kw["block_mask"].to_dense())
+        return (dq.to(q.dtype), dk.unflatten(1, (-1, group)).sum(2).to(q.dtype),
+                dv.unflatten(1, (-1, group)).sum(2).to(q.dtype))
+
+    monkeypatch.setattr(flash_gluon_impl, "gluon_attention_bwd", backward)
+    return calls
+
+
+def leaves() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, N, D, generator=g, dtype=torch.float16).requires_grad_()
+               for heads in (4, 2, 2))
+    return q, k, v, torch.randn(1, 4, N, D, generator=g, dtype=torch.float16)
+
+
+def test_the_pair_measured_fastest_on_the_mask_runs_a_training_call(
+        tmp_path: Path, gluon_backward: list[dict[str, Any]]) -> None:
+    store_pair_fastest(tmp_path)
+    choice = choose(Call(MASKED, True, H100))
+    assert choice.implementation.name == "flash_gluon", choice.why
+    block_mask = pattern_block_mask(PATTERN, N, N)
+    q, k, v, do = leaves()
+    o = tuner.attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    o.backward(do)
+    [call] = gluon_backward
+    assert call["causal"] == "none" and call["block_mask"] is block_mask
+    assert call["config"] == TUNED_BWD  # the measured backward config, not the default
+    dense = block_mask.to_dense()
+    ref_o, ref_lse = attention_reference(q.detach(), k.detach().repeat_interleave(2, 1),
+                                         v.detach().repeat_interleave(2, 1), causal="none",
+                                         scale=D ** -0.5, mask=dense)
+    # The backward was fed the Triton forward's own o and natural-log lse.
+    torch.testing.assert_close(call["o"].float(), ref_o.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(call["lse"].float(), ref_lse.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(o.detach().float(), ref_o.float(), atol=2e-3, rtol=2e-3)
+    ref = reference_grads(q.detach(), k.detach().repeat_interleave(2, 1),
+                          v.detach().repeat_interleave(2, 1), do, causal="none",
+                          scale=D ** -0.5, mask=dense)
+    for t, r, grouped in zip((q, k, v), ref, (False, True, True), strict=True):
+        assert t.grad is not None
+        r = r.unflatten(1, (2, 2)).sum(2) if grouped else r
+        torch.testing.assert_close(t.grad.float(), r.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_unmeasured_it_runs_only_when_forced_with_the_backwards_default(
+        gluon_backward: list[dict[str, Any]]) -> None:
+    assert choose(Call(MASKED, True, H100)).implementation.name != "flash_gluon"
+    q, k, v, do = leaves()
+    with tuner.use_implementation("flash_gluon"):
+        tuner.attention(q, k, v, block_mask=pattern_block_mask(PATTERN, N, N),
+                        enable_gqa=True).backward(do)
+    assert [c["config"] for c in gluon_backward] == [None]  # gluon_bwd's default for a mask
+    unnamed = dataclasses.replace(pattern_block_mask(PATTERN, N, N), pattern=None)
+    q, k, v, do = leaves()
+    with tuner.use_implementation("flash_gluon"):
+        tuner.attention(q, k, v, block_mask=unnamed, enable_gqa=True).backward(do)
+    assert gluon_backward[-1]["block_mask"] is unnamed and gluon_backward[-1]["config"] is None
+
+
+def test_what_is_not_its_own_is_refused_by_name() -> None:
+    impl = flash_gluon_impl.FLASH_GLUON
+    dense = dataclasses.replace(MASKED, mask="none")
+    assert "block-mask" in (impl.why_not(Call(dense, True, H100)) or "")
+    assert "gradient" in (impl.why_not(Call(MASKED, False, H100)) or "")
+    assert impl.why_not(Call(MASKED, True, H100)) is None
+    q, k, v, _ = leaves()
+    with tuner.use_implementation("flash_gluon"), pytest.raises(ValueError, match="causality"):
+        tuner.attention(q, k, v, block_mask=pattern_block_mask(PATTERN, N, N), is_causal=True,
+                        enable_gqa=True)
