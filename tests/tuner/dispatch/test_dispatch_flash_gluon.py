@@ -133,3 +133,14 @@ def test_what_is_not_its_own_is_refused_by_name() -> None:
     with tuner.use_implementation("flash_gluon"), pytest.raises(ValueError, match="causality"):
         tuner.attention(q, k, v, block_mask=pattern_block_mask(PATTERN, N, N), is_causal=True,
                         enable_gqa=True)
+
+
+def test_each_of_the_pair_takes_its_own_measured_config(
+        tmp_path: Path, gluon_backward: list[dict[str, Any]]) -> None:
+    """A sweep that measured the backward alone on the mask's problem still tunes it."""
+    store(tmp_path, measured("gluon_bwd", 400.0, TUNED_BWD.to_dict()))
+    q, k, v, do = leaves()
+    with tuner.use_implementation("flash_gluon"):
+        tuner.attention(q, k, v, block_mask=pattern_block_mask(PATTERN, N, N),
+                        enable_gqa=True).backward(do)
+    assert [c["config"] for c in gluon_backward] == [TUNED_BWD]

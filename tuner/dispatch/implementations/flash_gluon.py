@@ -71,7 +71,7 @@ FLASH_GLUON = register_implementation(FlashGluon())
 
 def op_configs(q: torch.Tensor, k: torch.Tensor, mask: Masked
                ) -> tuple[FwdConfig, GluonBwdConfig | None]:
-    """(forward, backward) configs of a masked training call: both measured on the mask's
+    """(forward, backward) configs of a masked training call: each as measured on the mask's
     named problem, else the Triton forward's dense fallback and the Gluon backward's default
     for the mask (None); the forward fitted to the mask's blocks. Kept per shape and kind of
     mask until the answers expire (worked out per call they cost host time every step)."""
@@ -88,8 +88,9 @@ def op_configs(q: torch.Tensor, k: torch.Tensor, mask: Masked
             resolved = [resolve_config(get_template(name), call.problem, call.device)
                         for name in FLASH_GLUON.training]
             expires_at = min(r.expires_at for r in resolved)
-            if all(r.measured for r in resolved):
-                fwd, bwd = (keep_config(r).config for r in resolved)
+            # Each measured on the mask's problem is taken on its own (a sweep that reached
+            # one template of the pair still tuned it).
+            fwd, bwd = (keep_config(r).config if r.measured else None for r in resolved)
         if fwd is None:
             fwd = mask_fallback_config("flash_fwd", q, k, False)
         assert isinstance(fwd, FwdConfig)
