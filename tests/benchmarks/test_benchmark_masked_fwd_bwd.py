@@ -126,9 +126,9 @@ def test_gluon_where_it_runs_is_checked_and_timed_both_ways(
         bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """On a Hopper GPU with Gluon: its inference forward beside ours, and both Gluon kernels
-    (``gluon-train``: the forward, then the Gluon backward under the same mask), checked,
-    timed, in the table (stood in for by the reference here: Gluon kernels need a Hopper
-    GPU)."""
+    (``gluon-train``: the forward, then the Gluon backward under the same mask), and our
+    Triton forward with the Gluon backward (``flash-gluon``), checked, timed, in the table
+    (the Gluon kernels stood in for by the reference here: they need a Hopper GPU)."""
     assert not bench.gluon_runs(bench.SMOKE)
     forwards: list[tuple[Any, bool]] = []
     backwards: list[Any] = []
@@ -155,14 +155,18 @@ def test_gluon_where_it_runs_is_checked_and_timed_both_ways(
     row = bench.measure_row(setup, 16, 64, "sliding-causal:8")
     assert [(m.impl, m.step, m.status) for m in row.results] == [
         ("ours", "fwd", "timed"), ("ours", "fwd+bwd", "timed"), ("gluon", "fwd", "timed"),
-        ("gluon-train", "fwd", "timed"), ("gluon-train", "fwd+bwd", "timed")]
-    # Checked once each, then timed; every call under the row's mask; no graph in a forward.
-    assert len(forwards) == 3 and len(backwards) == 1
+        ("gluon-train", "fwd", "timed"), ("gluon-train", "fwd+bwd", "timed"),
+        ("flash-gluon", "fwd", "timed"), ("flash-gluon", "fwd+bwd", "timed")]
+    # Checked once each, then timed; every call under the row's mask; no graph in a forward
+    # (flash-gluon's forward is the Triton one: not among the Gluon forwards).
+    assert len(forwards) == 3 and len(backwards) == 2
     assert all(m.block_size == (32, 32) and not graph for m, graph in forwards)
     assert list(row.results[4].errors) == ["o", "dq", "dk", "dv"]
+    assert list(row.results[6].errors) == ["o", "dq", "dk", "dv"]
     bench.print_tables([row])
     table = capsys.readouterr().out
     assert "gluon fwd" in table and "gluon/ours" in table and "glu f+b" in table
+    assert "f+g f+b" in table and "f+g/flex" in table
     assert "1.00x" in table  # gluon/ours: both 2 ms (ours/flex and best/flex: no Flex, "-")
     only = bench.measure_row(setup, 16, 64, "sliding-causal:8",
                              only=frozenset({"gluon-train"}))
