@@ -141,8 +141,8 @@ class Flash(Implementation):
     def masked(self, r: Request, choice: Choice) -> torch.Tensor:
         assert r.mask is not None
         return masked_forward(r.q, r.k, r.v, r.is_causal, r.scale, r.mask,
-                              kept_masked_configs(r.q, r.k, r.is_causal, r.mask, choice,
-                                                  r.softcap), r.softcap)[0]
+                              masked_configs(r.q, r.k, r.is_causal, r.mask, choice, False,
+                                             r.softcap), r.softcap)[0]
 
 
 FLASH = register_implementation(Flash())
@@ -151,39 +151,19 @@ FLASH = register_implementation(Flash())
 def masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
                    choice: Choice | None, needs_grad: bool, softcap: float = 0.0
                    ) -> tuple[FwdConfig, BwdConfig | None]:
-    """The forward (and backward) configs of a masked call: those measured on its mask problem
-    (``choice``'s; in an op, this implementation's own on the mask's pattern), else the dense
-    problem's, fitted to the mask's blocks."""
-    return _masked_configs(q, k, is_causal, mask, choice, needs_grad, softcap)[0]
-
-
-def kept_masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
-                        choice: Choice, softcap: float) -> tuple[FwdConfig, BwdConfig | None]:
-    """``masked_configs`` of an eager masked inference call, kept per shape, kind of mask and
-    the choice's configs until the answers they came from expire: worked out per call, the
-    dense fallback's default (templates' dataclasses) and the resolver cost a few hundred
-    microseconds of host time, which at 16k packed tokens is most of the forward's 0.8 ms
-    (a host-bound forward: 0.83 ms untuned, 0.95 once a database answered the resolver)."""
-    key = ("flash_masked_inference", q.shape, k.shape, q.dtype, q.device, is_causal,
-           mask.pattern, mask.block_size, mask.attn_mask is None, softcap,
-           tuple(r.config for r in choice.resolved))
-    def make() -> Plan:
-        configs, expires_at = _masked_configs(q, k, is_causal, mask, choice, False, softcap)
-        return Plan(None, configs, expires_at)
-
-    return kept_plan(key, make).choice  # type: ignore[return-value]
-
-
-def op_masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
-                      softcap: float) -> tuple[FwdConfig, BwdConfig | None]:
-    """``masked_configs`` of a training op's call (its own, no choice given), kept per shape
-    and kind of mask until the answers they came from expire: working them out again takes
-    a few hundred microseconds of host time per call (templates' dataclasses, the resolver),
-    as long as a masked step's kernels at 4k tokens take on the GPU."""
+    """The forward (and, ``needs_grad``, backward) configs of a masked call: those measured on
+    its mask problem (``choice``'s; in a training op, None: this implementation's own on the
+    mask's pattern), else the dense problem's, fitted to the mask's blocks. Kept per shape,
+    kind of mask and the choice's configs until the answers they came from expire: worked out
+    per call, the dense fallback's default (templates' dataclasses) and the resolver cost a
+    few hundred microseconds of host time, as long as a masked step's kernels at 4k tokens
+    take on the GPU, and most of a 16k packed forward's 0.8 ms."""
     key = ("flash_masked", q.shape, k.shape, q.dtype, q.device, is_causal, mask.pattern,
-           mask.block_size, mask.attn_mask is None, softcap)
+           mask.block_size, mask.attn_mask is None, softcap, needs_grad,
+           None if choice is None else tuple(r.config for r in choice.resolved))
     def make() -> Plan:
-        configs, expires_at = _masked_configs(q, k, is_causal, mask, None, True, softcap)
+        configs, expires_at = _masked_configs(q, k, is_causal, mask, choice, needs_grad,
+                                              softcap)
         return Plan(None, configs, expires_at)
 
     return kept_plan(key, make).choice  # type: ignore[return-value]
@@ -192,7 +172,7 @@ def op_masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: M
 def _masked_configs(q: torch.Tensor, k: torch.Tensor, is_causal: bool, mask: Masked,
                     choice: Choice | None, needs_grad: bool, softcap: float
                     ) -> tuple[tuple[FwdConfig, BwdConfig | None], float]:
-    """``masked_configs`` and when the earliest answer they came from expires."""
+    """``masked_configs`` worked out, and when the earliest answer it came from expires."""
     expires_at = math.inf
     if choice is None and mask.pattern is not None:
         call = call_of(q, k, is_causal, needs_grad, mask=mask.pattern, softcap=softcap)
@@ -290,10 +270,9 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         assert run is not None
         o, lse = cast(tuple[torch.Tensor, torch.Tensor], run(q, k, v))
     else:
-        o, lse = masked_forward(q, k, v, is_causal, scale, mask,
-                                op_masked_configs(q, k, is_causal, mask, softcap), softcap)
+        configs = masked_configs(q, k, is_causal, mask, None, True, softcap)
+        o, lse = masked_forward(q, k, v, is_causal, scale, mask, configs, softcap)
     return in_op_layout(o, q), lse
-
 
 
 def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -313,8 +292,8 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if mask is None:
         config, block_mask, mask4 = _backward_config(q, k, is_causal, softcap), None, None
     else:
-        config = op_masked_configs(q, k, is_causal, mask,  # type: ignore[assignment]
-                                   softcap)[1]
+        config = masked_configs(q, k, is_causal, mask, None, True,  # type: ignore[assignment]
+                                softcap)[1]
         block_mask = mask.block_mask
         mask4 = None if mask.attn_mask is None else mask.attn_mask.reshape(*q4[:-1], k.shape[-2])
     dq, dk, dv = flash_attention_bwd(

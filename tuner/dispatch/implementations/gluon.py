@@ -174,7 +174,6 @@ def _gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     return training_forward(GLUON, TRAINING_TEMPLATE, q, k, v, is_causal, scale, enable_gqa)
 
 
-
 def _cudnn_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                          scale: float | None, enable_gqa: bool

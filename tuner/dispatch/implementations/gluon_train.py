@@ -175,7 +175,6 @@ def _gluon_train_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     return in_op_layout(o, q), lse
 
 
-
 def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                          scale: float | None, enable_gqa: bool,
