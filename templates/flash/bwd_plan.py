@@ -19,13 +19,13 @@ finds its own kernel), so the key need not hold alignment.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from templates.compile.direct_launch import DirectLaunch, current_stream
+from templates.compile.launch_device import LaunchDevice
 from templates.flash import bwd_kernel as kernel
 
 __all__ = ["BackwardPlan", "block_mask_key"]
@@ -137,7 +137,7 @@ class BackwardPlan:
                                     attn_mask=mask_slot, softcap=softcap)
         self.launches = [_Launch(fn, tuple(grid), args, options)
                          for fn, grid, args, options in calls]
-        self._device_guard: bool | None = None
+        self._device = LaunchDevice()
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, block_mask: Any = None,
@@ -156,13 +156,7 @@ class BackwardPlan:
         if block_mask is not None:
             tensors += block_mask.kernel_args()[:_MASK_TENSORS]
             tensors += block_mask.transposed.kernel_args()[:_MASK_TENSORS]
-        if self._device_guard is None:
-            # Triton launches on the current device: make it q's, unless there is only one.
-            self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
-        guard = (torch.cuda.device(q.device)
-                 if self._device_guard and q.device.index != torch.cuda.current_device()
-                 else contextlib.nullcontext())
-        with guard:
+        with self._device.of(q):
             self._launch(q, tensors)
         return (dq.to(q.dtype) if self.atomic else dq), dk, dv
 

@@ -19,13 +19,13 @@ the mask's lists) are all aligned takes the direct launches, any other the JIT's
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
 import torch
 
 from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
+from templates.compile.launch_device import LaunchDevice
 
 __all__ = ["GluonBackwardPlan"]
 
@@ -80,7 +80,7 @@ class GluonBackwardPlan:
         self.main = DirectLaunch(self.main_fn, plan.grid,
                                  *_split_options(self.main_fn, plan.options),
                                  {i: PlannedDescriptor(make) for i, make in enumerate(makers)})
-        self._device_guard: bool | None = None
+        self._device = LaunchDevice()
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, block_mask: Any = None
@@ -99,13 +99,7 @@ class GluonBackwardPlan:
         dq_counters = self.plan.dq_counters(q) if self.warp_specialized else None
         mask_tensors = (block_mask.transposed.kernel_args()[:_MASK_TENSORS] if self.sparse
                         else [lse2] * _MASK_TENSORS)
-        if self._device_guard is None:
-            # Triton launches on the current device: make it q's, unless there is only one.
-            self._device_guard = q.is_cuda and torch.cuda.device_count() > 1
-        guard = (torch.cuda.device(q.device)
-                 if self._device_guard and q.device.index != torch.cuda.current_device()
-                 else contextlib.nullcontext())
-        with guard:
+        with self._device.of(q):
             self._launch(do, q, k, v, o, lse, delta, lse2, dq_accum, dk, dv, mask_tensors,
                          dq_counters)
         return dq_accum.to(q.dtype), dk, dv
