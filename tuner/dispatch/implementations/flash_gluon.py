@@ -25,7 +25,7 @@ from tuner.dispatch.implementations.base import Choice, Implementation
 from tuner.dispatch.implementations.call import Call, call_of, shapes_4d
 from tuner.dispatch.implementations.flash import mask_fallback_config, masked_forward, runs_triton
 from tuner.dispatch.implementations.gluon import GLUON
-from tuner.dispatch.implementations.gluon_train import MASKED_BACKWARD
+from tuner.dispatch.implementations.gluon_train import MASKED_BACKWARD, gluon_backward_mask
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import TrainingOp, grads_fake, grads_like, in_op_layout
 from tuner.dispatch.implementations.registry import register_implementation
@@ -109,13 +109,10 @@ def _masked(full_counts: torch.Tensor | None, full_indices: torch.Tensor | None,
     mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
                                partial_tile_ids, partial_tiles, mask_geometry, mask_pattern,
                                attn_mask)
-    if mask is None or mask.block_mask is None:
-        raise ValueError("flash_gluon runs block masks only (no dense call, no elementwise "
-                         "attn_mask): use flash or gluon_train")
-    if is_causal:
-        raise ValueError("flash_gluon's backward takes a block mask's own causality: pass "
-                         "is_causal=False with a causal mask (e.g. the *_causal patterns)")
-    return mask, mask.block_mask
+    if mask is None:
+        raise ValueError("flash_gluon runs block masks only, not a dense call: use flash or "
+                         "gluon_train")
+    return mask, gluon_backward_mask("flash_gluon", mask, is_causal)
 
 
 def _flash_gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,

@@ -20,6 +20,7 @@ import torch
 from templates.base import KernelConfig
 from templates.gluon import fwd as gluon_fwd
 from templates.gluon.bwd import GluonBwdConfig, block_mask_reason, gluon_attention_bwd
+from templates.masks.block_mask import BlockMask
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation
 from tuner.dispatch.implementations.call import Call, call_of, shapes_4d
@@ -108,12 +109,7 @@ def masked_training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     named problem (measured there, or that problem's default; without a name the dense
     problem's), fitted to the mask's blocks. Refused before anything runs where the backward
     could not follow: an elementwise mask, causal on top of the mask, blocks it cannot walk."""
-    block_mask = mask.block_mask
-    if block_mask is None:
-        raise ValueError("gluon_train runs block masks, not an elementwise attn_mask")
-    if is_causal:
-        raise ValueError("gluon_train's backward takes a block mask's own causality: pass "
-                         "is_causal=False with a causal mask (e.g. the *_causal patterns)")
+    block_mask = gluon_backward_mask("gluon_train", mask, is_causal)
     config = _masked_forward_config(q, k, block_mask.pattern, block_mask.block_size)
     q4, kv4 = shapes_4d(q, k)
     # Looked up on the module at each call (tests stand in for it).
@@ -121,6 +117,18 @@ def masked_training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.reshape(q4), k.reshape(kv4), v.reshape(kv4), causal="none", scale=scale,
         config=config, block_mask=block_mask)
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def gluon_backward_mask(name: str, mask: Masked, is_causal: bool) -> BlockMask:
+    """The block mask the Gluon backward will walk in implementation ``name``'s masked
+    training call, refused before anything runs where it could not: an elementwise mask, or
+    causal on top of the mask (the backward takes the mask's own causality)."""
+    if mask.block_mask is None:
+        raise ValueError(f"{name} runs block masks, not an elementwise attn_mask")
+    if is_causal:
+        raise ValueError(f"{name}'s backward takes a block mask's own causality: pass "
+                         "is_causal=False with a causal mask (e.g. the *_causal patterns)")
+    return mask.block_mask
 
 
 def _masked_forward_config(q: torch.Tensor, k: torch.Tensor, pattern: str | None,
