@@ -3,8 +3,9 @@
 logsumexp, on Hopper.
 
 Why a pair of its own: under some masks the Triton forward is the faster forward and the Gluon
-backward the faster backward (H200, 16k packed causal documents: forward 0.38 ms Triton
-against 0.48 ms Gluon, while the Gluon backward beats both the Triton one and Flex's), so
+backward the faster backward (H200, 2026-11-29, masked_fwd_bwd_bench.py, d128 16k causal
+documents of 1024 tokens: forward 0.38 ms Triton against 0.48 ms Gluon, while the Gluon
+backward beat both the Triton one and Flex's; masked_fwd_bwd_h200_gluon_train.json), so
 neither ``flash`` (Triton both ways) nor ``gluon_train`` (Gluon both ways) is the fastest
 step there. It is priced like ``flash``, by its two templates' measurements on the mask's named
 problem (``flash_fwd`` + ``gluon_bwd``), and runs only where a sweep measured it fastest (or
