@@ -26,6 +26,13 @@ ships for this GPU model, a fresh install starts from that table's choices inste
 (``dispatch_bench.py`` with no ``--db`` times those). Neither sweep reads a shipped table (they
 measure from empty databases), so the time to tuned does not depend on one.
 
+A fastest reading is a minimum over noisy readings, lower the more readings a sweep takes (a
+25 us decode kernel read 25-52 us within one H200 sweep), so a problem can miss the target by
+noise alone. The result therefore also says what ``tuner.attention`` runs with each database
+(``benchmarks/dispatch_choices.py``, per problem for inference and for training calls): where
+the choices agree the job runs the same kernels, and where they differ the test's choice is
+priced by the reference's own measurements.
+
 ``replay`` scores the search strategies as Kernel Tuner's methodology does, on a fixed budget:
 each recorded problem is replayed (``tuner.tuning.replay``: no GPU) with ``--fraction`` (10%) of its
 grid's configs, over ``--seeds`` (5) seeds, by each strategy: ``tpe`` and ``random`` as a
@@ -51,6 +58,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import templates  # noqa: E402, F401  (registers the templates the recordings name)
+from benchmarks.dispatch_choices import compare, print_comparison  # noqa: E402
 from db.session import dispose_engine  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
 from tuner.tuning.replay import (  # noqa: E402
@@ -214,7 +222,8 @@ def run_against_saved_reference(spec: str, budget_s: float, folder: Path,
     fast = timed_sweep(spec, budget_s, f"sqlite:///{folder / 'sweep.db'}", make_runner,
                        **options)
     return {"spec": spec, "budget_s": budget_s, "factor": reference_budget / budget_s,
-            "device": fast.report.device, **analyse(fast, reference)}
+            "device": fast.report.device, **analyse(fast, reference),
+            "choices": compare_choices(folder)}
 
 
 def run_sweeps(spec: str, budget_s: float, folder: Path, *, factor: int = FACTOR,
@@ -226,7 +235,15 @@ def run_sweeps(spec: str, budget_s: float, folder: Path, *, factor: int = FACTOR
     reference = timed_sweep(spec, factor * budget_s, f"sqlite:///{folder / 'reference.db'}",
                             make_runner, **options)
     return {"spec": spec, "budget_s": budget_s, "factor": factor,
-            "device": fast.report.device, **analyse(fast, reference)}
+            "device": fast.report.device, **analyse(fast, reference),
+            "choices": compare_choices(folder)}
+
+
+def compare_choices(folder: Path) -> dict[str, Any]:
+    """What ``tuner.attention`` runs with the sweep under test's database against the
+    reference's (``dispatch_choices.py``): the job's time is the reference's where they agree,
+    whatever the two sweeps' fastest readings say."""
+    return compare(f"sqlite:///{folder / 'sweep.db'}", f"sqlite:///{folder / 'reference.db'}")
 
 
 # ----------------------------------------------------------------------------- replay
@@ -340,6 +357,8 @@ def print_sweep(result: dict[str, Any]) -> None:
             print(f"job attention {name.replace('_', ' ')}: {job[name]['ms']:.3f} ms, "
                   f"{job[name]['speedup_over_sdpa']:.2f}x torch SDPA's {job['sdpa_ms']:.3f} ms "
                   "(the job untuned, with TUNER_SHIPPED=off)")
+    if "choices" in result:
+        print_comparison(result["choices"])
 
 
 def print_replay(result: dict[str, Any]) -> None:

@@ -14,6 +14,8 @@ training row, dq, dk, dv), then timed in ``--rounds`` alternated rounds (median 
 * ``tuner.varlen_attention``: the dispatcher's choice for the documents' mask problem
   (``documents_causal:<L>``) with the database ``--db`` (none: ours);
 * ``ours``: the same, our block-sparse kernels forced; ``ours again``: the noise floor;
+  ``ours (gluon)``: the Gluon forward forced; for the training row instead ``ours (gluon_train)`` (the Gluon forward and backward) and
+  ``ours (flash_gluon)`` (the Triton forward, the Gluon backward), forced;
 * ``flex (our mask)``: the same mask run by compiled Flex (``use_implementation("flex")``);
 * ``flex (document mask_mod)``: compiled ``flex_attention`` with ``create_block_mask`` of a
   document mask_mod, as a FlexAttention user writes it (the mask built once, not timed);
@@ -164,11 +166,20 @@ def flex_document(offsets: list[int], device: str) -> Callable[..., torch.Tensor
     return call
 
 
-def candidates(offsets: list[int], device: str) -> dict[str, Callable[..., torch.Tensor]]:
+def candidates(offsets: list[int], device: str, training: bool = False
+               ) -> dict[str, Callable[..., torch.Tensor]]:
     """The row's candidates: Flex and torch's varlen only on a GPU (Flex has no CPU
-    backward; varlen_attn is a CUDA kernel)."""
+    backward; varlen_attn is a CUDA kernel), and there our Gluon kernels (they do not run on
+    the CPU): the Gluon forward, and for the training row our two implementations with the
+    Gluon backward."""
     out: dict[str, Callable[..., torch.Tensor]] = {"tuner.varlen_attention": varlen_attention,
                                                    "ours": _forced("flash")}
+    if device == "cuda":
+        if training:
+            out["ours (gluon_train)"] = _forced("gluon_train")
+            out["ours (flash_gluon)"] = _forced("flash_gluon")
+        else:
+            out["ours (gluon)"] = _forced("gluon")
     if device == "cuda":
         out["flex (our mask)"] = _forced("flex")
         out["flex (document mask_mod)"] = flex_document(offsets, device)
@@ -222,7 +233,8 @@ def run(args: argparse.Namespace, on_gpu: bool) -> dict[str, Any]:
         torch.manual_seed(0)
         t = inputs_for(lengths, heads, head_dim, dtype, device, training)
         ref = reference(t, training)
-        ms, errors, spread, _ = check_and_time(candidates(offsets, device), t, training, ref,
+        ms, errors, spread, _ = check_and_time(candidates(offsets, device, training), t,
+                                               training, ref,
                                                TOLERANCE[name], bench, max(1, args.rounds))
         row = {"training": training, "ms": ms, "errors": errors, "spread": spread}
         ours = ms.get("tuner.varlen_attention")

@@ -50,15 +50,16 @@ def pattern_problem(pattern: str, seqlen_q: int, seqlen_kv: int) -> str | None:
 
 def documents_pattern(lengths: list[int], *, causal: bool) -> str | None:
     """The pattern that prices packed documents of these lengths (``documents:<L>`` or
-    ``documents_causal:<L>``; None for no tokens): documents of one length L, L the
-    power of two nearest (in log2) to the length of the document an average *token* is in,
-    sum(len^2) / sum(len).
+    ``documents_causal:<L>``; None for no tokens), L the power of two nearest (in log2) to
+    the length of the document an average *token* is in, sum(len^2) / sum(len). The
+    pattern's own mask is mixed documents of that per-token length
+    (``templates.masks.mods.standin_document_lengths``).
 
     That length, not the mean document length, because it keeps the work: a row of
-    documents of lengths l_i visits sum(l_i^2) / N^2 of the scores, which equal documents of
-    that length also do (a 16k row of lengths 200-4000 has a mean of ~1.2k but a per-token
-    length of ~2.7k; equal documents of 1.2k would price a third of its blocks). Rounding
-    to a power of two is the bucket, as sequence lengths are bucketed."""
+    documents of lengths l_i visits sum(l_i^2) / N^2 of the scores (a 16k row of lengths
+    200-4000 has a mean of ~1.2k but a per-token length of ~2.7k; documents of 1.2k would
+    price a third of its blocks). Rounding to a power of two is the bucket, as sequence
+    lengths are bucketed."""
     total = sum(lengths)
     if total == 0:
         return None

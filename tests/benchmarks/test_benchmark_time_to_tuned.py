@@ -118,3 +118,26 @@ def test_the_reference_in_parts_then_the_sweep_under_test_against_it(
     assert row["count"] == 3 and row["reference_ms"] == pytest.approx(0.5, rel=1e-6)
     assert result["within_target"] == 1 and result["time_to_tuned_s"] is not None
     assert (folder / "sweep.db").is_file() and (folder / "reference.db").is_file()
+
+
+def test_the_dispatcher_choices_of_two_sweeps_compared(ttt: ModuleType, tmp_path: Path
+                                                       ) -> None:
+    """The short sweep finds flash twice as fast as SDPA, the reference reads flash 1.2x
+    SDPA's time: the dispatcher runs flash with the first database and SDPA with the second,
+    and flash is priced at 1.2x by the reference's own readings. Training calls (no training
+    template swept) run SDPA with both."""
+    spec = tmp_path / "job.toml"
+    spec.write_text('name = "job"\ntemplates = ["torch_sdpa", "flash_fwd"]\nshapes = [\n'
+                    '  {B = 1, H = 2, N = 32, D = 16, dtype = "float16", count = 2},\n]\n')
+    options = {"seed": 1, "head_to_head_rounds": 0}
+    for name, flash in (("sweep", [0.5]), ("reference", [1.2])):
+        runner = SlowRunner({"torch_sdpa": [1.0], "flash_fwd": flash}, delay_s=0.05)
+        ttt.timed_sweep(str(spec), 4.0, f"sqlite:///{tmp_path / name}.db", runner, **options)
+    out = ttt.compare_choices(tmp_path)
+    rows = {r["kind"]: r for r in out["rows"]}
+    assert set(rows) == {"inference", "training"} and out["same"] == 1
+    assert (rows["inference"]["test"], rows["inference"]["reference"]) == ("flash", "sdpa")
+    assert not rows["inference"]["same"]
+    assert rows["inference"]["test_over_reference"] == pytest.approx(1.2, rel=1e-6)
+    assert rows["training"]["same"] and rows["training"]["test_over_reference"] == 1.0
+    assert out["worst"] == pytest.approx(1.2, rel=1e-6)
