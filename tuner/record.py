@@ -12,7 +12,9 @@ SDPA templates beside ours, so the sweep also measures what the dispatcher compa
 Problems are written by the bucket the sweep tunes (``Problem.bucketed``: one stored config
 serves a bucket), one line each with ``count``, the plans the job made in that bucket: a decode
 loop whose KV length grows makes a plan per step, so its steps of one bucket are one line whose
-count says how often they ran, and a sweep's ``--budget`` spends its time by these counts.
+count says how often they ran, and a sweep's ``--budget`` spends its time by these counts. A
+line whose calls could run only some of the recording's templates names them (``templates``):
+a decode step, never a training call, is not measured by the training templates.
 The file is rewritten whole (atomically) at the end of the ``with`` block, or at exit for
 ``TUNER_RECORD``; an existing file's problems and counts are kept, so several runs of a job add
 up in one spec. The ``[recorded]`` table says what wrote it (template versions); a sweep
@@ -82,6 +84,7 @@ class Recorder:
             problems = sorted(self.problems, key=lambda p: p.key())
             templates = list(self.templates)
             counts = dict(self.counts)
+            names = {p: set(t) for p, t in self.problems.items()}
         lines = [f"# Recorded by {RECORDED_BY}: {self.summary()}.",
                  f"# Tune them with `tuner sweep {self.path.name}` on the GPU that will run the "
                  "job",
@@ -94,6 +97,9 @@ class Recorder:
                       "N_kv": p.seqlen_kv, "D": p.head_dim, "dtype": p.dtype,
                       "causal": p.causal, "mask": p.mask,
                       **({"softcap": p.softcap} if p.softcap else {}), "count": counts[p]}
+            own = [t for t in templates if t in names[p]]
+            if len(own) < len(templates):  # the job's calls of it could run only these
+                fields["templates"] = own
             lines.append("  {" + ", ".join(f"{k} = {_toml(v)}" for k, v in fields.items())
                          + "},")
         lines += ["]", "", "[recorded]", f"by = {_toml(RECORDED_BY)}",
@@ -115,7 +121,8 @@ class Recorder:
 
         spec = load_spec_file(self.path)
         for problem in spec.problems:
-            self.add(problem, spec.templates, spec.counts.get(problem, 1))
+            self.add(problem, spec.problem_templates.get(problem, spec.templates),
+                     spec.counts.get(problem, 1))
 
 
 def _versions(templates: Iterable[str]) -> list[tuple[str, str]]:
@@ -178,5 +185,7 @@ def _toml(value: object) -> str:
         return str(value)
     if isinstance(value, float):  # a softcap: finite (Problem checks it), TOML's own form
         return repr(value)
+    if isinstance(value, list):  # a shape's templates
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'

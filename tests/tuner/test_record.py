@@ -63,6 +63,29 @@ def test_runs_add_up_in_one_spec_and_it_sweeps(tmp_path: Path, device: str) -> N
     assert "torch_sdpa" in out and "flash_fwd" in out
 
 
+def test_a_line_names_the_templates_its_calls_could_run(tmp_path: Path) -> None:
+    """A decode step is never a training call: its line names the templates that serve it,
+    the sweep measures only those there, and a second run adds to them."""
+    path = tmp_path / "job.toml"
+    decode = Problem(1, 4, 2, 1, 4096, 64, "float16")
+    train = Problem(1, 4, 2, 512, 512, 64, "float16", causal="top_left")
+    with tuner.record(path) as recorder:
+        recorder.add(decode, ["torch_sdpa", "flash_decode"])
+        recorder.add(train, ["torch_sdpa_train", "flash_fwd", "flash_bwd", "torch_sdpa"])
+    spec = load_spec_file(path)
+    assert spec.templates == ("torch_sdpa", "flash_decode", "torch_sdpa_train", "flash_fwd",
+                              "flash_bwd")
+    assert spec.problem_templates == {decode: ("torch_sdpa", "flash_decode"),
+                                      train: ("torch_sdpa", "torch_sdpa_train", "flash_fwd",
+                                              "flash_bwd")}
+    with tuner.record(path) as recorder:  # another run: its decode calls of flash_fwd too
+        recorder.add(decode, ["flash_fwd"])
+        recorder.add(train, ["flash_decode"])  # now every template: no list on its line
+    spec = load_spec_file(path)
+    assert spec.problem_templates == {decode: ("torch_sdpa", "flash_decode", "flash_fwd")}
+    assert "templates = [" in path.read_text().splitlines()[6]
+
+
 def test_nothing_recorded_writes_nothing_and_a_missing_folder_is_refused(
         tmp_path: Path) -> None:
     path = tmp_path / "empty.toml"

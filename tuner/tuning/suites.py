@@ -31,7 +31,9 @@ Shape keys: ``B``/``batch``, ``H``, ``H_q``/``heads_q``, ``H_kv``/``heads_kv``, 
 instead of crossing the shape with the spec's lists, ``dtype``, ``causal``, ``mask`` (as in
 ``{B = 1, H = 32, N = 8192, D = 128, dtype = "bfloat16", causal = "top_left"}``; what
 ``tuner.record`` writes, with ``count``: how many plans the job made in the problem's bucket,
-the weight a ``--budget`` sweep gives it). Problems that fall into one
+the weight a ``--budget`` sweep gives it; and ``templates``, the spec's templates that tune that
+shape, where the job's calls of it could run only some: a decode step is never a training
+call, so the training templates are not measured on it). Problems that fall into one
 shape bucket (``Problem.bucketed``) are tuned once: one stored config serves the bucket.
 ``[space]`` applies to every template of the spec (``tuner.tuning.search.space``); its knob names
 and values are checked against each template when the sweep starts.
@@ -118,6 +120,8 @@ class SweepSpec:
     space: SpaceRestriction = field(default_factory=dict)
     # Problem -> how often the job ran it (a recording's ``count``); absent: once.
     counts: Mapping[Problem, int] = field(default_factory=dict)
+    # Problem -> the templates that tune it (a shape's ``templates``); absent: all of them.
+    problem_templates: Mapping[Problem, tuple[str, ...]] = field(default_factory=dict)
     # The [recorded] table of a tuner.record recording (what wrote it; informational), or None.
     recorded: Mapping[str, Any] | None = None
 
@@ -131,6 +135,8 @@ class SweepSpec:
                 "space": {k: v if isinstance(v, str) else list(v)
                           for k, v in self.space.items()},
                 "counts": {p.key(): n for p, n in self.counts.items()},
+                "problem_templates": {p.key(): list(t) for p, t in
+                                      self.problem_templates.items()},
                 **({"recorded": dict(self.recorded)} if self.recorded is not None else {})}
 
     def import_template_modules(self) -> None:
@@ -323,6 +329,8 @@ def _as_list(value: object, key: str, source: str) -> list[Any]:
 SHAPE_OVERRIDES = ("dtype", "causal", "mask", "softcap")
 # How often the job ran the shape's problems (tuner.record's plans per bucket): a weight.
 SHAPE_COUNT = "count"
+# The spec's templates that tune the shape's problems (tuner.record: those its calls could run).
+SHAPE_TEMPLATES = "templates"
 
 
 def _shape_fields(shape: object, index: int, source: str
@@ -344,8 +352,17 @@ def _shape_fields(shape: object, index: int, source: str
                                  "e.g. count = 12, or leave it out (once)")
             overrides[key] = value
             continue
+        if key == SHAPE_TEMPLATES:
+            if (not isinstance(value, list) or not value
+                    or not all(isinstance(t, str) and t for t in value)):
+                raise TunerError(f"{source}: shapes[{index}].templates must be a non-empty list "
+                                 f"of template names, but got {value!r}",
+                                 "e.g. templates = [\"torch_sdpa\", \"flash_decode\"], or leave "
+                                 "it out (every template of the spec)")
+            overrides[key] = tuple(value)
+            continue
         if key not in SHAPE_ALIASES:
-            known = [*SHAPE_ALIASES, *SHAPE_OVERRIDES, SHAPE_COUNT]
+            known = [*SHAPE_ALIASES, *SHAPE_OVERRIDES, SHAPE_COUNT, SHAPE_TEMPLATES]
             raise TunerError(f"{source}: shapes[{index}] has an unknown key "
                              f"{_unknown_keys([str(key)], known)}",
                              f"use the keys {', '.join(known)}")
@@ -463,9 +480,17 @@ def _spec_from_mapping(data: Mapping[str, Any], *, source: str, dtype: str) -> S
     masks = [str(m) for m in _as_list(data.get("masks", ["none"]), "masks", source)]
     problems: list[Problem] = []
     counts: dict[Problem, int] = {}
+    problem_templates: dict[Problem, tuple[str, ...]] = {}
+    unrestricted: set[Problem] = set()  # a shape without templates names one: all of them
     i = 0
     for index, (shape, pinned) in enumerate(shapes):
         try:
+            own = cast(tuple[str, ...], pinned.get(SHAPE_TEMPLATES, ()))
+            foreign = [t for t in own if t not in templates]
+            if foreign:
+                raise TunerError(f"{source}: shapes[{index}].templates names {foreign}, which "
+                                 f"the spec's templates {templates} do not",
+                                 "a shape's templates are some of the spec's: add them there")
             combos = list(itertools.product(
                 [pinned["dtype"]] if "dtype" in pinned else dtypes,
                 [_causal_mode(pinned["causal"], source)] if "causal" in pinned else causal,
@@ -486,6 +511,11 @@ def _spec_from_mapping(data: Mapping[str, Any], *, source: str, dtype: str) -> S
                     problems.append(problem)
                 if SHAPE_COUNT in pinned:
                     counts[problem] = counts.get(problem, 0) + cast(int, pinned[SHAPE_COUNT])
+                if not own:
+                    unrestricted.add(problem)
+                else:  # a problem of several shapes: tuned by any of their templates
+                    known = problem_templates.get(problem, ())
+                    problem_templates[problem] = known + tuple(t for t in own if t not in known)
         except TunerError as exc:
             raise _ShapeError(index, exc) from None
     trials = _count(data, "trials", source, least=1, example="trials = 20")
@@ -512,6 +542,8 @@ def _spec_from_mapping(data: Mapping[str, Any], *, source: str, dtype: str) -> S
                      head_to_head_rounds=head_to_head_rounds,
                      template_modules=tuple(str(m) for m in modules),
                      space=_space(data.get("space", {}), source), counts=counts,
+                     problem_templates={p: t for p, t in problem_templates.items()
+                                        if p not in unrestricted},
                      recorded=_recorded(data.get("recorded"), source))
 
 

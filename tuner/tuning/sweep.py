@@ -404,7 +404,10 @@ def expand_tasks(spec: SweepSpec) -> tuple[list[Task], list[tuple[str, str]]]:
     index: dict[tuple[str, str], int] = {}
     for problem in spec.problems:
         count = spec.counts.get(problem, 1)
+        own = spec.problem_templates.get(problem)
         for template in templates:
+            if own is not None and template.name not in own:
+                continue  # the job's calls of this problem never run it (tuner.record)
             task = Task(template, problem, template.problem_key(problem), spec.space, count)
             why = template.unsupported(problem)
             if why:

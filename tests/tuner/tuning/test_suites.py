@@ -144,6 +144,11 @@ def test_flags_make_a_spec() -> None:
     ({"shapes": [{"B": 1, "H": 2, "N": 64, "D": 32}], "head_to_head_rounds": -1},
      "'head_to_head_rounds' must be an integer >= 0"),
     ({"shapes": "B=1"}, r"shapes\[0\] must be a mapping"),
+    ({"shapes": [{"B": 1, "H": 2, "N": 64, "D": 32, "templates": "flash_fwd"}]},
+     r"shapes\[0\].templates must be a non-empty list"),
+    ({"templates": ["flash_fwd"],
+      "shapes": [{"B": 1, "H": 2, "N": 64, "D": 32, "templates": ["flash_bwd"]}]},
+     r"names \['flash_bwd'\], which the spec's templates"),
 ])
 def test_malformed_specs_name_the_problem(data: dict, message: str) -> None:
     with pytest.raises(TunerError, match=message) as err:
@@ -228,6 +233,25 @@ def test_sweep_tasks_are_problem_major_so_a_stopped_sweep_leaves_whole_problems(
     order = [(t.problem.seqlen_q, t.template.name) for t in tasks]
     assert order == [(128, "torch_sdpa"), (128, "flash_fwd"),
                      (256, "torch_sdpa"), (256, "flash_fwd")]
+
+
+def test_a_shapes_templates_are_the_only_ones_that_tune_its_problem() -> None:
+    """A recording names, per line, the templates its calls could run (a decode step no
+    training template): the sweep measures only those there; a problem that another line
+    names without templates is tuned by all."""
+    from tuner.tuning.sweep import expand_tasks
+    spec = spec_from_mapping({"templates": ["torch_sdpa", "flash_fwd", "flash_bwd"], "shapes": [
+        {"B": 1, "H": 2, "N_q": 1, "N_kv": 128, "D": 64, "templates": ["torch_sdpa"]},
+        {"B": 1, "H": 2, "N": 128, "D": 64, "templates": ["flash_fwd"]},
+        {"B": 1, "H": 2, "N": 128, "D": 64, "templates": ["flash_bwd", "flash_fwd"]},
+        {"B": 1, "H": 2, "N": 256, "D": 64, "templates": ["flash_fwd"]},
+        {"B": 1, "H": 2, "N": 256, "D": 64}]}, source="job.toml", dtype="float16")
+    tasks, _ = expand_tasks(spec)
+    assert [(t.problem.seqlen_q, t.problem.seqlen_kv, t.template.name) for t in tasks] == [
+        (1, 128, "torch_sdpa"), (128, 128, "flash_fwd"), (128, 128, "flash_bwd"),
+        (256, 256, "torch_sdpa"), (256, 256, "flash_fwd"), (256, 256, "flash_bwd")]
+    assert [list(t) for t in spec.problem_templates.values()] == [
+        ["torch_sdpa"], ["flash_fwd", "flash_bwd"]]
 
 
 def test_the_ship_suite_is_standard_and_llamas_grouped_query_rows() -> None:
