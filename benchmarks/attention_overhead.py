@@ -34,7 +34,8 @@ default 4,16,4096,128 on CUDA and ``--shape`` on the CPU; ``--mask``), under the
 forward + backward step through the flash entry points, ``flash_attention``,
 ``tuner.attention`` with ``flash`` forced, and the entry points with the backward as it ran
 before its launch plans (``..., unplanned backward``); on Hopper the same for the Gluon
-kernels and ``gluon_train`` (``benchmarks/train_overhead.py``).
+kernels and ``gluon_train``; and, dense only, torch's own SDPA step (its kernels launch for
+real, so on CUDA it has no host column) (``benchmarks/train_overhead.py``).
 
 On CUDA the plans are also timed with ``DirectLaunch`` off (``..., JIT``: every launch through
 Triton's JIT, as before the plans launched the compiled kernels directly).
@@ -365,8 +366,12 @@ def train_results(shape: str, mask: str | None, device: str, dtype: torch.dtype,
     for case in train_overhead.train_cases(q, k, v, do, mask, with_gluon):
         timed: dict[str, dict[str, list[float]]] = {}
         for implementation, calls in case.calls.items():
-            for timing, by_path in timed_rounds(calls, implementation, reps, rounds,
-                                                on_gpu).items():
+            by_timing = timed_rounds(calls, implementation, reps, rounds, on_gpu)
+            if implementation == "sdpa" and on_gpu:
+                # torch's kernels cannot be skipped: launched for real with no synchronize
+                # they fill the launch queue, and the loop would time the GPU.
+                del by_timing["host"]
+            for timing, by_path in by_timing.items():
                 timed.setdefault(timing, {}).update(by_path)
         per_call = {t: {name: round(min(runs), 3) for name, runs in by.items()}
                     for t, by in timed.items()}
@@ -384,8 +389,10 @@ def train_results(shape: str, mask: str | None, device: str, dtype: torch.dtype,
         print()
         timings = list(per_call)
         print(f"{'train: ' + case.name + ' (us/step)':<36}" + "".join(f"{t:>10}" for t in timings))
-        for name in per_call[timings[0]]:
-            print(f"{name:<36}" + "".join(f"{per_call[t][name]:>10.2f}" for t in timings))
+        names = list(dict.fromkeys(name for t in timings for name in per_call[t]))
+        for name in names:
+            print(f"{name:<36}" + "".join(f"{per_call[t][name]:>10.2f}" if name in per_call[t]
+                                          else f"{'-':>10}" for t in timings))
     print(f"train shape {shape} {dtype}, block mask {mask}, forward + backward per step")
     return out
 

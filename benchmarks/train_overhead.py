@@ -14,6 +14,10 @@ one training step of one attention call:
 * ``flash_attention``: the templates' autograd function, the same configs,
   ``torch.autograd.grad(o, (q, k, v), do)``;
 * ``tuner.attention``: the same step through the dispatcher, ``flash`` forced;
+* ``torch SDPA`` (dense case only): ``F.scaled_dot_product_attention`` and
+  ``torch.autograd.grad``, what a training step costs the host without us (its kernels are
+  torch's: they launch for real in every timing, so read it beside the others' enqueue and
+  synced columns, not their launch-free host column);
 * (CUDA, Hopper, Gluon present) ``gluon entry points``: ``gluon_attention_fwd`` then
   ``gluon_attention_bwd`` (their default configs), and ``tuner.attention (gluon_train)``:
   the dispatcher's step with ``gluon_train`` forced, and ``gluon entry points, unplanned
@@ -44,6 +48,7 @@ FLASH_PATHS = ("flash entry points", "flash_attention", "tuner.attention",
                "flash entry points, unplanned backward")
 GLUON_PATHS = ("gluon entry points", "tuner.attention (gluon_train)",
                "gluon entry points, unplanned backward")
+SDPA_PATH = "torch SDPA"
 CASES = ("dense causal", "block mask")
 # Gradients of two paths agree within this (fp16/bf16 inputs, fp32 accumulation; dQ by
 # atomics in some configs).
@@ -73,6 +78,8 @@ def train_cases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     for name, is_causal, bm in ((CASES[0], True, None), (CASES[1], False, block_mask)):
         case = TrainCase(name, None if bm is None else mask)
         case.calls["flash"] = flash_calls(q, k, v, do, is_causal, bm, case.configs)
+        if bm is None:
+            case.calls["sdpa"] = {SDPA_PATH: sdpa_step(q, k, v, do, is_causal)}
         if with_gluon:
             case.calls["gluon_train"] = gluon_calls(q, k, v, do, is_causal, bm)
         check_grads(case)
@@ -166,6 +173,18 @@ def gluon_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     return {GLUON_PATHS[0]: entry_points,
             GLUON_PATHS[1]: dispatched(leaves, do, is_causal, block_mask),
             GLUON_PATHS[2]: unplanned}
+
+
+def sdpa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+              is_causal: bool) -> Call:
+    """One training step of torch's own SDPA (no dispatcher): the host time it sets the
+    others beside."""
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+    def step() -> object:
+        o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=is_causal)
+        return torch.autograd.grad(o, leaves, do)
+    return step
 
 
 def dispatched(leaves: tuple[torch.Tensor, ...], do: torch.Tensor, is_causal: bool,

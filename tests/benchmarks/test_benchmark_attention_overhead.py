@@ -70,4 +70,9 @@ def test_smoke_run_prints_the_three_paths_and_their_overheads(tmp_path: Path) ->
             assert list(row)[:4] == list(TRAIN_PATHS) and all(x > 0 for x in row.values())
             assert case["dispatch_over_entry_us"][timing]["flash"] == round(
                 row["tuner.attention"] - row["flash entry points"], 3)
+    # torch's own SDPA step beside ours, dense only (SDPA takes no block mask).
+    dense, masked = train["cases"].values()
+    assert all(dense["us_per_call"][t]["torch SDPA"] > 0 for t in timings)
+    assert all("torch SDPA" not in masked["us_per_call"][t] for t in timings)
+    assert any(line.startswith("torch SDPA ") for line in lines)
     assert "train: block mask (us/step)" in done.stdout
