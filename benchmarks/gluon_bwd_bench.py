@@ -13,7 +13,9 @@ Variants (``VARIANTS``): ``default``, ``eager_dq``, and the warp-specialized ker
 dQ staging tile) and ``ws_dq2`` (two; d64 only; a ring of two stages, which would leave room
 for two at d128, crashed on the H200: refused by the template),
 ``ws_det`` (``ws`` with dQ added in KV-tile order, ``deterministic``; ``--check``
-runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row);
+runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row),
+``ws_dqe`` (``ws`` with ``dq_early``: each step's dQ GEMM before dK's, its tile stored while
+dK's GEMM runs);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -57,6 +59,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # ``ws`` with dQ added in KV-tile order (a counter per query tile): bitwise-repeatable dq.
     "ws_det": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 1, "deterministic": True},
+    # ``ws`` with each step's dQ GEMM issued before dK's, its tile stored under dK's GEMM.
+    "ws_dqe": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+               "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -123,6 +123,12 @@ class GluonBwdConfig(KernelConfig):
         "bitwise repeatable between runs, at the price of the waits (H200: dense as fast as "
         "without it, causal at about half the speed; notes/gluon_notes.md, \"Deterministic "
         "dQ\").")
+    dq_early: bool = knob(
+        False, (False, True),
+        "With warp_specialize, each step issues its dQ GEMM before dK's and stores the dQ "
+        "tile for the dQ warp while dK's GEMM runs, instead of after every GEMM of the step "
+        "(the tensor cores idle during that store). Built for the d128 gap (the kernel "
+        "without its dQ GEMM matches cuDNN); compiled offline, not yet measured on a GPU.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -392,6 +398,9 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if cfg.deterministic:
             return ("deterministic needs warp_specialize (the dQ warp orders the reduces; "
                     "without it every warp adds its dQ by atomics in no fixed order)")
+        if cfg.dq_early:
+            return ("dq_early needs warp_specialize (it moves the hand-over of the dQ tile to "
+                    "the dQ warp)")
         return None
     if ws_kernel is None:
         return "the warp-specialized kernel module did not import"

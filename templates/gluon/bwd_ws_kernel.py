@@ -379,14 +379,21 @@ def _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, counter, t
 # ----------------------------------------------------------------------------- the MMA warps
 @gluon.jit
 def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
+             dq_stage, dq_free, dq_free_phase,
              m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             NUM_WARPS: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr):
+             NUM_WARPS: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr,
+             DQ_EARLY: gl.constexpr):
     """One step of ``bwd_kernel._bwd_step``'s maths (same GEMMs, same orientation, same
     operands) that returns its dQ tile instead of adding it: (dk, dv, dq), every GEMM of
     the step completed. TILE: a block mask's partial block, whose keys x queries uint8 tile
-    (rows MASK_BLOCK_Q apart from ``tile_base``) hides P^T's zeros, so dS^T's too."""
+    (rows MASK_BLOCK_Q apart from ``tile_base``) hides P^T's zeros, so dS^T's too.
+
+    DQ_EARLY (gluon_bwd's ``dq_early``): the dQ GEMM is issued before dK's, and its tile is
+    stored into the staging buffer ``dq_stage`` (once the dQ warp has freed it: ``dq_free``
+    at ``dq_free_phase``) while dK's GEMM still runs; the caller then only fences and hands
+    it over. Otherwise the caller stores it after every GEMM of the step."""
     dtype: gl.constexpr = q_smem.dtype
     st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
     kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
@@ -420,6 +427,20 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
     delta = delta_smem.load(cols)
     ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
     ds_op = gl.convert_layout(ds_t, a_layout)
+    if DQ_EARLY:
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        warps_barrier()
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)
+        dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+        # In issue order dV's, dQ's, dK's: at most one outstanding leaves dK's running.
+        dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, p_op))
+        mbarrier.wait(dq_free, dq_free_phase)
+        dq_stage.store(dq)
+        dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
+        return dk, dv, dq
     dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
     if DEBUG & 4:  # no dQ GEMM: a zero tile is handed over (prices the GEMM)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
@@ -441,7 +462,7 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
               sm_scale, masked, tile_base, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               DQ_BUFFERS: gl.constexpr, NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr,
-              MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr):
+              MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr):
     """Step t (query rows from m0, in ring slot t % STAGES): its GEMMs, the masked maths
     where ``masked`` (dense: causal diagonal or N_kv tail; SPARSE: a partial block, its tile
     at ``tile_base``), its dQ tile handed to the dQ warp. Returns (dk, dv)."""
@@ -455,26 +476,32 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
     v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
     q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    # dQ goes into a free staging buffer (the dQ warp's reduce of its previous tile has
+    # read it): here after the step's GEMMs, or with DQ_EARLY inside the step, under dK's.
+    buf = t % DQ_BUFFERS
+    dq_stage = dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
+    dq_free_phase = ((t // DQ_BUFFERS) & 1) ^ 1
     # A partial block's tile replaces the dense mask (SPARSE runs without CAUSAL).
     if masked:
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
+                              lse_bufs.index(slot), delta_bufs.index(slot), dq_stage,
+                              dq_empty.index(buf), dq_free_phase, m0, n0, N_KV,
                               causal_offset, qk_scale, sm_scale, tile_base, not SPARSE,
                               CAUSAL, SPARSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-                              MASK_BLOCK_Q, DEBUG)
+                              MASK_BLOCK_Q, DEBUG, DQ_EARLY)
     else:
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              lse_bufs.index(slot), delta_bufs.index(slot), m0, n0, N_KV,
+                              lse_bufs.index(slot), delta_bufs.index(slot), dq_stage,
+                              dq_empty.index(buf), dq_free_phase, m0, n0, N_KV,
                               causal_offset, qk_scale, sm_scale, tile_base, False, CAUSAL,
                               False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, MASK_BLOCK_Q,
-                              DEBUG)
-    # dQ into a free staging buffer (the dQ warp's reduce of its previous tile has read
-    # it), made visible to the TMA unit; after the barrier every warp's GEMMs of this
+                              DEBUG, DQ_EARLY)
+    # The tile made visible to the TMA unit; after the barrier every warp's GEMMs of this
     # step have completed (each waited for its own): the ring slot goes back to the load
     # warp, dS^T may be overwritten by the next step, and the tile goes to the dQ warp.
-    buf = t % DQ_BUFFERS
-    mbarrier.wait(dq_empty.index(buf), ((t // DQ_BUFFERS) & 1) ^ 1)
-    dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+    if not DQ_EARLY:
+        mbarrier.wait(dq_empty.index(buf), dq_free_phase)
+        dq_stage.store(dq)
     fence_async_shared()
     warps_barrier()
     mbarrier.arrive(empty.index(slot))
@@ -493,7 +520,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                    SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr):
+                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr):
     """Every step's GEMMs and softmax; dK and dV summed in registers and stored by TMA at the
     end (through K's and V's buffers); each step's dQ tile handed to the dQ warp."""
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
@@ -522,7 +549,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                                    dq_empty, step, m0, n0, N_KV, causal_offset, qk_scale,
                                    sm_scale, partial, tile_base, False, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, STAGES, DQ_BUFFERS, NUM_WARPS, True,
-                                   MASK_BLOCK_Q, DEBUG)
+                                   MASK_BLOCK_Q, DEBUG, DQ_EARLY)
                 step += 1
     else:
         for t in range(n_steps):
@@ -531,7 +558,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                                dq_bufs, ds_smem, ready, empty, dq_full, dq_empty, t, m0, n0,
                                N_KV, causal_offset, qk_scale, sm_scale, m0 < full_row, None,
                                CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS,
-                               NUM_WARPS, False, MASK_BLOCK_Q, DEBUG)
+                               NUM_WARPS, False, MASK_BLOCK_Q, DEBUG, DQ_EARLY)
 
     # dK and dV leave through K's and V's buffers (every GEMM reading them has completed) and
     # TMA stores, which drop the rows past N_kv. A tile no query sees stores zeros.
@@ -563,6 +590,7 @@ def _gluon_bwd_ws_kernel(
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, SPARSE: gl.constexpr = False,
     MASK_BLOCK_Q: gl.constexpr = 128, MASK_BLOCK_KV: gl.constexpr = 128,
     DEBUG: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
+    DQ_EARLY: gl.constexpr = False,
 ):
     # Program -> (KV tile, batch, kv head), as bwd_kernel's (``_program_walk``).
     # The ordered dQ needs the KV tiles of a query tile to be 0 .. k: a block mask's walk does
@@ -610,7 +638,7 @@ def _gluon_bwd_ws_kernel(
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
@@ -660,6 +688,8 @@ class WsLaunchPlan(LaunchPlan):
         self.deterministic = bool(config.get("deterministic"))
         if self.deterministic:
             self.options.update(DETERMINISTIC=True)
+        if config.get("dq_early"):  # only where set: the default kernel's options unchanged
+            self.options.update(DQ_EARLY=True)
         # bwd_kernel's switches this kernel honours: 4 (no dQ GEMM, a zero tile is handed
         # over) and 16 (no dQ reduce).
         if self.mask_args is not None:

@@ -99,7 +99,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
         GluonBwdConfig(stages=1)  # spilled at d128: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False
@@ -158,6 +158,14 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
         d64, GluonBwdConfig())
     assert plain.__name__ == "_gluon_bwd_kernel" and "maxnreg" not in plain_options
     assert type(plain_args[8]).__name__ == "StandinTensor"
+    # dq_early: a constexpr of the warp-specialized kernel only where set (the default
+    # kernel's options, so its compiled kernel, unchanged); refused without warp_specialize.
+    assert "DQ_EARLY" not in options
+    early = dataclasses.replace(cfg, dq_early=True)
+    assert TEMPLATE.constraint(d64, early, H100) is None
+    assert TEMPLATE.kernel_launches(d64, early)[1][3]["DQ_EARLY"] is True
+    reason = TEMPLATE.constraint(d64, GluonBwdConfig(dq_early=True), H100)
+    assert reason is not None and "dq_early needs warp_specialize" in reason
 
 
 @needs_gluon
@@ -353,6 +361,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                "warp_specialize": True, "dq_buffers": 1, "deterministic": True},
     "ws_det_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                    "warp_specialize": True, "dq_buffers": 2, "deterministic": True},
+    # The dQ GEMM before dK's, its tile stored while dK's GEMM runs.
+    "ws_dqe": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+               "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
+    "ws_dqe_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                   "warp_specialize": True, "dq_buffers": 2, "dq_early": True},
 }
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
