@@ -185,6 +185,22 @@ def _refill(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, de
 
 
 @gluon.jit
+def dq_gemm(ds_t, ds_smem, k_smem, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+            HEAD_DIM: gl.constexpr):
+    """dQ = dS K issued (async; the caller waits for it). dQ needs dS with queries along
+    rows: dS^T goes through shared memory, each warpgroup storing its keys' rows, and the
+    GEMM reads the whole tile transposed (an MN-major A), as Triton's own compiler stages a
+    transposed dot operand. (A transpose in registers, the compiler's round trip through its
+    scratch, measured 1-5% slower on the H200.)"""
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    warps_barrier()
+    return warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                         gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
 def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_smem, delta_smem,
               DQ, bh, m0, n0, N_Q, N_KV, causal_offset, qk_scale, sm_scale,
               prev_bh, prev_m0, has_prev,
@@ -248,17 +264,7 @@ def _bwd_step(dk, dv, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_sme
         if (DEBUG & 2) == 0:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         return dk, dv
-    # dQ = dS K needs dS with queries along rows: dS^T goes through shared memory, each
-    # warpgroup storing its keys' rows, and the dQ GEMM reads the whole tile transposed (an
-    # MN-major A), as Triton's own compiler stages a transposed dot operand. (A transpose in
-    # registers, the compiler's round trip through its scratch, measured 1-5% slower on the
-    # H200.)
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    warps_barrier()
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                           gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                           use_acc=False, is_async=True)
+    dq_tok = dq_gemm(ds_t, ds_smem, k_smem, dq_layout, BLOCK_M, HEAD_DIM)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
     if DEFER_DQ:
         # Every warp has read the previous tile out of dq_smem before it is overwritten;

@@ -60,6 +60,7 @@ from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the sta
     DEBUG,
     PREPROCESS_ROWS,
     LaunchPlan,
+    dq_gemm,
     host_smem_layout,
     launch_plan,
     mma_layout,
@@ -379,21 +380,20 @@ def _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, counter, t
 # ----------------------------------------------------------------------------- the MMA warps
 @gluon.jit
 def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
-             dq_stage, dq_free, dq_free_phase,
-             m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
+             dq_bufs, dq_empty, t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_WARPS: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr,
-             DQ_EARLY: gl.constexpr):
+             DQ_BUFFERS: gl.constexpr, DQ_EARLY: gl.constexpr):
     """One step of ``bwd_kernel._bwd_step``'s maths (same GEMMs, same orientation, same
     operands) that returns its dQ tile instead of adding it: (dk, dv, dq), every GEMM of
     the step completed. TILE: a block mask's partial block, whose keys x queries uint8 tile
     (rows MASK_BLOCK_Q apart from ``tile_base``) hides P^T's zeros, so dS^T's too.
 
     DQ_EARLY (gluon_bwd's ``dq_early``): the dQ GEMM is issued before dK's, and its tile is
-    stored into the staging buffer ``dq_stage`` (once the dQ warp has freed it: ``dq_free``
-    at ``dq_free_phase``) while dK's GEMM still runs; the caller then only fences and hands
-    it over. Otherwise the caller stores it after every GEMM of the step."""
+    stored into step t's staging buffer (``_dq_stage``) while dK's GEMM still runs; the
+    caller then only fences and hands it over. Otherwise the caller stores it after every
+    GEMM of the step."""
     dtype: gl.constexpr = q_smem.dtype
     st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
     kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
@@ -428,32 +428,29 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
     ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
     ds_op = gl.convert_layout(ds_t, a_layout)
     if DQ_EARLY:
-        ds_smem.store(ds_t)
-        fence_async_shared()
-        warps_barrier()
-        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
+        dq_tok = dq_gemm(ds_t, ds_smem, k_smem, dq_layout, BLOCK_M, HEAD_DIM)
         dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
         # In issue order dV's, dQ's, dK's: at most one outstanding leaves dK's running.
         dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, p_op))
-        mbarrier.wait(dq_free, dq_free_phase)
-        dq_stage.store(dq)
+        buf = t % DQ_BUFFERS
+        mbarrier.wait(dq_empty.index(buf), _dq_free_phase(t, DQ_BUFFERS))
+        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
         dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
         return dk, dv, dq
     dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
     if DEBUG & 4:  # no dQ GEMM: a zero tile is handed over (prices the GEMM)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         return dk, dv, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    # dQ = dS K: dS^T through shared memory, read transposed (as bwd_kernel).
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    warps_barrier()
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                           gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                           use_acc=False, is_async=True)
+    dq_tok = dq_gemm(ds_t, ds_smem, k_smem, dq_layout, BLOCK_M, HEAD_DIM)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
     return dk, dv, dq
+
+
+@gluon.jit
+def _dq_free_phase(t, DQ_BUFFERS: gl.constexpr):
+    """The phase of step t's dQ staging buffer's "empty" barrier: the dQ warp's reduce of
+    the tile before it in that buffer has read it."""
+    return ((t // DQ_BUFFERS) & 1) ^ 1
 
 
 @gluon.jit
@@ -476,32 +473,28 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
     v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
     q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    # dQ goes into a free staging buffer (the dQ warp's reduce of its previous tile has
-    # read it): here after the step's GEMMs, or with DQ_EARLY inside the step, under dK's.
-    buf = t % DQ_BUFFERS
-    dq_stage = dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
-    dq_free_phase = ((t // DQ_BUFFERS) & 1) ^ 1
     # A partial block's tile replaces the dense mask (SPARSE runs without CAUSAL).
     if masked:
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              lse_bufs.index(slot), delta_bufs.index(slot), dq_stage,
-                              dq_empty.index(buf), dq_free_phase, m0, n0, N_KV,
-                              causal_offset, qk_scale, sm_scale, tile_base, not SPARSE,
-                              CAUSAL, SPARSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-                              MASK_BLOCK_Q, DEBUG, DQ_EARLY)
+                              lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
+                              t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
+                              not SPARSE, CAUSAL, SPARSE, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              NUM_WARPS, MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY)
     else:
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                              lse_bufs.index(slot), delta_bufs.index(slot), dq_stage,
-                              dq_empty.index(buf), dq_free_phase, m0, n0, N_KV,
-                              causal_offset, qk_scale, sm_scale, tile_base, False, CAUSAL,
-                              False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, MASK_BLOCK_Q,
-                              DEBUG, DQ_EARLY)
-    # The tile made visible to the TMA unit; after the barrier every warp's GEMMs of this
-    # step have completed (each waited for its own): the ring slot goes back to the load
-    # warp, dS^T may be overwritten by the next step, and the tile goes to the dQ warp.
+                              lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
+                              t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
+                              False, CAUSAL, False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+                              MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY)
+    # dQ into a free staging buffer (the dQ warp's reduce of its previous tile has read
+    # it; with DQ_EARLY stored already, under dK's GEMM), made visible to the TMA unit;
+    # after the barrier every warp's GEMMs of this step have completed (each waited for its
+    # own): the ring slot goes back to the load warp, dS^T may be overwritten by the next
+    # step, and the tile goes to the dQ warp.
+    buf = t % DQ_BUFFERS
     if not DQ_EARLY:
-        mbarrier.wait(dq_empty.index(buf), dq_free_phase)
-        dq_stage.store(dq)
+        mbarrier.wait(dq_empty.index(buf), _dq_free_phase(t, DQ_BUFFERS))
+        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
     fence_async_shared()
     warps_barrier()
     mbarrier.arrive(empty.index(slot))
