@@ -4,6 +4,7 @@ device (``Call``), and the keys a plan is kept under (``tuner.dispatch.plans``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from templates.device import DeviceInfo, cpu_device, current_device
 from templates.flash.fwd import DTYPE_NAMES
 from templates.kernel_common import normalize_causal
 
-__all__ = ["Call", "call_of", "call_of_shapes", "check_inputs", "check_tensors",
+__all__ = ["Call", "as_shape", "call_of", "call_of_shapes", "check_inputs", "check_tensors",
            "device_info",
            "in_kernel_scope", "layout_key", "problem_key", "shapes_4d"]
 
@@ -106,6 +107,13 @@ def call_of(q: torch.Tensor, k: torch.Tensor, is_causal: bool, needs_grad: bool,
     """The problem of checked inputs, on their device."""
     return call_of_shapes(tuple(q.shape), tuple(k.shape), q.dtype, is_causal, needs_grad,
                           device_info(q.device), mask, softcap)
+
+
+def as_shape(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t.reshape(shape)``, or ``t`` itself where it has that shape already (4-D inputs, the
+    common case: a training step reshapes 14 tensors, and a reshape to the same shape costs
+    10x the comparison, ~1.5 us against 0.17 on a 2-core CPU)."""
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def shapes_4d(q: torch.Tensor, k: torch.Tensor

@@ -26,6 +26,7 @@ from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
 from tuner.dispatch.implementations.call import (
     Call,
+    as_shape,
     call_of,
     check_inputs,
     layout_key,
@@ -62,7 +63,7 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     reshape = q.dim() != 4
     # Inputs laid out alike reshape to views laid out alike: one launch plan serves them all.
     if reshape:
-        q, k, v = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
+        q, k, v = as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4)
     # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
         config = replace(config, use_tma=False)
@@ -72,8 +73,8 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
         if reshape:
-            o, lse = launch(q.reshape(q4), k.reshape(kv4), v.reshape(kv4))
-            return o.reshape(out_shape), lse.reshape(lse_shape)
+            o, lse = launch(as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4))
+            return as_shape(o, out_shape), as_shape(lse, lse_shape)
         return launch(q, k, v)
 
     return run
@@ -201,7 +202,7 @@ def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    scale: float | None, mask: Masked, configs: tuple[FwdConfig, object],
                    softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     q4, kv4 = shapes_4d(q, k)
-    q_, k_, v_ = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
+    q_, k_, v_ = as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4)
     config = configs[0]
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q_, k_, v_):
         config = replace(config, use_tma=False)
@@ -210,7 +211,7 @@ def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     o, lse = flash_attention_fwd(q_, k_, v_, causal=normalize_causal(is_causal), attn_mask=attn_mask,
                                  block_mask=mask.block_mask, scale=scale, config=config,
                                  softcap=softcap)
-    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+    return as_shape(o, q.shape), as_shape(lse, q.shape[:-1])
 
 
 def repeatable(config: BwdConfig) -> BwdConfig:
@@ -297,11 +298,11 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         block_mask = mask.block_mask
         mask4 = None if mask.attn_mask is None else mask.attn_mask.reshape(*q4[:-1], k.shape[-2])
     dq, dk, dv = flash_attention_bwd(
-        grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4), o.reshape(q4),
-        lse.reshape(q4[:-1]), causal=normalize_causal(is_causal), scale=scale,
+        as_shape(grad_o, q4), as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4), as_shape(o, q4),
+        as_shape(lse, q4[:-1]), causal=normalize_causal(is_causal), scale=scale,
         config=repeatable(config),  # type: ignore[arg-type]
         attn_mask=mask4, block_mask=block_mask, softcap=softcap)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    return as_shape(dq, q.shape), as_shape(dk, k.shape), as_shape(dv, v.shape)
 
 
 def _attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -23,7 +23,7 @@ from templates.gluon.bwd import GluonBwdConfig, block_mask_reason, gluon_attenti
 from templates.masks.block_mask import BlockMask
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation
-from tuner.dispatch.implementations.call import Call, call_of, shapes_4d
+from tuner.dispatch.implementations.call import Call, as_shape, call_of, shapes_4d
 from tuner.dispatch.implementations.flash import mask_fallback_config, masked_forward, runs_triton
 from tuner.dispatch.implementations.gluon import GLUON
 from tuner.dispatch.implementations.gluon_train import MASKED_BACKWARD, gluon_backward_mask
@@ -158,8 +158,8 @@ def _flash_gluon_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     _fwd, bwd = op_configs(q, k, mask)
     q4, kv4 = shapes_4d(q, k)
     # Looked up on the module at each call (tests stand in for it).
-    grads = gluon_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
-                                v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
+    grads = gluon_attention_bwd(as_shape(grad_o, q4), as_shape(q, q4), as_shape(k, kv4),
+                                as_shape(v, kv4), as_shape(o, q4), as_shape(lse, q4[:-1]),
                                 causal="none", scale=scale, config=bwd, block_mask=block_mask)
     return grads_like(grads, q, k, v)
 

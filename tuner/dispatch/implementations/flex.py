@@ -12,7 +12,7 @@ from templates.kernel_common import normalize_causal
 from templates.pytorch import flex as torch_flex
 from templates.pytorch.flex import FlexConfig, block_size_problem
 from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
-from tuner.dispatch.implementations.call import Call, shapes_4d
+from tuner.dispatch.implementations.call import Call, as_shape, shapes_4d
 from tuner.dispatch.implementations.registry import register_implementation
 from tuner.lookup.resolver import Resolved
 
@@ -69,7 +69,7 @@ def _flex(r: Request, config: FlexConfig) -> torch.Tensor:
     assert r.mask is not None and r.mask.block_mask is not None
     q4, kv4 = shapes_4d(r.q, r.k)
     # Looked up on the module at each call (tests stand in for it).
-    return torch_flex.flex(r.q.reshape(q4), r.k.reshape(kv4), r.v.reshape(kv4),
+    return torch_flex.flex(as_shape(r.q, q4), as_shape(r.k, kv4), as_shape(r.v, kv4),
                            r.mask.block_mask, causal=normalize_causal(r.is_causal), scale=r.scale,
                            enable_gqa=r.enable_gqa, config=config,
                            softcap=r.softcap).reshape(r.q.shape)

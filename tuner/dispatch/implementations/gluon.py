@@ -20,6 +20,7 @@ from templates.pytorch import cudnn_bwd
 from tuner.dispatch.implementations.base import Choice, Implementation, Request, Run
 from tuner.dispatch.implementations.call import (
     Call,
+    as_shape,
     check_inputs,
     layout_key,
     problem_key,
@@ -51,9 +52,9 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = gluon_attention_fwd(q.reshape(q4), k.reshape(kv4), v.reshape(kv4),
+        o, lse = gluon_attention_fwd(as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4),
                                      causal=causal, scale=scale, config=config)
-        return o.reshape(out_shape), lse.reshape(lse_shape)
+        return as_shape(o, out_shape), as_shape(lse, lse_shape)
 
     return run
 
@@ -118,10 +119,10 @@ class Gluon(Implementation):
         q4, kv4 = shapes_4d(r.q, r.k)  # k, v keep their H_kv heads: the kernel groups them
         # Looked up on the module at each call (tests stand in for it).
         o, _ = gluon_fwd.gluon_attention_fwd(
-            r.q.reshape(q4), r.k.reshape(kv4), r.v.reshape(kv4),
+            as_shape(r.q, q4), as_shape(r.k, kv4), as_shape(r.v, kv4),
             causal=normalize_causal(r.is_causal), scale=r.scale, config=config,
             block_mask=r.mask.block_mask)
-        return o.reshape(r.q.shape)
+        return as_shape(o, r.q.shape)
 
 
 GLUON = register_implementation(Gluon())
@@ -161,8 +162,8 @@ def backward_of(kernel: Callable[..., tuple[torch.Tensor, ...]], grad_o: torch.T
     """The body of a backward op fed a Gluon forward's o and lse: ``kernel`` on the 4-D views,
     (dq, dk, dv) laid out as ``torch.empty_like`` of q, k, v."""
     q4, kv4 = shapes_4d(q, k)
-    grads = kernel(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4), v.reshape(kv4),
-                   o.reshape(q4), lse.reshape(q4[:-1]), causal=is_causal, scale=scale)
+    grads = kernel(as_shape(grad_o, q4), as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4),
+                   as_shape(o, q4), as_shape(lse, q4[:-1]), causal=is_causal, scale=scale)
     return grads_like(grads, q, k, v)
 
 

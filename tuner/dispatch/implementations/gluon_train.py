@@ -23,7 +23,7 @@ from templates.gluon.bwd import GluonBwdConfig, block_mask_reason, gluon_attenti
 from templates.masks.block_mask import BlockMask
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation
-from tuner.dispatch.implementations.call import Call, call_of, shapes_4d
+from tuner.dispatch.implementations.call import Call, as_shape, call_of, shapes_4d
 from tuner.dispatch.implementations.gluon import GLUON, backward_of, mask_config, training_forward
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import (
@@ -114,9 +114,9 @@ def masked_training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q4, kv4 = shapes_4d(q, k)
     # Looked up on the module at each call (tests stand in for it).
     o, lse = gluon_fwd.gluon_attention_fwd(
-        q.reshape(q4), k.reshape(kv4), v.reshape(kv4), causal="none", scale=scale,
+        as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4), causal="none", scale=scale,
         config=config, block_mask=block_mask)
-    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+    return as_shape(o, q.shape), as_shape(lse, q.shape[:-1])
 
 
 def gluon_backward_mask(name: str, mask: Masked, is_causal: bool) -> BlockMask:
@@ -208,8 +208,8 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             kernel = functools.partial(gluon_attention_bwd, config=REPEATABLE_BACKWARD)
         return backward_of(kernel, grad_o, q, k, v, o, lse, is_causal, scale)
     q4, kv4 = shapes_4d(q, k)
-    grads = gluon_attention_bwd(grad_o.reshape(q4), q.reshape(q4), k.reshape(kv4),
-                                v.reshape(kv4), o.reshape(q4), lse.reshape(q4[:-1]),
+    grads = gluon_attention_bwd(as_shape(grad_o, q4), as_shape(q, q4), as_shape(k, kv4),
+                                as_shape(v, kv4), as_shape(o, q4), as_shape(lse, q4[:-1]),
                                 causal=is_causal, scale=scale, block_mask=mask.block_mask)
     return grads_like(grads, q, k, v)
 
