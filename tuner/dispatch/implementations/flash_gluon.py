@@ -23,12 +23,12 @@ from templates.gluon.bwd import GluonBwdConfig, block_mask_reason, gluon_attenti
 from templates.masks.block_mask import BlockMask
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation
-from tuner.dispatch.implementations.call import Call, as_shape, call_of, shapes_4d
+from tuner.dispatch.implementations.call import Call, call_of
 from tuner.dispatch.implementations.flash import mask_fallback_config, masked_forward, runs_triton
-from tuner.dispatch.implementations.gluon import GLUON
+from tuner.dispatch.implementations.gluon import GLUON, backward_of
 from tuner.dispatch.implementations.gluon_train import MASKED_BACKWARD, gluon_backward_mask
 from tuner.dispatch.implementations.mask_args import Masked
-from tuner.dispatch.implementations.ops import TrainingOp, grads_fake, grads_like, in_op_layout
+from tuner.dispatch.implementations.ops import TrainingOp, grads_fake, in_op_layout
 from tuner.dispatch.implementations.registry import register_implementation
 from tuner.dispatch.plans import Plan, kept_plan
 from tuner.lookup.resolver import keep_config, resolve_config
@@ -156,12 +156,10 @@ def _flash_gluon_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                                partial_tile_ids, partial_tiles, mask_geometry, mask_pattern,
                                attn_mask, is_causal)
     _fwd, bwd = op_configs(q, k, mask)
-    q4, kv4 = shapes_4d(q, k)
-    # Looked up on the module at each call (tests stand in for it).
-    grads = gluon_attention_bwd(as_shape(grad_o, q4), as_shape(q, q4), as_shape(k, kv4),
-                                as_shape(v, kv4), as_shape(o, q4), as_shape(lse, q4[:-1]),
-                                causal="none", scale=scale, config=bwd, block_mask=block_mask)
-    return grads_like(grads, q, k, v)
+    # Looked up on the module at each call (tests stand in for it). Not causal: _masked
+    # refused causality on top of the mask.
+    return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, "none", scale,
+                       config=bwd, block_mask=block_mask)
 
 
 def _flash_gluon_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

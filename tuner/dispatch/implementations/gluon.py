@@ -157,13 +157,16 @@ def training_forward(implementation: Implementation, template: str, q: torch.Ten
 
 def backward_of(kernel: Callable[..., tuple[torch.Tensor, ...]], grad_o: torch.Tensor,
                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, is_causal: bool, scale: float | None
+                lse: torch.Tensor, is_causal: bool | str, scale: float | None,
+                **kernel_args: object
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The body of a backward op fed a Gluon forward's o and lse: ``kernel`` on the 4-D views,
-    (dq, dk, dv) laid out as ``torch.empty_like`` of q, k, v."""
+    """The body of a backward op fed a forward's o and lse: ``kernel`` on the 4-D views
+    (``is_causal`` as its ``causal``: a bool or a mode name; ``kernel_args``: a block mask, a
+    config), (dq, dk, dv) laid out as ``torch.empty_like`` of q, k, v."""
     q4, kv4 = shapes_4d(q, k)
     grads = kernel(as_shape(grad_o, q4), as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4),
-                   as_shape(o, q4), as_shape(lse, q4[:-1]), causal=is_causal, scale=scale)
+                   as_shape(o, q4), as_shape(lse, q4[:-1]), causal=is_causal, scale=scale,
+                   **kernel_args)
     return grads_like(grads, q, k, v)
 
 

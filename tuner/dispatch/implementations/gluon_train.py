@@ -29,7 +29,6 @@ from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import (
     TrainingOp,
     grads_fake,
-    grads_like,
     in_op_layout,
 )
 from tuner.dispatch.implementations.registry import register_implementation
@@ -207,11 +206,8 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         if torch.are_deterministic_algorithms_enabled():
             kernel = functools.partial(gluon_attention_bwd, config=REPEATABLE_BACKWARD)
         return backward_of(kernel, grad_o, q, k, v, o, lse, is_causal, scale)
-    q4, kv4 = shapes_4d(q, k)
-    grads = gluon_attention_bwd(as_shape(grad_o, q4), as_shape(q, q4), as_shape(k, kv4),
-                                as_shape(v, kv4), as_shape(o, q4), as_shape(lse, q4[:-1]),
-                                causal=is_causal, scale=scale, block_mask=mask.block_mask)
-    return grads_like(grads, q, k, v)
+    return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale,
+                       block_mask=mask.block_mask)
 
 
 def _gluon_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
