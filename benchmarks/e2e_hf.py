@@ -173,28 +173,45 @@ def tune_specs(sizes: dict[str, int]) -> dict[str, str]:
               for n in (sizes["prompt"], 2 * sizes["prompt"])]
     # The sliding model's layers (prefill, and its training step of twice the window): the
     # block mask tuner.hf passes, causality in the mask (benchmarks/specs/dispatch_sliding_hf.toml).
-    sliding = [f'{{B = 1, {heads}, N = {n}, causal = "none", '
+    sliding_train = (sizes.get("sliding_train_batch", 1),
+                     sizes.get("sliding_train_len", 2 * sizes["window"]))
+    sliding = [f'{{B = {b}, {heads}, N = {n}, causal = "none", '
                f'mask = "sliding_causal:{sizes["window"]}"}}'
-               for n in sorted({sizes["prefill"], 2 * sizes["window"]})]
+               for b, n in sorted({(1, sizes["prefill"]), sliding_train})]
     return {
+        # Training: SDPA's step, our forward with cuDNN's backward, and our own backwards
+        # (gluon_train; gluon_bwd with flash_fwd prices flash_gluon).
         "dense": spec(["torch_sdpa", "flash_fwd", "gluon_fwd", "torch_sdpa_train", "flash_bwd",
-                       "gluon_cudnn_train"], dense),
+                       "gluon_cudnn_train", "gluon_train", "gluon_bwd"], dense),
         "decode": spec(["torch_sdpa", "flash_decode", "flash_fwd", "gluon_fwd"], decode),
-        "sliding": spec(["flash_fwd", "torch_flex", "flash_bwd", "torch_flex_train"], sliding),
+        "sliding": spec(["flash_fwd", "torch_flex", "gluon_fwd", "flash_bwd", "torch_flex_train",
+                         "gluon_train", "gluon_bwd"], sliding),
     }
 
 
-def tune(db: str, sizes: dict[str, int], budget_s: int) -> None:
-    """Sweep the model's own attention problems (prefill, decode steps, training) into db,
-    family after family, within budget_s seconds in all."""
+# The families each row's model calls, and their shares of --tune-s (training problems
+# cost the most per trial).
+FAMILIES = {"llama": ("dense", "decode"), "sliding": ("sliding",)}
+FAMILY_WEIGHT = {"dense": 4.0, "decode": 1.0, "sliding": 3.0}
+
+
+def tune(db: str, sizes: dict[str, int], budget_s: int, rows: list[str]) -> None:
+    """Sweep the model's own attention problems (prefill, decode steps, training) of ``rows``
+    into db, family after family, each with its share of budget_s (``tuner sweep --budget``:
+    it stops with the best found so far, everything measured stored)."""
     deadline = time.monotonic() + budget_s
-    for family, text in tune_specs(sizes).items():
+    specs = tune_specs(sizes)
+    families = [f for f in specs if any(f in FAMILIES.get(row, ()) for row in rows)]
+    for i, family in enumerate(families):
         spec = Path(os.environ.get("TMPDIR", "/tmp")) / f"e2e_hf_{family}.toml"
-        spec.write_text(text)
+        spec.write_text(specs[family])
         left = deadline - time.monotonic()
+        share = FAMILY_WEIGHT[family] / sum(FAMILY_WEIGHT[f] for f in families[i:])
+        budget = max(10, int(left * share))
         try:
             subprocess.run([sys.executable, "-m", "tuner.cli.app", "sweep", str(spec),
-                            "--db", db], timeout=max(1.0, left), check=False)
+                            "--db", db, "--budget", f"{budget}s"],
+                           timeout=max(1.0, left), check=False)
         except subprocess.TimeoutExpired:
             # What the sweep measured is stored; the model runs on it (a later --tune resumes).
             print(f"tune: the {family} sweep ran past --tune-s {budget_s} s and was stopped; "
@@ -235,8 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                   window=24, logits=32) if args.smoke else
              dict(prefill=8192, prompt=2048, new_tokens=64, train_batch=2, train_len=4096,
                   window=4096, logits=1024))
+    # --train-len / --train-batch set both models' training step; the sweep tunes those
+    # shapes (sizes also goes into the JSON, so it says what was timed).
+    sizes["sliding_train_batch"], sizes["sliding_train_len"] = 1, 2 * sizes["window"]
+    for prefix in ("", "sliding_"):
+        if args.train_len:
+            sizes[f"{prefix}train_len"] = args.train_len
+        if args.train_batch:
+            sizes[f"{prefix}train_batch"] = args.train_batch
     if args.tune and args.db:
-        tune(args.db, sizes, args.tune_s)
+        tune(args.db, sizes, args.tune_s, args.rows.split(","))
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     name = register_transformers()
     rounds = max(1, args.rounds if args.rounds is not None else 3 if args.smoke else 30)
@@ -244,12 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.rows.split(","):
         window = sizes["window"]
         kind_sizes = dict(sizes)
-        if kind == "sliding":  # one batch of the window's twice for training
-            kind_sizes.update(train_batch=1, train_len=2 * window)
-        if args.train_len:
-            kind_sizes["train_len"] = args.train_len
-        if args.train_batch:
-            kind_sizes["train_batch"] = args.train_batch
+        if kind == "sliding":  # one batch of the window's twice for training, unless set
+            kind_sizes.update(train_batch=sizes["sliding_train_batch"],
+                              train_len=sizes["sliding_train_len"])
         gen = torch.Generator(device=device).manual_seed(2)
         ids = torch.randint(0, dims["vocab_size"], (1, sizes["logits"]), device=device,
                             generator=gen)

@@ -42,8 +42,18 @@ def test_e2e_hf_tune_sweeps_the_sliding_layer(tmp_path: Path,
     monkeypatch.setattr(e2e.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
     sizes: dict[str, Any] = dict(prefill=8192, prompt=2048, train_batch=2, train_len=4096,
                                  window=4096)
-    e2e.tune("sqlite:///x.db", sizes, 60)
+    e2e.tune("sqlite:///x.db", sizes, 60, ["llama", "sliding"])
     specs = [load_spec_file(Path(cmd[cmd.index("sweep") + 1])) for cmd in ran]
     assert len(specs) == 3  # one sweep per family: dense, decode, sliding
     [sliding] = [spec for spec in specs if MISTRAL in spec.problems]
-    assert {"torch_flex", "torch_flex_train"} <= set(sliding.templates)
+    assert {"torch_flex", "torch_flex_train", "gluon_train"} <= set(sliding.templates)
+    # Each family's sweep gets a --budget, its share of the time left (the sweeps here take
+    # none, so each share is of the whole 60 s): dense 4 of 8 parts, decode 1 of the 4 left,
+    # sliding all that is left.
+    budgets = [int(cmd[cmd.index("--budget") + 1].rstrip("s")) for cmd in ran]
+    assert budgets[0] in (29, 30) and budgets[1] in (14, 15) and budgets[2] in (59, 60)
+    # Only the families of the rows asked for: the sliding model alone sweeps one.
+    ran.clear()
+    e2e.tune("sqlite:///x.db", sizes, 60, ["sliding"])
+    assert len(ran) == 1 and MISTRAL in load_spec_file(
+        Path(ran[0][ran[0].index("sweep") + 1])).problems

@@ -30,3 +30,23 @@ def test_tune_specs_load_one_family_each(tmp_path: Path) -> None:
     assert sorted((p.batch, p.seqlen_q) for p in specs["dense"].problems) == [(1, 8192), (2, 4096)]
     assert {p.causal for p in specs["dense"].problems} == {"top_left"}
     assert {p.mask for p in specs["sliding"].problems} == {"sliding_causal:4096"}
+
+
+def test_tune_specs_tune_the_training_step_that_is_timed(tmp_path: Path) -> None:
+    """--train-len 32768 --train-batch 1 (issue 40's long-context row): the sweep tunes the
+    32k training problem the rows then time (it tuned the default 2 x 4k before), for both
+    models, and prices our own backwards beside cuDNN's."""
+    tune_specs = load_benchmark_script("e2e_hf").tune_specs
+    sizes = dict(prefill=8192, prompt=2048, train_batch=1, train_len=32768, window=4096,
+                 sliding_train_batch=1, sliding_train_len=32768)
+    specs = {}
+    for family, text in tune_specs(sizes).items():
+        path = tmp_path / f"{family}.toml"
+        path.write_text(text)
+        specs[family] = load_spec_file(path)
+    assert sorted((p.batch, p.seqlen_q) for p in specs["dense"].problems) == [(1, 8192),
+                                                                             (1, 32768)]
+    assert sorted((p.batch, p.seqlen_q) for p in specs["sliding"].problems) == [(1, 8192),
+                                                                               (1, 32768)]
+    assert {"gluon_train", "gluon_bwd"} <= set(specs["dense"].templates)
+    assert {"gluon_train", "gluon_bwd"} <= set(specs["sliding"].templates)

@@ -155,9 +155,11 @@ def _check(inputs: dict[str, Any], problem: Problem, cfg: GluonBwdConfig) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dq_early", [False, True], ids=["", "dq_early"])
 @pytest.mark.parametrize("dq_buffers", [1, 2])
 @pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: Problem(*c).key())
 def test_masked_matches_the_dense_mask_reference(case: tuple[Any, ...], dq_buffers: int,
+                                                 dq_early: bool,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
@@ -166,7 +168,7 @@ def test_masked_matches_the_dense_mask_reference(case: tuple[Any, ...], dq_buffe
 
     monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)  # unwritten dk/dv read NaN
     problem = Problem(*case)
-    cfg = GluonBwdConfig(warp_specialize=True, dq_buffers=dq_buffers)
+    cfg = GluonBwdConfig(warp_specialize=True, dq_buffers=dq_buffers, dq_early=dq_early)
     if TEMPLATE.constraint(problem, cfg, current_device()):
         pytest.skip(f"{cfg.key()} does not fit {problem.key()}")
     _check(TEMPLATE.make_inputs(problem, "cuda", seed=5), problem, cfg)
