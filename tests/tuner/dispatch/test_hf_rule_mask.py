@@ -96,3 +96,54 @@ def test_one_mask_per_segment_layout() -> None:
     again = rule_block_mask(packed([[90, 130, 80]]), 1, 300, None, "cpu")  # a new closure
     other = rule_block_mask(packed([[100, 120, 80]]), 1, 300, None, "cpu")
     assert first is again and other is not first
+
+
+def and_masks(*rules: Rule) -> Rule:  # transformers' and_masks: a closure over its rules
+    def and_mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> torch.Tensor:
+        out = q.new_ones((), dtype=torch.bool)
+        for rule in rules:
+            out = out & rule(b, h, q, k)
+        return out
+    return and_mask
+
+
+def overlay(window: int) -> Rule:  # transformers' sliding_window_overlay
+    def inner(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+              ) -> torch.Tensor:
+        return k > q - window
+    return inner
+
+
+def test_a_rule_seen_before_is_not_evaluated_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers composes a new closure per forward; one of the same code and closure
+    values gets the verdict read off the first (no rule evaluation, no read from the device:
+    ~280 operations and a GPU wait per forward before); one over a tensor is read every time."""
+    from tuner.dispatch import hf_mask
+
+    reads: list[int] = []
+    read_rule = hf_mask._read_rule
+    monkeypatch.setattr(hf_mask, "_read_rule",
+                        lambda *a, **kw: reads.append(1) or read_rule(*a, **kw))
+    assert rule_block_mask(causal, 1, 300, None, "cpu") is CAUSAL
+    assert rule_block_mask(causal, 1, 300, None, "cpu") is CAUSAL
+    assert len(reads) == 1
+    first = rule_block_mask(and_masks(overlay(50), causal), 1, 300, 50, "cpu")
+    again = rule_block_mask(and_masks(overlay(50), causal), 1, 300, 50, "cpu")  # new closures
+    assert isinstance(first, BlockMask) and again is first and len(reads) == 2
+    assert torch.equal(first.to_dense()[0, 0], dense(and_masks(overlay(50), causal), 1, 300)[0])
+    # Another window, another shape: read again.
+    other = rule_block_mask(and_masks(overlay(60), causal), 1, 300, 60, "cpu")
+    assert isinstance(other, BlockMask) and other.pattern == "sliding_causal:60"
+    assert rule_block_mask(causal, 1, 400, None, "cpu") is CAUSAL
+    assert len(reads) == 4
+    # A refusal is remembered too (a new closure of one code each time, as transformers makes).
+    def bidirectional() -> Rule:
+        return lambda b, h, q, k: q >= 0
+    assert rule_block_mask(bidirectional(), 1, 300, None, "cpu") is None
+    assert rule_block_mask(bidirectional(), 1, 300, None, "cpu") is None
+    assert len(reads) == 5
+    # Closures over tensors (packed sequences): read on every call, the answer still right.
+    assert rule_block_mask(packed([[90, 130, 80]]), 1, 300, None, "cpu") is not None
+    assert rule_block_mask(packed([[100, 120, 80]]), 1, 300, None, "cpu").pattern is not None
+    assert len(reads) == 7
