@@ -41,6 +41,8 @@ from templates.device import DeviceInfo
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
 from templates.flash.bwd_plan import block_mask_key
 from templates.flash.fwd import check_block_mask
+from templates.gluon import bwd_docs
+from templates.gluon.bwd_docs import takes_offsets
 from templates.gluon.bwd_plan import GluonBackwardPlan
 from templates.gluon.fwd import StandinBlockMask
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
@@ -73,6 +75,8 @@ MAX_TILE_REGISTERS = 192
 # registers (setmaxnreg, the load/dQ warps' warpgroup at 24), not 255. Calibrated by the
 # offline sm_90 build (notes/gluon_notes.md, "The warp-specialized backward").
 MAX_WS_TILE_REGISTERS = 192
+# The mask patterns doc_offsets serves (templates/masks/patterns.py: causal packed documents).
+DOCUMENTS_CAUSAL = "documents_causal"
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,14 @@ class GluonBwdConfig(KernelConfig):
         "bitwise repeatable between runs, at the price of the waits (H200: dense as fast as "
         "without it, causal at about half the speed; notes/gluon_notes.md, \"Deterministic "
         "dQ\").")
+    doc_offsets: bool = knob(
+        False, (False, True),
+        "With a mask of causal packed documents (the documents_causal patterns, "
+        "tuner.varlen_attention), each partial block's visibility is computed from its "
+        "query rows' document starts (one int32 per row) instead of read from its uint8 "
+        "tile (a byte per key and query, every step); other masks keep their tiles. Built "
+        "for the 16k packed rows, where the backward is 2.5 of 3.4 ms; compiled offline, "
+        "not yet measured on a GPU.")
     dq_early: bool = knob(
         False, (False, True),
         "With warp_specialize, each step issues its dQ GEMM before dK's and stores the dQ "
@@ -217,6 +229,10 @@ class GluonBwdTemplate(GluonTemplate):
             reason = block_mask_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
             if reason:
                 return reason
+        if cfg.doc_offsets and not problem.mask.startswith(DOCUMENTS_CAUSAL):
+            return (f"doc_offsets computes a causal packed-documents mask from its offsets: "
+                    f"it needs a {DOCUMENTS_CAUSAL}:<L> problem, but the mask is "
+                    f"{problem.mask!r}")
         # Measured wrong on the H100, causes not found (notes/gluon_notes.md, "Third GPU run"):
         # only 64 x 128 tiles over two warpgroups with a ring of three gave right gradients.
         if cfg.consumers == 1:
@@ -259,7 +275,10 @@ class GluonBwdTemplate(GluonTemplate):
         has blocks ``mask_block``."""
         cfg = self.config(config)
         assert isinstance(cfg, GluonBwdConfig)
-        reason = self.constraint(problem, cfg, device)
+        if cfg.doc_offsets and mask_block is None:
+            return "doc_offsets reads a block mask's documents, and the call has no block mask"
+        # (The call's problem has no mask name: doc_offsets is the mask's to use or not.)
+        reason = self.constraint(problem, dataclasses.replace(cfg, doc_offsets=False), device)
         if reason is None and mask_block is not None:
             reason = block_mask_reason(cfg, mask_block)
         return reason
@@ -277,11 +296,14 @@ class GluonBwdTemplate(GluonTemplate):
                          f"{reasons[0]}")
 
     def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
-        """The alternatives to the default a sweep measures first: the warp-specialized
-        kernel's second dQ tile where it fits (d64), the kernel without warp specialization,
-        and at d64 its larger query step."""
-        return [c for c in _candidates(problem)[1:]
-                if self.constraint(problem, c, device) is None]
+        """The alternatives to the default a sweep measures first: for causal packed
+        documents the default with ``doc_offsets`` (not yet measured: the sweep decides), the
+        warp-specialized kernel's second dQ tile where it fits (d64), the kernel without warp
+        specialization, and at d64 its larger query step."""
+        first = _candidates(problem)
+        docs = [dataclasses.replace(first[0], doc_offsets=True)] if problem.mask.startswith(
+            DOCUMENTS_CAUSAL) else []
+        return [c for c in docs + first[1:] if self.constraint(problem, c, device) is None]
 
     # -- running and checking -----------------------------------------------------------------
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
@@ -316,7 +338,8 @@ class GluonBwdTemplate(GluonTemplate):
             # The KV-major lists of a default-size mask: (N_kv, N_q) in (KV, query) blocks.
             kv_major = StandinBlockMask(problem.seqlen_kv, problem.seqlen_q)
             plan = module.WsLaunchPlan(q, k, causal_mode=problem.causal, scale=scale,
-                                       config=cfg.to_dict(), kv_major_mask=kv_major)
+                                       config=cfg.to_dict(), kv_major_mask=kv_major,
+                                       docs=cfg.doc_offsets)
         else:
             plan_cls = module.WsLaunchPlan if cfg.warp_specialize else module.LaunchPlan
             plan = plan_cls(q, k, causal_mode=problem.causal, scale=scale,
@@ -329,7 +352,8 @@ class GluonBwdTemplate(GluonTemplate):
                                    StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape),
                                    StandinTensor(dtype, kv_shape),
                                    StandinTensor(torch.float32, q_shape), rows, rows,
-                                   **_standin_counters(plan, problem))
+                                   **_standin_counters(plan, problem),
+                                   **_standin_doc_first(plan))
         return [(kernel._gluon_bwd_preprocess_kernel, plan.pre_grid, pre_args,
                  plan.preprocess_options()),
                 (plan.main_kernel(), plan.grid, main_args, dict(plan.options))]
@@ -341,7 +365,7 @@ class GluonBwdTemplate(GluonTemplate):
     def source_modules(self) -> list[str]:
         mods = list(super().source_modules())
         if ws_kernel is not None:
-            mods.insert(0, ws_kernel.__name__)
+            mods[:0] = [ws_kernel.__name__, bwd_docs.__name__]
         return mods
 
     def standalone_source(self, config: KernelConfig) -> str:
@@ -445,6 +469,14 @@ def _standin_counters(plan: Any, problem: Problem) -> dict[str, Any]:
     return {"dq_counters": StandinTensor(torch.int32, [count])}
 
 
+def _standin_doc_first(plan: Any) -> dict[str, Any]:
+    """A doc_offsets plan's rows' document starts as a stand-in, as ``main_args``'s keyword;
+    nothing for other plans."""
+    if not plan.options.get("DOCS"):
+        return {}
+    return {"doc_first": StandinTensor(torch.int32, [plan.rows_pad])}
+
+
 def _kernel_module(cfg: GluonBwdConfig) -> Any:
     """The kernel module ``cfg`` runs."""
     return ws_kernel if cfg.warp_specialize else kernel
@@ -522,7 +554,7 @@ def _plan_key(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sc
         return (layout_key(do, q, k, v, o, lse),
                 (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
                 causal.__class__, causal, scale.__class__, scale, config,
-                block_mask_key(block_mask),
+                block_mask_key(block_mask), takes_offsets(block_mask),
                 # the pricing switches (benchmarks/gluon_bwd_price.py sets them per run)
                 os.environ.get("GLUON_BWD_DEBUG"))
     except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors
@@ -556,7 +588,8 @@ def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         launch_plan = module.WsLaunchPlan(
             ready[0], ready[1], causal_mode=causal_mode, scale=softmax_scale,
             config=cfg.to_dict(),
-            kv_major_mask=None if block_mask is None else block_mask.transposed)
+            kv_major_mask=None if block_mask is None else block_mask.transposed,
+            docs=cfg.doc_offsets and takes_offsets(block_mask))
     else:
         launch_plan = module.LaunchPlan(ready[0], ready[1], causal_mode=causal_mode,
                                         scale=softmax_scale, config=cfg.to_dict())

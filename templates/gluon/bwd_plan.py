@@ -26,6 +26,7 @@ import torch
 
 from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
 from templates.compile.launch_device import LaunchDevice
+from templates.gluon.bwd_docs import row_first_keys
 
 __all__ = ["GluonBackwardPlan"]
 
@@ -59,6 +60,8 @@ class GluonBackwardPlan:
         self.plan = plan
         self.warp_specialized = warp_specialized
         self.sparse = getattr(plan, "mask_args", None) is not None
+        # (doc_offsets) each call's rows' document starts go where the partial tiles go.
+        self.docs = bool(getattr(plan, "options", {}).get("DOCS"))
         self.copy_inputs = copy_inputs
         self.copy_o = copy_o
         # The kept plan must not hold the first call's mask alive: its tensors are each
@@ -97,8 +100,10 @@ class GluonBackwardPlan:
         # A deterministic plan's dQ counters: zeroed for this call, like dq_accum (a counter
         # left by an earlier call would make the kernel wait for turns that never come).
         dq_counters = self.plan.dq_counters(q) if self.warp_specialized else None
-        mask_tensors = (block_mask.transposed.kernel_args()[:_MASK_TENSORS] if self.sparse
-                        else [lse2] * _MASK_TENSORS)
+        mask_tensors = (list(block_mask.transposed.kernel_args()[:_MASK_TENSORS])
+                        if self.sparse else [lse2] * _MASK_TENSORS)
+        if self.docs:
+            mask_tensors[_MASK_TENSORS - 1] = row_first_keys(block_mask, self.plan.rows_pad)
         with self._device.of(q):
             self._launch(do, q, k, v, o, lse, delta, lse2, dq_accum, dk, dv, mask_tensors,
                          dq_counters)

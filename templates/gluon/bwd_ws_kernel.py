@@ -384,11 +384,16 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_WARPS: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr,
-             DQ_BUFFERS: gl.constexpr, DQ_EARLY: gl.constexpr):
+             DQ_BUFFERS: gl.constexpr, DQ_EARLY: gl.constexpr, DOCS: gl.constexpr = False):
     """One step of ``bwd_kernel._bwd_step``'s maths (same GEMMs, same orientation, same
     operands) that returns its dQ tile instead of adding it: (dk, dv, dq), every GEMM of
     the step completed. TILE: a block mask's partial block, whose keys x queries uint8 tile
     (rows MASK_BLOCK_Q apart from ``tile_base``) hides P^T's zeros, so dS^T's too.
+
+    DOCS (gluon_bwd's ``doc_offsets``, a mask of causal packed documents): a partial block's
+    visibility is computed instead of read: ``tile_base`` is then the int32 first key of
+    every query row's document (``bwd_docs``), and key j is visible to query i iff
+    first[i] <= j <= i.
 
     DQ_EARLY (gluon_bwd's ``dq_early``): the dQ GEMM is issued before dK's, and its tile is
     stored into step t's staging buffer (``_dq_stage``) while dK's GEMM still runs; the
@@ -410,9 +415,14 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
 
     if TILE:  # read under the GEMMs
-        tile_offs = (gl.expand_dims((offs_n - n0) * MASK_BLOCK_Q, 1)
-                     + gl.expand_dims(offs_m - m0, 0))
-        keep = gl.load(tile_base + tile_offs) != 0
+        if DOCS:  # one int32 per query instead of a byte per (key, query)
+            first = gl.load(tile_base + offs_m)
+            keys = gl.expand_dims(offs_n, 1)
+            keep = (keys >= gl.expand_dims(first, 0)) & (keys <= gl.expand_dims(offs_m, 0))
+        else:
+            tile_offs = (gl.expand_dims((offs_n - n0) * MASK_BLOCK_Q, 1)
+                         + gl.expand_dims(offs_m - m0, 0))
+            keep = gl.load(tile_base + tile_offs) != 0
 
     s_t = warpgroup_mma_wait(1, deps=(s_tok,))
     lse2 = lse_smem.load(cols)
@@ -459,10 +469,12 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
               sm_scale, masked, tile_base, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               DQ_BUFFERS: gl.constexpr, NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr,
-              MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr):
+              MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr,
+              DOCS: gl.constexpr = False):
     """Step t (query rows from m0, in ring slot t % STAGES): its GEMMs, the masked maths
     where ``masked`` (dense: causal diagonal or N_kv tail; SPARSE: a partial block, its tile
-    at ``tile_base``), its dQ tile handed to the dQ warp. Returns (dk, dv)."""
+    at ``tile_base``, or with DOCS the rows' document starts there), its dQ tile handed to
+    the dQ warp. Returns (dk, dv)."""
     slot = t % STAGES
     mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
     # An index LLVM cannot see is 0, so K's and V's shared-memory descriptors are
@@ -479,7 +491,7 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
                               lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
                               t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
                               not SPARSE, CAUSAL, SPARSE, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              NUM_WARPS, MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY)
+                              NUM_WARPS, MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY, DOCS)
     else:
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
                               lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
@@ -513,9 +525,11 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                    SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr):
+                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr,
+                   DOCS: gl.constexpr):
     """Every step's GEMMs and softmax; dK and dV summed in registers and stored by TMA at the
-    end (through K's and V's buffers); each step's dQ tile handed to the dQ warp."""
+    end (through K's and V's buffers); each step's dQ tile handed to the dQ warp. DOCS: the
+    launch passes the rows' document starts where the partial tiles go (``_ws_step``)."""
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
@@ -535,6 +549,8 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                 m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
                                                     PartialTileIds, PartialTiles, lrow, n_full,
                                                     j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                if DOCS:
+                    tile_base = PartialTiles
                 # Causality is the mask's: a full block sees every pair, a partial one what
                 # its tile keeps (keys past N_kv included: they are never visible).
                 dk, dv = _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs,
@@ -542,7 +558,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                                    dq_empty, step, m0, n0, N_KV, causal_offset, qk_scale,
                                    sm_scale, partial, tile_base, False, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, STAGES, DQ_BUFFERS, NUM_WARPS, True,
-                                   MASK_BLOCK_Q, DEBUG, DQ_EARLY)
+                                   MASK_BLOCK_Q, DEBUG, DQ_EARLY, DOCS)
                 step += 1
     else:
         for t in range(n_steps):
@@ -583,7 +599,7 @@ def _gluon_bwd_ws_kernel(
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, SPARSE: gl.constexpr = False,
     MASK_BLOCK_Q: gl.constexpr = 128, MASK_BLOCK_KV: gl.constexpr = 128,
     DEBUG: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
-    DQ_EARLY: gl.constexpr = False,
+    DQ_EARLY: gl.constexpr = False, DOCS: gl.constexpr = False,
 ):
     # Program -> (KV tile, batch, kv head), as bwd_kernel's (``_program_walk``).
     # The ordered dQ needs the KV tiles of a query tile to be 0 .. k: a block mask's walk does
@@ -631,7 +647,7 @@ def _gluon_bwd_ws_kernel(
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY)),
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY, DOCS)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
@@ -657,10 +673,14 @@ class WsLaunchPlan(LaunchPlan):
 
     ``kv_major_mask``: for a block-masked backward, the mask's KV-major lists
     (``BlockMask.transposed``: per KV block, the query blocks that see it; anything with
-    its ``block_size`` (KV, query) and ``kernel_args()``), None for a dense or causal one."""
+    its ``block_size`` (KV, query) and ``kernel_args()``), None for a dense or causal one.
+    ``docs``: the mask is causal self-attention documents and the config's ``doc_offsets``
+    asks for them: each launch then passes the rows' document starts (``bwd_docs``) where
+    the partial tiles go (``main_args``' ``doc_first``)."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
-                 config: Mapping[str, Any], kv_major_mask: Any = None) -> None:
+                 config: Mapping[str, Any], kv_major_mask: Any = None,
+                 docs: bool = False) -> None:
         super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config)
         batch, heads_q, seqlen_q, head_dim = q.shape
         block_m = int(config["BLOCK_M"])
@@ -688,6 +708,8 @@ class WsLaunchPlan(LaunchPlan):
         if self.mask_args is not None:
             block_kv, block_q = kv_major_mask.block_size
             self.options.update(SPARSE=True, MASK_BLOCK_Q=block_q, MASK_BLOCK_KV=block_kv)
+            if docs:
+                self.options.update(DOCS=True)
         debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
         if debug:
             self.options["DEBUG"] = debug
@@ -714,9 +736,12 @@ class WsLaunchPlan(LaunchPlan):
         self.mask_args = list(kv_major_mask.kernel_args())
 
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,
-                  lse2: Any, delta: Any, dq_counters: Any = None) -> list[Any]:
+                  lse2: Any, delta: Any, dq_counters: Any = None, doc_first: Any = None
+                  ) -> list[Any]:
         """The main launch's arguments; ``dq_counters``: the call's zeroed counters
-        (``dq_counters``) where the plan is deterministic, made here if not given."""
+        (``dq_counters``) where the plan is deterministic, made here if not given;
+        ``doc_first``: with ``docs``, the rows' document starts (``bwd_docs.row_first_keys``
+        of ``rows_pad`` rows)."""
         args = super().main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta)
         # The parent's list holds dq_accum itself after the eight descriptors: this kernel
         # takes the accumulator's TMA descriptor there.
@@ -725,7 +750,13 @@ class WsLaunchPlan(LaunchPlan):
         if dq_counters is None:
             dq_counters = self.dq_counters(q)
         # Dense launches pass lse2 for the mask's pointers and zero strides (never read).
-        return args + (self.mask_args or [lse2] * 6 + [0] * 5) + [dq_counters]
+        mask = list(self.mask_args or [lse2] * 6 + [0] * 5)
+        if self.options.get("DOCS"):
+            if doc_first is None:
+                raise ValueError("a doc_offsets launch needs the rows' document starts "
+                                 "(doc_first)")
+            mask[5] = doc_first
+        return args + mask + [dq_counters]
 
     def dq_counters(self, q: torch.Tensor) -> torch.Tensor | None:
         """A new zeroed int32 counter per (batch, query head, query tile) for a deterministic

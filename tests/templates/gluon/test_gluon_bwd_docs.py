@@ -1,0 +1,141 @@
+"""gluon_bwd's ``doc_offsets``: a mask of causal packed documents run by its rows' document
+starts (templates/gluon/bwd_docs.py) instead of its partial tiles. On the CPU: the starts are
+the mask exactly, which masks qualify, the knob's constraint, the offline sm_90 build; on a
+Hopper GPU: gradients against the reference and against the tiles' path."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from templates.base import Problem
+from templates.compile.offline_target import TARGETS
+from templates.gluon.bwd import GLUON_MISSING, TEMPLATE, GluonBwdConfig
+from templates.gluon.bwd_docs import PAST_EVERY_KEY, row_first_keys, takes_offsets
+from templates.masks.block_mask import BlockMask
+from templates.masks.documents import document_block_mask
+from tests.templates.gluon.gluon_checks import compile_reports, is_hopper
+
+H100 = TARGETS["h100"]
+needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
+LENGTHS = [90, 0, 300, 17, 593]  # an empty document, ends inside blocks
+
+
+def offsets(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def test_row_first_keys_are_the_mask_exactly() -> None:
+    """Key j visible to query i iff first[i] <= j <= i: the same pairs as the dense mask;
+    padded rows see nothing."""
+    bounds = offsets(LENGTHS)
+    mask = document_block_mask(bounds, bounds, causal=True, device="cpu")
+    assert takes_offsets(mask)
+    n = bounds[-1]
+    first = row_first_keys(mask, 1152)
+    assert first.dtype == torch.int32 and first.shape == (1152,)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    computed = (j >= first[:n, None].long()) & (j <= i)
+    assert torch.equal(computed, mask.to_dense()[0, 0])
+    assert bool((first[n:] == PAST_EVERY_KEY).all())
+    assert row_first_keys(mask, 1152) is first  # kept per documents and length
+
+
+def test_only_causal_self_attention_documents_qualify() -> None:
+    bounds = offsets(LENGTHS)
+    assert not takes_offsets(document_block_mask(bounds, bounds, causal=False, device="cpu"))
+    cross = offsets([100, 200, 350, 10, 430])
+    assert not takes_offsets(document_block_mask(bounds, cross, causal=True, device="cpu"))
+    assert not takes_offsets(BlockMask.from_dense(torch.ones(1, 1, 256, 256, dtype=torch.bool)))
+    assert not takes_offsets(None)
+    with pytest.raises(ValueError, match="causal self-attention documents"):
+        row_first_keys(document_block_mask(bounds, bounds, causal=False, device="cpu"), 1152)
+
+
+@needs_gluon
+def test_the_knob_is_offered_on_causal_document_problems_only() -> None:
+    docs = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048")
+    dense = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "top_left")
+    sliding = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
+    cfg = dataclasses.replace(TEMPLATE.default_config(docs, H100), doc_offsets=True)
+    assert TEMPLATE.constraint(docs, cfg, H100) is None
+    for problem in (dense, sliding):
+        reason = TEMPLATE.constraint(problem, cfg, H100)
+        assert reason is not None and "documents_causal" in reason
+    # A call (its problem has no mask name) with a block mask takes it; without one, not.
+    assert TEMPLATE.run_constraint(dense, cfg, H100, (128, 128)) is None
+    reason = TEMPLATE.run_constraint(dense, cfg, H100, None)
+    assert reason is not None and "no block mask" in reason
+    assert not TEMPLATE.default_config(docs, H100).doc_offsets  # not measured yet
+
+
+@needs_gluon
+def test_doc_offsets_compile_for_the_h100_with_fewer_spills() -> None:
+    """The offline build: the documents path compiles (no wgmma serialization) and spills no
+    more than the tiles' path (triton 3.9 here: 72 against 96 bytes at d128; 3.6, the
+    GPU's: 48 against 56)."""
+    problems = [Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048"),
+                Problem(1, 32, 32, 16384, 16384, 64, "bfloat16", "none", "documents_causal:2048")]
+    jobs: list[dict[str, Any]] = []
+    for p in problems:
+        cfg = TEMPLATE.default_config(p, H100)
+        for docs in (False, True):
+            jobs.append({"template": "gluon_bwd", "problem": p.to_dict(),
+                         "config": dataclasses.replace(cfg, doc_offsets=docs).to_dict()})
+    outcomes = compile_reports("templates.gluon.bwd", jobs)
+    stacks = []
+    for out in outcomes:
+        assert out["error"] == "" and out["constraint"] == "", out
+        _, main = out["kernels"]
+        assert main["kernel"] == "_gluon_bwd_ws_kernel" and main["wgmma_serialized"] == "", out
+        stacks.append(main["stack_bytes"])
+    assert stacks[1] <= stacks[0] and stacks[3] <= stacks[2], stacks
+
+
+# ----------------------------------------------------------------------------- GPU numerics
+DOC_CASES = [
+    (1, 8, 2, 2048, 2048, 128, "bfloat16", "none", "documents_causal:512"),  # GQA
+    (1, 2, 2, 1500, 1500, 64, "float16", "none", "documents_causal:256"),  # odd length
+    (2, 4, 4, 1000, 1000, 128, "float16", "none", "documents_causal:128"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DOC_CASES, ids=lambda c: Problem(*c).key())
+def test_doc_offsets_match_the_reference_and_the_tiles(case: tuple[Any, ...],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if not is_hopper():
+        pytest.skip("gluon_bwd needs a Hopper GPU")
+    from templates.device import current_device
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
+
+    monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)  # unwritten dk/dv read NaN
+    problem = Problem(*case)
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+    assert takes_offsets(inputs["block_mask"]), "the stand-in documents carry their offsets"
+    base = TEMPLATE.default_config(problem, current_device())
+    docs = dataclasses.replace(base, doc_offsets=True)
+    ref = TEMPLATE.reference(inputs)
+    tiles = TEMPLATE.run(inputs, base)
+    out = TEMPLATE.run(inputs, docs)
+    for grad in out:
+        assert not torch.isnan(grad).any()
+    assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
+    # dk and dv are summed in registers in one order either way: bit for bit the tiles'.
+    assert torch.equal(out[1], tiles[1]) and torch.equal(out[2], tiles[2])
+    assert isinstance(docs, GluonBwdConfig)
+
+
+@needs_gluon
+def test_a_sweep_of_documents_measures_the_knob_first() -> None:
+    docs = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048")
+    sliding = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
+    first = TEMPLATE.known_good_configs(docs, H100)[0]
+    assert first == dataclasses.replace(TEMPLATE.default_config(docs, H100), doc_offsets=True)
+    assert not any(c.doc_offsets for c in TEMPLATE.known_good_configs(sliding, H100))
