@@ -32,7 +32,8 @@ def takes_offsets(block_mask: Any) -> bool:
 def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
     """int32 (rows,) on the mask's device: each query row's document's first key, rows past
     the mask's queries ``PAST_EVERY_KEY``. Kept per documents, length and device (a training
-    step passes one mask to every layer's backward)."""
+    step passes one mask to every layer's backward). Made from the offsets on the host and
+    copied to the device: a CUDA graph's capture must find it made by an eager call first."""
     if not takes_offsets(block_mask):
         raise ValueError("row_first_keys needs a mask of causal self-attention documents "
                          "(BlockMask.documents with equal query and key offsets)")
