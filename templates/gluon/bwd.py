@@ -53,6 +53,7 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
     problem_of,
 )
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.masks.patterns import parse_pattern
 from templates.registry import register
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
@@ -229,7 +230,7 @@ class GluonBwdTemplate(GluonTemplate):
             reason = block_mask_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
             if reason:
                 return reason
-        if cfg.doc_offsets and not problem.mask.startswith(DOCUMENTS_CAUSAL):
+        if cfg.doc_offsets and not _causal_documents(problem):
             return (f"doc_offsets computes a causal packed-documents mask from its offsets: "
                     f"it needs a {DOCUMENTS_CAUSAL}:<L> problem, but the mask is "
                     f"{problem.mask!r}")
@@ -301,8 +302,8 @@ class GluonBwdTemplate(GluonTemplate):
         warp-specialized kernel's second dQ tile where it fits (d64), the kernel without warp
         specialization, and at d64 its larger query step."""
         first = _candidates(problem)
-        docs = [dataclasses.replace(first[0], doc_offsets=True)] if problem.mask.startswith(
-            DOCUMENTS_CAUSAL) else []
+        docs = ([dataclasses.replace(first[0], doc_offsets=True)]
+                if _causal_documents(problem) else [])
         return [c for c in docs + first[1:] if self.constraint(problem, c, device) is None]
 
     # -- running and checking -----------------------------------------------------------------
@@ -467,6 +468,11 @@ def _standin_counters(plan: Any, problem: Problem) -> dict[str, Any]:
         return {}
     count = problem.batch * problem.heads_q * plan.scalars[7]
     return {"dq_counters": StandinTensor(torch.int32, [count])}
+
+
+def _causal_documents(problem: Problem) -> bool:
+    """Whether ``problem``'s mask is a pattern of causal packed documents (doc_offsets')."""
+    return parse_pattern(problem.mask)[0] == DOCUMENTS_CAUSAL
 
 
 def _standin_doc_first(plan: Any) -> dict[str, Any]:

@@ -9,17 +9,17 @@ same offsets): that rule is then the whole mask. Any other mask keeps its tiles.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
+
+from templates.compile.plan_cache import PlanCache
 
 __all__ = ["PAST_EVERY_KEY", "row_first_keys", "takes_offsets"]
 
 # A padded row's "first key": past every key, so it sees none (its gradients add nothing).
 PAST_EVERY_KEY = 2**30
-_CACHED = 16
-_FIRST_KEYS: OrderedDict[tuple[object, ...], torch.Tensor] = OrderedDict()
+_FIRST_KEYS: PlanCache[torch.Tensor] = PlanCache(maxsize=16)
 
 
 def takes_offsets(block_mask: Any) -> bool:
@@ -42,7 +42,6 @@ def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
     key = (offsets, rows, device)
     found = _FIRST_KEYS.get(key)
     if found is not None:
-        _FIRST_KEYS.move_to_end(key)
         return found
     bounds = torch.tensor(offsets, dtype=torch.int64)
     lengths = bounds[1:] - bounds[:-1]
@@ -50,7 +49,5 @@ def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
     n = int(bounds[-1])
     first[:n] = torch.repeat_interleave(bounds[:-1], lengths).to(torch.int32)
     first = first.to(device)
-    _FIRST_KEYS[key] = first
-    if len(_FIRST_KEYS) > _CACHED:
-        _FIRST_KEYS.popitem(last=False)
+    _FIRST_KEYS.put(key, first)
     return first

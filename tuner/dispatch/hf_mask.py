@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from templates.compile.plan_cache import PlanCache
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, EVALUATE, FULL, BlockMask
 from templates.masks.document_offsets import DocumentOffsets
 from templates.masks.patterns import documents_pattern
@@ -51,9 +52,8 @@ CAUSAL: Literal["causal"] = "causal"  # the rule is plain causal attention: no m
 MAX_CACHED_MASKS = 8
 _MASKS: OrderedDict[tuple[object, ...], BlockMask] = OrderedDict()
 # What a rule with a key (``mask_rule_key``) was read to be, per shape: its BlockMask, CAUSAL,
-# or None (not of the family).
-MAX_CACHED_VERDICTS = 32
-_VERDICTS: OrderedDict[tuple[object, ...], BlockMask | Literal["causal"] | None] = OrderedDict()
+# or None (not of the family), each in a 1-tuple (a miss is None).
+_VERDICTS: PlanCache[tuple[BlockMask | Literal["causal"] | None]] = PlanCache(maxsize=32)
 
 
 def rule_block_mask(rule: Rule, batch: int, length: int, window: int | None,
@@ -73,13 +73,11 @@ def rule_block_mask(rule: Rule, batch: int, length: int, window: int | None,
     if key is None:
         return _read_rule(rule, batch, length, window, device, block_size)
     verdict_key = (key, batch, length, window, block_size, device)
-    if verdict_key in _VERDICTS:
-        _VERDICTS.move_to_end(verdict_key)
-        return _VERDICTS[verdict_key]
+    found = _VERDICTS.get(verdict_key)
+    if found is not None:
+        return found[0]
     verdict = _read_rule(rule, batch, length, window, device, block_size)
-    _VERDICTS[verdict_key] = verdict
-    if len(_VERDICTS) > MAX_CACHED_VERDICTS:
-        _VERDICTS.popitem(last=False)
+    _VERDICTS.put(verdict_key, (verdict,))
     return verdict
 
 

@@ -63,7 +63,7 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     reshape = q.dim() != 4
     # Inputs laid out alike reshape to views laid out alike: one launch plan serves them all.
     if reshape:
-        q, k, v = as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4)
+        q, k, v = q.reshape(q4), k.reshape(kv4), v.reshape(kv4)
     # A tuned TMA config needs 16-byte aligned strides; other layouts use pointer loads.
     if config.use_tma and flash_fwd_kernel.tma_inputs_problem(q, k, v):
         config = replace(config, use_tma=False)
@@ -73,8 +73,8 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
         if reshape:
-            o, lse = launch(as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4))
-            return as_shape(o, out_shape), as_shape(lse, lse_shape)
+            o, lse = launch(q.reshape(q4), k.reshape(kv4), v.reshape(kv4))
+            return o.reshape(out_shape), lse.reshape(lse_shape)
         return launch(q, k, v)
 
     return run
