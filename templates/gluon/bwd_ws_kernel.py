@@ -29,7 +29,7 @@ compute it, the dQ warp adds its dQ tile where the walk says.
 
 dq is not bitwise deterministic (the reduces of the programs of one query tile land in any
 order); dk and dv are. With ``DETERMINISTIC`` (gluon_bwd's ``deterministic``; dense and causal
-only; compiled offline, not run yet) the dQ warp adds each query tile's dQ in increasing
+only; bitwise repeatable in the GPU tests) the dQ warp adds each query tile's dQ in increasing
 KV-tile order, through an int32 counter per (batch, query head, query tile) in global memory
 (FA3's semaphore; ``_dq_step_in_order`` says why it is ordered and when it cannot deadlock),
 so dq is bitwise repeatable too.
@@ -472,9 +472,9 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
               MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr,
               DOCS: gl.constexpr = False):
     """Step t (query rows from m0, in ring slot t % STAGES): its GEMMs, the masked maths
-    where ``masked`` (dense: causal diagonal or N_kv tail; SPARSE: a partial block, its tile
-    at ``tile_base``, or with DOCS the rows' document starts there), its dQ tile handed to
-    the dQ warp. Returns (dk, dv)."""
+    (dense: every step, the causal diagonal and the N_kv tail by their limits; SPARSE: where
+    ``masked``, a partial block, its tile at ``tile_base``, or with DOCS the rows' document
+    starts there), its dQ tile handed to the dQ warp. Returns (dk, dv)."""
     slot = t % STAGES
     mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
     # An index LLVM cannot see is 0, so K's and V's shared-memory descriptors are
@@ -485,12 +485,21 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
     v_smem = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
     q_smem = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_smem = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    # A partial block's tile replaces the dense mask (SPARSE runs without CAUSAL).
-    if masked:
+    if not SPARSE:
+        # A dense walk takes one path, the masked maths on every step (on a step that needs
+        # no mask it hides nothing): a branch between the two maths doubled the step's code,
+        # spilled (56 bytes at d128 with triton 3.6, none without it) and ran 1.01-1.16x
+        # slower on the H200 (notes/gluon_notes.md, "One path for the dense walk").
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
                               lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
                               t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
-                              not SPARSE, CAUSAL, SPARSE, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              True, CAUSAL, False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+                              MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY)
+    elif masked:  # a partial block: its tile replaces the dense mask (no CAUSAL with SPARSE)
+        dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                              lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
+                              t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
+                              False, CAUSAL, True, HEAD_DIM, BLOCK_M, BLOCK_N,
                               NUM_WARPS, MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY, DOCS)
     else:
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
@@ -565,7 +574,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
             h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
             dk, dv = _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                dq_bufs, ds_smem, ready, empty, dq_full, dq_empty, t, m0, n0,
-                               N_KV, causal_offset, qk_scale, sm_scale, m0 < full_row, None,
+                               N_KV, causal_offset, qk_scale, sm_scale, True, None,
                                CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS,
                                NUM_WARPS, False, MASK_BLOCK_Q, DEBUG, DQ_EARLY)
 
