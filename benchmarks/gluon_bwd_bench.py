@@ -15,7 +15,8 @@ for two at d128, crashed on the H200: refused by the template),
 ``ws_det`` (``ws`` with dQ added in KV-tile order, ``deterministic``; ``--check``
 runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row),
 ``ws_dqe`` (``ws`` with ``dq_early``: each step's dQ GEMM before dK's, its tile stored while
-dK's GEMM runs);
+dK's GEMM runs), ``ws_split`` (``ws`` with ``split_warpgroups``: the two MMA warpgroups as two
+partitions);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -62,6 +63,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # ``ws`` with each step's dQ GEMM issued before dK's, its tile stored under dK's GEMM.
     "ws_dqe": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
+    # ``ws`` with its two MMA warpgroups as two partitions (templates/gluon/bwd_split_kernel.py).
+    "ws_split": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                 "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

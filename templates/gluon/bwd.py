@@ -60,6 +60,8 @@ kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
 # The warp-specialized kernel (``warp_specialize``): its own module, which reuses the
 # first's preprocess, step maths and launch plan.
 ws_kernel, _ = load_kernel_module("templates.gluon.bwd_ws_kernel")
+# Its two MMA warpgroups as two partitions (``split_warpgroups``).
+split_kernel, _ = load_kernel_module("templates.gluon.bwd_split_kernel")
 HEAD_DIMS = (64, 128)
 DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles (the mbarriers: 24 bytes in the offline build),
@@ -143,6 +145,14 @@ class GluonBwdConfig(KernelConfig):
         "(the tensor cores idle during that store). Measured on the H200: d64 1.03-1.05x "
         "the speed without it (d64's default), d128 0.95-1.01x (its accumulator beside dK's "
         "spills there).")
+    split_warpgroups: bool = knob(
+        False, (False, True),
+        "With warp_specialize, the two MMA warpgroups run as two partitions "
+        "(templates/gluon/bwd_split_kernel.py, FlashAttention-3's consumers), each with half "
+        "the keys and half of each dQ tile, meeting on mbarriers only where the maths needs "
+        "both (dS^T complete before the dQ GEMMs) instead of at two barriers of all 8 warps "
+        "a step; a second dS^T tile in shared memory. Dense and causal only. Built from the "
+        "H200 profile (notes/gluon_notes.md); compiled offline, not yet run on a GPU.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -151,7 +161,7 @@ def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
     d = problem.head_dim
     kv = 2 * config.BLOCK_N * d * DTYPE_BYTES
     ring = config.stages * (2 * config.BLOCK_M * d * DTYPE_BYTES + 2 * config.BLOCK_M * 4)
-    ds = config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
+    ds = (2 if config.split_warpgroups else 1) * config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
     dq = config.dq_buffers * config.BLOCK_M * d * 4
     return kv + ring + ds + dq + BARRIER_BYTES
 
@@ -230,6 +240,9 @@ class GluonBwdTemplate(GluonTemplate):
             reason = block_mask_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
             if reason:
                 return reason
+        if cfg.split_warpgroups and problem.mask != "none":
+            return (f"split_warpgroups walks dense and causal problems only, not the block "
+                    f"mask {problem.mask!r}")
         if cfg.doc_offsets and not _causal_documents(problem):
             return (f"doc_offsets computes a causal packed-documents mask from its offsets: "
                     f"it needs a {DOCUMENTS_CAUSAL}:<L> problem, but the mask is "
@@ -282,6 +295,8 @@ class GluonBwdTemplate(GluonTemplate):
         reason = self.constraint(problem, dataclasses.replace(cfg, doc_offsets=False), device)
         if reason is None and mask_block is not None:
             reason = block_mask_reason(cfg, mask_block)
+        if reason is None and mask_block is not None and cfg.split_warpgroups:
+            reason = "split_warpgroups walks dense and causal problems only, not a block mask"
         return reason
 
     def run_default(self, problem: Problem, device: DeviceInfo,
@@ -342,11 +357,11 @@ class GluonBwdTemplate(GluonTemplate):
                 return None
             # The KV-major lists of a default-size mask: (N_kv, N_q) in (KV, query) blocks.
             kv_major = StandinBlockMask(problem.seqlen_kv, problem.seqlen_q)
-            plan = module.WsLaunchPlan(q, k, causal_mode=problem.causal, scale=scale,
+            plan = _ws_plan_class(cfg)(q, k, causal_mode=problem.causal, scale=scale,
                                        config=cfg.to_dict(), kv_major_mask=kv_major,
                                        docs=cfg.doc_offsets)
         else:
-            plan_cls = module.WsLaunchPlan if cfg.warp_specialize else module.LaunchPlan
+            plan_cls = _ws_plan_class(cfg) if cfg.warp_specialize else module.LaunchPlan
             plan = plan_cls(q, k, causal_mode=problem.causal, scale=scale,
                             config=cfg.to_dict())
         rows = StandinTensor(torch.float32, list(plan.rows_shape))
@@ -371,6 +386,8 @@ class GluonBwdTemplate(GluonTemplate):
         mods = list(super().source_modules())
         if ws_kernel is not None:
             mods[:0] = [ws_kernel.__name__, bwd_docs.__name__]
+        if split_kernel is not None:
+            mods[:0] = [split_kernel.__name__]
         return mods
 
     def standalone_source(self, config: KernelConfig) -> str:
@@ -436,6 +453,8 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if cfg.deterministic:
             return ("deterministic needs warp_specialize (the dQ warp orders the reduces; "
                     "without it every warp adds its dQ by atomics in no fixed order)")
+        if cfg.split_warpgroups:
+            return "split_warpgroups splits the warp-specialized kernel: it needs warp_specialize"
         if cfg.dq_early:
             return ("dq_early needs warp_specialize (it moves the hand-over of the dQ tile to "
                     "the dQ warp)")
@@ -447,6 +466,14 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
                 "tile): leave it at True")
     if cfg.consumers != 2:
         return "warp_specialize runs two MMA warpgroups (consumers=2)"
+    if cfg.split_warpgroups:
+        if split_kernel is None:
+            return "the split kernel module did not import"
+        taken = [name for name in ("deterministic", "dq_early", "doc_offsets")
+                 if getattr(cfg, name)]
+        if taken:
+            return (f"split_warpgroups does not take {', '.join(taken)} (its kernel walks "
+                    f"dense and causal problems with neither)")
     return None
 
 
@@ -494,7 +521,17 @@ def _standin_doc_first(plan: Any) -> dict[str, Any]:
 
 def _kernel_module(cfg: GluonBwdConfig) -> Any:
     """The kernel module ``cfg`` runs."""
+    if cfg.split_warpgroups:
+        return split_kernel
     return ws_kernel if cfg.warp_specialize else kernel
+
+
+def _ws_plan_class(cfg: GluonBwdConfig) -> Any:
+    """The warp-specialized launch plan ``cfg`` runs (its module imported: the constraint
+    refuses the config otherwise)."""
+    module = split_kernel if cfg.split_warpgroups else ws_kernel
+    assert module is not None
+    return module.SplitLaunchPlan if cfg.split_warpgroups else module.WsLaunchPlan
 
 
 def compile_for(problem: Problem, config: KernelConfig) -> list[Any]:
@@ -600,7 +637,7 @@ def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     ready = [kernel.tma_ready(t) for t in (q, k, v, do)]
     copy_inputs = any(r is not t for r, t in zip(ready, (q, k, v, do), strict=True))
     if cfg.warp_specialize:
-        launch_plan = module.WsLaunchPlan(
+        launch_plan = _ws_plan_class(cfg)(
             ready[0], ready[1], causal_mode=causal_mode, scale=softmax_scale,
             config=cfg.to_dict(),
             kv_major_mask=None if block_mask is None else block_mask.transposed,

@@ -590,6 +590,29 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 
 
 # ----------------------------------------------------------------------------- kernel
+@gluon.jit
+def _step_buffers(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
+                  STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """The shared memory every step reads: K's and V's tiles (one each), the ring of Q, dO,
+    lse2 and delta (STAGES slots), and the dQ staging tiles, in the TMA boxes' layouts."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_block: gl.constexpr = q_desc.block_type.shape
+    kv_block: gl.constexpr = k_desc.block_type.shape
+    rows: gl.constexpr = lse_desc.block_type.shape[0]  # BLOCK_M
+    k_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, rows], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, rows], delta_desc.layout)
+    # dQ staging tiles in the TMA reduce's box and layout (rank 3: (1, BLOCK_M, D) of the
+    # (B H_q, N_q, D) accumulator; 128-byte swizzle, which also spreads the accumulator's
+    # stores over the banks, as bwd_kernel's staging tile).
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape,
+                                        dq_desc.layout)
+    return k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs
+
+
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "H_KV", "GROUP",
                               "n_kv_tiles", "n_q_tiles", "stride_cb", "stride_ch",
                               "stride_ib", "stride_ih", "stride_iq"])
@@ -615,19 +638,8 @@ def _gluon_bwd_ws_kernel(
     # not give that (gluon_bwd refuses it).
     gl.static_assert(not (DETERMINISTIC and SPARSE))
     dtype: gl.constexpr = q_desc.dtype
-    q_block: gl.constexpr = q_desc.block_type.shape
-    kv_block: gl.constexpr = k_desc.block_type.shape
-    k_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    # dQ staging tiles in the TMA reduce's box and layout (rank 3: (1, BLOCK_M, D) of the
-    # (B H_q, N_q, D) accumulator; 128-byte swizzle, which also spreads the accumulator's
-    # stores over the banks, as bwd_kernel's staging tile).
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape,
-                                        dq_desc.layout)
+    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = _step_buffers(
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, STAGES, DQ_BUFFERS)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                              element_bitwidth=16, rank=2))

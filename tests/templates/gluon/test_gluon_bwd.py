@@ -99,7 +99,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
         GluonBwdConfig(stages=1)  # spilled at d128: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False
@@ -371,6 +371,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
     "ws_dqe_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                    "warp_specialize": True, "dq_buffers": 2, "dq_early": True},
+    # The two MMA warpgroups as two partitions (templates/gluon/bwd_split_kernel.py).
+    "ws_split": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                 "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
+    "ws_split_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                     "warp_specialize": True, "dq_buffers": 2, "split_warpgroups": True},
 }
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -1,0 +1,284 @@
+"""The warp-specialized Gluon backward with its two MMA warpgroups as two partitions
+(gluon_bwd's ``split_warpgroups``; FlashAttention-3's consumers).
+
+``bwd_ws_kernel`` runs both MMA warpgroups in one partition of 8 warps: every mbarrier
+arrival there is one thread's after a barrier of all 8 warps (Triton inserts it), so the
+warpgroups meet twice a step, before the dQ GEMM and at the dQ tile's hand-over, and each
+waits for the slower one (the H200 profile: 14% of the compute warps' stalls at those
+barriers; notes/gluon_notes.md). Here each warpgroup is a partition of its own (the kernel's
+4 warps, and a worker of 4 at the same 240 registers) and owns half of everything a program
+holds: keys [64 w, 64 w + 64) of the KV tile (its S^T, dP^T, dK and dV rows) and columns
+[D/2 w, D/2 w + D/2) of each step's dQ tile. They meet only where the maths needs both:
+
+  * dS^T: each stores its 64 key rows into the step's dS^T tile and arrives on ``ds_full``
+    (count 2); both wait for it, then each runs its half of dQ = dS K (all 128 keys, its
+    D/2 columns of K). Two dS^T tiles, used by turns: a warpgroup may store step t + 1's
+    while the other's dQ GEMM still reads step t's (it passed step t + 1's ``ds_full`` only
+    after the other finished step t).
+  * the hand-overs count both: the ring slot's ``empty`` and the dQ tile's ``dq_full`` are
+    initialized with count 2, each warpgroup arriving after its own GEMMs and its half of
+    the tile; the load and dQ warps (``bwd_ws_kernel``'s, unchanged) see one completion.
+  * the end: dK and dV leave through K's and V's buffers, which the other warpgroup's dQ
+    GEMMs read until its last step: both arrive on ``kv_free`` first, then store their
+    rows and arrive on ``dkv_ready``; the first warpgroup issues the TMA stores.
+
+Dense and causal walks only (no block mask, no ordered dQ, no dq_early; gluon_bwd's
+constraint says so). Every step takes the masked maths (limits that hide nothing on a
+step that needs no mask), as ``bwd_ws_kernel``'s dense walk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the standalone entry's
+    launch_plan,
+    mma_layout,
+    probs_t,
+    tma_store,
+    validate_inputs,
+    warps_barrier,
+)
+from templates.gluon.bwd_ws_kernel import (
+    MMA_REGS,
+    WsLaunchPlan,
+    _dq_free_phase,
+    _dq_partition,
+    _load_partition,
+    _program_walk,
+    _step_buffers,
+    _step_rows,
+)
+
+# Warps of each MMA partition: one warpgroup (a constexpr: the kernels read it).
+HALF_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_smem,
+               delta_smem, t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale,
+               WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
+    """Step t of warpgroup WG: its keys' S^T, dP^T, dV and dK GEMMs and softmax, its dS^T
+    rows into ``ds_buf``, then (both halves there) its columns of dQ. Returns (dk, dv, dq),
+    every GEMM completed."""
+    dtype: gl.constexpr = q_smem.dtype
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    st_layout: gl.constexpr = mma_layout(HALF_WARPS, HALF_N, BLOCK_M)
+    kv_layout: gl.constexpr = mma_layout(HALF_WARPS, HALF_N, HEAD_DIM)
+    dq_layout: gl.constexpr = mma_layout(HALF_WARPS, BLOCK_M, HALF_D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    zeros_st = gl.zeros([HALF_N, BLOCK_M], gl.float32, st_layout)
+    k_half = k_full.slice(WG * HALF_N, HALF_N, dim=0)
+    v_half = v_full.slice(WG * HALF_N, HALF_N, dim=0)
+
+    s_tok = warpgroup_mma(k_half, q_smem.permute((1, 0)), zeros_st, use_acc=False,
+                          is_async=True)
+    dp_tok = warpgroup_mma(v_half, do_smem.permute((1, 0)), zeros_st, use_acc=False,
+                           is_async=True)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
+    offs_n = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
+
+    s_t = warpgroup_mma_wait(1, deps=(s_tok,))
+    lse2 = lse_smem.load(cols)
+    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, True, CAUSAL)
+    p16 = p_t.to(dtype)
+    p_op = gl.convert_layout(p16, a_layout)
+    dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
+
+    dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
+    delta = delta_smem.load(cols)
+    ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+
+    # This warpgroup's dS^T rows, then both halves before either dQ GEMM reads the tile.
+    ds_buf.slice(WG * HALF_N, HALF_N, dim=0).store(ds_t)
+    fence_async_shared()
+    warps_barrier()
+    mbarrier.arrive(ds_full.index(t % 2))
+    mbarrier.wait(ds_full.index(t % 2), (t // 2) & 1)
+    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_full.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
+    return dk, dv, dq
+
+
+@gluon.jit
+def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+              dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
+              kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready,
+              N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+              qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """Warpgroup WG's walk (the same walk as every partition's, ``_program_walk``): its
+    half of each step, its half of the dQ tile handed over, its dK/dV rows stored at the
+    end."""
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+    dtype: gl.constexpr = q_desc.dtype
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    kv_layout: gl.constexpr = mma_layout(HALF_WARPS, HALF_N, HEAD_DIM)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for t in range(n_steps):
+        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+        slot = t % STAGES
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        # As bwd_ws_kernel: descriptors rebuilt each step from an index LLVM cannot see.
+        zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        k_full = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+        v_full = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+        dk, dv, dq = _half_step(dk, dv, k_full, v_full,
+                                q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
+                                do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
+                                ds_bufs.index(t % 2), ds_full, lse_bufs.index(slot),
+                                delta_bufs.index(slot), t, m0, n0, N_KV, causal_offset,
+                                qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M, HALF_N)
+        # Its columns of the dQ tile into a free staging buffer, then its two arrivals
+        # (each barrier completes on both warpgroups').
+        buf = t % DQ_BUFFERS
+        mbarrier.wait(dq_empty.index(buf), _dq_free_phase(t, DQ_BUFFERS))
+        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).slice(WG * HALF_D, HALF_D,
+                                                               dim=1).store(dq)
+        fence_async_shared()
+        warps_barrier()
+        mbarrier.arrive(empty.index(slot))
+        mbarrier.arrive(dq_full.index(buf))
+
+    # The other warpgroup's dQ GEMMs read all of K until its last step: both done before
+    # either overwrites its rows with dK.
+    mbarrier.arrive(kv_free)
+    mbarrier.wait(kv_free, 0)
+    k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF_N, HALF_N,
+                                                      dim=0).store(dk.to(dtype))
+    v_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF_N, HALF_N,
+                                                      dim=0).store(dv.to(dtype))
+    fence_async_shared()
+    warps_barrier()
+    mbarrier.arrive(dkv_ready)
+    if WG == 0:  # one issuer for the tile's TMA stores, once both halves are in
+        mbarrier.wait(dkv_ready, 0)
+        tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
+        tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
+        tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "H_KV", "GROUP",
+                              "n_kv_tiles", "n_q_tiles", "stride_cb", "stride_ch",
+                              "stride_ib", "stride_ih", "stride_iq"])
+def _gluon_bwd_split_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+    N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+    # bwd_ws_kernel's parameters, so that its launch plan's arguments fit: the mask lists
+    # and the counters are stand-ins here (dense and causal walks only).
+    FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, DqCounters,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, MMA_REGS: gl.constexpr = 240,
+):
+    gl.static_assert(BLOCK_N == 128, "two warpgroups of 64 keys each")
+    dtype: gl.constexpr = q_desc.dtype
+    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = _step_buffers(
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, STAGES, DQ_BUFFERS)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                             element_bitwidth=16, rank=2))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dkv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    # Arrived on by both MMA warpgroups (one thread each): the slot, the dQ tile, dS^T and
+    # the end. ready and dq_empty have one producer (the load warp, the dQ warp).
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(DQ_BUFFERS):
+        mbarrier.init(dq_full.index(i), count=2)
+        mbarrier.init(dq_empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_full.index(i), count=2)
+    mbarrier.init(kv_free, count=2)
+    mbarrier.init(dkv_ready, count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_mma_half, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+          dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
+          kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
+          causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, 0,
+          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS)),
+        (_mma_half, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+          dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
+          kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
+          causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, 1,
+          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+          delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
+          ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
+          H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
+          PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
+          stride_ib, stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+          DQ_BUFFERS, False, 128, 128, 0)),
+        (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+          delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
+          ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
+          H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
+          PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
+          stride_ib, stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+          CAUSAL, DQ_BUFFERS, False, 128, 128, 0, False)),
+    ], [HALF_WARPS, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+
+
+class SplitLaunchPlan(WsLaunchPlan):
+    """``WsLaunchPlan`` (grids, preprocess, descriptors, arguments) for the split kernel:
+    one warpgroup in the kernel's own partition (the other is a worker)."""
+
+    def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
+                 config: Any, kv_major_mask: Any = None, docs: bool = False) -> None:
+        if kv_major_mask is not None:
+            raise ValueError("split_warpgroups walks dense and causal problems only, not a "
+                             "block mask")
+        super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config)
+        self.options.update(num_warps=HALF_WARPS, MMA_REGS=MMA_REGS)
+        # (GLUON_BWD_DEBUG's switches are the other kernel's.)
+        self.options.pop("DEBUG", None)
+        for name in ("DETERMINISTIC", "DQ_EARLY", "SPARSE", "DOCS"):
+            if self.options.pop(name, False):
+                raise ValueError(f"split_warpgroups does not take {name.lower()}")
+
+    def main_kernel(self) -> Any:
+        return _gluon_bwd_split_kernel
+
+
+def launch(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str,
+           scale: float, config: Any, block_mask: Any = None) -> tuple[Any, Any, Any]:
+    """Run the split kernel on validated CUDA inputs (``bwd_ws_kernel.launch``'s contract,
+    dense and causal only)."""
+    if block_mask is not None:
+        raise ValueError("split_warpgroups walks dense and causal problems only, not a "
+                         "block mask")
+    return launch_plan(SplitLaunchPlan, do, q, k, v, o, lse, causal_mode=causal_mode,
+                       scale=scale, config=config)

@@ -1,0 +1,106 @@
+"""gluon_bwd's ``split_warpgroups``: the warp-specialized backward with its two MMA
+warpgroups as two partitions (templates/gluon/bwd_split_kernel.py). On the CPU: which configs
+and problems take it, the shared memory it counts, the offline sm_90 build; on a Hopper GPU:
+gradients against the reference and against the one-partition kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from templates.base import Problem
+from templates.compile.offline_target import TARGETS
+from templates.gluon.bwd import (
+    GLUON_MISSING,
+    TEMPLATE,
+    GluonBwdConfig,
+    shared_memory_estimate,
+)
+from tests.templates.gluon.gluon_checks import compile_reports, is_hopper
+
+H100 = TARGETS["h100"]
+needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
+SPLIT = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_specialize=True,
+                       split_warpgroups=True)
+DENSE = Problem(1, 16, 16, 16384, 16384, 128, "bfloat16", "none")
+CAUSAL = Problem(1, 32, 32, 16384, 16384, 64, "bfloat16", "top_left")
+
+
+@needs_gluon
+def test_dense_and_causal_problems_take_it() -> None:
+    for problem in (DENSE, CAUSAL):
+        assert TEMPLATE.constraint(problem, SPLIT, H100) is None
+    assert TEMPLATE.run_constraint(DENSE, SPLIT, H100, None) is None
+
+
+@needs_gluon
+def test_what_it_does_not_take_is_refused_by_name() -> None:
+    sliding = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
+    reason = TEMPLATE.constraint(sliding, SPLIT, H100)
+    assert reason is not None and "block mask" in reason
+    reason = TEMPLATE.run_constraint(DENSE, SPLIT, H100, (128, 128))
+    assert reason is not None and "block mask" in reason
+    for knob in ("deterministic", "dq_early"):
+        reason = TEMPLATE.constraint(DENSE, dataclasses.replace(SPLIT, **{knob: True}), H100)
+        assert reason is not None and knob in reason, reason
+    reason = TEMPLATE.constraint(
+        DENSE, dataclasses.replace(SPLIT, warp_specialize=False), H100)
+    assert reason is not None and "warp_specialize" in reason
+
+
+def test_the_second_ds_tile_is_counted() -> None:
+    one = dataclasses.replace(SPLIT, split_warpgroups=False)
+    tile = SPLIT.BLOCK_N * SPLIT.BLOCK_M * 2
+    assert shared_memory_estimate(DENSE, SPLIT) - shared_memory_estimate(DENSE, one) == tile
+    assert shared_memory_estimate(DENSE, SPLIT) <= H100.smem_per_block
+
+
+@needs_gluon
+def test_it_compiles_for_the_h100_without_serialized_gemms() -> None:
+    """The offline build: both MMA partitions' wgmma pipelines intact (no ptxas note), the
+    shared memory within the H100's 227 KiB (d128: two dS^T tiles beside the ring)."""
+    jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
+            for p, c in ((DENSE, SPLIT), (CAUSAL, SPLIT),
+                         (CAUSAL, dataclasses.replace(SPLIT, dq_buffers=2)))]
+    for out in compile_reports("templates.gluon.bwd", jobs):
+        assert out["error"] == "" and out["constraint"] == "", out
+        _, main = out["kernels"]
+        assert main["kernel"] == "_gluon_bwd_split_kernel", out
+        assert main["wgmma_serialized"] == "", out
+        assert main["shared_bytes"] <= H100.smem_per_block, out
+
+
+# ----------------------------------------------------------------------------- GPU numerics
+GPU_CASES = [
+    (1, 2, 2, 333, 333, 128, "bfloat16", "none"),
+    (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left"),  # GQA
+    (1, 3, 1, 300, 1100, 64, "float16", "bottom_right"),  # MQA, N_q < N_kv
+    (1, 2, 2, 1100, 300, 128, "float16", "bottom_right"),  # 800 rows see no key
+    (2, 8, 8, 2048, 2048, 128, "bfloat16", "top_left"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: Problem(*c).key())
+def test_split_matches_the_reference_and_the_one_partition_kernel(
+        case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    if not is_hopper():
+        pytest.skip("gluon_bwd needs a Hopper GPU")
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
+
+    monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)  # unwritten dk/dv read NaN
+    problem = Problem(*case)
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+    ref = TEMPLATE.reference(inputs)
+    one = TEMPLATE.run(inputs, dataclasses.replace(SPLIT, split_warpgroups=False))
+    runs = [TEMPLATE.run(inputs, SPLIT) for _ in range(2)]
+    for out in runs:
+        for grad in out:
+            assert not torch.isnan(grad).any()
+        assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
+    # dK and dV: the same GEMMs in the same order per key row as the one-partition kernel.
+    assert torch.equal(runs[0][1], one[1]) and torch.equal(runs[0][2], one[2])
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
