@@ -6,6 +6,7 @@ gradients against the reference and against the one-partition kernel."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from templates.gluon.bwd import (
     GluonBwdConfig,
     shared_memory_estimate,
 )
-from tests.templates.gluon.gluon_checks import compile_reports, is_hopper
+from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -71,6 +72,16 @@ def test_it_compiles_for_the_h100_without_serialized_gemms() -> None:
         assert main["kernel"] == "_gluon_bwd_split_kernel", out
         assert main["wgmma_serialized"] == "", out
         assert main["shared_bytes"] <= H100.smem_per_block, out
+
+
+@needs_gluon
+def test_its_standalone_source_runs_the_split_kernel(tmp_path: Path) -> None:
+    source = TEMPLATE.standalone_source(SPLIT)
+    assert "from templates" not in source and "import templates" not in source
+    module = import_standalone(source, tmp_path / "gluon_bwd_split_standalone.py")
+    assert module.launch.__doc__ and "split kernel" in module.launch.__doc__
+    assert module.CONFIG["split_warpgroups"] is True
+    assert module.SplitLaunchPlan.main_kernel(None) is module._gluon_bwd_split_kernel
 
 
 # ----------------------------------------------------------------------------- GPU numerics
