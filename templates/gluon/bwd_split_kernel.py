@@ -52,12 +52,12 @@ from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the sta
 from templates.gluon.bwd_ws_kernel import (
     MMA_REGS,
     WsLaunchPlan,
-    _dq_free_phase,
-    _dq_partition,
-    _load_partition,
-    _program_walk,
-    _step_buffers,
-    _step_rows,
+    dq_free_phase,
+    dq_partition,
+    load_partition,
+    program_walk,
+    step_buffers,
+    step_rows,
 )
 
 # Warps of each MMA partition: one warpgroup (a constexpr: the kernels read it).
@@ -124,10 +124,10 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
               qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr):
-    """Warpgroup WG's walk (the same walk as every partition's, ``_program_walk``): its
+    """Warpgroup WG's walk (the same walk as every partition's, ``program_walk``): its
     half of each step, its half of the dQ tile handed over, its dK/dV rows stored at the
     end."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -137,7 +137,7 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
     for t in range(n_steps):
-        h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+        h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
         slot = t % STAGES
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
         # As bwd_ws_kernel: descriptors rebuilt each step from an index LLVM cannot see.
@@ -154,7 +154,7 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
         # Its columns of the dQ tile into a free staging buffer, then its two arrivals
         # (each barrier completes on both warpgroups').
         buf = t % DQ_BUFFERS
-        mbarrier.wait(dq_empty.index(buf), _dq_free_phase(t, DQ_BUFFERS))
+        mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
         dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).slice(WG * HALF_D, HALF_D,
                                                                dim=1).store(dq)
         fence_async_shared()
@@ -196,7 +196,7 @@ def _gluon_bwd_split_kernel(
 ):
     gl.static_assert(BLOCK_N == 128, "two warpgroups of 64 keys each")
     dtype: gl.constexpr = q_desc.dtype
-    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = _step_buffers(
+    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = step_buffers(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, STAGES, DQ_BUFFERS)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout(swizzle_byte_width=128,
@@ -235,14 +235,14 @@ def _gluon_bwd_split_kernel(
           kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
           causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, 1,
           HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS)),
-        (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+        (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
           H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
           PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
           stride_ib, stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
           DQ_BUFFERS, False, 128, 128, 0)),
-        (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+        (dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
           H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,

@@ -101,7 +101,7 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 # ----------------------------------------------------------------------------- the walk
 @gluon.jit
-def _program_walk(N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+def program_walk(N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """This program's KV tile and the query tiles it walks, the same in every partition:
     (b, kv head, n0, first_row, full_row, n_q_steps, n_steps, h0). Step t is query tile
@@ -127,7 +127,7 @@ def _program_walk(N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
 
 
 @gluon.jit
-def _step_rows(t, n_q_steps, h0, first_row, BLOCK_M: gl.constexpr):
+def step_rows(t, n_q_steps, h0, first_row, BLOCK_M: gl.constexpr):
     """(query head, first query row) of step t."""
     per_head = gl.maximum(n_q_steps, 1)  # no division by zero when there is no step at all
     return h0 + t // per_head, first_row + (t % per_head) * BLOCK_M
@@ -175,7 +175,7 @@ def _mask_step(FullIndices, PartialIndices, PartialTileIds, PartialTiles, lrow, 
 
 # ----------------------------------------------------------------------------- the load warp
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                     dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                     ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
                     N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
@@ -188,7 +188,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                     MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr):
     """K and V once, then step t's Q, dO, lse2 and delta into slot t % STAGES once the MMA
     partition has released it (the empty barrier's previous phase; a fresh barrier passes)."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     N_Q_PAD = n_q_tiles * BLOCK_M
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -209,7 +209,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                 step += 1
     else:
         for t in range(n_steps):
-            h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
             _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                        delta_bufs, ready, empty, t, b, h, m0, H_Q, N_Q_PAD, STAGES)
 
@@ -233,7 +233,7 @@ def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
 
 # ----------------------------------------------------------------------------- the dQ warp
 @gluon.jit
-def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                   dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                   ds_smem, kv_ready, ready, empty, dq_full, dq_empty,
                   N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
@@ -251,7 +251,7 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
     DETERMINISTIC (dense or causal) each query tile's reduces land in increasing KV-tile
     order (``_dq_step_in_order``; ``DqCounters``: an int32 counter per (batch, query head,
     query tile), zeroed by the host per call)."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     if SPARSE:
         step = n0 * 0
@@ -268,9 +268,9 @@ def _dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, d
                 step += 1
     else:
         for t in range(n_steps):
-            h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
             if DETERMINISTIC:
-                # The KV tiles that visit a query tile are 0 .. k (``_program_walk``: a
+                # The KV tiles that visit a query tile are 0 .. k (``program_walk``: a
                 # tile's first row never decreases with its index, and every tile walks on
                 # to the last query tile), so this tile's turn at any of its query tiles is
                 # its own index. Per query head: a GQA program's heads each count their own.
@@ -443,7 +443,7 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
         # In issue order dV's, dQ's, dK's: at most one outstanding leaves dK's running.
         dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, p_op))
         buf = t % DQ_BUFFERS
-        mbarrier.wait(dq_empty.index(buf), _dq_free_phase(t, DQ_BUFFERS))
+        mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
         dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
         dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
         return dk, dv, dq
@@ -457,7 +457,7 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
 
 
 @gluon.jit
-def _dq_free_phase(t, DQ_BUFFERS: gl.constexpr):
+def dq_free_phase(t, DQ_BUFFERS: gl.constexpr):
     """The phase of step t's dQ staging buffer's "empty" barrier: the dQ warp's reduce of
     the tile before it in that buffer has read it."""
     return ((t // DQ_BUFFERS) & 1) ^ 1
@@ -514,7 +514,7 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
     # step, and the tile goes to the dQ warp.
     buf = t % DQ_BUFFERS
     if not DQ_EARLY:
-        mbarrier.wait(dq_empty.index(buf), _dq_free_phase(t, DQ_BUFFERS))
+        mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
         dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
     fence_async_shared()
     warps_barrier()
@@ -539,7 +539,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     """Every step's GEMMs and softmax; dK and dV summed in registers and stored by TMA at the
     end (through K's and V's buffers); each step's dQ tile handed to the dQ warp. DOCS: the
     launch passes the rows' document starts where the partial tiles go (``_ws_step``)."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = _program_walk(
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = 8  # MMA_WARPS
@@ -571,7 +571,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                 step += 1
     else:
         for t in range(n_steps):
-            h, m0 = _step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
             dk, dv = _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                dq_bufs, ds_smem, ready, empty, dq_full, dq_empty, t, m0, n0,
                                N_KV, causal_offset, qk_scale, sm_scale, True, None,
@@ -591,7 +591,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit
-def _step_buffers(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
+def step_buffers(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
                   STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     """The shared memory every step reads: K's and V's tiles (one each), the ring of Q, dO,
     lse2 and delta (STAGES slots), and the dQ staging tiles, in the TMA boxes' layouts."""
@@ -633,12 +633,12 @@ def _gluon_bwd_ws_kernel(
     DEBUG: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
     DQ_EARLY: gl.constexpr = False, DOCS: gl.constexpr = False,
 ):
-    # Program -> (KV tile, batch, kv head), as bwd_kernel's (``_program_walk``).
+    # Program -> (KV tile, batch, kv head), as bwd_kernel's (``program_walk``).
     # The ordered dQ needs the KV tiles of a query tile to be 0 .. k: a block mask's walk does
     # not give that (gluon_bwd refuses it).
     gl.static_assert(not (DETERMINISTIC and SPARSE))
     dtype: gl.constexpr = q_desc.dtype
-    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = _step_buffers(
+    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = step_buffers(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, STAGES, DQ_BUFFERS)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout(swizzle_byte_width=128,
@@ -669,14 +669,14 @@ def _gluon_bwd_ws_kernel(
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
           MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY, DOCS)),
-        (_load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+        (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
           MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
-        (_dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
+        (dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
