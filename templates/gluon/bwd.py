@@ -151,8 +151,9 @@ class GluonBwdConfig(KernelConfig):
         "(templates/gluon/bwd_split_kernel.py, FlashAttention-3's consumers), each with half "
         "the keys and half of each dQ tile, meeting on mbarriers only where the maths needs "
         "both (dS^T complete before the dQ GEMMs) instead of at two barriers of all 8 warps "
-        "a step; a second dS^T tile in shared memory. Dense and causal only. Built from the "
-        "H200 profile (notes/gluon_notes.md); compiled offline, not yet run on a GPU.")
+        "a step; a second dS^T tile in shared memory. Not with deterministic or dq_early. "
+        "Built from the H200 profile (notes/gluon_notes.md); compiled offline, not yet run "
+        "on a GPU.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -240,9 +241,6 @@ class GluonBwdTemplate(GluonTemplate):
             reason = block_mask_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
             if reason:
                 return reason
-        if cfg.split_warpgroups and problem.mask != "none":
-            return (f"split_warpgroups walks dense and causal problems only, not the block "
-                    f"mask {problem.mask!r}")
         if cfg.doc_offsets and not _causal_documents(problem):
             return (f"doc_offsets computes a causal packed-documents mask from its offsets: "
                     f"it needs a {DOCUMENTS_CAUSAL}:<L> problem, but the mask is "
@@ -295,8 +293,6 @@ class GluonBwdTemplate(GluonTemplate):
         reason = self.constraint(problem, dataclasses.replace(cfg, doc_offsets=False), device)
         if reason is None and mask_block is not None:
             reason = block_mask_reason(cfg, mask_block)
-        if reason is None and mask_block is not None and cfg.split_warpgroups:
-            reason = "split_warpgroups walks dense and causal problems only, not a block mask"
         return reason
 
     def run_default(self, problem: Problem, device: DeviceInfo,
@@ -469,11 +465,10 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
     if cfg.split_warpgroups:
         if split_kernel is None:
             return "the split kernel module did not import"
-        taken = [name for name in ("deterministic", "dq_early", "doc_offsets")
-                 if getattr(cfg, name)]
+        taken = [name for name in ("deterministic", "dq_early") if getattr(cfg, name)]
         if taken:
-            return (f"split_warpgroups does not take {', '.join(taken)} (its kernel walks "
-                    f"dense and causal problems with neither)")
+            return (f"split_warpgroups does not take {', '.join(taken)} (its kernel has no "
+                    f"ordered dQ and issues dQ's GEMM last)")
     return None
 
 

@@ -22,13 +22,16 @@ holds: keys [64 w, 64 w + 64) of the KV tile (its S^T, dP^T, dK and dV rows) and
     GEMMs read until its last step: both arrive on ``kv_free`` first, then store their
     rows and arrive on ``dkv_ready``; the first warpgroup issues the TMA stores.
 
-Dense and causal walks only (no block mask, no ordered dQ, no dq_early; gluon_bwd's
-constraint says so). Every step takes the masked maths (limits that hide nothing on a
-step that needs no mask), as ``bwd_ws_kernel``'s dense walk.
+Dense, causal and block-masked walks (the mask's KV-major lists, partial blocks by their
+tiles or, with DOCS, by the rows' document starts: each warpgroup reads its 64 key rows),
+no ordered dQ and no dq_early (gluon_bwd's constraint says so). A dense step takes the masked
+maths on every step (limits that hide nothing where nothing is masked), as
+``bwd_ws_kernel``'s dense walk; a masked walk branches between full and partial blocks.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from triton.experimental import gluon
@@ -55,6 +58,8 @@ from templates.gluon.bwd_ws_kernel import (
     dq_free_phase,
     dq_partition,
     load_partition,
+    mask_head,
+    mask_step,
     program_walk,
     step_buffers,
     step_rows,
@@ -66,12 +71,15 @@ HALF_WARPS = gl.constexpr(4)
 
 @gluon.jit
 def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_smem,
-               delta_smem, t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale,
-               WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
+               delta_smem, t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
+               WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+               TILE: gl.constexpr, DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, MASK_BLOCK_Q: gl.constexpr):
     """Step t of warpgroup WG: its keys' S^T, dP^T, dV and dK GEMMs and softmax, its dS^T
     rows into ``ds_buf``, then (both halves there) its columns of dQ. Returns (dk, dv, dq),
-    every GEMM completed."""
+    every GEMM completed. MASKED: the dense walk's limits (N_kv, causality); TILE: a block
+    mask's partial block, whose rows of its keys x queries uint8 tile (from ``tile_base``)
+    hide P^T's zeros, or with DOCS the rows' document starts there (``bwd_ws_kernel``'s)."""
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
     st_layout: gl.constexpr = mma_layout(HALF_WARPS, HALF_N, BLOCK_M)
@@ -89,10 +97,21 @@ def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_sme
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
     offs_n = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
+    if TILE:  # read under the GEMMs
+        if DOCS:
+            first = gl.load(tile_base + offs_m)
+            keys = gl.expand_dims(offs_n, 1)
+            keep = (keys >= gl.expand_dims(first, 0)) & (keys <= gl.expand_dims(offs_m, 0))
+        else:  # this warpgroup's rows of the tile (offs_n - n0: from WG * HALF_N)
+            tile_offs = (gl.expand_dims((offs_n - n0) * MASK_BLOCK_Q, 1)
+                         + gl.expand_dims(offs_m - m0, 0))
+            keep = gl.load(tile_base + tile_offs) != 0
 
     s_t = warpgroup_mma_wait(1, deps=(s_tok,))
     lse2 = lse_smem.load(cols)
-    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, True, CAUSAL)
+    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
+    if TILE:  # a where, not a product: a hidden score's exp2 may be inf
+        p_t = gl.where(keep, p_t, 0.0)
     p16 = p_t.to(dtype)
     p_op = gl.convert_layout(p16, a_layout)
     dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
@@ -117,13 +136,54 @@ def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_sme
 
 
 @gluon.jit
+def _half_walk_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
+                    ds_bufs, ready, empty, dq_full, dq_empty, ds_full, t, m0, n0, N_KV,
+                    causal_offset, qk_scale, sm_scale, tile_base, WG: gl.constexpr,
+                    MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
+                    DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                    MASK_BLOCK_Q: gl.constexpr):
+    """Step t (query rows from m0, ring slot t % STAGES) of warpgroup WG: its half of the
+    step (``_half_step``), then its columns of the dQ tile into a free staging buffer and its
+    two arrivals (each barrier completes on both warpgroups'). Returns (dk, dv)."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    slot = t % STAGES
+    mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+    # As bwd_ws_kernel: descriptors rebuilt each step from an index LLVM cannot see.
+    zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    k_full = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+    v_full = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
+    dk, dv, dq = _half_step(dk, dv, k_full, v_full,
+                            q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
+                            do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
+                            ds_bufs.index(t % 2), ds_full, lse_bufs.index(slot),
+                            delta_bufs.index(slot), t, m0, n0, N_KV, causal_offset, qk_scale,
+                            sm_scale, tile_base, WG, MASKED, CAUSAL, TILE, DOCS, HEAD_DIM,
+                            BLOCK_M, HALF_N, MASK_BLOCK_Q)
+    buf = t % DQ_BUFFERS
+    mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
+    dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).slice(WG * HALF_D, HALF_D,
+                                                           dim=1).store(dq)
+    fence_async_shared()
+    warps_barrier()
+    mbarrier.arrive(empty.index(slot))
+    mbarrier.arrive(dq_full.index(buf))
+    return dk, dv
+
+
+@gluon.jit
 def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
               dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
               kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready,
               N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
-              qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+              qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts, PartialIndices,
+              PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih,
+              stride_iq, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr, SPARSE: gl.constexpr,
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DOCS: gl.constexpr):
     """Warpgroup WG's walk (the same walk as every partition's, ``program_walk``): its
     half of each step, its half of the dQ tile handed over, its dK/dV rows stored at the
     end."""
@@ -131,36 +191,46 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
         N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
-    HALF_D: gl.constexpr = HEAD_DIM // 2
     kv_layout: gl.constexpr = mma_layout(HALF_WARPS, HALF_N, HEAD_DIM)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
-    for t in range(n_steps):
-        h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
-        slot = t % STAGES
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        # As bwd_ws_kernel: descriptors rebuilt each step from an index LLVM cannot see.
-        zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-        k_full = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
-        v_full = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
-        dk, dv, dq = _half_step(dk, dv, k_full, v_full,
-                                q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
-                                do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
-                                ds_bufs.index(t % 2), ds_full, lse_bufs.index(slot),
-                                delta_bufs.index(slot), t, m0, n0, N_KV, causal_offset,
-                                qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M, HALF_N)
-        # Its columns of the dQ tile into a free staging buffer, then its two arrivals
-        # (each barrier completes on both warpgroups').
-        buf = t % DQ_BUFFERS
-        mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
-        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).slice(WG * HALF_D, HALF_D,
-                                                               dim=1).store(dq)
-        fence_async_shared()
-        warps_barrier()
-        mbarrier.arrive(empty.index(slot))
-        mbarrier.arrive(dq_full.index(buf))
+    if SPARSE:
+        step = n0 * 0
+        for g in range(GROUP):
+            lrow, n_full, n_head = mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
+                                             stride_cb, stride_ch, stride_ib, stride_ih,
+                                             stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            for j in range(n_head):
+                m0, partial, tile_base = mask_step(FullIndices, PartialIndices,
+                                                   PartialTileIds, PartialTiles, lrow, n_full,
+                                                   j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                if DOCS:
+                    tile_base = PartialTiles
+                # Causality is the mask's: a full block sees every pair, a partial one what
+                # its tile keeps.
+                if partial:
+                    dk, dv = _half_walk_step(
+                        dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
+                        ds_bufs, ready, empty, dq_full, dq_empty, ds_full, step, m0, n0, N_KV,
+                        causal_offset, qk_scale, sm_scale, tile_base, WG, False, False, True,
+                        DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q)
+                else:
+                    dk, dv = _half_walk_step(
+                        dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
+                        ds_bufs, ready, empty, dq_full, dq_empty, ds_full, step, m0, n0, N_KV,
+                        causal_offset, qk_scale, sm_scale, tile_base, WG, False, False, False,
+                        False, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q)
+                step += 1
+    else:
+        for t in range(n_steps):
+            h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            # One path: the masked maths on every step, as bwd_ws_kernel's dense walk.
+            dk, dv = _half_walk_step(
+                dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
+                ready, empty, dq_full, dq_empty, ds_full, t, m0, n0, N_KV, causal_offset,
+                qk_scale, sm_scale, None, WG, True, CAUSAL, False, False, HEAD_DIM, BLOCK_M,
+                BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q)
 
     # The other warpgroup's dQ GEMMs read all of K until its last step: both done before
     # either overwrites its rows with dK.
@@ -193,6 +263,8 @@ def _gluon_bwd_split_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, MMA_REGS: gl.constexpr = 240,
+    SPARSE: gl.constexpr = False, MASK_BLOCK_Q: gl.constexpr = 128,
+    MASK_BLOCK_KV: gl.constexpr = 128, DOCS: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_N == 128, "two warpgroups of 64 keys each")
     dtype: gl.constexpr = q_desc.dtype
@@ -228,27 +300,31 @@ def _gluon_bwd_split_kernel(
         (_mma_half, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
           dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
           kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
-          causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, 0,
-          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS)),
+          causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+          FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
+          stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, 0, HEAD_DIM, BLOCK_M,
+          BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS)),
         (_mma_half, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
           dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
           kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
-          causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, 1,
-          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS)),
+          causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+          FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
+          stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, 1, HEAD_DIM, BLOCK_M,
+          BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
           H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
           PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
           stride_ib, stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-          DQ_BUFFERS, False, 128, 128, 0)),
+          DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 0)),
         (dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
           H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
           PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
           stride_ib, stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-          CAUSAL, DQ_BUFFERS, False, 128, 128, 0, False)),
+          CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 0, False)),
     ], [HALF_WARPS, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
 
 
@@ -258,14 +334,12 @@ class SplitLaunchPlan(WsLaunchPlan):
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Any, kv_major_mask: Any = None, docs: bool = False) -> None:
-        if kv_major_mask is not None:
-            raise ValueError("split_warpgroups walks dense and causal problems only, not a "
-                             "block mask")
-        super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config)
+        super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config,
+                         kv_major_mask=kv_major_mask, docs=docs)
         self.options.update(num_warps=HALF_WARPS, MMA_REGS=MMA_REGS)
         # (GLUON_BWD_DEBUG's switches are the other kernel's.)
         self.options.pop("DEBUG", None)
-        for name in ("DETERMINISTIC", "DQ_EARLY", "SPARSE", "DOCS"):
+        for name in ("DETERMINISTIC", "DQ_EARLY"):
             if self.options.pop(name, False):
                 raise ValueError(f"split_warpgroups does not take {name.lower()}")
 
@@ -275,10 +349,7 @@ class SplitLaunchPlan(WsLaunchPlan):
 
 def launch(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str,
            scale: float, config: Any, block_mask: Any = None) -> tuple[Any, Any, Any]:
-    """Run the split kernel on validated CUDA inputs (``bwd_ws_kernel.launch``'s contract,
-    dense and causal only)."""
-    if block_mask is not None:
-        raise ValueError("split_warpgroups walks dense and causal problems only, not a "
-                         "block mask")
-    return launch_plan(SplitLaunchPlan, do, q, k, v, o, lse, causal_mode=causal_mode,
-                       scale=scale, config=config)
+    """Run the split kernel on validated CUDA inputs (``bwd_ws_kernel.launch``'s contract)."""
+    kv_major = None if block_mask is None else block_mask.transposed
+    return launch_plan(functools.partial(SplitLaunchPlan, kv_major_mask=kv_major), do, q, k,
+                       v, o, lse, causal_mode=causal_mode, scale=scale, config=config)

@@ -24,7 +24,7 @@ per KV block, its full then its partial query blocks, ascending), each mask bloc
 MASK_BLOCK_Q rows as MASK_BLOCK_Q / BLOCK_M steps; full blocks take the unmasked maths,
 partial ones hide what their (transposed, keys x queries) uint8 tile hides in P^T, so dS^T
 too. Causality is the mask's own (CAUSAL False). The three partitions run the same walk
-(``_mask_head`` and ``_mask_step``): the load warp issues the step's loads, the MMA warps
+(``mask_head`` and ``mask_step``): the load warp issues the step's loads, the MMA warps
 compute it, the dQ warp adds its dQ tile where the walk says.
 
 dq is not bitwise deterministic (the reduces of the programs of one query tile land in any
@@ -135,9 +135,9 @@ def step_rows(t, n_q_steps, h0, first_row, BLOCK_M: gl.constexpr):
 
 # ----------------------------------------------------------------------------- the mask walk
 @gluon.jit
-def _mask_head(FullCounts, PartialCounts, b, h, n0, stride_cb, stride_ch, stride_ib, stride_ih,
-               stride_iq, BLOCK_M: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-               MASK_BLOCK_KV: gl.constexpr):
+def mask_head(FullCounts, PartialCounts, b, h, n0, stride_cb, stride_ch, stride_ib, stride_ih,
+              stride_iq, BLOCK_M: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+              MASK_BLOCK_KV: gl.constexpr):
     """(SPARSE) The walk of query head h for the KV tile from key n0, from the transposed
     mask's lists (rows = KV blocks): (offset of the tile's list row, its full blocks, its
     steps). A step is BLOCK_M rows of a listed query block: full blocks' steps first."""
@@ -151,10 +151,10 @@ def _mask_head(FullCounts, PartialCounts, b, h, n0, stride_cb, stride_ch, stride
 
 
 @gluon.jit
-def _mask_step(FullIndices, PartialIndices, PartialTileIds, PartialTiles, lrow, n_full, j, n0,
-               BLOCK_M: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-               MASK_BLOCK_KV: gl.constexpr):
-    """(SPARSE) Step j of a head's walk (``_mask_head``): (first query row, whether its block
+def mask_step(FullIndices, PartialIndices, PartialTileIds, PartialTiles, lrow, n_full, j, n0,
+              BLOCK_M: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+              MASK_BLOCK_KV: gl.constexpr):
+    """(SPARSE) Step j of a head's walk (``mask_head``): (first query row, whether its block
     is partial, where the step's keys x queries uint8 tile starts: row ``n0 % MASK_BLOCK_KV``
     of the block's transposed tile, its columns of this step's queries; unused for a full
     block). Slot 0 of a list row is readable even where the row lists nothing."""
@@ -197,13 +197,13 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
     if SPARSE:
         step = n0 * 0
         for g in range(GROUP):
-            lrow, n_full, n_head = _mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
-                                              stride_cb, stride_ch, stride_ib, stride_ih,
-                                              stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            lrow, n_full, n_head = mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
+                                             stride_cb, stride_ch, stride_ib, stride_ih,
+                                             stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
             for j in range(n_head):
-                m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
-                                                    PartialTileIds, PartialTiles, lrow, n_full,
-                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                m0, partial, tile_base = mask_step(FullIndices, PartialIndices,
+                                                   PartialTileIds, PartialTiles, lrow, n_full,
+                                                   j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
                 _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                            delta_bufs, ready, empty, step, b, h0 + g, m0, H_Q, N_Q_PAD, STAGES)
                 step += 1
@@ -256,13 +256,13 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
     if SPARSE:
         step = n0 * 0
         for g in range(GROUP):
-            lrow, n_full, n_head = _mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
-                                              stride_cb, stride_ch, stride_ib, stride_ih,
-                                              stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            lrow, n_full, n_head = mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
+                                             stride_cb, stride_ch, stride_ib, stride_ih,
+                                             stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
             for j in range(n_head):
-                m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
-                                                    PartialTileIds, PartialTiles, lrow, n_full,
-                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                m0, partial, tile_base = mask_step(FullIndices, PartialIndices,
+                                                   PartialTileIds, PartialTiles, lrow, n_full,
+                                                   j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
                 _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, step, b * H_Q + h0 + g, m0,
                          DQ_BUFFERS, DEBUG)
                 step += 1
@@ -551,13 +551,13 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
     if SPARSE:
         step = n0 * 0
         for g in range(GROUP):
-            lrow, n_full, n_head = _mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
-                                              stride_cb, stride_ch, stride_ib, stride_ih,
-                                              stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+            lrow, n_full, n_head = mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
+                                             stride_cb, stride_ch, stride_ib, stride_ih,
+                                             stride_iq, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
             for j in range(n_head):
-                m0, partial, tile_base = _mask_step(FullIndices, PartialIndices,
-                                                    PartialTileIds, PartialTiles, lrow, n_full,
-                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                m0, partial, tile_base = mask_step(FullIndices, PartialIndices,
+                                                   PartialTileIds, PartialTiles, lrow, n_full,
+                                                   j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
                 if DOCS:
                     tile_base = PartialTiles
                 # Causality is the mask's: a full block sees every pair, a partial one what

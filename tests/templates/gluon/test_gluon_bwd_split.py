@@ -1,7 +1,8 @@
 """gluon_bwd's ``split_warpgroups``: the warp-specialized backward with its two MMA
 warpgroups as two partitions (templates/gluon/bwd_split_kernel.py). On the CPU: which configs
-and problems take it, the shared memory it counts, the offline sm_90 build; on a Hopper GPU:
-gradients against the reference and against the one-partition kernel."""
+and problems take it, the shared memory it counts, the offline sm_90 build (dense, causal and
+block masks); on a Hopper GPU: gradients against the reference and against the
+one-partition kernel."""
 
 from __future__ import annotations
 
@@ -28,22 +29,21 @@ SPLIT = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_spec
                        split_warpgroups=True)
 DENSE = Problem(1, 16, 16, 16384, 16384, 128, "bfloat16", "none")
 CAUSAL = Problem(1, 32, 32, 16384, 16384, 64, "bfloat16", "top_left")
+SLIDING = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
+DOCS = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048")
 
 
 @needs_gluon
-def test_dense_and_causal_problems_take_it() -> None:
-    for problem in (DENSE, CAUSAL):
+def test_dense_causal_and_masked_problems_take_it() -> None:
+    for problem in (DENSE, CAUSAL, SLIDING):
         assert TEMPLATE.constraint(problem, SPLIT, H100) is None
+    assert TEMPLATE.constraint(DOCS, dataclasses.replace(SPLIT, doc_offsets=True), H100) is None
     assert TEMPLATE.run_constraint(DENSE, SPLIT, H100, None) is None
+    assert TEMPLATE.run_constraint(DENSE, SPLIT, H100, (128, 128)) is None
 
 
 @needs_gluon
 def test_what_it_does_not_take_is_refused_by_name() -> None:
-    sliding = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
-    reason = TEMPLATE.constraint(sliding, SPLIT, H100)
-    assert reason is not None and "block mask" in reason
-    reason = TEMPLATE.run_constraint(DENSE, SPLIT, H100, (128, 128))
-    assert reason is not None and "block mask" in reason
     for knob in ("deterministic", "dq_early"):
         reason = TEMPLATE.constraint(DENSE, dataclasses.replace(SPLIT, **{knob: True}), H100)
         assert reason is not None and knob in reason, reason
@@ -65,7 +65,8 @@ def test_it_compiles_for_the_h100_without_serialized_gemms() -> None:
     shared memory within the H100's 227 KiB (d128: two dS^T tiles beside the ring)."""
     jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
             for p, c in ((DENSE, SPLIT), (CAUSAL, SPLIT),
-                         (CAUSAL, dataclasses.replace(SPLIT, dq_buffers=2)))]
+                         (CAUSAL, dataclasses.replace(SPLIT, dq_buffers=2)), (SLIDING, SPLIT),
+                         (DOCS, dataclasses.replace(SPLIT, doc_offsets=True)))]
     for out in compile_reports("templates.gluon.bwd", jobs):
         assert out["error"] == "" and out["constraint"] == "", out
         _, main = out["kernels"]
@@ -115,3 +116,34 @@ def test_split_matches_the_reference_and_the_one_partition_kernel(
     # dK and dV: the same GEMMs in the same order per key row as the one-partition kernel.
     assert torch.equal(runs[0][1], one[1]) and torch.equal(runs[0][2], one[2])
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+
+
+MASK_CASES = [
+    (1, 8, 2, 2048, 2048, 128, "bfloat16", "none", "sliding_causal:512"),  # GQA
+    (1, 2, 2, 1500, 1500, 64, "float16", "none", "documents_causal:256"),  # odd length
+    (2, 4, 4, 1000, 1000, 128, "float16", "none", "random:0.3"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("doc_offsets", [False, True])
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: Problem(*c).key())
+def test_split_walks_block_masks(case: tuple[Any, ...], doc_offsets: bool,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if not is_hopper():
+        pytest.skip("gluon_bwd needs a Hopper GPU")
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
+
+    monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)
+    problem = Problem(*case)
+    cfg = dataclasses.replace(SPLIT, doc_offsets=doc_offsets)
+    if TEMPLATE.constraint(problem, cfg, H100):
+        pytest.skip(f"{cfg.key()} does not fit {problem.key()}")
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
+    ref = TEMPLATE.reference(inputs)
+    out = TEMPLATE.run(inputs, cfg)
+    one = TEMPLATE.run(inputs, dataclasses.replace(cfg, split_warpgroups=False))
+    for grad in out:
+        assert not torch.isnan(grad).any()
+    assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
+    assert torch.equal(out[1], one[1]) and torch.equal(out[2], one[2])
