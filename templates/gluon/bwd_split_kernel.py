@@ -47,7 +47,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the standalone entry's
     launch_plan,
     mma_layout,
-    probs_t,
     tma_store,
     validate_inputs,
     warps_barrier,
@@ -62,6 +61,7 @@ from templates.gluon.bwd_ws_kernel import (
     mask_step,
     program_walk,
     step_buffers,
+    step_front,
     step_rows,
 )
 
@@ -80,46 +80,13 @@ def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_sme
     every GEMM completed. MASKED: the dense walk's limits (N_kv, causality); TILE: a block
     mask's partial block, whose rows of its keys x queries uint8 tile (from ``tile_base``)
     hide P^T's zeros, or with DOCS the rows' document starts there (``bwd_ws_kernel``'s)."""
-    dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
-    st_layout: gl.constexpr = mma_layout(HALF_WARPS, HALF_N, BLOCK_M)
-    kv_layout: gl.constexpr = mma_layout(HALF_WARPS, HALF_N, HEAD_DIM)
     dq_layout: gl.constexpr = mma_layout(HALF_WARPS, BLOCK_M, HALF_D)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    zeros_st = gl.zeros([HALF_N, BLOCK_M], gl.float32, st_layout)
-    k_half = k_full.slice(WG * HALF_N, HALF_N, dim=0)
-    v_half = v_full.slice(WG * HALF_N, HALF_N, dim=0)
-
-    s_tok = warpgroup_mma(k_half, q_smem.permute((1, 0)), zeros_st, use_acc=False,
-                          is_async=True)
-    dp_tok = warpgroup_mma(v_half, do_smem.permute((1, 0)), zeros_st, use_acc=False,
-                           is_async=True)
-    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
-    offs_n = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
-    if TILE:  # read under the GEMMs
-        if DOCS:
-            first = gl.load(tile_base + offs_m)
-            keys = gl.expand_dims(offs_n, 1)
-            keep = (keys >= gl.expand_dims(first, 0)) & (keys <= gl.expand_dims(offs_m, 0))
-        else:  # this warpgroup's rows of the tile (offs_n - n0: from WG * HALF_N)
-            tile_offs = (gl.expand_dims((offs_n - n0) * MASK_BLOCK_Q, 1)
-                         + gl.expand_dims(offs_m - m0, 0))
-            keep = gl.load(tile_base + tile_offs) != 0
-
-    s_t = warpgroup_mma_wait(1, deps=(s_tok,))
-    lse2 = lse_smem.load(cols)
-    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
-    if TILE:  # a where, not a product: a hidden score's exp2 may be inf
-        p_t = gl.where(keep, p_t, 0.0)
-    p16 = p_t.to(dtype)
-    p_op = gl.convert_layout(p16, a_layout)
-    dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
-
-    dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
-    delta = delta_smem.load(cols)
-    ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
-    ds_op = gl.convert_layout(ds_t, a_layout)
+    dv_tok, p_op, ds_t, ds_op = step_front(
+        dv, k_full.slice(WG * HALF_N, HALF_N, dim=0), v_full.slice(WG * HALF_N, HALF_N, dim=0),
+        q_smem, do_smem, lse_smem, delta_smem, m0, n0, n0 + WG * HALF_N, N_KV, causal_offset,
+        qk_scale, sm_scale, tile_base, MASKED, CAUSAL, TILE, DOCS, HALF_WARPS, HALF_N,
+        HEAD_DIM, BLOCK_M, MASK_BLOCK_Q)
     dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
 
     # This warpgroup's dS^T rows, then both halves before either dQ GEMM reads the tile.

@@ -399,44 +399,11 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
     stored into step t's staging buffer (``_dq_stage``) while dK's GEMM still runs; the
     caller then only fences and hands it over. Otherwise the caller stores it after every
     GEMM of the step."""
-    dtype: gl.constexpr = q_smem.dtype
-    st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, BLOCK_M)
-    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
     dq_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, HEAD_DIM)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    zeros_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-
-    s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zeros_st, use_acc=False,
-                          is_async=True)
-    dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_st, use_acc=False,
-                           is_async=True)
-    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-
-    if TILE:  # read under the GEMMs
-        if DOCS:  # one int32 per query instead of a byte per (key, query)
-            first = gl.load(tile_base + offs_m)
-            keys = gl.expand_dims(offs_n, 1)
-            keep = (keys >= gl.expand_dims(first, 0)) & (keys <= gl.expand_dims(offs_m, 0))
-        else:
-            tile_offs = (gl.expand_dims((offs_n - n0) * MASK_BLOCK_Q, 1)
-                         + gl.expand_dims(offs_m - m0, 0))
-            keep = gl.load(tile_base + tile_offs) != 0
-
-    s_t = warpgroup_mma_wait(1, deps=(s_tok,))
-    lse2 = lse_smem.load(cols)
-    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
-    if TILE:  # a where, not a product: a hidden score's exp2 may be inf
-        p_t = gl.where(keep, p_t, 0.0)
-    p16 = p_t.to(dtype)
-    p_op = gl.convert_layout(p16, a_layout)
-    dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
-
-    dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
-    delta = delta_smem.load(cols)
-    ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
-    ds_op = gl.convert_layout(ds_t, a_layout)
+    dv_tok, p_op, ds_t, ds_op = step_front(
+        dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, m0, n0, n0, N_KV,
+        causal_offset, qk_scale, sm_scale, tile_base, MASKED, CAUSAL, TILE, DOCS, NUM_WARPS,
+        BLOCK_N, HEAD_DIM, BLOCK_M, MASK_BLOCK_Q)
     if DQ_EARLY:
         dq_tok = dq_gemm(ds_t, ds_smem, k_smem, dq_layout, BLOCK_M, HEAD_DIM)
         dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
@@ -454,6 +421,57 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
     dq_tok = dq_gemm(ds_t, ds_smem, k_smem, dq_layout, BLOCK_M, HEAD_DIM)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
     return dk, dv, dq
+
+
+@gluon.jit
+def step_front(dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, m0, n0, key0, N_KV,
+               causal_offset, qk_scale, sm_scale, tile_base, MASKED: gl.constexpr,
+               CAUSAL: gl.constexpr, TILE: gl.constexpr, DOCS: gl.constexpr,
+               NUM_WARPS: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, MASK_BLOCK_Q: gl.constexpr):
+    """A step's maths up to dS^T, for KEYS keys from key0 (``k_smem``, ``v_smem``: their
+    rows) of the KV tile from key n0, over NUM_WARPS warps: S^T and dP^T, P^T (MASKED: the
+    dense limits; TILE: a partial block's rows of its uint8 tile at ``tile_base``, or with
+    DOCS the rows' document starts there), dV's GEMM issued. Returns (dV's token, P^T's
+    operand, dS^T, dS^T's operand): dV's GEMM still in flight, every other one completed."""
+    dtype: gl.constexpr = q_smem.dtype
+    st_layout: gl.constexpr = mma_layout(NUM_WARPS, KEYS, BLOCK_M)
+    kv_layout: gl.constexpr = mma_layout(NUM_WARPS, KEYS, HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    zeros_st = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+
+    s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zeros_st, use_acc=False,
+                          is_async=True)
+    dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_st, use_acc=False,
+                           is_async=True)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=cols)
+    offs_n = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
+
+    if TILE:  # read under the GEMMs
+        if DOCS:  # one int32 per query instead of a byte per (key, query)
+            first = gl.load(tile_base + offs_m)
+            keys = gl.expand_dims(offs_n, 1)
+            keep = (keys >= gl.expand_dims(first, 0)) & (keys <= gl.expand_dims(offs_m, 0))
+        else:  # rows offs_n - n0 of the block's tile
+            tile_offs = (gl.expand_dims((offs_n - n0) * MASK_BLOCK_Q, 1)
+                         + gl.expand_dims(offs_m - m0, 0))
+            keep = gl.load(tile_base + tile_offs) != 0
+
+    s_t = warpgroup_mma_wait(1, deps=(s_tok,))
+    lse2 = lse_smem.load(cols)
+    p_t = probs_t(s_t, lse2, offs_n, offs_m, N_KV, causal_offset, qk_scale, MASKED, CAUSAL)
+    if TILE:  # a where, not a product: a hidden score's exp2 may be inf
+        p_t = gl.where(keep, p_t, 0.0)
+    p16 = p_t.to(dtype)
+    p_op = gl.convert_layout(p16, a_layout)
+    dv_tok = warpgroup_mma(p_op, do_smem, dv, is_async=True)
+
+    dp_t = warpgroup_mma_wait(1, deps=(dp_tok,))
+    delta = delta_smem.load(cols)
+    ds_t = (p16.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    return dv_tok, p_op, ds_t, ds_op
 
 
 @gluon.jit
