@@ -66,6 +66,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # ``ws`` with its two MMA warpgroups as two partitions (templates/gluon/bwd_split_kernel.py).
     "ws_split": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                  "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
+    # ``ws`` and ``ws_dqe`` with 128-query steps (FA3's d64 tile; d64 only: registers).
+    "ws_m128": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                "warp_specialize": True, "dq_buffers": 1},
+    "ws_m128_dqe": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                    "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
 }
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),

@@ -19,7 +19,8 @@ with Gluon our Gluon forward (``gluon_attention_fwd(q, k, v, block_mask=...)``, 
 template's default config; ``gluon``: inference, no graph) and our Gluon kernels both ways
 (``gluon-train``: that forward, then the warp-specialized Gluon backward walking the same
 mask, ``gluon_attention_bwd(..., block_mask=...)``, its default config: gluon_train's
-pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
+pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's; ``gluon-split``: gluon-train with the
+backward's ``split_warpgroups`` knob, ``SPLIT_BWD``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
 the mask, else the efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
 graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
 call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
@@ -318,23 +319,41 @@ class _ThenGluonBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                block_mask: BlockMask, forward_fn: Callable[..., Any]) -> torch.Tensor:
+                block_mask: BlockMask, forward_fn: Callable[..., Any],
+                bwd_config: dict[str, Any] | None = None) -> torch.Tensor:
         o, lse = forward_fn(q, k, v, block_mask=block_mask)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.block_mask = block_mask
+        ctx.bwd_config = bwd_config  # None: the call's default
         return o
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = gluon_attention_bwd(do, q, k, v, o, lse, block_mask=ctx.block_mask)
-        return dq, dk, dv, None, None
+        dq, dk, dv = gluon_attention_bwd(do, q, k, v, o, lse, block_mask=ctx.block_mask,
+                                         config=ctx.bwd_config)
+        return dq, dk, dv, None, None, None
 
 
 def gluon_train(block_mask: BlockMask) -> Attention:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _ThenGluonBackward.apply(  # type: ignore[no-any-return]
             q, k, v, block_mask, gluon_attention_fwd)
+
+    return attention
+
+
+# The warp-specialized backward with its two MMA warpgroups as two partitions.
+SPLIT_BWD = {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+             "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True,
+             "doc_offsets": True}
+
+
+def gluon_split(block_mask: BlockMask) -> Attention:
+    """gluon-train with the backward's ``split_warpgroups`` knob on (SPLIT_BWD)."""
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _ThenGluonBackward.apply(  # type: ignore[no-any-return]
+            q, k, v, block_mask, gluon_attention_fwd, SPLIT_BWD)
 
     return attention
 
@@ -402,6 +421,7 @@ def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], At
         built.append(("gluon", partial(gluon, case.block_mask)))
         built.append(("gluon-train", partial(gluon_train, case.block_mask)))
         built.append(("flash-gluon", partial(flash_gluon, case.block_mask)))
+        built.append(("gluon-split", partial(gluon_split, case.block_mask)))
     if setup.baselines:
         from torch.nn.attention import SDPBackend
 

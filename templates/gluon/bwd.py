@@ -90,7 +90,8 @@ class GluonBwdConfig(KernelConfig):
         64, (64, 128),
         "Query rows per step (one TMA load of Q and dO, the N of the S^T and dP^T GEMMs). "
         "Larger steps halve the steps, barriers and atomics per key but double the S^T/dP^T "
-        "registers.")
+        "registers: 128 fits d64 only, warp-specialized, dense without a block mask (1.12x "
+        "the speed there on the H200; causal and masked walks spill).")
     BLOCK_N: int = knob(
         128, (64, 128),
         "Keys per program: its dK and dV accumulators (BLOCK_N x D fp32 each) stay in "
@@ -152,8 +153,8 @@ class GluonBwdConfig(KernelConfig):
         "the keys and half of each dQ tile, meeting on mbarriers only where the maths needs "
         "both (dS^T complete before the dQ GEMMs) instead of at two barriers of all 8 warps "
         "a step; a second dS^T tile in shared memory. Not with deterministic or dq_early. "
-        "Built from the H200 profile (notes/gluon_notes.md); compiled offline, not yet run "
-        "on a GPU.")
+        "Measured on the H200 at d128: 1.02-1.03x the speed at 16k tokens, 0.97-1.01x at 4k "
+        "(d128's default on long walks).")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -184,7 +185,7 @@ class GluonBwdTemplate(GluonTemplate):
                    "TMA bulk reduce), else dQ by fp32 vector atomics; a deterministic dQ "
                    "order as an option; dense, causal top-left or bottom-right, or a block "
                    "mask's listed blocks, GQA/MQA, head dim 64/128, fp16/bf16. On the H200: "
-                   "0.78-0.92x cuDNN's backward at d128, 0.70-0.76x at d64; the fastest "
+                   "0.85-0.92x cuDNN's backward at d128, 0.77-0.86x at d64; the fastest "
                    "backward under block masks, so it prices gluon_train and flash_gluon "
                    "(the mask, varlen and sliding-window specs sweep it).")
     config_cls = GluonBwdConfig
@@ -257,9 +258,13 @@ class GluonBwdTemplate(GluonTemplate):
             return (f"a ring of {cfg.stages} stages gave wrong dK/dV on the H100 and an illegal "
                     f"memory access on the H200 with warp_specialize (3 is right): not offered "
                     f"until found")
-        if cfg.BLOCK_M != 64:
-            return (f"BLOCK_M {cfg.BLOCK_M} gave wrong gradients or crashed on the H100 (64 is "
-                    f"right): not offered until found")
+        if cfg.BLOCK_M != 64 and not cfg.warp_specialize:
+            return (f"BLOCK_M {cfg.BLOCK_M} gave wrong gradients or crashed on the H100 "
+                    f"without warp_specialize (64 is right): not offered until found")
+        if cfg.BLOCK_M != 64 and problem.causal != "none":
+            return (f"BLOCK_M {cfg.BLOCK_M} spills 40-144 bytes of registers a thread on a "
+                    f"causal walk (offline sm_90 build; and measured 0.96x the speed of 64 "
+                    f"on the H200): 64 where causal")
         return None
 
     def warp_specialized_configs(self, problem: Problem, device: DeviceInfo
@@ -301,7 +306,7 @@ class GluonBwdTemplate(GluonTemplate):
         mask decides: one of causal packed documents runs by its offsets, any other by its
         tiles, the same kernel as without the knob)."""
         reasons = []
-        candidates = _candidates(problem)
+        candidates = _candidates(problem, masked=mask_block is not None)
         if mask_block is not None:
             candidates = [dataclasses.replace(c, doc_offsets=True) for c in candidates]
         for candidate in candidates:
@@ -417,14 +422,20 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 '''
 
 
-def _candidates(problem: Problem) -> list[GluonBwdConfig]:
-    """The default first, then the alternatives. FA3's shapes (H100, hdim 64: 128x128 tiles,
-    hdim 128: 64 queries x 128 keys, two MMA warpgroups), fitted to this kernel's register
-    bound: 64 queries x 128 keys (d64: 128 registers of tiles; d128: 192, at the bound), and
-    at d64 128 x 128. Three stages: one spilled 136 bytes at d128, two gave wrong dK/dV on
-    the H100; one warpgroup (64 x 64 tiles) crashed there. The warp-specialized kernel first:
-    on the H200 1.22-1.29x faster than the others at d128, 1.16-1.20x at d64 (its two dQ
-    tiles timed the same as one there; benchmarks/results/gluon_bwd_h200_ws*.json)."""
+def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
+    """The default first, then the alternatives; ``masked``: the call walks a block mask
+    (its problem may not name it). FA3's shapes (H100, hdim 64: 128x128 tiles, hdim 128: 64
+    queries x 128 keys, two MMA warpgroups), fitted to this kernel's register bound: 64
+    queries x 128 keys (d64: 128 registers of tiles; d128: 192, at the bound), and at d64
+    128 x 128. Three stages: one spilled 136 bytes at d128, two gave wrong dK/dV on the H100;
+    one warpgroup (64 x 64 tiles) crashed there. The warp-specialized kernel first: on the
+    H200 1.22-1.29x faster than the others at d128, 1.16-1.20x at d64 (its two dQ tiles timed
+    the same as one there; benchmarks/results/gluon_bwd_h200_ws*.json). Measured on the H200
+    (benchmarks/results/gluon_bwd_h200_split.json, gluon_bwd_h200_m128.json) and chosen here: at d64 dense,
+    128-query steps (1.12x dq_early's speed; 0.96x causal, where the diagonal's steps waste
+    more, and spilled under masks offline); at d128, split_warpgroups on long walks
+    (``LONG_WALK_STEPS``: 1.02-1.03x at 256 steps, 0.97x at 64, where its longer start and
+    end of a program weigh more)."""
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     ws = [dataclasses.replace(base, warp_specialize=True, dq_buffers=n) for n in (1, 2)]
     if problem.head_dim <= 64:
@@ -433,11 +444,26 @@ def _candidates(problem: Problem) -> list[GluonBwdConfig]:
         # gluon_bwd_h200_one_path.json), so d64's default only.
         out = [dataclasses.replace(ws[0], dq_early=True), *ws, base,
                dataclasses.replace(base, BLOCK_M=128)]
+        if problem.causal == "none" and not masked and problem.mask == "none":
+            out.insert(0, dataclasses.replace(ws[0], BLOCK_M=128))
     else:
         out = [*ws, base]
+        if not masked and problem.mask == "none" and walk_steps(problem) >= LONG_WALK_STEPS:
+            out.insert(0, dataclasses.replace(ws[0], split_warpgroups=True))
     if _causal_documents(problem):  # doc_offsets: 1.03-1.04x on 16k packed rows (H200)
         out.insert(0, dataclasses.replace(out[0], doc_offsets=True))
     return out
+
+
+# Query steps of 64 rows per program from which split_warpgroups is d128's default (measured
+# faster at 256, slower at 64: ``_candidates``).
+LONG_WALK_STEPS = 256
+
+
+def walk_steps(problem: Problem) -> int:
+    """Query steps of 64 rows one program walks on a dense problem: every query tile of its
+    GQA group (a causal walk about half, which the measurements above include)."""
+    return problem.heads_q // problem.heads_kv * -(-problem.seqlen_q // 64)
 
 
 def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
@@ -489,6 +515,9 @@ def block_mask_reason(config: GluonBwdConfig, block_size: tuple[int, int]) -> st
     if DEFAULT_BLOCK_SIZE % config.BLOCK_M or DEFAULT_BLOCK_SIZE % config.BLOCK_N:
         return (f"BLOCK_M ({config.BLOCK_M}) and BLOCK_N ({config.BLOCK_N}) must divide the "
                 f"block mask's block size {tuple(block_size)}")
+    if config.BLOCK_M != 64:
+        return (f"BLOCK_M {config.BLOCK_M} spills 112-168 bytes of registers a thread under a "
+                f"block mask (offline sm_90 build): 64 under masks")
     return None
 
 

@@ -142,8 +142,8 @@ def test_gluon_where_it_runs_is_checked_and_timed_both_ways(
 
     def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
-                            block_mask: Any) -> tuple[torch.Tensor, ...]:
-        backwards.append(block_mask)
+                            block_mask: Any, config: Any = None) -> tuple[torch.Tensor, ...]:
+        backwards.append((block_mask, config))
         grads = reference_grads(q, k, v, do, causal="none", scale=q.shape[-1] ** -0.5,
                                 mask=block_mask.to_dense())
         return tuple(g.to(q.dtype) for g in grads)
@@ -156,11 +156,15 @@ def test_gluon_where_it_runs_is_checked_and_timed_both_ways(
     assert [(m.impl, m.step, m.status) for m in row.results] == [
         ("ours", "fwd", "timed"), ("ours", "fwd+bwd", "timed"), ("gluon", "fwd", "timed"),
         ("gluon-train", "fwd", "timed"), ("gluon-train", "fwd+bwd", "timed"),
-        ("flash-gluon", "fwd", "timed"), ("flash-gluon", "fwd+bwd", "timed")]
+        ("flash-gluon", "fwd", "timed"), ("flash-gluon", "fwd+bwd", "timed"),
+        ("gluon-split", "fwd", "timed"), ("gluon-split", "fwd+bwd", "timed")]
     # Checked once each, then timed; every call under the row's mask; no graph in a forward
-    # (flash-gluon's forward is the Triton one: not among the Gluon forwards).
-    assert len(forwards) == 3 and len(backwards) == 2
+    # (flash-gluon's forward is the Triton one: not among the Gluon forwards); gluon-split's
+    # backward with its config, the others with the default.
+    assert len(forwards) == 5 and len(backwards) == 3
     assert all(m.block_size == (32, 32) and not graph for m, graph in forwards)
+    assert [config for _, config in backwards] == [None, None, bench.SPLIT_BWD]
+    assert bench.SPLIT_BWD["split_warpgroups"]
     assert list(row.results[4].errors) == ["o", "dq", "dk", "dv"]
     assert list(row.results[6].errors) == ["o", "dq", "dk", "dv"]
     bench.print_tables([row])

@@ -27,6 +27,7 @@ from templates.gluon.bwd import (
     GluonBwdConfig,
     shared_memory_estimate,
     tile_registers,
+    walk_steps,
 )
 from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
@@ -112,25 +113,54 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
     d128 = Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
     # Two dQ staging tiles fit beside a ring of three at d64, not at d128 (242 KiB there).
-    def shapes(problem: Problem) -> list[tuple[int, int, bool]]:
-        return [(c.stages, c.dq_buffers, c.dq_early)
+    d64_causal = dataclasses.replace(d64, causal="top_left")
+    d128_long = dataclasses.replace(d128, seqlen_q=16384, seqlen_kv=16384, causal="none")
+
+    def shapes(problem: Problem) -> list[tuple[int, int, int, bool, bool]]:
+        return [(c.BLOCK_M, c.stages, c.dq_buffers, c.dq_early, c.split_warpgroups)
                 for c in TEMPLATE.warp_specialized_configs(problem, H100)]
 
-    assert shapes(d64) == [(3, 2, True), (3, 1, True), (3, 2, False), (3, 1, False)]
-    assert shapes(d128) == [(3, 1, False)]
-    for problem in (d64, d128):
+    # 128-query steps fit d64 with one dQ tile only (shared memory), and are d64's dense
+    # default (1.12x dq_early's speed on the H200, 0.96x causal).
+    assert shapes(d64) == [(128, 3, 1, False, False), (64, 3, 2, True, False),
+                           (64, 3, 1, True, False), (64, 3, 2, False, False),
+                           (64, 3, 1, False, False)]
+    assert shapes(d64_causal) == shapes(d64)[1:]  # 128 spills on causal walks
+    assert shapes(d128) == [(64, 3, 1, False, False)]
+    assert shapes(d128_long) == [(64, 3, 1, False, True), (64, 3, 1, False, False)]
+    for problem in (d64, d64_causal, d128, d128_long):
         for cfg in TEMPLATE.warp_specialized_configs(problem, H100):
             assert cfg.warp_specialize and TEMPLATE.constraint(problem, cfg, H100) is None
     # Right on the H200 on every GPU case, 1.22-1.29x faster at d128 and 1.16-1.20x at d64:
-    # the default at both; at d64 with dq_early (1.03-1.05x there, 0.95-1.01x at d128), the
-    # kernel without it and its second dQ tile the alternatives a sweep measures first.
+    # the default at both; at d64 causal with dq_early (1.03-1.05x there, 0.95-1.01x at
+    # d128), dense with 128-query steps; at d128 split_warpgroups on walks of 256 steps or
+    # more (1.02-1.03x there, 0.97x at 64).
     assert TEMPLATE.default_config(d128, H100).warp_specialize
     assert not TEMPLATE.default_config(d128, H100).dq_early
-    assert TEMPLATE.default_config(d64, H100).warp_specialize
-    assert TEMPLATE.default_config(d64, H100).dq_early
-    assert TEMPLATE.default_config(d64, H100).dq_buffers == 1
-    assert {(c.stages, c.dq_buffers, c.dq_early) for c in TEMPLATE.known_good_configs(d64, H100)
-            if c.warp_specialize} == {(3, 1, False), (3, 2, False)}
+    assert not TEMPLATE.default_config(d128, H100).split_warpgroups  # 64 steps
+    assert walk_steps(d128) == 64 and walk_steps(d128_long) == 256
+    assert TEMPLATE.default_config(d128_long, H100).split_warpgroups
+    gqa = dataclasses.replace(d128, heads_kv=4)  # 4 query heads a KV head: 256 steps
+    assert TEMPLATE.default_config(gqa, H100).split_warpgroups
+    assert TEMPLATE.default_config(d64, H100).BLOCK_M == 128
+    default_causal = TEMPLATE.default_config(d64_causal, H100)
+    assert default_causal.warp_specialize and default_causal.dq_early
+    assert default_causal.dq_buffers == 1 and default_causal.BLOCK_M == 64
+    assert {(c.BLOCK_M, c.dq_buffers, c.dq_early) for c in
+            TEMPLATE.known_good_configs(d64, H100) if c.warp_specialize} == {
+        (64, 1, True), (64, 1, False), (64, 2, False)}
+    # A block mask's walk takes 64-query steps (128 spilled there) and no split by default.
+    for problem in (d64, d128_long):
+        masked = TEMPLATE.run_default(problem, H100, (128, 128))
+        assert masked.BLOCK_M == 64 and not masked.split_warpgroups
+    reason = TEMPLATE.run_constraint(d64, GluonBwdConfig(BLOCK_M=128, warp_specialize=True),
+                                     H100, (128, 128))
+    assert reason is not None and "BLOCK_M 128" in reason and "spills" in reason
+    reason = TEMPLATE.constraint(d64_causal, GluonBwdConfig(BLOCK_M=128, warp_specialize=True),
+                                 H100)
+    assert reason is not None and "BLOCK_M 128" in reason and "causal" in reason
+    reason = TEMPLATE.constraint(d128, GluonBwdConfig(BLOCK_M=128, warp_specialize=True), H100)
+    assert reason is not None and "shared memory" in reason
     # A ring of two crashed on the H200 (illegal memory access): refused by name.
     reason = TEMPLATE.constraint(d64, GluonBwdConfig(warp_specialize=True, stages=2), H100)
     assert reason is not None and "H200" in reason and "2 stages" in reason
@@ -223,18 +253,23 @@ def test_input_errors_name_the_argument() -> None:
 @needs_gluon
 def test_default_configs_are_unchanged_by_the_deterministic_knob() -> None:
     """The knob is off by default; the defaults and the runners-up a sweep measures first
-    are the measured ones (warp-specialized, one dQ tile, at d64 with dq_early; there
-    without it and with two tiles next), none ordered."""
+    are the measured ones (warp-specialized, one dQ tile; at d64 dense with 128-query
+    steps, causal with dq_early; at d128 on long walks split_warpgroups), none ordered."""
     assert GluonBwdConfig().deterministic is False
     ws = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_specialize=True)
     for problem in protocol_problems():
-        early = problem.head_dim <= 64
-        assert TEMPLATE.default_config(problem, H100) == dataclasses.replace(ws, dq_early=early)
+        if problem.head_dim <= 64:
+            want = (dataclasses.replace(ws, BLOCK_M=128) if problem.causal == "none"
+                    else dataclasses.replace(ws, dq_early=True))
+        else:
+            want = dataclasses.replace(ws, split_warpgroups=problem.seqlen_q >= 16384)
+        assert TEMPLATE.default_config(problem, H100) == want
         for cfg in (TEMPLATE.known_good_configs(problem, H100)
                     + TEMPLATE.warp_specialized_configs(problem, H100)):
             assert not getattr(cfg, "deterministic", False)
     d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
-    assert TEMPLATE.known_good_configs(d64, H100)[:2] == [ws, dataclasses.replace(ws, dq_buffers=2)]
+    assert TEMPLATE.known_good_configs(d64, H100)[:3] == [
+        dataclasses.replace(ws, dq_early=True), ws, dataclasses.replace(ws, dq_buffers=2)]
 
 
 @needs_gluon
@@ -376,6 +411,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                  "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
     "ws_split_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                      "warp_specialize": True, "dq_buffers": 2, "split_warpgroups": True},
+    # 128-query steps (d64 only: registers), with dq_early too.
+    "ws_m128": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                "warp_specialize": True, "dq_buffers": 1},
+    "ws_m128_dqe": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                    "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
 }
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
