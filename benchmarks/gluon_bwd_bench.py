@@ -16,7 +16,8 @@ for two at d128, crashed on the H200: refused by the template),
 runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row),
 ``ws_dqe`` (``ws`` with ``dq_early``: each step's dQ GEMM before dK's, its tile stored while
 dK's GEMM runs), ``ws_split`` (``ws`` with ``split_warpgroups``: the two MMA warpgroups as two
-partitions);
+partitions), ``ws_m128`` / ``ws_m128_dqe`` (128-query steps, d64), and each of these with
+``_dqt`` (``dq_transposed``: the dQ staging tile D-major);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -72,6 +73,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "ws_m128_dqe": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                     "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
 }
+# Each warp-specialized variant with its dQ staging tile D-major (``dq_transposed``): ``_dqt``.
+VARIANTS.update({f"{name}_dqt": {**knobs, "dq_transposed": True}
+                 for name, knobs in list(VARIANTS.items())
+                 if knobs and knobs.get("warp_specialize")})
 CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
     (1, 2, 2, 333, 333, 128, "bfloat16", "none"),

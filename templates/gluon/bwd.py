@@ -155,6 +155,14 @@ class GluonBwdConfig(KernelConfig):
         "a step; a second dS^T tile in shared memory. Not with deterministic or dq_early. "
         "Measured on the H200 at d128: 1.02-1.03x the speed at 16k tokens, 0.97-1.01x at 4k "
         "(d128's default on long walks).")
+    dq_transposed: bool = knob(
+        False, (False, True),
+        "With warp_specialize, the fp32 dQ staging tile D-major (the accumulator laid out "
+        "(B H_q, D, N_q), cast back to dq's layout after the kernel): in the 128-byte "
+        "swizzle the row-major tile's 64-bit stores take twice the shared-memory wavefronts "
+        "they need (Nsight Compute, notes/gluon_notes.md), the D-major tile's 32-bit stores "
+        "one each. Measured on the H200: 0.99-1.07x the speed at d128 16k, 1.04-1.05x d64 dense, "
+        "within noise at d128 4k and under block masks; the default without a block mask.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -185,7 +193,7 @@ class GluonBwdTemplate(GluonTemplate):
                    "TMA bulk reduce), else dQ by fp32 vector atomics; a deterministic dQ "
                    "order as an option; dense, causal top-left or bottom-right, or a block "
                    "mask's listed blocks, GQA/MQA, head dim 64/128, fp16/bf16. On the H200: "
-                   "0.85-0.92x cuDNN's backward at d128, 0.77-0.86x at d64; the fastest "
+                   "0.86-0.94x cuDNN's backward at d128, 0.77-0.91x at d64; the fastest "
                    "backward under block masks, so it prices gluon_train and flash_gluon "
                    "(the mask, varlen and sliding-window specs sweep it).")
     config_cls = GluonBwdConfig
@@ -431,13 +439,18 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
     one warpgroup (64 x 64 tiles) crashed there. The warp-specialized kernel first: on the
     H200 1.22-1.29x faster than the others at d128, 1.16-1.20x at d64 (its two dQ tiles timed
     the same as one there; benchmarks/results/gluon_bwd_h200_ws*.json). Measured on the H200
-    (benchmarks/results/gluon_bwd_h200_split.json, gluon_bwd_h200_m128.json) and chosen here: at d64 dense,
-    128-query steps (1.12x dq_early's speed; 0.96x causal, where the diagonal's steps waste
-    more, and spilled under masks offline); at d128, split_warpgroups on long walks
-    (``LONG_WALK_STEPS``: 1.02-1.03x at 256 steps, 0.97x at 64, where its longer start and
-    end of a program weigh more)."""
+    (benchmarks/results/gluon_bwd_h200_split.json, gluon_bwd_h200_m128.json,
+    gluon_bwd_h200_dq_transposed.json) and chosen here: at d64 dense, 128-query steps (1.12x
+    dq_early's speed; 0.96x causal, where the diagonal's steps waste more, and spilled under
+    masks offline); at d128, split_warpgroups on long walks (``LONG_WALK_STEPS``: 1.02-1.03x
+    at 256 steps, 0.97x at 64, where its longer start and end of a program weigh more); the
+    dQ staging tile D-major (``dq_transposed``) without a block mask."""
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
-    ws = [dataclasses.replace(base, warp_specialize=True, dq_buffers=n) for n in (1, 2)]
+    # dq_transposed on dense and causal walks: 0.99-1.07x at d128 16k, 1.01-1.05x at d64, within
+    # noise at d128 4k; under block masks no gain (and a 4k row bound by host time).
+    dqt = not masked and problem.mask == "none"
+    ws = [dataclasses.replace(base, warp_specialize=True, dq_buffers=n, dq_transposed=dqt)
+          for n in (1, 2)]
     if problem.head_dim <= 64:
         # dq_early: 1.03-1.05x at d64 (no spills there), 0.95-1.01x at d128 (H200,
         # gluon_bwd_h200_ws_dqe.json; with the one-path dense walk 0.94-1.02x at d128,
@@ -480,6 +493,9 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if cfg.dq_early:
             return ("dq_early needs warp_specialize (it moves the hand-over of the dQ tile to "
                     "the dQ warp)")
+        if cfg.dq_transposed:
+            return ("dq_transposed lays out the warp-specialized kernel's dQ staging tile: it "
+                    "needs warp_specialize (without it dQ is added by atomics)")
         return None
     if ws_kernel is None:
         return "the warp-specialized kernel module did not import"

@@ -522,7 +522,11 @@ class LaunchPlan:
                 *self.preprocess_args(o, do, lse, delta, lse2), **self.preprocess_options())
             self.main_kernel()[self.grid](
                 *self.main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta), **self.options)
-        return dq_accum.to(q.dtype), dk, dv
+        return self.dq_result(dq_accum, q), dk, dv
+
+    def dq_result(self, dq_accum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """dq in q's dtype from the fp32 accumulator the kernels added into."""
+        return dq_accum.to(q.dtype)
 
     def main_kernel(self) -> Any:
         """The main kernel this plan launches (the warp-specialized plan names its own)."""

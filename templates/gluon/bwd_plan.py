@@ -79,6 +79,12 @@ class GluonBackwardPlan:
                              plan._rows_descriptor, plan._rows_descriptor]
         if warp_specialized:
             makers.append(plan._dq_descriptor)
+        # (dq_transposed) dq made from the D-major accumulator by its own launch.
+        self.dq_cast: DirectLaunch | None = None
+        if getattr(plan, "dq_transposed", False):
+            cast = plan.dq_cast_kernel()
+            self.dq_cast = DirectLaunch(cast, plan.dq_cast_grid,
+                                        *_split_options(cast, plan.dq_cast_options))
         self.main_fn = plan.main_kernel()
         self.main = DirectLaunch(self.main_fn, plan.grid,
                                  *_split_options(self.main_fn, plan.options),
@@ -107,7 +113,20 @@ class GluonBackwardPlan:
         with self._device.of(q):
             self._launch(do, q, k, v, o, lse, delta, lse2, dq_accum, dk, dv, mask_tensors,
                          dq_counters)
-        return dq_accum.to(q.dtype), dk, dv
+            if self.dq_cast is not None:
+                return self._cast_dq(dq_accum, q), dk, dv
+        return self.plan.dq_result(dq_accum, q), dk, dv
+
+    def _cast_dq(self, dq_accum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """dq from the D-major accumulator (``bwd_ws_kernel.dq_from_transposed``'s launch,
+        direct where it can be)."""
+        assert self.dq_cast is not None
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        scalars = (self.plan.seqlen_q, self.plan.dq_columns)
+        stream = current_stream(q.device.index) if q.is_cuda else 0
+        if not self.dq_cast.try_direct(stream, dq_accum.data_ptr(), dq.data_ptr(), *scalars):
+            self.dq_cast.launch_on(stream, dq_accum, dq, *scalars)
+        return dq
 
     def _launch(self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any,
                 lse2: Any, dq_accum: Any, dk: Any, dv: Any, mask_tensors: list[Any],

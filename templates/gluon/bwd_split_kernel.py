@@ -56,6 +56,7 @@ from templates.gluon.bwd_ws_kernel import (
     WsLaunchPlan,
     dq_free_phase,
     dq_partition,
+    dq_stage,
     load_partition,
     mask_head,
     mask_step,
@@ -109,7 +110,7 @@ def _half_walk_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
                     DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                    MASK_BLOCK_Q: gl.constexpr):
+                    MASK_BLOCK_Q: gl.constexpr, DQ_T: gl.constexpr):
     """Step t (query rows from m0, ring slot t % STAGES) of warpgroup WG: its half of the
     step (``_half_step``), then its columns of the dQ tile into a free staging buffer and its
     two arrivals (each barrier completes on both warpgroups'). Returns (dk, dv)."""
@@ -131,8 +132,8 @@ def _half_walk_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
                             BLOCK_M, HALF_N, MASK_BLOCK_Q)
     buf = t % DQ_BUFFERS
     mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
-    dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).slice(WG * HALF_D, HALF_D,
-                                                           dim=1).store(dq)
+    dq_stage(dq_bufs, buf, BLOCK_M, HEAD_DIM, DQ_T).slice(WG * HALF_D, HALF_D,
+                                                          dim=1).store(dq)
     fence_async_shared()
     warps_barrier()
     mbarrier.arrive(empty.index(slot))
@@ -150,7 +151,8 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
               stride_iq, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr, SPARSE: gl.constexpr,
-              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DOCS: gl.constexpr):
+              MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DOCS: gl.constexpr,
+              DQ_T: gl.constexpr):
     """Warpgroup WG's walk (the same walk as every partition's, ``program_walk``): its
     half of each step, its half of the dQ tile handed over, its dK/dV rows stored at the
     end."""
@@ -181,13 +183,13 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
                         dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                         ds_bufs, ready, empty, dq_full, dq_empty, ds_full, step, m0, n0, N_KV,
                         causal_offset, qk_scale, sm_scale, tile_base, WG, False, False, True,
-                        DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q)
+                        DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T)
                 else:
                     dk, dv = _half_walk_step(
                         dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                         ds_bufs, ready, empty, dq_full, dq_empty, ds_full, step, m0, n0, N_KV,
                         causal_offset, qk_scale, sm_scale, tile_base, WG, False, False, False,
-                        False, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q)
+                        False, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T)
                 step += 1
     else:
         for t in range(n_steps):
@@ -197,7 +199,7 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
                 dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
                 ready, empty, dq_full, dq_empty, ds_full, t, m0, n0, N_KV, causal_offset,
                 qk_scale, sm_scale, None, WG, True, CAUSAL, False, False, HEAD_DIM, BLOCK_M,
-                BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q)
+                BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T)
 
     # The other warpgroup's dQ GEMMs read all of K until its last step: both done before
     # either overwrites its rows with dK.
@@ -231,7 +233,7 @@ def _gluon_bwd_split_kernel(
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, MMA_REGS: gl.constexpr = 240,
     SPARSE: gl.constexpr = False, MASK_BLOCK_Q: gl.constexpr = 128,
-    MASK_BLOCK_KV: gl.constexpr = 128, DOCS: gl.constexpr = False,
+    MASK_BLOCK_KV: gl.constexpr = 128, DOCS: gl.constexpr = False, DQ_T: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_N == 128, "two warpgroups of 64 keys each")
     dtype: gl.constexpr = q_desc.dtype
@@ -270,14 +272,16 @@ def _gluon_bwd_split_kernel(
           causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
           FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
           stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, 0, HEAD_DIM, BLOCK_M,
-          BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS)),
+          BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS,
+          DQ_T)),
         (_mma_half, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
           dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
           kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
           causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
           FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
           stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, 1, HEAD_DIM, BLOCK_M,
-          BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS)),
+          BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS,
+          DQ_T)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
@@ -291,7 +295,7 @@ def _gluon_bwd_split_kernel(
           H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
           PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
           stride_ib, stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-          CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 0, False)),
+          CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 0, False, DQ_T)),
     ], [HALF_WARPS, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
 
 

@@ -43,6 +43,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -244,7 +246,7 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                   SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
+                  DETERMINISTIC: gl.constexpr, DQ_T: gl.constexpr = False):
     """Step t's dQ tile, staged in buffer t % DQ_BUFFERS, added into the accumulator's rows
     of its query head by one TMA bulk reduce (rows past N_q are dropped by the TMA unit);
     the buffer goes back to the MMA partition once the reduce is done with it. With
@@ -264,7 +266,7 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                                                    PartialTileIds, PartialTiles, lrow, n_full,
                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
                 _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, step, b * H_Q + h0 + g, m0,
-                         DQ_BUFFERS, DEBUG)
+                         DQ_BUFFERS, DEBUG, DQ_T)
                 step += 1
     else:
         for t in range(n_steps):
@@ -276,20 +278,20 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                 # its own index. Per query head: a GQA program's heads each count their own.
                 counter = DqCounters + ((b * H_Q + h) * n_q_tiles + m0 // BLOCK_M)
                 _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0,
-                                  counter, n0 // BLOCK_N, DQ_BUFFERS, DEBUG)
+                                  counter, n0 // BLOCK_N, DQ_BUFFERS, DEBUG, DQ_T)
             else:
                 _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0, DQ_BUFFERS,
-                         DEBUG)
+                         DEBUG, DQ_T)
 
 
 @gluon.jit
 def _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, DQ_BUFFERS: gl.constexpr,
-             DEBUG: gl.constexpr):
+             DEBUG: gl.constexpr, DQ_T: gl.constexpr):
     """Step t's staged dQ tile (rows from m0 of head row bh) added by one TMA reduce."""
     buf = t % DQ_BUFFERS
     mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
     if (DEBUG & 16) == 0:
-        tma_reduce_add(dq_desc, [bh, m0, 0], dq_bufs.index(buf))
+        dq_reduce(dq_desc, dq_bufs.index(buf), bh, m0, DQ_T)
     tma.store_wait(0)
     mbarrier.arrive(dq_empty.index(buf))
 
@@ -362,7 +364,7 @@ def _pass_turn(counter):
 
 @gluon.jit
 def _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, counter, turn,
-                      DQ_BUFFERS: gl.constexpr, DEBUG: gl.constexpr):
+                      DQ_BUFFERS: gl.constexpr, DEBUG: gl.constexpr, DQ_T: gl.constexpr):
     """``_dq_step`` at this KV tile's turn ``turn`` of the query tile whose
     counter is ``counter``. The turn is waited for before the tile is (the tile is usually
     still being computed then); the staging buffer goes back as soon as the reduce has read
@@ -371,7 +373,7 @@ def _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, bh, m0, counter, t
     _wait_for_turn(counter, turn)
     mbarrier.wait(dq_full.index(buf), (t // DQ_BUFFERS) & 1)
     if (DEBUG & 16) == 0:
-        tma_reduce_add(dq_desc, [bh, m0, 0], dq_bufs.index(buf))
+        dq_reduce(dq_desc, dq_bufs.index(buf), bh, m0, DQ_T)
     tma.store_wait(0)
     mbarrier.arrive(dq_empty.index(buf))
     _pass_turn(counter)
@@ -384,7 +386,8 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_WARPS: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr,
-             DQ_BUFFERS: gl.constexpr, DQ_EARLY: gl.constexpr, DOCS: gl.constexpr = False):
+             DQ_BUFFERS: gl.constexpr, DQ_EARLY: gl.constexpr, DOCS: gl.constexpr = False,
+             DQ_T: gl.constexpr = False):
     """One step of ``bwd_kernel._bwd_step``'s maths (same GEMMs, same orientation, same
     operands) that returns its dQ tile instead of adding it: (dk, dv, dq), every GEMM of
     the step completed. TILE: a block mask's partial block, whose keys x queries uint8 tile
@@ -411,7 +414,7 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
         dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, p_op))
         buf = t % DQ_BUFFERS
         mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
-        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+        dq_stage(dq_bufs, buf, BLOCK_M, HEAD_DIM, DQ_T).store(dq)
         dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
         return dk, dv, dq
     dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
@@ -482,13 +485,37 @@ def dq_free_phase(t, DQ_BUFFERS: gl.constexpr):
 
 
 @gluon.jit
+def dq_stage(dq_bufs, buf, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+             DQ_T: gl.constexpr):
+    """Staging buffer ``buf`` seen as the (BLOCK_M, HEAD_DIM) dQ tile the MMA warps store:
+    the buffer, or with DQ_T (``dq_transposed``: a D-major tile, (HEAD_DIM, BLOCK_M)) its
+    transpose. In the 128-byte swizzle a warp's 64-bit stores of the row-major tile take
+    twice the wavefronts they need (rows r and r^1 of a half warp share their 16-byte
+    columns); the D-major tile's 32-bit stores land on 32 distinct banks."""
+    if DQ_T:
+        return dq_bufs.index(buf).reshape([HEAD_DIM, BLOCK_M]).permute((1, 0))
+    else:
+        return dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM])
+
+
+@gluon.jit
+def dq_reduce(dq_desc, dq_tile, bh, m0, DQ_T: gl.constexpr):
+    """One TMA reduce of a staged dQ tile into the accumulator's rows m0.. of head row bh
+    (with DQ_T the accumulator is (B H_q, D, N_q): columns m0..)."""
+    if DQ_T:
+        tma_reduce_add(dq_desc, [bh, 0, m0], dq_tile)
+    else:
+        tma_reduce_add(dq_desc, [bh, m0, 0], dq_tile)
+
+
+@gluon.jit
 def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem,
               ready, empty, dq_full, dq_empty, t, m0, n0, N_KV, causal_offset, qk_scale,
               sm_scale, masked, tile_base, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               DQ_BUFFERS: gl.constexpr, NUM_WARPS: gl.constexpr, SPARSE: gl.constexpr,
               MASK_BLOCK_Q: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr,
-              DOCS: gl.constexpr = False):
+              DOCS: gl.constexpr = False, DQ_T: gl.constexpr = False):
     """Step t (query rows from m0, in ring slot t % STAGES): its GEMMs, the masked maths
     (dense: every step, the causal diagonal and the N_kv tail by their limits; SPARSE: where
     ``masked``, a partial block, its tile at ``tile_base``, or with DOCS the rows' document
@@ -512,19 +539,19 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
                               lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
                               t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
                               True, CAUSAL, False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-                              MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY)
+                              MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY, False, DQ_T)
     elif masked:  # a partial block: its tile replaces the dense mask (no CAUSAL with SPARSE)
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
                               lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
                               t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
                               False, CAUSAL, True, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              NUM_WARPS, MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY, DOCS)
+                              NUM_WARPS, MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY, DOCS, DQ_T)
     else:
         dk, dv, dq = _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem,
                               lse_bufs.index(slot), delta_bufs.index(slot), dq_bufs, dq_empty,
                               t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
                               False, CAUSAL, False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-                              MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY)
+                              MASK_BLOCK_Q, DEBUG, DQ_BUFFERS, DQ_EARLY, False, DQ_T)
     # dQ into a free staging buffer (the dQ warp's reduce of its previous tile has read
     # it; with DQ_EARLY stored already, under dK's GEMM), made visible to the TMA unit;
     # after the barrier every warp's GEMMs of this step have completed (each waited for its
@@ -533,7 +560,7 @@ def _mma_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bu
     buf = t % DQ_BUFFERS
     if not DQ_EARLY:
         mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
-        dq_bufs.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+        dq_stage(dq_bufs, buf, BLOCK_M, HEAD_DIM, DQ_T).store(dq)
     fence_async_shared()
     warps_barrier()
     mbarrier.arrive(empty.index(slot))
@@ -553,7 +580,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                    SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                    MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr,
-                   DOCS: gl.constexpr):
+                   DOCS: gl.constexpr, DQ_T: gl.constexpr = False):
     """Every step's GEMMs and softmax; dK and dV summed in registers and stored by TMA at the
     end (through K's and V's buffers); each step's dQ tile handed to the dQ warp. DOCS: the
     launch passes the rows' document starts where the partial tiles go (``_ws_step``)."""
@@ -585,7 +612,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                                    dq_empty, step, m0, n0, N_KV, causal_offset, qk_scale,
                                    sm_scale, partial, tile_base, False, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, STAGES, DQ_BUFFERS, NUM_WARPS, True,
-                                   MASK_BLOCK_Q, DEBUG, DQ_EARLY, DOCS)
+                                   MASK_BLOCK_Q, DEBUG, DQ_EARLY, DOCS, DQ_T)
                 step += 1
     else:
         for t in range(n_steps):
@@ -594,7 +621,7 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                                dq_bufs, ds_smem, ready, empty, dq_full, dq_empty, t, m0, n0,
                                N_KV, causal_offset, qk_scale, sm_scale, True, None,
                                CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS,
-                               NUM_WARPS, False, MASK_BLOCK_Q, DEBUG, DQ_EARLY)
+                               NUM_WARPS, False, MASK_BLOCK_Q, DEBUG, DQ_EARLY, False, DQ_T)
 
     # dK and dV leave through K's and V's buffers (every GEMM reading them has completed) and
     # TMA stores, which drop the rows past N_kv. A tile no query sees stores zeros.
@@ -649,7 +676,7 @@ def _gluon_bwd_ws_kernel(
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, SPARSE: gl.constexpr = False,
     MASK_BLOCK_Q: gl.constexpr = 128, MASK_BLOCK_KV: gl.constexpr = 128,
     DEBUG: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
-    DQ_EARLY: gl.constexpr = False, DOCS: gl.constexpr = False,
+    DQ_EARLY: gl.constexpr = False, DOCS: gl.constexpr = False, DQ_T: gl.constexpr = False,
 ):
     # Program -> (KV tile, batch, kv head), as bwd_kernel's (``program_walk``).
     # The ordered dQ needs the KV tiles of a query tile to be 0 .. k: a block mask's walk does
@@ -686,7 +713,7 @@ def _gluon_bwd_ws_kernel(
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY, DOCS)),
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY, DOCS, DQ_T)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
@@ -700,9 +727,40 @@ def _gluon_bwd_ws_kernel(
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC)),
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC, DQ_T)),
     ],
                        [1, 1], [LOAD_REGS, LOAD_REGS])
+
+
+# ----------------------------------------------------------------------------- dq from D-major
+# (dq_transposed) The accumulator is (B H_q, D, N_q padded): dq is its transpose in dq's
+# dtype, one tile of rows a program, read along N_q and written along D (a torch copy of the
+# transposed view took 2-3x the plain cast's time, enough to undo the kernel's gain at 4k).
+DQ_CAST_ROWS = 64
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_COLS"])
+def _dq_transposed_cast_kernel(ACC, DQ, N_Q, N_COLS, HEAD_DIM: tl.constexpr,
+                               ROWS: tl.constexpr):
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(ACC + bh * HEAD_DIM * N_COLS + dims[:, None] * N_COLS + rows[None, :],
+                  mask=rows[None, :] < N_Q, other=0.0)
+    tl.store(DQ + bh * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :],
+             tl.trans(acc).to(DQ.dtype.element_ty), mask=rows[:, None] < N_Q)
+
+
+def dq_from_transposed(dq_accum: torch.Tensor, seqlen_q: int, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    """dq (B, H_q, N_q, D) contiguous in ``dtype`` from a D-major accumulator (B, H_q, D,
+    N_q padded) fp32."""
+    batch, heads, head_dim, columns = dq_accum.shape
+    dq = torch.empty((batch, heads, seqlen_q, head_dim), device=dq_accum.device, dtype=dtype)
+    grid = (triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch * heads)
+    _dq_transposed_cast_kernel[grid](dq_accum, dq, seqlen_q, columns, HEAD_DIM=head_dim,
+                                     ROWS=DQ_CAST_ROWS, num_warps=4)
+    return dq
 
 
 # ----------------------------------------------------------------------------- host side
@@ -727,9 +785,23 @@ class WsLaunchPlan(LaunchPlan):
         if kv_major_mask is not None:
             self._plan_mask_walk(kv_major_mask, causal_mode, block_m, int(config["BLOCK_N"]))
         # dq_accum as (B H_q, N_q, D): a box of one head's BLOCK_M rows (those past N_q are
-        # dropped by the TMA unit), fp32 in the 128-byte swizzle.
-        self.dq_shape = (batch * heads_q, seqlen_q, head_dim)
-        self.dq_block = [1, block_m, head_dim]
+        # dropped by the TMA unit), fp32 in the 128-byte swizzle. With dq_transposed it is
+        # (B H_q, D, N_q), its rows padded to 4 columns (TMA's 16-byte strides), the box
+        # D-major (``dq_stage``).
+        self.dq_transposed = bool(config.get("dq_transposed"))
+        self.seqlen_q = seqlen_q
+        if self.dq_transposed:
+            self.dq_columns = -(-seqlen_q // 4) * 4
+            # dq_from_transposed's launch, for plans that launch it directly.
+            self.dq_cast_grid = (triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch * heads_q)
+            self.dq_cast_options = dict(HEAD_DIM=head_dim, ROWS=DQ_CAST_ROWS, num_warps=4)
+            self.dq_shape = (batch * heads_q, head_dim, seqlen_q)
+            self.dq_strides = [head_dim * self.dq_columns, self.dq_columns, 1]
+            self.dq_block = [1, head_dim, block_m]
+        else:
+            self.dq_shape = (batch * heads_q, seqlen_q, head_dim)
+            self.dq_strides = [seqlen_q * head_dim, head_dim, 1]
+            self.dq_block = [1, block_m, head_dim]
         self.dq_layout = host_smem_layout(self.dq_block, 32)
         self.options = dict(
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=int(config["BLOCK_N"]),
@@ -742,6 +814,8 @@ class WsLaunchPlan(LaunchPlan):
             self.options.update(DETERMINISTIC=True)
         if config.get("dq_early"):  # only where set: the default kernel's options unchanged
             self.options.update(DQ_EARLY=True)
+        if self.dq_transposed:
+            self.options.update(DQ_T=True)
         # bwd_kernel's switches this kernel honours: 4 (no dQ GEMM, a zero tile is handed
         # over) and 16 (no dQ reduce).
         if self.mask_args is not None:
@@ -805,10 +879,31 @@ class WsLaunchPlan(LaunchPlan):
         return torch.zeros(batch * heads_q * self.scalars[7], device=q.device,
                            dtype=torch.int32)
 
+    def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        """``LaunchPlan.buffers``; with dq_transposed dq_accum is (B, H_q, D, N_q padded)."""
+        delta, lse2, dq_accum, dk, dv = super().buffers(q, k, v)
+        if self.dq_transposed:
+            batch, heads_q, _, head_dim = q.shape
+            dq_accum = torch.zeros((batch, heads_q, head_dim, self.dq_columns),
+                                   device=q.device, dtype=torch.float32)
+        return delta, lse2, dq_accum, dk, dv
+
+    def dq_cast_kernel(self) -> Any:
+        """The kernel that makes dq from a D-major accumulator (``dq_from_transposed``)."""
+        return _dq_transposed_cast_kernel
+
+    def dq_result(self, dq_accum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """dq in q's dtype and shape, contiguous, from the accumulator (transposed back with
+        dq_transposed)."""
+        if self.dq_transposed:
+            return dq_from_transposed(dq_accum, self.seqlen_q, q.dtype)
+        return super().dq_result(dq_accum, q)
+
     def _dq_descriptor(self, dq_accum: Any) -> Any:
-        """dq_accum (contiguous (B, H_q, N_q, D) fp32) seen as (B H_q, N_q, D)."""
-        _, rows, dims = self.dq_shape
-        return TensorDescriptor(dq_accum, list(self.dq_shape), [rows * dims, dims, 1],
+        """dq_accum (contiguous (B, H_q, N_q, D) fp32) seen as (B H_q, N_q, D); with
+        dq_transposed ((B, H_q, D, N_q padded)) as (B H_q, D, N_q)."""
+        return TensorDescriptor(dq_accum, list(self.dq_shape), self.dq_strides,
                                 self.dq_block, self.dq_layout)
 
     def main_kernel(self) -> Any:

@@ -100,7 +100,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
         GluonBwdConfig(stages=1)  # spilled at d128: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False
@@ -116,18 +116,23 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     d64_causal = dataclasses.replace(d64, causal="top_left")
     d128_long = dataclasses.replace(d128, seqlen_q=16384, seqlen_kv=16384, causal="none")
 
-    def shapes(problem: Problem) -> list[tuple[int, int, int, bool, bool]]:
-        return [(c.BLOCK_M, c.stages, c.dq_buffers, c.dq_early, c.split_warpgroups)
-                for c in TEMPLATE.warp_specialized_configs(problem, H100)]
+    def shapes(problem: Problem) -> list[tuple[int, int, int, bool, bool, bool]]:
+        return [(c.BLOCK_M, c.stages, c.dq_buffers, c.dq_early, c.split_warpgroups,
+                 c.dq_transposed) for c in TEMPLATE.warp_specialized_configs(problem, H100)]
 
     # 128-query steps fit d64 with one dQ tile only (shared memory), and are d64's dense
-    # default (1.12x dq_early's speed on the H200, 0.96x causal).
-    assert shapes(d64) == [(128, 3, 1, False, False), (64, 3, 2, True, False),
-                           (64, 3, 1, True, False), (64, 3, 2, False, False),
-                           (64, 3, 1, False, False)]
-    assert shapes(d64_causal) == shapes(d64)[1:]  # 128 spills on causal walks
-    assert shapes(d128) == [(64, 3, 1, False, False)]
-    assert shapes(d128_long) == [(64, 3, 1, False, True), (64, 3, 1, False, False)]
+    # default (1.12x dq_early's speed on the H200, 0.96x causal); the candidates' staging
+    # tile is D-major (dq_transposed), and the kernel without warp specialization, made
+    # warp-specialized here, adds the row-major one.
+    row_major = [(64, 3, 2, False, False, False), (64, 3, 1, False, False, False)]
+    assert shapes(d64) == [(128, 3, 1, False, False, True), (64, 3, 2, True, False, True),
+                           (64, 3, 1, True, False, True), (64, 3, 2, False, False, True),
+                           (64, 3, 1, False, False, True), *row_major,
+                           (128, 3, 1, False, False, False)]
+    assert shapes(d64_causal) == shapes(d64)[1:-1]  # 128 spills on causal walks
+    assert shapes(d128) == [(64, 3, 1, False, False, True), row_major[1]]
+    assert shapes(d128_long) == [(64, 3, 1, False, True, True), (64, 3, 1, False, False, True),
+                                 row_major[1]]
     for problem in (d64, d64_causal, d128, d128_long):
         for cfg in TEMPLATE.warp_specialized_configs(problem, H100):
             assert cfg.warp_specialize and TEMPLATE.constraint(problem, cfg, H100) is None
@@ -149,10 +154,14 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     assert {(c.BLOCK_M, c.dq_buffers, c.dq_early) for c in
             TEMPLATE.known_good_configs(d64, H100) if c.warp_specialize} == {
         (64, 1, True), (64, 1, False), (64, 2, False)}
-    # A block mask's walk takes 64-query steps (128 spilled there) and no split by default.
+    for problem in (d64, d64_causal, d128, d128_long):
+        assert TEMPLATE.default_config(problem, H100).dq_transposed
+    # A block mask's walk takes 64-query steps (128 spilled there), the row-major dQ staging
+    # tile (D-major measured no faster there) and no split by default.
     for problem in (d64, d128_long):
         masked = TEMPLATE.run_default(problem, H100, (128, 128))
         assert masked.BLOCK_M == 64 and not masked.split_warpgroups
+        assert not masked.dq_transposed
     reason = TEMPLATE.run_constraint(d64, GluonBwdConfig(BLOCK_M=128, warp_specialize=True),
                                      H100, (128, 128))
     assert reason is not None and "BLOCK_M 128" in reason and "spills" in reason
@@ -263,13 +272,15 @@ def test_default_configs_are_unchanged_by_the_deterministic_knob() -> None:
                     else dataclasses.replace(ws, dq_early=True))
         else:
             want = dataclasses.replace(ws, split_warpgroups=problem.seqlen_q >= 16384)
+        want = dataclasses.replace(want, dq_transposed=True)
         assert TEMPLATE.default_config(problem, H100) == want
         for cfg in (TEMPLATE.known_good_configs(problem, H100)
                     + TEMPLATE.warp_specialized_configs(problem, H100)):
             assert not getattr(cfg, "deterministic", False)
     d64 = Problem(4, 32, 32, 4096, 4096, 64, "bfloat16", "none")
+    dqt = dataclasses.replace(ws, dq_transposed=True)
     assert TEMPLATE.known_good_configs(d64, H100)[:3] == [
-        dataclasses.replace(ws, dq_early=True), ws, dataclasses.replace(ws, dq_buffers=2)]
+        dataclasses.replace(dqt, dq_early=True), dqt, dataclasses.replace(dqt, dq_buffers=2)]
 
 
 @needs_gluon
@@ -417,6 +428,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "ws_m128_dqe": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                     "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
 }
+# The warp-specialized variants with the dQ staging tile D-major (``dq_transposed``).
+VARIANTS.update({f"{name}_dqt": {**knobs, "dq_transposed": True}
+                 for name, knobs in list(VARIANTS.items())
+                 if knobs and knobs.get("warp_specialize") and knobs.get("dq_buffers") != 2})
 GPU_CASES = [
     (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
     (1, 2, 2, 333, 333, 128, "bfloat16", "none"),
