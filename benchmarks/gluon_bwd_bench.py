@@ -21,7 +21,7 @@ partitions), ``ws_m128`` / ``ws_m128_dqe`` (128-query steps, d64), and each of t
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
-(``--head-dims`` picks the head dims);
+(``--head-dims`` picks the head dims; ``--gqa G``: H / G KV heads, SDPA with enable_gqa);
 backward-only and forward+backward TFLOP/s (FLOPs: 2.5x / 3.5x the forward's 4 B H N^2 D,
 halved for causal) of torch SDPA's cuDNN and FLASH_ATTENTION backends, the project's Triton
 flash_fwd + flash_bwd (defaults) and each gluon variant (gluon_fwd default + gluon_bwd);
@@ -169,11 +169,12 @@ def run_checks(names: list[str], timeout_s: float) -> tuple[list[dict[str, Any]]
 
 # ----------------------------------------------------------------------------- timing
 def protocol_problems() -> list[Problem]:
-    return [Problem(16384 // n, 2048 // d, 2048 // d, n, n, d, "bfloat16", causal)
+    return [Problem(16384 // n, 2048 // d, 2048 // d // GQA[0], n, n, d, "bfloat16", causal)
             for d in HEAD_DIMS for n in (4096, 16384) for causal in ("none", "top_left")]
 
 
 HEAD_DIMS = [128, 64]  # --head-dims narrows it
+GQA = [1]  # --gqa: query heads per KV head
 
 
 def event_ms(fn: Any, reps: int = 10) -> float:
@@ -200,21 +201,25 @@ def candidates(problem: Problem, names: list[str]) -> dict[str, dict[str, Any]]:
     causal = problem.causal != "none"
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (problem.batch, problem.heads_q, problem.seqlen_q, problem.head_dim)
-    q, k, v, do = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(4))
+    kv_shape = (problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim)
+    q, k, v, do = (torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16)
+                   for s in (shape, kv_shape, kv_shape, shape))
+    gqa = problem.heads_q != problem.heads_kv
     out: dict[str, dict[str, Any]] = {}
 
     def sdpa_pair(backend: Any) -> dict[str, Any]:
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         with sdpa_kernel(backend):
-            o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+            o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                                                 enable_gqa=gqa)
 
         def bwd() -> Any:
             return torch.autograd.grad(o, leaves, do, retain_graph=True)
 
         def fwd_bwd() -> Any:
             with sdpa_kernel(backend):
-                o2 = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+                o2 = torch.nn.functional.scaled_dot_product_attention(
+                    *leaves, is_causal=causal, enable_gqa=gqa)
             return torch.autograd.grad(o2, leaves, do)
 
         return {"bwd": bwd, "fwd_bwd": fwd_bwd}
@@ -300,8 +305,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head-dims", default="128,64",
                         help="head dims --time runs, in this order (comma-separated)")
+    parser.add_argument("--gqa", type=int, default=1,
+                        help="--time's query heads per KV head (1: the protocol's MHA rows)")
     args = parser.parse_args()
     HEAD_DIMS[:] = [int(d) for d in args.head_dims.split(",") if d]
+    GQA[:] = [args.gqa]
     start = time.monotonic()
     names = [n for n in args.variants.split(",") if n]
     result: dict[str, Any] = {"torch": torch.__version__,
