@@ -25,8 +25,8 @@ a variant whose config a problem refuses is skipped there. With ``--check`` only
 backward-only and forward+backward TFLOP/s (FLOPs: 2.5x / 3.5x the forward's 4 B H N^2 D,
 halved for causal) of torch SDPA's cuDNN and FLASH_ATTENTION backends, the project's Triton
 flash_fwd + flash_bwd (defaults) and each gluon variant (gluon_fwd default + gluon_bwd);
-median of ``--rounds`` readings taken in rotation (CUDA events, 10 runs each after 3 warm
-ones). Every timed gradient is checked against cuDNN's (relative error, never all zeros)
+median of ``--rounds`` readings taken in rotation (each a ``do_bench`` median:
+PROTOCOL's timing, L2 flushed between launches). Every timed gradient is checked against cuDNN's (relative error, never all zeros)
 before its time counts.
 """
 
@@ -177,16 +177,14 @@ HEAD_DIMS = [128, 64]  # --head-dims narrows it
 GQA = [1]  # --gqa: query heads per KV head
 
 
-def event_ms(fn: Any, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def event_ms(fn: Any) -> float:
+    """One reading of ``fn``: PROTOCOL's timing (triton's do_bench: CUDA events, L2 flushed
+    between launches, 25 ms of warm-up, the median over 100 ms). The bench's first readings
+    (10 launches back to back, about 30 ms) put one kernel up to 7% apart from itself within a
+    run (notes/gluon_notes.md)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def candidates(problem: Problem, names: list[str]) -> dict[str, dict[str, Any]]:
