@@ -25,9 +25,9 @@ a variant whose config a problem refuses is skipped there. With ``--check`` only
 backward-only and forward+backward TFLOP/s (FLOPs: 2.5x / 3.5x the forward's 4 B H N^2 D,
 halved for causal) of torch SDPA's cuDNN and FLASH_ATTENTION backends, the project's Triton
 flash_fwd + flash_bwd (defaults) and each gluon variant (gluon_fwd default + gluon_bwd);
-median of ``--rounds`` readings taken in rotation (each a ``do_bench`` median:
-PROTOCOL's timing, L2 flushed between launches). Every timed gradient is checked against cuDNN's (relative error, never all zeros)
-before its time counts.
+median of ``--rounds`` readings taken in rotation, reversed every other round (each a
+``do_bench`` median: PROTOCOL's timing, L2 flushed between launches). Every timed gradient is
+checked against cuDNN's (relative error, never all zeros) before its time counts.
 """
 
 from __future__ import annotations
@@ -260,8 +260,11 @@ def time_problem(problem: Problem, names: list[str], rounds: int) -> list[dict[s
         rows.append({"problem": problem.key(), "candidate": name, "error_vs_cudnn": err,
                      "zeros": zero, "ok": bool(err < 3e-2 and not zero)})
     readings: dict[tuple[str, str], list[float]] = {}
-    for _ in range(rounds):
-        for name, pair in fns.items():  # rotated: every candidate once per round
+    order = list(fns.items())
+    for r in range(rounds):
+        # Every candidate once per round, the order reversed every other round: a place in
+        # the rotation (after which kernel, how warm the GPU) weighs on no candidate alone.
+        for name, pair in (order if r % 2 == 0 else order[::-1]):
             for what in ("bwd", "fwd_bwd"):
                 readings.setdefault((name, what), []).append(event_ms(pair[what]))
     for row in rows:

@@ -64,9 +64,10 @@ ws_kernel, _ = load_kernel_module("templates.gluon.bwd_ws_kernel")
 split_kernel, _ = load_kernel_module("templates.gluon.bwd_split_kernel")
 HEAD_DIMS = (64, 128)
 DTYPE_BYTES = 2
-# Shared memory Triton adds to the tiles (the mbarriers: 24 bytes in the offline build),
+# Shared memory Triton adds to the tiles (the mbarriers and the tiles' alignment: 428 bytes
+# for the warp-specialized kernel at d128, 560 for the split kernel, in the offline build),
 # rounded up so that the estimate is an upper bound.
-BARRIER_BYTES = 512
+BARRIER_BYTES = 1024
 # fp32 registers per thread the step's big tiles may hold: the dK and dV accumulators plus
 # the S^T and dP^T tiles, (2 BLOCK_N D + 2 BLOCK_N BLOCK_M) / threads. Calibrated by the
 # offline sm_90 build (triton 3.9, notes/gluon_notes.md): 128 compiled in 186 registers
@@ -153,8 +154,8 @@ class GluonBwdConfig(KernelConfig):
         "the keys and half of each dQ tile, meeting on mbarriers only where the maths needs "
         "both (dS^T complete before the dQ GEMMs) instead of at two barriers of all 8 warps "
         "a step; a second dS^T tile in shared memory. Not with deterministic or dq_early. "
-        "Measured on the H200 at d128: 1.02-1.03x the speed at 16k tokens, 0.97-1.01x at 4k "
-        "(d128's default on long walks).")
+        "Measured on the H200 at d128 (with dq_transposed): 1.04-1.06x the speed at 4k "
+        "causal, 0.98-1.03x at 4k dense and 16k; d128's default without a block mask.")
     dq_transposed: bool = knob(
         False, (False, True),
         "With warp_specialize, the fp32 dQ staging tile D-major (the accumulator laid out "
@@ -442,9 +443,10 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
     (benchmarks/results/gluon_bwd_h200_split.json, gluon_bwd_h200_m128.json,
     gluon_bwd_h200_dq_transposed.json) and chosen here: at d64 dense, 128-query steps (1.12x
     dq_early's speed; 0.96x causal, where the diagonal's steps waste more, and spilled under
-    masks offline); at d128, split_warpgroups on long walks (``LONG_WALK_STEPS``: 1.02-1.03x
-    at 256 steps, 0.97x at 64, where its longer start and end of a program weigh more); the
-    dQ staging tile D-major (``dq_transposed``) without a block mask."""
+    masks offline); at d128, split_warpgroups without a block mask (with the D-major dQ
+    tile, PROTOCOL's timing, the rotation reversed every other round: 4k causal 1.04-1.06x,
+    4k dense and 16k 0.98-1.03x; gluon_bwd_h200_split_order_*.json); the dQ staging tile
+    D-major (``dq_transposed``) without a block mask."""
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     # dq_transposed on dense and causal walks: 0.99-1.07x at d128 16k, 1.01-1.05x at d64, within
     # noise at d128 4k; under block masks no gain (and a 4k row bound by host time).
@@ -461,22 +463,11 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
             out.insert(0, dataclasses.replace(ws[0], BLOCK_M=128))
     else:
         out = [*ws, base]
-        if not masked and problem.mask == "none" and walk_steps(problem) >= LONG_WALK_STEPS:
+        if not masked and problem.mask == "none":
             out.insert(0, dataclasses.replace(ws[0], split_warpgroups=True))
     if _causal_documents(problem):  # doc_offsets: 1.03-1.04x on 16k packed rows (H200)
         out.insert(0, dataclasses.replace(out[0], doc_offsets=True))
     return out
-
-
-# Query steps of 64 rows per program from which split_warpgroups is d128's default (measured
-# faster at 256, slower at 64: ``_candidates``).
-LONG_WALK_STEPS = 256
-
-
-def walk_steps(problem: Problem) -> int:
-    """Query steps of 64 rows one program walks on a dense problem: every query tile of its
-    GQA group (a causal walk about half, which the measurements above include)."""
-    return problem.heads_q // problem.heads_kv * -(-problem.seqlen_q // 64)
 
 
 def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
