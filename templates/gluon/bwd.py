@@ -450,8 +450,8 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     # dq_transposed on dense and causal walks: 0.99-1.07x at d128 16k, 1.01-1.05x at d64, within
     # noise at d128 4k; under block masks no gain (and a 4k row bound by host time).
-    dqt = not masked and problem.mask == "none"
-    ws = [dataclasses.replace(base, warp_specialize=True, dq_buffers=n, dq_transposed=dqt)
+    unmasked = not masked and problem.mask == "none"
+    ws = [dataclasses.replace(base, warp_specialize=True, dq_buffers=n, dq_transposed=unmasked)
           for n in (1, 2)]
     if problem.head_dim <= 64:
         # dq_early: 1.03-1.05x at d64 (no spills there), 0.95-1.01x at d128 (H200,
@@ -459,11 +459,11 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
         # gluon_bwd_h200_one_path.json), so d64's default only.
         out = [dataclasses.replace(ws[0], dq_early=True), *ws, base,
                dataclasses.replace(base, BLOCK_M=128)]
-        if problem.causal == "none" and not masked and problem.mask == "none":
+        if unmasked and problem.causal == "none":
             out.insert(0, dataclasses.replace(ws[0], BLOCK_M=128))
     else:
         out = [*ws, base]
-        if not masked and problem.mask == "none":
+        if unmasked:
             out.insert(0, dataclasses.replace(ws[0], split_warpgroups=True))
     if _causal_documents(problem):  # doc_offsets: 1.03-1.04x on 16k packed rows (H200)
         out.insert(0, dataclasses.replace(out[0], doc_offsets=True))

@@ -751,15 +751,22 @@ def _dq_transposed_cast_kernel(ACC, DQ, N_Q, N_COLS, HEAD_DIM: tl.constexpr,
              tl.trans(acc).to(DQ.dtype.element_ty), mask=rows[:, None] < N_Q)
 
 
+def dq_cast_launch(seqlen_q: int, batch_heads: int, head_dim: int
+                   ) -> tuple[tuple[int, int], dict[str, int]]:
+    """(grid, options) of ``_dq_transposed_cast_kernel`` for ``batch_heads`` heads of
+    ``seqlen_q`` rows."""
+    return ((triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch_heads),
+            dict(HEAD_DIM=head_dim, ROWS=DQ_CAST_ROWS, num_warps=4))
+
+
 def dq_from_transposed(dq_accum: torch.Tensor, seqlen_q: int, dtype: torch.dtype
                        ) -> torch.Tensor:
     """dq (B, H_q, N_q, D) contiguous in ``dtype`` from a D-major accumulator (B, H_q, D,
     N_q padded) fp32."""
     batch, heads, head_dim, columns = dq_accum.shape
     dq = torch.empty((batch, heads, seqlen_q, head_dim), device=dq_accum.device, dtype=dtype)
-    grid = (triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch * heads)
-    _dq_transposed_cast_kernel[grid](dq_accum, dq, seqlen_q, columns, HEAD_DIM=head_dim,
-                                     ROWS=DQ_CAST_ROWS, num_warps=4)
+    grid, options = dq_cast_launch(seqlen_q, batch * heads, head_dim)
+    _dq_transposed_cast_kernel[grid](dq_accum, dq, seqlen_q, columns, **options)
     return dq
 
 
@@ -789,12 +796,11 @@ class WsLaunchPlan(LaunchPlan):
         # (B H_q, D, N_q), its rows padded to 4 columns (TMA's 16-byte strides), the box
         # D-major (``dq_stage``).
         self.dq_transposed = bool(config.get("dq_transposed"))
-        self.seqlen_q = seqlen_q
         if self.dq_transposed:
             self.dq_columns = -(-seqlen_q // 4) * 4
             # dq_from_transposed's launch, for plans that launch it directly.
-            self.dq_cast_grid = (triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch * heads_q)
-            self.dq_cast_options = dict(HEAD_DIM=head_dim, ROWS=DQ_CAST_ROWS, num_warps=4)
+            self.dq_cast_grid, self.dq_cast_options = dq_cast_launch(
+                seqlen_q, batch * heads_q, head_dim)
             self.dq_shape = (batch * heads_q, head_dim, seqlen_q)
             self.dq_strides = [head_dim * self.dq_columns, self.dq_columns, 1]
             self.dq_block = [1, head_dim, block_m]
