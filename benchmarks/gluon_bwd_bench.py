@@ -16,7 +16,7 @@ for two at d128, crashed on the H200: refused by the template),
 runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row),
 ``ws_dqe`` (``ws`` with ``dq_early``: each step's dQ GEMM before dK's, its tile stored while
 dK's GEMM runs), ``ws_split`` (``ws`` with ``split_warpgroups``: the two MMA warpgroups as two
-partitions), ``ws_m128`` / ``ws_m128_dqe`` (128-query steps, d64), and each of these with
+partitions), ``ws_split_pers`` (``ws_split`` on a persistent grid), ``ws_m128`` / ``ws_m128_dqe`` (128-query steps, d64), and each of these with
 ``_dqt`` (``dq_transposed``: the dQ staging tile D-major);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
@@ -67,6 +67,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # ``ws`` with its two MMA warpgroups as two partitions (templates/gluon/bwd_split_kernel.py).
     "ws_split": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                  "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
+    # ``ws_split`` on a persistent grid (one program per SM walking its tiles in turn).
+    "ws_split_pers": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                      "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True,
+                      "persistent": True},
     # ``ws`` and ``ws_dqe`` with 128-query steps (FA3's d64 tile; d64 only: registers).
     "ws_m128": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                 "warp_specialize": True, "dq_buffers": 1},

@@ -164,6 +164,14 @@ class GluonBwdConfig(KernelConfig):
         "they need (Nsight Compute, notes/gluon_notes.md), the D-major tile's 32-bit stores "
         "one each. Measured on the H200: 0.99-1.07x the speed at d128 16k, 1.04-1.05x d64 dense, "
         "within noise at d128 4k and under block masks; the default without a block mask.")
+    persistent: bool = knob(
+        False, (False, True),
+        "With split_warpgroups, a grid of one program per SM, each walking its KV tiles one "
+        "after another (rounds of the grid in a snake order; a causal grid's longest tiles "
+        "first, by head groups whose Q and dO stay in L2): the next tile's first Q/dO loads "
+        "run under the last steps of the one before, its K and V load while the last one's "
+        "dK and dV are stored from registers, and no program pays a launch. Aimed at short "
+        "walks (block masks, 4k causal), where a program's start and end weigh most.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -194,7 +202,7 @@ class GluonBwdTemplate(GluonTemplate):
                    "TMA bulk reduce), else dQ by fp32 vector atomics; a deterministic dQ "
                    "order as an option; dense, causal top-left or bottom-right, or a block "
                    "mask's listed blocks, GQA/MQA, head dim 64/128, fp16/bf16. On the H200: "
-                   "0.86-0.94x cuDNN's backward at d128, 0.77-0.91x at d64; the fastest "
+                   "0.93-0.95x cuDNN's backward at d128, 0.77-0.91x at d64; the fastest "
                    "backward under block masks, so it prices gluon_train and flash_gluon "
                    "(the mask, varlen and sliding-window specs sweep it).")
     config_cls = GluonBwdConfig
@@ -396,8 +404,8 @@ class GluonBwdTemplate(GluonTemplate):
         mods = list(super().source_modules())
         if ws_kernel is not None:
             mods[:0] = [ws_kernel.__name__, bwd_docs.__name__]
-        if split_kernel is not None:
-            mods[:0] = [split_kernel.__name__]
+        if split_kernel is not None:  # (its persistent plan's host schedule first)
+            mods[:0] = ["templates.gluon.schedule", split_kernel.__name__]
         return mods
 
     def standalone_source(self, config: KernelConfig) -> str:
@@ -443,9 +451,9 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
     (benchmarks/results/gluon_bwd_h200_split.json, gluon_bwd_h200_m128.json,
     gluon_bwd_h200_dq_transposed.json) and chosen here: at d64 dense, 128-query steps (1.12x
     dq_early's speed; 0.96x causal, where the diagonal's steps waste more, and spilled under
-    masks offline); at d128, split_warpgroups without a block mask (with the D-major dQ
-    tile, PROTOCOL's timing, the rotation reversed every other round: 4k causal 1.04-1.06x,
-    4k dense and 16k 0.98-1.03x; gluon_bwd_h200_split_order_*.json); the dQ staging tile
+    masks offline); at d128, split_warpgroups (with the D-major dQ tile, PROTOCOL's timing,
+    the rotation reversed every other round: 4k causal 1.04-1.06x, 4k dense and 16k
+    0.98-1.03x; gluon_bwd_h200_split_order_*.json; under block masks 1.00-1.02x); the dQ staging tile
     D-major (``dq_transposed``) without a block mask."""
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     # dq_transposed on dense and causal walks: 0.99-1.07x at d128 16k, 1.01-1.05x at d64, within
@@ -462,12 +470,31 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
         if unmasked and problem.causal == "none":
             out.insert(0, dataclasses.replace(ws[0], BLOCK_M=128))
     else:
-        out = [*ws, base]
-        if unmasked:
-            out.insert(0, dataclasses.replace(ws[0], split_warpgroups=True))
+        # split at d128 under block masks too: 1.00-1.02x the one-partition kernel on every
+        # d128 row of masked_fwd_bwd_bench.py in two runs (documents 1.02x; H200,
+        # masked_fwd_bwd_h200_persistent*.json); d64's masks keep dq_early, which split lacks.
+        split = dataclasses.replace(ws[0], split_warpgroups=True)
+        out = [split, *ws, base]
+        if unmasked and (problem.causal != "none" or walk_steps(problem) >= LONG_WALK_STEPS):
+            out.insert(0, dataclasses.replace(split, persistent=True))
     if _causal_documents(problem):  # doc_offsets: 1.03-1.04x on 16k packed rows (H200)
         out.insert(0, dataclasses.replace(out[0], doc_offsets=True))
     return out
+
+
+# The persistent split kernel without a block mask (H200, three runs of gluon_bwd_bench.py,
+# gluon_bwd_h200_persistent*.json; x the non-persistent kernel's speed): causal 4k
+# 1.01-1.11x (the host's longest-first schedule evens out walks that the launch order
+# leaves unequal), 16k 0.99-1.01x; dense walks of 256 steps or more (16k MHA and GQA 2)
+# 1.02-1.03x, of 64-128 (4 x 4k) 0.94-0.97x (why not traced): persistent on causal walks and
+# on dense ones from this many steps. Under block masks it read 0.94-1.00x (the rounds'
+# static order against the launch order's dynamic one, on walks of unequal length).
+LONG_WALK_STEPS = 256
+
+
+def walk_steps(problem: Problem) -> int:
+    """Steps of a dense program's walk: its query tiles of 64 rows, times the GQA group."""
+    return -(-problem.seqlen_q // 64) * (problem.heads_q // problem.heads_kv)
 
 
 def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
@@ -487,6 +514,8 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if cfg.dq_transposed:
             return ("dq_transposed lays out the warp-specialized kernel's dQ staging tile: it "
                     "needs warp_specialize (without it dQ is added by atomics)")
+        if cfg.persistent:
+            return "persistent is the split kernel's grid: it needs split_warpgroups"
         return None
     if ws_kernel is None:
         return "the warp-specialized kernel module did not import"
@@ -502,6 +531,8 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if taken:
             return (f"split_warpgroups does not take {', '.join(taken)} (its kernel has no "
                     f"ordered dQ and issues dQ's GEMM last)")
+    elif cfg.persistent:
+        return "persistent is the split kernel's grid: it needs split_warpgroups"
     return None
 
 

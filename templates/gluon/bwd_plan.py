@@ -136,7 +136,9 @@ class GluonBackwardPlan:
         main_head = [q, k, v, do, dk, dv, lse2, delta]
         # The warp-specialized kernel's last runtime argument: the dQ counters, or None (a
         # constexpr: the default kernel compiles it out).
-        mask_tail = [*mask_tensors, *(self.mask_strides or [0] * 5), dq_counters] \
+        # ... then the split kernel's dk, dv and its persistent grid's scalars.
+        extra = plan.tail_args(dk, dv) if self.warp_specialized else []
+        mask_tail = [*mask_tensors, *(self.mask_strides or [0] * 5), dq_counters, *extra] \
             if self.warp_specialized else []
         pointers = [t.data_ptr() for t in (o, do, lse, delta, lse2, dq_accum, *mask_tensors)]
         aligned = all(p % 16 == 0 for p in pointers)
@@ -154,8 +156,9 @@ class GluonBackwardPlan:
         # The counters (torch's allocation: 16-byte aligned, as the compiled kernel assumes)
         # go as their address, or None.
         counters_ptr = None if dq_counters is None else dq_counters.data_ptr()
-        direct_tail = ([*pointers[6:], *mask_tail[_MASK_TENSORS:-1], counters_ptr] if mask_tail
-                       else [])
+        extra_direct = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in extra]
+        direct_tail = ([*pointers[6:], *(self.mask_strides or [0] * 5), counters_ptr,
+                        *extra_direct] if mask_tail else [])
         if aligned and self.main.try_direct(stream, *main_head, dq_arg, *plan.scalars,
                                             *direct_tail):
             return

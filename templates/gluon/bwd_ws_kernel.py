@@ -105,11 +105,20 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 @gluon.jit
 def program_walk(N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """This program's KV tile and the query tiles it walks, the same in every partition:
-    (b, kv head, n0, first_row, full_row, n_q_steps, n_steps, h0). Step t is query tile
-    ``first_row / BLOCK_M + t % n_q_steps`` of query head ``h0 + t // n_q_steps``; steps on
-    rows below ``full_row`` take the masked maths (as ``bwd_kernel``'s walk)."""
-    pid = gl.program_id(0)
+    """This program's KV tile and the query tiles it walks (``tile_walk`` of tile
+    ``program_id``), the same in every partition."""
+    return tile_walk(gl.program_id(0), N_KV, causal_offset, H_KV, GROUP, n_kv_tiles,
+                     n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+
+
+@gluon.jit
+def tile_walk(pid, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tile ``pid`` (KV tile ``pid % n_kv_tiles`` of (batch, kv head) row
+    ``pid // n_kv_tiles``) and the query tiles it walks: (b, kv head, n0, first_row,
+    full_row, n_q_steps, n_steps, h0). Step t is query tile ``first_row / BLOCK_M + t %
+    n_q_steps`` of query head ``h0 + t // n_q_steps``; steps on rows below ``full_row`` take
+    the masked maths (as ``bwd_kernel``'s walk)."""
     tile = pid % n_kv_tiles
     bkv = pid // n_kv_tiles
     b = bkv // H_KV
@@ -187,17 +196,54 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                     SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                    MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr):
+                    MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr, kv_empty=None,
+                    Schedule=None, N_TILES=0, PERSISTENT: gl.constexpr = False,
+                    HOST_SCHEDULE: gl.constexpr = False):
     """K and V once, then step t's Q, dO, lse2 and delta into slot t % STAGES once the MMA
-    partition has released it (the empty barrier's previous phase; a fresh barrier passes)."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
-        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+    partition has released it (the empty barrier's previous phase; a fresh barrier passes).
+    PERSISTENT (``persistent_tile``): the program's tiles in turn, steps counted on across
+    them; each tile's K and V once the MMA warps have released the last one's
+    (``kv_empty``), after the tile's first STAGES steps' loads, which the ring takes while
+    the last tile's steps finish."""
+    if PERSISTENT:
+        step0 = N_Q * 0
+        for i in range(tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE)):
+            step0 = _load_walk(
+                persistent_tile(i, Schedule, HOST_SCHEDULE), step0, i, q_desc, k_desc,
+                v_desc, do_desc, lse_desc, delta_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs,
+                delta_bufs, kv_ready, kv_empty, ready, empty, N_KV, causal_offset, H_Q, H_KV,
+                GROUP, n_kv_tiles, n_q_tiles, FullCounts, FullIndices, PartialCounts,
+                PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+                stride_ih, stride_iq, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SPARSE, MASK_BLOCK_Q,
+                MASK_BLOCK_KV, True)
+    else:
+        _load_walk(gl.program_id(0), N_Q * 0, 0, q_desc, k_desc, v_desc, do_desc, lse_desc,
+                   delta_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready,
+                   kv_empty, ready, empty, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles,
+                   n_q_tiles, FullCounts, FullIndices, PartialCounts, PartialIndices,
+                   PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih,
+                   stride_iq, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SPARSE, MASK_BLOCK_Q,
+                   MASK_BLOCK_KV, False)
+
+
+@gluon.jit
+def _load_walk(pid, step0, i, q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_buf,
+               v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, ready, empty,
+               N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts,
+               FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
+               stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
+               PERSISTENT: gl.constexpr):
+    """Tile ``pid``'s loads, its steps numbered from ``step0`` (the program's i-th tile);
+    returns the step after its last."""
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
+        pid, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     N_Q_PAD = n_q_tiles * BLOCK_M
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
-    tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
+    if not PERSISTENT:
+        _load_kv(k_desc, v_desc, k_buf, v_buf, kv_ready, kv_empty, i, b, kv_h, n0, False)
     if SPARSE:
-        step = n0 * 0
+        step = step0
         for g in range(GROUP):
             lrow, n_full, n_head = mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
                                              stride_cb, stride_ch, stride_ib, stride_ih,
@@ -206,14 +252,42 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
                 m0, partial, tile_base = mask_step(FullIndices, PartialIndices,
                                                    PartialTileIds, PartialTiles, lrow, n_full,
                                                    j, n0, BLOCK_M, MASK_BLOCK_Q, MASK_BLOCK_KV)
+                if PERSISTENT:  # noqa: SIM102  (a constexpr, then a run-time condition)
+                    if step - step0 == STAGES:
+                        _load_kv(k_desc, v_desc, k_buf, v_buf, kv_ready, kv_empty, i, b, kv_h,
+                                 n0, True)
                 _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                            delta_bufs, ready, empty, step, b, h0 + g, m0, H_Q, N_Q_PAD, STAGES)
                 step += 1
+        end = step
     else:
         for t in range(n_steps):
             h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
+            if PERSISTENT:  # noqa: SIM102  (a constexpr, then a run-time condition)
+                if t == STAGES:
+                    _load_kv(k_desc, v_desc, k_buf, v_buf, kv_ready, kv_empty, i, b, kv_h, n0,
+                             True)
             _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-                       delta_bufs, ready, empty, t, b, h, m0, H_Q, N_Q_PAD, STAGES)
+                       delta_bufs, ready, empty, step0 + t, b, h, m0, H_Q, N_Q_PAD, STAGES)
+        end = step0 + n_steps
+    if PERSISTENT:  # noqa: SIM102  (a constexpr, then a run-time condition)
+        if end - step0 <= STAGES:  # a walk of STAGES steps or fewer: its K and V now
+            _load_kv(k_desc, v_desc, k_buf, v_buf, kv_ready, kv_empty, i, b, kv_h, n0, True)
+    return end
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_buf, v_buf, kv_ready, kv_empty, i, b, kv_h, n0,
+             PERSISTENT: gl.constexpr):
+    """The tile's K and V (the program's i-th tile); PERSISTENT: once both MMA warpgroups
+    have released the (i-1)-th's (``kv_empty``'s previous phase; the first passes)."""
+    if PERSISTENT:
+        mbarrier.wait(kv_empty, (i & 1) ^ 1)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
+    tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
 
 
 @gluon.jit
@@ -233,6 +307,39 @@ def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
     tma_load(delta_desc, [row0], ready.index(slot), delta_bufs.index(slot))
 
 
+# ----------------------------------------------------------------------------- persistent grids
+# (gluon_bwd's ``persistent``, the split kernel) A grid of min(tiles, SMs) programs, each
+# walking its tiles one after another. Without a block mask the host gives each program its
+# tiles (HOST_SCHEDULE: ``Schedule`` holds programs + 1 offsets, then every program's tiles;
+# the split kernel's plan makes it, longest first to the least loaded program). With one
+# (the walks' lengths are the mask's, on the GPU) round r of the grid takes tiles r G ..
+# r G + G - 1 in ``tile_walk``'s order, program p the p-th of an even round and the
+# (G-1-p)-th of an odd one, so that a program given a long tile in one round gets a short
+# one in the next.
+@gluon.jit
+def tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE: gl.constexpr):
+    """How many tiles this program of a persistent grid walks."""
+    p = gl.program_id(0)
+    if HOST_SCHEDULE:
+        return gl.load(Schedule + p + 1) - gl.load(Schedule + p)
+    else:
+        G = gl.num_programs(0)
+        rounds = N_TILES // G
+        last = gl.where(rounds % 2 == 0, p, G - 1 - p)  # its place in the partial last round
+        return rounds + (last < N_TILES % G).to(gl.int32)
+
+
+@gluon.jit
+def persistent_tile(i, Schedule, HOST_SCHEDULE: gl.constexpr):
+    """This program's i-th tile, as ``tile_walk`` numbers them."""
+    G = gl.num_programs(0)
+    p = gl.program_id(0)
+    if HOST_SCHEDULE:
+        return gl.load(Schedule + G + 1 + gl.load(Schedule + p) + i)
+    else:
+        return i * G + gl.where(i % 2 == 0, p, G - 1 - p)
+
+
 # ----------------------------------------------------------------------------- the dQ warp
 @gluon.jit
 def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
@@ -246,17 +353,50 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                   SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr, DQ_T: gl.constexpr = False):
+                  DETERMINISTIC: gl.constexpr, DQ_T: gl.constexpr = False, Schedule=None,
+                  N_TILES=0, PERSISTENT: gl.constexpr = False,
+                  HOST_SCHEDULE: gl.constexpr = False):
     """Step t's dQ tile, staged in buffer t % DQ_BUFFERS, added into the accumulator's rows
     of its query head by one TMA bulk reduce (rows past N_q are dropped by the TMA unit);
     the buffer goes back to the MMA partition once the reduce is done with it. With
     DETERMINISTIC (dense or causal) each query tile's reduces land in increasing KV-tile
     order (``_dq_step_in_order``; ``DqCounters``: an int32 counter per (batch, query head,
-    query tile), zeroed by the host per call)."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
-        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+    query tile), zeroed by the host per call). PERSISTENT: the program's tiles in turn
+    (``persistent_tile``), steps counted on across them (not with DETERMINISTIC)."""
+    if PERSISTENT:
+        gl.static_assert(not DETERMINISTIC)
+        step0 = N_Q * 0
+        for i in range(tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE)):
+            step0 = _dq_walk(persistent_tile(i, Schedule, HOST_SCHEDULE), step0,
+                             dq_desc, dq_bufs, dq_full, dq_empty, N_KV, causal_offset, H_Q,
+                             H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts, FullIndices,
+                             PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
+                             stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+                             DqCounters, BLOCK_M, BLOCK_N, CAUSAL, DQ_BUFFERS, SPARSE,
+                             MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC, DQ_T)
+    else:
+        _dq_walk(gl.program_id(0), N_Q * 0, dq_desc, dq_bufs, dq_full, dq_empty, N_KV,
+                 causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts,
+                 FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
+                 stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, DqCounters, BLOCK_M,
+                 BLOCK_N, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG,
+                 DETERMINISTIC, DQ_T)
+
+
+@gluon.jit
+def _dq_walk(pid, step0, dq_desc, dq_bufs, dq_full, dq_empty, N_KV, causal_offset, H_Q, H_KV,
+             GROUP, n_kv_tiles, n_q_tiles, FullCounts, FullIndices, PartialCounts,
+             PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
+             stride_ih, stride_iq, DqCounters, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr, SPARSE: gl.constexpr,
+             MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr,
+             DETERMINISTIC: gl.constexpr, DQ_T: gl.constexpr):
+    """Tile ``pid``'s dQ reduces, its steps numbered from ``step0``; returns the step after
+    its last."""
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
+        pid, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     if SPARSE:
-        step = n0 * 0
+        step = step0
         for g in range(GROUP):
             lrow, n_full, n_head = mask_head(FullCounts, PartialCounts, b, h0 + g, n0,
                                              stride_cb, stride_ch, stride_ib, stride_ih,
@@ -268,6 +408,7 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                 _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, step, b * H_Q + h0 + g, m0,
                          DQ_BUFFERS, DEBUG, DQ_T)
                 step += 1
+        end = step
     else:
         for t in range(n_steps):
             h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
@@ -277,11 +418,14 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                 # to the last query tile), so this tile's turn at any of its query tiles is
                 # its own index. Per query head: a GQA program's heads each count their own.
                 counter = DqCounters + ((b * H_Q + h) * n_q_tiles + m0 // BLOCK_M)
-                _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0,
-                                  counter, n0 // BLOCK_N, DQ_BUFFERS, DEBUG, DQ_T)
+                _dq_step_in_order(dq_desc, dq_bufs, dq_full, dq_empty, step0 + t,
+                                  b * H_Q + h, m0, counter, n0 // BLOCK_N, DQ_BUFFERS, DEBUG,
+                                  DQ_T)
             else:
-                _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, t, b * H_Q + h, m0, DQ_BUFFERS,
-                         DEBUG, DQ_T)
+                _dq_step(dq_desc, dq_bufs, dq_full, dq_empty, step0 + t, b * H_Q + h, m0,
+                         DQ_BUFFERS, DEBUG, DQ_T)
+        end = step0 + n_steps
+    return end
 
 
 @gluon.jit
@@ -872,7 +1016,11 @@ class WsLaunchPlan(LaunchPlan):
         mask = list(self.mask_args or [lse2] * 6 + [0] * 5)
         if doc_first is not None:  # (GluonBackwardPlan passes its mask tensors itself)
             mask[5] = doc_first
-        return args + mask + [dq_counters]
+        return args + mask + [dq_counters] + self.tail_args(dk, dv)
+
+    def tail_args(self, dk: Any, dv: Any) -> list[Any]:
+        """The main launch's arguments after the dQ counters (the split kernel's)."""
+        return []
 
     def dq_counters(self, q: torch.Tensor) -> torch.Tensor | None:
         """A new zeroed int32 counter per (batch, query head, query tile) for a deterministic

@@ -99,7 +99,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
         GluonBwdConfig(stages=1)  # spilled at d128: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False
@@ -129,10 +129,16 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
                            (64, 3, 1, False, False, True), *row_major,
                            (128, 3, 1, False, False, False)]
     assert shapes(d64_causal) == shapes(d64)[1:-1]  # 128 spills on causal walks
-    # d128: the split kernel first, then one partition.
-    assert shapes(d128) == [(64, 3, 1, False, True, True), (64, 3, 1, False, False, True),
-                            row_major[1]]
+    # d128: the split kernel first (on a persistent grid, then not: causal and 16k walks),
+    # then one partition.
+    assert shapes(d128) == [(64, 3, 1, False, True, True)] * 2 + [
+        (64, 3, 1, False, False, True), row_major[1]]
     assert shapes(d128_long) == shapes(d128)
+    for problem in (d128, d128_long):
+        assert [c.persistent for c in TEMPLATE.warp_specialized_configs(problem, H100)] == [
+            True, False, False, False]
+    short_dense = dataclasses.replace(d128, causal="none")  # 64-step walks: not persistent
+    assert not TEMPLATE.default_config(short_dense, H100).persistent
     for problem in (d64, d64_causal, d128, d128_long):
         for cfg in TEMPLATE.warp_specialized_configs(problem, H100):
             assert cfg.warp_specialize and TEMPLATE.constraint(problem, cfg, H100) is None
@@ -153,11 +159,11 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     for problem in (d64, d64_causal, d128, d128_long):
         assert TEMPLATE.default_config(problem, H100).dq_transposed
     # A block mask's walk takes 64-query steps (128 spilled there), the row-major dQ staging
-    # tile (D-major measured no faster there) and no split by default.
+    # tile (D-major measured no faster there), split at d128 only (d64 keeps dq_early).
     for problem in (d64, d128_long):
         masked = TEMPLATE.run_default(problem, H100, (128, 128))
-        assert masked.BLOCK_M == 64 and not masked.split_warpgroups
-        assert not masked.dq_transposed
+        assert masked.BLOCK_M == 64 and not masked.dq_transposed
+        assert masked.split_warpgroups == (problem.head_dim == 128)
     reason = TEMPLATE.run_constraint(d64, GluonBwdConfig(BLOCK_M=128, warp_specialize=True),
                                      H100, (128, 128))
     assert reason is not None and "BLOCK_M 128" in reason and "spills" in reason
@@ -259,7 +265,8 @@ def test_input_errors_name_the_argument() -> None:
 def test_default_configs_are_unchanged_by_the_deterministic_knob() -> None:
     """The knob is off by default; the defaults and the runners-up a sweep measures first
     are the measured ones (warp-specialized, one dQ tile; at d64 dense with 128-query
-    steps, causal with dq_early; at d128 on long walks split_warpgroups), none ordered."""
+    steps, causal with dq_early; at d128 split_warpgroups, persistent on causal and long
+    walks), none ordered."""
     assert GluonBwdConfig().deterministic is False
     ws = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_specialize=True)
     for problem in protocol_problems():
@@ -267,7 +274,9 @@ def test_default_configs_are_unchanged_by_the_deterministic_knob() -> None:
             want = (dataclasses.replace(ws, BLOCK_M=128) if problem.causal == "none"
                     else dataclasses.replace(ws, dq_early=True))
         else:
-            want = dataclasses.replace(ws, split_warpgroups=True)
+            # On a persistent grid where walks are causal or 256 steps long (16k rows).
+            persistent = problem.causal != "none" or problem.seqlen_q >= 16384
+            want = dataclasses.replace(ws, split_warpgroups=True, persistent=persistent)
         want = dataclasses.replace(want, dq_transposed=True)
         assert TEMPLATE.default_config(problem, H100) == want
         for cfg in (TEMPLATE.known_good_configs(problem, H100)
@@ -420,6 +429,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                  "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
     "ws_split_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                      "warp_specialize": True, "dq_buffers": 2, "split_warpgroups": True},
+    # ... on a persistent grid (one program per SM walking tiles in turn).
+    "ws_split_pers": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
+                      "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True,
+                      "persistent": True},
     # 128-query steps (d64 only: registers), with dq_early too.
     "ws_m128": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
                 "warp_specialize": True, "dq_buffers": 1},

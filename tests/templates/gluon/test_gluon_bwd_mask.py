@@ -111,6 +111,9 @@ COMPILE_JOBS = [
 # 16 / 56); at d64 8 with 3.9, none with 3.6.
 MASKED_D128_STACK = 96
 MASKED_D64_STACK = 8
+# The same for the split kernel (d128's default under masks): 128-136 with triton 3.9, 40-48
+# with 3.6 (notes/gluon_notes.md, "split_warpgroups ... built").
+MASKED_SPLIT_STACK = 136
 
 
 @needs_gluon
@@ -122,9 +125,11 @@ def test_masked_configs_compile_for_the_h100() -> None:
     for job, out in zip(jobs, outcomes, strict=True):
         assert out["error"] == "" and out["constraint"] == "", out
         _, main = out["kernels"]
-        assert main["kernel"] == "_gluon_bwd_ws_kernel" and main["registers"] == 168, out
-        allowed = (MASKED_D128_STACK if job["problem"]["head_dim"] == 128
-                   else MASKED_D64_STACK)
+        split = job["config"]["split_warpgroups"]
+        kernel = "_gluon_bwd_split_kernel" if split else "_gluon_bwd_ws_kernel"
+        assert main["kernel"] == kernel and main["registers"] == 168, out
+        allowed = (MASKED_SPLIT_STACK if split else MASKED_D128_STACK
+                   if job["problem"]["head_dim"] == 128 else MASKED_D64_STACK)
         assert main["stack_bytes"] <= allowed, f"registers spilled: {out}"
         assert main["wgmma_serialized"] == "", out
 

@@ -15,11 +15,13 @@ import torch
 
 from templates.base import Problem
 from templates.compile.offline_target import TARGETS
+from templates.compile.standin_tensor import StandinTensor
 from templates.gluon.bwd import (
     GLUON_MISSING,
     TEMPLATE,
     GluonBwdConfig,
     shared_memory_estimate,
+    split_kernel,
 )
 from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
@@ -29,6 +31,7 @@ SPLIT = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_spec
                        split_warpgroups=True)
 DENSE = Problem(1, 16, 16, 16384, 16384, 128, "bfloat16", "none")
 CAUSAL = Problem(1, 32, 32, 16384, 16384, 64, "bfloat16", "top_left")
+PERSISTENT = dataclasses.replace(SPLIT, persistent=True)
 SLIDING = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
 DOCS = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048")
 
@@ -52,6 +55,69 @@ def test_what_it_does_not_take_is_refused_by_name() -> None:
     assert reason is not None and "warp_specialize" in reason
 
 
+@needs_gluon
+def test_persistent_needs_the_split_kernel() -> None:
+    for problem in (DENSE, CAUSAL, SLIDING):
+        assert TEMPLATE.constraint(problem, PERSISTENT, H100) is None
+    for cfg in (dataclasses.replace(PERSISTENT, split_warpgroups=False),
+                dataclasses.replace(PERSISTENT, split_warpgroups=False, warp_specialize=False)):
+        reason = TEMPLATE.constraint(DENSE, cfg, H100)
+        assert reason is not None and "split_warpgroups" in reason, reason
+
+
+@needs_gluon
+def test_a_persistent_plan_runs_one_program_per_sm_over_every_tile() -> None:
+    def plan(problem: Problem, cfg: GluonBwdConfig, sm_count: int = 132) -> Any:
+        q = StandinTensor(torch.bfloat16, [problem.batch, problem.heads_q, problem.seqlen_q,
+                                           problem.head_dim])
+        k = StandinTensor(torch.bfloat16, [problem.batch, problem.heads_kv,
+                                           problem.seqlen_kv, problem.head_dim])
+        return split_kernel.SplitLaunchPlan(q, k, causal_mode=problem.causal, scale=0.1,
+                                            config=cfg.to_dict(), sm_count=sm_count)
+
+    dense = plan(DENSE, PERSISTENT)
+    tiles = 16 * 16384 // 128
+    assert dense.grid == (132,) and dense.n_tiles == tiles
+    assert dense.options["PERSISTENT"] is True and dense.options["HOST_SCHEDULE"] is True
+    _, n_tiles = dense.tail_args("dk", "dv")
+    assert n_tiles == tiles
+    # The host's schedule: offsets, then each program's tiles; every tile once, and the
+    # programs' work within one tile's of each other.
+    table = [int(x) for x in split_kernel.SplitLaunchPlan._host_schedule(
+        dense, StandinTensor(torch.bfloat16, [1, 16, 16384, 128]),
+        StandinTensor(torch.bfloat16, [1, 16, 16384, 128]), "none")]
+    offsets, owned = table[:133], table[133:]
+    assert offsets[0] == 0 and offsets[-1] == tiles and sorted(owned) == list(range(tiles))
+    counts = [offsets[p + 1] - offsets[p] for p in range(132)]
+    assert max(counts) - min(counts) <= 1
+    # Causal: the longest walks (the first KV tiles) first, and no program more than a
+    # longest tile's work above the least loaded.
+    causal = plan(CAUSAL, PERSISTENT)
+    table = [int(x) for x in split_kernel.SplitLaunchPlan._host_schedule(
+        causal, StandinTensor(torch.bfloat16, [1, 32, 16384, 64]),
+        StandinTensor(torch.bfloat16, [1, 32, 16384, 64]), "top_left")]
+    offsets, owned = table[:133], table[133:]
+    n_kv = 16384 // 128
+    assert sorted(owned) == list(range(32 * n_kv))
+    steps = [sum(256 - 2 * (t % n_kv) for t in owned[offsets[p]:offsets[p + 1]])
+             for p in range(132)]
+    assert max(steps) - min(steps) <= 256
+    assert owned[offsets[0]] % n_kv == 0  # program 0 starts on a longest tile
+    # Under a block mask the walks' lengths are on the GPU: rounds, no host schedule.
+    # Fewer tiles than SMs: a program each; without the knob the grid is every tile.
+    small = plan(Problem(1, 2, 2, 1000, 1000, 128, "bfloat16", "none"), PERSISTENT)
+    assert small.grid == (2 * 8,)
+    assert plan(DENSE, SPLIT).grid == (tiles,) and "PERSISTENT" not in plan(DENSE, SPLIT).options
+
+
+def test_the_head_group_fills_two_rounds_within_the_l2_budget() -> None:
+    group = split_kernel.persistent_head_group
+    assert group(rows=64, n_kv_tiles=32, programs=132, row_bytes=2 << 20) == 8   # 9 > 8 fit
+    assert group(rows=64, n_kv_tiles=128, programs=132, row_bytes=2 << 20) == 3
+    assert group(rows=2, n_kv_tiles=32, programs=132, row_bytes=1 << 20) == 2     # all rows
+    assert group(rows=64, n_kv_tiles=32, programs=132, row_bytes=64 << 20) == 1   # none fit
+
+
 def test_the_second_ds_tile_is_counted() -> None:
     one = dataclasses.replace(SPLIT, split_warpgroups=False)
     tile = SPLIT.BLOCK_N * SPLIT.BLOCK_M * 2
@@ -66,7 +132,9 @@ def test_it_compiles_for_the_h100_without_serialized_gemms() -> None:
     jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
             for p, c in ((DENSE, SPLIT), (CAUSAL, SPLIT),
                          (CAUSAL, dataclasses.replace(SPLIT, dq_buffers=2)), (SLIDING, SPLIT),
-                         (DOCS, dataclasses.replace(SPLIT, doc_offsets=True)))]
+                         (DOCS, dataclasses.replace(SPLIT, doc_offsets=True)),
+                         (DENSE, PERSISTENT), (CAUSAL, PERSISTENT), (SLIDING, PERSISTENT),
+                         (DOCS, dataclasses.replace(PERSISTENT, doc_offsets=True)))]
     for out in compile_reports("templates.gluon.bwd", jobs):
         assert out["error"] == "" and out["constraint"] == "", out
         _, main = out["kernels"]
@@ -96,9 +164,10 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: Problem(*c).key())
 def test_split_matches_the_reference_and_the_one_partition_kernel(
-        case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+        case: tuple[Any, ...], persistent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
     from templates.gluon import bwd_kernel as gluon_bwd_kernel
@@ -108,7 +177,8 @@ def test_split_matches_the_reference_and_the_one_partition_kernel(
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
     ref = TEMPLATE.reference(inputs)
     one = TEMPLATE.run(inputs, dataclasses.replace(SPLIT, split_warpgroups=False))
-    runs = [TEMPLATE.run(inputs, SPLIT) for _ in range(2)]
+    cfg = PERSISTENT if persistent else SPLIT
+    runs = [TEMPLATE.run(inputs, cfg) for _ in range(2)]
     for out in runs:
         for grad in out:
             assert not torch.isnan(grad).any()
@@ -122,13 +192,15 @@ MASK_CASES = [
     (1, 8, 2, 2048, 2048, 128, "bfloat16", "none", "sliding_causal:512"),  # GQA
     (1, 2, 2, 1500, 1500, 64, "float16", "none", "documents_causal:256"),  # odd length
     (2, 4, 4, 1000, 1000, 128, "float16", "none", "random:0.3"),
+    (4, 8, 8, 2048, 2048, 128, "bfloat16", "none", "sliding_causal:512"),  # 512 KV tiles
 ]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("doc_offsets", [False, True])
 @pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: Problem(*c).key())
-def test_split_walks_block_masks(case: tuple[Any, ...], doc_offsets: bool,
+def test_split_walks_block_masks(case: tuple[Any, ...], doc_offsets: bool, persistent: bool,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
@@ -136,13 +208,14 @@ def test_split_walks_block_masks(case: tuple[Any, ...], doc_offsets: bool,
 
     monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)
-    cfg = dataclasses.replace(SPLIT, doc_offsets=doc_offsets)
+    cfg = dataclasses.replace(SPLIT, doc_offsets=doc_offsets, persistent=persistent)
     if TEMPLATE.constraint(problem, cfg, H100):
         pytest.skip(f"{cfg.key()} does not fit {problem.key()}")
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
     ref = TEMPLATE.reference(inputs)
     out = TEMPLATE.run(inputs, cfg)
-    one = TEMPLATE.run(inputs, dataclasses.replace(cfg, split_warpgroups=False))
+    one = TEMPLATE.run(inputs, dataclasses.replace(cfg, split_warpgroups=False,
+                                                   persistent=False))
     for grad in out:
         assert not torch.isnan(grad).any()
     assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
