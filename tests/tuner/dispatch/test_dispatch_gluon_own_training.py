@@ -11,6 +11,7 @@ recorders answering with the reference (their numerics are the GPU tests')."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from tuner.dispatch.rule import Call, choose
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
 
 OWN = get_template("gluon_train")
+BWD = get_template("gluon_bwd")
 
 
 @pytest.fixture
@@ -50,9 +52,9 @@ def own_backward(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     seen: list[dict[str, Any]] = []
 
     def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        seen.append({"o": o, "lse": lse, "causal": causal, "scale": scale})
+                 o: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float | None,
+                 config: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        seen.append({"o": o, "lse": lse, "causal": causal, "scale": scale, "config": config})
         grads = closed_form_grads(q, k, v, do, causal, scale or q.shape[-1] ** -0.5)
         return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
 
@@ -77,9 +79,27 @@ def test_our_backward_measured_fastest_trains_with_both_our_kernels(
     assert not calls["bwd"]  # cuDNN's backward never ran
     assert torch.equal(bwd["o"], fwd["o"]) and torch.equal(bwd["lse"], fwd["lse"])
     assert bwd["causal"] is True and bwd["scale"] is None
+    assert bwd["config"] is None  # nothing measured for gluon_bwd: its default
     assert_reference_grads(q, k, v, do)
     for t in (q, k, v):
         assert t.grad is not None and t.grad.stride() == torch.empty_like(t).stride()
+
+
+def test_the_backward_takes_gluon_bwds_config_measured_on_the_problem(
+        tmp_path: Path, calls: dict[str, list[dict[str, Any]]],  # noqa: F811
+        own_backward: list[dict[str, Any]]) -> None:
+    """gluon_train is priced with the backward's default; a sweep that tuned gluon_bwd on
+    the same problem found a config at least as fast, which the backward then runs."""
+    default = BWD.default_config(PROBLEM, H100)
+    tuned = dataclasses.replace(default, dq_early=not default.dq_early)
+    assert BWD.constraint(PROBLEM, tuned, H100) is None
+    store(tmp_path, measured("torch_sdpa_train", 100.0), measured("gluon_cudnn_train", 110.0),
+          measured("gluon_train", 120.0), measured("gluon_bwd", 300.0, config=tuned.to_dict()))
+    q, k, v, do = leaves()
+    tuner.attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+    [bwd] = own_backward
+    assert bwd["config"] == tuned
+    assert_reference_grads(q, k, v, do)
 
 
 def test_where_cudnns_backward_is_faster_gluon_keeps_it_and_inference_is_gluons(

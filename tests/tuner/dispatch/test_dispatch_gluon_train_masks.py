@@ -65,14 +65,19 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[dict[str, Any]]]:
 
     def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float | None,
-                 block_mask: BlockMask | None = None
+                 block_mask: BlockMask | None = None, config: Any = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert block_mask is not None and causal is False
-        # The config the real entry runs: its default for the mask's blocks.
+        # The config the real entry runs: the given one, which must take the mask, or its
+        # default for the mask's blocks.
         problem = gluon_bwd.problem_of(q, k, "none")
-        assert gluon_bwd.TEMPLATE.run_default(problem, H100,
-                                              block_mask.block_size).warp_specialize
-        calls["bwd"].append({"o": o, "lse": lse, "block_mask": block_mask})
+        if config is None:
+            assert gluon_bwd.TEMPLATE.run_default(problem, H100,
+                                                  block_mask.block_size).warp_specialize
+        else:
+            assert gluon_bwd.TEMPLATE.run_constraint(problem, config, H100,
+                                                     block_mask.block_size) is None
+        calls["bwd"].append({"o": o, "lse": lse, "block_mask": block_mask, "config": config})
         grads = masked_closed_form_grads(q, k, v, do, block_mask.to_dense(),
                                          scale or q.shape[-1] ** -0.5)
         return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
@@ -167,6 +172,27 @@ def test_measured_fastest_trains_a_mask_with_both_gluon_kernels(
     assert_reference_grads(q, k, v, do, block_mask)
 
 
+def test_the_backward_takes_gluon_bwds_config_measured_on_the_pattern(
+        tmp_path: Path, kernels: dict[str, list[dict[str, Any]]]) -> None:
+    """A sweep that tuned gluon_bwd on the mask's named problem: the backward runs its best
+    there; one that cannot walk the call's mask (or a mask without a name) runs the
+    default."""
+    default = gluon_bwd.TEMPLATE.run_default(MASKED, H100, (128, 128))
+    tuned = dataclasses.replace(default, dq_buffers=3 - default.dq_buffers, doc_offsets=False)
+    assert gluon_bwd.TEMPLATE.run_constraint(MASKED, tuned, H100, (128, 128)) is None
+    store(tmp_path, measured("flash_fwd", 100.0), measured("flash_bwd", 100.0),
+          measured("torch_flex_train", 100.0), measured("gluon_train", 400.0),
+          measured("gluon_bwd", 300.0, tuned.to_dict()))
+    block_mask = mask()
+    q, k, v, do = train(block_mask)
+    assert [c["config"] for c in kernels["bwd"]] == [tuned]
+    assert_reference_grads(q, k, v, do, block_mask)
+    # A mask without a name has no measurements: the default.
+    with tuner.use_implementation("gluon_train"):
+        train(mask(pattern=None))
+    assert kernels["bwd"][-1]["config"] is None
+
+
 def test_the_masked_forward_config_is_worked_out_once_per_shape(
         tmp_path: Path, kernels: dict[str, list[dict[str, Any]]],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,11 +213,12 @@ def test_the_masked_forward_config_is_worked_out_once_per_shape(
     block_mask = mask()
     for _ in range(3):
         train(block_mask)
-    assert len(resolved) == 1 and len(kernels["fwd"]) == 3
+    # Once for the forward's config, once for the backward's (``tuned_backward``).
+    assert len(resolved) == 2 and len(kernels["fwd"]) == 3
     assert all(call["config"] == OWN.config(cfg) for call in kernels["fwd"])
     clear_plans()
     train(block_mask)
-    assert len(resolved) == 2
+    assert len(resolved) == 4
 
 
 def test_unmeasured_or_slower_gluon_train_does_not_run(

@@ -3,7 +3,9 @@ forward and the Gluon backward (``templates.gluon.bwd``), priced together by the
 ``gluon_train`` template beside ``torch_sdpa_train`` and ``gluon_cudnn_train``.
 
 Inference calls are the ``gluon`` implementation's (the same forward). Its training op
-``tuner::gluon_train_fwd`` (o, lse) has the backward op ``tuner::gluon_attention_bwd``.
+``tuner::gluon_train_fwd`` (o, lse) has the backward op ``tuner::gluon_attention_bwd``, which
+runs gluon_bwd's config measured on the call's problem where a sweep tuned it (the template
+prices the pair with the backward's default: the tuned one is at least as fast).
 Block masks too (both kernels walk them; the backward's warp-specialized kernel blocks of
 128 x 128 only, with the mask's own causality): a masked call runs here only where a sweep
 measured ``gluon_train`` fastest on the mask's named pattern (``rule.choose_masked``), or
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import Any
 
 import torch
 
 from templates.base import KernelConfig
+from templates.gluon import bwd as gluon_bwd
 from templates.gluon import fwd as gluon_fwd
 from templates.gluon.bwd import GluonBwdConfig, block_mask_reason, gluon_attention_bwd
 from templates.masks.block_mask import BlockMask
@@ -194,20 +199,57 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          mask_geometry: list[int] | None = None,
                          mask_pattern: str | None = None, attn_mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) by the Gluon backward (its template's default config; under
-    torch.use_deterministic_algorithms ``REPEATABLE_BACKWARD``) from the forward's o and lse, under the forward's block mask (if any), laid out as ``torch.empty_like`` of
-    q, k, v."""
+    """(dq, dk, dv) by the Gluon backward (gluon_bwd's config measured on the call's problem,
+    else its default: ``tuned_backward``; under torch.use_deterministic_algorithms
+    ``REPEATABLE_BACKWARD``) from the forward's o and lse, under the forward's block mask (if
+    any), laid out as ``torch.empty_like`` of q, k, v."""
     mask = Masked.from_op_args(full_counts, full_indices, partial_counts, partial_indices,
                                partial_tile_ids, partial_tiles, mask_geometry, mask_pattern,
                                attn_mask)
     # Looked up on the module at each call (tests stand in for it).
     if mask is None:
-        kernel = gluon_attention_bwd
         if torch.are_deterministic_algorithms_enabled():
-            kernel = functools.partial(gluon_attention_bwd, config=REPEATABLE_BACKWARD)
-        return backward_of(kernel, grad_o, q, k, v, o, lse, is_causal, scale)
-    return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale,
-                       block_mask=mask.block_mask)
+            config: GluonBwdConfig | None = REPEATABLE_BACKWARD
+        else:
+            config = tuned_backward(q, k, is_causal, None, None)
+        return backward_of(_with_config(gluon_attention_bwd, config), grad_o, q, k, v, o, lse,
+                           is_causal, scale)
+    assert mask.block_mask is not None  # (the forward refused an elementwise mask)
+    config = tuned_backward(q, k, False, mask.pattern, mask.block_mask.block_size)
+    return backward_of(_with_config(gluon_attention_bwd, config), grad_o, q, k, v, o, lse,
+                       is_causal, scale, block_mask=mask.block_mask)
+
+
+def _with_config(kernel: Any, config: GluonBwdConfig | None) -> Any:
+    """``kernel`` with ``config`` bound, or as it is for None (its default)."""
+    return kernel if config is None else functools.partial(kernel, config=config)
+
+
+def tuned_backward(q: torch.Tensor, k: torch.Tensor, is_causal: bool, pattern: str | None,
+                   blocks: tuple[int, int] | None) -> GluonBwdConfig | None:
+    """The Gluon backward's config for a training call: gluon_bwd's as a sweep measured it on
+    the call's problem (a masked call's: its mask's named problem; ``blocks``: the mask's
+    block size, None without one), or None (the backward's own default) where nothing was
+    measured there, the mask has no name, or the measured config cannot take the call. A
+    sweep prices ``gluon_train`` with the backward's default and tunes ``gluon_bwd`` on its
+    own: its best is at least as fast as that default on the problem. Kept per shape and
+    kind of call until the answer expires (working it out costs host time every step)."""
+    key = ("gluon_train_bwd", q.shape, k.shape, q.dtype, q.device, is_causal, pattern, blocks)
+
+    def make() -> Plan:
+        if blocks is not None and pattern is None:
+            return Plan(None, None, math.inf)
+        call = call_of(q, k, is_causal, True, mask=pattern or "none")
+        template = gluon_bwd.TEMPLATE
+        resolved = resolve_config(template, call.problem, call.device)
+        config = keep_config(resolved).config if resolved.measured else None
+        dense = dataclasses.replace(call.problem, mask="none")
+        if not isinstance(config, GluonBwdConfig) or template.run_constraint(
+                dense, config, call.device, blocks):
+            config = None
+        return Plan(None, config, resolved.expires_at)
+
+    return kept_plan(key, make).choice  # type: ignore[return-value]
 
 
 def _gluon_attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
