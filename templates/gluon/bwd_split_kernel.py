@@ -474,11 +474,12 @@ class SplitLaunchPlan(WsLaunchPlan):
             costs.append(group * max(n_q_tiles - first, 0) + TILE_OVERHEAD_STEPS)
         rows = batch * heads_kv
         # Equal walks (no causality) need no pool to even out: one row at a time, every KV
-        # tile of a head in turn as the grid without persistence runs them, so the tiles
-        # that run together read the same Q and dO (head groups of 8 read 0.90x cuDNN's
-        # speed at 4 x 4k dense against 0.96x, H200).
+        # tile of a head in turn, as the grid without persistence runs them (with head
+        # groups of 8, 4 x 4k dense read 0.90x cuDNN's speed against the non-persistent
+        # grid's 0.96x; one row at a time 0.92x against 0.95x: the order is not what that
+        # row loses, notes/gluon_notes.md).
         head_group = 1 if causal_mode == "none" else persistent_head_group(
-            rows, n_kv_tiles, self.grid[0], 2 * seqlen_q * head_dim * 2 * group)
+            rows, n_kv_tiles, self.grid[0], 2 * seqlen_q * head_dim * q.dtype.itemsize * group)
         owned = lpt_schedule(n_kv_tiles, rows, head_group, costs, self.grid[0])
         offsets = [0]
         for tiles in owned:

@@ -283,9 +283,7 @@ def _load_kv(k_desc, v_desc, k_buf, v_buf, kv_ready, kv_empty, i, b, kv_h, n0,
     have released the (i-1)-th's (``kv_empty``'s previous phase; the first passes)."""
     if PERSISTENT:
         mbarrier.wait(kv_empty, (i & 1) ^ 1)
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    else:
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [b, kv_h, n0, 0], kv_ready, k_buf.index(0))
     tma_load(v_desc, [b, kv_h, n0, 0], kv_ready, v_buf.index(0))
 
