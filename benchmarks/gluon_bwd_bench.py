@@ -9,15 +9,14 @@ no key included), D 64/128; each variant in a child process with a timeout (a ba
 hangs one variant, not the run). dk/dv are poisoned with NaN first; dq, dk, dv are compared
 with the float64/float32 autograd reference (flash_bwd's), max errors printed.
 
-Variants (``VARIANTS``): ``default``, ``eager_dq``, and the warp-specialized kernel ``ws`` (one
-dQ staging tile) and ``ws_dq2`` (two; d64 only; a ring of two stages, which would leave room
-for two at d128, crashed on the H200: refused by the template),
-``ws_det`` (``ws`` with dQ added in KV-tile order, ``deterministic``; ``--check``
-runs it twice per case and requires dq bitwise equal, ``dq_bitwise_repeat`` in the row),
-``ws_dqe`` (``ws`` with ``dq_early``: each step's dQ GEMM before dK's, its tile stored while
-dK's GEMM runs), ``ws_split`` (``ws`` with ``split_warpgroups``: the two MMA warpgroups as two
-partitions), ``ws_split_pers`` (``ws_split`` on a persistent grid), ``ws_m128`` / ``ws_m128_dqe`` (128-query steps, d64), and each of these with
-``_dqt`` (``dq_transposed``: the dQ staging tile D-major);
+Variants: ``templates/gluon/bwd_variants.py``'s ``VARIANTS`` (the named configs the GPU tests
+check, on that module's ``CASES``): ``default``, ``eager_dq``, the warp-specialized kernel
+``ws`` with one dQ staging tile or two (``_dq2``; d64 only), ``ws_det`` (dQ added in KV-tile
+order, ``deterministic``; ``--check`` runs it twice per case and requires dq bitwise equal,
+``dq_bitwise_repeat`` in the row), ``ws_dqe`` (``dq_early``), ``ws_split``
+(``split_warpgroups``), ``ws_split_pers`` (that on a persistent grid), ``ws_m128`` /
+``ws_m128_dqe`` (128-query steps, d64), and those of one staging tile with ``_dqt``
+(``dq_transposed``: the tile D-major);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -47,50 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from templates.base import Problem, relative_error  # noqa: E402
-
-VARIANTS: dict[str, dict[str, Any] | None] = {
-    "default": None,
-    "eager_dq": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                 "defer_dq": False},
-    # The warp-specialized kernel (FA3's structure: load warp, dQ warp with a TMA reduce, two
-    # MMA warpgroups at 240 registers), one dQ staging tile / two (d64 only: shared memory).
-    "ws": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-           "warp_specialize": True, "dq_buffers": 1},
-    "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-               "warp_specialize": True, "dq_buffers": 2},
-    # ``ws`` with dQ added in KV-tile order (a counter per query tile): bitwise-repeatable dq.
-    "ws_det": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-               "warp_specialize": True, "dq_buffers": 1, "deterministic": True},
-    # ``ws`` with each step's dQ GEMM issued before dK's, its tile stored under dK's GEMM.
-    "ws_dqe": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-               "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
-    # ``ws`` with its two MMA warpgroups as two partitions (templates/gluon/bwd_split_kernel.py).
-    "ws_split": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                 "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
-    # ``ws_split`` on a persistent grid (one program per SM walking its tiles in turn).
-    "ws_split_pers": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                      "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True,
-                      "persistent": True},
-    # ``ws`` and ``ws_dqe`` with 128-query steps (FA3's d64 tile; d64 only: registers).
-    "ws_m128": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                "warp_specialize": True, "dq_buffers": 1},
-    "ws_m128_dqe": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                    "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
-}
-# Each warp-specialized variant with its dQ staging tile D-major (``dq_transposed``): ``_dqt``.
-VARIANTS.update({f"{name}_dqt": {**knobs, "dq_transposed": True}
-                 for name, knobs in list(VARIANTS.items())
-                 if knobs and knobs.get("warp_specialize")})
-CASES = [
-    (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
-    (1, 2, 2, 333, 333, 128, "bfloat16", "none"),
-    (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left"),
-    (1, 3, 1, 300, 1100, 64, "float16", "bottom_right"),
-    (1, 2, 2, 1100, 300, 128, "float16", "bottom_right"),
-    (1, 2, 2, 700, 200, 64, "bfloat16", "top_left"),
-    (1, 2, 2, 1000, 333, 64, "float16", "none"),
-    (2, 8, 8, 2048, 2048, 128, "float16", "top_left"),
-]
+from templates.gluon.bwd_variants import CASES, VARIANTS  # noqa: E402
 
 
 def config_for(name: str, problem: Problem) -> Any:

@@ -28,6 +28,7 @@ from templates.gluon.bwd import (
     shared_memory_estimate,
     tile_registers,
 )
+from templates.gluon.bwd_variants import CASES, VARIANTS
 from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
@@ -406,53 +407,8 @@ def test_deterministic_configs_compile_for_the_h100() -> None:
 
 
 # ----------------------------------------------------------------------------- GPU numerics
-VARIANTS: dict[str, dict[str, Any] | None] = {
-    "default": None,  # defer_dq: a step's dQ added during the next step's GEMMs
-    "eager_dq": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2, "defer_dq": False},
-    # FA3's structure: load warp, dQ warp (TMA reduce), two MMA warpgroups at 240 registers.
-    "ws": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-           "warp_specialize": True, "dq_buffers": 1},
-    "ws_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-               "warp_specialize": True, "dq_buffers": 2},  # d64 only (shared memory)
-    # dQ added in KV-tile order (a counter per query tile): dq bitwise repeatable too.
-    "ws_det": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-               "warp_specialize": True, "dq_buffers": 1, "deterministic": True},
-    "ws_det_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                   "warp_specialize": True, "dq_buffers": 2, "deterministic": True},
-    # The dQ GEMM before dK's, its tile stored while dK's GEMM runs.
-    "ws_dqe": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-               "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
-    "ws_dqe_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                   "warp_specialize": True, "dq_buffers": 2, "dq_early": True},
-    # The two MMA warpgroups as two partitions (templates/gluon/bwd_split_kernel.py).
-    "ws_split": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                 "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True},
-    "ws_split_dq2": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                     "warp_specialize": True, "dq_buffers": 2, "split_warpgroups": True},
-    # ... on a persistent grid (one program per SM walking tiles in turn).
-    "ws_split_pers": {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                      "warp_specialize": True, "dq_buffers": 1, "split_warpgroups": True,
-                      "persistent": True},
-    # 128-query steps (d64 only: registers), with dq_early too.
-    "ws_m128": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                "warp_specialize": True, "dq_buffers": 1},
-    "ws_m128_dqe": {"BLOCK_M": 128, "BLOCK_N": 128, "stages": 3, "consumers": 2,
-                    "warp_specialize": True, "dq_buffers": 1, "dq_early": True},
-}
-# The warp-specialized variants with the dQ staging tile D-major (``dq_transposed``).
-VARIANTS.update({f"{name}_dqt": {**knobs, "dq_transposed": True}
-                 for name, knobs in list(VARIANTS.items())
-                 if knobs and knobs.get("warp_specialize") and knobs.get("dq_buffers") != 2})
-GPU_CASES = [
-    (1, 2, 2, 1, 1, 64, "bfloat16", "none"),
-    (1, 2, 2, 333, 333, 128, "bfloat16", "none"),
-    (2, 4, 2, 1000, 1000, 128, "bfloat16", "top_left"),  # GQA
-    (1, 3, 1, 300, 1100, 64, "float16", "bottom_right"),  # MQA, N_q < N_kv
-    (1, 2, 2, 1100, 300, 128, "float16", "bottom_right"),  # 800 rows see no key
-    (1, 2, 2, 700, 200, 64, "bfloat16", "top_left"),
-    (1, 2, 2, 1000, 333, 64, "float16", "none"),
-    (2, 8, 8, 2048, 2048, 128, "float16", "top_left"),
-]
+# The named configs and odd-shape cases (shared with benchmarks/gluon_bwd_bench.py).
+GPU_CASES = CASES
 
 
 @pytest.mark.gpu
