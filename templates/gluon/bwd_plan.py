@@ -136,7 +136,7 @@ class GluonBackwardPlan:
         main_head = [q, k, v, do, dk, dv, lse2, delta]
         # The warp-specialized kernel's last runtime argument: the dQ counters, or None (a
         # constexpr: the default kernel compiles it out).
-        # ... then the split kernel's dk, dv and its persistent grid's scalars.
+        # ... then the plan's own (the split kernel's schedule and tile count).
         extra = plan.tail_args(dk, dv) if self.warp_specialized else []
         mask_tail = [*mask_tensors, *(self.mask_strides or [0] * 5), dq_counters, *extra] \
             if self.warp_specialized else []
