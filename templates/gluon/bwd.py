@@ -172,7 +172,7 @@ class GluonBwdConfig(KernelConfig):
         "first Q/dO loads and its K and V run under the end of the one before, whose dK and "
         "dV leave by TMA through the dS^T and dQ staging tiles. Measured on the H200 at d128: "
         "causal 1.01-1.11x at 4k, 0.99-1.01x at 16k; dense 1.02-1.03x on walks of 256 steps, "
-        "0.94-0.97x on 64-128; under block masks 0.92-1.00x. d128's default on causal walks "
+        "0.94-0.97x on 64-128; under block masks 0.90-1.00x. d128's default on causal walks "
         "and dense ones of 256 steps or more, without a block mask.")
 
 
@@ -489,7 +489,7 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
 # 1.01-1.11x (the host's longest-first schedule evens out walks that the launch order
 # leaves unequal), 16k 0.99-1.01x; dense walks of 256 steps or more (16k MHA and GQA 2)
 # 1.02-1.03x, of 64-128 (4 x 4k) 0.94-0.97x (why not traced): persistent on causal walks and
-# on dense ones from this many steps. Under block masks it read 0.94-1.00x (the rounds'
+# on dense ones from this many steps. Under block masks it read 0.90-1.00x (the rounds'
 # static order against the launch order's dynamic one, on walks of unequal length).
 LONG_WALK_STEPS = 256
 
