@@ -137,8 +137,9 @@ class GluonBackwardPlan:
         # The warp-specialized kernel's last runtime argument: the dQ counters, or None (a
         # constexpr: the default kernel compiles it out).
         # ... then the plan's own (the split kernel's schedule and tile count).
-        extra = plan.tail_args(dk, dv) if self.warp_specialized else []
-        mask_tail = [*mask_tensors, *(self.mask_strides or [0] * 5), dq_counters, *extra] \
+        extra = plan.tail_args(dk) if self.warp_specialized else []
+        strides = self.mask_strides or [0] * 5
+        mask_tail = [*mask_tensors, *strides, dq_counters, *extra] \
             if self.warp_specialized else []
         pointers = [t.data_ptr() for t in (o, do, lse, delta, lse2, dq_accum, *mask_tensors)]
         aligned = all(p % 16 == 0 for p in pointers)
@@ -157,8 +158,8 @@ class GluonBackwardPlan:
         # go as their address, or None.
         counters_ptr = None if dq_counters is None else dq_counters.data_ptr()
         extra_direct = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in extra]
-        direct_tail = ([*pointers[6:], *(self.mask_strides or [0] * 5), counters_ptr,
-                        *extra_direct] if mask_tail else [])
+        direct_tail = ([*pointers[6:], *strides, counters_ptr, *extra_direct] if mask_tail
+                       else [])
         if aligned and self.main.try_direct(stream, *main_head, dq_arg, *plan.scalars,
                                             *direct_tail):
             return

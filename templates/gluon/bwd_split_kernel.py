@@ -79,7 +79,7 @@ from templates.gluon.bwd_ws_kernel import (
     tile_walk,
     tiles_of_program,
 )
-from templates.gluon.schedule import MAX_SCHEDULED_TILES, lpt_schedule
+from templates.gluon.schedule import L2_KV_BYTES, MAX_SCHEDULED_TILES, lpt_schedule
 
 # Warps of each MMA partition: one warpgroup (a constexpr: the kernels read it).
 HALF_WARPS = gl.constexpr(4)
@@ -486,7 +486,7 @@ class SplitLaunchPlan(WsLaunchPlan):
             offsets.append(offsets[-1] + len(tiles))
         return offsets + [tile for tiles in owned for tile in tiles]
 
-    def tail_args(self, dk: Any, dv: Any) -> list[Any]:
+    def tail_args(self, dk: Any) -> list[Any]:
         # (Without a host schedule dk stands in for its pointer: never read.)
         return [dk if self.schedule is None else self.schedule, self.n_tiles]
 
@@ -497,18 +497,15 @@ class SplitLaunchPlan(WsLaunchPlan):
 # What a tile of a persistent grid costs beyond its steps, in steps, for the host's schedule:
 # its K/V load and dK/dV stores, about one 128-key step's time each.
 TILE_OVERHEAD_STEPS = 2
-# Q and dO bytes a persistent causal grid's head group keeps in L2 at a time (its KV heads'
-# query heads' rows): the same budget as the forward's (``schedule.L2_KV_BYTES``), well under
-# the H100's and H200's 50 MB.
-L2_GROUP_BYTES = 16 * 1024 * 1024
 
 
 def persistent_head_group(rows: int, n_kv_tiles: int, programs: int, row_bytes: int) -> int:
     """(batch, kv head) rows per head group of a persistent grid's schedule: enough for two
     rounds of the grid, so that the longest-first order has tiles to even the programs out
-    with, and few enough that their Q and dO (``row_bytes`` a row) stay in L2."""
+    with, and few enough that their Q and dO (``row_bytes`` a row) stay in L2 (the forward's
+    budget for the K/V its head groups keep there, ``schedule.L2_KV_BYTES``)."""
     enough = -(-2 * programs // n_kv_tiles)
-    fits = max(1, L2_GROUP_BYTES // max(row_bytes, 1))
+    fits = max(1, L2_KV_BYTES // max(row_bytes, 1))
     return max(1, min(enough, fits, rows))
 
 

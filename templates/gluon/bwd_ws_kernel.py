@@ -1014,10 +1014,11 @@ class WsLaunchPlan(LaunchPlan):
         mask = list(self.mask_args or [lse2] * 6 + [0] * 5)
         if doc_first is not None:  # (GluonBackwardPlan passes its mask tensors itself)
             mask[5] = doc_first
-        return args + mask + [dq_counters] + self.tail_args(dk, dv)
+        return args + mask + [dq_counters] + self.tail_args(dk)
 
-    def tail_args(self, dk: Any, dv: Any) -> list[Any]:
-        """The main launch's arguments after the dQ counters (the split kernel's)."""
+    def tail_args(self, dk: Any) -> list[Any]:
+        """The main launch's arguments after the dQ counters (the split kernel's; ``dk``: a
+        tensor for a pointer argument that is not read)."""
         return []
 
     def dq_counters(self, q: torch.Tensor) -> torch.Tensor | None:

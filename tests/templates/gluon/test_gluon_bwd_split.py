@@ -79,7 +79,7 @@ def test_a_persistent_plan_runs_one_program_per_sm_over_every_tile() -> None:
     tiles = 16 * 16384 // 128
     assert dense.grid == (132,) and dense.n_tiles == tiles
     assert dense.options["PERSISTENT"] is True and dense.options["HOST_SCHEDULE"] is True
-    _, n_tiles = dense.tail_args("dk", "dv")
+    _, n_tiles = dense.tail_args("dk")
     assert n_tiles == tiles
     # The host's schedule: offsets, then each program's tiles; every tile once, and the
     # programs' work within one tile's of each other.

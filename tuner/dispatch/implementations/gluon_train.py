@@ -15,9 +15,7 @@ when forced; the mask travels through both ops as tensors (``mask_args``), as fl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Any
 
 import torch
 
@@ -208,21 +206,14 @@ def _gluon_attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                attn_mask)
     # Looked up on the module at each call (tests stand in for it).
     if mask is None:
-        if torch.are_deterministic_algorithms_enabled():
-            config: GluonBwdConfig | None = REPEATABLE_BACKWARD
-        else:
-            config = tuned_backward(q, k, is_causal, None, None)
-        return backward_of(_with_config(gluon_attention_bwd, config), grad_o, q, k, v, o, lse,
-                           is_causal, scale)
+        config = (REPEATABLE_BACKWARD if torch.are_deterministic_algorithms_enabled()
+                  else tuned_backward(q, k, is_causal, None, None))
+        return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale,
+                           config=config)
     assert mask.block_mask is not None  # (the forward refused an elementwise mask)
     config = tuned_backward(q, k, False, mask.pattern, mask.block_mask.block_size)
-    return backward_of(_with_config(gluon_attention_bwd, config), grad_o, q, k, v, o, lse,
-                       is_causal, scale, block_mask=mask.block_mask)
-
-
-def _with_config(kernel: Any, config: GluonBwdConfig | None) -> Any:
-    """``kernel`` with ``config`` bound, or as it is for None (its default)."""
-    return kernel if config is None else functools.partial(kernel, config=config)
+    return backward_of(gluon_attention_bwd, grad_o, q, k, v, o, lse, is_causal, scale,
+                       config=config, block_mask=mask.block_mask)
 
 
 def tuned_backward(q: torch.Tensor, k: torch.Tensor, is_causal: bool, pattern: str | None,
