@@ -63,12 +63,18 @@ def test_a_shape_a_job_ran_untuned_is_tuned_by_a_worker_and_served_exact(
         q, k, v = (torch.randn(*SHAPE, dtype=torch.float16) for _ in range(3))
         tuner.attention(q, k, v, is_causal=True)
         with TunerClient(service, token="") as client:
+            # Each template's problem is reported on its own: wait for both, not the first.
+            expected = {("torch_sdpa", 24, "top_left"), ("flash_fwd", 24, "top_left")}
             deadline = time.monotonic() + 20
-            while not (queue := client.demand(status="open").items):
-                assert time.monotonic() < deadline, "no demand reached the service"
+            while True:
+                queue = client.demand(status="open").items
+                reported = {(r.template, r.problem["seqlen_q"], r.problem["causal"])
+                            for r in queue}
+                if reported == expected:
+                    break
+                assert not reported - expected, f"unexpected demand: {reported - expected}"
+                assert time.monotonic() < deadline, f"demand reached the service: {reported}"
                 time.sleep(0.2)
-            assert {(r.template, r.problem["seqlen_q"], r.problem["causal"]) for r in queue} == {
-                ("torch_sdpa", 24, "top_left"), ("flash_fwd", 24, "top_left")}
 
             # The worker: both problems, then it stops (nothing left to claim).
             code, out, err = cli("worker", "--db", db_url, "--until-idle", "--trials", "2",
