@@ -20,7 +20,8 @@ template's default config; ``gluon``: inference, no graph) and our Gluon kernels
 (``gluon-train``: that forward, then the warp-specialized Gluon backward walking the same
 mask, ``gluon_attention_bwd(..., block_mask=...)``, its default config: gluon_train's
 pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's; ``gluon-split``: gluon-train with the
-backward's ``split_warpgroups`` knob, ``SPLIT_BWD``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
+backward's ``split_warpgroups`` knob, ``SPLIT_BWD``; ``gluon-split-lf``, ``gluon-pers``,
+``gluon-pers-lf``: that with ``longest_first``, ``persistent`` or both, ``SPLIT_VARIANTS``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
 the mask, else the efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
 graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
 call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
@@ -349,11 +350,20 @@ SPLIT_BWD = {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
              "doc_offsets": True}
 
 
-def gluon_split(block_mask: BlockMask) -> Attention:
-    """gluon-train with the backward's ``split_warpgroups`` knob on (SPLIT_BWD)."""
+# gluon-train with these backward configs (the split kernel's grids and tile orders).
+SPLIT_VARIANTS = {
+    "gluon-split": SPLIT_BWD,
+    "gluon-split-lf": {**SPLIT_BWD, "longest_first": True},
+    "gluon-pers": {**SPLIT_BWD, "persistent": True},
+    "gluon-pers-lf": {**SPLIT_BWD, "persistent": True, "longest_first": True},
+}
+
+
+def gluon_split(block_mask: BlockMask, bwd_config: dict[str, Any] = SPLIT_BWD) -> Attention:
+    """gluon-train with the backward's config ``bwd_config`` (default SPLIT_BWD)."""
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _ThenGluonBackward.apply(  # type: ignore[no-any-return]
-            q, k, v, block_mask, gluon_attention_fwd, SPLIT_BWD)
+            q, k, v, block_mask, gluon_attention_fwd, bwd_config)
 
     return attention
 
@@ -421,7 +431,8 @@ def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], At
         built.append(("gluon", partial(gluon, case.block_mask)))
         built.append(("gluon-train", partial(gluon_train, case.block_mask)))
         built.append(("flash-gluon", partial(flash_gluon, case.block_mask)))
-        built.append(("gluon-split", partial(gluon_split, case.block_mask)))
+        built += [(name, partial(gluon_split, case.block_mask, cfg))
+                  for name, cfg in SPLIT_VARIANTS.items()]
     if setup.baselines:
         from torch.nn.attention import SDPBackend
 

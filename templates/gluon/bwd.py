@@ -174,6 +174,14 @@ class GluonBwdConfig(KernelConfig):
         "causal 1.01-1.11x at 4k, 0.99-1.01x at 16k; dense 1.02-1.03x on walks of 256 steps, "
         "0.94-0.97x on 64-128; under block masks 0.90-1.00x. d128's default on causal walks "
         "and dense ones of 256 steps or more, without a block mask.")
+    longest_first: bool = knob(
+        False, (False, True),
+        "With split_warpgroups and a block mask, the KV tiles run in order of decreasing "
+        "walk (the query blocks the mask lists for each, per call, on the GPU), within head "
+        "groups whose Q and dO fit in L2: the grid's launch order, or with persistent the "
+        "order its rounds snake through. In tile order a document's first tiles, which walk "
+        "all of it, start wherever they fall, and the last long walks run alone at the end. "
+        "Not yet measured on a GPU: off by default.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -261,6 +269,9 @@ class GluonBwdTemplate(GluonTemplate):
             reason = block_mask_reason(cfg, (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
             if reason:
                 return reason
+        if cfg.longest_first and problem.mask == "none":
+            return ("longest_first orders a block mask's KV tiles by their walks: it needs a "
+                    "masked problem (dense and causal grids have their own order)")
         if cfg.doc_offsets and not _causal_documents(problem):
             return (f"doc_offsets computes a causal packed-documents mask from its offsets: "
                     f"it needs a {DOCUMENTS_CAUSAL}:<L> problem, but the mask is "
@@ -311,10 +322,15 @@ class GluonBwdTemplate(GluonTemplate):
         has blocks ``mask_block``."""
         cfg = self.config(config)
         assert isinstance(cfg, GluonBwdConfig)
-        if cfg.doc_offsets and mask_block is None:
-            return "doc_offsets reads a block mask's documents, and the call has no block mask"
-        # (The call's problem has no mask name: doc_offsets is the mask's to use or not.)
-        reason = self.constraint(problem, dataclasses.replace(cfg, doc_offsets=False), device)
+        for name in ("doc_offsets", "longest_first"):
+            if getattr(cfg, name) and mask_block is None:
+                return f"{name} reads a block mask, and the call has no block mask"
+        # (The call's problem has no mask name: doc_offsets is the mask's to use or not,
+        # longest_first needs one, which the call has.)
+        reason = self.constraint(
+            problem, dataclasses.replace(cfg, doc_offsets=False, longest_first=False), device)
+        if reason is None and cfg.longest_first and not cfg.split_warpgroups:
+            reason = _warp_specialize_problem(cfg)
         if reason is None and mask_block is not None:
             reason = block_mask_reason(cfg, mask_block)
         return reason
@@ -503,6 +519,8 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
     """Why ``cfg``'s warp-specialization knobs do not go together (None if they do)."""
     if cfg.persistent and not cfg.split_warpgroups:
         return "persistent is the split kernel's grid: it needs split_warpgroups"
+    if cfg.longest_first and not cfg.split_warpgroups:
+        return "longest_first orders the split kernel's tiles: it needs split_warpgroups"
     if not cfg.warp_specialize:
         if cfg.dq_buffers != 1:
             return (f"dq_buffers {cfg.dq_buffers} needs warp_specialize (without it the "

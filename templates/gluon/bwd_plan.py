@@ -137,7 +137,7 @@ class GluonBackwardPlan:
         # The warp-specialized kernel's last runtime argument: the dQ counters, or None (a
         # constexpr: the default kernel compiles it out).
         # ... then the plan's own (the split kernel's schedule and tile count).
-        extra = plan.tail_args(dk) if self.warp_specialized else []
+        extra = plan.tail_args(dk, mask_tensors) if self.warp_specialized else []
         strides = self.mask_strides or [0] * 5
         mask_tail = [*mask_tensors, *strides, dq_counters, *extra] \
             if self.warp_specialized else []

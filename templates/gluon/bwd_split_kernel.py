@@ -72,7 +72,7 @@ from templates.gluon.bwd_ws_kernel import (
     mask_head,
     mask_step,
     persistent_tile,
-    program_walk,
+    program_tile,
     step_buffers,
     step_front,
     step_rows,
@@ -179,7 +179,7 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
               SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
               DOCS: gl.constexpr, DQ_T: gl.constexpr, PERSISTENT: gl.constexpr,
-              HOST_SCHEDULE: gl.constexpr):
+              HOST_SCHEDULE: gl.constexpr, TILE_ORDER: gl.constexpr):
     """Warpgroup WG's walk (the same walk as every partition's, ``tile_walk``): its
     half of each step, its half of the dQ tile handed over, its dK/dV rows stored at the
     end. PERSISTENT: the program's tiles in turn (``persistent_tile``), steps counted on
@@ -188,8 +188,8 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
         step0 = N_Q * 0
         for i in range(tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE)):
             b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
-                persistent_tile(i, Schedule, HOST_SCHEDULE), N_KV, causal_offset, H_KV, GROUP,
-                n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+                persistent_tile(i, Schedule, HOST_SCHEDULE, TILE_ORDER), N_KV, causal_offset,
+                H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
             mbarrier.wait(kv_ready, i & 1)
             # The staging tiles hold the last tile's dK and dV until their stores have read
             # them (a fresh barrier passes the first tile).
@@ -206,8 +206,9 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
                                  HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFFERS)
     else:
         HALF_N: gl.constexpr = BLOCK_N // 2
-        b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
-            N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+        b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
+            program_tile(Schedule, TILE_ORDER), N_KV, causal_offset, H_KV, GROUP, n_kv_tiles,
+            n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
         mbarrier.wait(kv_ready, 0)
         dk, dv, steps = _half_walk(
@@ -345,7 +346,8 @@ def _gluon_bwd_split_kernel(
     # and the counters are stand-ins here (dense and causal walks only).
     FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, DqCounters,
-    # (persistent) the host's schedule (HOST_SCHEDULE) and the tiles (``persistent_tile``).
+    # (persistent) the host's schedule (HOST_SCHEDULE) and the tiles (``persistent_tile``);
+    # with TILE_ORDER (longest_first) the tiles' order instead of a schedule.
     Schedule, N_TILES,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
@@ -353,6 +355,7 @@ def _gluon_bwd_split_kernel(
     SPARSE: gl.constexpr = False, MASK_BLOCK_Q: gl.constexpr = 128,
     MASK_BLOCK_KV: gl.constexpr = 128, DOCS: gl.constexpr = False, DQ_T: gl.constexpr = False,
     PERSISTENT: gl.constexpr = False, HOST_SCHEDULE: gl.constexpr = False,
+    TILE_ORDER: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_N == 128, "two warpgroups of 64 keys each")
     dtype: gl.constexpr = q_desc.dtype
@@ -396,7 +399,8 @@ def _gluon_bwd_split_kernel(
           FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
           stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, kv_empty, dkv_stored,
           Schedule, N_TILES, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS,
-          SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, PERSISTENT, HOST_SCHEDULE)),
+          SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, PERSISTENT, HOST_SCHEDULE,
+          TILE_ORDER)),
         (_mma_half, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
           dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
           kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
@@ -404,7 +408,8 @@ def _gluon_bwd_split_kernel(
           FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
           stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, kv_empty, dkv_stored,
           Schedule, N_TILES, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS,
-          SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, PERSISTENT, HOST_SCHEDULE)),
+          SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, PERSISTENT, HOST_SCHEDULE,
+          TILE_ORDER)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
@@ -412,7 +417,7 @@ def _gluon_bwd_split_kernel(
           PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
           stride_ib, stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
           DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 0, kv_empty, Schedule, N_TILES,
-          PERSISTENT, HOST_SCHEDULE)),
+          PERSISTENT, HOST_SCHEDULE, TILE_ORDER)),
         (dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
@@ -420,7 +425,7 @@ def _gluon_bwd_split_kernel(
           PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
           stride_ib, stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
           CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, 0, False, DQ_T, Schedule,
-          N_TILES, PERSISTENT, HOST_SCHEDULE)),
+          N_TILES, PERSISTENT, HOST_SCHEDULE, TILE_ORDER)),
     ], [HALF_WARPS, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
 
 
@@ -429,7 +434,9 @@ class SplitLaunchPlan(WsLaunchPlan):
     one warpgroup in the kernel's own partition (the other is a worker). With the config's
     ``persistent``, a grid of min(tiles, ``sm_count``) programs (q's GPU's multiprocessors
     by default) walking the tiles ``persistent_tile`` gives them: without a block mask by
-    the host's schedule (``_host_schedule``), with one in rounds."""
+    the host's schedule (``_host_schedule``), with one in rounds. With ``longest_first``
+    (block masks only) the tiles go in the order ``longest_first_order`` gives each call's
+    mask: the grid's launch order, or the persistent grid's rounds."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Any, kv_major_mask: Any = None, docs: bool = False,
@@ -444,10 +451,27 @@ class SplitLaunchPlan(WsLaunchPlan):
                 raise ValueError(f"split_warpgroups does not take {name.lower()}")
         self.n_tiles = self.grid[0]
         self.schedule: Any = None
+        if sm_count is None:
+            sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                        if isinstance(q, torch.Tensor) and q.is_cuda else 132)
+        self.tile_order: TileOrder | None = None
+        if config.get("longest_first"):
+            if kv_major_mask is None:
+                raise ValueError("longest_first orders a block mask's KV tiles by their walks: "
+                                 "the call has no block mask")
+            assert self.mask_args is not None  # (the mask's: _plan_mask_walk)
+            batch, heads_q, seqlen_q, head_dim = q.shape
+            rows = batch * k.shape[1]
+            group = heads_q // k.shape[1]
+            self.tile_order = TileOrder(
+                batch=batch, heads_q=heads_q, heads_kv=k.shape[1], n_kv_tiles=self.scalars[6],
+                block_n=self.options["BLOCK_N"], mask_block_kv=kv_major_mask.block_size[0],
+                strides=tuple(self.mask_args[6:8]),
+                rows_per_group=persistent_head_group(
+                    rows, self.scalars[6], sm_count,
+                    2 * seqlen_q * head_dim * q.dtype.itemsize * group))
+            self.options.update(TILE_ORDER=True)
         if config.get("persistent"):
-            if sm_count is None:
-                sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                            if isinstance(q, torch.Tensor) and q.is_cuda else 132)
             self.grid = (min(self.n_tiles, sm_count),)
             self.options.update(PERSISTENT=True)
             if kv_major_mask is None and self.n_tiles <= MAX_SCHEDULED_TILES:
@@ -486,8 +510,10 @@ class SplitLaunchPlan(WsLaunchPlan):
             offsets.append(offsets[-1] + len(tiles))
         return offsets + [tile for tiles in owned for tile in tiles]
 
-    def tail_args(self, dk: Any) -> list[Any]:
-        # (Without a host schedule dk stands in for its pointer: never read.)
+    def tail_args(self, dk: Any, mask: list[Any]) -> list[Any]:
+        # (Without a host schedule or a tile order dk stands in for its pointer: never read.)
+        if self.tile_order is not None:
+            return [self.tile_order(mask[0], mask[2]), self.n_tiles]
         return [dk if self.schedule is None else self.schedule, self.n_tiles]
 
     def main_kernel(self) -> Any:
@@ -497,6 +523,62 @@ class SplitLaunchPlan(WsLaunchPlan):
 # What a tile of a persistent grid costs beyond its steps, in steps, for the host's schedule:
 # its K/V load and dK/dV stores, about one 128-key step's time each.
 TILE_OVERHEAD_STEPS = 2
+
+
+class TileOrder:
+    """``longest_first``'s order of a block-masked grid's KV tiles (as ``tile_walk`` numbers
+    them), from each call's mask: in head groups of ``rows_per_group`` (batch, kv head) rows
+    (``persistent_head_group``: their Q and dO stay in L2 while they run), each group's
+    tiles by decreasing walk (the query blocks the mask lists for the tile's key block,
+    summed over the GQA group's heads), ties in tile order. A launch takes the programs in
+    about this order and the persistent grid's rounds snake through it, so the long walks
+    start first and the short ones even the end out, where the tile order leaves a long
+    walk last (a document's first tiles walk all of it).
+
+    Any permutation of the tiles gives the same gradients, only in another order: the last
+    order is kept for the mask tensors it was made from (same addresses and versions), and
+    one made from an earlier mask at the same addresses would still be right."""
+
+    def __init__(self, *, batch: int, heads_q: int, heads_kv: int, n_kv_tiles: int,
+                 block_n: int, mask_block_kv: int, strides: tuple[int, int],
+                 rows_per_group: int) -> None:
+        self.batch, self.heads_q, self.heads_kv = batch, heads_q, heads_kv
+        self.n_kv_tiles = n_kv_tiles
+        self.block_n, self.mask_block_kv = block_n, mask_block_kv
+        self.strides = strides
+        self.rows_per_group = rows_per_group
+        self._last: tuple[tuple[int, ...], Any] | None = None
+
+    def __call__(self, full_counts: Any, partial_counts: Any) -> Any:
+        if not isinstance(full_counts, torch.Tensor):  # the offline build's stand-ins
+            return type(full_counts)(torch.int32, [self.batch * self.heads_kv * self.n_kv_tiles])
+        key = (full_counts.data_ptr(), full_counts._version, partial_counts.data_ptr(),
+               partial_counts._version)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        order = self.order(full_counts, partial_counts)
+        self._last = (key, order)
+        return order
+
+    def order(self, full_counts: torch.Tensor, partial_counts: torch.Tensor) -> torch.Tensor:
+        """The tiles' order (int32, on the counts' device; no host sync)."""
+        n_blocks = -(-self.n_kv_tiles * self.block_n // self.mask_block_kv)
+        shape = (self.batch, self.heads_q, n_blocks)
+        strides = (*self.strides, 1)
+        blocks = (torch.as_strided(full_counts, shape, strides).to(torch.int64)
+                  + torch.as_strided(partial_counts, shape, strides))
+        group = self.heads_q // self.heads_kv
+        blocks = blocks.view(self.batch, self.heads_kv, group, n_blocks).sum(dim=2)
+        tile_block = (torch.arange(self.n_kv_tiles, device=blocks.device) * self.block_n
+                      // self.mask_block_kv)
+        walks = blocks.index_select(2, tile_block).reshape(-1, self.n_kv_tiles)
+        rows = walks.shape[0]
+        head_group = (torch.arange(rows, device=walks.device) // self.rows_per_group)
+        # One sort key: the head group, then the walk, longest first (a tensor's bound:
+        # no wait for the device).
+        longest = walks.max()
+        key = head_group[:, None] * (longest + 1) + (longest - walks)
+        return torch.sort(key.reshape(-1), stable=True).indices.to(torch.int32)
 
 
 def persistent_head_group(rows: int, n_kv_tiles: int, programs: int, row_bytes: int) -> int:

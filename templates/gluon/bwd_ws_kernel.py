@@ -198,7 +198,7 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
                     SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                     MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr, kv_empty=None,
                     Schedule=None, N_TILES=0, PERSISTENT: gl.constexpr = False,
-                    HOST_SCHEDULE: gl.constexpr = False):
+                    HOST_SCHEDULE: gl.constexpr = False, TILE_ORDER: gl.constexpr = False):
     """K and V once, then step t's Q, dO, lse2 and delta into slot t % STAGES once the MMA
     partition has released it (the empty barrier's previous phase; a fresh barrier passes).
     PERSISTENT (``persistent_tile``): the program's tiles in turn, steps counted on across
@@ -209,7 +209,7 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
         step0 = N_Q * 0
         for i in range(tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE)):
             step0 = _load_walk(
-                persistent_tile(i, Schedule, HOST_SCHEDULE), step0, i, q_desc, k_desc,
+                persistent_tile(i, Schedule, HOST_SCHEDULE, TILE_ORDER), step0, i, q_desc, k_desc,
                 v_desc, do_desc, lse_desc, delta_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs,
                 delta_bufs, kv_ready, kv_empty, ready, empty, N_KV, causal_offset, H_Q, H_KV,
                 GROUP, n_kv_tiles, n_q_tiles, FullCounts, FullIndices, PartialCounts,
@@ -217,7 +217,7 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
                 stride_ih, stride_iq, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SPARSE, MASK_BLOCK_Q,
                 MASK_BLOCK_KV, True)
     else:
-        _load_walk(gl.program_id(0), N_Q * 0, 0, q_desc, k_desc, v_desc, do_desc, lse_desc,
+        _load_walk(program_tile(Schedule, TILE_ORDER), N_Q * 0, 0, q_desc, k_desc, v_desc, do_desc, lse_desc,
                    delta_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready,
                    kv_empty, ready, empty, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles,
                    n_q_tiles, FullCounts, FullIndices, PartialCounts, PartialIndices,
@@ -328,14 +328,33 @@ def tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE: gl.constexpr):
 
 
 @gluon.jit
-def persistent_tile(i, Schedule, HOST_SCHEDULE: gl.constexpr):
-    """This program's i-th tile, as ``tile_walk`` numbers them."""
+def persistent_tile(i, Schedule, HOST_SCHEDULE: gl.constexpr,
+                    TILE_ORDER: gl.constexpr = False):
+    """This program's i-th tile, as ``tile_walk`` numbers them. Without a host schedule the
+    grid takes the tiles in rounds, snaking; with TILE_ORDER it takes them in the order
+    ``Schedule`` lists them (``program_tile``)."""
     G = gl.num_programs(0)
     p = gl.program_id(0)
     if HOST_SCHEDULE:
         return gl.load(Schedule + G + 1 + gl.load(Schedule + p) + i)
     else:
-        return i * G + gl.where(i % 2 == 0, p, G - 1 - p)
+        turn = i * G + gl.where(i % 2 == 0, p, G - 1 - p)
+        if TILE_ORDER:
+            return gl.load(Schedule + turn)
+        else:
+            return turn
+
+
+@gluon.jit
+def program_tile(Schedule, TILE_ORDER: gl.constexpr = False):
+    """The tile of this program of a grid of one program per tile: the program id, or with
+    TILE_ORDER the tile ``Schedule`` lists at it (the host's order of the tiles: longest
+    walk first, ``bwd_split_kernel.longest_first_order``; programs start in about their
+    id's order)."""
+    if TILE_ORDER:
+        return gl.load(Schedule + gl.program_id(0))
+    else:
+        return gl.program_id(0)
 
 
 # ----------------------------------------------------------------------------- the dQ warp
@@ -353,7 +372,7 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                   MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr,
                   DETERMINISTIC: gl.constexpr, DQ_T: gl.constexpr = False, Schedule=None,
                   N_TILES=0, PERSISTENT: gl.constexpr = False,
-                  HOST_SCHEDULE: gl.constexpr = False):
+                  HOST_SCHEDULE: gl.constexpr = False, TILE_ORDER: gl.constexpr = False):
     """Step t's dQ tile, staged in buffer t % DQ_BUFFERS, added into the accumulator's rows
     of its query head by one TMA bulk reduce (rows past N_q are dropped by the TMA unit);
     the buffer goes back to the MMA partition once the reduce is done with it. With
@@ -365,7 +384,7 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
         gl.static_assert(not DETERMINISTIC)
         step0 = N_Q * 0
         for i in range(tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE)):
-            step0 = _dq_walk(persistent_tile(i, Schedule, HOST_SCHEDULE), step0,
+            step0 = _dq_walk(persistent_tile(i, Schedule, HOST_SCHEDULE, TILE_ORDER), step0,
                              dq_desc, dq_bufs, dq_full, dq_empty, N_KV, causal_offset, H_Q,
                              H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts, FullIndices,
                              PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
@@ -373,7 +392,7 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                              DqCounters, BLOCK_M, BLOCK_N, CAUSAL, DQ_BUFFERS, SPARSE,
                              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC, DQ_T)
     else:
-        _dq_walk(gl.program_id(0), N_Q * 0, dq_desc, dq_bufs, dq_full, dq_empty, N_KV,
+        _dq_walk(program_tile(Schedule, TILE_ORDER), N_Q * 0, dq_desc, dq_bufs, dq_full, dq_empty, N_KV,
                  causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts,
                  FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
                  stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, DqCounters, BLOCK_M,
@@ -1014,11 +1033,12 @@ class WsLaunchPlan(LaunchPlan):
         mask = list(self.mask_args or [lse2] * 6 + [0] * 5)
         if doc_first is not None:  # (GluonBackwardPlan passes its mask tensors itself)
             mask[5] = doc_first
-        return args + mask + [dq_counters] + self.tail_args(dk)
+        return args + mask + [dq_counters] + self.tail_args(dk, mask)
 
-    def tail_args(self, dk: Any) -> list[Any]:
+    def tail_args(self, dk: Any, mask: list[Any]) -> list[Any]:
         """The main launch's arguments after the dQ counters (the split kernel's; ``dk``: a
-        tensor for a pointer argument that is not read)."""
+        tensor for a pointer argument that is not read; ``mask``: the launch's six mask
+        tensors, the call's block mask's or stand-ins)."""
         return []
 
     def dq_counters(self, q: torch.Tensor) -> torch.Tensor | None:

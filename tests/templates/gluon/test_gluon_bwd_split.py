@@ -79,7 +79,7 @@ def test_a_persistent_plan_runs_one_program_per_sm_over_every_tile() -> None:
     tiles = 16 * 16384 // 128
     assert dense.grid == (132,) and dense.n_tiles == tiles
     assert dense.options["PERSISTENT"] is True and dense.options["HOST_SCHEDULE"] is True
-    _, n_tiles = dense.tail_args("dk")
+    _, n_tiles = dense.tail_args("dk", [])
     assert n_tiles == tiles
     # The host's schedule: offsets, then each program's tiles; every tile once, and the
     # programs' work within one tile's of each other.
@@ -197,25 +197,27 @@ MASK_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("longest_first", [False, True], ids=["natural_order", "longest_first"])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("doc_offsets", [False, True])
 @pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: Problem(*c).key())
 def test_split_walks_block_masks(case: tuple[Any, ...], doc_offsets: bool, persistent: bool,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                 longest_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
     from templates.gluon import bwd_kernel as gluon_bwd_kernel
 
     monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)
-    cfg = dataclasses.replace(SPLIT, doc_offsets=doc_offsets, persistent=persistent)
+    cfg = dataclasses.replace(SPLIT, doc_offsets=doc_offsets, persistent=persistent,
+                              longest_first=longest_first)
     if TEMPLATE.constraint(problem, cfg, H100):
         pytest.skip(f"{cfg.key()} does not fit {problem.key()}")
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
     ref = TEMPLATE.reference(inputs)
     out = TEMPLATE.run(inputs, cfg)
     one = TEMPLATE.run(inputs, dataclasses.replace(cfg, split_warpgroups=False,
-                                                   persistent=False))
+                                                   persistent=False, longest_first=False))
     for grad in out:
         assert not torch.isnan(grad).any()
     assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)

@@ -1,0 +1,152 @@
+"""gluon_bwd's ``longest_first``: the split kernel's KV tiles under a block mask in order of
+decreasing walk (``bwd_split_kernel.TileOrder``). On the CPU: the order against walks counted
+from the dense mask, the configs and calls that take the knob, the plan's launch arguments
+and the offline sm_90 build; on a Hopper GPU the gradients (test_gluon_bwd_split.py's mask
+cases run with the knob)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from templates.base import Problem
+from templates.compile.offline_target import TARGETS
+from templates.compile.standin_tensor import StandinTensor
+from templates.gluon.bwd import GLUON_MISSING, TEMPLATE, GluonBwdConfig, split_kernel
+from templates.gluon.fwd import StandinBlockMask
+from templates.masks.block_mask import BlockMask
+from tests.templates.gluon.gluon_checks import compile_reports
+
+H100 = TARGETS["h100"]
+pytestmark = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
+SPLIT = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_specialize=True,
+                       split_warpgroups=True)
+ORDERED = dataclasses.replace(SPLIT, longest_first=True)
+DENSE = Problem(1, 16, 16, 4096, 4096, 128, "bfloat16", "none")
+SLIDING = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
+DOCS = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048")
+
+
+def _walks(dense: torch.Tensor, batch: int, heads_q: int, heads_kv: int, block_n: int
+           ) -> list[list[int]]:
+    """Per (batch, kv head) row, per KV tile of ``block_n`` keys: the 128-row query blocks
+    that see any of the tile's 128-key block, summed over the row's query heads, counted
+    from the dense mask (B|1, H|1, N_q, N_kv) itself."""
+    dense = dense.expand(batch, heads_q, *dense.shape[2:])
+    n_q, n_kv = dense.shape[2:]
+    group = heads_q // heads_kv
+    walks = []
+    for b in range(batch):
+        for kv_h in range(heads_kv):
+            row = []
+            for t in range(-(-n_kv // block_n)):
+                kb = t * block_n // 128
+                row.append(sum(
+                    bool(dense[b, kv_h * group + g, qb * 128:(qb + 1) * 128,
+                               kb * 128:(kb + 1) * 128].any())
+                    for g in range(group) for qb in range(-(-n_q // 128))))
+            walks.append(row)
+    return walks
+
+
+def _order(mask: BlockMask, *, batch: int, heads_q: int, heads_kv: int, block_n: int,
+           rows_per_group: int) -> split_kernel.TileOrder:
+    kv_major = mask.transposed
+    n_kv_tiles = -(-mask.seqlen_kv // block_n)
+    return split_kernel.TileOrder(
+        batch=batch, heads_q=heads_q, heads_kv=heads_kv, n_kv_tiles=n_kv_tiles,
+        block_n=block_n, mask_block_kv=kv_major.block_size[0],
+        strides=tuple(kv_major.kernel_args()[6:8]), rows_per_group=rows_per_group)
+
+
+@pytest.mark.parametrize(("mask_batch", "mask_heads", "block_n"),
+                         [(2, 4, 128), (1, 1, 128), (2, 1, 64)])
+def test_the_tiles_go_longest_walk_first_within_head_groups(
+        mask_batch: int, mask_heads: int, block_n: int) -> None:
+    batch, heads_q, heads_kv, n = 2, 4, 2, 1000
+    gen = torch.Generator().manual_seed(7)
+    blocks = torch.rand(mask_batch, mask_heads, 8, 8, generator=gen) < 0.4
+    dense = blocks.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :n, :n].clone()
+    dense |= torch.eye(n, dtype=torch.bool)  # every query sees a key
+    mask = BlockMask.from_dense(dense)
+    order = _order(mask, batch=batch, heads_q=heads_q, heads_kv=heads_kv, block_n=block_n,
+                   rows_per_group=3)
+    kv_major = mask.transposed.kernel_args()
+    got = order(kv_major[0], kv_major[2])
+    assert got.dtype == torch.int32
+
+    walks = _walks(dense, batch, heads_q, heads_kv, block_n)
+    n_kv_tiles = len(walks[0])
+    tiles = [(row, t) for row in range(len(walks)) for t in range(n_kv_tiles)]
+    want = sorted(tiles, key=lambda rt: (rt[0] // 3, -walks[rt[0]][rt[1]], rt))
+    assert got.tolist() == [row * n_kv_tiles + t for row, t in want]
+    assert len({w for row in walks for w in row}) > 2  # unequal walks: the order tells
+
+
+def test_the_last_order_is_kept_for_the_same_mask_tensors() -> None:
+    dense = torch.tril(torch.ones(640, 640, dtype=torch.bool))
+    mask = BlockMask.from_dense(dense)
+    order = _order(mask, batch=1, heads_q=2, heads_kv=2, block_n=128, rows_per_group=2)
+    args = mask.transposed.kernel_args()
+    first = order(args[0], args[2])
+    assert order(args[0], args[2]) is first
+    # Causal, seen from the keys: KV block t is seen by the query blocks t .. 4; the two
+    # heads' rows are one group, equal walks in tile order.
+    assert first.tolist() == [0, 5, 1, 6, 2, 7, 3, 8, 4, 9]
+    args[0].zero_()  # another mask in the same memory (in place: a new version)
+    args[2].zero_()
+    args[2][..., -1] = 3
+    assert order(args[0], args[2]).tolist() == [4, 9, 0, 1, 2, 3, 5, 6, 7, 8]
+
+
+def test_longest_first_needs_a_block_mask_and_the_split_kernel() -> None:
+    for problem in (SLIDING, DOCS):
+        assert TEMPLATE.constraint(problem, ORDERED, H100) is None
+    reason = TEMPLATE.constraint(DENSE, ORDERED, H100)
+    assert reason is not None and "longest_first" in reason and "mask" in reason, reason
+    one = dataclasses.replace(ORDERED, split_warpgroups=False)
+    reason = TEMPLATE.constraint(SLIDING, one, H100)
+    assert reason is not None and "split_warpgroups" in reason, reason
+    # A call: its problem names no mask; the mask's blocks say whether it has one.
+    call = dataclasses.replace(SLIDING, mask="none")
+    assert TEMPLATE.run_constraint(call, ORDERED, H100, (128, 128)) is None
+    reason = TEMPLATE.run_constraint(call, ORDERED, H100, None)
+    assert reason is not None and "longest_first" in reason, reason
+    reason = TEMPLATE.run_constraint(call, one, H100, (128, 128))
+    assert reason is not None and "split_warpgroups" in reason, reason
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_plan_passes_the_order_where_the_schedule_goes(persistent: bool) -> None:
+    q = StandinTensor(torch.bfloat16, [1, 32, 16384, 128])
+    k = StandinTensor(torch.bfloat16, [1, 16, 16384, 128])
+    cfg = dataclasses.replace(ORDERED, persistent=persistent).to_dict()
+    plan = split_kernel.SplitLaunchPlan(q, k, causal_mode="none", scale=0.1, config=cfg,
+                                        kv_major_mask=StandinBlockMask(16384, 16384),
+                                        sm_count=132)
+    tiles = 16 * 16384 // 128
+    assert plan.options["TILE_ORDER"] is True and "HOST_SCHEDULE" not in plan.options
+    assert plan.grid == ((132,) if persistent else (tiles,))
+    mask = StandinBlockMask(16384, 16384).kernel_args()[:6]
+    order, n_tiles = plan.tail_args("dk", mask)
+    assert list(order.shape) == [tiles] and order.dtype == torch.int32 and n_tiles == tiles
+    with pytest.raises(ValueError, match="longest_first"):
+        split_kernel.SplitLaunchPlan(q, k, causal_mode="none", scale=0.1, config=cfg,
+                                     sm_count=132)
+
+
+def test_it_compiles_for_the_h100() -> None:
+    """The offline build of both grids with the order: its loads are the partitions' only
+    change, so the GEMM pipelines stay intact and the shared memory the same."""
+    jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
+            for p, c in ((SLIDING, ORDERED), (SLIDING, dataclasses.replace(ORDERED,
+                                                                            persistent=True)),
+                         (DOCS, dataclasses.replace(ORDERED, doc_offsets=True)))]
+    for out in compile_reports("templates.gluon.bwd", jobs):
+        assert out["error"] == "" and out["constraint"] == "", out
+        _, main = out["kernels"]
+        assert main["kernel"] == "_gluon_bwd_split_kernel", out
+        assert main["wgmma_serialized"] == "", out
+        assert main["shared_bytes"] <= H100.smem_per_block, out
