@@ -134,7 +134,11 @@ def test_it_compiles_for_the_h100_without_serialized_gemms() -> None:
                          (CAUSAL, dataclasses.replace(SPLIT, dq_buffers=2)), (SLIDING, SPLIT),
                          (DOCS, dataclasses.replace(SPLIT, doc_offsets=True)),
                          (DENSE, PERSISTENT), (CAUSAL, PERSISTENT), (SLIDING, PERSISTENT),
-                         (DOCS, dataclasses.replace(PERSISTENT, doc_offsets=True)))]
+                         (DOCS, dataclasses.replace(PERSISTENT, doc_offsets=True)),
+                         # longest_first: the tiles' order read, both grids
+                         (SLIDING, dataclasses.replace(SPLIT, longest_first=True)),
+                         (DOCS, dataclasses.replace(PERSISTENT, doc_offsets=True,
+                                                    longest_first=True)))]
     for out in compile_reports("templates.gluon.bwd", jobs):
         assert out["error"] == "" and out["constraint"] == "", out
         _, main = out["kernels"]

@@ -1,8 +1,8 @@
 """gluon_bwd's ``longest_first``: the split kernel's KV tiles under a block mask in order of
 decreasing walk (``bwd_split_kernel.TileOrder``). On the CPU: the order against walks counted
 from the dense mask, the configs and calls that take the knob, the plan's launch arguments
-and the offline sm_90 build; on a Hopper GPU the gradients (test_gluon_bwd_split.py's mask
-cases run with the knob)."""
+(the offline sm_90 build is test_gluon_bwd_split.py's); on a Hopper GPU the gradients
+(test_gluon_bwd_split.py's mask cases run with the knob)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from templates.compile.standin_tensor import StandinTensor
 from templates.gluon.bwd import GLUON_MISSING, TEMPLATE, GluonBwdConfig, split_kernel
 from templates.gluon.fwd import StandinBlockMask
 from templates.masks.block_mask import BlockMask
-from tests.templates.gluon.gluon_checks import compile_reports
 
 H100 = TARGETS["h100"]
 pytestmark = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -136,17 +135,3 @@ def test_the_plan_passes_the_order_where_the_schedule_goes(persistent: bool) -> 
         split_kernel.SplitLaunchPlan(q, k, causal_mode="none", scale=0.1, config=cfg,
                                      sm_count=132)
 
-
-def test_it_compiles_for_the_h100() -> None:
-    """The offline build of both grids with the order: its loads are the partitions' only
-    change, so the GEMM pipelines stay intact and the shared memory the same."""
-    jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
-            for p, c in ((SLIDING, ORDERED), (SLIDING, dataclasses.replace(ORDERED,
-                                                                            persistent=True)),
-                         (DOCS, dataclasses.replace(ORDERED, doc_offsets=True)))]
-    for out in compile_reports("templates.gluon.bwd", jobs):
-        assert out["error"] == "" and out["constraint"] == "", out
-        _, main = out["kernels"]
-        assert main["kernel"] == "_gluon_bwd_split_kernel", out
-        assert main["wgmma_serialized"] == "", out
-        assert main["shared_bytes"] <= H100.smem_per_block, out
