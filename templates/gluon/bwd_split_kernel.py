@@ -552,8 +552,11 @@ class TileOrder:
     def __call__(self, full_counts: Any, partial_counts: Any) -> Any:
         if not isinstance(full_counts, torch.Tensor):  # the offline build's stand-ins
             return type(full_counts)(torch.int32, [self.batch * self.heads_kv * self.n_kv_tiles])
-        key = (full_counts.data_ptr(), full_counts._version, partial_counts.data_ptr(),
-               partial_counts._version)
+        try:
+            key = (full_counts.data_ptr(), full_counts._version, partial_counts.data_ptr(),
+                   partial_counts._version)
+        except RuntimeError:  # inference tensors keep no version: worked out every call
+            return self.order(full_counts, partial_counts)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         order = self.order(full_counts, partial_counts)

@@ -135,3 +135,12 @@ def test_the_plan_passes_the_order_where_the_schedule_goes(persistent: bool) -> 
         split_kernel.SplitLaunchPlan(q, k, causal_mode="none", scale=0.1, config=cfg,
                                      sm_count=132)
 
+
+
+def test_a_mask_made_in_inference_mode_is_ordered_every_call() -> None:
+    with torch.inference_mode():
+        mask = BlockMask.from_dense(torch.tril(torch.ones(384, 384, dtype=torch.bool)))
+        args = mask.transposed.kernel_args()
+    order = _order(mask, batch=1, heads_q=1, heads_kv=1, block_n=128, rows_per_group=1)
+    assert order(args[0], args[2]).tolist() == [0, 1, 2]
+    assert order._last is None
