@@ -44,10 +44,11 @@ any of our calls (ours, the grid, Gluon) fails its check.
 
 The budget (--budget-s, default 240) counts compile time too (Triton, and Inductor for each
 row's FlexAttention graphs): no row starts after it (those left out are listed), and the
-backward grid shares what the rows leave.
+backward grid shares what the rows leave. The JSON is written after every row.
 
     python benchmarks/masked_fwd_bwd_bench.py [--json out.json] [--budget-s 240] [--no-grid]
         [--impls gluon-train,flex,ours]   # only these (the grid is "ours-grid")
+        [--rows 128:16384:document,64:16384]   # only these rows (D:N[:pattern prefix])
     TRITON_INTERPRET=1 python benchmarks/masked_fwd_bwd_bench.py --smoke   # CPU: one tiny
         shape, our kernels and the reference only (no Flex, no SDPA, no CUDA timing)
 """
@@ -566,6 +567,21 @@ def print_tables(rows: list[Row]) -> None:
         print(f"not timed: {name} {m.impl} {m.step} ({m.status}): {m.note}")
 
 
+def selected_rows(specs: list[tuple[int, int, str]], wanted: str
+                  ) -> list[tuple[int, int, str]]:
+    """The rows of ``specs`` (head dim, N, pattern) that ``wanted`` names: comma-separated
+    ``D:N`` or ``D:N:pattern``, the pattern a prefix of the row's."""
+    out = []
+    for d, n, pattern in specs:
+        for item in wanted.split(","):
+            parts = item.strip().split(":", 2)
+            if (len(parts) >= 2 and parts[0] == str(d) and parts[1] == str(n)
+                    and (len(parts) == 2 or pattern.startswith(parts[2]))):
+                out.append((d, n, pattern))
+                break
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every row here")
@@ -574,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-grid", action="store_true", help="default backward config only")
     parser.add_argument("--impls", help="comma-separated implementations to run (default: "
                         "all; e.g. gluon-train,flex), the others skipped")
+    parser.add_argument("--rows", help="comma-separated rows to run, each D:N or D:N:pattern "
+                        "(a prefix of it: 128:16384:document), the others skipped")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU under TRITON_INTERPRET=1: one tiny shape, ours and the "
                              "reference only")
@@ -591,12 +609,27 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:
         warm_up_gpu()
     specs = [(d, n, p) for d, n in setup.shapes for p in setup.patterns]
+    if args.rows:
+        specs = selected_rows(specs, args.rows)
+        if not specs:
+            known = ", ".join(f"{d}:{n}:{p}" for d, n in setup.shapes for p in setup.patterns)
+            parser.error(f"--rows {args.rows!r} names none of the rows ({known})")
     rows: list[Row] = []
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(
+                {"environment": env, "dtype": str(setup.dtype), "block_size": setup.block,
+                 "tolerance": setup.tolerance, "fwd_bwd_flops_factor": FWD_BWD_FACTOR,
+                 "rows": [asdict(r) for r in rows]}, indent=1))
+
     for i, spec in enumerate(specs):
         if time.monotonic() - start > args.budget_s:
             print(f"budget spent: {len(specs) - i} row(s) not run: {specs[i:]}")
             break
         rows.append(measure_row(setup, *spec, only=only))
+        save()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     grid = not args.no_grid and (only is None or "ours-grid" in only)
@@ -607,14 +640,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"budget spent: no grid for {len(rows) - i} row(s)")
             break
         run_grid(setup, row, time.monotonic() + left / (len(rows) - i))
+        save()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(
-            {"environment": env, "dtype": str(setup.dtype), "block_size": setup.block,
-             "tolerance": setup.tolerance, "fwd_bwd_flops_factor": FWD_BWD_FACTOR,
-             "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"({time.monotonic() - start:.0f} s)")
     print_tables(rows)
     wrong = any(m.status == "wrong" and m.impl.startswith(("ours", "gluon"))

@@ -209,3 +209,13 @@ def test_smoke_run_checks_and_times_every_pattern(tmp_path: Path) -> None:
         assert row["results"][2]["config"]["dq_mode"] == "separate"
         assert f"d32 N128 {pattern}" in done.stdout
     assert "TFLOP/s (visible work)" in done.stdout and "not timed" not in done.stdout
+
+
+def test_rows_are_chosen_by_head_dim_length_and_pattern_prefix(bench: ModuleType) -> None:
+    specs = [(d, n, p) for d, n in bench.GPU.shapes for p in bench.GPU.patterns]
+    assert bench.selected_rows(specs, "128:16384:document") == [
+        (128, 16384, "document-causal:1024")]
+    assert [s[2] for s in bench.selected_rows(specs, "64:16384")] == list(bench.GPU.patterns)
+    both = bench.selected_rows(specs, "128:4096:random, 64:16384:sliding")
+    assert both == [(128, 4096, "random:0.1"), (64, 16384, "sliding-causal:1024")]
+    assert bench.selected_rows(specs, "256:16384") == []
