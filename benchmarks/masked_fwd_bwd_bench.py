@@ -21,7 +21,9 @@ template's default config; ``gluon``: inference, no graph) and our Gluon kernels
 mask, ``gluon_attention_bwd(..., block_mask=...)``, its default config: gluon_train's
 pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's; ``gluon-split``: gluon-train with the
 backward's ``split_warpgroups`` knob, ``SPLIT_BWD``; ``gluon-split-lf``, ``gluon-pers``,
-``gluon-pers-lf``: that with ``longest_first``, ``persistent`` or both, ``SPLIT_VARIANTS``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
+``gluon-pers-lf``: that with ``longest_first``, ``persistent`` or both; ``gluon-ws``,
+``gluon-ws-lf``: the one-partition kernel with ``dq_early`` (d64's default under masks) without
+and with ``longest_first``; ``SPLIT_VARIANTS``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
 the mask, else the efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
 graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
 call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
@@ -351,12 +353,16 @@ SPLIT_BWD = {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
              "doc_offsets": True}
 
 
-# gluon-train with these backward configs (the split kernel's grids and tile orders).
+# The one-partition kernel as d64's default runs it under masks (dq_early).
+ONE_PARTITION_BWD = {**SPLIT_BWD, "split_warpgroups": False, "dq_early": True}
+# gluon-train with these backward configs (the kernels' grids and tile orders).
 SPLIT_VARIANTS = {
     "gluon-split": SPLIT_BWD,
     "gluon-split-lf": {**SPLIT_BWD, "longest_first": True},
     "gluon-pers": {**SPLIT_BWD, "persistent": True},
     "gluon-pers-lf": {**SPLIT_BWD, "persistent": True, "longest_first": True},
+    "gluon-ws": ONE_PARTITION_BWD,
+    "gluon-ws-lf": {**ONE_PARTITION_BWD, "longest_first": True},
 }
 
 

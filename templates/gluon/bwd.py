@@ -176,17 +176,18 @@ class GluonBwdConfig(KernelConfig):
         "and dense ones of 256 steps or more, without a block mask.")
     longest_first: bool = knob(
         False, (False, True),
-        "With split_warpgroups and a block mask, the KV tiles run in order of decreasing "
+        "With warp_specialize and a block mask, the KV tiles run in order of decreasing "
         "walk (the query blocks the mask lists for each, per call, on the GPU), within head "
         "groups whose Q and dO fit in L2: the grid's launch order, or with persistent the "
         "order its rounds snake through. In tile order a document's first tiles, which walk "
         "all of it, start wherever they fall, and the last long walks run alone at the end. "
-        "Measured on the H200 at d128 (forward + backward, five runs; the backward alone "
-        "gains more): packed documents 1.024-1.043x the speed in tile order, random blocks "
-        "1.005-1.030x at 16k, sliding windows (equal walks) 0.984-1.008x; d128's default "
-        "under block masks. With persistent 0.78-0.95x at d128 (not traced; a suspect: a "
-        "short walk's K/V load waits for its Q/dO loads, and the order puts the short walks "
-        "together), 1.01-1.03x at d64.")
+        "Measured on the H200 with split_warpgroups at d128 (forward + backward, five runs; "
+        "the backward alone gains more): packed documents 1.024-1.043x the speed in tile "
+        "order, random blocks 1.005-1.030x at 16k, sliding windows (equal walks) "
+        "0.984-1.008x; d128's default under block masks. With persistent 0.78-0.95x at d128 "
+        "(not traced; a suspect: a short walk's K/V load waits for its Q/dO loads, and the "
+        "order puts the short walks together), 1.01-1.03x at d64. The one-partition kernel "
+        "(d64's default under masks) takes it too: not yet measured.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -334,7 +335,7 @@ class GluonBwdTemplate(GluonTemplate):
         # longest_first needs one, which the call has.)
         reason = self.constraint(
             problem, dataclasses.replace(cfg, doc_offsets=False, longest_first=False), device)
-        if reason is None and cfg.longest_first and not cfg.split_warpgroups:
+        if reason is None and cfg.longest_first:
             reason = _warp_specialize_problem(cfg)
         if reason is None and mask_block is not None:
             reason = block_mask_reason(cfg, mask_block)
@@ -426,7 +427,7 @@ class GluonBwdTemplate(GluonTemplate):
     def source_modules(self) -> list[str]:
         mods = list(super().source_modules())
         if ws_kernel is not None:
-            mods[:0] = [ws_kernel.__name__, bwd_docs.__name__]
+            mods[:0] = ["templates.gluon.bwd_tile_order", ws_kernel.__name__, bwd_docs.__name__]
         if split_kernel is not None:  # (its persistent plan's host schedule first)
             mods[:0] = ["templates.gluon.schedule", split_kernel.__name__]
         return mods
@@ -529,8 +530,6 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
     """Why ``cfg``'s warp-specialization knobs do not go together (None if they do)."""
     if cfg.persistent and not cfg.split_warpgroups:
         return "persistent is the split kernel's grid: it needs split_warpgroups"
-    if cfg.longest_first and not cfg.split_warpgroups:
-        return "longest_first orders the split kernel's tiles: it needs split_warpgroups"
     if not cfg.warp_specialize:
         if cfg.dq_buffers != 1:
             return (f"dq_buffers {cfg.dq_buffers} needs warp_specialize (without it the "
@@ -546,6 +545,9 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         if cfg.dq_transposed:
             return ("dq_transposed lays out the warp-specialized kernel's dQ staging tile: it "
                     "needs warp_specialize (without it dQ is added by atomics)")
+        if cfg.longest_first:
+            return ("longest_first orders the warp-specialized kernels' tiles: it needs "
+                    "warp_specialize")
         return None
     if ws_kernel is None:
         return "the warp-specialized kernel module did not import"

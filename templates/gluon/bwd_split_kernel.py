@@ -62,6 +62,7 @@ from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the sta
     validate_inputs,
     warps_barrier,
 )
+from templates.gluon.bwd_tile_order import persistent_head_group
 from templates.gluon.bwd_ws_kernel import (
     MMA_REGS,
     WsLaunchPlan,
@@ -79,7 +80,7 @@ from templates.gluon.bwd_ws_kernel import (
     tile_walk,
     tiles_of_program,
 )
-from templates.gluon.schedule import L2_KV_BYTES, MAX_SCHEDULED_TILES, lpt_schedule
+from templates.gluon.schedule import MAX_SCHEDULED_TILES, lpt_schedule
 
 # Warps of each MMA partition: one warpgroup (a constexpr: the kernels read it).
 HALF_WARPS = gl.constexpr(4)
@@ -442,7 +443,7 @@ class SplitLaunchPlan(WsLaunchPlan):
                  config: Any, kv_major_mask: Any = None, docs: bool = False,
                  sm_count: int | None = None) -> None:
         super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config,
-                         kv_major_mask=kv_major_mask, docs=docs)
+                         kv_major_mask=kv_major_mask, docs=docs, sm_count=sm_count)
         self.options.update(num_warps=HALF_WARPS, MMA_REGS=MMA_REGS)
         # (GLUON_BWD_DEBUG's switches are the other kernel's.)
         self.options.pop("DEBUG", None)
@@ -451,28 +452,8 @@ class SplitLaunchPlan(WsLaunchPlan):
                 raise ValueError(f"split_warpgroups does not take {name.lower()}")
         self.n_tiles = self.grid[0]
         self.schedule: Any = None
-        if sm_count is None:
-            sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                        if isinstance(q, torch.Tensor) and q.is_cuda else 132)
-        self.tile_order: TileOrder | None = None
-        if config.get("longest_first"):
-            if kv_major_mask is None:
-                raise ValueError("longest_first orders a block mask's KV tiles by their walks: "
-                                 "the call has no block mask")
-            assert self.mask_args is not None  # (the mask's: _plan_mask_walk)
-            batch, heads_q, seqlen_q, head_dim = q.shape
-            rows = batch * k.shape[1]
-            group = heads_q // k.shape[1]
-            self.tile_order = TileOrder(
-                batch=batch, heads_q=heads_q, heads_kv=k.shape[1], n_kv_tiles=self.scalars[6],
-                block_n=self.options["BLOCK_N"], mask_block_kv=kv_major_mask.block_size[0],
-                strides=tuple(self.mask_args[6:8]),
-                rows_per_group=persistent_head_group(
-                    rows, self.scalars[6], sm_count,
-                    2 * seqlen_q * head_dim * q.dtype.itemsize * group))
-            self.options.update(TILE_ORDER=True)
         if config.get("persistent"):
-            self.grid = (min(self.n_tiles, sm_count),)
+            self.grid = (min(self.n_tiles, self.sm_count),)
             self.options.update(PERSISTENT=True)
             if kv_major_mask is None and self.n_tiles <= MAX_SCHEDULED_TILES:
                 table = self._host_schedule(q, k, causal_mode)
@@ -511,10 +492,10 @@ class SplitLaunchPlan(WsLaunchPlan):
         return offsets + [tile for tiles in owned for tile in tiles]
 
     def tail_args(self, dk: Any, mask: list[Any]) -> list[Any]:
-        # (Without a host schedule or a tile order dk stands in for its pointer: never read.)
-        if self.tile_order is not None:
-            return [self.tile_order(mask[0], mask[2]), self.n_tiles]
-        return [dk if self.schedule is None else self.schedule, self.n_tiles]
+        # (The host's schedule where there is one, else the tiles' order or dk's stand-in.)
+        if self.schedule is not None:
+            return [self.schedule, self.n_tiles]
+        return [*super().tail_args(dk, mask), self.n_tiles]
 
     def main_kernel(self) -> Any:
         return _gluon_bwd_split_kernel
@@ -523,75 +504,6 @@ class SplitLaunchPlan(WsLaunchPlan):
 # What a tile of a persistent grid costs beyond its steps, in steps, for the host's schedule:
 # its K/V load and dK/dV stores, about one 128-key step's time each.
 TILE_OVERHEAD_STEPS = 2
-
-
-class TileOrder:
-    """``longest_first``'s order of a block-masked grid's KV tiles (as ``tile_walk`` numbers
-    them), from each call's mask: in head groups of ``rows_per_group`` (batch, kv head) rows
-    (``persistent_head_group``: their Q and dO stay in L2 while they run), each group's
-    tiles by decreasing walk (the query blocks the mask lists for the tile's key block,
-    summed over the GQA group's heads), ties in tile order. A launch takes the programs in
-    about this order and the persistent grid's rounds snake through it, so the long walks
-    start first and the short ones even the end out, where the tile order leaves a long
-    walk last (a document's first tiles walk all of it).
-
-    Any permutation of the tiles gives the same gradients, only in another order: the last
-    order is kept for the mask tensors it was made from (same addresses and versions), and
-    one made from an earlier mask at the same addresses would still be right."""
-
-    def __init__(self, *, batch: int, heads_q: int, heads_kv: int, n_kv_tiles: int,
-                 block_n: int, mask_block_kv: int, strides: tuple[int, int],
-                 rows_per_group: int) -> None:
-        self.batch, self.heads_q, self.heads_kv = batch, heads_q, heads_kv
-        self.n_kv_tiles = n_kv_tiles
-        self.block_n, self.mask_block_kv = block_n, mask_block_kv
-        self.strides = strides
-        self.rows_per_group = rows_per_group
-        self._last: tuple[tuple[int, ...], Any] | None = None
-
-    def __call__(self, full_counts: Any, partial_counts: Any) -> Any:
-        if not isinstance(full_counts, torch.Tensor):  # the offline build's stand-ins
-            return type(full_counts)(torch.int32, [self.batch * self.heads_kv * self.n_kv_tiles])
-        try:
-            key = (full_counts.data_ptr(), full_counts._version, partial_counts.data_ptr(),
-                   partial_counts._version)
-        except RuntimeError:  # inference tensors keep no version: worked out every call
-            return self.order(full_counts, partial_counts)
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        order = self.order(full_counts, partial_counts)
-        self._last = (key, order)
-        return order
-
-    def order(self, full_counts: torch.Tensor, partial_counts: torch.Tensor) -> torch.Tensor:
-        """The tiles' order (int32, on the counts' device; no host sync)."""
-        n_blocks = -(-self.n_kv_tiles * self.block_n // self.mask_block_kv)
-        shape = (self.batch, self.heads_q, n_blocks)
-        strides = (*self.strides, 1)
-        blocks = (torch.as_strided(full_counts, shape, strides).to(torch.int64)
-                  + torch.as_strided(partial_counts, shape, strides))
-        group = self.heads_q // self.heads_kv
-        blocks = blocks.view(self.batch, self.heads_kv, group, n_blocks).sum(dim=2)
-        tile_block = (torch.arange(self.n_kv_tiles, device=blocks.device) * self.block_n
-                      // self.mask_block_kv)
-        walks = blocks.index_select(2, tile_block).reshape(-1, self.n_kv_tiles)
-        rows = walks.shape[0]
-        head_group = (torch.arange(rows, device=walks.device) // self.rows_per_group)
-        # One sort key: the head group, then the walk, longest first (a tensor's bound:
-        # no wait for the device).
-        longest = walks.max()
-        key = head_group[:, None] * (longest + 1) + (longest - walks)
-        return torch.sort(key.reshape(-1), stable=True).indices.to(torch.int32)
-
-
-def persistent_head_group(rows: int, n_kv_tiles: int, programs: int, row_bytes: int) -> int:
-    """(batch, kv head) rows per head group of a persistent grid's schedule: enough for two
-    rounds of the grid, so that the longest-first order has tiles to even the programs out
-    with, and few enough that their Q and dO (``row_bytes`` a row) stay in L2 (the forward's
-    budget for the K/V its head groups keep there, ``schedule.L2_KV_BYTES``)."""
-    enough = -(-2 * programs // n_kv_tiles)
-    fits = max(1, L2_KV_BYTES // max(row_bytes, 1))
-    return max(1, min(enough, fits, rows))
 
 
 def launch(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, causal_mode: str,

@@ -72,6 +72,7 @@ from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the sta
     validate_inputs,
     warps_barrier,
 )
+from templates.gluon.bwd_tile_order import TileOrder, persistent_head_group
 
 # Registers per thread of the load and dQ warps' warpgroup (setmaxnreg: a multiple of 8, at
 # least 24): they compute coordinates and issue TMA operations only.
@@ -103,12 +104,15 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 # ----------------------------------------------------------------------------- the walk
 @gluon.jit
-def program_walk(N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """This program's KV tile and the query tiles it walks (``tile_walk`` of tile
-    ``program_id``), the same in every partition."""
-    return tile_walk(gl.program_id(0), N_KV, causal_offset, H_KV, GROUP, n_kv_tiles,
-                     n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+def program_tile(Schedule, TILE_ORDER: gl.constexpr = False):
+    """The tile of this program of a grid of one program per tile: the program id, or with
+    TILE_ORDER the tile ``Schedule`` lists at it (the host's order of the tiles: longest
+    walk first, ``bwd_tile_order.TileOrder``; programs start in about their
+    id's order)."""
+    if TILE_ORDER:
+        return gl.load(Schedule + gl.program_id(0))
+    else:
+        return gl.program_id(0)
 
 
 @gluon.jit
@@ -345,18 +349,6 @@ def persistent_tile(i, Schedule, HOST_SCHEDULE: gl.constexpr,
             return turn
 
 
-@gluon.jit
-def program_tile(Schedule, TILE_ORDER: gl.constexpr = False):
-    """The tile of this program of a grid of one program per tile: the program id, or with
-    TILE_ORDER the tile ``Schedule`` lists at it (the host's order of the tiles: longest
-    walk first, ``bwd_split_kernel.longest_first_order``; programs start in about their
-    id's order)."""
-    if TILE_ORDER:
-        return gl.load(Schedule + gl.program_id(0))
-    else:
-        return gl.program_id(0)
-
-
 # ----------------------------------------------------------------------------- the dQ warp
 @gluon.jit
 def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
@@ -430,7 +422,7 @@ def _dq_walk(pid, step0, dq_desc, dq_bufs, dq_full, dq_empty, N_KV, causal_offse
         for t in range(n_steps):
             h, m0 = step_rows(t, n_q_steps, h0, first_row, BLOCK_M)
             if DETERMINISTIC:
-                # The KV tiles that visit a query tile are 0 .. k (``program_walk``: a
+                # The KV tiles that visit a query tile are 0 .. k (``tile_walk``: a
                 # tile's first row never decreases with its index, and every tile walks on
                 # to the last query tile), so this tile's turn at any of its query tiles is
                 # its own index. Per query head: a GQA program's heads each count their own.
@@ -741,12 +733,16 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                    SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                    MASK_BLOCK_KV: gl.constexpr, DEBUG: gl.constexpr, DQ_EARLY: gl.constexpr,
-                   DOCS: gl.constexpr, DQ_T: gl.constexpr = False):
+                   DOCS: gl.constexpr, DQ_T: gl.constexpr = False, Schedule=None,
+                   TILE_ORDER: gl.constexpr = False):
     """Every step's GEMMs and softmax; dK and dV summed in registers and stored by TMA at the
     end (through K's and V's buffers); each step's dQ tile handed to the dQ warp. DOCS: the
-    launch passes the rows' document starts where the partial tiles go (``_ws_step``)."""
-    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = program_walk(
-        N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
+    launch passes the rows' document starts where the partial tiles go (``_ws_step``).
+    TILE_ORDER: the program's tile is the one ``Schedule`` lists at its id
+    (``program_tile``)."""
+    b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
+        program_tile(Schedule, TILE_ORDER), N_KV, causal_offset, H_KV, GROUP, n_kv_tiles,
+        n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     NUM_WARPS: gl.constexpr = 8  # MMA_WARPS
     kv_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, HEAD_DIM)
@@ -832,14 +828,18 @@ def _gluon_bwd_ws_kernel(
     # (DETERMINISTIC) int32 counters, one per (batch, query head, query tile), zeroed per
     # call; None otherwise (a constexpr then: the default kernel's parameters are unchanged).
     DqCounters,
+    # (longest_first, TILE_ORDER) the tiles' order, int32 per program (``program_tile``); a
+    # stand-in pointer, never read, otherwise.
+    Schedule,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, SPARSE: gl.constexpr = False,
     MASK_BLOCK_Q: gl.constexpr = 128, MASK_BLOCK_KV: gl.constexpr = 128,
     DEBUG: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
     DQ_EARLY: gl.constexpr = False, DOCS: gl.constexpr = False, DQ_T: gl.constexpr = False,
+    TILE_ORDER: gl.constexpr = False,
 ):
-    # Program -> (KV tile, batch, kv head), as bwd_kernel's (``program_walk``).
+    # Program -> (KV tile, batch, kv head), as bwd_kernel's (``program_tile``, ``tile_walk``).
     # The ordered dQ needs the KV tiles of a query tile to be 0 .. k: a block mask's walk does
     # not give that (gluon_bwd refuses it).
     gl.static_assert(not (DETERMINISTIC and SPARSE))
@@ -874,21 +874,22 @@ def _gluon_bwd_ws_kernel(
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY, DOCS, DQ_T)),
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DQ_EARLY, DOCS, DQ_T, Schedule, TILE_ORDER)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG)),
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, kv_ready, Schedule, 0, False, False, TILE_ORDER)),
         (dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
           k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_smem, kv_ready,
           ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP,
           n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices, PartialCounts,
           PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
           stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, SPARSE,
-          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC, DQ_T)),
+          MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC, DQ_T, Schedule, 0, False, False,
+          TILE_ORDER)),
     ],
                        [1, 1], [LOAD_REGS, LOAD_REGS])
 
@@ -945,10 +946,14 @@ class WsLaunchPlan(LaunchPlan):
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, Any], kv_major_mask: Any = None,
-                 docs: bool = False) -> None:
+                 docs: bool = False, sm_count: int | None = None) -> None:
         super().__init__(q, k, causal_mode=causal_mode, scale=scale, config=config)
         batch, heads_q, seqlen_q, head_dim = q.shape
         block_m = int(config["BLOCK_M"])
+        # q's GPU's multiprocessors (the head groups of a tile order, a persistent grid).
+        self.sm_count = sm_count if sm_count is not None else (
+            torch.cuda.get_device_properties(q.device).multi_processor_count
+            if isinstance(q, torch.Tensor) and q.is_cuda else 132)
         self.mask_args: list[Any] | None = None
         if kv_major_mask is not None:
             self._plan_mask_walk(kv_major_mask, causal_mode, block_m, int(config["BLOCK_N"]))
@@ -993,6 +998,9 @@ class WsLaunchPlan(LaunchPlan):
         debug = int(os.environ.get("GLUON_BWD_DEBUG", DEBUG))
         if debug:
             self.options["DEBUG"] = debug
+        self.tile_order: TileOrder | None = None
+        if config.get("longest_first"):
+            self._plan_tile_order(q, k, kv_major_mask)
 
     def _plan_mask_walk(self, kv_major_mask: Any, causal_mode: str, block_m: int,
                         block_n: int) -> None:
@@ -1015,6 +1023,26 @@ class WsLaunchPlan(LaunchPlan):
         self.scalars[7] = self.rows_pad // block_m  # n_q_tiles: the kernel's N_Q_PAD / BLOCK_M
         self.mask_args = list(kv_major_mask.kernel_args())
 
+    def _plan_tile_order(self, q: Any, k: Any, kv_major_mask: Any) -> None:
+        """(longest_first) The tiles' order, worked out per call from the call's mask
+        (``TileOrder``), read by the kernel's partitions at their program id."""
+        if kv_major_mask is None:
+            raise ValueError("longest_first orders a block mask's KV tiles by their walks: "
+                             "the call has no block mask")
+        assert self.mask_args is not None  # (the mask's: _plan_mask_walk)
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        heads_kv = k.shape[1]
+        group = heads_q // heads_kv
+        n_kv_tiles = self.scalars[6]
+        self.tile_order = TileOrder(
+            batch=batch, heads_q=heads_q, heads_kv=heads_kv, n_kv_tiles=n_kv_tiles,
+            block_n=self.options["BLOCK_N"], mask_block_kv=kv_major_mask.block_size[0],
+            strides=tuple(self.mask_args[6:8]),
+            rows_per_group=persistent_head_group(
+                batch * heads_kv, n_kv_tiles, self.sm_count,
+                2 * seqlen_q * head_dim * q.dtype.itemsize * group))
+        self.options.update(TILE_ORDER=True)
+
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,
                   lse2: Any, delta: Any, dq_counters: Any = None, doc_first: Any = None
                   ) -> list[Any]:
@@ -1036,10 +1064,10 @@ class WsLaunchPlan(LaunchPlan):
         return args + mask + [dq_counters] + self.tail_args(dk, mask)
 
     def tail_args(self, dk: Any, mask: list[Any]) -> list[Any]:
-        """The main launch's arguments after the dQ counters (the split kernel's; ``dk``: a
-        tensor for a pointer argument that is not read; ``mask``: the launch's six mask
-        tensors, the call's block mask's or stand-ins)."""
-        return []
+        """The main launch's arguments after the dQ counters: the tiles' order (``mask``: the
+        launch's six mask tensors, the call's block mask's or stand-ins), or ``dk`` standing
+        in for that pointer, never read."""
+        return [dk if self.tile_order is None else self.tile_order(mask[0], mask[2])]
 
     def dq_counters(self, q: torch.Tensor) -> torch.Tensor | None:
         """A new zeroed int32 counter per (batch, query head, query tile) for a deterministic

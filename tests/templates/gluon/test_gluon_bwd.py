@@ -196,8 +196,8 @@ def test_warp_specialized_configs_and_their_constraints() -> None:
     assert options["DQ_BUFFERS"] == 2 and options["LOAD_REGS"] == 24
     assert bwd_ws_kernel.MMA_REGS == 240
     # 9 descriptors/tensors, 10 scalars, the block mask's 11 arguments (stand-ins: dense),
-    # the dQ counters (None: not deterministic).
-    assert grid == (32 * 4 * 32,) and len(args) == 9 + 10 + 11 + 1 and args[-1] is None
+    # the dQ counters (None: not deterministic), the tiles' order (dk standing in: none).
+    assert grid == (32 * 4 * 32,) and len(args) == 9 + 10 + 11 + 1 + 1 and args[-2] is None
     assert type(args[8]).__name__ == "TensorDescriptor"
     (_, _, _, _), (plain, _, plain_args, plain_options) = TEMPLATE.kernel_launches(
         d64, GluonBwdConfig())
@@ -321,12 +321,12 @@ def test_deterministic_is_offered_and_refused_where_the_order_is_not_defined() -
     assert launches is not None
     main, _, args, options = launches[1]
     assert main is bwd_ws_kernel._gluon_bwd_ws_kernel and options["DETERMINISTIC"] is True
-    assert len(args) == 9 + 10 + 11 + 1
-    assert isinstance(args[-1], StandinTensor) and args[-1].dtype == torch.int32
-    assert list(args[-1].shape) == [1 * 8 * math.ceil(1000 / 64)]
+    assert len(args) == 9 + 10 + 11 + 1 + 1  # ... the dQ counters, the tiles' order
+    assert isinstance(args[-2], StandinTensor) and args[-2].dtype == torch.int32
+    assert list(args[-2].shape) == [1 * 8 * math.ceil(1000 / 64)]
     launches = TEMPLATE.kernel_launches(gqa, GluonBwdConfig(warp_specialize=True))
     assert launches is not None
-    assert "DETERMINISTIC" not in launches[1][3] and launches[1][2][-1] is None
+    assert "DETERMINISTIC" not in launches[1][3] and launches[1][2][-2] is None
 
 
 # ----------------------------------------------------------------------------- offline compile

@@ -72,13 +72,14 @@ def test_masked_launch_walks_the_kv_major_lists() -> None:
     assert grid == (8 * 1 * 2,)  # KV tiles x batch x kv heads
     assert tuple(pre_args[3].shape) == (1, 4, 1024) and pre_grid == (1024 // 64 * 4,)
     # 9 descriptors/tensors, 10 scalars (n_q_tiles = 1024 / 64), the 11 mask arguments, the
-    # dQ counters (None: not deterministic).
-    assert len(args) == 9 + 10 + 11 + 1 and args[9 + 7] == 16 and args[-1] is None
-    assert args[-2] == 8  # the KV-major lists' row stride: one entry per query block
+    # dQ counters (None: not deterministic), the tiles' order (dk standing in: no order).
+    assert len(args) == 9 + 10 + 11 + 1 + 1 and args[9 + 7] == 16 and args[-2] is None
+    assert args[-3] == 8  # the KV-major lists' row stride: one entry per query block
+    assert args[-1] is args[4].base  # (dk: its descriptor's tensor)
     # Dense launches pass stand-ins for the mask's arguments and leave SPARSE off.
     dense = Problem(1, 4, 2, 1000, 1000, 128, "float16")
     (_, _, _, _), (_, _, dense_args, dense_options) = TEMPLATE.kernel_launches(dense, WS)
-    assert len(dense_args) == 31 and "SPARSE" not in dense_options
+    assert len(dense_args) == 32 and "SPARSE" not in dense_options
     assert dense_args[9 + 7] == 16  # cdiv(1000, 64)
     # Without warp specialization there is no masked launch.
     assert TEMPLATE.kernel_launches(problem, GluonBwdConfig()) is None

@@ -70,16 +70,17 @@ def test_launches_go_direct_after_the_first_with_the_jits_arguments(
         assert len(counters) == 2 and counters[0] is not counters[1]
         for c in counters:
             assert c.dtype == torch.int32 and c.shape == (1 * 4 * 2,) and not c.any()
-        # The last runtime argument (the direct launcher's come after 9 of its own).
-        last = 9 + len(main.calls[0][1]) - 1
-        assert main.calls[0][1][-1] is counters[0]
+        # The counters: the runtime argument before the tiles' order, the last (the direct
+        # launcher's come after 9 of its own).
+        last = 9 + len(main.calls[0][1]) - 2
+        assert main.calls[0][1][-2] is counters[0]
         assert main.calls[1][1][last] == counters[1].data_ptr()
         assert main.calls[0][2]["DETERMINISTIC"] is True
     elif warp_specialize:
         # The default kernel's counters are None (a constexpr: compiled out).
         assert counters == [None, None]
-        last = 9 + len(main.calls[0][1]) - 1
-        assert main.calls[0][1][-1] is None and main.calls[1][1][last] is None
+        last = 9 + len(main.calls[0][1]) - 2
+        assert main.calls[0][1][-2] is None and main.calls[1][1][last] is None
         assert "DETERMINISTIC" not in launch_plan.options
     for kernel, launch in ((pre, plan.preprocess), (main, plan.main)):
         (jit_tag, jit_args, _), (direct_tag, direct_args) = kernel.calls

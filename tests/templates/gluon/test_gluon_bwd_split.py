@@ -16,6 +16,7 @@ import torch
 from templates.base import Problem
 from templates.compile.offline_target import TARGETS
 from templates.compile.standin_tensor import StandinTensor
+from templates.gluon import bwd_tile_order
 from templates.gluon.bwd import (
     GLUON_MISSING,
     TEMPLATE,
@@ -111,7 +112,7 @@ def test_a_persistent_plan_runs_one_program_per_sm_over_every_tile() -> None:
 
 
 def test_the_head_group_fills_two_rounds_within_the_l2_budget() -> None:
-    group = split_kernel.persistent_head_group
+    group = bwd_tile_order.persistent_head_group
     assert group(rows=64, n_kv_tiles=32, programs=132, row_bytes=2 << 20) == 8   # 9 > 8 fit
     assert group(rows=64, n_kv_tiles=128, programs=132, row_bytes=2 << 20) == 3
     assert group(rows=2, n_kv_tiles=32, programs=132, row_bytes=1 << 20) == 2     # all rows

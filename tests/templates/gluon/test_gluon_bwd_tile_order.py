@@ -1,5 +1,5 @@
 """gluon_bwd's ``longest_first``: the split kernel's KV tiles under a block mask in order of
-decreasing walk (``bwd_split_kernel.TileOrder``). On the CPU: the order against walks counted
+decreasing walk (``bwd_bwd_tile_order.TileOrder``). On the CPU: the order against walks counted
 from the dense mask, the configs and calls that take the knob, the plan's launch arguments
 (the offline sm_90 build is test_gluon_bwd_split.py's); on a Hopper GPU the gradients
 (test_gluon_bwd_split.py's mask cases run with the knob)."""
@@ -14,9 +14,11 @@ import torch
 from templates.base import Problem
 from templates.compile.offline_target import TARGETS
 from templates.compile.standin_tensor import StandinTensor
+from templates.gluon import bwd_tile_order
 from templates.gluon.bwd import GLUON_MISSING, TEMPLATE, GluonBwdConfig, split_kernel
 from templates.gluon.fwd import StandinBlockMask
 from templates.masks.block_mask import BlockMask
+from tests.templates.gluon.gluon_checks import compile_reports
 
 H100 = TARGETS["h100"]
 pytestmark = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -51,10 +53,10 @@ def _walks(dense: torch.Tensor, batch: int, heads_q: int, heads_kv: int, block_n
 
 
 def _order(mask: BlockMask, *, batch: int, heads_q: int, heads_kv: int, block_n: int,
-           rows_per_group: int) -> split_kernel.TileOrder:
+           rows_per_group: int) -> bwd_tile_order.TileOrder:
     kv_major = mask.transposed
     n_kv_tiles = -(-mask.seqlen_kv // block_n)
-    return split_kernel.TileOrder(
+    return bwd_tile_order.TileOrder(
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, n_kv_tiles=n_kv_tiles,
         block_n=block_n, mask_block_kv=kv_major.block_size[0],
         strides=tuple(kv_major.kernel_args()[6:8]), rows_per_group=rows_per_group)
@@ -100,21 +102,24 @@ def test_the_last_order_is_kept_for_the_same_mask_tensors() -> None:
     assert order(args[0], args[2]).tolist() == [4, 9, 0, 1, 2, 3, 5, 6, 7, 8]
 
 
-def test_longest_first_needs_a_block_mask_and_the_split_kernel() -> None:
+def test_longest_first_needs_a_block_mask_and_a_warp_specialized_kernel() -> None:
+    one = dataclasses.replace(ORDERED, split_warpgroups=False)  # one MMA partition
     for problem in (SLIDING, DOCS):
-        assert TEMPLATE.constraint(problem, ORDERED, H100) is None
+        for cfg in (ORDERED, one):
+            assert TEMPLATE.constraint(problem, cfg, H100) is None
     reason = TEMPLATE.constraint(DENSE, ORDERED, H100)
     assert reason is not None and "longest_first" in reason and "mask" in reason, reason
-    one = dataclasses.replace(ORDERED, split_warpgroups=False)
-    reason = TEMPLATE.constraint(SLIDING, one, H100)
-    assert reason is not None and "split_warpgroups" in reason, reason
+    plain = dataclasses.replace(one, warp_specialize=False)
+    reason = TEMPLATE.constraint(SLIDING, plain, H100)
+    assert reason is not None and "warp_specialize" in reason, reason
     # A call: its problem names no mask; the mask's blocks say whether it has one.
     call = dataclasses.replace(SLIDING, mask="none")
     assert TEMPLATE.run_constraint(call, ORDERED, H100, (128, 128)) is None
+    assert TEMPLATE.run_constraint(call, one, H100, (128, 128)) is None
     reason = TEMPLATE.run_constraint(call, ORDERED, H100, None)
     assert reason is not None and "longest_first" in reason, reason
-    reason = TEMPLATE.run_constraint(call, one, H100, (128, 128))
-    assert reason is not None and "split_warpgroups" in reason, reason
+    reason = TEMPLATE.run_constraint(call, plain, H100, (128, 128))
+    assert reason is not None and "warp_specialize" in reason, reason
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -144,3 +149,53 @@ def test_a_mask_made_in_inference_mode_is_ordered_every_call() -> None:
     order = _order(mask, batch=1, heads_q=1, heads_kv=1, block_n=128, rows_per_group=1)
     assert order(args[0], args[2]).tolist() == [0, 1, 2]
     assert order._last is None
+
+
+def test_the_one_partition_kernel_compiles_with_it_for_the_h100() -> None:
+    """d64's default under masks (one MMA partition, dq_early) with the order: it builds, the
+    wgmma pipeline intact (the split kernel's builds are test_gluon_bwd_split.py's)."""
+    d64 = Problem(1, 32, 32, 16384, 16384, 64, "bfloat16", "none", "sliding_causal:1024")
+    cfg = dataclasses.replace(TEMPLATE.default_config(d64, H100), longest_first=True)
+    assert not cfg.split_warpgroups
+    [out] = compile_reports("templates.gluon.bwd", [
+        {"template": "gluon_bwd", "problem": d64.to_dict(), "config": cfg.to_dict()}])
+    assert out["error"] == "" and out["constraint"] == "", out
+    _, main = out["kernels"]
+    assert main["kernel"] == "_gluon_bwd_ws_kernel" and main["wgmma_serialized"] == "", out
+
+
+# ----------------------------------------------------------------------------- GPU numerics
+GPU_CASES = [
+    (1, 8, 2, 2048, 2048, 64, "bfloat16", "none", "documents_causal:256"),  # GQA, d64
+    (2, 4, 4, 1000, 1000, 128, "float16", "none", "random:0.3"),  # odd length
+    (4, 8, 8, 2048, 2048, 128, "bfloat16", "none", "sliding_causal:512"),  # 512 KV tiles
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["one_partition", "split"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: Problem(*c).key())
+def test_the_order_changes_no_gradient(case: tuple[object, ...], split: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right against the reference, and dK/dV bitwise those of the tile order (each tile's
+    sums are its own, in a fixed order; dq's atomics come in any order)."""
+    from tests.templates.gluon.gluon_checks import is_hopper
+
+    if not is_hopper():
+        pytest.skip("gluon_bwd needs a Hopper GPU")
+    from templates.gluon import bwd_kernel as gluon_bwd_kernel
+
+    monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)  # unwritten dk/dv read NaN
+    problem = Problem(*case)  # type: ignore[arg-type]
+    base = GluonBwdConfig(warp_specialize=True, split_warpgroups=split)
+    ordered = dataclasses.replace(base, longest_first=True)
+    if TEMPLATE.constraint(problem, ordered, H100):
+        pytest.skip(f"{ordered.key()} does not fit {problem.key()}")
+    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=9)
+    ref = TEMPLATE.reference(inputs)
+    out = TEMPLATE.run(inputs, ordered)
+    natural = TEMPLATE.run(inputs, base)
+    for grad in out:
+        assert not torch.isnan(grad).any()
+    assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
+    assert torch.equal(out[1], natural[1]) and torch.equal(out[2], natural[2])
