@@ -112,7 +112,7 @@ class GluonBackwardPlan:
             mask_tensors[_MASK_TENSORS - 1] = row_first_keys(block_mask, self.plan.rows_pad)
         with self._device.of(q):
             self._launch(do, q, k, v, o, lse, delta, lse2, dq_accum, dk, dv, mask_tensors,
-                         dq_counters)
+                         dq_counters, block_mask.transposed if self.sparse else None)
             if self.dq_cast is not None:
                 return self._cast_dq(dq_accum, q), dk, dv
         return self.plan.dq_result(dq_accum, q), dk, dv
@@ -130,14 +130,14 @@ class GluonBackwardPlan:
 
     def _launch(self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, delta: Any,
                 lse2: Any, dq_accum: Any, dk: Any, dv: Any, mask_tensors: list[Any],
-                dq_counters: Any = None) -> None:
+                dq_counters: Any = None, kv_major: Any = None) -> None:
         plan = self.plan
         pre_tail = plan.preprocess_args(o, do, lse, delta, lse2)[5:]
         main_head = [q, k, v, do, dk, dv, lse2, delta]
         # The warp-specialized kernel's last runtime argument: the dQ counters, or None (a
         # constexpr: the default kernel compiles it out).
         # ... then the plan's own (the split kernel's schedule and tile count).
-        extra = plan.tail_args(dk, mask_tensors) if self.warp_specialized else []
+        extra = plan.tail_args(dk, mask_tensors, kv_major) if self.warp_specialized else []
         strides = self.mask_strides or [0] * 5
         mask_tail = [*mask_tensors, *strides, dq_counters, *extra] \
             if self.warp_specialized else []

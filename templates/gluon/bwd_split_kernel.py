@@ -491,11 +491,11 @@ class SplitLaunchPlan(WsLaunchPlan):
             offsets.append(offsets[-1] + len(tiles))
         return offsets + [tile for tiles in owned for tile in tiles]
 
-    def tail_args(self, dk: Any, mask: list[Any]) -> list[Any]:
+    def tail_args(self, dk: Any, mask: list[Any], kv_major: Any = None) -> list[Any]:
         # (The host's schedule where there is one, else the tiles' order or dk's stand-in.)
         if self.schedule is not None:
             return [self.schedule, self.n_tiles]
-        return [*super().tail_args(dk, mask), self.n_tiles]
+        return [*super().tail_args(dk, mask, kv_major), self.n_tiles]
 
     def main_kernel(self) -> Any:
         return _gluon_bwd_split_kernel

@@ -4,11 +4,16 @@ kernels; host side, no kernel code)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from templates.gluon.schedule import L2_KV_BYTES
+
+# Each KV-major mask's tile orders (by ``TileOrder.key``), dropped with the mask.
+_ORDERS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]] = (
+    weakref.WeakKeyDictionary())
 
 
 class TileOrder:
@@ -21,9 +26,11 @@ class TileOrder:
     start first and the short ones even the end out, where the tile order leaves a long
     walk last (a document's first tiles walk all of it).
 
-    Any permutation of the tiles gives the same gradients, only in another order: the last
-    order is kept for the mask tensors it was made from (same addresses and versions), and
-    one made from an earlier mask at the same addresses would still be right."""
+    Kept with the KV-major mask it was made from (``_ORDERS``, for as long as the mask
+    lives: a training step hands one mask to every layer's backward, and a CUDA graph that
+    captured the order reads it as long as it reads the mask). Any permutation of the tiles
+    gives the same gradients, only in another order: a mask whose tensors were changed in
+    place keeps its old order and stays right."""
 
     def __init__(self, *, batch: int, heads_q: int, heads_kv: int, n_kv_tiles: int,
                  block_n: int, mask_block_kv: int, strides: tuple[int, int],
@@ -33,20 +40,20 @@ class TileOrder:
         self.block_n, self.mask_block_kv = block_n, mask_block_kv
         self.strides = strides
         self.rows_per_group = rows_per_group
-        self._last: tuple[tuple[int, ...], Any] | None = None
+        self.key = (batch, heads_q, heads_kv, n_kv_tiles, block_n, mask_block_kv, strides,
+                    rows_per_group)
 
-    def __call__(self, full_counts: Any, partial_counts: Any) -> Any:
+    def __call__(self, full_counts: Any, partial_counts: Any, kv_major: Any = None) -> Any:
+        """The order for the mask whose KV-major counts these are; ``kv_major``: that mask
+        (a ``BlockMask``), which keeps it, or None (worked out again)."""
         if not isinstance(full_counts, torch.Tensor):  # the offline build's stand-ins
             return type(full_counts)(torch.int32, [self.batch * self.heads_kv * self.n_kv_tiles])
-        try:
-            key = (full_counts.data_ptr(), full_counts._version, partial_counts.data_ptr(),
-                   partial_counts._version)
-        except RuntimeError:  # inference tensors keep no version: worked out every call
+        if kv_major is None:
             return self.order(full_counts, partial_counts)
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        order = self.order(full_counts, partial_counts)
-        self._last = (key, order)
+        kept = _ORDERS.setdefault(kv_major, {})
+        order = kept.get(self.key)
+        if order is None:
+            order = kept[self.key] = self.order(full_counts, partial_counts)
         return order
 
     def order(self, full_counts: torch.Tensor, partial_counts: torch.Tensor) -> torch.Tensor:

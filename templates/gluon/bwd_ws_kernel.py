@@ -1063,11 +1063,14 @@ class WsLaunchPlan(LaunchPlan):
             mask[5] = doc_first
         return args + mask + [dq_counters] + self.tail_args(dk, mask)
 
-    def tail_args(self, dk: Any, mask: list[Any]) -> list[Any]:
+    def tail_args(self, dk: Any, mask: list[Any], kv_major: Any = None) -> list[Any]:
         """The main launch's arguments after the dQ counters: the tiles' order (``mask``: the
-        launch's six mask tensors, the call's block mask's or stand-ins), or ``dk`` standing
-        in for that pointer, never read."""
-        return [dk if self.tile_order is None else self.tile_order(mask[0], mask[2])]
+        launch's six mask tensors, the call's block mask's or stand-ins; ``kv_major``: that
+        KV-major BlockMask, which keeps its order), or ``dk`` standing in for that pointer,
+        never read."""
+        if self.tile_order is None:
+            return [dk]
+        return [self.tile_order(mask[0], mask[2], kv_major)]
 
     def dq_counters(self, q: torch.Tensor) -> torch.Tensor | None:
         """A new zeroed int32 counter per (batch, query head, query tile) for a deterministic

@@ -7,6 +7,7 @@ from the dense mask, the configs and calls that take the knob, the plan's launch
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -86,20 +87,27 @@ def test_the_tiles_go_longest_walk_first_within_head_groups(
     assert len({w for row in walks for w in row}) > 2  # unequal walks: the order tells
 
 
-def test_the_last_order_is_kept_for_the_same_mask_tensors() -> None:
+def test_each_mask_keeps_its_order_while_it_lives() -> None:
     dense = torch.tril(torch.ones(640, 640, dtype=torch.bool))
     mask = BlockMask.from_dense(dense)
     order = _order(mask, batch=1, heads_q=2, heads_kv=2, block_n=128, rows_per_group=2)
-    args = mask.transposed.kernel_args()
-    first = order(args[0], args[2])
-    assert order(args[0], args[2]) is first
+    kv_major = mask.transposed
+    args = kv_major.kernel_args()
+    first = order(args[0], args[2], kv_major)
+    assert order(args[0], args[2], kv_major) is first
     # Causal, seen from the keys: KV block t is seen by the query blocks t .. 4; the two
     # heads' rows are one group, equal walks in tile order.
     assert first.tolist() == [0, 5, 1, 6, 2, 7, 3, 8, 4, 9]
-    args[0].zero_()  # another mask in the same memory (in place: a new version)
-    args[2].zero_()
-    args[2][..., -1] = 3
-    assert order(args[0], args[2]).tolist() == [4, 9, 0, 1, 2, 3, 5, 6, 7, 8]
+    # Another mask of the geometry: its own order; without a mask, worked out every call.
+    other = BlockMask.from_dense(torch.ones(640, 640, dtype=torch.bool)).transposed
+    other_args = other.kernel_args()
+    assert order(other_args[0], other_args[2], other) is not first
+    assert order(args[0], args[2]) is not first
+    assert len(bwd_tile_order._ORDERS) >= 2
+    before = len(bwd_tile_order._ORDERS)
+    del other, other_args
+    gc.collect()
+    assert len(bwd_tile_order._ORDERS) == before - 1  # dropped with its mask
 
 
 def test_longest_first_needs_a_block_mask_and_a_warp_specialized_kernel() -> None:
@@ -140,15 +148,6 @@ def test_the_plan_passes_the_order_where_the_schedule_goes(persistent: bool) -> 
         split_kernel.SplitLaunchPlan(q, k, causal_mode="none", scale=0.1, config=cfg,
                                      sm_count=132)
 
-
-
-def test_a_mask_made_in_inference_mode_is_ordered_every_call() -> None:
-    with torch.inference_mode():
-        mask = BlockMask.from_dense(torch.tril(torch.ones(384, 384, dtype=torch.bool)))
-        args = mask.transposed.kernel_args()
-    order = _order(mask, batch=1, heads_q=1, heads_kv=1, block_n=128, rows_per_group=1)
-    assert order(args[0], args[2]).tolist() == [0, 1, 2]
-    assert order._last is None
 
 
 def test_the_one_partition_kernel_compiles_with_it_for_the_h100() -> None:
