@@ -107,8 +107,7 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 def program_tile(Schedule, TILE_ORDER: gl.constexpr = False):
     """The tile of this program of a grid of one program per tile: the program id, or with
     TILE_ORDER the tile ``Schedule`` lists at it (the host's order of the tiles: longest
-    walk first, ``bwd_tile_order.TileOrder``; programs start in about their
-    id's order)."""
+    walk first, ``bwd_tile_order.TileOrder``; programs start in about their id's order)."""
     if TILE_ORDER:
         return gl.load(Schedule + gl.program_id(0))
     else:
@@ -212,22 +211,21 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
     if PERSISTENT:
         step0 = N_Q * 0
         for i in range(tiles_of_program(N_TILES, Schedule, HOST_SCHEDULE)):
-            step0 = _load_walk(
-                persistent_tile(i, Schedule, HOST_SCHEDULE, TILE_ORDER), step0, i, q_desc, k_desc,
-                v_desc, do_desc, lse_desc, delta_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs,
-                delta_bufs, kv_ready, kv_empty, ready, empty, N_KV, causal_offset, H_Q, H_KV,
-                GROUP, n_kv_tiles, n_q_tiles, FullCounts, FullIndices, PartialCounts,
-                PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib,
-                stride_ih, stride_iq, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SPARSE, MASK_BLOCK_Q,
-                MASK_BLOCK_KV, True)
+            step0 = _load_walk(persistent_tile(i, Schedule, HOST_SCHEDULE, TILE_ORDER), step0, i,
+                q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_buf, v_buf, q_bufs,
+                do_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, ready, empty, N_KV,
+                causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts, FullIndices,
+                PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
+                stride_ib, stride_ih, stride_iq, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SPARSE,
+                MASK_BLOCK_Q, MASK_BLOCK_KV, True)
     else:
-        _load_walk(program_tile(Schedule, TILE_ORDER), N_Q * 0, 0, q_desc, k_desc, v_desc, do_desc, lse_desc,
-                   delta_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready,
-                   kv_empty, ready, empty, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles,
-                   n_q_tiles, FullCounts, FullIndices, PartialCounts, PartialIndices,
+        _load_walk(program_tile(Schedule, TILE_ORDER), N_Q * 0, 0, q_desc, k_desc, v_desc, do_desc,
+                   lse_desc, delta_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                   kv_ready, kv_empty, ready, empty, N_KV, causal_offset, H_Q, H_KV, GROUP,
+                   n_kv_tiles, n_q_tiles, FullCounts, FullIndices, PartialCounts, PartialIndices,
                    PartialTileIds, PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih,
-                   stride_iq, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SPARSE, MASK_BLOCK_Q,
-                   MASK_BLOCK_KV, False)
+                   stride_iq, BLOCK_M, BLOCK_N, STAGES, CAUSAL, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV,
+                   False)
 
 
 @gluon.jit
@@ -384,8 +382,8 @@ def dq_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, de
                              DqCounters, BLOCK_M, BLOCK_N, CAUSAL, DQ_BUFFERS, SPARSE,
                              MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG, DETERMINISTIC, DQ_T)
     else:
-        _dq_walk(program_tile(Schedule, TILE_ORDER), N_Q * 0, dq_desc, dq_bufs, dq_full, dq_empty, N_KV,
-                 causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts,
+        _dq_walk(program_tile(Schedule, TILE_ORDER), N_Q * 0, dq_desc, dq_bufs, dq_full, dq_empty,
+                 N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, FullCounts,
                  FullIndices, PartialCounts, PartialIndices, PartialTileIds, PartialTiles,
                  stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, DqCounters, BLOCK_M,
                  BLOCK_N, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DEBUG,
@@ -1024,8 +1022,8 @@ class WsLaunchPlan(LaunchPlan):
         self.mask_args = list(kv_major_mask.kernel_args())
 
     def _plan_tile_order(self, q: Any, k: Any, kv_major_mask: Any) -> None:
-        """(longest_first) The tiles' order, worked out per call from the call's mask
-        (``TileOrder``), read by the kernel's partitions at their program id."""
+        """(longest_first) The tiles' order from each call's mask (``TileOrder``, kept with
+        the mask), read by the kernel's partitions at their program id."""
         if kv_major_mask is None:
             raise ValueError("longest_first orders a block mask's KV tiles by their walks: "
                              "the call has no block mask")
