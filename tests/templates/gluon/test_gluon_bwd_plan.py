@@ -145,3 +145,32 @@ def test_keys_tell_apart_layouts_configs_and_masks() -> None:
               key(config=gluon_bwd.GluonBwdConfig(warp_specialize=True)),
               key(causal=False, block_mask=mask)]
     assert base not in others and len(set(others)) == len(others)
+
+
+def test_a_kept_plan_passes_each_masks_tile_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """longest_first: the last runtime argument is the order kept with the call's mask, the
+    tensor on the JIT's path and its address on the direct one."""
+    from templates.flash.fwd import pattern_mask
+    from templates.gluon.bwd_plan import GluonBackwardPlan
+
+    module = gluon_bwd.ws_kernel
+    assert module is not None and gluon_bwd.kernel is not None
+    pre = _ParamKernel(gluon_bwd.kernel._gluon_bwd_preprocess_kernel)
+    main = _ParamKernel(module._gluon_bwd_ws_kernel)
+    monkeypatch.setattr(module, "_gluon_bwd_ws_kernel", main)
+    do, q, k, v, o, lse = _inputs()
+    mask = pattern_mask("sliding_causal:64", 96, 160, "cpu")
+    config = gluon_bwd.GluonBwdConfig(warp_specialize=True, longest_first=True).to_dict()
+    launch_plan = module.WsLaunchPlan(q, k, causal_mode="none", scale=0.125, config=config,
+                                      kv_major_mask=mask.transposed, sm_count=132)
+    assert launch_plan.options["TILE_ORDER"] is True
+    plan = GluonBackwardPlan(launch_plan, pre, warp_specialized=True)
+    plan(do, q, k, v, o, lse, mask)
+    plan(do, q, k, v, o, lse, mask)
+    (jit_tag, jit_args, _), (direct_tag, direct_args) = main.calls
+    assert (jit_tag, direct_tag) == ("jit", "direct")
+    args = mask.transposed.kernel_args()
+    order = launch_plan.tile_order(args[0], args[2], mask.transposed)
+    # (The direct launcher's runtime arguments come after 9 of its own.)
+    assert jit_args[-1] is order and direct_args[9 + len(jit_args) - 1] == order.data_ptr()
+    assert sorted(order.tolist()) == list(range(2 * 2))  # every (kv head, KV tile) once

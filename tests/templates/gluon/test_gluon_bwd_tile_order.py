@@ -130,6 +130,20 @@ def test_longest_first_needs_a_block_mask_and_a_warp_specialized_kernel() -> Non
     assert reason is not None and "warp_specialize" in reason, reason
 
 
+def test_it_is_d128s_default_under_block_masks_only() -> None:
+    for problem in (SLIDING, DOCS):
+        assert TEMPLATE.default_config(problem, H100).longest_first
+        call = dataclasses.replace(problem, mask="none")
+        assert TEMPLATE.run_default(call, H100, (128, 128)).longest_first
+        assert not TEMPLATE.run_default(call, H100, None).longest_first
+        # The sweep measures the split kernel in tile order too.
+        assert any(c.split_warpgroups and not c.longest_first
+                   for c in TEMPLATE.known_good_configs(problem, H100))
+    d64 = dataclasses.replace(SLIDING, head_dim=64, heads_q=32, heads_kv=32)
+    assert not TEMPLATE.default_config(d64, H100).longest_first
+    assert not TEMPLATE.default_config(DENSE, H100).longest_first
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_the_plan_passes_the_order_where_the_schedule_goes(persistent: bool) -> None:
     q = StandinTensor(torch.bfloat16, [1, 32, 16384, 128])
