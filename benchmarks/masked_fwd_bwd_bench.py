@@ -11,6 +11,10 @@ contiguous; rows d128 N=16k, d128 N=4k, d64 N=16k, each with three masks built a
     blocks so that every query sees a key (a row that sees none has no softmax, and backends
     differ in what they return for it): 11.0% of the blocks at N=16k, 12.9% at N=4k.
 
+Our masks carry what callers' masks carry (``callers_view``): the sliding window's pattern
+name and the documents' offsets (from 2026-11-30; earlier results' masks carried neither,
+so their Gluon backward read every partial block's tile).
+
 Per row, side by side in one process: ours (``flash_attention(q, k, v, block_mask=...)``,
 default configs) forward and forward + backward, then (while the budget lasts) a short grid
 of backward configs, FlexAttention (``torch.compile(flex_attention, dynamic=False)`` with
@@ -23,7 +27,8 @@ pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's;
 backward's ``split_warpgroups`` knob, ``SPLIT_BWD``; ``gluon-split-lf``, ``gluon-pers``,
 ``gluon-pers-lf``: that with ``longest_first``, ``persistent`` or both; ``gluon-ws``,
 ``gluon-ws-lf``: the one-partition kernel with ``dq_early`` (d64's default under masks) without
-and with ``longest_first``; ``SPLIT_VARIANTS``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
+and with ``longest_first``; ``gluon-split-lf-win``, ``gluon-ws-win``: with ``window_offsets``;
+``SPLIT_VARIANTS``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
 the mask, else the efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
 graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
 call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
@@ -83,6 +88,7 @@ from templates.flash.fwd import flash_attention_fwd  # noqa: E402
 from templates.gluon.bwd import gluon_attention_bwd  # noqa: E402
 from templates.gluon.fwd import GLUON_MISSING, gluon_attention_fwd  # noqa: E402
 from templates.masks.block_mask import BlockMask, MaskMod  # noqa: E402
+from templates.masks.document_offsets import DocumentOffsets  # noqa: E402
 from templates.masks.mods import (  # noqa: E402
     document_mask,
     or_masks,
@@ -175,6 +181,21 @@ def pattern_mod(pattern: str, seqlen: int, block: int, device: str) -> MaskMod:
     raise ValueError(f"unknown pattern {pattern!r}")
 
 
+def callers_view(pattern: str, seqlen: int) -> dict[str, Any]:
+    """What a caller's mask of this pattern carries besides its blocks, as tuner.hf and
+    tuner.varlen_attention build them: a causal window's pattern name (``sliding_causal:<w>``,
+    the query and the w - 1 keys before it: this benchmark's window + 1) and packed
+    documents' offsets. The Gluon backward's ``window_offsets`` and ``doc_offsets`` read
+    them."""
+    name, _, arg = pattern.partition(":")
+    if name == "sliding-causal":
+        return {"pattern": f"sliding_causal:{int(arg) + 1}"}
+    if name == "document-causal":
+        return {"documents": DocumentOffsets.of_lengths(document_lengths(seqlen, int(arg)),
+                                                        causal=True)}
+    return {}
+
+
 def dense_mask(mod: MaskMod, seqlen: int, device: str) -> torch.Tensor:
     """(N, N) bool, True = visible, straight from the mask_mod: the reference and SDPA share
     no code with our BlockMask."""
@@ -236,7 +257,7 @@ def prepare(setup: Setup, head_dim: int, seqlen: int, pattern: str) -> Case:
     mod = pattern_mod(pattern, seqlen, setup.block, setup.device)
     dense = dense_mask(mod, seqlen, setup.device)
     block_mask = BlockMask.from_mask_mod(mod, None, None, seqlen, seqlen, setup.block,
-                                         device=setup.device)
+                                         device=setup.device, **callers_view(pattern, seqlen))
     pairs = int(dense.sum())
     row = Row(pattern, head_dim, seqlen, batch, heads, pairs, pairs / seqlen ** 2,
               block_mask.density(), 4.0 * batch * heads * head_dim * pairs)
@@ -363,6 +384,10 @@ SPLIT_VARIANTS = {
     "gluon-pers-lf": {**SPLIT_BWD, "persistent": True, "longest_first": True},
     "gluon-ws": ONE_PARTITION_BWD,
     "gluon-ws-lf": {**ONE_PARTITION_BWD, "longest_first": True},
+    # A causal window's partial blocks by the rows' first keys (sliding rows; a no-op on
+    # the others): with the d128 default's order, and d64's default kernel.
+    "gluon-split-lf-win": {**SPLIT_BWD, "longest_first": True, "window_offsets": True},
+    "gluon-ws-win": {**ONE_PARTITION_BWD, "window_offsets": True},
 }
 
 

@@ -42,7 +42,7 @@ from templates.flash.bwd import TEMPLATE as FLASH_BWD
 from templates.flash.bwd_plan import block_mask_key
 from templates.flash.fwd import check_block_mask
 from templates.gluon import bwd_docs
-from templates.gluon.bwd_docs import takes_offsets
+from templates.gluon.bwd_docs import causal_window, takes_offsets
 from templates.gluon.bwd_plan import GluonBackwardPlan
 from templates.gluon.fwd import StandinBlockMask
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
@@ -174,6 +174,13 @@ class GluonBwdConfig(KernelConfig):
         "causal 1.01-1.11x at 4k, 0.99-1.01x at 16k; dense 1.02-1.03x on walks of 256 steps, "
         "0.94-0.97x on 64-128; under block masks 0.90-1.00x. d128's default on causal walks "
         "and dense ones of 256 steps or more, without a block mask.")
+    window_offsets: bool = knob(
+        False, (False, True),
+        "With a causal sliding-window mask over as many queries as keys (the named pattern "
+        "sliding_causal:<w>, as tuner.hf builds for sliding-window layers), each partial "
+        "block's visibility is computed from its query rows' first visible keys (max(0, i - "
+        "w + 1), one int32 per row) instead of read from its uint8 tile: doc_offsets' path. "
+        "Other masks keep their tiles. Not yet measured on a GPU: off by default.")
     longest_first: bool = knob(
         False, (False, True),
         "With warp_specialize and a block mask, the KV tiles run in order of decreasing "
@@ -282,6 +289,11 @@ class GluonBwdTemplate(GluonTemplate):
             return (f"doc_offsets computes a causal packed-documents mask from its offsets: "
                     f"it needs a {DOCUMENTS_CAUSAL}:<L> problem, but the mask is "
                     f"{problem.mask!r}")
+        if cfg.window_offsets and not _causal_window(problem):
+            return (f"window_offsets computes a causal sliding window from its width: it "
+                    f"needs a sliding_causal:<w> problem with as many queries as keys, but the "
+                    f"mask is {problem.mask!r} over {problem.seqlen_q} queries and "
+                    f"{problem.seqlen_kv} keys")
         # Measured wrong on the H100, causes not found (notes/gluon_notes.md, "Third GPU run"):
         # only 64 x 128 tiles over two warpgroups with a ring of three gave right gradients.
         if cfg.consumers == 1:
@@ -328,13 +340,14 @@ class GluonBwdTemplate(GluonTemplate):
         has blocks ``mask_block``."""
         cfg = self.config(config)
         assert isinstance(cfg, GluonBwdConfig)
-        for name in ("doc_offsets", "longest_first"):
+        for name in ("doc_offsets", "window_offsets", "longest_first"):
             if getattr(cfg, name) and mask_block is None:
                 return f"{name} reads a block mask, and the call has no block mask"
-        # (The call's problem has no mask name: doc_offsets is the mask's to use or not,
-        # longest_first needs one, which the call has.)
+        # (The call's problem has no mask name: doc_offsets and window_offsets are the
+        # mask's to use or not, longest_first needs one, which the call has.)
         reason = self.constraint(
-            problem, dataclasses.replace(cfg, doc_offsets=False, longest_first=False), device)
+            problem, dataclasses.replace(cfg, doc_offsets=False, window_offsets=False,
+                                         longest_first=False), device)
         if reason is None and cfg.longest_first:
             reason = _warp_specialize_problem(cfg)
         if reason is None and mask_block is not None:
@@ -401,7 +414,7 @@ class GluonBwdTemplate(GluonTemplate):
             kv_major = StandinBlockMask(problem.seqlen_kv, problem.seqlen_q)
             plan = _ws_plan_class(cfg)(q, k, causal_mode=problem.causal, scale=scale,
                                        config=cfg.to_dict(), kv_major_mask=kv_major,
-                                       docs=cfg.doc_offsets)
+                                       docs=cfg.doc_offsets or cfg.window_offsets)
         else:
             plan_cls = _ws_plan_class(cfg) if cfg.warp_specialize else module.LaunchPlan
             plan = plan_cls(q, k, causal_mode=problem.causal, scale=scale,
@@ -603,6 +616,13 @@ def _causal_documents(problem: Problem) -> bool:
     return parse_pattern(problem.mask)[0] == DOCUMENTS_CAUSAL
 
 
+def _causal_window(problem: Problem) -> bool:
+    """Whether ``problem``'s mask is a causal sliding window over as many queries as keys
+    (window_offsets')."""
+    return (parse_pattern(problem.mask)[0] == "sliding_causal"
+            and problem.seqlen_q == problem.seqlen_kv)
+
+
 def _standin_doc_first(plan: Any) -> dict[str, Any]:
     """A doc_offsets plan's rows' document starts as a stand-in, as ``main_args``'s keyword;
     nothing for other plans."""
@@ -699,6 +719,7 @@ def _plan_key(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sc
                 (do.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
                 causal.__class__, causal, scale.__class__, scale, config,
                 block_mask_key(block_mask), takes_offsets(block_mask),
+                causal_window(block_mask) is not None,
                 # the pricing switches (benchmarks/gluon_bwd_price.py sets them per run)
                 os.environ.get("GLUON_BWD_DEBUG"))
     except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors
@@ -733,13 +754,21 @@ def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             ready[0], ready[1], causal_mode=causal_mode, scale=softmax_scale,
             config=cfg.to_dict(),
             kv_major_mask=None if block_mask is None else block_mask.transposed,
-            docs=cfg.doc_offsets and takes_offsets(block_mask))
+            docs=_takes_first_keys(cfg, block_mask))
     else:
         launch_plan = module.LaunchPlan(ready[0], ready[1], causal_mode=causal_mode,
                                         scale=softmax_scale, config=cfg.to_dict())
     return GluonBackwardPlan(launch_plan, kernel._gluon_bwd_preprocess_kernel,
                              warp_specialized=cfg.warp_specialize, copy_inputs=copy_inputs,
                              copy_o=o.stride(-1) != 1)
+
+
+def _takes_first_keys(cfg: GluonBwdConfig, block_mask: BlockMask | None) -> bool:
+    """Whether the call's partial blocks go by the rows' first keys (``bwd_docs``): the
+    config's doc_offsets for a mask of causal documents, its window_offsets for a causal
+    sliding window."""
+    return ((cfg.doc_offsets and takes_offsets(block_mask))
+            or (cfg.window_offsets and causal_window(block_mask) is not None))
 
 
 TEMPLATE = GluonBwdTemplate()

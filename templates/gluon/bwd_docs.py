@@ -1,10 +1,13 @@
-"""The Gluon backward's view of a mask of causal packed documents (``gluon_bwd``'s
-``doc_offsets``): per query row, the first key of its document, so that a partial block's
-visibility is computed (key j visible to query i iff first[i] <= j <= i) instead of read
-from its uint8 tile, a byte per (key, query) loaded every step.
+"""The Gluon backward's view of a mask whose rows each see one causal range of keys: per
+query row, its first visible key, so that a partial block's visibility is computed (key j
+visible to query i iff first[i] <= j <= i) instead of read from its uint8 tile, a byte per
+(key, query) loaded every step.
 
-Only self-attention documents qualify (``BlockMask.documents`` causal, queries and keys at the
-same offsets): that rule is then the whole mask. Any other mask keeps its tiles.
+Two kinds of mask are that rule exactly: causal packed documents (``gluon_bwd``'s
+``doc_offsets``; ``BlockMask.documents`` causal, queries and keys at the same offsets: first[i]
+is the row's document start) and the causal sliding window ``sliding_causal:<w>`` over queries
+and keys alike (``window_offsets``; ``BlockMask.pattern``: first[i] = max(0, i - w + 1)).
+Any other mask keeps its tiles.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Any
 import torch
 
 from templates.compile.plan_cache import PlanCache
+from templates.masks.patterns import parse_pattern
 
-__all__ = ["PAST_EVERY_KEY", "row_first_keys", "takes_offsets"]
+__all__ = ["PAST_EVERY_KEY", "causal_window", "row_first_keys", "takes_offsets"]
 
 # A padded row's "first key": past every key, so it sees none (its gradients add nothing).
 PAST_EVERY_KEY = 2**30
@@ -29,25 +33,42 @@ def takes_offsets(block_mask: Any) -> bool:
     return docs is not None and docs.causal and docs.offsets_q == docs.offsets_k
 
 
+def causal_window(block_mask: Any) -> int | None:
+    """The window w where ``block_mask`` is the named pattern ``sliding_causal:<w>`` over as
+    many queries as keys (query i sees keys i - w < j <= i), None otherwise."""
+    pattern = getattr(block_mask, "pattern", None)
+    if pattern is None or block_mask.seqlen_q != block_mask.seqlen_kv:
+        return None
+    name, arg = parse_pattern(pattern)
+    return int(arg) if name == "sliding_causal" else None
+
+
 def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
-    """int32 (rows,) on the mask's device: each query row's document's first key, rows past
-    the mask's queries ``PAST_EVERY_KEY``. Kept per documents, length and device (a training
-    step passes one mask to every layer's backward). Made from the offsets on the host and
-    copied to the device: a CUDA graph's capture must find it made by an eager call first."""
-    if not takes_offsets(block_mask):
+    """int32 (rows,) on the mask's device: each query row's first visible key (its
+    document's start, or for a causal window max(0, i - w + 1)), rows past the mask's queries
+    ``PAST_EVERY_KEY``. Kept per documents (or window), length and device (a training step
+    passes one mask to every layer's backward). Made on the host and copied to the device: a
+    CUDA graph's capture must find it made by an eager call first."""
+    window = None if takes_offsets(block_mask) else causal_window(block_mask)
+    if window is None and not takes_offsets(block_mask):
         raise ValueError("row_first_keys needs a mask of causal self-attention documents "
-                         "(BlockMask.documents with equal query and key offsets)")
-    offsets = block_mask.documents.offsets_q
+                         "(BlockMask.documents with equal query and key offsets) or the "
+                         "pattern sliding_causal:<w> over as many queries as keys")
     device = torch.device(block_mask.device)
-    key = (offsets, rows, device)
+    key = (("window", window, block_mask.seqlen_q) if window is not None
+           else block_mask.documents.offsets_q, rows, device)
     found = _FIRST_KEYS.get(key)
     if found is not None:
         return found
-    bounds = torch.tensor(offsets, dtype=torch.int64)
-    lengths = bounds[1:] - bounds[:-1]
     first = torch.full((rows,), PAST_EVERY_KEY, dtype=torch.int32)
-    n = int(bounds[-1])
-    first[:n] = torch.repeat_interleave(bounds[:-1], lengths).to(torch.int32)
+    if window is not None:
+        n = block_mask.seqlen_q
+        first[:n] = (torch.arange(n) - (window - 1)).clamp_(min=0).to(torch.int32)
+    else:
+        bounds = torch.tensor(block_mask.documents.offsets_q, dtype=torch.int64)
+        lengths = bounds[1:] - bounds[:-1]
+        n = int(bounds[-1])
+        first[:n] = torch.repeat_interleave(bounds[:-1], lengths).to(torch.int32)
     first = first.to(device)
     _FIRST_KEYS.put(key, first)
     return first

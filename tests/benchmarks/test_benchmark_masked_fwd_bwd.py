@@ -219,3 +219,21 @@ def test_rows_are_chosen_by_head_dim_length_and_pattern_prefix(bench: ModuleType
     both = bench.selected_rows(specs, "128:4096:random, 64:16384:sliding")
     assert both == [(128, 4096, "random:0.1"), (64, 16384, "sliding-causal:1024")]
     assert bench.selected_rows(specs, "256:16384") == []
+
+
+def test_the_masks_carry_what_callers_masks_carry(bench: ModuleType) -> None:
+    """The sliding rows' masks are the named pattern they claim (the same pairs), and the
+    document rows' masks carry the documents their rule packs."""
+    from templates.gluon.bwd_docs import causal_window, row_first_keys, takes_offsets
+    from templates.masks.mods import pattern_block_mask
+
+    sliding = bench.prepare(bench.SMOKE, 32, 128, "sliding-causal:40")
+    assert causal_window(sliding.block_mask) == 41
+    named = pattern_block_mask("sliding_causal:41", 128, 128, block_size=32)
+    assert torch.equal(named.to_dense()[0, 0], sliding.dense)
+    docs = bench.prepare(bench.SMOKE, 32, 128, "document-causal:48")
+    assert takes_offsets(docs.block_mask)
+    first = row_first_keys(docs.block_mask, 128).long()
+    i, j = torch.arange(128)[:, None], torch.arange(128)[None, :]
+    assert torch.equal((j >= first[:, None]) & (j <= i), docs.dense)
+    assert bench.callers_view("random:0.1", 128) == {}

@@ -42,3 +42,17 @@ def import_standalone(source: str, path: Path) -> ModuleType:
 
 def is_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def check_bwd_like(template: Any, inputs: dict[str, Any], problem: Any, config: Any,
+                   twin: Any) -> None:
+    """gluon_bwd's ``config`` on ``inputs``: no NaN (with DEBUG_POISON, unwritten dK/dV read
+    NaN), within the tolerance of the reference, and dK and dV bit for bit those of ``twin``,
+    a config whose kernel sums each key row in the same order (dq's atomics come in any)."""
+    ref = template.reference(inputs)
+    twin_out = template.run(inputs, twin)
+    out = template.run(inputs, config)
+    for grad in out:
+        assert not torch.isnan(grad).any()
+    assert template.error(out, ref) <= template.tolerance(problem)
+    assert torch.equal(out[1], twin_out[1]) and torch.equal(out[2], twin_out[2])

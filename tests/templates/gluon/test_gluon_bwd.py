@@ -100,7 +100,7 @@ def test_config_round_trip_and_grid() -> None:
     assert GluonBwdConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="stages"):
         GluonBwdConfig(stages=1)  # spilled at d128: not in the space
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False

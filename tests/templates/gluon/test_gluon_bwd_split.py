@@ -136,8 +136,10 @@ def test_it_compiles_for_the_h100_without_serialized_gemms() -> None:
                          (DOCS, dataclasses.replace(SPLIT, doc_offsets=True)),
                          (DENSE, PERSISTENT), (CAUSAL, PERSISTENT), (SLIDING, PERSISTENT),
                          (DOCS, dataclasses.replace(PERSISTENT, doc_offsets=True)),
-                         # longest_first: the tiles' order read, both grids
-                         (SLIDING, dataclasses.replace(SPLIT, longest_first=True)),
+                         # longest_first: the tiles' order read, both grids; a causal
+                         # window by its rows' first keys (doc_offsets' path)
+                         (SLIDING, dataclasses.replace(SPLIT, longest_first=True,
+                                                       window_offsets=True)),
                          (DOCS, dataclasses.replace(PERSISTENT, doc_offsets=True,
                                                     longest_first=True)))]
     for out in compile_reports("templates.gluon.bwd", jobs):

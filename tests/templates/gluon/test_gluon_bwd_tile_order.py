@@ -19,7 +19,7 @@ from templates.gluon import bwd_tile_order
 from templates.gluon.bwd import GLUON_MISSING, TEMPLATE, GluonBwdConfig, split_kernel
 from templates.gluon.fwd import StandinBlockMask
 from templates.masks.block_mask import BlockMask
-from tests.templates.gluon.gluon_checks import compile_reports
+from tests.templates.gluon.gluon_checks import check_bwd_like, compile_reports, is_hopper
 
 H100 = TARGETS["h100"]
 pytestmark = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -192,8 +192,6 @@ def test_the_order_changes_no_gradient(case: tuple[object, ...], split: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Right against the reference, and dK/dV bitwise those of the tile order (each tile's
     sums are its own, in a fixed order; dq's atomics come in any order)."""
-    from tests.templates.gluon.gluon_checks import is_hopper
-
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
     from templates.gluon import bwd_kernel as gluon_bwd_kernel
@@ -204,11 +202,5 @@ def test_the_order_changes_no_gradient(case: tuple[object, ...], split: bool,
     ordered = dataclasses.replace(base, longest_first=True)
     if TEMPLATE.constraint(problem, ordered, H100):
         pytest.skip(f"{ordered.key()} does not fit {problem.key()}")
-    inputs = TEMPLATE.make_inputs(problem, "cuda", seed=9)
-    ref = TEMPLATE.reference(inputs)
-    out = TEMPLATE.run(inputs, ordered)
-    natural = TEMPLATE.run(inputs, base)
-    for grad in out:
-        assert not torch.isnan(grad).any()
-    assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
-    assert torch.equal(out[1], natural[1]) and torch.equal(out[2], natural[2])
+    check_bwd_like(TEMPLATE, TEMPLATE.make_inputs(problem, "cuda", seed=9), problem, ordered,
+                   base)
