@@ -192,9 +192,11 @@ class GluonBwdConfig(KernelConfig):
         "the backward alone gains more): packed documents 1.024-1.043x the speed in tile "
         "order, random blocks 1.005-1.030x at 16k, sliding windows (equal walks) "
         "0.984-1.008x; d128's default under block masks. With persistent 0.78-0.95x at d128 "
-        "(not traced; a suspect: a short walk's K/V load waits for its Q/dO loads, and the "
-        "order puts the short walks together), 1.01-1.03x at d64. The one-partition kernel "
-        "(d64's default under masks) takes it too: not yet measured.")
+        "and 1.01-1.03x at d64 when the rounds walked the order in head groups (a static "
+        "snake through a saw-tooth: a model of the runs' masks puts the busiest program at "
+        "1.65x the mean on documents); the persistent grid now orders all rows as one group "
+        "(the model: 1.03x), not yet measured. The one-partition kernel (d64's default under "
+        "masks) takes it too: not yet measured.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:

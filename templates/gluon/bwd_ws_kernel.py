@@ -998,7 +998,7 @@ class WsLaunchPlan(LaunchPlan):
             self.options["DEBUG"] = debug
         self.tile_order: TileOrder | None = None
         if config.get("longest_first"):
-            self._plan_tile_order(q, k, kv_major_mask)
+            self._plan_tile_order(q, k, kv_major_mask, bool(config.get("persistent")))
 
     def _plan_mask_walk(self, kv_major_mask: Any, causal_mode: str, block_m: int,
                         block_n: int) -> None:
@@ -1021,7 +1021,7 @@ class WsLaunchPlan(LaunchPlan):
         self.scalars[7] = self.rows_pad // block_m  # n_q_tiles: the kernel's N_Q_PAD / BLOCK_M
         self.mask_args = list(kv_major_mask.kernel_args())
 
-    def _plan_tile_order(self, q: Any, k: Any, kv_major_mask: Any) -> None:
+    def _plan_tile_order(self, q: Any, k: Any, kv_major_mask: Any, persistent: bool) -> None:
         """(longest_first) The tiles' order from each call's mask (``TileOrder``, kept with
         the mask), read by the kernel's partitions at their program id."""
         if kv_major_mask is None:
@@ -1032,13 +1032,19 @@ class WsLaunchPlan(LaunchPlan):
         heads_kv = k.shape[1]
         group = heads_q // heads_kv
         n_kv_tiles = self.scalars[6]
+        rows = batch * heads_kv
+        # A launch's programs take the order dynamically, so head groups that keep Q/dO in
+        # L2 cost no balance; a persistent grid's static rounds snake through it, which
+        # balances a descending list, not the saw-tooth of many head groups (a model of the
+        # d128 16k documents row, 2 rows a group: the busiest program 1.65x the mean, against
+        # 1.03x for one group and 1.02x for the launch's dynamic order, matching the measured
+        # 0.78x; notes/gluon_notes.md): one group there.
+        rows_per_group = rows if persistent else persistent_head_group(
+            rows, n_kv_tiles, self.sm_count, 2 * seqlen_q * head_dim * q.dtype.itemsize * group)
         self.tile_order = TileOrder(
             batch=batch, heads_q=heads_q, heads_kv=heads_kv, n_kv_tiles=n_kv_tiles,
             block_n=self.options["BLOCK_N"], mask_block_kv=kv_major_mask.block_size[0],
-            strides=tuple(self.mask_args[6:8]),
-            rows_per_group=persistent_head_group(
-                batch * heads_kv, n_kv_tiles, self.sm_count,
-                2 * seqlen_q * head_dim * q.dtype.itemsize * group))
+            strides=tuple(self.mask_args[6:8]), rows_per_group=rows_per_group)
         self.options.update(TILE_ORDER=True)
 
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,

@@ -204,3 +204,19 @@ def test_the_order_changes_no_gradient(case: tuple[object, ...], split: bool,
         pytest.skip(f"{ordered.key()} does not fit {problem.key()}")
     check_bwd_like(TEMPLATE, TEMPLATE.make_inputs(problem, "cuda", seed=9), problem, ordered,
                    base)
+
+
+def test_a_persistent_grid_orders_all_rows_as_one_group() -> None:
+    """Its static rounds balance one descending list; a launch's dynamic order keeps the
+    head groups that hold Q and dO in L2."""
+    q = StandinTensor(torch.bfloat16, [1, 32, 16384, 128])
+    k = StandinTensor(torch.bfloat16, [1, 16, 16384, 128])
+    groups = {}
+    for persistent in (False, True):
+        plan = split_kernel.SplitLaunchPlan(
+            q, k, causal_mode="none", scale=0.1,
+            config=dataclasses.replace(ORDERED, persistent=persistent).to_dict(),
+            kv_major_mask=StandinBlockMask(16384, 16384), sm_count=132)
+        groups[persistent] = plan.tile_order.rows_per_group
+    # (A row's Q and dO, its two query heads', are 16 MiB: the L2 budget holds one row.)
+    assert groups == {False: 1, True: 16}
