@@ -180,7 +180,8 @@ class GluonBwdConfig(KernelConfig):
         "sliding_causal:<w>, as tuner.hf builds for sliding-window layers), each partial "
         "block's visibility is computed from its query rows' first visible keys (max(0, i - "
         "w + 1), one int32 per row) instead of read from its uint8 tile: doc_offsets' path. "
-        "Other masks keep their tiles. Not yet measured on a GPU: off by default.")
+        "Other masks keep their tiles. Not yet measured on a GPU: off by default, and the "
+        "first alternative a sweep of a sliding_causal problem measures.")
     longest_first: bool = knob(
         False, (False, True),
         "With warp_specialize and a block mask, the KV tiles run in order of decreasing "
@@ -377,10 +378,14 @@ class GluonBwdTemplate(GluonTemplate):
     def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
         """The alternatives to the default a sweep measures first: the warp-specialized
         kernel's second dQ tile where it fits (d64), the kernel without warp specialization,
-        at d64 its larger query step; and for causal packed documents the default by its
-        tiles (without ``doc_offsets``)."""
-        return [c for c in _candidates(problem)[1:]
-                if self.constraint(problem, c, device) is None]
+        at d64 its larger query step; for causal packed documents the default by its tiles
+        (without ``doc_offsets``); for a causal sliding window the default with
+        ``window_offsets`` first (not measured yet: every sweep of a window measures it)."""
+        candidates = _candidates(problem)
+        alternatives = candidates[1:]
+        if _causal_window(problem):
+            alternatives.insert(0, dataclasses.replace(candidates[0], window_offsets=True))
+        return [c for c in alternatives if self.constraint(problem, c, device) is None]
 
     # -- running and checking -----------------------------------------------------------------
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:

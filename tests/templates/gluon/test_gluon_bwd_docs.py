@@ -150,9 +150,11 @@ def test_window_offsets_is_offered_on_causal_windows_only() -> None:
     assert TEMPLATE.run_constraint(call, cfg, H100, (128, 128)) is None
     reason = TEMPLATE.run_constraint(call, cfg, H100, None)
     assert reason is not None and "window_offsets" in reason, reason
-    # Not measured yet: no default takes it.
+    # Not measured yet: no default takes it; a sweep of a window measures it first.
     assert not TEMPLATE.default_config(sliding, H100).window_offsets
     assert not TEMPLATE.run_default(call, H100, (128, 128)).window_offsets
+    assert TEMPLATE.known_good_configs(sliding, H100)[0] == cfg
+    assert not any(c.window_offsets for c in TEMPLATE.known_good_configs(docs, H100))
 
 
 def test_a_plan_for_a_window_is_kept_apart() -> None:
