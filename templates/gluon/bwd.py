@@ -380,9 +380,12 @@ class GluonBwdTemplate(GluonTemplate):
         kernel's second dQ tile where it fits (d64), the kernel without warp specialization,
         at d64 its larger query step; for causal packed documents the default by its tiles
         (without ``doc_offsets``); for a causal sliding window the default with
-        ``window_offsets`` first (not measured yet: every sweep of a window measures it)."""
+        ``window_offsets`` first, and under a block mask the default on the persistent grid
+        (neither measured yet: every sweep of such a problem measures them)."""
         candidates = _candidates(problem)
         alternatives = candidates[1:]
+        if problem.mask != "none" and candidates[0].split_warpgroups:
+            alternatives.insert(0, dataclasses.replace(candidates[0], persistent=True))
         if _causal_window(problem):
             alternatives.insert(0, dataclasses.replace(candidates[0], window_offsets=True))
         return [c for c in alternatives if self.constraint(problem, c, device) is None]

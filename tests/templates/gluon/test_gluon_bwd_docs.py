@@ -229,7 +229,7 @@ def test_window_offsets_match_the_reference_and_the_tiles(case: tuple[Any, ...],
 def test_a_sweep_of_documents_measures_the_tiles_too() -> None:
     docs = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048")
     sliding = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
-    first = TEMPLATE.known_good_configs(docs, H100)[0]
-    assert first == dataclasses.replace(TEMPLATE.default_config(docs, H100), doc_offsets=False)
+    tiles = dataclasses.replace(TEMPLATE.default_config(docs, H100), doc_offsets=False)
+    assert tiles in TEMPLATE.known_good_configs(docs, H100)
     assert not TEMPLATE.default_config(sliding, H100).doc_offsets
     assert not any(c.doc_offsets for c in TEMPLATE.known_good_configs(sliding, H100))
