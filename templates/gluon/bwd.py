@@ -185,9 +185,10 @@ class GluonBwdConfig(KernelConfig):
     longest_first: bool = knob(
         False, (False, True),
         "With warp_specialize and a block mask, the KV tiles run in order of decreasing "
-        "walk (the query blocks the mask lists for each, per call, on the GPU), within head "
-        "groups whose Q and dO fit in L2: the grid's launch order, or with persistent the "
-        "order its rounds snake through. In tile order a document's first tiles, which walk "
+        "walk (the query blocks the mask lists for each, worked out on the GPU once per "
+        "mask): the grid's launch order, within head groups whose Q and dO fit in L2, or "
+        "with persistent the one order its rounds snake through. In tile order a document's "
+        "first tiles, which walk "
         "all of it, start wherever they fall, and the last long walks run alone at the end. "
         "Measured on the H200 with split_warpgroups at d128 (forward + backward, five runs; "
         "the backward alone gains more): packed documents 1.024-1.043x the speed in tile "
