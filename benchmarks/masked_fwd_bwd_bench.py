@@ -23,15 +23,16 @@ with Gluon our Gluon forward (``gluon_attention_fwd(q, k, v, block_mask=...)``, 
 template's default config; ``gluon``: inference, no graph) and our Gluon kernels both ways
 (``gluon-train``: that forward, then the warp-specialized Gluon backward walking the same
 mask, ``gluon_attention_bwd(..., block_mask=...)``, its default config: gluon_train's
-pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's; ``gluon-split``: gluon-train with the
-backward's ``split_warpgroups`` knob, ``SPLIT_BWD``; ``gluon-split-lf``, ``gluon-pers``,
-``gluon-pers-lf``: that with ``longest_first``, ``persistent`` or both; ``gluon-ws``,
-``gluon-ws-lf``: the one-partition kernel with ``dq_early`` (d64's default under masks) without
-and with ``longest_first``; ``gluon-split-lf-win``, ``gluon-ws-win``: with ``window_offsets``;
-``SPLIT_VARIANTS``), and SDPA with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes
-the mask, else the efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring grad, the autograd
-graph built, no backward (Gluon's is an inference forward: no graph). One forward + backward
-call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
+pairing; ``flash-gluon``: the Triton forward, then that backward: flash_gluon's;
+``gluon-split``: gluon-train with the backward's ``split_warpgroups`` knob, ``SPLIT_BWD``;
+``gluon-split-lf``, ``gluon-pers``, ``gluon-pers-lf``: that with ``longest_first``,
+``persistent`` or both; ``gluon-ws``, ``gluon-ws-lf``: the one-partition kernel with
+``dq_early`` (d64's default under masks) without and with ``longest_first``;
+``gluon-split-lf-win``, ``gluon-ws-win``: with ``window_offsets``; ``BWD_VARIANTS``), and SDPA
+with the mask as a dense bool ``attn_mask``: the cuDNN backend if it takes the mask, else the
+efficient one (FA2 takes no mask). A forward is timed as training runs it: inputs requiring
+grad, the autograd graph built, no backward (Gluon's is an inference forward: no graph). One
+forward + backward call is ``o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)``.
 
 FLOPs count only the visible work. Forward = 4 * B * H * D * P, where P is the number of
 visible (query, key) pairs of the mask (counted exactly from the dense mask) and 4 = two
@@ -377,7 +378,7 @@ SPLIT_BWD = {"BLOCK_M": 64, "BLOCK_N": 128, "stages": 3, "consumers": 2,
 # The one-partition kernel as d64's default runs it under masks (dq_early).
 ONE_PARTITION_BWD = {**SPLIT_BWD, "split_warpgroups": False, "dq_early": True}
 # gluon-train with these backward configs (the kernels' grids and tile orders).
-SPLIT_VARIANTS = {
+BWD_VARIANTS = {
     "gluon-split": SPLIT_BWD,
     "gluon-split-lf": {**SPLIT_BWD, "longest_first": True},
     "gluon-pers": {**SPLIT_BWD, "persistent": True},
@@ -391,7 +392,7 @@ SPLIT_VARIANTS = {
 }
 
 
-def gluon_split(block_mask: BlockMask, bwd_config: dict[str, Any] = SPLIT_BWD) -> Attention:
+def gluon_train_with(block_mask: BlockMask, bwd_config: dict[str, Any] = SPLIT_BWD) -> Attention:
     """gluon-train with the backward's config ``bwd_config`` (default SPLIT_BWD)."""
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _ThenGluonBackward.apply(  # type: ignore[no-any-return]
@@ -463,8 +464,8 @@ def implementations(setup: Setup, case: Case) -> list[tuple[str, Callable[[], At
         built.append(("gluon", partial(gluon, case.block_mask)))
         built.append(("gluon-train", partial(gluon_train, case.block_mask)))
         built.append(("flash-gluon", partial(flash_gluon, case.block_mask)))
-        built += [(name, partial(gluon_split, case.block_mask, cfg))
-                  for name, cfg in SPLIT_VARIANTS.items()]
+        built += [(name, partial(gluon_train_with, case.block_mask, cfg))
+                  for name, cfg in BWD_VARIANTS.items()]
     if setup.baselines:
         from torch.nn.attention import SDPBackend
 

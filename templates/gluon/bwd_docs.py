@@ -49,8 +49,9 @@ def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
     ``PAST_EVERY_KEY``. Kept per documents (or window), length and device (a training step
     passes one mask to every layer's backward). Made on the host and copied to the device: a
     CUDA graph's capture must find it made by an eager call first."""
-    window = None if takes_offsets(block_mask) else causal_window(block_mask)
-    if window is None and not takes_offsets(block_mask):
+    documents = takes_offsets(block_mask)
+    window = None if documents else causal_window(block_mask)
+    if not documents and window is None:
         raise ValueError("row_first_keys needs a mask of causal self-attention documents "
                          "(BlockMask.documents with equal query and key offsets) or the "
                          "pattern sliding_causal:<w> over as many queries as keys")

@@ -436,8 +436,8 @@ class SplitLaunchPlan(WsLaunchPlan):
     ``persistent``, a grid of min(tiles, ``sm_count``) programs (q's GPU's multiprocessors
     by default) walking the tiles ``persistent_tile`` gives them: without a block mask by
     the host's schedule (``_host_schedule``), with one in rounds. With ``longest_first``
-    (block masks only) the tiles go in the order ``longest_first_order`` gives each call's
-    mask: the grid's launch order, or the persistent grid's rounds."""
+    (block masks only) the tiles go in the order ``bwd_tile_order.TileOrder`` gives each
+    call's mask: the grid's launch order, or the persistent grid's rounds."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Any, kv_major_mask: Any = None, docs: bool = False,

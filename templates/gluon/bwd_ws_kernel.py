@@ -938,9 +938,10 @@ class WsLaunchPlan(LaunchPlan):
     ``kv_major_mask``: for a block-masked backward, the mask's KV-major lists
     (``BlockMask.transposed``: per KV block, the query blocks that see it; anything with
     its ``block_size`` (KV, query) and ``kernel_args()``), None for a dense or causal one.
-    ``docs``: the mask is causal self-attention documents and the config's ``doc_offsets``
-    asks for them: each launch then passes the rows' document starts (``bwd_docs``) where
-    the partial tiles go (``main_args``' ``doc_first``)."""
+    ``docs``: the mask is causal self-attention documents or a causal window and the
+    config's ``doc_offsets`` or ``window_offsets`` asks for it: each launch then passes the
+    rows' first visible keys (``bwd_docs``) where the partial tiles go (``main_args``'
+    ``doc_first``)."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, Any], kv_major_mask: Any = None,

@@ -157,18 +157,18 @@ def test_gluon_where_it_runs_is_checked_and_timed_both_ways(
         ("ours", "fwd", "timed"), ("ours", "fwd+bwd", "timed"), ("gluon", "fwd", "timed"),
         ("gluon-train", "fwd", "timed"), ("gluon-train", "fwd+bwd", "timed"),
         ("flash-gluon", "fwd", "timed"), ("flash-gluon", "fwd+bwd", "timed"),
-        *[(name, step, "timed") for name in bench.SPLIT_VARIANTS
+        *[(name, step, "timed") for name in bench.BWD_VARIANTS
           for step in ("fwd", "fwd+bwd")]]
     # Checked once each, then timed; every call under the row's mask; no graph in a forward
     # (flash-gluon's forward is the Triton one: not among the Gluon forwards); the split
     # variants' backwards with their configs, the others with the default.
-    assert len(forwards) == 3 + 2 * len(bench.SPLIT_VARIANTS)
+    assert len(forwards) == 3 + 2 * len(bench.BWD_VARIANTS)
     assert all(m.block_size == (32, 32) and not graph for m, graph in forwards)
     assert [config for _, config in backwards] == [None, None,
-                                                   *bench.SPLIT_VARIANTS.values()]
-    assert bench.SPLIT_BWD["split_warpgroups"] and bench.SPLIT_VARIANTS["gluon-split"] is \
+                                                   *bench.BWD_VARIANTS.values()]
+    assert bench.SPLIT_BWD["split_warpgroups"] and bench.BWD_VARIANTS["gluon-split"] is \
         bench.SPLIT_BWD
-    assert bench.SPLIT_VARIANTS["gluon-pers-lf"]["longest_first"]
+    assert bench.BWD_VARIANTS["gluon-pers-lf"]["longest_first"]
     assert list(row.results[4].errors) == ["o", "dq", "dk", "dv"]
     assert list(row.results[6].errors) == ["o", "dq", "dk", "dv"]
     bench.print_tables([row])
