@@ -161,7 +161,8 @@ def flex_document(offsets: list[int], device: str) -> Callable[..., torch.Tensor
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
         o = flex(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=block_mask,
                  enable_gqa=q.shape[1] != k.shape[1])
-        return o[0].transpose(0, 1)  # type: ignore[no-any-return]
+        # (squeeze, not o[0]: a select's gradient is a zeroed copy, a squeeze's a view)
+        return o.squeeze(0).transpose(0, 1)  # type: ignore[no-any-return]
 
     return call
 

@@ -57,8 +57,10 @@ def tuner_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # packed offsets then take the block-mask path (varlen attention takes no cap).
     softcap = kwargs.get("softcap")
     if _packed_offsets(query, key, kwargs) and dropout == 0.0 and not softcap:
-        out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
-                               value[0].transpose(0, 1), kwargs["cu_seq_lens_q"],
+        # squeeze, not [0]: the gradient of a select is a zeroed input-sized tensor and a
+        # copy into it, of a squeeze a view.
+        out = varlen_attention(query.squeeze(0).transpose(0, 1), key.squeeze(0).transpose(0, 1),
+                               value.squeeze(0).transpose(0, 1), kwargs["cu_seq_lens_q"],
                                kwargs["cu_seq_lens_k"], int(kwargs["max_length_q"]),
                                int(kwargs["max_length_k"]),
                                causal=bool(getattr(module, "is_causal", True)

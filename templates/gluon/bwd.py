@@ -173,7 +173,9 @@ class GluonBwdConfig(KernelConfig):
         "dV leave by TMA through the dS^T and dQ staging tiles. Measured on the H200 at d128: "
         "causal 1.01-1.11x at 4k, 0.99-1.01x at 16k; dense 1.02-1.03x on walks of 256 steps, "
         "0.94-0.97x on 64-128; under block masks 0.90-1.00x. d128's default on causal walks "
-        "and dense ones of 256 steps or more, without a block mask.")
+        "and dense ones of 256 steps or more, without a block mask, and with longest_first "
+        "on causal sliding windows (forward + backward 1.005-1.015x; documents and random "
+        "blocks 0.89-0.92x).")
     window_offsets: bool = knob(
         False, (False, True),
         "With a causal sliding-window mask over as many queries as keys (the named pattern "
@@ -196,9 +198,10 @@ class GluonBwdConfig(KernelConfig):
         "0.984-1.008x; d128's default under block masks. With persistent 0.78-0.95x at d128 "
         "and 1.01-1.03x at d64 when the rounds walked the order in head groups (a static "
         "snake through a saw-tooth: a model of the runs' masks puts the busiest program at "
-        "1.65x the mean on documents); the persistent grid now orders all rows as one group "
-        "(the model: 1.03x), not yet measured. The one-partition kernel (d64's default under "
-        "masks) takes it too: not yet measured.")
+        "1.65x the mean on documents); ordering all rows as one group (the model: 1.03x) "
+        "measured 0.89-0.92x on documents and random blocks, 1.005-1.015x on sliding windows "
+        "(persistent + longest_first: their default). The one-partition kernel (d64's default "
+        "under masks): 0.99-1.01x.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -386,7 +389,8 @@ class GluonBwdTemplate(GluonTemplate):
         candidates = _candidates(problem)
         alternatives = candidates[1:]
         if problem.mask != "none" and candidates[0].split_warpgroups:
-            alternatives.insert(0, dataclasses.replace(candidates[0], persistent=True))
+            alternatives.insert(0, dataclasses.replace(candidates[0],
+                                                       persistent=not candidates[0].persistent))
         if _causal_window(problem):
             alternatives.insert(0, dataclasses.replace(candidates[0], window_offsets=True))
         return [c for c in alternatives if self.constraint(problem, c, device) is None]
@@ -433,7 +437,8 @@ class GluonBwdTemplate(GluonTemplate):
         rows = StandinTensor(torch.float32, list(plan.rows_shape))
         lse = StandinTensor(torch.float32, q_shape[:3])
         pre_args = plan.preprocess_args(StandinTensor(dtype, q_shape),
-                                        StandinTensor(dtype, q_shape), lse, rows, rows)
+                                        StandinTensor(dtype, q_shape), lse, rows, rows,
+                                        StandinTensor(torch.float32, q_shape))
         main_args = plan.main_args(q, k, StandinTensor(dtype, kv_shape),
                                    StandinTensor(dtype, q_shape), StandinTensor(dtype, kv_shape),
                                    StandinTensor(dtype, kv_shape),
@@ -530,6 +535,13 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
             # documents, 1.005-1.030x on random blocks (16k), 0.984-1.008x on sliding
             # windows (H200, five runs, masked_fwd_bwd_h200_longest_first*.json).
             out.insert(0, dataclasses.replace(split, longest_first=True))
+            if _causal_window(problem):
+                # On the persistent grid (all rows one order): on sliding windows' equal walks
+                # the next tile's loads under the last one's end pay, forward + backward
+                # 1.005-1.015x at 16k, 1.009x at 4k, the backward kernel 1.03x (H200, three
+                # runs, masked_fwd_bwd_h200_variants*.json); on documents and random blocks it
+                # loses (0.89-0.92x: the launch order balances unequal walks better).
+                out.insert(0, dataclasses.replace(split, longest_first=True, persistent=True))
     if _causal_documents(problem):  # doc_offsets: 1.03-1.04x on 16k packed rows (H200)
         out.insert(0, dataclasses.replace(out[0], doc_offsets=True))
     return out

@@ -101,15 +101,18 @@ DEBUG = 0
 # ----------------------------------------------------------------------------- preprocess
 @triton.jit(do_not_specialize=["N_Q", "H_Q", "n_q_tiles"])
 def _gluon_bwd_preprocess_kernel(
-    O, DO, LSE, DELTA, LSE2,  # noqa: E741 - kernel pointers are UPPER_CASE
+    O, DO, LSE, DELTA, LSE2, DQ,  # noqa: E741 - kernel pointers are UPPER_CASE
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm, N_Q, N_Q_PAD, H_Q, n_q_tiles,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr = False,
+    DQ_DIM: tl.constexpr = 0,
 ):
     """delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf where lse = -inf), both
     (B, H_q, N_q_pad) contiguous fp32, rows padded to a whole number of the main kernel's
     query tiles with lse2 = +inf, delta = 0 (their P is then 0); o and do have a unit last
-    stride."""
+    stride. With ZERO_DQ also the fp32 dQ accumulator's rows (DQ: (B, H_q, N_q, DQ_DIM)
+    contiguous) set to 0, which the main kernel then adds into: one pass over the rows
+    instead of a fill kernel of its own (a fixed cost that short masked walks feel)."""
     pid = tl.program_id(0)
     tile = pid % n_q_tiles
     bh = pid // n_q_tiles
@@ -130,6 +133,46 @@ def _gluon_bwd_preprocess_kernel(
     out = bh.to(tl.int64) * N_Q_PAD + rows
     tl.store(DELTA + out, delta, mask=rows < N_Q_PAD)
     tl.store(LSE2 + out, lse2, mask=rows < N_Q_PAD)
+    if ZERO_DQ:
+        dq_cols = tl.arange(0, DQ_DIM)
+        dq = DQ + (bh.to(tl.int64) * N_Q + rows[:, None]) * DQ_DIM + dq_cols[None, :]
+        tl.store(dq, tl.zeros((BLOCK_M, DQ_DIM), dtype=tl.float32), mask=row_ok[:, None])
+
+
+# dq from the row-major fp32 accumulator, one tile of rows a program, written in the layout
+# of the tensor it is handed: q's own (``torch.empty_like(q)``), so a packed (B, L, H, D) q
+# viewed as (B, H, L, D), as transformers and tuner.varlen_attention pass it, gets its
+# gradient without another copy (H200 varlen, 16k tokens: a contiguous cast, then autograd's
+# strided copy into q's layout, 0.09 + 0.13 ms).
+DQ_CAST_ROWS = 64
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_COLS", "H_Q"])
+def _dq_cast_kernel(ACC, DQ, N_Q, N_COLS, H_Q, stride_b, stride_h, stride_m,
+                    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """DQ[b, h, rows, :] (its strides; unit last) = ACC's rows, (B H_q, N_q, D) contiguous
+    fp32, in DQ's dtype. N_COLS: unused (the D-major cast's signature)."""
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < N_Q
+    acc = tl.load(ACC + (bh * N_Q + rows[:, None]) * HEAD_DIM + dims[None, :], mask=ok)
+    out = DQ + (bh // H_Q) * stride_b + (bh % H_Q) * stride_h
+    tl.store(out + rows[:, None].to(tl.int64) * stride_m + dims[None, :],
+             acc.to(DQ.dtype.element_ty), mask=ok)
+
+
+def dq_cast_launch(seqlen_q: int, batch_heads: int, head_dim: int
+                   ) -> tuple[tuple[int, int], dict[str, int]]:
+    """(grid, options) of a dq cast (``_dq_cast_kernel``, bwd_ws_kernel's D-major one) for
+    ``batch_heads`` heads of ``seqlen_q`` rows."""
+    return ((triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch_heads),
+            dict(HEAD_DIM=head_dim, ROWS=DQ_CAST_ROWS, num_warps=4))
+
+
+def dq_cast_args(dq_accum: Any, dq: Any, seqlen_q: int, columns: int) -> list[Any]:
+    """A dq cast's arguments: the accumulator, dq (any layout, unit last stride), lengths."""
+    return [dq_accum, dq, seqlen_q, columns, dq.shape[1], *dq.stride()[:3]]
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -456,6 +499,11 @@ class LaunchPlan:
         self.pre_grid = (self.pre_tiles * batch * heads_q,)
         self.rows_shape = (batch, heads_q, self.rows_pad)
         self.seqlen_q = seqlen_q
+        # The dq cast (``dq_cast_kernel``): the accumulator's row length (N_q here; padded
+        # where it is D-major), grid and options.
+        self.dq_columns = seqlen_q
+        self.dq_cast_grid, self.dq_cast_options = dq_cast_launch(seqlen_q, batch * heads_q,
+                                                                 head_dim)
         self.scalars = [seqlen_q, seqlen_kv, offset, heads_q, heads_kv, heads_q // heads_kv,
                         n_kv_tiles, n_q_tiles, scale * LOG2_E, scale]
         self.q_block = [1, 1, block_m, head_dim]
@@ -474,12 +522,22 @@ class LaunchPlan:
             self.options["DEBUG"] = debug
         self.head_dim = head_dim
 
-    def preprocess_args(self, o: Any, do: Any, lse: Any, delta: Any, lse2: Any) -> list[Any]:
-        return [o, do, lse, delta, lse2, *o.stride()[:3], *do.stride()[:3], *lse.stride(),
-                self.seqlen_q, self.rows_pad, self.rows_shape[1], self.pre_tiles]
+    # Whether the preprocess zeroes dq_accum (then made empty, not zeros): the row-major
+    # accumulator's rows are the preprocess's own; a plan whose accumulator is laid out
+    # otherwise (``WsLaunchPlan`` with dq_transposed) says False.
+    zero_dq_in_preprocess = True
+
+    def preprocess_args(self, o: Any, do: Any, lse: Any, delta: Any, lse2: Any,
+                        dq_accum: Any) -> list[Any]:
+        return [o, do, lse, delta, lse2, dq_accum, *o.stride()[:3], *do.stride()[:3],
+                *lse.stride(), self.seqlen_q, self.rows_pad, self.rows_shape[1],
+                self.pre_tiles]
 
     def preprocess_options(self) -> dict[str, Any]:
-        return dict(HEAD_DIM=self.head_dim, BLOCK_M=PREPROCESS_ROWS, num_warps=4)
+        options = dict(HEAD_DIM=self.head_dim, BLOCK_M=PREPROCESS_ROWS, num_warps=4)
+        if self.zero_dq_in_preprocess:
+            options.update(ZERO_DQ=True, DQ_DIM=self.head_dim)
+        return options
 
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,
                   lse2: Any, delta: Any) -> list[Any]:
@@ -503,14 +561,20 @@ class LaunchPlan:
         kernel's plan shares them)."""
         delta = q.new_empty(self.rows_shape, dtype=torch.float32)
         lse2 = q.new_empty(self.rows_shape, dtype=torch.float32)
-        # Every visited step adds into dq_accum: it starts at zero.
-        dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        if DEBUG_POISON:
-            dk = torch.full(k.shape, float("nan"), device=k.device, dtype=k.dtype)
-            dv = torch.full(v.shape, float("nan"), device=v.device, dtype=v.dtype)
+        # Every visited step adds into dq_accum: it starts at zero (set by the preprocess
+        # where ``zero_dq_in_preprocess``; NaN under DEBUG_POISON, so a row it missed shows).
+        if not self.zero_dq_in_preprocess:
+            dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        elif DEBUG_POISON:
+            dq_accum = torch.full(q.shape, float("nan"), device=q.device, dtype=torch.float32)
         else:
-            dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), \
-                torch.empty_like(v, memory_format=torch.contiguous_format)
+            dq_accum = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        # dK and dV in k's and v's layouts (TMA stores take any 16-byte strides): a packed
+        # (B, L, H, D) caller's gradients need no copy after.
+        if DEBUG_POISON:
+            dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        else:
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
         return delta, lse2, dq_accum, dk, dv
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -519,14 +583,28 @@ class LaunchPlan:
         delta, lse2, dq_accum, dk, dv = self.buffers(q, k, v)
         with torch.cuda.device(q.device):
             _gluon_bwd_preprocess_kernel[self.pre_grid](
-                *self.preprocess_args(o, do, lse, delta, lse2), **self.preprocess_options())
+                *self.preprocess_args(o, do, lse, delta, lse2, dq_accum),
+                **self.preprocess_options())
             self.main_kernel()[self.grid](
                 *self.main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta), **self.options)
         return self.dq_result(dq_accum, q), dk, dv
 
+    def dq_cast_kernel(self) -> Any:
+        """The kernel that makes dq from the accumulator."""
+        return _dq_cast_kernel
+
+    def dq_cast_scalars(self, dq: Any) -> list[Any]:
+        """The dq cast's arguments after its two pointers, for ``dq`` (q's layout)."""
+        return dq_cast_args(None, dq, self.seqlen_q, self.dq_columns)[2:]
+
     def dq_result(self, dq_accum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """dq in q's dtype from the fp32 accumulator the kernels added into."""
-        return dq_accum.to(q.dtype)
+        """dq in q's dtype and layout (``torch.empty_like(q)``) from the fp32 accumulator the
+        kernels added into."""
+        dq = torch.empty_like(q)
+        self.dq_cast_kernel()[self.dq_cast_grid](
+            *dq_cast_args(dq_accum, dq, self.seqlen_q, self.dq_columns),
+            **self.dq_cast_options)
+        return dq
 
     def main_kernel(self) -> Any:
         """The main kernel this plan launches (the warp-specialized plan names its own)."""

@@ -79,12 +79,11 @@ class GluonBackwardPlan:
                              plan._rows_descriptor, plan._rows_descriptor]
         if warp_specialized:
             makers.append(plan._dq_descriptor)
-        # (dq_transposed) dq made from the D-major accumulator by its own launch.
-        self.dq_cast: DirectLaunch | None = None
-        if getattr(plan, "dq_transposed", False):
-            cast = plan.dq_cast_kernel()
-            self.dq_cast = DirectLaunch(cast, plan.dq_cast_grid,
-                                        *_split_options(cast, plan.dq_cast_options))
+        # dq made from the accumulator (row-major, or D-major with dq_transposed) by a
+        # launch of its own, in q's layout.
+        cast = plan.dq_cast_kernel()
+        self.dq_cast = DirectLaunch(cast, plan.dq_cast_grid,
+                                    *_split_options(cast, plan.dq_cast_options))
         self.main_fn = plan.main_kernel()
         self.main = DirectLaunch(self.main_fn, plan.grid,
                                  *_split_options(self.main_fn, plan.options),
@@ -97,6 +96,7 @@ class GluonBackwardPlan:
         if self.sparse != (block_mask is not None):
             raise ValueError("this backward plan was made " + (
                 "for a block mask: pass one" if self.sparse else "without a block mask"))
+        given_q = q  # (dq is laid out as it, not as a copy for TMA)
         if self.copy_inputs:
             from templates.gluon.common import tma_ready
             q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
@@ -113,18 +113,16 @@ class GluonBackwardPlan:
         with self._device.of(q):
             self._launch(do, q, k, v, o, lse, delta, lse2, dq_accum, dk, dv, mask_tensors,
                          dq_counters, block_mask.transposed if self.sparse else None)
-            if self.dq_cast is not None:
-                return self._cast_dq(dq_accum, q), dk, dv
-        return self.plan.dq_result(dq_accum, q), dk, dv
+            return self._cast_dq(dq_accum, given_q), dk, dv
 
     def _cast_dq(self, dq_accum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """dq from the D-major accumulator (``bwd_ws_kernel.dq_from_transposed``'s launch,
-        direct where it can be)."""
-        assert self.dq_cast is not None
-        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        scalars = (self.plan.seqlen_q, self.plan.dq_columns)
+        """dq in q's layout (``torch.empty_like(q)``) from the accumulator (the plan's
+        ``dq_cast_kernel``, direct where it can be)."""
+        dq = torch.empty_like(q)
+        scalars = self.plan.dq_cast_scalars(dq)
         stream = current_stream(q.device.index) if q.is_cuda else 0
-        if not self.dq_cast.try_direct(stream, dq_accum.data_ptr(), dq.data_ptr(), *scalars):
+        if not (dq.data_ptr() % 16 == 0 and self.dq_cast.try_direct(
+                stream, dq_accum.data_ptr(), dq.data_ptr(), *scalars)):
             self.dq_cast.launch_on(stream, dq_accum, dq, *scalars)
         return dq
 
@@ -132,7 +130,7 @@ class GluonBackwardPlan:
                 lse2: Any, dq_accum: Any, dk: Any, dv: Any, mask_tensors: list[Any],
                 dq_counters: Any = None, kv_major: Any = None) -> None:
         plan = self.plan
-        pre_tail = plan.preprocess_args(o, do, lse, delta, lse2)[5:]
+        pre_tail = plan.preprocess_args(o, do, lse, delta, lse2, dq_accum)[6:]
         main_head = [q, k, v, do, dk, dv, lse2, delta]
         # The warp-specialized kernel's last runtime argument: the dQ counters, or None (a
         # constexpr: the default kernel compiles it out).
@@ -148,12 +146,13 @@ class GluonBackwardPlan:
         # dq_accum: the non-specialized kernel's plain pointer, the other's TMA descriptor.
         dq_arg = dq_accum if self.warp_specialized else dq_ptr
         if not (aligned and self.preprocess.try_direct(
-                stream, o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, *pre_tail)):
+                stream, o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, dq_ptr, *pre_tail)):
             if aligned:
-                self.preprocess.launch_on(stream, o, do, lse, delta, lse2, *pre_tail)
+                self.preprocess.launch_on(stream, o, do, lse, delta, lse2, dq_accum,
+                                          *pre_tail)
             else:
-                self.preprocess.kernel[plan.pre_grid](o, do, lse, delta, lse2, *pre_tail,
-                                                      **self.pre_options)
+                self.preprocess.kernel[plan.pre_grid](o, do, lse, delta, lse2, dq_accum,
+                                                      *pre_tail, **self.pre_options)
         # The counters (torch's allocation: 16-byte aligned, as the compiled kernel assumes)
         # go as their address, or None.
         counters_ptr = None if dq_counters is None else dq_counters.data_ptr()

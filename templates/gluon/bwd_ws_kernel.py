@@ -62,6 +62,8 @@ from templates.gluon.bwd_kernel import (  # noqa: F401  validate_inputs: the sta
     DEBUG,
     PREPROCESS_ROWS,
     LaunchPlan,
+    dq_cast_args,
+    dq_cast_launch,
     dq_gemm,
     host_smem_layout,
     launch_plan,
@@ -894,39 +896,31 @@ def _gluon_bwd_ws_kernel(
 
 # ----------------------------------------------------------------------------- dq from D-major
 # (dq_transposed) The accumulator is (B H_q, D, N_q padded): dq is its transpose in dq's
-# dtype, one tile of rows a program, read along N_q and written along D (a torch copy of the
-# transposed view took 2-3x the plain cast's time, enough to undo the kernel's gain at 4k).
-DQ_CAST_ROWS = 64
-
-
-@triton.jit(do_not_specialize=["N_Q", "N_COLS"])
-def _dq_transposed_cast_kernel(ACC, DQ, N_Q, N_COLS, HEAD_DIM: tl.constexpr,
-                               ROWS: tl.constexpr):
+# dtype and layout (its strides: q's, as ``_dq_cast_kernel`` writes it), one tile of rows a
+# program, read along N_q and written along D (a torch copy of the transposed view took 2-3x
+# the plain cast's time, enough to undo the kernel's gain at 4k).
+@triton.jit(do_not_specialize=["N_Q", "N_COLS", "H_Q"])
+def _dq_transposed_cast_kernel(ACC, DQ, N_Q, N_COLS, H_Q, stride_b, stride_h, stride_m,
+                               HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(ACC + bh * HEAD_DIM * N_COLS + dims[:, None] * N_COLS + rows[None, :],
                   mask=rows[None, :] < N_Q, other=0.0)
-    tl.store(DQ + bh * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :],
+    out = DQ + (bh // H_Q) * stride_b + (bh % H_Q) * stride_h
+    tl.store(out + rows[:, None].to(tl.int64) * stride_m + dims[None, :],
              tl.trans(acc).to(DQ.dtype.element_ty), mask=rows[:, None] < N_Q)
 
 
-def dq_cast_launch(seqlen_q: int, batch_heads: int, head_dim: int
-                   ) -> tuple[tuple[int, int], dict[str, int]]:
-    """(grid, options) of ``_dq_transposed_cast_kernel`` for ``batch_heads`` heads of
-    ``seqlen_q`` rows."""
-    return ((triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch_heads),
-            dict(HEAD_DIM=head_dim, ROWS=DQ_CAST_ROWS, num_warps=4))
-
-
-def dq_from_transposed(dq_accum: torch.Tensor, seqlen_q: int, dtype: torch.dtype
-                       ) -> torch.Tensor:
-    """dq (B, H_q, N_q, D) contiguous in ``dtype`` from a D-major accumulator (B, H_q, D,
-    N_q padded) fp32."""
+def dq_from_transposed(dq_accum: torch.Tensor, seqlen_q: int, dtype: torch.dtype,
+                       like: torch.Tensor | None = None) -> torch.Tensor:
+    """dq (B, H_q, N_q, D) in ``dtype`` from a D-major accumulator (B, H_q, D, N_q padded)
+    fp32: laid out as ``torch.empty_like(like)`` where given, else contiguous."""
     batch, heads, head_dim, columns = dq_accum.shape
-    dq = torch.empty((batch, heads, seqlen_q, head_dim), device=dq_accum.device, dtype=dtype)
+    dq = (torch.empty((batch, heads, seqlen_q, head_dim), device=dq_accum.device, dtype=dtype)
+          if like is None else torch.empty_like(like, dtype=dtype))
     grid, options = dq_cast_launch(seqlen_q, batch * heads, head_dim)
-    _dq_transposed_cast_kernel[grid](dq_accum, dq, seqlen_q, columns, **options)
+    _dq_transposed_cast_kernel[grid](*dq_cast_args(dq_accum, dq, seqlen_q, columns), **options)
     return dq
 
 
@@ -961,11 +955,10 @@ class WsLaunchPlan(LaunchPlan):
         # (B H_q, D, N_q), its rows padded to 4 columns (TMA's 16-byte strides), the box
         # D-major (``dq_stage``).
         self.dq_transposed = bool(config.get("dq_transposed"))
+        # (the preprocess zeroes only the row-major accumulator: ``buffers`` zeroes this one)
+        self.zero_dq_in_preprocess = not self.dq_transposed
         if self.dq_transposed:
             self.dq_columns = -(-seqlen_q // 4) * 4
-            # dq_from_transposed's launch, for plans that launch it directly.
-            self.dq_cast_grid, self.dq_cast_options = dq_cast_launch(
-                seqlen_q, batch * heads_q, head_dim)
             self.dq_shape = (batch * heads_q, head_dim, seqlen_q)
             self.dq_strides = [head_dim * self.dq_columns, self.dq_columns, 1]
             self.dq_block = [1, head_dim, block_m]
@@ -1092,21 +1085,22 @@ class WsLaunchPlan(LaunchPlan):
                 ) -> tuple[torch.Tensor, ...]:
         """``LaunchPlan.buffers``; with dq_transposed dq_accum is (B, H_q, D, N_q padded)."""
         delta, lse2, dq_accum, dk, dv = super().buffers(q, k, v)
-        if self.dq_transposed:
+        if self.dq_transposed:  # (super's zeroed row-major one goes unused)
             batch, heads_q, _, head_dim = q.shape
             dq_accum = torch.zeros((batch, heads_q, head_dim, self.dq_columns),
                                    device=q.device, dtype=torch.float32)
         return delta, lse2, dq_accum, dk, dv
 
     def dq_cast_kernel(self) -> Any:
-        """The kernel that makes dq from a D-major accumulator (``dq_from_transposed``)."""
-        return _dq_transposed_cast_kernel
+        """The kernel that makes dq from the accumulator (``dq_from_transposed``'s where it is
+        D-major)."""
+        return _dq_transposed_cast_kernel if self.dq_transposed else super().dq_cast_kernel()
 
     def dq_result(self, dq_accum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """dq in q's dtype and shape, contiguous, from the accumulator (transposed back with
         dq_transposed)."""
         if self.dq_transposed:
-            return dq_from_transposed(dq_accum, self.seqlen_q, q.dtype)
+            return dq_from_transposed(dq_accum, self.seqlen_q, q.dtype, like=q)
         return super().dq_result(dq_accum, q)
 
     def _dq_descriptor(self, dq_accum: Any) -> Any:

@@ -92,3 +92,28 @@ def test_dq_transposed_builds_for_the_h100_as_the_row_major_tile() -> None:
         main_t, main_r = transposed["kernels"][1], row_major["kernels"][1]
         assert main_t["stack_bytes"] <= main_r["stack_bytes"], (transposed, row_major)
         assert main_t["shared_bytes"] == main_r["shared_bytes"], (transposed, row_major)
+
+
+@needs_gluon
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(1, 4, 150, 64), (2, 3, 70, 128)])
+def test_dq_and_the_gradients_come_out_in_the_inputs_layout(
+        shape: tuple[int, int, int, int], transposed: bool) -> None:
+    """A packed caller's q, k, v ((B, L, H, D) viewed as (B, H, L, D), as transformers and
+    tuner.varlen_attention pass them) get dq, dk, dv laid out as ``torch.empty_like`` of
+    them, so autograd copies nothing after; dq holds the accumulator's values (interpreter)."""
+    from templates.gluon.bwd_ws_kernel import WsLaunchPlan
+
+    batch, heads, seqlen, head_dim = shape
+    torch.manual_seed(1)
+    q = torch.randn(batch, seqlen, heads, head_dim).half().transpose(1, 2)
+    k = torch.randn(batch, seqlen, 1, head_dim).half().transpose(1, 2)
+    plan = WsLaunchPlan(q, k, causal_mode="none", scale=0.1,
+                        config=dataclasses.replace(DQT, dq_transposed=transposed).to_dict())
+    _, _, dq_accum, dk, dv = plan.buffers(q, k, k)
+    assert dk.stride() == k.stride() and dv.stride() == k.stride()
+    dq_accum.copy_(torch.randn(dq_accum.shape))
+    dq = plan.dq_result(dq_accum, q)
+    assert dq.stride() == q.stride() and dq.dtype == q.dtype
+    values = dq_accum[..., :seqlen].transpose(-1, -2) if transposed else dq_accum
+    assert torch.equal(dq, values.to(q.dtype))

@@ -7,6 +7,7 @@ entry's plan cache tells layouts, configs and masks apart. The GPU tests
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -174,3 +175,37 @@ def test_a_kept_plan_passes_each_masks_tile_order(monkeypatch: pytest.MonkeyPatc
     # (The direct launcher's runtime arguments come after 9 of its own.)
     assert jit_args[-1] is order and direct_args[9 + len(jit_args) - 1] == order.data_ptr()
     assert sorted(order.tolist()) == list(range(2 * 2))  # every (kv head, KV tile) once
+
+
+@pytest.mark.parametrize("seqlen_q", [96, 50])
+def test_the_preprocess_zeroes_the_dq_accumulator_it_is_handed(seqlen_q: int) -> None:
+    """The row-major dQ accumulator is made empty and zeroed by the preprocess (no fill kernel
+    of its own): a NaN-filled one comes out all zeros, with delta and lse2 right, for a length
+    that is not a whole number of its tiles too; the transposed accumulator keeps its fill."""
+    module = gluon_bwd.kernel
+    assert module is not None and gluon_bwd.ws_kernel is not None
+    gen = torch.Generator().manual_seed(3)
+    o, do = (torch.randn(1, 4, seqlen_q, 64, generator=gen) for _ in range(2))
+    lse = torch.randn(1, 4, seqlen_q, generator=gen)
+    lse[0, 1, 3] = float("-inf")
+    k = torch.randn(1, 2, 160, 64, generator=gen)
+    plan = module.LaunchPlan(o, k, causal_mode="none", scale=0.125,
+                             config=gluon_bwd.GluonBwdConfig().to_dict())
+    assert plan.zero_dq_in_preprocess and plan.preprocess_options()["ZERO_DQ"] is True
+    delta, lse2 = (torch.full(plan.rows_shape, float("nan")) for _ in range(2))
+    dq_accum = torch.full(o.shape, float("nan"))
+    module._gluon_bwd_preprocess_kernel[plan.pre_grid](
+        *plan.preprocess_args(o, do, lse, delta, lse2, dq_accum), **plan.preprocess_options())
+    assert torch.equal(dq_accum, torch.zeros_like(dq_accum))
+    torch.testing.assert_close(delta[..., :seqlen_q], (o * do).sum(-1))
+    assert not delta[..., seqlen_q:].any()
+    expected = torch.where(lse == float("-inf"), float("inf"), lse * math.log2(math.e))
+    torch.testing.assert_close(lse2[..., :seqlen_q], expected)
+    assert bool((lse2[..., seqlen_q:] == float("inf")).all())
+    transposed = gluon_bwd.ws_kernel.WsLaunchPlan(
+        o, k, causal_mode="none", scale=0.125,
+        config=gluon_bwd.GluonBwdConfig(warp_specialize=True, dq_transposed=True).to_dict())
+    assert not transposed.zero_dq_in_preprocess
+    assert "ZERO_DQ" not in transposed.preprocess_options()
+    made = transposed.buffers(o, k, k)[2]
+    assert not made.any() and made.shape == (1, 4, 64, transposed.dq_columns)
