@@ -196,10 +196,13 @@ def packed_check(model: Any, batch: dict[str, Any],
     run's: relative differences."""
     ref_loss, ref_logits, ref_first = reference
     model.eval()
-    with torch.no_grad(), tuner.use_implementation(forced), FirstAttention(model) as attention:
+    # A forced implementation is checked as the timed step runs it, with a gradient (some
+    # serve only training calls: flash_gluon, whose inference is flash's).
+    grad = torch.enable_grad() if forced else torch.no_grad()
+    with grad, tuner.use_implementation(forced), FirstAttention(model) as attention:
         out = model(**batch, **kwargs)
     want = torch.cat(ref_logits).double()
-    got = out.logits[0].double()
+    got = out.logits[0].detach().double()
     assert attention.output is not None
     return {"loss": float(out.loss), "loss_rel_diff": abs(float(out.loss) - ref_loss) / ref_loss,
             "logits_rel_err": float((got - want).norm() / want.norm()),

@@ -593,7 +593,9 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
             scores, ``softcap * tanh(s / softcap)``.
 
     Returns:
-        dq, dk, dv in the inputs' dtype and shapes (q's, k's, v's), contiguous.
+        dq, dk, dv in the inputs' dtype and shapes (q's, k's, v's), each laid out as
+        ``torch.empty_like`` of its input (a packed caller's gradients need no copy), dk and
+        dv contiguous where k and v are laid out differently.
 
     Raises:
         TypeError / ValueError naming the offending argument, the config field, or the

@@ -118,12 +118,14 @@ class BackwardPlan:
         self.masked = attn_mask is not None
         f32 = torch.float32
         standins = [_Slot(i, t) for i, t in enumerate((do, q, k, v, o, lse))]
-        # The outputs and row buffers as launch allocates them: contiguous.
-        for role, (shape, dtype) in enumerate(
-                ((self.rows, f32), (self.rows, f32),
-                 (self.q_shape, f32 if self.atomic else q.dtype),
-                 (self.k_shape, k.dtype), (self.v_shape, v.dtype)), start=6):
-            standins.append(_Slot(role, _Contiguous(shape, dtype)))
+        # The row buffers contiguous, the gradients in their inputs' layouts (``_grad_strides``).
+        self.q_strides, self.kv_strides = _grad_strides(q, k, v)
+        for role, (shape, dtype, strides) in enumerate(
+                ((self.rows, f32, None), (self.rows, f32, None),
+                 (self.q_shape, f32 if self.atomic else q.dtype, self.q_strides),
+                 (self.k_shape, k.dtype, self.kv_strides),
+                 (self.v_shape, v.dtype, self.kv_strides)), start=6):
+            standins.append(_Slot(role, _LaidOut(shape, dtype, strides)))
         mask_slot = None if attn_mask is None else _Slot(len(_ROLES) - 1, attn_mask)
         mask_standin = None
         if block_mask is not None:
@@ -147,11 +149,13 @@ class BackwardPlan:
             raise ValueError("this backward plan was made for another kind of mask")
         delta = kernel._empty(self.rows, q, torch.float32)
         lse2 = kernel._empty(self.rows, q, torch.float32)
-        dk = kernel._empty(self.k_shape, k, k.dtype)
-        dv = kernel._empty(self.v_shape, v, v.dtype)
-        # Atomic mode accumulates dQ in fp32 (zeroed: every visited tile adds into it).
-        dq = (torch.zeros(self.q_shape, device=q.device, dtype=torch.float32) if self.atomic
-              else kernel._empty(self.q_shape, q, q.dtype))
+        dk = _empty_strided(self.k_shape, self.kv_strides, k, k.dtype)
+        dv = _empty_strided(self.v_shape, self.kv_strides, v, v.dtype)
+        # Atomic mode accumulates dQ in fp32 (zeroed: every visited tile adds into it); its
+        # cast keeps the layout.
+        dq = (torch.empty_strided(self.q_shape, self.q_strides, device=q.device,
+                                  dtype=torch.float32).zero_() if self.atomic
+              else _empty_strided(self.q_shape, self.q_strides, q, q.dtype))
         tensors: list[Any] = [do, q, k, v, o, lse, delta, lse2, dq, dk, dv, attn_mask]
         if block_mask is not None:
             tensors += block_mask.kernel_args()[:_MASK_TENSORS]
@@ -178,17 +182,44 @@ class BackwardPlan:
                 launch.fn[launch.grid](*launch.args(tensors), **launch.options)
 
 
-class _Contiguous:
-    """A contiguous tensor of ``shape`` and ``dtype`` as a ``_Slot`` reads it (nothing
-    allocated)."""
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+
+def _grad_strides(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(dq's, dk's and dv's) strides: their inputs' layouts as ``torch.empty_like`` makes
+    them, so a packed (B, L, H, D) caller's gradients need no copy after (what the dispatcher's
+    backward ops return); dk's and dv's contiguous where k and v are laid out differently
+    (the kernels take one set of strides for both)."""
+    def like(t: Any) -> tuple[int, ...]:
+        if not isinstance(t, torch.Tensor):
+            return _contiguous(tuple(t.shape))
+        return tuple(torch.empty_like(t, device="meta").stride())
+
+    k_strides, v_strides = like(k), like(v)
+    kv = k_strides if k_strides == v_strides else _contiguous(tuple(k.shape))
+    return like(q), kv
+
+
+def _empty_strided(shape: tuple[int, ...], strides: tuple[int, ...], like: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty_strided(shape, strides, device=like.device, dtype=dtype)
+    return out.fill_(float("nan")) if kernel.DEBUG_POISON else out
+
+
+class _LaidOut:
+    """A tensor of ``shape`` and ``dtype`` as a ``_Slot`` reads it (nothing allocated):
+    contiguous, or laid out by ``strides``."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype,
+                 strides: tuple[int, ...] | None = None) -> None:
         self.shape = torch.Size(shape)
         self.dtype = dtype
+        self.strides = strides or _contiguous(tuple(self.shape))
 
     def stride(self) -> tuple[int, ...]:
-        strides, step = [], 1
-        for size in reversed(self.shape):
-            strides.append(step)
-            step *= max(size, 1)
-        return tuple(reversed(strides))
+        return self.strides

@@ -701,7 +701,8 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
             KV tile, only the query blocks its transposed lists give.
 
     Returns:
-        dq, dk, dv contiguous in the inputs' dtype and shapes. dq is summed with fp32
+        dq, dk, dv in the inputs' dtype and shapes, each laid out as ``torch.empty_like`` of
+        its input (a packed caller's gradients need no copy). dq is summed with fp32
         atomics: not bitwise reproducible between runs (dk and dv are), unless the config is
         ``deterministic`` (warp-specialized, no block mask).
 

@@ -29,7 +29,8 @@ incoming gradient ``do``, three launches produce ``dq``, ``dk`` and ``dv``:
     16-byte vector atomics; with ``defer_dq`` under the next step's S^T/dP^T GEMMs), so dq is
     not bitwise deterministic: the order of the additions varies between runs. ``scale`` is
     folded into dS, so dK and dQ come out scaled;
-  * dq = dq_accum cast to the input dtype (torch).
+  * dq = dq_accum cast to the input dtype, in q's layout (``_dq_cast_kernel``); dq_accum is
+    zeroed by the preprocess.
 
 Masking only where needed: query tiles wholly above the causal diagonal are never visited,
 tiles crossing it and every tile of a KV tile reaching past N_kv take the masked step (a
@@ -37,7 +38,7 @@ run-time branch per step), the rest the unmasked one. Rows past N_q read as zero
 lse2 = +inf, so their P is 0 without a mask; keys past N_kv are masked (their scores are 0,
 and exp2(0 - lse2) need not be small).
 
-Outputs: dq, dk, dv contiguous in the inputs' dtype and shapes.
+Outputs: dq, dk, dv in the inputs' dtype and shapes, laid out as ``torch.empty_like`` of them.
 """
 
 from __future__ import annotations
