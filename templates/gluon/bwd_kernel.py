@@ -562,14 +562,7 @@ class LaunchPlan:
         kernel's plan shares them)."""
         delta = q.new_empty(self.rows_shape, dtype=torch.float32)
         lse2 = q.new_empty(self.rows_shape, dtype=torch.float32)
-        # Every visited step adds into dq_accum: it starts at zero (set by the preprocess
-        # where ``zero_dq_in_preprocess``; NaN under DEBUG_POISON, so a row it missed shows).
-        if not self.zero_dq_in_preprocess:
-            dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        elif DEBUG_POISON:
-            dq_accum = torch.full(q.shape, float("nan"), device=q.device, dtype=torch.float32)
-        else:
-            dq_accum = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        dq_accum = self.dq_accumulator(q)
         # dK and dV in k's and v's layouts (TMA stores take any 16-byte strides): a packed
         # (B, L, H, D) caller's gradients need no copy after.
         if DEBUG_POISON:
@@ -577,6 +570,16 @@ class LaunchPlan:
         else:
             dk, dv = torch.empty_like(k), torch.empty_like(v)
         return delta, lse2, dq_accum, dk, dv
+
+    def dq_accumulator(self, q: torch.Tensor) -> torch.Tensor:
+        """The fp32 dQ accumulator (B, H_q, N_q, D), which every visited step adds into: zeroed
+        by the preprocess (``zero_dq_in_preprocess``; NaN under DEBUG_POISON, so a row it
+        missed shows), else here."""
+        if not self.zero_dq_in_preprocess:
+            return torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        if DEBUG_POISON:
+            return torch.full(q.shape, float("nan"), device=q.device, dtype=torch.float32)
+        return torch.empty(q.shape, device=q.device, dtype=torch.float32)
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor

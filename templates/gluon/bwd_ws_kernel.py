@@ -1081,15 +1081,15 @@ class WsLaunchPlan(LaunchPlan):
         return torch.zeros(batch * heads_q * self.scalars[7], device=q.device,
                            dtype=torch.int32)
 
-    def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
-        """``LaunchPlan.buffers``; with dq_transposed dq_accum is (B, H_q, D, N_q padded)."""
-        delta, lse2, dq_accum, dk, dv = super().buffers(q, k, v)
-        if self.dq_transposed:  # (super's zeroed row-major one goes unused)
-            batch, heads_q, _, head_dim = q.shape
-            dq_accum = torch.zeros((batch, heads_q, head_dim, self.dq_columns),
-                                   device=q.device, dtype=torch.float32)
-        return delta, lse2, dq_accum, dk, dv
+    def dq_accumulator(self, q: torch.Tensor) -> torch.Tensor:
+        """``LaunchPlan.dq_accumulator``; with dq_transposed (B, H_q, D, N_q padded), zeroed
+        here (the preprocess zeroes only the row-major one). Until 2026-11-30 a zeroed
+        row-major one was made beside it and dropped: a q-sized fp32 fill per backward."""
+        if not self.dq_transposed:
+            return super().dq_accumulator(q)
+        batch, heads_q, _, head_dim = q.shape
+        return torch.zeros((batch, heads_q, head_dim, self.dq_columns), device=q.device,
+                           dtype=torch.float32)
 
     def dq_cast_kernel(self) -> Any:
         """The kernel that makes dq from the accumulator (``dq_from_transposed``'s where it is

@@ -178,7 +178,8 @@ def test_a_kept_plan_passes_each_masks_tile_order(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("seqlen_q", [96, 50])
-def test_the_preprocess_zeroes_the_dq_accumulator_it_is_handed(seqlen_q: int) -> None:
+def test_the_preprocess_zeroes_the_dq_accumulator_it_is_handed(
+        seqlen_q: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The row-major dQ accumulator is made empty and zeroed by the preprocess (no fill kernel
     of its own): a NaN-filled one comes out all zeros, with delta and lse2 right, for a length
     that is not a whole number of its tiles too; the transposed accumulator keeps its fill."""
@@ -207,5 +208,15 @@ def test_the_preprocess_zeroes_the_dq_accumulator_it_is_handed(seqlen_q: int) ->
         config=gluon_bwd.GluonBwdConfig(warp_specialize=True, dq_transposed=True).to_dict())
     assert not transposed.zero_dq_in_preprocess
     assert "ZERO_DQ" not in transposed.preprocess_options()
+    zeroed: list[tuple[int, ...]] = []
+    zeros = torch.zeros
+
+    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = zeros(*args, **kwargs)
+        zeroed.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "zeros", recorded)
     made = transposed.buffers(o, k, k)[2]
     assert not made.any() and made.shape == (1, 4, 64, transposed.dq_columns)
+    assert zeroed == [made.shape]  # its accumulator only: no row-major one made and dropped
