@@ -153,8 +153,8 @@ def _dq_cast_kernel(ACC, DQ, N_Q, N_COLS, H_Q, stride_b, stride_h, stride_m,
                     HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """DQ[b, h, rows, :] (its strides; unit last) = ACC's rows, (B H_q, N_q, D) contiguous
     fp32, in DQ's dtype. N_COLS: unused (the D-major cast's signature)."""
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    bh = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
     ok = rows[:, None] < N_Q
     acc = tl.load(ACC + (bh * N_Q + rows[:, None]) * HEAD_DIM + dims[None, :], mask=ok)
@@ -166,8 +166,9 @@ def _dq_cast_kernel(ACC, DQ, N_Q, N_COLS, H_Q, stride_b, stride_h, stride_m,
 def dq_cast_launch(seqlen_q: int, batch_heads: int, head_dim: int
                    ) -> tuple[tuple[int, int], dict[str, int]]:
     """(grid, options) of a dq cast (``_dq_cast_kernel``, bwd_ws_kernel's D-major one) for
-    ``batch_heads`` heads of ``seqlen_q`` rows."""
-    return ((triton.cdiv(seqlen_q, DQ_CAST_ROWS), batch_heads),
+    ``batch_heads`` heads of ``seqlen_q`` rows: heads along the grid's first dimension (up to
+    2^31 - 1 programs; the second takes 65535, 4M rows here)."""
+    return ((batch_heads, triton.cdiv(seqlen_q, DQ_CAST_ROWS)),
             dict(HEAD_DIM=head_dim, ROWS=DQ_CAST_ROWS, num_warps=4))
 
 

@@ -902,8 +902,8 @@ def _gluon_bwd_ws_kernel(
 @triton.jit(do_not_specialize=["N_Q", "N_COLS", "H_Q"])
 def _dq_transposed_cast_kernel(ACC, DQ, N_Q, N_COLS, H_Q, stride_b, stride_h, stride_m,
                                HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    bh = tl.program_id(0).to(tl.int64)  # (dq_cast_launch's grid)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(ACC + bh * HEAD_DIM * N_COLS + dims[:, None] * N_COLS + rows[None, :],
                   mask=rows[None, :] < N_Q, other=0.0)

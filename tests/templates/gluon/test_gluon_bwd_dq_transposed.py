@@ -117,3 +117,13 @@ def test_dq_and_the_gradients_come_out_in_the_inputs_layout(
     assert dq.stride() == q.stride() and dq.dtype == q.dtype
     values = dq_accum[..., :seqlen].transpose(-1, -2) if transposed else dq_accum
     assert torch.equal(dq, values.to(q.dtype))
+
+
+@needs_gluon
+def test_the_casts_grid_takes_heads_past_the_second_dimensions_limit() -> None:
+    """Heads along the grid's first dimension (2^31 - 1 programs), rows along the second
+    (65535): a batch x heads of 70000 (a CUDA grid's y and z stop at 65535) still launches."""
+    from templates.gluon.bwd_kernel import dq_cast_launch
+
+    grid, options = dq_cast_launch(200, 70000, 128)
+    assert grid == (70000, 4) and options["ROWS"] == 64
