@@ -57,6 +57,7 @@ backward grid shares what the rows leave. The JSON is written after every row.
     python benchmarks/masked_fwd_bwd_bench.py [--json out.json] [--budget-s 240] [--no-grid]
         [--impls gluon-train,flex,ours]   # only these (the grid is "ours-grid")
         [--rows 128:16384:document,64:16384]   # only these rows (D:N[:pattern prefix])
+        [--shapes 128:8192,128:32768 --heads 1,32,16]   # other rows: D:N, and B,HQ,HKV (GQA)
     TRITON_INTERPRET=1 python benchmarks/masked_fwd_bwd_bench.py --smoke   # CPU: one tiny
         shape, our kernels and the reference only (no Flex, no SDPA, no CUDA timing)
 """
@@ -70,7 +71,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,7 @@ class Setup:
     batch_heads: tuple[int, int] | None  # (B, H); None: PROTOCOL's 16384 / N, 2048 / D
     baselines: bool  # FlexAttention and SDPA (CUDA only)
     timer: Callable[[Call], float]
+    kv_group: int = 1  # query heads per K/V head (GQA; --heads)
 
     def batch_and_heads(self, head_dim: int, seqlen: int) -> tuple[int, int]:
         return self.batch_heads or (TOKENS // seqlen, HIDDEN // head_dim)
@@ -230,6 +232,10 @@ class Row:
     block_density: float
     fwd_flops: float
     results: list[Measurement] = field(default_factory=list)
+    heads_kv: int = 0  # K/V heads (GQA where fewer than ``heads``); 0: as many as queries
+
+    def __post_init__(self) -> None:
+        self.heads_kv = self.heads_kv or self.heads
 
     @property
     def name(self) -> str:
@@ -260,11 +266,13 @@ def prepare(setup: Setup, head_dim: int, seqlen: int, pattern: str) -> Case:
     block_mask = BlockMask.from_mask_mod(mod, None, None, seqlen, seqlen, setup.block,
                                          device=setup.device, **callers_view(pattern, seqlen))
     pairs = int(dense.sum())
+    heads_kv = heads // setup.kv_group
     row = Row(pattern, head_dim, seqlen, batch, heads, pairs, pairs / seqlen ** 2,
-              block_mask.density(), 4.0 * batch * heads * head_dim * pairs)
+              block_mask.density(), 4.0 * batch * heads * head_dim * pairs, heads_kv=heads_kv)
     gen = torch.Generator(device=setup.device).manual_seed(0)
-    shape = (batch, heads, seqlen, head_dim)
-    tensors = {name: torch.randn(shape, generator=gen, device=setup.device, dtype=setup.dtype)
+    tensors = {name: torch.randn((batch, heads_kv if name in ("k", "v") else heads, seqlen,
+                                  head_dim), generator=gen, device=setup.device,
+                                 dtype=setup.dtype)
                for name in ("q", "k", "v", "do")}
     for name in ("q", "k", "v"):
         tensors[name].requires_grad_()
@@ -280,6 +288,9 @@ def reference(t: dict[str, torch.Tensor], dense: torch.Tensor) -> tuple[torch.Te
     leaves = [t[name].detach().float().requires_grad_() for name in ("q", "k", "v")]
     backend = sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION) if dense.is_cuda else nullcontext()
     q, k, v = leaves
+    group = q.shape[1] // k.shape[1]  # GQA: K/V heads repeated (their gradients summed back)
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     with backend:
         o = scaled_dot_product_attention(q, k, v, attn_mask=dense)
         grads = torch.autograd.grad(o, leaves, t["do"].float())
@@ -433,7 +444,7 @@ def flex(case: Case, setup: Setup) -> Attention:
                                   BLOCK_SIZE=setup.block)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return compiled(q, k, v, block_mask=flex_mask)
+        return compiled(q, k, v, block_mask=flex_mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attention
 
@@ -444,7 +455,8 @@ def sdpa(backend: Any, dense: torch.Tensor) -> Attention:
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with sdpa_kernel(backend):  # the forward's backend also runs its backward
-            return scaled_dot_product_attention(q, k, v, attn_mask=dense)
+            return scaled_dot_product_attention(q, k, v, attn_mask=dense,
+                                                enable_gqa=q.shape[1] != k.shape[1])
 
     return attention
 
@@ -504,7 +516,7 @@ def grid_configs(setup: Setup, row: Row) -> list[BwdConfig]:
     name = str(setup.dtype).removeprefix("torch.")
     # A masked call's problem has no causal mode and no named mask (flash_bwd.resolve_config):
     # its default is the dense default fitted to the mask blocks.
-    problem = Problem(row.batch, row.heads, row.heads, row.seqlen, row.seqlen, row.head_dim,
+    problem = Problem(row.batch, row.heads, row.heads_kv, row.seqlen, row.seqlen, row.head_dim,
                       name)
     blocks = (setup.block, setup.block)
     default_cfg = BWD.default_config(problem, device)
@@ -614,6 +626,31 @@ def selected_rows(specs: list[tuple[int, int, str]], wanted: str
     return out
 
 
+def with_shapes(setup: Setup, shapes: str | None, heads: str | None) -> Setup:
+    """``setup`` with ``--shapes`` (D:N,...) and ``--heads`` (B,HQ,HKV) where given; a
+    ValueError naming what is wrong otherwise."""
+    if shapes:
+        try:
+            pairs = [tuple(int(x) for x in item.split(":")) for item in shapes.split(",")]
+        except ValueError:
+            pairs = []
+        if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+            raise ValueError(f"--shapes {shapes!r}: comma-separated D:N, both positive "
+                             f"integers, e.g. 128:8192,128:32768")
+        setup = replace(setup, shapes=[(p[0], p[1]) for p in pairs])
+    if heads:
+        try:
+            batch, hq, hkv = (int(x) for x in heads.split(","))
+        except ValueError:
+            raise ValueError(f"--heads {heads!r}: B,HQ,HKV, three positive integers, e.g. "
+                             f"1,32,16") from None
+        if min(batch, hq, hkv) < 1 or hq % hkv:
+            raise ValueError(f"--heads {heads!r}: B, HQ and HKV must be positive, HQ a "
+                             f"multiple of HKV")
+        setup = replace(setup, batch_heads=(batch, hq), kv_group=hq // hkv)
+    return setup
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every row here")
@@ -624,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
                         "all; e.g. gluon-train,flex), the others skipped")
     parser.add_argument("--rows", help="comma-separated rows to run, each D:N or D:N:pattern "
                         "(a prefix of it: 128:16384:document), the others skipped")
+    parser.add_argument("--shapes", help="the rows' head dims and lengths instead of "
+                        "PROTOCOL's, comma-separated D:N (e.g. 128:8192,128:32768)")
+    parser.add_argument("--heads", help="batch, query heads and K/V heads of every row, "
+                        "B,HQ,HKV (e.g. 1,32,16: GQA), instead of PROTOCOL's 16384 / N, "
+                        "2048 / D with as many K/V heads")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU under TRITON_INTERPRET=1: one tiny shape, ours and the "
                              "reference only")
@@ -634,6 +676,10 @@ def main(argv: list[str] | None = None) -> int:
         print("masked_fwd_bwd_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     setup = SMOKE if args.smoke else GPU
+    try:
+        setup = with_shapes(setup, args.shapes, args.heads)
+    except ValueError as exc:
+        parser.error(str(exc))
     only = frozenset(args.impls.split(",")) if args.impls else None
     start = time.monotonic()
     env = smoke_environment() if args.smoke else environment()

@@ -5,6 +5,7 @@ reference) under torch.profiler, each kernel's GPU time per step and their sum.
 
     python benchmarks/step_kernels.py --rows 128:16384:sliding \
         --impls flash-gluon,gluon-split-lf,flex [--reps 10] [--json out/kernels.json]
+        [--shapes 128:32768 --heads 1,32,16 --rows 128:32768:sliding]   # other rows
     TRITON_INTERPRET=1 python benchmarks/step_kernels.py --smoke   # CPU: ours, its operators
 
 What a total ratio says, the masked bench times (do_bench); this tells its parts apart: the
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", default="flash-gluon,gluon-split-lf,flex",
                         help="comma-separated: ours, flex, flash-gluon, gluon-train and the "
                              "masked bench's backward variants (gluon-split-lf, ...)")
+    parser.add_argument("--shapes", help="the masked bench's --shapes (D:N,...)")
+    parser.add_argument("--heads", help="the masked bench's --heads (B,HQ,HKV)")
     parser.add_argument("--reps", type=int, default=10, help="profiled steps")
     parser.add_argument("--top", type=int, default=12, help="kernels printed per step")
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -138,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             print("step_kernels.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
             return 2
         setup, rows, impls = bench.GPU, args.rows, args.impls
+    try:
+        setup = bench.with_shapes(setup, args.shapes, args.heads)
+    except ValueError as exc:
+        parser.error(str(exc))
     specs = [(d, n, p) for d, n in setup.shapes for p in setup.patterns]
     chosen = bench.selected_rows(specs, rows)
     if not chosen:

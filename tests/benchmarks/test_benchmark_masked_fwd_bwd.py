@@ -237,3 +237,26 @@ def test_the_masks_carry_what_callers_masks_carry(bench: ModuleType) -> None:
     i, j = torch.arange(128)[:, None], torch.arange(128)[None, :]
     assert torch.equal((j >= first[:, None]) & (j <= i), docs.dense)
     assert bench.callers_view("random:0.1", 128) == {}
+
+
+def test_other_shapes_and_grouped_heads(bench: ModuleType, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """--shapes and --heads (issue 40's rows: 32 query / 16 K/V heads at 8k and 32k): the
+    rows' inputs have the K/V heads asked for, the reference repeats them, and our GQA
+    kernels are checked against it and timed; bad values are refused by name."""
+    out = tmp_path / "gqa.json"
+    assert bench.main(["--smoke", "--heads", "1,4,2", "--shapes", "32:96", "--no-grid",
+                       "--rows", "32:96:random", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["seqlen"], row["head_dim"], row["heads"], row["heads_kv"]) == (96, 32, 4, 2)
+    assert [(m["impl"], m["step"], m["status"]) for m in row["results"]] == [
+        ("ours", "fwd", "timed"), ("ours", "fwd+bwd", "timed")]
+    case = bench.prepare(bench.with_shapes(bench.SMOKE, None, "1,4,2"), 32, 96, "random:0.3")
+    assert case.tensors["k"].shape[1] == 2 and case.tensors["q"].shape[1] == 4
+    assert case.ref[2].shape == case.tensors["k"].shape  # dk summed over each group
+    for args, says in ((["--heads", "1,4,3"], "HQ a multiple of HKV"),
+                       (["--heads", "1,4"], "three positive integers"),
+                       (["--shapes", "128x8192"], "comma-separated D:N")):
+        with pytest.raises(SystemExit):
+            bench.main(["--smoke", *args])
+        assert says in capsys.readouterr().err
