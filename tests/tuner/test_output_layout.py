@@ -63,3 +63,13 @@ def test_ops_fakes_match_the_real_strides(device: str, layout: str) -> None:
                           test_utils=("test_faketensor",))
     torch.library.opcheck(_attention_inference, (q, k, v, False, None, False, "flash"),
                           test_utils=("test_faketensor",))
+    # The backward op's gradients: laid out as q, k and v (``torch.empty_like``), so a packed
+    # caller's need no copy; its fake says so too.
+    o, lse = torch.ops.tuner.attention_fwd.default(q, k, v, False, None, False)
+    grad_o = torch.randn_like(o)
+    torch.library.opcheck(torch.ops.tuner.attention_bwd.default,
+                          (grad_o, q, k, v, o, lse, False, None, False),
+                          test_utils=("test_faketensor",))
+    grads = torch.ops.tuner.attention_bwd.default(grad_o, q, k, v, o, lse, False, None, False)
+    for grad, t in zip(grads, (q, k, v), strict=True):
+        assert grad.stride() == torch.empty_like(t).stride()

@@ -36,6 +36,8 @@ from tuner.dispatch.implementations.call import (
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import (
     TrainingOp,
+    grads_fake,
+    grads_like,
     in_op_layout,
 )
 from tuner.dispatch.implementations.registry import register_implementation
@@ -302,15 +304,16 @@ def _attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         as_shape(lse, q4[:-1]), causal=normalize_causal(is_causal), scale=scale,
         config=repeatable(config),  # type: ignore[arg-type]
         attn_mask=mask4, block_mask=block_mask, softcap=softcap)
-    return as_shape(dq, q.shape), as_shape(dk, k.shape), as_shape(dv, v.shape)
+    # Laid out as the fake says (``torch.empty_like`` of q, k, v): flash_attention_bwd's own
+    # layouts already are, but for dk and dv when k and v are laid out differently.
+    return grads_like((dq, dk, dv), q, k, v)
 
 
 def _attention_bwd_fake(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                         scale: float | None, enable_gqa: bool, *mask: object
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # flash_attention_bwd returns its gradients contiguous, whatever the inputs' layout.
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+    return grads_fake(q, k, v)
 
 
 FLASH.training_op = TrainingOp.define("attention_fwd", _attention_fwd, "attention_bwd",
