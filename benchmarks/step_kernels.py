@@ -38,18 +38,19 @@ from templates.device import interpreter_active  # noqa: E402
 NAME_CHARS = 90  # kernel names are C++ templates: their head tells them apart
 
 
-IMPLEMENTATIONS = ("ours", "flex", "flash-gluon", "gluon-train", *bench.BWD_VARIANTS)
+# The masked bench's implementations that train (its ``implementations``, less the forward-only
+# ones): the names --impls takes, checked before any row's inputs are made.
+IMPLEMENTATIONS = ("ours", "flex", "flash-gluon", "gluon-train", *bench.BWD_VARIANTS,
+                   "sdpa-cudnn", "sdpa-efficient")
 
 
 def attention_of(name: str, case: bench.Case, setup: bench.Setup) -> bench.Attention:
-    """The masked bench's implementation ``name`` (one of ``IMPLEMENTATIONS``) for
-    ``case``'s mask."""
-    if name in bench.BWD_VARIANTS:
-        return bench.gluon_train_with(case.block_mask, bench.BWD_VARIANTS[name])
-    builders = {"ours": lambda: bench.ours(case.block_mask),
-                "flex": lambda: bench.flex(case, setup),
-                "flash-gluon": lambda: bench.flash_gluon(case.block_mask),
-                "gluon-train": lambda: bench.gluon_train(case.block_mask)}
+    """The masked bench's implementation ``name`` for ``case``'s mask (its builders); a
+    ValueError where it does not run on this setup (Gluon off Hopper, baselines off CUDA)."""
+    builders = dict(bench.implementations(setup, case))
+    if name not in builders or name in bench.FORWARD_ONLY:
+        raise ValueError(f"--impls: {name!r} does not train here; here: "
+                         f"{sorted(set(builders) - set(bench.FORWARD_ONLY))}")
     return builders[name]()
 
 

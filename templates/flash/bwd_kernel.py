@@ -613,10 +613,13 @@ def _int_field(config: Mapping[str, object], name: str) -> int:
     return value
 
 
-def _empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if DEBUG_POISON:
-        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
-    return torch.empty(shape, device=like.device, dtype=dtype)
+def _empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype,
+           strides: tuple[int, ...] | None = None) -> torch.Tensor:
+    """An output of ``shape`` on ``like``'s device, contiguous or laid out by ``strides``
+    (NaN-filled under DEBUG_POISON)."""
+    out = (torch.empty(shape, device=like.device, dtype=dtype) if strides is None
+           else torch.empty_strided(shape, strides, device=like.device, dtype=dtype))
+    return out.fill_(float("nan")) if DEBUG_POISON else out
 
 
 def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

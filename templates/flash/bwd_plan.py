@@ -149,13 +149,13 @@ class BackwardPlan:
             raise ValueError("this backward plan was made for another kind of mask")
         delta = kernel._empty(self.rows, q, torch.float32)
         lse2 = kernel._empty(self.rows, q, torch.float32)
-        dk = _empty_strided(self.k_shape, self.kv_strides, k, k.dtype)
-        dv = _empty_strided(self.v_shape, self.kv_strides, v, v.dtype)
+        dk = kernel._empty(self.k_shape, k, k.dtype, self.kv_strides)
+        dv = kernel._empty(self.v_shape, v, v.dtype, self.kv_strides)
         # Atomic mode accumulates dQ in fp32 (zeroed: every visited tile adds into it); its
         # cast keeps the layout.
         dq = (torch.empty_strided(self.q_shape, self.q_strides, device=q.device,
                                   dtype=torch.float32).zero_() if self.atomic
-              else _empty_strided(self.q_shape, self.q_strides, q, q.dtype))
+              else kernel._empty(self.q_shape, q, q.dtype, self.q_strides))
         tensors: list[Any] = [do, q, k, v, o, lse, delta, lse2, dq, dk, dv, attn_mask]
         if block_mask is not None:
             tensors += block_mask.kernel_args()[:_MASK_TENSORS]
@@ -203,12 +203,6 @@ def _grad_strides(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], tuple[int, .
     k_strides, v_strides = like(k), like(v)
     kv = k_strides if k_strides == v_strides else _contiguous(tuple(k.shape))
     return like(q), kv
-
-
-def _empty_strided(shape: tuple[int, ...], strides: tuple[int, ...], like: torch.Tensor,
-                   dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty_strided(shape, strides, device=like.device, dtype=dtype)
-    return out.fill_(float("nan")) if kernel.DEBUG_POISON else out
 
 
 class _LaidOut:

@@ -106,13 +106,12 @@ def _gluon_bwd_preprocess_kernel(
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm, N_Q, N_Q_PAD, H_Q, n_q_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr = False,
-    DQ_DIM: tl.constexpr = 0,
 ):
     """delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf where lse = -inf), both
     (B, H_q, N_q_pad) contiguous fp32, rows padded to a whole number of the main kernel's
     query tiles with lse2 = +inf, delta = 0 (their P is then 0); o and do have a unit last
-    stride. With ZERO_DQ also the fp32 dQ accumulator's rows (DQ: (B, H_q, N_q, DQ_DIM)
-    contiguous) set to 0, which the main kernel then adds into: one pass over the rows
+    stride. With ZERO_DQ also the fp32 dQ accumulator's rows (DQ: (B, H_q, N_q, HEAD_DIM)
+    contiguous: q's head dim is o's) set to 0, which the main kernel then adds into: one pass over the rows
     instead of a fill kernel of its own (a fixed cost that short masked walks feel)."""
     pid = tl.program_id(0)
     tile = pid % n_q_tiles
@@ -135,9 +134,8 @@ def _gluon_bwd_preprocess_kernel(
     tl.store(DELTA + out, delta, mask=rows < N_Q_PAD)
     tl.store(LSE2 + out, lse2, mask=rows < N_Q_PAD)
     if ZERO_DQ:
-        dq_cols = tl.arange(0, DQ_DIM)
-        dq = DQ + (bh.to(tl.int64) * N_Q + rows[:, None]) * DQ_DIM + dq_cols[None, :]
-        tl.store(dq, tl.zeros((BLOCK_M, DQ_DIM), dtype=tl.float32), mask=row_ok[:, None])
+        dq = DQ + (bh.to(tl.int64) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :]
+        tl.store(dq, tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32), mask=row_ok[:, None])
 
 
 # dq from the row-major fp32 accumulator, one tile of rows a program, written in the layout
@@ -538,7 +536,7 @@ class LaunchPlan:
     def preprocess_options(self) -> dict[str, Any]:
         options = dict(HEAD_DIM=self.head_dim, BLOCK_M=PREPROCESS_ROWS, num_warps=4)
         if self.zero_dq_in_preprocess:
-            options.update(ZERO_DQ=True, DQ_DIM=self.head_dim)
+            options.update(ZERO_DQ=True)
         return options
 
     def main_args(self, q: Any, k: Any, v: Any, do: Any, dk: Any, dv: Any, dq_accum: Any,

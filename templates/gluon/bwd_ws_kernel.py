@@ -912,13 +912,12 @@ def _dq_transposed_cast_kernel(ACC, DQ, N_Q, N_COLS, H_Q, stride_b, stride_h, st
              tl.trans(acc).to(DQ.dtype.element_ty), mask=rows[:, None] < N_Q)
 
 
-def dq_from_transposed(dq_accum: torch.Tensor, seqlen_q: int, dtype: torch.dtype,
-                       like: torch.Tensor | None = None) -> torch.Tensor:
-    """dq (B, H_q, N_q, D) in ``dtype`` from a D-major accumulator (B, H_q, D, N_q padded)
-    fp32: laid out as ``torch.empty_like(like)`` where given, else contiguous."""
+def dq_from_transposed(dq_accum: torch.Tensor, seqlen_q: int, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    """dq (B, H_q, N_q, D) contiguous in ``dtype`` from a D-major accumulator (B, H_q, D,
+    N_q padded) fp32, outside a plan (a plan's ``dq_result`` writes it in q's layout)."""
     batch, heads, head_dim, columns = dq_accum.shape
-    dq = (torch.empty((batch, heads, seqlen_q, head_dim), device=dq_accum.device, dtype=dtype)
-          if like is None else torch.empty_like(like, dtype=dtype))
+    dq = torch.empty((batch, heads, seqlen_q, head_dim), device=dq_accum.device, dtype=dtype)
     grid, options = dq_cast_launch(seqlen_q, batch * heads, head_dim)
     _dq_transposed_cast_kernel[grid](*dq_cast_args(dq_accum, dq, seqlen_q, columns), **options)
     return dq
@@ -955,7 +954,8 @@ class WsLaunchPlan(LaunchPlan):
         # (B H_q, D, N_q), its rows padded to 4 columns (TMA's 16-byte strides), the box
         # D-major (``dq_stage``).
         self.dq_transposed = bool(config.get("dq_transposed"))
-        # (the preprocess zeroes only the row-major accumulator: ``buffers`` zeroes this one)
+        # (the preprocess zeroes only the row-major accumulator: ``dq_accumulator`` zeroes
+        # this one)
         self.zero_dq_in_preprocess = not self.dq_transposed
         if self.dq_transposed:
             self.dq_columns = -(-seqlen_q // 4) * 4
@@ -1092,16 +1092,9 @@ class WsLaunchPlan(LaunchPlan):
                            dtype=torch.float32)
 
     def dq_cast_kernel(self) -> Any:
-        """The kernel that makes dq from the accumulator (``dq_from_transposed``'s where it is
-        D-major)."""
-        return _dq_transposed_cast_kernel if self.dq_transposed else super().dq_cast_kernel()
-
-    def dq_result(self, dq_accum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """dq in q's dtype and shape, contiguous, from the accumulator (transposed back with
+        """The kernel that makes dq from the accumulator (the D-major cast with
         dq_transposed)."""
-        if self.dq_transposed:
-            return dq_from_transposed(dq_accum, self.seqlen_q, q.dtype, like=q)
-        return super().dq_result(dq_accum, q)
+        return _dq_transposed_cast_kernel if self.dq_transposed else super().dq_cast_kernel()
 
     def _dq_descriptor(self, dq_accum: Any) -> Any:
         """dq_accum (contiguous (B, H_q, N_q, D) fp32) seen as (B H_q, N_q, D); with

@@ -68,3 +68,14 @@ def test_without_a_gpu_it_says_so(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(script, "interpreter_active", lambda: False)
     assert script.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_implementation_this_setup_lacks_is_named() -> None:
+    """The builders are the masked bench's own: on the CPU smoke setup (no Flex, no Gluon) a
+    Flex step is refused by name, with what does run there."""
+    script = load_benchmark_script("step_kernels")
+    bench = script.bench
+    case = bench.prepare(bench.SMOKE, 32, 128, "random:0.3")
+    assert callable(script.attention_of("ours", case, bench.SMOKE))
+    with pytest.raises(ValueError, match=r"'flex' does not train here; here: \['ours'\]"):
+        script.attention_of("flex", case, bench.SMOKE)
