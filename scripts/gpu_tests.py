@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS: dict[str, tuple[str, ...]] = {
     "fwd": ("tests/templates/flash/test_flash_fwd.py", "tests/templates/flash/test_block_sparse.py",
             "tests/templates/gluon/test_gluon_fwd.py",
+            "tests/templates/gluon/test_gluon_fwd_doc_offsets.py",
             "tests/templates/gluon/test_gluon_pack_gqa.py",
             "tests/templates/flash/test_direct_launch_fwd.py"),
     "bwd": ("tests/templates/flash/test_flash_bwd.py",

@@ -43,6 +43,7 @@ from templates.device import (
 )
 from templates.flash import fwd_kernel as kernel
 from templates.flash import softcap as softcap_kernel
+from templates.gluon.bwd_docs import WithFirstKeys, rows_take_offsets, takes_doc_offsets
 from templates.interpreter_dtype import Float32Plan, as_float32, runs_in_float32
 from templates.masks import listed_blocks
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
@@ -112,6 +113,14 @@ class FwdConfig(KernelConfig):
         False, (False, True),
         "Let the compiler split the unmasked KV loop into producer and consumer warps. Only "
         "allowed on Blackwell (see the constraint).")
+    doc_offsets: bool = knob(
+        False, (False, True),
+        "Under a block mask whose rows each see one causal range of keys (causal packed "
+        "documents, BlockMask.documents; a causal window, sliding_causal:<w>), a partial "
+        "block's visibility from its rows' first visible keys (one int32 a row) instead of "
+        "its uint8 tile; other masks keep their tiles. Measured 1.05-1.08x on packed "
+        "documents (16k, 64k), 1.03-1.05x on causal windows (H200, d128): on by default "
+        "under a block mask.")
 
 
 def block_d(problem: Problem) -> int:
@@ -196,6 +205,9 @@ class FlashFwdTemplate(Template):
                 return ("loop_unroll and warp_specialize only apply to the dense KV loop, not "
                         "to a block mask's listed blocks; use loop_unroll=1, "
                         "warp_specialize=False")
+        elif config.doc_offsets:
+            return ("doc_offsets reads a block mask's rows (causal documents or a causal "
+                    "window): without a block mask use doc_offsets=False")
         if config.longest_first and problem.causal == "none":
             return ("longest_first only reorders causal launches (every non-causal tile has "
                     "the same work); use longest_first=False")
@@ -233,14 +245,18 @@ class FlashFwdTemplate(Template):
         ]
         default = self.default_config(problem, device)
         out: list[KernelConfig] = []
+        if takes_doc_offsets(problem):  # the default's tiles too: a sweep measures the knob
+            out.append(dataclasses.replace(default, doc_offsets=False))
         for cfg in measured:
-            cfg = dataclasses.replace(cfg, longest_first=causal)
+            cfg = dataclasses.replace(cfg, longest_first=causal,
+                                      doc_offsets=default.doc_offsets)
             if cfg != default and self.constraint(problem, cfg, device) is None:
                 out.append(cfg)
         return out
 
     def default_config(self, problem: Problem, device: DeviceInfo) -> FwdConfig:
-        start = _heuristic(problem, device)
+        start = dataclasses.replace(_heuristic(problem, device),
+                                    doc_offsets=takes_doc_offsets(problem))
         for candidate in _shrinking(start):
             if self.constraint(problem, candidate, device) is None:
                 return candidate
@@ -454,6 +470,9 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     plan = _cached_plan(q, k, v, causal, attn_mask, block_mask, scale, config, softcap)
     if attn_mask is not None:
         attn_mask = kernel.broadcast_attn_mask(attn_mask, q, k)
+    rows = getattr(plan, "first_key_rows", 0)
+    if rows:  # (doc_offsets) the rows' first keys where the kernel reads the tiles
+        return plan(q, k, v, WithFirstKeys(block_mask, rows), attn_mask)
     return plan(q, k, v, block_mask, attn_mask)
 
 
@@ -516,7 +535,8 @@ def _plan_key(q: Any, k: Any, v: Any, causal: Any, attn_mask: Any, block_mask: A
                 None if attn_mask is None else (attn_mask.__class__, attn_mask.shape,
                                                 attn_mask.dtype, attn_mask.device),
                 None if block_mask is None else (block_mask.__class__, block_mask.shape,
-                                                 block_mask.block_size, block_mask.device))
+                                                 block_mask.block_size, block_mask.device,
+                                                 rows_take_offsets(block_mask)))
     except (AttributeError, TypeError, RuntimeError):  # not tensors; fake tensors: no pointer
         return None
 
@@ -546,12 +566,15 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         cfg = TEMPLATE.default_config(problem, device)
         if cfg.use_tma and kernel.tma_inputs_problem(q, k, v):
             cfg = dataclasses.replace(cfg, use_tma=False)  # this layout cannot use TMA
-        if block_mask is not None:
-            cfg = fit_to_block_mask(cfg, block_mask.block_size)
+        if block_mask is not None:  # (doc_offsets: the mask's rows decide at launch)
+            cfg = dataclasses.replace(fit_to_block_mask(cfg, block_mask.block_size),
+                                      doc_offsets=True)
     else:
         assert isinstance(chosen, FwdConfig)
         cfg = chosen
-        reason = TEMPLATE.constraint(problem, cfg, device)
+        # (the call's problem names no mask: doc_offsets is checked against the mask itself)
+        checked = cfg if block_mask is None else dataclasses.replace(cfg, doc_offsets=False)
+        reason = TEMPLATE.constraint(problem, checked, device)
         if reason:
             raise ValueError(f"config {cfg.key()} cannot run {problem.key()} on "
                              f"{device.name}: {reason}")
@@ -564,10 +587,16 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             raise ValueError(f"config {cfg.key()}: {reason}")
     upcast = runs_in_float32(q.dtype)  # bf16 under the interpreter (templates.interpreter_dtype)
     planned_q, planned_k, planned_v = as_float32(q, k, v) if upcast else (q, k, v)
+    data = cfg.to_dict()
+    # doc_offsets only where the mask's rows are one causal range each; others keep tiles.
+    data["doc_offsets"] = cfg.doc_offsets and rows_take_offsets(block_mask)
     plan = kernel.LaunchPlan(planned_q, planned_k, planned_v, causal_mode=causal_mode,
-                             scale=softmax_scale, config=cfg.to_dict(), block_mask=block_mask,
+                             scale=softmax_scale, config=data, block_mask=block_mask,
                              attn_mask=mask_view, softcap=cap)
-    return Float32Plan(plan) if upcast else plan
+    planned: ForwardPlan = Float32Plan(plan) if upcast else plan
+    if data["doc_offsets"]:  # the rows' first keys cover every row of the query tiles
+        planned.first_key_rows = -(-q.shape[2] // cfg.BLOCK_M) * cfg.BLOCK_M  # type: ignore[union-attr]
+    return planned
 
 
 def block_mask_tile_reason(config: FwdConfig, block_size: tuple[int, int]) -> str | None:

@@ -113,7 +113,14 @@ def _kv_step(
         visible = (keys[None, :] < N_KV) & (offs_m[:, None] >= 0)  # (BLOCK_M, BLOCK_N)
         if MASKED and CAUSAL:
             visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
-        if TILE:
+        if TILE == 2:
+            # (doc_offsets) key j visible to row i iff first[i] <= j <= i: the rows' first
+            # visible keys (``tile_base``, int32, one per row) instead of a uint8 tile.
+            rows = tl.arange(0, offs_m.shape[0])
+            first = tl.load(tile_base + rows)
+            visible = visible & (keys[None, :] >= first[:, None]) & (
+                keys[None, :] <= offs_m[:, None])
+        elif TILE:
             rows = tl.arange(0, offs_m.shape[0])
             tile = tl.load(tile_base + rows[:, None] * TILE_STRIDE + offs_n[None, :])
             visible = visible & (tile != 0)
@@ -197,12 +204,13 @@ def _attend_listed_blocks(
     """Fold the KV blocks a BlockMask lists for this query block (``Count`` of them, indices
     at ``Indices``), each as MASK_BLOCK_KV / BLOCK_N kernel steps; one flat loop, so the
     pipeliner overlaps loads across listed blocks. ``TILE``: partial blocks, whose uint8 tile
-    (row ``tile_row`` of it first) is at ``Tiles`` + its id * MASK_BLOCK_Q * MASK_BLOCK_KV."""
+    (row ``tile_row`` of it first) is at ``Tiles`` + its id * MASK_BLOCK_Q * MASK_BLOCK_KV;
+    ``TILE`` 2 (doc_offsets): ``Tiles`` is the tile's rows' first visible keys instead."""
     n = tl.load(Count)
     for t in tl.range(0, n * (MASK_BLOCK_KV // BLOCK_N), num_stages=LOOP_STAGES):
         start_n, tile_base = listed_block_step(Indices, TileIds, Tiles, t, tile_row,
                                                MASK_BLOCK_KV, BLOCK_N,
-                                               MASK_BLOCK_Q * MASK_BLOCK_KV, TILE)
+                                               MASK_BLOCK_Q * MASK_BLOCK_KV, TILE == 1)
         acc, l_i, m_i = _kv_step(
             acc, l_i, m_i, q, K, V, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
             start_n, offs_m, N_Q, N_KV, causal_offset, qk_scale, softcap2,
@@ -285,14 +293,24 @@ def _flash_fwd_kernel(
             am_base, stride_amm, stride_amn,
             CAUSAL, CAUSAL, False, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
             HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, NUM_STAGES, DOT_PRECISION)
-        acc, l_i, m_i = _attend_listed_blocks(
-            acc, l_i, m_i, q, K_base, V_base, b, kv_h,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
-            PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
-            PartialTiles, am_base, stride_amm, stride_amn,
-            True, CAUSAL, True, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
-            HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
+        if SPARSE == 2:  # (doc_offsets) PartialTiles: the rows' first visible keys
+            acc, l_i, m_i = _attend_listed_blocks(
+                acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+                stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
+                PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
+                PartialTiles + m0, am_base, stride_amm, stride_amn,
+                True, CAUSAL, 2, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
+                HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
+        else:
+            acc, l_i, m_i = _attend_listed_blocks(
+                acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+                stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
+                PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
+                PartialTiles, am_base, stride_amm, stride_amn,
+                True, CAUSAL, True, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
+                HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
     else:
         # The KV range of this tile: [0, full_end) needs no mask, [full_end, kv_end) does.
         if CAUSAL:
@@ -533,7 +551,10 @@ class LaunchPlan:
             WARP_SPECIALIZE=bool(config["warp_specialize"]),
             # fp32 inputs (tests) get exact fp32 dots; 16-bit inputs ignore the option.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-            SPARSE=block_mask is not None, MASK_BLOCK_Q=mask_block_q,
+            # SPARSE: 0 dense, 1 the mask's uint8 tiles, 2 its rows' first keys instead
+            # (``doc_offsets``: causal documents or a causal window; ``if SPARSE`` holds).
+            SPARSE=(2 if config.get("doc_offsets") else True) if block_mask is not None
+            else False, MASK_BLOCK_Q=mask_block_q,
             MASK_BLOCK_KV=mask_block_kv,
             ATTN_MASK=0 if attn_mask is None else (1 if attn_mask.dtype == torch.uint8 else 2),
             SOFTCAP=softcap > 0,

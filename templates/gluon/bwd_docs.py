@@ -19,7 +19,8 @@ import torch
 from templates.compile.plan_cache import PlanCache
 from templates.masks.patterns import parse_pattern
 
-__all__ = ["PAST_EVERY_KEY", "causal_window", "row_first_keys", "takes_offsets"]
+__all__ = ["PAST_EVERY_KEY", "WithFirstKeys", "causal_window", "row_first_keys",
+           "rows_take_offsets", "takes_doc_offsets", "takes_offsets"]
 
 # A padded row's "first key": past every key, so it sees none (its gradients add nothing).
 PAST_EVERY_KEY = 2**30
@@ -73,3 +74,34 @@ def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
     first = first.to(device)
     _FIRST_KEYS.put(key, first)
     return first
+
+
+def takes_doc_offsets(problem: Any) -> bool:
+    """Whether ``problem``'s mask pattern has rows that each see one causal range of keys
+    (the forwards' doc_offsets default on for it)."""
+    return problem.mask.split(":", 1)[0] in ("documents_causal", "sliding_causal")
+
+
+def rows_take_offsets(block_mask: Any) -> bool:
+    """Whether each of ``block_mask``'s rows sees one causal range of keys, first[i] <= j <=
+    i: causal self-attention documents (``takes_offsets``) or a causal window."""
+    return block_mask is not None and (takes_offsets(block_mask)
+                                       or causal_window(block_mask) is not None)
+
+
+class WithFirstKeys:
+    """A block mask as the forwards' doc_offsets kernels read it (``gluon_fwd``,
+    ``flash_fwd``): its lists, with its rows' first visible keys (``row_first_keys``,
+    ``rows`` of them) where the uint8 tiles go; anything else is the mask's."""
+
+    def __init__(self, block_mask: Any, rows: int) -> None:
+        self._mask = block_mask
+        self._first = row_first_keys(block_mask, rows)
+
+    def kernel_args(self) -> list[Any]:
+        args = list(self._mask.kernel_args())
+        args[5] = self._first
+        return args
+
+    def __getattr__(self, name: str) -> Any:  # block_size, shape, device: the mask's
+        return getattr(self._mask, name)

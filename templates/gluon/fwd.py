@@ -36,6 +36,7 @@ from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
 from templates.flash.fwd import check_block_mask, pattern_mask
 from templates.gluon import schedule as gluon_schedule
+from templates.gluon.bwd_docs import WithFirstKeys, rows_take_offsets, takes_doc_offsets
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
     TORCH_DTYPES,
@@ -138,6 +139,15 @@ class GluonFwdConfig(KernelConfig):
         "and their shared memory must fit together. Two programs overlap one's softmax with "
         "the other's GEMMs without any explicit scheduling, at the cost of half the "
         "registers and shared memory each.")
+    doc_offsets: bool = knob(
+        False, (False, True),
+        "Under a block mask whose rows each see one causal range of keys (causal packed "
+        "documents, BlockMask.documents; a causal window, the pattern sliding_causal:<w>), "
+        "a partial block's visibility computed from its rows' first visible keys (one int32 "
+        "a row) instead of read from its uint8 tile (a byte per score, loaded by the "
+        "consumer warps under the softmax); other masks keep their tiles. Measured 1.46x on "
+        "16k packed documents, 1.35x at 64k, 1.14-1.22x on causal windows (H200, d128): on "
+        "by default under a block mask (DOC_OFFSETS_MASKS), where it reads no tile at all.")
 
 
 def rows_per_consumer(config: GluonFwdConfig) -> int:
@@ -230,6 +240,9 @@ class GluonFwdTemplate(GluonTemplate):
             reason = block_mask_reason(cfg, mask_block)
             if reason:
                 return reason
+        elif cfg.doc_offsets:
+            return ("doc_offsets reads a block mask's rows (causal documents or a causal "
+                    "window): without a block mask use doc_offsets=False")
         elif cfg.persistent and problem.causal != "none" and not cfg.longest_first:
             return ("a persistent grid walks causal tiles longest first (its static "
                     "assignment is balanced only so): use longest_first=True")
@@ -276,11 +289,24 @@ class GluonFwdTemplate(GluonTemplate):
         start = _heuristic(problem)
         if mask_block is not None:
             start = fit_to_block_mask(start, mask_block)
+            # (a call's problem names no mask; its mask's rows decide at launch)
+            offsets = problem.mask == "none" or takes_doc_offsets(problem)
+            start = dataclasses.replace(start, doc_offsets=offsets)
         for candidate in _shrinking(start):
             if self.run_constraint(problem, candidate, device, mask_block) is None:
                 return candidate
         blocks = f" with a block mask of blocks {mask_block}" if mask_block else ""
         raise ValueError(f"no gluon_fwd config fits {problem.key()}{blocks} on {device.name}")
+
+    def known_good_configs(self, problem: Problem, device: DeviceInfo) -> list[KernelConfig]:
+        """For a mask whose rows each see one causal range (causal documents, a causal
+        window) the default with its tiles (``doc_offsets`` off): a sweep still measures
+        the knob it defaults to."""
+        if not takes_doc_offsets(problem):
+            return []
+        default = self.default_config(problem, device)
+        assert isinstance(default, GluonFwdConfig)
+        return [dataclasses.replace(default, doc_offsets=False)]
 
     # -- running and checking -----------------------------------------------------------------
     def make_inputs(self, problem: Problem, device: str, seed: int = 0) -> dict[str, Any]:
@@ -487,16 +513,33 @@ def standin_launch(problem: Problem, config: GluonFwdConfig, diag: int = 0) -> K
     kv_shape = [problem.batch, problem.heads_kv, problem.seqlen_kv, problem.head_dim]
     q = StandinTensor(dtype, q_shape)
     k, v = StandinTensor(dtype, kv_shape), StandinTensor(dtype, kv_shape)
-    block_mask = (StandinBlockMask(problem.seqlen_q, problem.seqlen_kv)
-                  if problem.mask != "none" else None)
+    block_mask: Any = (StandinBlockMask(problem.seqlen_q, problem.seqlen_kv)
+                       if problem.mask != "none" else None)
+    data = config.to_dict()
+    data["doc_offsets"] = config.doc_offsets and block_mask is not None
     plan = kernel.LaunchPlan(q, k, causal_mode=problem.causal,
-                             scale=1.0 / math.sqrt(problem.head_dim), config=config.to_dict(),
+                             scale=1.0 / math.sqrt(problem.head_dim), config=data,
                              diag=diag, block_mask=block_mask)
+    if data["doc_offsets"]:  # the rows' first keys (int32) where the tiles go
+        rows = -(-problem.seqlen_q // config.BLOCK_M) * config.BLOCK_M
+        block_mask = _StandinFirstKeys(block_mask, StandinTensor(torch.int32, [rows]))
     # (As the plan allocates them: packed GQA runs on (B, H_kv, group x N_q) rows.)
     o = StandinTensor(dtype, list(plan.out_shape))
     lse = StandinTensor(torch.float32, list(plan.lse_shape))
     return (kernel._gluon_fwd_kernel, plan.grid,
             plan.args(plan.packed(q), k, v, o, lse, block_mask), dict(plan.options))
+
+
+@dataclass(frozen=True)
+class _StandinFirstKeys:
+    """A stand-in block mask as the doc_offsets kernel reads it (``WithFirstKeys``)."""
+
+    mask: StandinBlockMask
+    first: StandinTensor
+
+    def kernel_args(self) -> list[Any]:
+        args = self.mask.kernel_args()
+        return [*args[:5], self.first, *args[6:]]
 
 
 def compile_for(problem: Problem, config: KernelConfig) -> Any:
@@ -546,6 +589,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         _PLANS.put(key, plan)
     if plan.copy_inputs:
         q, k, v = kernel.tma_ready(q), kernel.tma_ready(k), kernel.tma_ready(v)
+    if plan.first_key_rows:
+        return plan(q, k, v, WithFirstKeys(block_mask, plan.first_key_rows))
     return plan(q, k, v, block_mask)
 
 
@@ -572,7 +617,7 @@ def _plan_key(q: Any, k: Any, v: Any, causal: Any, scale: Any, config: Any, bloc
                 q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                 q.device, k.device, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
                 causal.__class__, causal, scale.__class__, scale, config,
-                kernel.mask_key(block_mask))
+                kernel.mask_key(block_mask), rows_take_offsets(block_mask))
     except (AttributeError, TypeError, RuntimeError):
         return None
 
@@ -589,8 +634,15 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         check_block_mask(block_mask, q, k)
     cfg = TEMPLATE.config_to_run(q, k, causal_mode, config,
                                  None if block_mask is None else block_mask.block_size)
+    assert isinstance(cfg, GluonFwdConfig)
+    data = cfg.to_dict()
+    # doc_offsets only where the mask's rows are one causal range each; others keep tiles.
+    data["doc_offsets"] = cfg.doc_offsets and rows_take_offsets(block_mask)
     plan = kernel.LaunchPlan(q, k, causal_mode=causal_mode, scale=softmax_scale,
-                             config=cfg.to_dict(), block_mask=block_mask)
+                             config=data, block_mask=block_mask)
+    # (doc_offsets) the rows' first keys cover every row of the grid's query tiles.
+    tiles = -(-q.shape[2] // cfg.BLOCK_M)
+    plan.first_key_rows = tiles * cfg.BLOCK_M if data["doc_offsets"] else 0
     plan.copy_inputs = any(kernel.tma_layout_problem(t, name) is not None
                            for name, t in (("q", q), ("k", k), ("v", v)))
     return plan

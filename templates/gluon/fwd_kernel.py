@@ -224,7 +224,16 @@ def _visible(s, offs_m, start_n, N_KV, causal_offset, tile_base, tile_on, CAUSAL
         visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_col, 1)
     else:
         visible = gl.expand_dims(cols < N_KV - start_n, 0)
-    if SPARSE:
+    if SPARSE == 2:
+        # (doc_offsets) Key j visible to row i of a partial block iff first[i] <= j <= i:
+        # the rows' first visible keys (``tile_base``, int32, one per row) instead of a
+        # uint8 tile, one compare pair per score and 4 bytes per row.
+        rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+        first = gl.load(tile_base + rows)
+        keys = gl.expand_dims(cols + start_n, 0)
+        in_range = (keys >= gl.expand_dims(first, 1)) & (keys <= gl.expand_dims(offs_m, 1))
+        visible = visible & (in_range | (tile_on == 0))
+    elif SPARSE:
         rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
         tile = gl.load(tile_base + gl.expand_dims(rows * MASK_BLOCK_KV, 1)
                        + gl.expand_dims(cols, 0), mask=visible & tile_on, other=1)
@@ -410,7 +419,10 @@ def _mask_tile(j, n_full, lrow, m0, lists, BLOCK_N: gl.constexpr, SPARSE: gl.con
     """(SPARSE) Where the uint8 mask of KV block j for the rows from m0 starts, and whether
     block j is a partial one (a full block has no tile: the address is then unused);
     otherwise (an unused address, False)."""
-    if SPARSE:
+    if SPARSE == 2:  # (doc_offsets) lists[5]: the rows' first visible keys, one per row
+        partial = j >= n_full
+        base = lists[5] + m0
+    elif SPARSE:
         SUB: gl.constexpr = MASK_BLOCK_KV // BLOCK_N
         partial = j >= n_full
         # Slot 0 of the row is readable even where the row lists no partial block.
@@ -1188,7 +1200,10 @@ def launch_options(head_dim: int, causal: bool, config: Mapping[str, Any],
         WARP_SPECIALIZE=ws, PINGPONG=bool(config["pingpong"]), CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=PRODUCER_REGS, P_SMEM=bool(config["p_from_smem"]),
         PERSISTENT=bool(config["persistent"]), Q_SLOTS=q_slots(head_dim, config),
-        SPARSE=mask_block is not None, MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
+        # SPARSE: 0 dense, 1 a block mask's uint8 tiles, 2 its rows' first keys instead
+        # (``doc_offsets``: causal documents or a causal window; every ``if SPARSE`` holds).
+        SPARSE=(2 if config.get("doc_offsets") else True) if mask_block is not None else False,
+        MASK_BLOCK_Q=mask_block_q, MASK_BLOCK_KV=mask_block_kv,
         DIAG=diag, TREE_MAX=bool(config["tree_max"]), PACK_GQA=pack_gqa,
         num_warps=consumer_warps(config),
     )
@@ -1251,6 +1266,8 @@ class LaunchPlan:
 
     # Set by the entry point: these inputs' layout needs a contiguous copy before TMA.
     copy_inputs = False
+    # (doc_offsets) rows of first keys a call's mask is handed with (``gluon_fwd``); 0: none.
+    first_key_rows = 0
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Mapping[str, Any], diag: int = 0, sm_count: int | None = None,
