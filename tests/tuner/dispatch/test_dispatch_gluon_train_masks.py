@@ -191,6 +191,8 @@ def test_the_backward_takes_gluon_bwds_config_measured_on_the_pattern(
     with tuner.use_implementation("gluon_train"):
         train(mask(pattern=None))
     assert kernels["bwd"][-1]["config"] is None
+    # and the forward the dense problem's config with doc_offsets on (the rows decide)
+    assert kernels["fwd"][-1]["config"].doc_offsets
 
 
 def test_the_masked_forward_config_is_worked_out_once_per_shape(

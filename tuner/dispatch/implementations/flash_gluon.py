@@ -24,7 +24,12 @@ from templates.masks.block_mask import BlockMask
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation
 from tuner.dispatch.implementations.call import Call, call_of
-from tuner.dispatch.implementations.flash import mask_fallback_config, masked_forward, runs_triton
+from tuner.dispatch.implementations.flash import (
+    for_block_mask,
+    mask_fallback_config,
+    masked_forward,
+    runs_triton,
+)
 from tuner.dispatch.implementations.gluon import GLUON, backward_of
 from tuner.dispatch.implementations.gluon_train import MASKED_BACKWARD, gluon_backward_mask
 from tuner.dispatch.implementations.mask_args import Masked
@@ -93,7 +98,7 @@ def op_configs(q: torch.Tensor, k: torch.Tensor, mask: Masked
             # one template of the pair still tuned it).
             fwd, bwd = (keep_config(r).config if r.measured else None for r in resolved)
         if fwd is None:
-            fwd = mask_fallback_config("flash_fwd", q, k, False)
+            fwd = for_block_mask(mask_fallback_config("flash_fwd", q, k, False))
         assert isinstance(fwd, FwdConfig)
         if not isinstance(bwd, GluonBwdConfig) or block_mask_reason(bwd, block_size):
             bwd = None  # gluon_attention_bwd's default for a mask

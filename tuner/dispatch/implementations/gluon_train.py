@@ -27,6 +27,7 @@ from templates.masks.block_mask import BlockMask
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Implementation
 from tuner.dispatch.implementations.call import Call, as_shape, call_of, shapes_4d
+from tuner.dispatch.implementations.flash import for_block_mask
 from tuner.dispatch.implementations.gluon import GLUON, backward_of, mask_config, training_forward
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import (
@@ -149,6 +150,8 @@ def _masked_forward_config(q: torch.Tensor, k: torch.Tensor, pattern: str | None
             raise ValueError(f"gluon_train cannot run a block mask of blocks {blocks}: "
                              f"{reason}")
         config = mask_config(resolved.config, blocks)
+        if config is not None and pattern is None:  # the dense problem's config
+            config = for_block_mask(config)
         dense = dataclasses.replace(call.problem, mask="none")
         if config is None or gluon_fwd.TEMPLATE.run_constraint(dense, config, call.device,
                                                                blocks):
