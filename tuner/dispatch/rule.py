@@ -25,7 +25,8 @@ The rule (docs/DISPATCH.md):
 * A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``),
   compiled FlexAttention (``flex``) and, forward only on Hopper, the Gluon forward (``gluon``)
   on its own bucket: the fastest priced runs where ours is priced; otherwise ours, what ran
-  before Flex was a candidate.
+  before Flex was a candidate (for a gradient on Hopper, our forward with the Gluon backward:
+  ``BLOCK_MASK_TRAINING_BASELINE``).
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
 the process's answers for their buckets (``tuner.lookup.resolver``: stable within a process), so a
@@ -74,6 +75,13 @@ BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when
 # What ran a block-mask call before FlexAttention was a candidate (our block-sparse kernels,
 # which beat Flex's forward on the H100): it runs a block-mask call when unmeasured.
 BLOCK_MASK_BASELINE = "flash"
+# The same for a gradient where it serves the call (Hopper, the mask's own causality, a head
+# dim and dtype its templates take): our Triton forward with the Gluon backward. Untuned on the
+# H200 it trained 1.12-1.43x faster than compiled Flex on every block-mask row measured (d64
+# and d128, 4k-32k tokens, causal windows, packed documents, random blocks;
+# masked_fwd_bwd_h200_*fwd_doc_offsets.json), where flash's Triton backward ran 1.25-1.36x
+# slower than Flex (issue 40's table): both are ours, and a sweep still prices all three.
+BLOCK_MASK_TRAINING_BASELINE = "flash_gluon"
 # What packed documents ran without us (FlashAttention's varlen kernels, as torch's varlen_attn
 # runs them), where it can serve the call: it runs a documents mask problem when unmeasured.
 # Untuned on the H200 (13 documents in 16k tokens; docs/PERFORMANCE.md "Packed sequences") our
@@ -219,10 +227,13 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
             "torch's varlen_attn not measured for these packed documents on this device: "
             "running it (FlashAttention's varlen kernels, what packed documents ran without "
             "us)")
+    unpriced = BLOCK_MASK_BASELINE
+    if call.needs_grad and get_implementation(BLOCK_MASK_TRAINING_BASELINE).why_not(call) is None:
+        unpriced = BLOCK_MASK_TRAINING_BASELINE
     return _decide_on_own_bucket(
         call, resolve, BLOCK_MASK_BASELINE, "our block-sparse kernels",
-        "our block-sparse kernels not measured for this mask problem on this device: running "
-        "them (what ran before FlexAttention was a candidate)")
+        f"our block-sparse kernels not measured for this mask problem on this device: running "
+        f"them ({unpriced}; what ran before FlexAttention was a candidate)", unpriced)
 
 
 def _decide_softcap(call: Call, resolve: Resolve) -> Choice:
@@ -237,9 +248,10 @@ def _decide_softcap(call: Call, resolve: Resolve) -> Choice:
 
 
 def _decide_on_own_bucket(call: Call, resolve: Resolve, baseline_name: str, baseline_what: str,
-                          unpriced_why: str) -> Choice:
+                          unpriced_why: str, unpriced_name: str | None = None) -> Choice:
     """The implementations serving ``call`` priced on its own bucket: the fastest priced where
-    ``baseline_name`` is priced, else the baseline itself (``unpriced_why``)."""
+    ``baseline_name`` is priced, else the baseline itself, or ``unpriced_name`` where given
+    (``unpriced_why``)."""
     estimates = tuple(price(impl, call, resolve) for impl in implementations()
                       if impl.why_not(call) is None)
     by_name = {e.implementation: e for e in estimates}
@@ -248,7 +260,8 @@ def _decide_on_own_bucket(call: Call, resolve: Resolve, baseline_name: str, base
         raise ValueError(f"{baseline_what} cannot run {call.problem.key()}: "
                          f"{get_implementation(baseline_name).why_not(call)}")
     if baseline.ms is None:
-        return Choice(get_implementation(baseline_name), baseline.resolved, unpriced_why,
+        runs = by_name[unpriced_name or baseline_name]
+        return Choice(get_implementation(runs.implementation), runs.resolved, unpriced_why,
                       estimates)
     return _fastest_measured(estimates)
 

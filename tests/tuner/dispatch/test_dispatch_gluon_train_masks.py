@@ -225,7 +225,8 @@ def test_the_masked_forward_config_is_worked_out_once_per_shape(
 
 def test_unmeasured_or_slower_gluon_train_does_not_run(
         tmp_path: Path, kernels: dict[str, list[dict[str, Any]]]) -> None:
-    train(mask())  # nothing measured: the block-mask baseline (flash)
+    # nothing measured: the block-mask training baseline (flash_gluon: Triton forward)
+    assert choose(Call(MASKED, True, H100)).implementation.name == "flash_gluon"
     store(tmp_path, measured("flash_fwd", 400.0), measured("flash_bwd", 400.0),
           measured("gluon_train", 100.0))
     assert choose(Call(MASKED, True, H100)).implementation.name != "gluon_train"

@@ -472,4 +472,5 @@ def test_where_it_cannot_serve_unmeasured_documents_run_ours(
     assert capped.implementation.name == "flash", capped.why
     monkeypatch.setattr(varlen_templates, "varlen_attn_function", lambda: None)
     missing = decide(Call(docs_problem(), True, H100), resolve=nothing, margin=0.03)
-    assert missing.implementation.name == "flash", missing.why
+    # (for a gradient on Hopper ours is the Triton forward with the Gluon backward)
+    assert missing.implementation.name == "flash_gluon", missing.why

@@ -59,6 +59,9 @@ class FlashGluon(Implementation):
                     "gluon_train)")
         if call.problem.softcap:
             return "the Gluon backward does not cap scores"
+        if call.problem.causal != "none":
+            return ("the Gluon backward takes a block mask's own causality: pass "
+                    "is_causal=False with a causal mask (e.g. the *_causal patterns)")
         return GLUON.serves(call) or runs_triton(call)
 
     def mask_refusal(self, block_size: tuple[int, int], needs_grad: bool, choice: Choice
