@@ -641,9 +641,9 @@ def _causal_documents(problem: Problem) -> bool:
 
 def _causal_window(problem: Problem) -> bool:
     """Whether ``problem``'s mask is a causal sliding window over as many queries as keys
-    (window_offsets')."""
-    return (parse_pattern(problem.mask)[0] == "sliding_causal"
-            and problem.seqlen_q == problem.seqlen_kv)
+    (window_offsets'; the rule ``bwd_docs.causal_window`` reads a mask by)."""
+    return bwd_docs.pattern_window(problem.mask, problem.seqlen_q,
+                                   problem.seqlen_kv) is not None
 
 
 def _standin_doc_first(plan: Any) -> dict[str, Any]:

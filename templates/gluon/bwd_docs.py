@@ -19,8 +19,8 @@ import torch
 from templates.compile.plan_cache import PlanCache
 from templates.masks.patterns import parse_pattern
 
-__all__ = ["PAST_EVERY_KEY", "WithFirstKeys", "causal_window", "row_first_keys",
-           "rows_take_offsets", "takes_doc_offsets", "takes_offsets"]
+__all__ = ["PAST_EVERY_KEY", "WithFirstKeys", "causal_window", "pattern_window",
+           "row_first_keys", "rows_take_offsets", "takes_doc_offsets", "takes_offsets"]
 
 # A padded row's "first key": past every key, so it sees none (its gradients add nothing).
 PAST_EVERY_KEY = 2**30
@@ -38,7 +38,14 @@ def causal_window(block_mask: Any) -> int | None:
     """The window w where ``block_mask`` is the named pattern ``sliding_causal:<w>`` over as
     many queries as keys (query i sees keys i - w < j <= i), None otherwise."""
     pattern = getattr(block_mask, "pattern", None)
-    if pattern is None or block_mask.seqlen_q != block_mask.seqlen_kv:
+    if pattern is None:
+        return None
+    return pattern_window(pattern, block_mask.seqlen_q, block_mask.seqlen_kv)
+
+
+def pattern_window(pattern: str | None, seqlen_q: int, seqlen_kv: int) -> int | None:
+    """``causal_window``'s rule on a pattern's name (a mask's, or a problem's ``mask``)."""
+    if pattern is None or seqlen_q != seqlen_kv:
         return None
     name, arg = parse_pattern(pattern)
     return int(arg) if name == "sliding_causal" else None
@@ -77,9 +84,10 @@ def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
 
 
 def takes_doc_offsets(problem: Any) -> bool:
-    """Whether ``problem``'s mask pattern has rows that each see one causal range of keys
-    (the forwards' doc_offsets default on for it)."""
-    return problem.mask.split(":", 1)[0] in ("documents_causal", "sliding_causal")
+    """Whether ``problem``'s mask pattern has rows that each see one causal range of keys,
+    as ``rows_take_offsets`` reads a mask (the forwards' doc_offsets default on for it)."""
+    return (parse_pattern(problem.mask)[0] == "documents_causal"
+            or pattern_window(problem.mask, problem.seqlen_q, problem.seqlen_kv) is not None)
 
 
 def rows_take_offsets(block_mask: Any) -> bool:
