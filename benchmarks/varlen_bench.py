@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=int, default=13, help="documents per row")
     parser.add_argument("--seed", type=int, default=0, help="document lengths' seed")
     parser.add_argument("--db", help="database with the sweep's bests (default: none, so "
-                                     "tuner.varlen_attention runs ours)")
+                                     "tuner.varlen_attention runs what it runs unmeasured: "
+                                     "torch's varlen where this torch has it)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternated timing rounds (median kept)")
