@@ -1,7 +1,8 @@
 """``flash_gluon``: a block-mask training call by our Triton forward and the Gluon backward fed
-its o and logsumexp. Priced by flash_fwd + gluon_bwd on the mask's named problem and run only
-where that pair was measured fastest (or forced); dense calls, inference, elementwise masks and
-causal calls on top of a mask are not its own.
+its o and logsumexp. Priced by flash_fwd + gluon_bwd on the mask's named problem; it runs
+where that pair was measured fastest, where nothing of ours is measured for the mask problem
+(the block-mask training baseline on Hopper), or forced; dense calls, inference, elementwise
+masks and causal calls on top of a mask are not its own.
 
 The CPU stands in for an H100: the Triton forward runs under the interpreter, the Gluon
 backward is a recorder answering with the reference (its numerics under masks are
@@ -151,3 +152,33 @@ def test_each_of_the_pair_takes_its_own_measured_config(
         tuner.attention(q, k, v, block_mask=pattern_block_mask(PATTERN, N, N),
                         enable_gqa=True).backward(do)
     assert [c["config"] for c in gluon_backward] == [TUNED_BWD]
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["sliding_causal:300", "documents_causal:512",
+                                     "random:0.3"])
+def test_unmeasured_it_trains_masks_on_the_gpu(pattern: str) -> None:
+    """Nothing measured: the real kernels (no recorders, nothing forced) train a named mask
+    through flash_gluon, the forward by its rows' first keys where the mask allows it;
+    dq, dk, dv against the autograd reference."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("the Gluon backward needs a Hopper GPU")
+    from templates.device import current_device
+
+    n = 1100
+    problem = Problem(batch=2, heads_q=8, heads_kv=2, seqlen_q=n, seqlen_kv=n, head_dim=128,
+                      dtype="bfloat16", causal="none", mask=pattern)
+    assert choose(Call(problem, True, current_device(0))).implementation.name == "flash_gluon"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, heads, n, 128, generator=gen, device="cuda",
+                               dtype=torch.bfloat16) for heads in (8, 2, 2, 8))
+    block_mask = pattern_block_mask(pattern, n, n, device="cuda")
+    leaves_ = [t.detach().requires_grad_() for t in (q, k, v)]
+    tuner.attention(*leaves_, block_mask=block_mask, enable_gqa=True).backward(do)
+    ref = reference_grads(q, k, v, do, causal="none", scale=128 ** -0.5,
+                          mask=block_mask.to_dense())
+    for t, r in zip(leaves_, ref, strict=True):
+        assert t.grad is not None and float(t.grad.abs().max()) > 0
+        err = float((t.grad.double() - r.double()).norm() / r.double().norm())
+        assert err < 1e-2, (pattern, err)
