@@ -21,6 +21,7 @@ import tuner
 import tuner.dispatch.implementations.flash_gluon as flash_gluon_impl
 from templates.attention_reference import attention_reference
 from templates.base import Problem
+from templates.device import current_device
 from templates.flash.bwd import reference_grads
 from templates.gluon.bwd import GluonBwdConfig
 from templates.masks.mods import pattern_block_mask
@@ -28,6 +29,7 @@ from tests.api.serving_data import H100
 from tests.tuner.dispatch.test_dispatch import measured as measured_on
 from tests.tuner.dispatch.test_dispatch import store
 from tests.tuner.dispatch.test_dispatch_gluon_masks import on_hopper  # noqa: F401  (a fixture)
+from tests.tuner.dispatch.test_dispatch_gluon_train_masks import N_GPU, assert_trains_on_the_gpu
 from tuner.dispatch.rule import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
@@ -164,21 +166,7 @@ def test_unmeasured_it_trains_masks_on_the_gpu(pattern: str) -> None:
     dq, dk, dv against the autograd reference."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         pytest.skip("the Gluon backward needs a Hopper GPU")
-    from templates.device import current_device
-
-    n = 1100
-    problem = Problem(batch=2, heads_q=8, heads_kv=2, seqlen_q=n, seqlen_kv=n, head_dim=128,
-                      dtype="bfloat16", causal="none", mask=pattern)
+    problem = Problem(batch=2, heads_q=8, heads_kv=2, seqlen_q=N_GPU, seqlen_kv=N_GPU,
+                      head_dim=128, dtype="bfloat16", causal="none", mask=pattern)
     assert choose(Call(problem, True, current_device(0))).implementation.name == "flash_gluon"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(2, heads, n, 128, generator=gen, device="cuda",
-                               dtype=torch.bfloat16) for heads in (8, 2, 2, 8))
-    block_mask = pattern_block_mask(pattern, n, n, device="cuda")
-    leaves_ = [t.detach().requires_grad_() for t in (q, k, v)]
-    tuner.attention(*leaves_, block_mask=block_mask, enable_gqa=True).backward(do)
-    ref = reference_grads(q, k, v, do, causal="none", scale=128 ** -0.5,
-                          mask=block_mask.to_dense())
-    for t, r in zip(leaves_, ref, strict=True):
-        assert t.grad is not None and float(t.grad.abs().max()) > 0
-        err = float((t.grad.double() - r.double()).norm() / r.double().norm())
-        assert err < 1e-2, (pattern, err)
+    assert_trains_on_the_gpu(pattern)
