@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import pytest
 from sqlalchemy import select
 
 from db.finalists import pick_finalists
@@ -92,3 +93,40 @@ def test_workers_share_one_study_and_one_trials_table(db_url: str,
         assert best.tflops == top and best.default_tflops is not None
         default = template.default_config(problem, device)
         assert [r.config_key for r in rows if r.is_default] == [default.key()]
+
+
+class _Raced(Exception):
+    """A driver error as psycopg raises it, with its SQLSTATE."""
+
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+def test_a_table_creation_race_is_retried_and_nothing_else_is() -> None:
+    """PostgreSQL says "already exists" (42P07) to the second of two processes creating
+    Optuna's tables at once (a fleet's workers on a fresh database): tried again; another
+    ProgrammingError (a real mistake) is not."""
+    from sqlalchemy.exc import ProgrammingError
+
+    from tuner.tuning.search.study import retry_locked
+
+    calls: list[int] = []
+
+    def created_by_another_first() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ProgrammingError("CREATE TABLE alembic_version", None, _Raced("42P07"))
+        return "storage"
+
+    assert retry_locked(created_by_another_first, backoff_s=0.0) == "storage"
+    assert len(calls) == 2
+
+    def wrong_sql() -> str:
+        calls.append(1)
+        raise ProgrammingError("SELEC 1", None, _Raced("42601"))  # syntax_error
+
+    calls.clear()
+    with pytest.raises(ProgrammingError):
+        retry_locked(wrong_sql, backoff_s=0.0)
+    assert len(calls) == 1

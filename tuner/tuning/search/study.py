@@ -27,7 +27,7 @@ from optuna.storages._rdb import models
 from optuna.trial import TrialState
 from sqlalchemy import event, select
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from db.session import with_installed_driver
@@ -71,13 +71,20 @@ def optuna_url(url: str) -> str:
     return with_installed_driver(url).render_as_string(hide_password=False)
 
 
+# PostgreSQL's codes for "already exists" (duplicate_table, duplicate_object): what a process
+# gets when another creates the same table first (Optuna creates its tables, and its own
+# alembic_version, without a lock), which SQLAlchemy raises as a ProgrammingError.
+_CREATION_RACE_SQLSTATES = frozenset({"42P07", "42710"})
+
+
 def retry_locked(fn: Callable[[], T], *, attempts: int = 6, backoff_s: float = 0.2) -> T:
     """Run ``fn`` again when the database was busy (SQLite lock, a table-creation race)."""
     for attempt in range(attempts):
         try:
             return fn()
-        except (OperationalError, IntegrityError) as exc:
-            if attempt == attempts - 1:
+        except (OperationalError, IntegrityError, ProgrammingError) as exc:
+            raced = getattr(exc.orig, "sqlstate", None) in _CREATION_RACE_SQLSTATES
+            if attempt == attempts - 1 or (isinstance(exc, ProgrammingError) and not raced):
                 raise
             log.debug("database busy (%s); retrying", exc)
             time.sleep(backoff_s * 2**attempt)
