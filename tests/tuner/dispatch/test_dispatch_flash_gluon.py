@@ -29,7 +29,11 @@ from tests.api.serving_data import H100
 from tests.tuner.dispatch.test_dispatch import measured as measured_on
 from tests.tuner.dispatch.test_dispatch import store
 from tests.tuner.dispatch.test_dispatch_gluon_masks import on_hopper  # noqa: F401  (a fixture)
-from tests.tuner.dispatch.test_dispatch_gluon_train_masks import N_GPU, assert_trains_on_the_gpu
+from tests.tuner.dispatch.test_dispatch_gluon_train_masks import (
+    N_GPU,
+    assert_trains_on_the_gpu,
+    masked_closed_form_grads,
+)
 from tuner.dispatch.rule import Call, choose
 
 pytestmark = pytest.mark.usefixtures("no_tuned_configs", "on_hopper")
@@ -57,19 +61,16 @@ def store_pair_fastest(tmp_path: Path) -> None:
 
 @pytest.fixture
 def gluon_backward(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """The Gluon backward's calls, answered with the reference under the call's mask."""
+    """The Gluon backward's calls, answered with the closed-form gradients under the call's
+    mask (no autograd: under torch.compile the op's body runs below it)."""
     calls: list[dict[str, Any]] = []
 
     def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, ...]:
         calls.append({"o": o, "lse": lse, **kw})
-        group = q.shape[1] // k.shape[1]
-        dq, dk, dv = reference_grads(q, k.repeat_interleave(group, 1),
-                                     v.repeat_interleave(group, 1), do, causal="none",
-                                     scale=kw["scale"] or q.shape[-1] ** -0.5,
-                                     mask=kw["block_mask"].to_dense())
-        return (dq.to(q.dtype), dk.unflatten(1, (-1, group)).sum(2).to(q.dtype),
-                dv.unflatten(1, (-1, group)).sum(2).to(q.dtype))
+        grads = masked_closed_form_grads(q, k, v, do, kw["block_mask"].to_dense(),
+                                         kw["scale"] or q.shape[-1] ** -0.5)
+        return tuple(g.to(q.dtype) for g in grads)
 
     monkeypatch.setattr(flash_gluon_impl, "gluon_attention_bwd", backward)
     return calls
@@ -154,6 +155,37 @@ def test_each_of_the_pair_takes_its_own_measured_config(
         tuner.attention(q, k, v, block_mask=pattern_block_mask(PATTERN, N, N),
                         enable_gqa=True).backward(do)
     assert [c["config"] for c in gluon_backward] == [TUNED_BWD]
+
+
+def test_unmeasured_masked_training_compiles_in_one_graph(
+        gluon_backward: list[dict[str, Any]]) -> None:
+    """What an untuned masked training step on Hopper runs now (flash_gluon) traces into one
+    graph under torch.compile(fullgraph=True): its ops' fakes, the mask as their tensors;
+    the gradients the reference's, and the fakes' strides the real ones' (opcheck)."""
+    from tuner.dispatch.implementations.mask_args import Masked
+
+    q, k, v, do = leaves()
+    block_mask = pattern_block_mask(PATTERN, N, N)
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return tuner.attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v).backward(do)
+    assert [c["block_mask"].pattern for c in gluon_backward] == [PATTERN]
+    dense = block_mask.to_dense()
+    ref = reference_grads(q.detach(), k.detach(), v.detach(), do, causal="none",
+                          scale=D ** -0.5, mask=dense)
+    for t, r in zip((q, k, v), ref, strict=True):
+        assert t.grad is not None
+        torch.testing.assert_close(t.grad.float(), r.float(), atol=2e-3, rtol=2e-3)
+    inputs = [t.detach() for t in (q, k, v)]
+    args = Masked.of(inputs[0], inputs[1], None, block_mask).op_args()
+    torch.library.opcheck(torch.ops.tuner.flash_gluon_fwd.default,
+                          (*inputs, False, None, True, *args), test_utils=("test_faketensor",))
+    o, lse = torch.ops.tuner.flash_gluon_fwd(*inputs, False, None, True, *args)
+    torch.library.opcheck(torch.ops.tuner.flash_gluon_bwd.default,
+                          (do, *inputs, o, lse, False, None, True, *args),
+                          test_utils=("test_faketensor",))
 
 
 # ----------------------------------------------------------------------------- GPU
