@@ -7,6 +7,7 @@ range keeps its tiles; the constraint, the plan's key and the sweep's alternativ
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -52,20 +53,29 @@ def test_the_rows_first_keys_give_the_tiles_outputs(dtype: torch.dtype) -> None:
 
 
 def test_the_constraint_and_the_sweeps_alternative() -> None:
+    alternatives = assert_doc_offsets_defaults(TEMPLATE)
+    assert all(isinstance(c, FwdConfig) and c.doc_offsets for c in alternatives[1:])
+
+
+def assert_doc_offsets_defaults(template: Any) -> list[Any]:
+    """A forward template's doc_offsets (``template``: flash_fwd's or gluon_fwd's): refused
+    without a block mask; on in the default of a documents_causal problem, whose sweep
+    measures the default's tile path first; off for a random mask, none of whose
+    alternatives has it. Returns the documents problem's alternatives."""
     dense = Problem(1, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
-    on = dataclasses.replace(TEMPLATE.default_config(dense, H100), doc_offsets=True)
-    reason = TEMPLATE.constraint(dense, on, H100)
+    on = dataclasses.replace(template.default_config(dense, H100), doc_offsets=True)
+    reason = template.constraint(dense, on, H100)
     assert reason is not None and "doc_offsets reads a block mask" in reason
     docs = Problem(1, 16, 16, 4096, 4096, 128, "bfloat16", "none", mask="documents_causal:512")
-    default = TEMPLATE.default_config(docs, H100)
-    assert default.doc_offsets and TEMPLATE.constraint(docs, default, H100) is None
+    default = template.default_config(docs, H100)
+    assert default.doc_offsets and template.constraint(docs, default, H100) is None
     # the sweep's first alternative: the default with its tiles, so the knob is measured
-    alternatives = TEMPLATE.known_good_configs(docs, H100)
+    alternatives = template.known_good_configs(docs, H100)
     assert alternatives[0] == dataclasses.replace(default, doc_offsets=False)
-    assert all(isinstance(c, FwdConfig) and c.doc_offsets for c in alternatives[1:])
     random = dataclasses.replace(docs, mask="random:0.5")
-    assert not TEMPLATE.default_config(random, H100).doc_offsets
-    assert not any(c.doc_offsets for c in TEMPLATE.known_good_configs(random, H100))
+    assert not template.default_config(random, H100).doc_offsets
+    assert not any(c.doc_offsets for c in template.known_good_configs(random, H100))
+    return alternatives
 
 
 def test_masks_of_one_geometry_get_their_own_plans() -> None:

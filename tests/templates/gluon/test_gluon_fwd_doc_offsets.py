@@ -55,20 +55,12 @@ def test_which_masks_take_offsets_and_how_the_kernel_reads_them() -> None:
 @needs_gluon
 def test_the_constraint_the_plan_key_and_the_sweeps_alternative() -> None:
     from templates.gluon import fwd as gluon_fwd
+    from tests.templates.flash.test_flash_fwd_doc_offsets import assert_doc_offsets_defaults
 
-    dense = Problem(1, 16, 16, 4096, 4096, 128, "bfloat16", "top_left")
-    on = dataclasses.replace(TEMPLATE.default_config(dense, H100), doc_offsets=True)
-    reason = TEMPLATE.constraint(dense, on, H100)
-    assert reason is not None and "doc_offsets reads a block mask" in reason
-    docs = Problem(1, 16, 16, 4096, 4096, 128, "bfloat16", "none", mask="documents_causal:512")
-    default = TEMPLATE.default_config(docs, H100)
-    assert default.doc_offsets and TEMPLATE.constraint(docs, default, H100) is None
-    # the sweep's alternative: the default with its tiles, so the knob is measured
-    (alternative,) = TEMPLATE.known_good_configs(docs, H100)
-    assert alternative == dataclasses.replace(default, doc_offsets=False)
-    random = dataclasses.replace(docs, mask="random:0.5")
-    assert not TEMPLATE.default_config(random, H100).doc_offsets
+    assert len(assert_doc_offsets_defaults(TEMPLATE)) == 1  # the tile path alone
+    random = Problem(1, 16, 16, 4096, 4096, 128, "bfloat16", "none", mask="random:0.5")
     assert TEMPLATE.known_good_configs(random, H100) == []
+    on = dataclasses.replace(TEMPLATE.default_config(random, H100), doc_offsets=True)
     # Masks of one geometry, one whose rows take offsets and one not: two plans.
     q = torch.empty(1, 4, 3333, 128, dtype=torch.bfloat16)
     masks = _masks(3333, "cpu")
@@ -113,8 +105,10 @@ def test_doc_offsets_on_the_gpu(dtype: torch.dtype, monkeypatch: pytest.MonkeyPa
     for d, n in ((128, 3333), (64, 1500)):
         q, k, v = qkv(1, 8, 2, n, n, d, dtype, "cuda")
         problem = Problem(1, 8, 2, n, n, d, "bfloat16", "none", mask="documents_causal:512")
-        tiles = TEMPLATE.default_config(problem, device)
-        offsets = dataclasses.replace(tiles, doc_offsets=True)
+        # (the documents problem's default has doc_offsets on: the tile path is the knob off)
+        offsets = TEMPLATE.default_config(problem, device)
+        tiles = dataclasses.replace(offsets, doc_offsets=False)
+        assert offsets.doc_offsets
         for name, bm in _masks(n, "cuda").items():
             o, lse = gluon_attention_fwd(q, k, v, config=offsets, block_mask=bm)
             o_tiles, lse_tiles = gluon_attention_fwd(q, k, v, config=tiles, block_mask=bm)
