@@ -18,6 +18,8 @@ def test_the_real_row_and_its_pattern() -> None:
     # its per-token length is 1.28x the bucket's, this row's 0.87x).
     assert len(set(pattern.documents.offsets_q)) > 5
     assert real.density() < pattern.density() < 1.5 * real.density()
+    window = script.row_masks(4096, 3, 0, "cpu", window=1024)["sliding_causal:1024"]
+    assert window.pattern == "sliding_causal:1024"  # (the rows the forwards' doc_offsets read)
 
 
 def test_it_refuses_without_a_hopper_gpu() -> None:
