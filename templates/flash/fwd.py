@@ -43,11 +43,11 @@ from templates.device import (
 )
 from templates.flash import fwd_kernel as kernel
 from templates.flash import softcap as softcap_kernel
-from templates.gluon.bwd_docs import WithFirstKeys, rows_take_offsets, takes_doc_offsets
 from templates.interpreter_dtype import Float32Plan, as_float32, runs_in_float32
-from templates.masks import listed_blocks
+from templates.masks import listed_blocks, row_ranges
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.masks.mods import pattern_block_mask, pattern_problem
+from templates.masks.row_ranges import WithFirstKeys, rows_take_offsets, takes_doc_offsets
 from templates.registry import register
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -162,7 +162,7 @@ class FlashFwdTemplate(Template):
 
     def source_modules(self) -> Sequence[str]:
         return [kernel.__name__, kernel_common.__name__, listed_blocks.__name__,
-                softcap_kernel.__name__,
+                row_ranges.__name__, softcap_kernel.__name__,
                 direct_launch.__name__, tensor_maps.__name__, __name__]
 
     # -- the problem --------------------------------------------------------------------------
@@ -595,7 +595,7 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                              attn_mask=mask_view, softcap=cap)
     planned: ForwardPlan = Float32Plan(plan) if upcast else plan
     if data["doc_offsets"]:  # the rows' first keys cover every row of the query tiles
-        planned.first_key_rows = -(-q.shape[2] // cfg.BLOCK_M) * cfg.BLOCK_M  # type: ignore[union-attr]
+        planned.first_key_rows = row_ranges.tile_rows(q.shape[2], cfg.BLOCK_M)  # type: ignore[union-attr]
     return planned
 
 

@@ -293,24 +293,16 @@ def _flash_fwd_kernel(
             am_base, stride_amm, stride_amn,
             CAUSAL, CAUSAL, False, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
             HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, NUM_STAGES, DOT_PRECISION)
-        if SPARSE == 2:  # (doc_offsets) PartialTiles: the rows' first visible keys
-            acc, l_i, m_i = _attend_listed_blocks(
-                acc, l_i, m_i, q, K_base, V_base, b, kv_h,
-                stride_kn, stride_kd, stride_vn, stride_vd,
-                offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
-                PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
-                PartialTiles + m0, am_base, stride_amm, stride_amn,
-                True, CAUSAL, 2, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
-        else:
-            acc, l_i, m_i = _attend_listed_blocks(
-                acc, l_i, m_i, q, K_base, V_base, b, kv_h,
-                stride_kn, stride_kd, stride_vn, stride_vd,
-                offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
-                PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
-                PartialTiles, am_base, stride_amm, stride_amn,
-                True, CAUSAL, True, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
-                HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
+        # TILE = SPARSE: 1 the uint8 tiles, 2 (doc_offsets) PartialTiles is the rows' first
+        # visible keys, read from this tile's first row on.
+        acc, l_i, m_i = _attend_listed_blocks(
+            acc, l_i, m_i, q, K_base, V_base, b, kv_h,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, m0 % MASK_BLOCK_Q, N_Q, N_KV, causal_offset, qk_scale, softcap2,
+            PartialCount + counts, PartialIndices + lists, PartialTileIds + lists,
+            PartialTiles + m0 * (SPARSE - 1), am_base, stride_amm, stride_amn,
+            True, CAUSAL, SPARSE, ATTN_MASK, SOFTCAP, MASK_BLOCK_Q, MASK_BLOCK_KV,
+            HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, MASKED_LOOP_STAGES, DOT_PRECISION)
     else:
         # The KV range of this tile: [0, full_end) needs no mask, [full_end, kv_end) does.
         if CAUSAL:

@@ -41,8 +41,6 @@ from templates.device import DeviceInfo
 from templates.flash.bwd import TEMPLATE as FLASH_BWD
 from templates.flash.bwd_plan import block_mask_key
 from templates.flash.fwd import check_block_mask
-from templates.gluon import bwd_docs
-from templates.gluon.bwd_docs import causal_window, takes_offsets
 from templates.gluon.bwd_plan import GluonBackwardPlan
 from templates.gluon.fwd import StandinBlockMask
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
@@ -52,8 +50,10 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
     load_kernel_module,
     problem_of,
 )
+from templates.masks import row_ranges
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
 from templates.masks.patterns import parse_pattern
+from templates.masks.row_ranges import causal_window, takes_offsets
 from templates.registry import register
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
@@ -456,7 +456,7 @@ class GluonBwdTemplate(GluonTemplate):
     def source_modules(self) -> list[str]:
         mods = list(super().source_modules())
         if ws_kernel is not None:
-            mods[:0] = ["templates.gluon.bwd_tile_order", ws_kernel.__name__, bwd_docs.__name__]
+            mods[:0] = ["templates.gluon.bwd_tile_order", ws_kernel.__name__, row_ranges.__name__]
         if split_kernel is not None:  # (its persistent plan's host schedule first)
             mods[:0] = ["templates.gluon.schedule", split_kernel.__name__]
         return mods
@@ -641,8 +641,8 @@ def _causal_documents(problem: Problem) -> bool:
 
 def _causal_window(problem: Problem) -> bool:
     """Whether ``problem``'s mask is a causal sliding window over as many queries as keys
-    (window_offsets'; the rule ``bwd_docs.causal_window`` reads a mask by)."""
-    return bwd_docs.pattern_window(problem.mask, problem.seqlen_q,
+    (window_offsets'; the rule ``row_ranges.causal_window`` reads a mask by)."""
+    return row_ranges.pattern_window(problem.mask, problem.seqlen_q,
                                    problem.seqlen_kv) is not None
 
 
@@ -788,7 +788,7 @@ def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def _takes_first_keys(cfg: GluonBwdConfig, block_mask: BlockMask | None) -> bool:
-    """Whether the call's partial blocks go by the rows' first keys (``bwd_docs``): the
+    """Whether the call's partial blocks go by the rows' first keys (``masks.row_ranges``): the
     config's doc_offsets for a mask of causal documents, its window_offsets for a causal
     sliding window."""
     return ((cfg.doc_offsets and takes_offsets(block_mask))

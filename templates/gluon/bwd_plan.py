@@ -26,7 +26,7 @@ import torch
 
 from templates.compile.direct_launch import DirectLaunch, PlannedDescriptor, current_stream
 from templates.compile.launch_device import LaunchDevice
-from templates.gluon.bwd_docs import row_first_keys
+from templates.masks.row_ranges import row_first_keys
 
 __all__ = ["GluonBackwardPlan"]
 

@@ -548,7 +548,7 @@ def _ws_step(dk, dv, q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
 
     DOCS (gluon_bwd's ``doc_offsets``, a mask of causal packed documents): a partial block's
     visibility is computed instead of read: ``tile_base`` is then the int32 first key of
-    every query row's document (``bwd_docs``), and key j is visible to query i iff
+    every query row's document (``masks.row_ranges``), and key j is visible to query i iff
     first[i] <= j <= i.
 
     DQ_EARLY (gluon_bwd's ``dq_early``): the dQ GEMM is issued before dK's, and its tile is
@@ -933,7 +933,7 @@ class WsLaunchPlan(LaunchPlan):
     its ``block_size`` (KV, query) and ``kernel_args()``), None for a dense or causal one.
     ``docs``: the mask is causal self-attention documents or a causal window and the
     config's ``doc_offsets`` or ``window_offsets`` asks for it: each launch then passes the
-    rows' first visible keys (``bwd_docs``) where the partial tiles go (``main_args``'
+    rows' first visible keys (``masks.row_ranges``) where the partial tiles go (``main_args``'
     ``doc_first``)."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
@@ -1046,7 +1046,7 @@ class WsLaunchPlan(LaunchPlan):
                   ) -> list[Any]:
         """The main launch's arguments; ``dq_counters``: the call's zeroed counters
         (``dq_counters``) where the plan is deterministic, made here if not given;
-        ``doc_first``: with ``docs``, the rows' document starts (``bwd_docs.row_first_keys``
+        ``doc_first``: with ``docs``, the rows' document starts (``row_ranges.row_first_keys``
         of ``rows_pad`` rows)."""
         args = super().main_args(q, k, v, do, dk, dv, dq_accum, lse2, delta)
         # The parent's list holds dq_accum itself after the eight descriptors: this kernel

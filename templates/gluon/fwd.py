@@ -36,7 +36,6 @@ from templates.compile.standin_tensor import StandinTensor
 from templates.device import DeviceInfo
 from templates.flash.fwd import check_block_mask, pattern_mask
 from templates.gluon import schedule as gluon_schedule
-from templates.gluon.bwd_docs import WithFirstKeys, rows_take_offsets, takes_doc_offsets
 from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: re-exported
     DTYPE_NAMES,
     TORCH_DTYPES,
@@ -44,7 +43,9 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
     load_kernel_module,
     problem_of,
 )
+from templates.masks import row_ranges
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.masks.row_ranges import WithFirstKeys, rows_take_offsets, takes_doc_offsets
 from templates.registry import register
 
 kernel, GLUON_MISSING = load_kernel_module("templates.gluon.fwd_kernel")
@@ -147,7 +148,7 @@ class GluonFwdConfig(KernelConfig):
         "a row) instead of read from its uint8 tile (a byte per score, loaded by the "
         "consumer warps under the softmax); other masks keep their tiles. Measured 1.46x on "
         "16k packed documents, 1.35x at 64k, 1.14-1.22x on causal windows (H200, d128): on "
-        "by default under a block mask (DOC_OFFSETS_MASKS), where it reads no tile at all.")
+        "by default under a block mask.")
 
 
 def rows_per_consumer(config: GluonFwdConfig) -> int:
@@ -200,7 +201,7 @@ class GluonFwdTemplate(GluonTemplate):
     def source_modules(self) -> Sequence[str]:
         # The kernel module launches through these (inlined into the standalone source too).
         return [*super().source_modules(), direct_launch.__name__, tensor_maps.__name__,
-                gluon_schedule.__name__]
+                gluon_schedule.__name__, row_ranges.__name__]
 
     # -- the problem --------------------------------------------------------------------------
     def flops(self, problem: Problem) -> float:
@@ -521,7 +522,7 @@ def standin_launch(problem: Problem, config: GluonFwdConfig, diag: int = 0) -> K
                              scale=1.0 / math.sqrt(problem.head_dim), config=data,
                              diag=diag, block_mask=block_mask)
     if data["doc_offsets"]:  # the rows' first keys (int32) where the tiles go
-        rows = -(-problem.seqlen_q // config.BLOCK_M) * config.BLOCK_M
+        rows = row_ranges.tile_rows(problem.seqlen_q, config.BLOCK_M)
         block_mask = _StandinFirstKeys(block_mask, StandinTensor(torch.int32, [rows]))
     # (As the plan allocates them: packed GQA runs on (B, H_kv, group x N_q) rows.)
     o = StandinTensor(dtype, list(plan.out_shape))
@@ -641,8 +642,8 @@ def _validated_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     plan = kernel.LaunchPlan(q, k, causal_mode=causal_mode, scale=softmax_scale,
                              config=data, block_mask=block_mask)
     # (doc_offsets) the rows' first keys cover every row of the grid's query tiles.
-    tiles = -(-q.shape[2] // cfg.BLOCK_M)
-    plan.first_key_rows = tiles * cfg.BLOCK_M if data["doc_offsets"] else 0
+    plan.first_key_rows = (row_ranges.tile_rows(q.shape[2], cfg.BLOCK_M)
+                           if data["doc_offsets"] else 0)
     plan.copy_inputs = any(kernel.tma_layout_problem(t, name) is not None
                            for name, t in (("q", q), ("k", k), ("v", v)))
     return plan

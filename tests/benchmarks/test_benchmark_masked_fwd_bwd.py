@@ -224,8 +224,8 @@ def test_rows_are_chosen_by_head_dim_length_and_pattern_prefix(bench: ModuleType
 def test_the_masks_carry_what_callers_masks_carry(bench: ModuleType) -> None:
     """The sliding rows' masks are the named pattern they claim (the same pairs), and the
     document rows' masks carry the documents their rule packs."""
-    from templates.gluon.bwd_docs import causal_window, row_first_keys, takes_offsets
     from templates.masks.mods import pattern_block_mask
+    from templates.masks.row_ranges import causal_window, row_first_keys, takes_offsets
 
     sliding = bench.prepare(bench.SMOKE, 32, 128, "sliding-causal:40")
     assert causal_window(sliding.block_mask) == 41

@@ -1,5 +1,5 @@
 """gluon_bwd's ``doc_offsets`` and ``window_offsets``: a mask of causal packed documents, or a
-causal sliding window, run by its rows' first visible keys (templates/gluon/bwd_docs.py)
+causal sliding window, run by its rows' first visible keys (templates/masks/row_ranges.py)
 instead of its partial tiles. On the CPU: the first keys are the mask exactly, which masks
 qualify, the knobs' constraints, the offline sm_90 build; on a Hopper GPU: gradients against
 the reference and against the tiles' path."""
@@ -15,15 +15,15 @@ import torch
 from templates.base import Problem
 from templates.compile.offline_target import TARGETS
 from templates.gluon.bwd import GLUON_MISSING, TEMPLATE, GluonBwdConfig
-from templates.gluon.bwd_docs import (
+from templates.masks.block_mask import BlockMask
+from templates.masks.documents import document_block_mask
+from templates.masks.mods import pattern_block_mask
+from templates.masks.row_ranges import (
     PAST_EVERY_KEY,
     causal_window,
     row_first_keys,
     takes_offsets,
 )
-from templates.masks.block_mask import BlockMask
-from templates.masks.documents import document_block_mask
-from templates.masks.mods import pattern_block_mask
 from tests.templates.gluon.gluon_checks import check_bwd_like, compile_reports, is_hopper
 
 H100 = TARGETS["h100"]

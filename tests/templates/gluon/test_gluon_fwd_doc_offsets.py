@@ -34,7 +34,7 @@ def _masks(n: int, device: str) -> dict[str, Any]:
 
 @needs_gluon
 def test_which_masks_take_offsets_and_how_the_kernel_reads_them() -> None:
-    from templates.gluon.bwd_docs import PAST_EVERY_KEY, WithFirstKeys, rows_take_offsets
+    from templates.masks.row_ranges import PAST_EVERY_KEY, WithFirstKeys, rows_take_offsets
 
     masks = _masks(3333, "cpu")
     assert rows_take_offsets(masks["documents"])

@@ -1,13 +1,12 @@
-"""The Gluon backward's view of a mask whose rows each see one causal range of keys: per
-query row, its first visible key, so that a partial block's visibility is computed (key j
-visible to query i iff first[i] <= j <= i) instead of read from its uint8 tile, a byte per
-(key, query) loaded every step.
+"""A mask whose rows each see one causal range of keys, as the kernels read it: per query row,
+its first visible key, so that a partial block's visibility is computed (key j visible to
+query i iff first[i] <= j <= i) instead of read from its uint8 tile, a byte per (key, query).
 
-Two kinds of mask are that rule exactly: causal packed documents (``gluon_bwd``'s
-``doc_offsets``; ``BlockMask.documents`` causal, queries and keys at the same offsets: first[i]
-is the row's document start) and the causal sliding window ``sliding_causal:<w>`` over queries
-and keys alike (``window_offsets``; ``BlockMask.pattern``: first[i] = max(0, i - w + 1)).
-Any other mask keeps its tiles.
+Two kinds of mask are that rule exactly: causal packed documents (``BlockMask.documents``
+causal, queries and keys at the same offsets: first[i] is the row's document start) and the
+causal sliding window ``sliding_causal:<w>`` over queries and keys alike (``BlockMask.pattern``:
+first[i] = max(0, i - w + 1)). Both forwards' ``doc_offsets`` read them (``WithFirstKeys``),
+and the Gluon backward's ``doc_offsets`` / ``window_offsets``. Any other mask keeps its tiles.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ from templates.compile.plan_cache import PlanCache
 from templates.masks.patterns import parse_pattern
 
 __all__ = ["PAST_EVERY_KEY", "WithFirstKeys", "causal_window", "pattern_window",
-           "row_first_keys", "rows_take_offsets", "takes_doc_offsets", "takes_offsets"]
+           "row_first_keys", "rows_take_offsets", "takes_doc_offsets", "takes_offsets",
+           "tile_rows"]
 
 # A padded row's "first key": past every key, so it sees none (its gradients add nothing).
 PAST_EVERY_KEY = 2**30
@@ -81,6 +81,12 @@ def row_first_keys(block_mask: Any, rows: int) -> torch.Tensor:
     first = first.to(device)
     _FIRST_KEYS.put(key, first)
     return first
+
+
+def tile_rows(seqlen_q: int, block_m: int) -> int:
+    """How many rows' first keys a forward whose query tiles are ``block_m`` rows reads:
+    every row of its tiles, the padding past ``seqlen_q`` included (``PAST_EVERY_KEY``)."""
+    return -(-seqlen_q // block_m) * block_m
 
 
 def takes_doc_offsets(problem: Any) -> bool:
