@@ -24,6 +24,18 @@ def test_the_document_lengths_are_in_range_and_fill_the_row() -> None:
         bench.document_lengths(1000, 13)
 
 
+@pytest.mark.parametrize(("tokens", "docs"), [(65536, 52), (16384, 60)])
+def test_many_short_documents_are_drawn_in_bounded_time(tokens: int, docs: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose mean length is far below the range's (52 documents in 64k took 9 million
+    whole-range draws): after DRAWS of them, drawn from a range of the row's mean."""
+    bench = load_benchmark_script("varlen_bench")
+    monkeypatch.setattr(bench, "DRAWS", 1000)
+    lengths = bench.document_lengths(tokens, docs)
+    assert len(lengths) == docs and sum(lengths) == tokens
+    assert all(bench.MIN_DOC <= n <= bench.MAX_DOC for n in lengths)
+
+
 @pytest.mark.slow
 def test_smoke_checks_and_times_every_cpu_candidate(tmp_path: Path) -> None:
     out = tmp_path / "varlen.json"

@@ -25,8 +25,8 @@ The rule (docs/DISPATCH.md):
 * A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``),
   compiled FlexAttention (``flex``) and, forward only on Hopper, the Gluon forward (``gluon``)
   on its own bucket: the fastest priced runs where ours is priced; otherwise ours, what ran
-  before Flex was a candidate (for a gradient on Hopper, our forward with the Gluon backward:
-  ``BLOCK_MASK_TRAINING_BASELINE``).
+  before Flex was a candidate (on Hopper by head dim and mask: ``block_mask_baseline``). Packed documents have torch's varlen as their baseline
+  where our untuned kernels were not measured faster than it (``DOCUMENTS_OURS_UNMEASURED``).
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
 the process's answers for their buckets (``tuner.lookup.resolver``: stable within a process), so a
@@ -46,6 +46,7 @@ from dataclasses import replace
 
 from templates.base import Problem, Template
 from templates.device import DeviceInfo
+from templates.masks.row_ranges import takes_doc_offsets
 from templates.registry import get_template
 from tuner.dispatch.implementations.base import Choice, Estimate, Implementation
 from tuner.dispatch.implementations.call import Call
@@ -75,19 +76,32 @@ BASELINE = "sdpa"  # what a user's code ran before tuner.attention: it runs when
 # What ran a block-mask call before FlexAttention was a candidate (our block-sparse kernels,
 # which beat Flex's forward on the H100): it runs a block-mask call when unmeasured.
 BLOCK_MASK_BASELINE = "flash"
-# The same for a gradient where it serves the call (Hopper, the mask's own causality, a head
-# dim and dtype its templates take): our Triton forward with the Gluon backward. Untuned on the
-# H200 it trained 1.12-1.43x faster than compiled Flex on every block-mask row measured (d64
-# and d128, 4k-32k tokens, causal windows, packed documents, random blocks;
-# masked_fwd_bwd_h200_*fwd_doc_offsets.json), where flash's Triton backward ran 1.25-1.36x
-# slower than Flex (issue 40's table): both are ours, and a sweep still prices all three.
-BLOCK_MASK_TRAINING_BASELINE = "flash_gluon"
+# The same for a gradient, by head dim, the first of the pair that serves the call (Hopper, the
+# mask's own causality, a head dim and dtype its templates take): our two pairs with the Gluon
+# backward. Untuned on the H200 both trained 1.10-1.43x faster than compiled Flex on every
+# block-mask row measured (d64 and d128, 4k-32k tokens, causal windows, packed documents,
+# random blocks), where flash's Triton backward ran 1.25-1.36x slower than Flex (issue 40's
+# table). The Gluon forward's pair (gluon_train) read 1-5% faster at d128 on every row but
+# documents (tied), the Triton forward's (flash_gluon) 2-8% faster at d64 but on random blocks
+# (masked_fwd_bwd_h200_session14.json, varlen_h200_16k_*.json). A sweep still prices all.
+BLOCK_MASK_TRAINING_BASELINES = {64: ("flash_gluon", "gluon_train"),
+                                 128: ("gluon_train", "flash_gluon")}
+# Without a gradient at d128 under causal documents or a causal window (each row sees one range
+# of keys: ``row_ranges.takes_doc_offsets``), the Gluon forward where it serves: untuned on the
+# H200 it read 1.10-1.21x faster than the Triton forward there (16k-64k tokens, 32/16 and 32/8
+# heads; docs_fwd_doc_offsets_h200_*.json, varlen_h200_*.json); at d64 the Triton forward read
+# 1.27x faster (packed documents, 16k), and under other masks the two were not compared.
+BLOCK_MASK_INFERENCE_BASELINE_D128 = "gluon"
 # What packed documents ran without us (FlashAttention's varlen kernels, as torch's varlen_attn
-# runs them), where it can serve the call: it runs a documents mask problem when unmeasured.
-# Untuned on the H200 (13 documents in 16k tokens; docs/PERFORMANCE.md "Packed sequences") our
-# defaults' forward read 1.42x faster than it, forward + backward 1.12x slower: as for dense
-# calls, ours runs where a sweep measured it faster, never on a guess.
+# runs them), where it can serve the call: it runs a documents mask problem when unmeasured,
+# except on the architectures in DOCUMENTS_OURS_UNMEASURED, where our untuned kernels were
+# measured faster than it. On the H200 (documents of 200-4000 tokens packed 13 in 16k and 52 in
+# 64k; d128 32/16 and 32/8 heads, d64 32/16; varlen_h200_*.json) what runs untuned here (the
+# forward by block_mask_baseline, Gluon at d128 and Triton at d64) read 1.66-1.79x its speed,
+# the training pair 1.37-1.57x; elsewhere it stays the baseline until measured (ours must be
+# measured faster to run there).
 DOCUMENTS_BASELINE = "torch_varlen"
+DOCUMENTS_OURS_UNMEASURED = frozenset({"hopper"})
 # What transformers runs for softcapped scores, which SDPA cannot compute: eager attention.
 SOFTCAP_BASELINE = "eager"
 
@@ -209,27 +223,45 @@ def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...
                   neighbour=verdict.neighbour, verdict=verdict)
 
 
+def block_mask_baseline(call: Call) -> str:
+    """What runs a block-mask call whose problem nothing priced: for a gradient, the first of
+    ``BLOCK_MASK_TRAINING_BASELINES`` (by head dim: the d64 order below 128) that serves the
+    call; without one, ``BLOCK_MASK_INFERENCE_BASELINE_D128`` where it applies and serves;
+    else ``BLOCK_MASK_BASELINE``."""
+    wide = call.problem.head_dim >= 128
+    if call.needs_grad:
+        order: tuple[str, ...] = BLOCK_MASK_TRAINING_BASELINES[128 if wide else 64]
+    elif wide and takes_doc_offsets(call.problem):
+        order = (BLOCK_MASK_INFERENCE_BASELINE_D128,)
+    else:
+        order = ()
+    for name in order:
+        if get_implementation(name).why_not(call) is None:
+            return name
+    return BLOCK_MASK_BASELINE
+
+
 def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     """A block-mask problem (``Problem.mask`` a named pattern): the implementations serving it
     (ours, ``flash``, compiled FlexAttention, ``flex``, and without a gradient on Hopper the
     Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own
-    bucket. Ours priced: the fastest priced runs. Ours not priced: ours, as before Flex was a
-    candidate (no neighbour is consulted: a mask's ratio on another shape
-    is no measurement of this one). Packed documents (``document:<n>``, ``documents:<L>``,
-    ``documents_causal:<L>``) that torch's varlen kernels can run have those as the baseline
-    instead (``DOCUMENTS_BASELINE``): what such calls ran without us, so ours and Flex run
-    only where measured faster."""
+    bucket. Ours priced: the fastest priced runs. Ours not priced: ours
+    (``block_mask_baseline``), as before Flex was a candidate (no neighbour is consulted: a
+    mask's ratio on another shape is no measurement of this one). Packed documents
+    (``document:<n>``, ``documents:<L>``, ``documents_causal:<L>``) that torch's varlen
+    kernels can run have those as the baseline instead (``DOCUMENTS_BASELINE``), what such
+    calls ran without us, except where our untuned kernels were measured faster than them
+    (``DOCUMENTS_OURS_UNMEASURED``)."""
     # Its why_not refuses every mask but packed documents (its templates' ``unsupported``),
     # the CPU, a torch without varlen_attn, capped scores.
-    if get_implementation(DOCUMENTS_BASELINE).why_not(call) is None:
+    if (call.device.family not in DOCUMENTS_OURS_UNMEASURED
+            and get_implementation(DOCUMENTS_BASELINE).why_not(call) is None):
         return _decide_on_own_bucket(
             call, resolve, DOCUMENTS_BASELINE, "torch's varlen_attn",
             "torch's varlen_attn not measured for these packed documents on this device: "
             "running it (FlashAttention's varlen kernels, what packed documents ran without "
             "us)")
-    unpriced = BLOCK_MASK_BASELINE
-    if call.needs_grad and get_implementation(BLOCK_MASK_TRAINING_BASELINE).why_not(call) is None:
-        unpriced = BLOCK_MASK_TRAINING_BASELINE
+    unpriced = block_mask_baseline(call)
     return _decide_on_own_bucket(
         call, resolve, BLOCK_MASK_BASELINE, "our block-sparse kernels",
         f"our block-sparse kernels not measured for this mask problem on this device: running "

@@ -188,17 +188,39 @@ def test_unmeasured_masked_training_compiles_in_one_graph(
                           test_utils=("test_faketensor",))
 
 
+@pytest.mark.parametrize(("pattern", "head_dim", "runs"), [
+    # d128: the Gluon forward's pair trains; the Gluon forward infers where each row sees one
+    # range of keys, the Triton forward elsewhere (the two not compared there)
+    ("sliding_causal:4096", 128, {True: "gluon_train", False: "gluon"}),
+    ("documents_causal:2048", 128, {True: "gluon_train", False: "gluon"}),
+    ("random:0.1", 128, {True: "gluon_train", False: "flash"}),
+    # d64: the Triton forward both ways, with the Gluon backward for a gradient
+    ("sliding_causal:4096", 64, {True: "flash_gluon", False: "flash"}),
+    ("random:0.1", 64, {True: "flash_gluon", False: "flash"}),
+])
+def test_unmeasured_block_masks_run_the_baseline_of_their_head_dim(
+        pattern: str, head_dim: int, runs: dict[bool, str]) -> None:
+    problem = Problem(batch=1, heads_q=32, heads_kv=8, seqlen_q=8192, seqlen_kv=8192,
+                      head_dim=head_dim, dtype="bfloat16", causal="none", mask=pattern)
+    for needs_grad, name in runs.items():
+        choice = choose(Call(problem, needs_grad, H100))
+        assert choice.implementation.name == name, choice.why
+        assert "not measured" in choice.why
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern", ["sliding_causal:300", "documents_causal:512",
                                      "random:0.3"])
-def test_unmeasured_it_trains_masks_on_the_gpu(pattern: str) -> None:
+@pytest.mark.parametrize(("head_dim", "runs"), [(128, "gluon_train"), (64, "flash_gluon")])
+def test_unmeasured_it_trains_masks_on_the_gpu(pattern: str, head_dim: int, runs: str) -> None:
     """Nothing measured: the real kernels (no recorders, nothing forced) train a named mask
-    through flash_gluon, the forward by its rows' first keys where the mask allows it;
-    dq, dk, dv against the autograd reference."""
+    through the head dim's baseline pair (packed documents too, though this torch has
+    varlen_attn: on Hopper ours was measured faster), the forward by its rows' first keys
+    where the mask allows it; dq, dk, dv against the autograd reference."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         pytest.skip("the Gluon backward needs a Hopper GPU")
     problem = Problem(batch=2, heads_q=8, heads_kv=2, seqlen_q=N_GPU, seqlen_kv=N_GPU,
-                      head_dim=128, dtype="bfloat16", causal="none", mask=pattern)
-    assert choose(Call(problem, True, current_device(0))).implementation.name == "flash_gluon"
-    assert_trains_on_the_gpu(pattern)
+                      head_dim=head_dim, dtype="bfloat16", causal="none", mask=pattern)
+    assert choose(Call(problem, True, current_device(0))).implementation.name == runs
+    assert_trains_on_the_gpu(pattern, head_dim)

@@ -292,16 +292,16 @@ def test_forced_gluon_train_matches_the_reference_on_the_gpu(pattern: str) -> No
 N_GPU = 1100  # rows of the GPU tests: not a multiple of any tile
 
 
-def assert_trains_on_the_gpu(pattern: str) -> None:
+def assert_trains_on_the_gpu(pattern: str, head_dim: int = 128) -> None:
     """One GQA (8 query / 2 KV heads) bf16 training call under ``pattern``'s named mask
     through ``tuner.attention`` on the GPU: dq, dk, dv against the autograd reference."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(2, heads, N_GPU, 128, generator=gen, device="cuda",
+    q, k, v, do = (torch.randn(2, heads, N_GPU, head_dim, generator=gen, device="cuda",
                                dtype=torch.bfloat16) for heads in (8, 2, 2, 8))
     block_mask = pattern_block_mask(pattern, N_GPU, N_GPU, device="cuda")
     leaves_ = [t.detach().requires_grad_() for t in (q, k, v)]
     tuner.attention(*leaves_, block_mask=block_mask, enable_gqa=True).backward(do)
-    ref = reference_grads(q, k, v, do, causal="none", scale=128 ** -0.5,
+    ref = reference_grads(q, k, v, do, causal="none", scale=head_dim ** -0.5,
                           mask=block_mask.to_dense())
     for t, r in zip(leaves_, ref, strict=True):
         assert t.grad is not None and float(t.grad.abs().max()) > 0

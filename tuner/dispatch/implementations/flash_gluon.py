@@ -31,7 +31,11 @@ from tuner.dispatch.implementations.flash import (
     runs_triton,
 )
 from tuner.dispatch.implementations.gluon import GLUON, backward_of
-from tuner.dispatch.implementations.gluon_train import MASKED_BACKWARD, gluon_backward_mask
+from tuner.dispatch.implementations.gluon_train import (
+    MASK_CAUSALITY,
+    MASKED_BACKWARD,
+    gluon_backward_mask,
+)
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import TrainingOp, grads_fake, in_op_layout
 from tuner.dispatch.implementations.registry import register_implementation
@@ -60,8 +64,7 @@ class FlashGluon(Implementation):
         if call.problem.softcap:
             return "the Gluon backward does not cap scores"
         if call.problem.causal != "none":
-            return ("the Gluon backward takes a block mask's own causality: pass "
-                    "is_causal=False with a causal mask (e.g. the *_causal patterns)")
+            return f"the Gluon backward {MASK_CAUSALITY}"
         return GLUON.serves(call) or runs_triton(call)
 
     def mask_refusal(self, block_size: tuple[int, int], needs_grad: bool, choice: Choice

@@ -42,6 +42,10 @@ from tuner.lookup.resolver import keep_config, resolve_config
 __all__ = ["GluonTrain"]
 
 TRAINING_TEMPLATE = "gluon_train"
+# Why a block mask with is_causal=True on top is refused (the Gluon backward walks the mask's
+# blocks and nothing else), after "<who>'s backward " or "the Gluon backward ".
+MASK_CAUSALITY = ("takes a block mask's own causality: pass is_causal=False with a causal "
+                  "mask (e.g. the *_causal patterns)")
 # The backward kernel a block mask runs (gluon_bwd's default for a mask is one of these).
 MASKED_BACKWARD = GluonBwdConfig(warp_specialize=True)
 # The backward under torch.use_deterministic_algorithms: the warp-specialized kernel with dQ
@@ -70,6 +74,8 @@ class GluonTrain(Implementation):
             reason = repeatable_refusal(call)
             if reason:
                 return reason
+        if call.problem.mask != "none" and call.problem.causal != "none":
+            return f"the Gluon backward {MASK_CAUSALITY}"
         return GLUON.serves(call)
 
     def mask_refusal(self, block_size: tuple[int, int], needs_grad: bool, choice: Choice
@@ -129,8 +135,7 @@ def gluon_backward_mask(name: str, mask: Masked, is_causal: bool) -> BlockMask:
     if mask.block_mask is None:
         raise ValueError(f"{name} runs block masks, not an elementwise attn_mask")
     if is_causal:
-        raise ValueError(f"{name}'s backward takes a block mask's own causality: pass "
-                         "is_causal=False with a causal mask (e.g. the *_causal patterns)")
+        raise ValueError(f"{name}'s backward {MASK_CAUSALITY}")
     return mask.block_mask
 
 
