@@ -94,14 +94,14 @@ BLOCK_MASK_TRAINING_BASELINES = {64: ("flash_gluon", "gluon_train"),
 BLOCK_MASK_INFERENCE_BASELINE_D128 = "gluon"
 # What packed documents ran without us (FlashAttention's varlen kernels, as torch's varlen_attn
 # runs them), where it can serve the call: it runs a documents mask problem when unmeasured,
-# except on the architectures in DOCUMENTS_OURS_UNMEASURED, where our untuned kernels were
-# measured faster than it. On the H200 (documents of 200-4000 tokens packed 13 in 16k and 52 in
+# except on the architectures and head dims in DOCUMENTS_OURS_UNMEASURED, where our untuned
+# kernels were measured faster than it. On the H200 (documents of 200-4000 tokens packed 13 in 16k and 52 in
 # 64k; d128 32/16 and 32/8 heads, d64 32/16; varlen_h200_*.json) what runs untuned here (the
 # forward by block_mask_baseline, Gluon at d128 and Triton at d64) read 1.66-1.79x its speed,
 # the training pair 1.37-1.57x; elsewhere it stays the baseline until measured (ours must be
 # measured faster to run there).
 DOCUMENTS_BASELINE = "torch_varlen"
-DOCUMENTS_OURS_UNMEASURED = frozenset({"hopper"})
+DOCUMENTS_OURS_UNMEASURED = {"hopper": frozenset({64, 128})}
 # What transformers runs for softcapped scores, which SDPA cannot compute: eager attention.
 SOFTCAP_BASELINE = "eager"
 
@@ -254,7 +254,9 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     (``DOCUMENTS_OURS_UNMEASURED``)."""
     # Its why_not refuses every mask but packed documents (its templates' ``unsupported``),
     # the CPU, a torch without varlen_attn, capped scores.
-    if (call.device.family not in DOCUMENTS_OURS_UNMEASURED
+    ours_measured_faster = call.problem.head_dim in DOCUMENTS_OURS_UNMEASURED.get(
+        call.device.family, ())
+    if (not ours_measured_faster
             and get_implementation(DOCUMENTS_BASELINE).why_not(call) is None):
         return _decide_on_own_bucket(
             call, resolve, DOCUMENTS_BASELINE, "torch's varlen_attn",

@@ -287,6 +287,9 @@ def test_on_hopper_unmeasured_documents_run_ours(monkeypatch: pytest.MonkeyPatch
                         resolve=nothing, margin=0.03)
         assert choice.implementation.name == name, choice.why
         assert "not measured" in choice.why and name in choice.why
+    # A head dim ours was not measured against it at: it stays the baseline on Hopper too.
+    d256 = decide(Call(docs_problem(head_dim=256), True, H100), resolve=nothing, margin=0.03)
+    assert d256.implementation.name == "torch_varlen", d256.why
     # Ours priced and torch's varlen priced faster: it runs, on Hopper too.
     varlen_faster = priced({"flash_fwd": 200.0, "torch_varlen": 400.0})
     choice = decide(Call(docs_problem(), False, H100), resolve=varlen_faster, margin=0.03)
