@@ -286,7 +286,9 @@ def dispatcher_choice(args: argparse.Namespace, lengths: list[int], dtype: torch
     return f"{choice.implementation.name}: {choice.why}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def model_parser() -> argparse.ArgumentParser:
+    """The flags of the model and its packed row (e2e_profile.py's ``--kind packed`` takes
+    their defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=4096)
@@ -299,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-doc", type=int, default=200, help="shortest document")
     parser.add_argument("--max-doc", type=int, default=4000, help="longest document")
     parser.add_argument("--seed", type=int, default=0, help="document lengths' seed")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_parser()
     parser.add_argument("--impls", help="comma-separated: sdpa (always), tuner, "
                                         "tuner+cu_seq_lens, tuner:<implementation> (forced), "
                                         f"flex_attention (GPU only); default: {GPU_IMPLS} "

@@ -6,9 +6,15 @@ time. GPU only.
     python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind sliding --train  # a step
     python benchmarks/e2e_profile.py --db sqlite:///tuner.db --kind llama --decode 16 --tokens 2048
     python benchmarks/e2e_profile.py --kind gemma2 --force flash   # softcapped, against eager
+    python benchmarks/e2e_profile.py --kind packed --train          # e2e_packed.py's step
 
 ``--kind gemma2``: e2e_softcap.py's Gemma-2-style model (softcapped scores, head dim 256),
 whose baseline is ``"eager"`` (SDPA cannot cap scores); ``--force`` runs one implementation.
+
+``--kind packed``: e2e_packed.py's model on its packed row of documents (its defaults: 16k
+tokens, ``position_ids`` restarting per document), whose "sdpa" gets a dense block-diagonal
+mask; ``--tokens`` sets the row's length. Each run also prints the step's total GPU time,
+to set the attention kernels in the tables against.
 
 ``--decode N``: a greedy ``generate`` of N tokens after a prompt of ``--tokens``; it also
 counts, for "tuner", the attention calls that came with a mask (transformers' mask function
@@ -29,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import e2e_packed  # noqa: E402
 from e2e_hf import LLAMA, build  # noqa: E402
 from e2e_softcap import GEMMA2  # noqa: E402
 from e2e_softcap import build as build_gemma2  # noqa: E402
@@ -37,10 +44,18 @@ import tuner  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 
 
-def step(model: torch.nn.Module, ids: torch.Tensor, train: bool, decode: int = 0) -> None:
+def step(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tensor], train: bool,
+         decode: int = 0) -> None:
     """A prefill, a training step (loss backward, gradients dropped), or a greedy generate of
-    ``decode`` tokens."""
-    if decode:
+    ``decode`` tokens; ``ids`` a packed row's batch (``--kind packed``: its own labels)."""
+    if isinstance(ids, dict):
+        if train:
+            model(**ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                model(**ids)
+    elif decode:
         with torch.no_grad():
             model.generate(ids, max_new_tokens=decode, min_new_tokens=decode, do_sample=False)
     elif train:
@@ -54,10 +69,11 @@ def step(model: torch.nn.Module, ids: torch.Tensor, train: bool, decode: int = 0
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--db", help="database of tuned configs")
-    parser.add_argument("--kind", default="sliding", choices=("llama", "sliding", "gemma2"))
+    parser.add_argument("--kind", default="sliding", choices=("llama", "sliding", "gemma2", "packed"))
     parser.add_argument("--force", help="run this implementation for every attention call "
                         "(tuner.use_implementation), e.g. flash")
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--tokens", type=int,
+                        help="the prompt's tokens (8192), or the packed row's (16384)")
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--train", action="store_true",
@@ -68,6 +84,8 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=0,
                         help="profile a generate of this many tokens after the prompt")
     args = parser.parse_args()
+    if args.tokens is None:
+        args.tokens = 16384 if args.kind == "packed" else 8192
     if args.db:
         os.environ["TUNER_DATABASE_URL"] = args.db
         from tuner.lookup.resolver import set_resolver
@@ -76,11 +94,20 @@ def main() -> int:
     calls = _count_masked_calls()
     dims = GEMMA2 if args.kind == "gemma2" else LLAMA
     # From 1: --decode's generate() may take prompt tokens equal to a pad token for padding.
-    ids = torch.randint(1, dims["vocab_size"], (1, args.tokens), device="cuda")
+    ids: torch.Tensor | dict[str, torch.Tensor] = torch.randint(
+        1, dims["vocab_size"], (1, args.tokens), device="cuda")
+    packed = e2e_packed.model_parser().parse_args(["--tokens", str(args.tokens)])
+    if args.kind == "packed":
+        lengths = e2e_packed.document_lengths(packed.tokens, packed.min_doc, packed.max_doc,
+                                              packed.seed)
+        ids = e2e_packed.packed_row(lengths, packed.vocab, "cuda")["batch"]
+        print(f"packed row: {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens")
     baseline = "eager" if args.kind == "gemma2" else "sdpa"
     for attn in (baseline, name):
         if args.kind == "gemma2":
             model = build_gemma2(attn, GEMMA2, torch.bfloat16, "cuda")
+        elif args.kind == "packed":
+            model = e2e_packed.build(attn, packed, torch.bfloat16, "cuda")
         else:
             model = build(args.kind, attn, LLAMA, args.window, torch.bfloat16, "cuda")
         model.train(args.train)
@@ -104,7 +131,10 @@ def main() -> int:
         if attn == name:
             print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
         averages = prof.key_averages()
-        print(f"\n=== {attn}: by GPU time")
+        gpu_ms = sum(e.self_device_time_total for e in averages) / 1e3
+        print(f"\n=== {attn}: {gpu_ms:.1f} ms of GPU time in the step (kernels' own times "
+              "summed)")
+        print(f"=== {attn}: by GPU time")
         print(averages.table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
         print(f"=== {attn}: by host time")
         print(averages.table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=60))

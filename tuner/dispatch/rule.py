@@ -87,10 +87,11 @@ BLOCK_MASK_BASELINE = "flash"
 BLOCK_MASK_TRAINING_BASELINES = {64: ("flash_gluon", "gluon_train"),
                                  128: ("gluon_train", "flash_gluon")}
 # Without a gradient at d128 under causal documents or a causal window (each row sees one range
-# of keys: ``row_ranges.takes_doc_offsets``), the Gluon forward where it serves: untuned on the
-# H200 it read 1.10-1.21x faster than the Triton forward there (16k-64k tokens, 32/16 and 32/8
-# heads; docs_fwd_doc_offsets_h200_*.json, varlen_h200_*.json); at d64 the Triton forward read
-# 1.27x faster (packed documents, 16k), and under other masks the two were not compared.
+# of keys: ``row_ranges.takes_doc_offsets``; the mask's own causality, as measured), the Gluon
+# forward where it serves: untuned on the H200 it read 1.10-1.21x faster than the Triton
+# forward there (16k-64k tokens, 32/16 and 32/8 heads; docs_fwd_doc_offsets_h200_*.json,
+# varlen_h200_*.json); at d64 the Triton forward read 1.27x faster (packed documents, 16k),
+# and under other masks the two were not compared.
 BLOCK_MASK_INFERENCE_BASELINE_D128 = "gluon"
 # What packed documents ran without us (FlashAttention's varlen kernels, as torch's varlen_attn
 # runs them), where it can serve the call: it runs a documents mask problem when unmeasured,
@@ -231,7 +232,7 @@ def block_mask_baseline(call: Call) -> str:
     wide = call.problem.head_dim >= 128
     if call.needs_grad:
         order: tuple[str, ...] = BLOCK_MASK_TRAINING_BASELINES[128 if wide else 64]
-    elif wide and takes_doc_offsets(call.problem):
+    elif wide and takes_doc_offsets(call.problem) and call.problem.causal == "none":
         order = (BLOCK_MASK_INFERENCE_BASELINE_D128,)
     else:
         order = ()

@@ -206,6 +206,11 @@ def test_unmeasured_block_masks_run_the_baseline_of_their_head_dim(
         choice = choose(Call(problem, needs_grad, H100))
         assert choice.implementation.name == name, choice.why
         assert "not measured" in choice.why
+    # is_causal on top of the mask: neither Gluon pair's backward takes it, and the Gluon
+    # forward was not measured under it: flash both ways.
+    causal = dataclasses.replace(problem, causal="top_left")
+    for needs_grad in (False, True):
+        assert choose(Call(causal, needs_grad, H100)).implementation.name == "flash"
 
 
 # ----------------------------------------------------------------------------- GPU
