@@ -353,6 +353,7 @@ def test_template_is_registered_with_a_source_version() -> None:
     assert set(TEMPLATE.source_modules()) == {"templates.flash.fwd", "templates.flash.fwd_kernel",
                                               "templates.kernel_common",
                                               "templates.masks.listed_blocks",
+                                              "templates.masks.row_ranges",
                                               "templates.flash.softcap",
                                               "templates.compile.direct_launch",
                                               "templates.compile.tensor_maps"}
