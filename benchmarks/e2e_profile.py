@@ -13,8 +13,10 @@ whose baseline is ``"eager"`` (SDPA cannot cap scores); ``--force`` runs one imp
 
 ``--kind packed``: e2e_packed.py's model on its packed row of documents (its defaults: 16k
 tokens, ``position_ids`` restarting per document), whose "sdpa" gets a dense block-diagonal
-mask; ``--tokens`` sets the row's length. Each run also prints the step's total GPU time,
-to set the attention kernels in the tables against.
+mask; ``--tokens`` sets the row's length.
+
+Every run also prints the step's wall time (unprofiled) beside its kernels' GPU time summed:
+the attention kernels' share of the step, and the time the GPU waits on the host.
 
 ``--decode N``: a greedy ``generate`` of N tokens after a prompt of ``--tokens``; it also
 counts, for "tuner", the attention calls that came with a mask (transformers' mask function
@@ -26,6 +28,7 @@ import argparse
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -117,6 +120,7 @@ def main() -> int:
             for _ in range(2):
                 step(model, ids, args.train, args.decode)
             torch.cuda.synchronize()
+            wall_ms = _wall_ms(functools.partial(step, model, ids, args.train, args.decode))
             calls.clear()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]
@@ -132,8 +136,10 @@ def main() -> int:
             print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
         averages = prof.key_averages()
         gpu_ms = sum(e.self_device_time_total for e in averages) / 1e3
-        print(f"\n=== {attn}: {gpu_ms:.1f} ms of GPU time in the step (kernels' own times "
-              "summed)")
+        # What the wall time holds beyond the kernels is, on one stream, the GPU waiting on
+        # the host (launches, a read of a device tensor, work done in Python).
+        print(f"\n=== {attn}: the step {wall_ms:.1f} ms wall (median of 3, unprofiled), "
+              f"{gpu_ms:.1f} ms of GPU time (kernels' own times summed)")
         print(f"=== {attn}: by GPU time")
         print(averages.table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
         print(f"=== {attn}: by host time")
@@ -141,6 +147,18 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     return 0
+
+
+def _wall_ms(run: Callable[[], None], repeats: int = 3) -> float:
+    """Median wall-clock ms of ``run`` from a synchronized start to a synchronized end."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def synchronizations(run: Callable[[], None]) -> list[tuple[str, int]]:
