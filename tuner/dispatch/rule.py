@@ -25,8 +25,9 @@ The rule (docs/DISPATCH.md):
 * A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``),
   compiled FlexAttention (``flex``) and, forward only on Hopper, the Gluon forward (``gluon``)
   on its own bucket: the fastest priced runs where ours is priced; otherwise ours, what ran
-  before Flex was a candidate (on Hopper by head dim and mask: ``block_mask_baseline``). Packed documents have torch's varlen as their baseline
-  where our untuned kernels were not measured faster than it (``DOCUMENTS_OURS_UNMEASURED``).
+  before Flex was a candidate (on Hopper by head dim and mask: ``block_mask_baseline``).
+  Packed documents have torch's varlen as their baseline where our untuned kernels were not
+  measured faster than it (``DOCUMENTS_OURS_UNMEASURED``).
 
 A choice that runs is kept (``keep``): its configs, and the prices it was chosen among, stay
 the process's answers for their buckets (``tuner.lookup.resolver``: stable within a process), so a
@@ -96,11 +97,11 @@ BLOCK_MASK_INFERENCE_BASELINE_D128 = "gluon"
 # What packed documents ran without us (FlashAttention's varlen kernels, as torch's varlen_attn
 # runs them), where it can serve the call: it runs a documents mask problem when unmeasured,
 # except on the architectures and head dims in DOCUMENTS_OURS_UNMEASURED, where our untuned
-# kernels were measured faster than it. On the H200 (documents of 200-4000 tokens packed 13 in 16k and 52 in
-# 64k; d128 32/16 and 32/8 heads, d64 32/16; varlen_h200_*.json) what runs untuned here (the
-# forward by block_mask_baseline, Gluon at d128 and Triton at d64) read 1.66-1.79x its speed,
-# the training pair 1.37-1.57x; elsewhere it stays the baseline until measured (ours must be
-# measured faster to run there).
+# kernels were measured faster than it. On the H200 (documents of 200-4000 tokens packed 13 in
+# 16k and 52 in 64k; d128 32/16 and 32/8 heads, d64 32/16; varlen_h200_*.json) what runs
+# untuned here (the forward by block_mask_baseline, Gluon at d128 and Triton at d64) read
+# 1.66-1.79x its speed, the training pair 1.37-1.57x; elsewhere it stays the baseline until
+# measured (ours must be measured faster to run there).
 DOCUMENTS_BASELINE = "torch_varlen"
 DOCUMENTS_OURS_UNMEASURED = {"hopper": frozenset({64, 128})}
 # What transformers runs for softcapped scores, which SDPA cannot compute: eager attention.

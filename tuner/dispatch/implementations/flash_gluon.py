@@ -32,9 +32,9 @@ from tuner.dispatch.implementations.flash import (
 )
 from tuner.dispatch.implementations.gluon import GLUON, backward_of
 from tuner.dispatch.implementations.gluon_train import (
-    MASK_CAUSALITY,
     MASKED_BACKWARD,
     gluon_backward_mask,
+    mask_causality_refusal,
 )
 from tuner.dispatch.implementations.mask_args import Masked
 from tuner.dispatch.implementations.ops import TrainingOp, grads_fake, in_op_layout
@@ -63,9 +63,7 @@ class FlashGluon(Implementation):
                     "gluon_train)")
         if call.problem.softcap:
             return "the Gluon backward does not cap scores"
-        if call.problem.causal != "none":
-            return f"the Gluon backward {MASK_CAUSALITY}"
-        return GLUON.serves(call) or runs_triton(call)
+        return mask_causality_refusal(call) or GLUON.serves(call) or runs_triton(call)
 
     def mask_refusal(self, block_size: tuple[int, int], needs_grad: bool, choice: Choice
                      ) -> str | None:

@@ -74,9 +74,7 @@ class GluonTrain(Implementation):
             reason = repeatable_refusal(call)
             if reason:
                 return reason
-        if call.problem.mask != "none" and call.problem.causal != "none":
-            return f"the Gluon backward {MASK_CAUSALITY}"
-        return GLUON.serves(call)
+        return mask_causality_refusal(call) or GLUON.serves(call)
 
     def mask_refusal(self, block_size: tuple[int, int], needs_grad: bool, choice: Choice
                      ) -> str | None:
@@ -126,6 +124,14 @@ def masked_training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         as_shape(q, q4), as_shape(k, kv4), as_shape(v, kv4), causal="none", scale=scale,
         config=config, block_mask=block_mask)
     return as_shape(o, q.shape), as_shape(lse, q.shape[:-1])
+
+
+def mask_causality_refusal(call: Call) -> str | None:
+    """Why the Gluon backward cannot take ``call``: a block mask with causality on top (the
+    serves check of both implementations that train masks through it); None otherwise."""
+    if call.problem.mask != "none" and call.problem.causal != "none":
+        return f"the Gluon backward {MASK_CAUSALITY}"
+    return None
 
 
 def gluon_backward_mask(name: str, mask: Masked, is_causal: bool) -> BlockMask:
