@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,32 +48,27 @@ import tuner  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
 
 
-def step(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tensor], train: bool,
-         decode: int = 0) -> None:
+def step(model: torch.nn.Module, batch: dict[str, Any], train: bool, decode: int = 0) -> None:
     """A prefill, a training step (loss backward, gradients dropped), or a greedy generate of
-    ``decode`` tokens; ``ids`` a packed row's batch (``--kind packed``: its own labels)."""
-    if isinstance(ids, dict):
-        if train:
-            model(**ids).loss.backward()
-            model.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                model(**ids)
-    elif decode:
+    ``decode`` tokens; ``batch`` the model's keyword inputs (``input_ids``, and a packed row's
+    position_ids and labels: a step without labels of its own learns its input ids)."""
+    if decode:
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=decode, min_new_tokens=decode, do_sample=False)
+            model.generate(batch["input_ids"], max_new_tokens=decode, min_new_tokens=decode,
+                           do_sample=False)
     elif train:
-        model(ids, labels=ids).loss.backward()
+        model(**{"labels": batch["input_ids"], **batch}).loss.backward()
         model.zero_grad(set_to_none=True)
     else:
         with torch.no_grad():
-            model(ids)
+            model(**batch)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--db", help="database of tuned configs")
-    parser.add_argument("--kind", default="sliding", choices=("llama", "sliding", "gemma2", "packed"))
+    parser.add_argument("--kind", default="sliding",
+                        choices=("llama", "sliding", "gemma2", "packed"))
     parser.add_argument("--force", help="run this implementation for every attention call "
                         "(tuner.use_implementation), e.g. flash")
     parser.add_argument("--tokens", type=int,
@@ -96,15 +92,16 @@ def main() -> int:
     name = register_transformers()
     calls = _count_masked_calls()
     dims = GEMMA2 if args.kind == "gemma2" else LLAMA
-    # From 1: --decode's generate() may take prompt tokens equal to a pad token for padding.
-    ids: torch.Tensor | dict[str, torch.Tensor] = torch.randint(
-        1, dims["vocab_size"], (1, args.tokens), device="cuda")
-    packed = e2e_packed.model_parser().parse_args(["--tokens", str(args.tokens)])
     if args.kind == "packed":
+        packed = e2e_packed.model_parser().parse_args(["--tokens", str(args.tokens)])
         lengths = e2e_packed.document_lengths(packed.tokens, packed.min_doc, packed.max_doc,
                                               packed.seed)
-        ids = e2e_packed.packed_row(lengths, packed.vocab, "cuda")["batch"]
+        batch = e2e_packed.packed_row(lengths, packed.vocab, "cuda")["batch"]
         print(f"packed row: {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens")
+    else:
+        # From 1: --decode's generate() may take prompt tokens equal to a pad token.
+        batch = {"input_ids": torch.randint(1, dims["vocab_size"], (1, args.tokens),
+                                            device="cuda")}
     baseline = "eager" if args.kind == "gemma2" else "sdpa"
     for attn in (baseline, name):
         if args.kind == "gemma2":
@@ -118,19 +115,19 @@ def main() -> int:
                  else nullcontext())
         with scope:
             for _ in range(2):
-                step(model, ids, args.train, args.decode)
+                step(model, batch, args.train, args.decode)
             torch.cuda.synchronize()
-            wall_ms = _wall_ms(functools.partial(step, model, ids, args.train, args.decode))
+            wall_ms = _wall_ms(functools.partial(step, model, batch, args.train, args.decode))
             calls.clear()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]
                                         ) as prof:
-                step(model, ids, args.train, args.decode)
+                step(model, batch, args.train, args.decode)
                 torch.cuda.synchronize()
             if args.sync_debug:
                 print(f"\n=== {attn}: host-GPU synchronizations by source line")
                 for where, count in synchronizations(
-                        functools.partial(step, model, ids, args.train, args.decode)):
+                        functools.partial(step, model, batch, args.train, args.decode)):
                     print(f"{count:5d}  {where}")
         if attn == name:
             print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
