@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tuner  # noqa: E402, F401  (imports templates first: TRITON_INTERPRET is set without CUDA)
 from benchmarks import paired  # noqa: E402
 from benchmarks.paired import compare, describe, interleave  # noqa: E402
-from templates.device import interpreter_active  # noqa: E402
+from templates.device import DeviceInfo, interpreter_active  # noqa: E402
 from templates.masks.patterns import documents_pattern  # noqa: E402
 from tuner.dispatch.implementations import (  # noqa: E402
     implementations as registered_implementations,
@@ -245,13 +245,22 @@ def train_step(model: Any, batch: dict[str, Any], kwargs: dict[str, Any],
     return step
 
 
-def tune_spec(args: argparse.Namespace, pattern: str) -> str:
-    """The row's attention problem as a sweep spec: every implementation serving a packed
-    training call (ours, Flex, torch's varlen_attn), forward and training templates, in one
-    spec (the head-to-head times a problem's implementations together)."""
-    templates = ["flash_fwd", "torch_flex", "torch_varlen", "flash_bwd", "torch_flex_train",
-                 "torch_varlen_train"]
-    return (f"templates = {json.dumps(templates)}\ndtypes = [\"bfloat16\"]\ntrials = 8\n"
+def tune_spec(args: argparse.Namespace, pattern: str, dtype: torch.dtype,
+              device: DeviceInfo) -> str:
+    """The row's attention problem as a sweep spec: the templates of every implementation
+    serving its training call here (what ``tuner.record`` notes for it: ours, Flex, torch's
+    varlen_attn), in one spec (the head-to-head times a problem's implementations together).
+    A list written by hand left out gluon_train, the untuned choice, so the tuned row ran the
+    fastest of the others."""
+    from tuner.dispatch.implementations.call import call_of_shapes
+
+    call = call_of_shapes((1, args.heads, args.tokens, args.head_dim),
+                          (1, args.kv_heads, args.tokens, args.head_dim), dtype, False, True,
+                          device, mask=pattern)
+    templates = sorted({name for impl in registered_implementations()
+                        if impl.why_not(call) is None for name in impl.templates_for(call)})
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (f"templates = {json.dumps(templates)}\ndtypes = [\"{dtype_name}\"]\ntrials = 8\n"
             f"shapes = [{{B = 1, H_q = {args.heads}, H_kv = {args.kv_heads}, N = {args.tokens},"
             f" D = {args.head_dim}, causal = \"none\", mask = \"{pattern}\"}}]\n")
 
@@ -342,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = document_lengths(args.tokens, args.min_doc, args.max_doc, args.seed)
     pattern = documents_pattern(lengths, causal=True)
     if args.tune and args.db and on_gpu:
-        tune(args.db, tune_spec(args, str(pattern)), args.tune_s)
+        from tuner.dispatch.implementations.call import device_info
+
+        tune(args.db, tune_spec(args, str(pattern), dtype, device_info(torch.device(device))),
+             args.tune_s)
     name = register_transformers()
     print(f"{len(lengths)} documents ({min(lengths)}-{max(lengths)} tokens) in one row of "
           f"{args.tokens}; mask problem {pattern}; dispatcher (with a gradient): "

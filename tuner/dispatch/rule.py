@@ -25,7 +25,7 @@ The rule (docs/DISPATCH.md):
 * A block-mask problem (``Problem.mask`` a named pattern) is decided between ours (``flash``),
   compiled FlexAttention (``flex``) and, forward only on Hopper, the Gluon forward (``gluon``)
   on its own bucket: the fastest priced runs where ours is priced; otherwise ours, what ran
-  before Flex was a candidate (on Hopper by head dim and mask: ``block_mask_baseline``).
+  before Flex was a candidate (on Hopper by head dim and mask: ``block_mask_baselines``).
   Packed documents have torch's varlen as their baseline where our untuned kernels were not
   measured faster than it (``DOCUMENTS_OURS_UNMEASURED``).
 
@@ -99,7 +99,7 @@ BLOCK_MASK_INFERENCE_BASELINE_D128 = "gluon"
 # except on the architectures and head dims in DOCUMENTS_OURS_UNMEASURED, where our untuned
 # kernels were measured faster than it. On the H200 (documents of 200-4000 tokens packed 13 in
 # 16k and 52 in 64k; d128 32/16 and 32/8 heads, d64 32/16; varlen_h200_*.json) what runs
-# untuned here (the forward by block_mask_baseline, Gluon at d128 and Triton at d64) read
+# untuned here (the forward by block_mask_baselines, Gluon at d128 and Triton at d64) read
 # 1.66-1.79x its speed, the training pair 1.37-1.57x; elsewhere it stays the baseline until
 # measured (ours must be measured faster to run there).
 DOCUMENTS_BASELINE = "torch_varlen"
@@ -225,31 +225,32 @@ def _on_neighbour(call: Call, baseline: Estimate, estimates: tuple[Estimate, ...
                   neighbour=verdict.neighbour, verdict=verdict)
 
 
-def block_mask_baseline(call: Call) -> str:
-    """What runs a block-mask call whose problem nothing priced: for a gradient, the first of
-    ``BLOCK_MASK_TRAINING_BASELINES`` (by head dim: the d64 order below 128) that serves the
-    call; without one, ``BLOCK_MASK_INFERENCE_BASELINE_D128`` where it applies and serves;
-    else ``BLOCK_MASK_BASELINE``."""
+def block_mask_baselines(call: Call) -> tuple[str, ...]:
+    """Ours for a block-mask call: any of them priced, the fastest priced runs; none, the
+    first. For a gradient, those of ``BLOCK_MASK_TRAINING_BASELINES`` (by head dim: the d64
+    order below 128) that serve the call, not ``flash``: its Triton backward, priced, says
+    nothing of the Gluon backward's pairs, which untuned beat both it and Flex. Without one,
+    ``BLOCK_MASK_INFERENCE_BASELINE_D128`` where it applies and serves, then
+    ``BLOCK_MASK_BASELINE`` (the Triton forward priced, the fastest priced runs, as before
+    the Gluon forward was a candidate)."""
     wide = call.problem.head_dim >= 128
     if call.needs_grad:
         order: tuple[str, ...] = BLOCK_MASK_TRAINING_BASELINES[128 if wide else 64]
     elif wide and takes_doc_offsets(call.problem) and call.problem.causal == "none":
-        order = (BLOCK_MASK_INFERENCE_BASELINE_D128,)
+        order = (BLOCK_MASK_INFERENCE_BASELINE_D128, BLOCK_MASK_BASELINE)
     else:
         order = ()
-    for name in order:
-        if get_implementation(name).why_not(call) is None:
-            return name
-    return BLOCK_MASK_BASELINE
+    serving = tuple(name for name in order if get_implementation(name).why_not(call) is None)
+    return serving or (BLOCK_MASK_BASELINE,)
 
 
 def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     """A block-mask problem (``Problem.mask`` a named pattern): the implementations serving it
     (ours, ``flash``, compiled FlexAttention, ``flex``, and without a gradient on Hopper the
     Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own
-    bucket. Ours priced: the fastest priced runs. Ours not priced: ours
-    (``block_mask_baseline``), as before Flex was a candidate (no neighbour is consulted: a
-    mask's ratio on another shape is no measurement of this one). Packed documents
+    bucket. Ours priced (one of those ``block_mask_baselines`` names for the call): the
+    fastest priced runs. Ours not priced: ours, as before Flex was a candidate (no neighbour
+    is consulted: a mask's ratio on another shape is no measurement of this one). Packed documents
     (``document:<n>``, ``documents:<L>``, ``documents_causal:<L>``) that torch's varlen
     kernels can run have those as the baseline instead (``DOCUMENTS_BASELINE``), what such
     calls ran without us, except where our untuned kernels were measured faster than them
@@ -261,15 +262,18 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     if (not ours_measured_faster
             and get_implementation(DOCUMENTS_BASELINE).why_not(call) is None):
         return _decide_on_own_bucket(
-            call, resolve, DOCUMENTS_BASELINE, "torch's varlen_attn",
+            call, resolve, (DOCUMENTS_BASELINE,), "torch's varlen_attn",
             "torch's varlen_attn not measured for these packed documents on this device: "
             "running it (FlashAttention's varlen kernels, what packed documents ran without "
             "us)")
-    unpriced = block_mask_baseline(call)
+    # Ours priced means one of those that would run untuned: a sweep that priced flash and
+    # Flex but none of them (killed, or narrowed to a few templates) would otherwise move the
+    # call to the fastest of those, slower than the untuned choice (block_mask_baselines).
+    ours = block_mask_baselines(call)
     return _decide_on_own_bucket(
-        call, resolve, BLOCK_MASK_BASELINE, "our block-sparse kernels",
+        call, resolve, ours, "our block-sparse kernels",
         f"our block-sparse kernels not measured for this mask problem on this device: running "
-        f"them ({unpriced}; what ran before FlexAttention was a candidate)", unpriced)
+        f"them ({ours[0]}; what ran before FlexAttention was a candidate)")
 
 
 def _decide_softcap(call: Call, resolve: Resolve) -> Choice:
@@ -278,26 +282,24 @@ def _decide_softcap(call: Call, resolve: Resolve) -> Choice:
     Eager priced: the fastest priced runs. Eager not priced: eager, as the user's model ran
     it (ours must be measured faster to be chosen; no neighbour is consulted)."""
     return _decide_on_own_bucket(
-        call, resolve, SOFTCAP_BASELINE, "eager attention",
+        call, resolve, (SOFTCAP_BASELINE,), "eager attention",
         "eager attention not measured for this softcapped problem on this device: running it "
         "(what transformers runs where SDPA cannot cap scores)")
 
 
-def _decide_on_own_bucket(call: Call, resolve: Resolve, baseline_name: str, baseline_what: str,
-                          unpriced_why: str, unpriced_name: str | None = None) -> Choice:
+def _decide_on_own_bucket(call: Call, resolve: Resolve, baselines: tuple[str, ...],
+                          baseline_what: str, unpriced_why: str) -> Choice:
     """The implementations serving ``call`` priced on its own bucket: the fastest priced where
-    ``baseline_name`` is priced, else the baseline itself, or ``unpriced_name`` where given
-    (``unpriced_why``)."""
+    one of ``baselines`` is priced, else the first of them (``unpriced_why``)."""
     estimates = tuple(price(impl, call, resolve) for impl in implementations()
                       if impl.why_not(call) is None)
     by_name = {e.implementation: e for e in estimates}
-    baseline = by_name.get(baseline_name)
-    if baseline is None:
+    first = by_name.get(baselines[0])
+    if first is None:
         raise ValueError(f"{baseline_what} cannot run {call.problem.key()}: "
-                         f"{get_implementation(baseline_name).why_not(call)}")
-    if baseline.ms is None:
-        runs = by_name[unpriced_name or baseline_name]
-        return Choice(get_implementation(runs.implementation), runs.resolved, unpriced_why,
+                         f"{get_implementation(baselines[0]).why_not(call)}")
+    if all(name not in by_name or by_name[name].ms is None for name in baselines):
+        return Choice(get_implementation(first.implementation), first.resolved, unpriced_why,
                       estimates)
     return _fastest_measured(estimates)
 
