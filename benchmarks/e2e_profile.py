@@ -132,7 +132,10 @@ def main() -> int:
         if attn == name:
             print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
         averages = prof.key_averages()
-        gpu_ms = sum(e.self_device_time_total for e in averages) / 1e3
+        # Kernels only: an operator's self device time repeats its kernels' (summing every
+        # row of key_averages counted each kernel twice).
+        gpu_ms = sum(e.self_device_time_total for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
         # What the wall time holds beyond the kernels is, on one stream, the GPU waiting on
         # the host (launches, a read of a device tensor, work done in Python).
         print(f"\n=== {attn}: the step {wall_ms:.1f} ms wall (median of 3, unprofiled), "
