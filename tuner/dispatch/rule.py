@@ -250,11 +250,11 @@ def _decide_block_mask(call: Call, resolve: Resolve) -> Choice:
     Gluon forward, ``gluon``; torch SDPA cannot skip tiles) priced on the problem's own
     bucket. Ours priced (one of those ``block_mask_baselines`` names for the call): the
     fastest priced runs. Ours not priced: ours, as before Flex was a candidate (no neighbour
-    is consulted: a mask's ratio on another shape is no measurement of this one). Packed documents
-    (``document:<n>``, ``documents:<L>``, ``documents_causal:<L>``) that torch's varlen
-    kernels can run have those as the baseline instead (``DOCUMENTS_BASELINE``), what such
-    calls ran without us, except where our untuned kernels were measured faster than them
-    (``DOCUMENTS_OURS_UNMEASURED``)."""
+    is consulted: a mask's ratio on another shape is no measurement of this one). Packed
+    documents (``document:<n>``, ``documents:<L>``, ``documents_causal:<L>``) that torch's
+    varlen kernels can run have those as the baseline instead (``DOCUMENTS_BASELINE``), what
+    such calls ran without us, except where our untuned kernels were measured faster than
+    them (``DOCUMENTS_OURS_UNMEASURED``)."""
     # Its why_not refuses every mask but packed documents (its templates' ``unsupported``),
     # the CPU, a torch without varlen_attn, capped scores.
     ours_measured_faster = call.problem.head_dim in DOCUMENTS_OURS_UNMEASURED.get(
