@@ -15,8 +15,9 @@ whose baseline is ``"eager"`` (SDPA cannot cap scores); ``--force`` runs one imp
 tokens, ``position_ids`` restarting per document), whose "sdpa" gets a dense block-diagonal
 mask; ``--tokens`` sets the row's length.
 
-Every run also prints the step's wall time (unprofiled) beside its kernels' GPU time summed:
-the attention kernels' share of the step, and the time the GPU waits on the host.
+Every run also prints the step's wall time (unprofiled) beside its kernels' GPU time summed
+and the attention kernels' part of it (by name: ``ATTENTION_KERNEL_NAMES``): the attention's
+share of the step, and the time the GPU waits on the host.
 
 ``--decode N``: a greedy ``generate`` of N tokens after a prompt of ``--tokens``; it also
 counts, for "tuner", the attention calls that came with a mask (transformers' mask function
@@ -132,14 +133,14 @@ def main() -> int:
         if attn == name:
             print(f"\n{attn}: {sum(calls)} of {len(calls)} attention calls came with a mask")
         averages = prof.key_averages()
-        # Kernels only: an operator's self device time repeats its kernels' (summing every
-        # row of key_averages counted each kernel twice).
-        gpu_ms = sum(e.self_device_time_total for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+        kernels = kernel_ms(prof.events())
+        gpu_ms = sum(kernels.values())
+        attention = sum(ms for kernel, ms in kernels.items() if is_attention_kernel(kernel))
         # What the wall time holds beyond the kernels is, on one stream, the GPU waiting on
         # the host (launches, a read of a device tensor, work done in Python).
         print(f"\n=== {attn}: the step {wall_ms:.1f} ms wall (median of 3, unprofiled), "
-              f"{gpu_ms:.1f} ms of GPU time (kernels' own times summed)")
+              f"{gpu_ms:.1f} ms of GPU time (kernels' own times summed), of which "
+              f"attention kernels {attention:.1f} ms")
         print(f"=== {attn}: by GPU time")
         print(averages.table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
         print(f"=== {attn}: by host time")
@@ -147,6 +148,30 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     return 0
+
+
+# Kernel names of an attention call's kernels, lower case: cuDNN's and FlashAttention's
+# ("sdpa", "fmha", "flash"), ours ("_gluon_", our Triton "_flash_"; the backward's "_dq_cast"
+# and preprocess), FlexAttention's ("flex_attention"). Eager attention (matmuls and a softmax,
+# the gemma2 row's baseline) has none of its own and is not counted.
+ATTENTION_KERNEL_NAMES = ("sdpa", "fmha", "flash", "_gluon_", "_dq_cast", "flex_attention",
+                          "varlen")
+
+
+def is_attention_kernel(name: str) -> bool:
+    lower = name.lower()
+    return any(part in lower for part in ATTENTION_KERNEL_NAMES)
+
+
+def kernel_ms(events: Any) -> dict[str, float]:
+    """ms per kernel name, summed over the profiler's CUDA events (kernels only: an
+    operator's self device time repeats its kernels', so summing every row of
+    ``key_averages`` counted each kernel twice)."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.self_device_time_total / 1e3
+    return out
 
 
 def _wall_ms(run: Callable[[], None], repeats: int = 3) -> float:
