@@ -200,3 +200,33 @@ def test_people_are_told_what_stopped_and_that_the_budget_is_spent(
     assert "the --budget of 300 s is spent" in text
     assert "1 search(es) stopped at their share, 1 not started" in text
     assert "stopped searching flash_fwd" in text and "not reached: torch_sdpa B4" in text
+
+
+class RecordingRunner(SlowRunner):
+    """A slow runner that also records each measurement's problem (its sequence length)."""
+
+    def __init__(self, script: dict[str, Any], delay_s: float) -> None:
+        super().__init__(script, delay_s)
+        self.lengths: list[int] = []
+
+    def measure(self, request: TrialRequest, timeout_s: float) -> TrialOutcome:
+        self.lengths.append(int(request.problem["seqlen_q"]))
+        return super().measure(request, timeout_s)
+
+
+def test_a_budgeted_sweep_run_again_measures_what_the_last_run_did_not_reach_first(
+        db_url: str) -> None:
+    """The heavier problem (N 128, searched first) was tuned by an earlier run, the lighter
+    one never reached. Run again with a budget one measurement spends, the lighter one is
+    measured first, not the finished one searched on."""
+    heavy, light = {**SHAPE, "N": 128}, SHAPE
+    sweep(db_url, SlowRunner({"flash_fwd": [1.0, 0.9]}, delay_s=0.0), shapes=[heavy],
+          templates=("flash_fwd",), trials=2, finalists=0, head_to_head_rounds=0)
+    # (A budget of seconds: a loaded machine takes one before the first measurement.)
+    runner = RecordingRunner({"flash_fwd": [1.0, 0.9]}, delay_s=5.0)
+    report = sweep(db_url, runner, shapes=[heavy, light], templates=("flash_fwd",),
+                   trials=1000, budget_s=4.0, finalists=0, head_to_head_rounds=0)
+    assert runner.lengths and runner.lengths[0] == 32, runner.lengths
+    by_length = {p.problem["seqlen_q"]: p for p in report.problems}
+    assert by_length[32].reached and by_length[32].best_config is not None
+    assert report.budget_spent

@@ -98,13 +98,13 @@ class SweepBudget:
 
     def allot(self, index: int, now: float | None = None) -> float:
         """The deadline of task ``index``'s search: its weight's share of the time left among
-        the tasks not yet allotted (itself included); the same for every worker that asks."""
+        the tasks not yet allotted (itself included), in whatever order they come (a resumed
+        sweep takes its unmeasured problems first); the same for every worker that asks."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if index in self._allotted:
                 return self._allotted[index]
-            waiting = sum(w for i, w in enumerate(self.weights)
-                          if i not in self._allotted and i >= index)
+            waiting = sum(w for i, w in enumerate(self.weights) if i not in self._allotted)
             share = self.weights[index] / waiting if waiting > 0 else 1.0
         left = max(self.left(now) - self.reserve_s(), 0.0)
         with self._lock:
