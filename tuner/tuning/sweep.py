@@ -635,10 +635,10 @@ def _work(shared: _Shared, worker: int) -> None:
 def _work_budgeted(shared: _Shared, worker: int, device: dict[str, Any],
                    runner: WorkerRunner, store_of: Callable[[Task], DbStore]) -> None:
     """The tasks under a --budget, problem by problem (unmeasured first, then heaviest
-    first: ``unmeasured_first``): each implementation
-    measures its first configs (a probe, its best re-measured once), those clearly slower
-    than another stop (``tuner.tuning.search.contenders``), and the contenders are searched within
-    their share of the time left (``SweepBudget.allot``)."""
+    first: ``unmeasured_first``): each implementation measures its first configs (a probe,
+    its best re-measured once), those clearly slower than another stop
+    (``tuner.tuning.search.contenders``), and the contenders are searched within their share
+    of the time left (``SweepBudget.allot``)."""
     assert shared.budget is not None
     budget, info = shared.budget, device_from_dict(device)
     for indices in unmeasured_first(_by_problem(shared.tasks), shared.tasks, store_of):
