@@ -71,6 +71,7 @@ from tuner.tuning.search.loop import (
     SearchSettings,
     SearchStats,
     TrialEvent,
+    ValidConfigs,
 )
 from tuner.tuning.search.prior import stored_bests, transfer_prior
 from tuner.tuning.search.samplers import SAMPLERS, make_sampler
@@ -460,6 +461,8 @@ class _Shared:
     make_runner: Callable[..., WorkerRunner]
     budget: SweepBudget | None = None
     prior_rows: dict[str, list[StoredBest]] = field(default_factory=dict)  # by template
+    # Each task's valid configs (ProblemSearch.valid), from its first search (the probe) on.
+    valid: dict[int, ValidConfigs] = field(default_factory=dict)
 
 
 def run_sweep(spec: SweepSpec, options: SweepOptions, *, db_url: str,
@@ -766,12 +769,14 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
             runner=runner, space=space, settings=settings,
             compile_ahead=shared.compile_ahead, heartbeats=shared.heartbeats,
             on_trial=functools.partial(_forward_trial, shared.events, worker, index),
-            stop=shared.stop, prior=prior, on_measure=timing.observe if timing else None)
+            stop=shared.stop, prior=prior, on_measure=timing.observe if timing else None,
+            valid=shared.valid.get(index))
         if probe:  # the first configs only; the best of them and the default read twice
             search.settings = dataclasses.replace(
                 settings, budget=min(options.trials, search.firsts()),
                 finalists=min(options.finalists, 1), final_repeats=1)
         budget = search.effective_budget()
+        shared.valid[index] = search.valid()
     except Exception as exc:
         _setup_failed(shared, worker, index, template, exc)
         return None

@@ -138,3 +138,50 @@ def test_a_sweep_over_a_subset_has_its_own_study_and_counts_only_its_configs(
     bad = spec_from_mapping({"name": "bad", **base, "space": {"BLOCKS": [64]}}, source="test")
     with pytest.raises(TunerError, match="toy_add has no knob 'BLOCKS'"):
         run_sweep(bad, SweepOptions(trials=1, timeout_s=60), db_url=db)
+
+
+@pytest.mark.parametrize("template", ["flash_fwd", "gluon_fwd", "gluon_bwd", "torch_sdpa"])
+def test_a_space_enumerates_the_checked_grid(template: str) -> None:
+    """``configs`` builds its configs without the per-knob check (every value is a choice by
+    construction): the same configs, equal and hashing alike, in the grid's order; a
+    restricted space its subset in that order."""
+    cls = get_template(template).config_cls
+    made = list(SearchSpace.full(cls).configs())
+    checked = list(cls.grid())
+    assert made == checked and [hash(c) for c in made] == [hash(c) for c in checked]
+    assert [c.key() for c in made] == [c.key() for c in checked]
+    first = cls.knobs()[0]
+    narrowed = problem_space(get_template(template), TOY_PROBLEM, current_device(),
+                             {first.name: [first.choices[-1]]})
+    assert list(narrowed.configs()) == [c for c in checked
+                                        if getattr(c, first.name) == first.choices[-1]]
+    if len(cls.knobs()) > 1:
+        with pytest.raises(ValueError, match="every knob"):
+            next(SearchSpace(cls, {first.name: first.choices}).configs())
+
+
+def test_a_budgeted_sweep_checks_each_tasks_space_once(db_url: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe and the search of one task share the space's valid configs (enumerating a
+    Gluon space and checking every config took 1.5-2 s a search on a GPU host's CPU)."""
+    from tests.tuner.tuning.test_head_to_head import ScriptedRunner
+    from tuner.tuning.search import loop
+
+    calls: list[int] = []
+    counted = loop.valid_configs
+
+    def counting(space: SearchSpace, reason: object) -> object:
+        calls.append(space.size())
+        return counted(space, reason)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "valid_configs", counting)
+    spec = spec_from_mapping({"name": "once", "templates": ["torch_sdpa", "flash_fwd"],
+                              "shapes": [{"B": 1, "H": 2, "N": 32, "D": 16},
+                                         {"B": 1, "H": 2, "N": 64, "D": 16}],
+                              "dtypes": ["float16"]}, source="test")
+    report = run_sweep(spec, SweepOptions(seed=3, trials=3, budget_s=600.0,
+                                          head_to_head_rounds=0),
+                       db_url=db_url,
+                       make_runner=ScriptedRunner({"torch_sdpa": [1.0], "flash_fwd": [1.1]}))
+    assert all(p.reached for p in report.problems)
+    assert len(calls) == 4  # one per task (2 problems x 2 templates), not per search

@@ -107,8 +107,12 @@ __all__ = [
     "SearchSettings",
     "SearchStats",
     "TrialEvent",
+    "ValidConfigs",
     "inputs_seed",
 ]
+
+# A search space's valid configs in grid order and their keys (None, []: not enumerated).
+ValidConfigs = tuple[list[KernelConfig] | None, list[str]]
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +233,8 @@ class ProblemSearch:
                  stop: threading.Event | None = None,
                  space: SearchSpace | None = None,
                  prior: Sequence[KernelConfig] = (),
-                 on_measure: Callable[[float], None] | None = None) -> None:
+                 on_measure: Callable[[float], None] | None = None,
+                 valid: ValidConfigs | None = None) -> None:
         self.template = template
         self.problem = problem
         self.problem_key = template.problem_key(problem)
@@ -256,6 +261,9 @@ class ProblemSearch:
         self._mine: set[int] = set()  # numbers of the trials this loop holds
         self._valid: list[KernelConfig] | None = None
         self._valid_keys: list[str] = []  # config.key() is not free: computed once
+        # The space's valid configs and their keys: given (a sweep's earlier search of the
+        # same task, its probe) or worked out once by ``effective_budget``.
+        self._enumerated = valid
         self._budget: int | None = None
         self._last_stale_check = 0.0
         # Who holds this search's claims on re-measurements: host and process first, so that a
@@ -267,12 +275,22 @@ class ProblemSearch:
         """The budget, capped by the number of configs of the space that the constraints let
         through."""
         if self._budget is None:
-            self._valid = valid_configs(self.space, self._constraint)
+            self._valid, self._valid_keys = self.valid()
             self._budget = self.settings.budget
             if self._valid is not None:
-                self._valid_keys = [c.key() for c in self._valid]
                 self._budget = min(self._budget, len(self._valid))
         return self._budget
+
+    def valid(self) -> ValidConfigs:
+        """The configs of the space the constraints let through, in grid order, and their
+        keys (None, []: a space too large to enumerate); worked out once (a space of 50k-75k
+        configs takes a few tenths of a second), and handed by a sweep from a task's probe to
+        its search."""
+        if self._enumerated is None:
+            configs = valid_configs(self.space, self._constraint)
+            self._enumerated = (configs, [c.key() for c in configs] if configs is not None
+                                else [])
+        return self._enumerated
 
     def known(self) -> dict[str, StoredResult]:
         """The stored results of the problem (any sweep, any worker) inside the space: results
