@@ -117,47 +117,53 @@ def steps(length: int, total: int, heads: int, heads_kv: int, dim: int,
 def configured(packed: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], mask: Any,
                gluon_configs: list[dict[str, Any]]) -> dict[str, Step]:
     """The packed and the batch forwards by the Gluon forward with each of ``gluon_configs``
-    over the config each runs untuned (printed), the mask's blocks fitted."""
+    over the config each runs untuned (printed), and the packed one with the batch's config
+    fitted to the mask's blocks; a config the forward's constraint refuses is said and left
+    out."""
     from templates.device import current_device
-    from templates.gluon.fwd import TEMPLATE, gluon_attention_fwd
+    from templates.gluon.fwd import TEMPLATE, GluonFwdConfig, fit_to_block_mask
     from tuner.dispatch.implementations.call import call_of
     from tuner.dispatch.rule import choose
 
     device = current_device(packed["q"].device.index)
-    problem = call_of(packed["q"], packed["k"], False, False).problem
-    masked = TEMPLATE.run_default(problem, device, mask.block_size)
+    packed_problem = call_of(packed["q"], packed["k"], False, False).problem
+    masked = TEMPLATE.run_default(packed_problem, device, mask.block_size)
+    batch_call = call_of(batch["q"], batch["k"], True, False)
     with tuner.use_implementation("gluon"):
-        [dense] = choose(call_of(batch["q"], batch["k"], True, False)).resolved
+        [dense] = choose(batch_call).resolved
     print(f"  packed forward's config: {masked.key()}\n  batch forward's: {dense.config.key()}",
           flush=True)
-    from templates.gluon.fwd import GluonFwdConfig, fit_to_block_mask
-
-    out: dict[str, Step] = {}
-    batch_config = cast(GluonFwdConfig, TEMPLATE.config(dense.config))
-    like_batch = dataclasses.replace(fit_to_block_mask(batch_config, mask.block_size),
-                                     doc_offsets=masked.doc_offsets, split_tail=False)
-    refused = TEMPLATE.run_constraint(problem, like_batch, device, mask.block_size)
-    if refused:
-        print(f"  ours, packed (the batch's config): refused ({refused})", flush=True)
-    else:
-        out["ours, packed (the batch's config)"] = functools.partial(
-            lambda c: (gluon_attention_fwd(packed["q"], packed["k"], packed["v"], config=c,
-                                           block_mask=mask)[0],), like_batch)
-    batch_problem = call_of(batch["q"], batch["k"], True, False).problem
+    like_batch = dataclasses.replace(
+        fit_to_block_mask(cast(GluonFwdConfig, TEMPLATE.config(dense.config)), mask.block_size),
+        doc_offsets=masked.doc_offsets, split_tail=False)
+    # (name, inputs, config, the forward's keywords, the mask's blocks, the problem)
+    candidates: list[tuple[str, dict[str, torch.Tensor], Any, dict[str, Any], Any, Any]] = [
+        ("ours, packed (the batch's config)", packed, like_batch,
+         {"block_mask": mask}, mask.block_size, packed_problem)]
     for fields in gluon_configs:
-        for name, t, config, kw, blocks, at in (
-                ("packed", packed, TEMPLATE.config({**masked.to_dict(), **fields}),
-                 {"block_mask": mask}, mask.block_size, problem),
-                ("batch", batch, TEMPLATE.config({**dense.config.to_dict(), **fields}),
-                 {"causal": True}, None, batch_problem)):
-            refused = TEMPLATE.run_constraint(at, config, device, blocks)
-            if refused:
-                print(f"  ours, {name} {json.dumps(fields)}: refused ({refused})", flush=True)
-                continue
-            out[f"ours, {name} {json.dumps(fields)}"] = functools.partial(
-                lambda t, c, kw: (gluon_attention_fwd(t["q"], t["k"], t["v"], config=c,
-                                                      **kw)[0],), t, config, kw)
+        candidates += [
+            (f"ours, packed {json.dumps(fields)}", packed,
+             TEMPLATE.config({**masked.to_dict(), **fields}), {"block_mask": mask},
+             mask.block_size, packed_problem),
+            (f"ours, batch {json.dumps(fields)}", batch,
+             TEMPLATE.config({**dense.config.to_dict(), **fields}), {"causal": True}, None,
+             batch_call.problem)]
+    out: dict[str, Step] = {}
+    for name, inputs, config, kw, blocks, problem in candidates:
+        refused = TEMPLATE.run_constraint(problem, config, device, blocks)
+        if refused:
+            print(f"  {name}: refused ({refused})", flush=True)
+            continue
+        out[name] = functools.partial(gluon_output, inputs, config, kw)
     return out
+
+
+def gluon_output(inputs: dict[str, torch.Tensor], config: Any, kw: dict[str, Any]
+                 ) -> tuple[torch.Tensor]:
+    """The Gluon forward's output alone (as the steps return them), with ``config``."""
+    from templates.gluon.fwd import gluon_attention_fwd
+
+    return (gluon_attention_fwd(inputs["q"], inputs["k"], inputs["v"], config=config, **kw)[0],)
 
 
 def _no_grad(step: Step) -> Step:
