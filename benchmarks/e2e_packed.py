@@ -253,12 +253,12 @@ def tune_spec(args: argparse.Namespace, pattern: str, dtype: torch.dtype,
     A list written by hand left out gluon_train, the untuned choice, so the tuned row ran the
     fastest of the others."""
     from tuner.dispatch.implementations.call import call_of_shapes
+    from tuner.dispatch.rule import serving_templates
 
     call = call_of_shapes((1, args.heads, args.tokens, args.head_dim),
                           (1, args.kv_heads, args.tokens, args.head_dim), dtype, False, True,
                           device, mask=pattern)
-    templates = sorted({name for impl in registered_implementations()
-                        if impl.why_not(call) is None for name in impl.templates_for(call)})
+    templates = sorted(set(serving_templates(call)))
     dtype_name = str(dtype).removeprefix("torch.")
     return (f"templates = {json.dumps(templates)}\ndtypes = [\"{dtype_name}\"]\ntrials = 8\n"
             f"shapes = [{{B = 1, H_q = {args.heads}, H_kv = {args.kv_heads}, N = {args.tokens},"

@@ -62,7 +62,7 @@ from tuner.record import note, recording
 
 __all__ = ["Call", "Choice", "Estimate", "Implementation", "Resolve", "choose",
            "choose_masked", "decide", "get_implementation", "implementations", "keep",
-           "register_implementation", "use_implementation"]
+           "register_implementation", "serving_templates", "use_implementation"]
 
 # How a template's config for a problem on a device is found: the process's resolver
 # (``tuner.lookup.resolver.resolve_config``) for a call, the stored bests of a database for the
@@ -143,13 +143,19 @@ def choose(call: Call) -> Choice:
     DEBUG (``TUNER_LOG_LEVEL=DEBUG``): once per problem and plan, not per call."""
     choice = _choose(call)
     if recording():  # tuner.record: the templates of every implementation that could run it
-        note(call.problem, [name for impl in implementations()
-                            if impl.why_not(call) is None for name in impl.templates_for(call)])
+        note(call.problem, serving_templates(call))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s%s: %s %s (%s, from %s): %s", call.problem.key(),
                   " with grad" if call.needs_grad else "", choice.implementation.name,
                   choice.config.key(), choice.match, choice.source, choice.why)
     return choice
+
+
+def serving_templates(call: Call) -> list[str]:
+    """The templates of every implementation that could run ``call``, in the registry's
+    order: what ``tuner.record`` notes for it, and what a sweep of its problem prices."""
+    return [name for impl in implementations() if impl.why_not(call) is None
+            for name in impl.templates_for(call)]
 
 
 def keep(choice: Choice) -> Choice:
