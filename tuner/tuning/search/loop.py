@@ -259,10 +259,9 @@ class ProblemSearch:
         self._dists = distributions(self.space)
         self._default = template.default_config(problem, device)
         self._mine: set[int] = set()  # numbers of the trials this loop holds
-        self._valid: list[KernelConfig] | None = None
-        self._valid_keys: list[str] = []  # config.key() is not free: computed once
-        # The space's valid configs and their keys: given (a sweep's earlier search of the
-        # same task, its probe) or worked out once by ``effective_budget``.
+        # The space's valid configs and their keys (config.key() is not free: computed once):
+        # given (a sweep's earlier search of the same task, its probe) or worked out once by
+        # ``valid``, which ``effective_budget`` calls before the search reads them.
         self._enumerated = valid
         self._budget: int | None = None
         self._last_stale_check = 0.0
@@ -275,11 +274,19 @@ class ProblemSearch:
         """The budget, capped by the number of configs of the space that the constraints let
         through."""
         if self._budget is None:
-            self._valid, self._valid_keys = self.valid()
+            configs, _ = self.valid()
             self._budget = self.settings.budget
-            if self._valid is not None:
-                self._budget = min(self._budget, len(self._valid))
+            if configs is not None:
+                self._budget = min(self._budget, len(configs))
         return self._budget
+
+    @property
+    def _valid(self) -> list[KernelConfig] | None:
+        return None if self._enumerated is None else self._enumerated[0]
+
+    @property
+    def _valid_keys(self) -> list[str]:
+        return [] if self._enumerated is None else self._enumerated[1]
 
     def valid(self) -> ValidConfigs:
         """The configs of the space the constraints let through, in grid order, and their
