@@ -12,9 +12,9 @@ The model is e2e_hf.py's sliding-window model (Mistral with Llama-3-8B attention
 the same attention kernel (the dispatcher's choice for the window's block mask); what differs
 is the mask work, and the memory it takes: the peak memory of one prefill is recorded too.
 Rounds are paired (benchmarks/paired.py) with the dense row timed twice ("tuner_dense_mask
-again") as the A/A noise floor, as ``paired.compare`` takes it (before 2026-11-30 the own row
-was the twin, so the floor was the effect itself and every run read "same within noise");
-the logits of the two are compared (the same kernels: equal within bf16 noise).
+again") as the A/A noise floor, the base's twin as ``paired.compare`` takes it (the other
+row's twin would make the floor the effect itself); the logits of the two are compared (the
+same kernels: equal within bf16 noise).
 """
 
 from __future__ import annotations
