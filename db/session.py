@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -168,11 +169,32 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
         # busy_timeout first: switching a new file to WAL itself needs the lock.
         cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
         cursor.execute("PRAGMA foreign_keys = ON")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _switch_to_wal(cursor)
         # In WAL mode NORMAL loses at most the last commits on power loss, never integrity.
         cursor.execute("PRAGMA synchronous = NORMAL")
     finally:
         cursor.close()
+
+
+def _switch_to_wal(cursor: Any) -> None:
+    """Put the file in WAL mode (it stays so), retrying a busy answer until the busy timeout.
+
+    The switch needs the file's exclusive lock, and SQLite answers a lock upgrade that could
+    deadlock (several new connections switching an empty file at once) with "database is
+    locked" at once, without waiting in its busy handler: so the wait is here.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay * random.uniform(0.5, 1.5))
+        delay = min(0.5, delay * 2)
 
 
 def _on_sqlite_begin(connection: Connection) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from db.models import Device, Template
 from db.session import (
     SQLITE_BUSY_TIMEOUT_S,
     DatabaseUnavailableError,
+    _switch_to_wal,
     dispose_engine,
     get_sessionmaker,
     init_db,
@@ -41,6 +43,35 @@ def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path: Path
         assert (tmp_path / "nested" / "folder" / "tuner.db").exists()
     finally:
         dispose_engine(url)
+
+
+class _BusyCursor:
+    """A cursor whose WAL switch is refused as locked ``refusals`` times, then done."""
+
+    def __init__(self, refusals: int, message: str = "database is locked") -> None:
+        self.refusals, self.message, self.mode = refusals, message, "delete"
+
+    def execute(self, sql: str) -> _BusyCursor:
+        if sql == "PRAGMA journal_mode = WAL":
+            if self.refusals:
+                self.refusals -= 1
+                raise sqlite3.OperationalError(self.message)
+            self.mode = "wal"
+        return self
+
+    def fetchone(self) -> tuple[str]:
+        return (self.mode,)
+
+
+def test_a_wal_switch_refused_as_locked_is_retried_not_raised() -> None:
+    # SQLite refuses a lock upgrade that could deadlock (new connections switching an empty
+    # file at once) without waiting in its busy handler; CI saw it in the concurrency test.
+    cursor = _BusyCursor(refusals=3)
+    _switch_to_wal(cursor)
+    assert cursor.mode == "wal" and cursor.refusals == 0
+    other = _BusyCursor(refusals=1, message="disk I/O error")  # not a lock: raised at once
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
+        _switch_to_wal(other)
 
 
 def test_a_sqlite_file_in_a_missing_folder_is_refused_not_created(tmp_path: Path) -> None:
