@@ -78,6 +78,7 @@ from tuner.lookup.matching import (
     parse_candidates,
 )
 from tuner.lookup.shipped import ShippedConfigs, shipped_folder
+from tuner.lookup.shipped.table import ShippedTable
 from tuner.lookup.snapshot import SnapshotError
 from tuner.settings import load_settings
 
@@ -257,6 +258,10 @@ class ConfigResolver:
                             tflops=_tflops_of(shipped.candidate), neighbours=shipped.neighbours)
         return Resolved(template.default_config(problem, device), "default", "default",
                         untuned_until)
+
+    def shipped_table(self, device: DeviceInfo) -> ShippedTable | None:
+        """The shipped table that answers for ``device`` (None: none does, or none is read)."""
+        return None if self._shipped is None else self._shipped.table_for(device)
 
     def _from_shipped(self, template: Template, version: str, problem: Problem,
                       device: DeviceInfo) -> Match | None:

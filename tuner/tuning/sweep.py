@@ -48,6 +48,7 @@ from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from templates.registry import get_template
 from tuner.errors import TunerError
+from tuner.lookup.resolver import get_resolver
 from tuner.lookup.stored_bests import StoredBest
 from tuner.tuning.gpus import visible_gpus
 from tuner.tuning.head_to_head import (
@@ -73,7 +74,7 @@ from tuner.tuning.search.loop import (
     TrialEvent,
     ValidConfigs,
 )
-from tuner.tuning.search.prior import stored_bests, transfer_prior
+from tuner.tuning.search.prior import shipped_bests, stored_bests, transfer_prior
 from tuner.tuning.search.samplers import SAMPLERS, make_sampler
 from tuner.tuning.search.space import SpaceRestriction, check_restriction, problem_space
 from tuner.tuning.search.store import DbStore, StoredRemeasurement, StoredResult, measured_configs
@@ -756,8 +757,11 @@ def _tune(shared: _Shared, worker: int, index: int, task: Task, device: dict[str
          **({} if space.is_full else {"space": space.to_dict()})})
     timing = shared.budget
     try:
+        # The shipped table of this GPU model counts as this device's stored bests: a fresh
+        # database after a kernel change measures the table's configs first (prior.py).
+        shipped = shipped_bests(get_resolver().shipped_table(info), template, device["key"])
         prior = transfer_prior(template, version, task.problem, info, device["key"],
-                               shared.prior_rows.get(template.name, []))
+                               [*shared.prior_rows.get(template.name, []), *shipped])
         settings = SearchSettings(
             budget=options.trials, timeout_s=options.timeout_s, lookahead=shared.lookahead,
             seed=seed, stale_check_s=shared.stale_check_s, finalists=options.finalists,
