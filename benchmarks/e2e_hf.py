@@ -83,11 +83,7 @@ def steps_for(model: Any, kind: str, sizes: dict[str, int], device: str,
     gen = torch.Generator(device=device).manual_seed(1)
 
     def timed(fn: Callable[[], Any]) -> float:
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        return (time.perf_counter() - start) * 1e3
+        return paired.synced_ms(fn, sync)
 
     prefill = torch.randint(0, vocab, (1, sizes["prefill"]), device=device, generator=gen)
 

@@ -29,11 +29,10 @@ import argparse
 import functools
 import os
 import sys
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +43,7 @@ import e2e_packed  # noqa: E402
 from e2e_hf import LLAMA, build  # noqa: E402
 from e2e_softcap import GEMMA2  # noqa: E402
 from e2e_softcap import build as build_gemma2  # noqa: E402
+from paired import synced_ms  # noqa: E402
 
 import tuner  # noqa: E402
 from tuner.hf import register_transformers  # noqa: E402
@@ -55,8 +55,9 @@ def step(model: torch.nn.Module, batch: dict[str, Any], train: bool, decode: int
     position_ids and labels: a step without labels of its own learns its input ids)."""
     if decode:
         with torch.no_grad():
-            model.generate(batch["input_ids"], max_new_tokens=decode, min_new_tokens=decode,
-                           do_sample=False)
+            # a transformers model's method (nn.Module types unknown attributes as Tensor)
+            cast(Any, model).generate(batch["input_ids"], max_new_tokens=decode,
+                                      min_new_tokens=decode, do_sample=False)
     elif train:
         model(**{"labels": batch["input_ids"], **batch}).loss.backward()
         model.zero_grad(set_to_none=True)
@@ -176,14 +177,8 @@ def kernel_ms(events: Any) -> dict[str, float]:
 
 def _wall_ms(run: Callable[[], None], repeats: int = 3) -> float:
     """Median wall-clock ms of ``run`` from a synchronized start to a synchronized end."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+    times = sorted(synced_ms(run, torch.cuda.synchronize) for _ in range(repeats))
+    return times[len(times) // 2]
 
 
 def synchronizations(run: Callable[[], None]) -> list[tuple[str, int]]:

@@ -87,12 +87,10 @@ def steps_for(model: Any, sizes: dict[str, int], device: str, sync: Callable[[],
     ids = torch.randint(0, vocab, (1, sizes["train_len"]), device=device, generator=gen)
 
     def timed(fn: Callable[[], Any]) -> float:
-        sync()
-        start = time.perf_counter()
-        with scope():
-            fn()
-        sync()
-        return (time.perf_counter() - start) * 1e3
+        def scoped() -> None:
+            with scope():
+                fn()
+        return paired.synced_ms(scoped, sync)
 
     def run_prefill() -> float:
         model.eval()

@@ -25,7 +25,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tuner  # noqa: E402, F401  (imports templates first: TRITON_INTERPRET is set without CUDA)
 from benchmarks.e2e_hf import LLAMA, TINY, build  # noqa: E402
-from benchmarks.paired import compare, describe, interleave  # noqa: E402
+from benchmarks.paired import compare, describe, interleave, synced_ms  # noqa: E402
 from templates.device import interpreter_active  # noqa: E402
 from tuner.hf import register_transformers, tuner_attention_forward  # noqa: E402
 
@@ -54,16 +53,12 @@ def register_dense_mask_variant() -> str:
 
 def prefill_call(model: Any, ids: torch.Tensor, on_gpu: bool) -> Any:
     """One no-grad prefill of ``ids``, returning its milliseconds."""
-    def run() -> float:
-        if on_gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+
+    def prefill() -> None:
         with torch.no_grad():
             model(ids)
-        if on_gpu:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
-    return run
+    return lambda: synced_ms(prefill, sync)
 
 
 def peak_mib(model: Any, ids: torch.Tensor) -> float:

@@ -1,6 +1,6 @@
 """Paired rounds: is B faster than A, or is the gap within what A timed against itself shows?
 
-Used by e2e_hf.py and dispatch_bench.py. Two implementations timed one after the other read a
+Used by e2e_hf.py, e2e_softcap.py, e2e_packed.py, hf_mask_cost.py and dispatch_bench.py. Two implementations timed one after the other read a
 few percent apart from drift (clocks, temperature, what ran before) alone, so a verdict rests
 on rounds that time every implementation once, close together, in orders that balance
 position and predecessor (:func:`round_orders`); on the ratio B/A *within* each round (drift
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,16 @@ LEVEL = 0.95  # confidence of the median's interval
 MIN_COVERAGE = 0.9  # below it (fewer than 5 rounds) no verdict: min..max is no interval yet
 VERDICTS = ("faster", "same within noise", "slower", "too few rounds")
 
+
+def synced_ms(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Wall-clock milliseconds of one ``fn()`` from a synchronized start to a synchronized
+    end (``sync``: ``torch.cuda.synchronize`` on a GPU, a no-op on the CPU): a model step's
+    time includes its host work and waits, which kernel timers leave out."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - start) * 1e3
 
 def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
     """The order of each round: rotated by one every second round, and every odd round the

@@ -124,8 +124,8 @@ def _packed_offsets(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, An
             and query.shape[2] == key.shape[2] and not kwargs.get("sliding_window"))
 
 
-def tuner_mask(batch_size: int, q_length: int, kv_length: int, q_offset: object = 0,
-               kv_offset: object = 0, mask_function: Any = None,
+def tuner_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+               kv_offset: Any = 0, mask_function: Any = None,
                attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                allow_is_causal_skip: bool = True, use_vmap: bool = False,
                device: torch.device | str = "cpu", **kwargs: Any) -> object:

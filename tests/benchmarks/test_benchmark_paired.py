@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 
 import pytest
 
-from benchmarks.paired import compare, interleave, median_interval, round_orders, summary
+from benchmarks.paired import (
+    compare,
+    interleave,
+    median_interval,
+    round_orders,
+    summary,
+    synced_ms,
+)
 
 
 def test_round_orders_balance_position_and_neighbours() -> None:
@@ -112,3 +120,11 @@ def test_too_few_rounds_give_no_verdict() -> None:
     assert compare(times, "sdpa", "tuner", "sdpa again")["verdict"] == "too few rounds"
     times = {k: v + v[:1] for k, v in times.items()}
     assert compare(times, "sdpa", "tuner", "sdpa again")["verdict"] == "slower"
+
+
+def test_synced_ms_times_from_a_synchronized_start_to_a_synchronized_end() -> None:
+    events: list[str] = []
+    ms = synced_ms(lambda: events.append("run") or time.sleep(0.02),
+                   lambda: events.append("sync"))
+    assert events == ["sync", "run", "sync"]
+    assert 20 <= ms < 2000
