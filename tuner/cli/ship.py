@@ -27,6 +27,10 @@ def ship(
     out: Annotated[Path | None, typer.Option(
         "--out", help="the file to write (default: the package's tables, "
                       "tuner/lookup/shipped/<device>.json)", show_default=False)] = None,
+    partial: Annotated[bool, typer.Option(
+        "--partial", help="write the table even where the suite's templates lack a "
+                          "problem's best (those problems are then priced by their "
+                          "neighbours' records)")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Write a shipped table: what a fresh install runs before any sweep.
@@ -34,6 +38,9 @@ def ship(
     Each record is a stored best of the device (config, TFLOP/s, kernel version, the
     head-to-head median it is priced at), as the dispatcher prices it from a database. Bests
     tuned for another version of a kernel than the installed one are dropped, and listed.
+    A table that lacks some of the suite's bests (a sweep stopped by its budget) is refused
+    unless --partial: a problem nothing measured is priced by its neighbours, which can run
+    ours where SDPA is faster.
     """
     # The kernels, torch and SQLAlchemy are imported here, when the command runs: `tuner
     # --help` stays free of them (tests/tuner/cli/test_cli_new_user.py).
@@ -60,6 +67,14 @@ def ship(
             f"buckets of suite {spec.name!r} at the installed kernel versions"
             + "".join(f"\n  {line}" for line in dropped_lines(shipped.dropped)),
             f"sweep them with this checkout (`tuner sweep {suite}`), then ship again")
+    if shipped.missing and not partial:
+        raise TunerError(
+            f"the table would lack {len(shipped.missing)} of suite {spec.name!r}'s bests of "
+            f"{bests.device.key} at the installed kernel versions: "
+            + ", ".join(f"{t} {k}" for k, t in shipped.missing)
+            + "".join(f"\n  {line}" for line in dropped_lines(shipped.dropped)),
+            f"run the sweep again (`tuner sweep {suite} --budget ...` on the same database "
+            "measures what it did not reach first), or pass --partial to ship what is there")
     path = out if out is not None else PACKAGED_DIR / file_name(bests.device.name)
     if path.is_dir():
         path = path / file_name(bests.device.name)

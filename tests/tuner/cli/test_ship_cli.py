@@ -77,7 +77,7 @@ def test_ship_writes_the_suites_bests_at_the_installed_versions(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = stored_sweep(tmp_path, monkeypatch)
     code, out, err = cli("ship", "--from", url, "--device", "h100", "--suite",
-                         str(spec(tmp_path)), "--out", str(tmp_path))
+                         str(spec(tmp_path)), "--out", str(tmp_path), "--partial")
     assert code == 0, err
     path = tmp_path / file_name(H100.name)
     assert f"to {path}" in out
@@ -103,7 +103,7 @@ def test_a_fresh_install_prices_from_the_table_ship_wrote(
     folder = tmp_path / "tables"
     folder.mkdir()
     assert cli("ship", "--from", url, "--suite", str(spec(tmp_path)),
-               "--out", str(folder))[0] == 0
+               "--out", str(folder), "--partial")[0] == 0
     set_resolver(ConfigResolver(load_settings(database_url=f"sqlite:///{tmp_path / 'new.db'}",
                                               url=None), shipped_dir=folder))
     clear_plans()
@@ -134,7 +134,7 @@ def test_a_best_priced_by_a_head_to_head_ships_at_its_median(
                           problem_key=best.problem_key)
     dispose_engine(url)
     code, out, err = cli("ship", "--from", url, "--suite", str(spec(tmp_path)),
-                         "--out", str(tmp_path / "t.json"), "--json")
+                         "--out", str(tmp_path / "t.json"), "--json", "--partial")
     assert code == 0, err
     shown = json.loads(out)
     assert shown["winners"][FWD.problem_key(p)] == "flash"
@@ -149,7 +149,7 @@ def test_ship_from_a_bundle_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     exported = tmp_path / "export.json"
     assert cli("export", str(exported), "--db", url)[0] == 0
     code, out, err = cli("ship", "--from", str(exported), "--suite", str(spec(tmp_path)),
-                         "--out", str(tmp_path / "t.json"), "--json")
+                         "--out", str(tmp_path / "t.json"), "--json", "--partial")
     assert code == 0, err
     shown: dict[str, Any] = json.loads(out)
     assert shown["records"] == 5 and shown["device"] == H100.key
@@ -157,6 +157,28 @@ def test_ship_from_a_bundle_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     table = load_table(tmp_path / "t.json")
     assert "bundle" in table.source and not any(r.head_to_head for r in table.records)
 
+
+def test_a_table_lacking_some_of_the_suites_bests_is_refused_unless_partial(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sweep stopped by its budget: a problem nothing measured would be priced by its
+    # neighbours' records alone, which can run ours where SDPA is faster.
+    url = stored_sweep(tmp_path, monkeypatch)
+    table = tmp_path / "t.json"
+    code, _, err = cli("ship", "--from", url, "--suite", str(spec(tmp_path)),
+                       "--out", str(table))
+    long_causal = FWD.problem_key(dense(300, 300, causal="top_left"))
+    assert code == 2 and "would lack 3" in err and f"torch_sdpa {long_causal}" in err, err
+    assert "--partial" in err and "tuner sweep" in err
+    assert not table.exists()
+    # The sweep run again measures what it did not reach: then the table is whole.
+    long, causal = dense(300, 300), dense(300, 300, causal="top_left")
+    store(tmp_path, measured("flash_fwd", long, 120.0, device=H100),
+          measured("torch_sdpa", causal, 100.0, device=H100),
+          measured("flash_fwd", causal, 90.0, device=H100), db="sweep.db")
+    code, out, err = cli("ship", "--from", url, "--suite", str(spec(tmp_path)),
+                         "--out", str(table))
+    assert code == 0, err
+    assert len(load_table(table).records) == 8 and "not measured" not in out
 
 def test_nothing_to_ship_writes_nothing_and_says_why(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
