@@ -4,6 +4,7 @@ Side by side, one process, forward and forward + backward.
 
     python benchmarks/varlen_bench.py --json varlen.json                # 16k tokens, 13 docs
     python benchmarks/varlen_bench.py --tokens 65536 --docs 52          # a 64k row
+    python benchmarks/varlen_bench.py --lengths 3658,1777,3304,3846,3799 --heads 32,8
     python benchmarks/varlen_bench.py --smoke                           # a tiny CPU row
 
 Row: ``--docs`` causal documents of seeded random lengths in [200, 4000] packed into
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace, on_gpu: bool) -> dict[str, Any]:
     if args.smoke:
         lengths, heads, head_dim, dtype = [37, 133, 90], (4, 2), 16, torch.float32
     else:
-        lengths = document_lengths(args.tokens, args.docs, args.seed)
+        lengths = args.lengths or document_lengths(args.tokens, args.docs, args.seed)
         heads, head_dim, dtype = args.heads, args.head_dim, torch.bfloat16
     offsets = [0]
     for n in lengths:
@@ -273,11 +274,26 @@ def _heads(text: str) -> tuple[int, int]:
     return hq, hkv
 
 
+def _lengths(text: str) -> list[int]:
+    """'3658,1777' -> [3658, 1777]: document lengths, each at least 1."""
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--lengths {text!r}: give document lengths, e.g. 3658,1777,3304") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"--lengths {text!r}: every length must be >= 1")
+    return lengths
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=16384, help="packed tokens per row")
     parser.add_argument("--docs", type=int, default=13, help="documents per row")
     parser.add_argument("--seed", type=int, default=0, help="document lengths' seed")
+    parser.add_argument("--lengths", type=_lengths,
+                        help="the documents' lengths instead (--tokens, --docs and --seed "
+                             "unused), e.g. e2e_packed.py's row: 3658,1777,3304,3846,3799")
     parser.add_argument("--heads", type=_heads, default=(32, 16),
                         help="query,KV heads (default 32,16)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")

@@ -3,6 +3,7 @@ candidate checked against the per-document reference, then timed; the numbers me
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -35,6 +36,13 @@ def test_many_short_documents_are_drawn_in_bounded_time(tokens: int, docs: int,
     assert len(lengths) == docs and sum(lengths) == tokens
     assert all(bench.MIN_DOC <= n <= bench.MAX_DOC for n in lengths)
 
+
+def test_given_document_lengths_are_parsed_or_refused_by_name() -> None:
+    bench = load_benchmark_script("varlen_bench")
+    assert bench._lengths("3658,1777,3304") == [3658, 1777, 3304]
+    for bad in ("3658,x", "100,0", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--lengths"):
+            bench._lengths(bad)
 
 @pytest.mark.slow
 def test_smoke_checks_and_times_every_cpu_candidate(tmp_path: Path) -> None:
