@@ -62,7 +62,16 @@ kernel, GLUON_MISSING = load_kernel_module("templates.gluon.bwd_kernel")
 ws_kernel, _ = load_kernel_module("templates.gluon.bwd_ws_kernel")
 # Its two MMA warpgroups as two partitions (``split_warpgroups``).
 split_kernel, _ = load_kernel_module("templates.gluon.bwd_split_kernel")
+# Head dim 256: its own kernel (templates/gluon/bwd_d256_kernel.py: 64 x 64 tiles, the MMA
+# warpgroups splitting dK/dV/dQ by columns), built and compiled offline for sm_90 but NOT yet
+# run on a GPU. Off: gluon_bwd takes head_dim 64 and 128 only, as before, and d256 training
+# runs cuDNN's backward. Turn on after the GPU tests pass
+# (tests/templates/gluon/test_gluon_bwd_d256.py; they and benchmarks/gluon_bwd_bench.py's
+# d256 variants turn it on in their own process).
+D256_ENABLED = False
+d256_kernel, _ = load_kernel_module("templates.gluon.bwd_d256_kernel")
 HEAD_DIMS = (64, 128)
+D256 = 256
 DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles (the mbarriers and the tiles' alignment: 428 bytes
 # for the warp-specialized kernel at d128, 560 for the split kernel, in the offline build),
@@ -98,12 +107,13 @@ class GluonBwdConfig(KernelConfig):
         "Keys per program: its dK and dV accumulators (BLOCK_N x D fp32 each) stay in "
         "registers for the whole walk; more keys reread Q and dO fewer times.")
     stages: int = knob(
-        3, (2, 3, 4),
+        3, (1, 2, 3, 4),
         "Q/dO steps the shared-memory ring holds: loads run this many steps ahead of the "
         "GEMMs, at 2 x BLOCK_M x D x 2 bytes per stage. Not 1 (spilled at d128 offline); 2 "
         "nowhere: the compute warps' own ring of two gave wrong dK/dV on the H100, the "
         "warp-specialized one an illegal memory access on the H200 (causes not found: "
-        "notes/gluon_notes.md).")
+        "notes/gluon_notes.md). 1 only at head_dim 256 (the d256 kernel: two stages do not "
+        "fit its shared memory).")
     consumers: int = knob(
         2, (1, 2),
         "Warpgroups per program (4 warps each), each owning BLOCK_N / consumers keys of the "
@@ -205,12 +215,14 @@ class GluonBwdConfig(KernelConfig):
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
-    """Bytes of shared memory: K and V, the Q/dO ring with its lse2/delta rows, dS^T, the
-    fp32 dQ staging tile(s), the barriers."""
+    """Bytes of shared memory: K and V, the Q/dO ring with its lse2/delta rows, dS^T (and at
+    D 256 P^T beside it), the fp32 dQ staging tile(s), the barriers."""
     d = problem.head_dim
     kv = 2 * config.BLOCK_N * d * DTYPE_BYTES
     ring = config.stages * (2 * config.BLOCK_M * d * DTYPE_BYTES + 2 * config.BLOCK_M * 4)
-    ds = (2 if config.split_warpgroups else 1) * config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
+    # (the d256 kernel's dV GEMM reads P^T from shared memory too: a P^T tile per dS^T tile)
+    tiles = (2 if config.split_warpgroups else 1) * (2 if d == D256 else 1)
+    ds = tiles * config.BLOCK_N * config.BLOCK_M * DTYPE_BYTES
     dq = config.dq_buffers * config.BLOCK_M * d * 4
     return kv + ring + ds + dq + BARRIER_BYTES
 
@@ -239,14 +251,20 @@ class GluonBwdTemplate(GluonTemplate):
     kernel = kernel
     gluon_missing = GLUON_MISSING
     head_dims = HEAD_DIMS
-    head_dims_why = ("at 256 the dK/dV accumulators of a 64-key tile alone fill a warpgroup's "
-                     "registers")
+    head_dims_why = ("at 256 the one-warpgroup-per-keys kernels' dK/dV accumulators alone fill "
+                     "a warpgroup's registers; the d256 kernel, which splits them by columns, "
+                     "is off until it has run right on a GPU: bwd.D256_ENABLED")
     # The warp-specialized kernel walks a block mask's KV-major lists (``block_mask_reason``).
     block_masks = True
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
-        reason = super().unsupported(problem)
+        if problem.head_dim == D256 and D256_ENABLED:
+            # (head_dims is the class's, read by GluonTemplate; 256 is taken only while the
+            # switch is on: every other check as for 128)
+            reason = super().unsupported(dataclasses.replace(problem, head_dim=HEAD_DIMS[-1]))
+        else:
+            reason = super().unsupported(problem)
         if reason is None and problem.mask != "none" and problem.causal != "none":
             return (f"a block mask carries its own causality (the *_causal patterns): "
                     f"gluon_bwd takes mask {problem.mask!r} with causal 'none', not "
@@ -266,6 +284,8 @@ class GluonBwdTemplate(GluonTemplate):
         reason = self.unsupported_on(problem, device)
         if reason:
             return reason
+        if problem.head_dim == D256 or _is_d256(cfg):
+            return _d256_problem(problem, cfg, device)
         keys = cfg.BLOCK_N // cfg.consumers
         if keys not in (64, 128):
             return (f"each warpgroup takes 64 or 128 keys, but BLOCK_N {cfg.BLOCK_N} over "
@@ -459,6 +479,8 @@ class GluonBwdTemplate(GluonTemplate):
             mods[:0] = ["templates.gluon.bwd_tile_order", ws_kernel.__name__, row_ranges.__name__]
         if split_kernel is not None:  # (its persistent plan's host schedule first)
             mods[:0] = ["templates.gluon.schedule", split_kernel.__name__]
+        if d256_kernel is not None:
+            mods[:0] = [d256_kernel.__name__]
         return mods
 
     def standalone_source(self, config: KernelConfig) -> str:
@@ -508,6 +530,9 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
     the rotation reversed every other round: 4k causal 1.04-1.06x, 4k dense and 16k
     0.98-1.03x; gluon_bwd_h200_split_order_*.json; under block masks 1.00-1.02x); the dQ staging tile
     D-major (``dq_transposed``) without a block mask."""
+    if problem.head_dim == D256:
+        # The d256 kernel, its dQ staging tile D-major or row-major (not yet measured).
+        return [D256_CONFIG, dataclasses.replace(D256_CONFIG, dq_transposed=False)]
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     # dq_transposed on dense and causal walks: 0.99-1.07x at d128 16k, 1.01-1.05x at d64, within
     # noise at d128 4k; under block masks no gain (and a 4k row bound by host time).
@@ -560,6 +585,55 @@ LONG_WALK_STEPS = 256
 def walk_steps(problem: Problem) -> int:
     """Steps of a dense program's walk: its query tiles of 64 rows, times the GQA group."""
     return -(-problem.seqlen_q // 64) * (problem.heads_q // problem.heads_kv)
+
+
+# The d256 kernel's config (``bwd_d256_kernel``): 64 queries x 64 keys, the two MMA
+# warpgroups as two partitions (split_warpgroups) splitting dK/dV/dQ by columns, a ring of
+# one (two do not fit beside the 64 KiB dQ staging tile), one dQ staging tile. The default at
+# head_dim 256 (while D256_ENABLED), with the staging tile D-major.
+D256_CONFIG = GluonBwdConfig(BLOCK_M=64, BLOCK_N=64, stages=1, consumers=2,
+                             warp_specialize=True, split_warpgroups=True, dq_buffers=1,
+                             dq_transposed=True)
+
+
+def _is_d256(cfg: GluonBwdConfig) -> bool:
+    """Whether ``cfg`` runs the d256 kernel: the split kernel's two warpgroups over 64 keys
+    (32 each, which the kernels of D 64 and 128 refuse)."""
+    return cfg.split_warpgroups and cfg.BLOCK_N == 64
+
+
+def _d256_problem(problem: Problem, cfg: GluonBwdConfig, device: DeviceInfo) -> str | None:
+    """``constraint`` at head_dim 256 (or for the d256 kernel's config): what the d256 kernel
+    takes, each refusal with its reason."""
+    if problem.head_dim != D256:
+        return (f"BLOCK_N 64 over two split warpgroups is the d256 kernel's tile (head_dim "
+                f"256), but the problem's head_dim is {problem.head_dim}: each warpgroup takes "
+                f"64 or 128 keys there")
+    if d256_kernel is None:
+        return "the d256 kernel module did not import"
+    if problem.mask != "none":
+        return ("the d256 backward walks dense and causal problems only: block masks are not "
+                "built at head_dim 256")
+    wanted = {"warp_specialize": True, "split_warpgroups": True, "BLOCK_M": 64, "BLOCK_N": 64,
+              "stages": 1, "consumers": 2, "dq_buffers": 1, "defer_dq": True}
+    wrong = {name: getattr(cfg, name) for name, value in wanted.items()
+             if getattr(cfg, name) != value}
+    if wrong:
+        return (f"head_dim 256 runs the d256 kernel only (templates/gluon/bwd_d256_kernel.py: "
+                f"{', '.join(f'{k}={v}' for k, v in wanted.items())}; 64 x 64 tiles, dK/dV "
+                f"split by columns over the two warpgroups, a ring of one, one 64 KiB dQ "
+                f"staging tile), but the config has {wrong}")
+    taken = [name for name in ("deterministic", "dq_early", "persistent", "longest_first",
+                               "doc_offsets", "window_offsets") if getattr(cfg, name)]
+    if taken:
+        return (f"the d256 kernel does not take {', '.join(taken)} (dense and causal walks, "
+                f"one program per KV tile, dQ reduced in any order)")
+    smem = shared_memory_estimate(problem, cfg)
+    if smem > device.smem_per_block:
+        return (f"the d256 kernel needs about {smem} bytes of shared memory (K, V, one stage "
+                f"of Q and dO, two P^T/dS^T pairs, the fp32 dQ tile), more than the "
+                f"{device.smem_per_block} a program may use on {device.name}")
+    return None
 
 
 def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
@@ -656,6 +730,8 @@ def _standin_doc_first(plan: Any) -> dict[str, Any]:
 
 def _kernel_module(cfg: GluonBwdConfig) -> Any:
     """The kernel module ``cfg`` runs."""
+    if _is_d256(cfg):
+        return d256_kernel
     if cfg.split_warpgroups:
         return split_kernel
     return ws_kernel if cfg.warp_specialize else kernel
@@ -664,6 +740,9 @@ def _kernel_module(cfg: GluonBwdConfig) -> Any:
 def _ws_plan_class(cfg: GluonBwdConfig) -> Any:
     """The warp-specialized launch plan ``cfg`` runs (its module imported: the constraint
     refuses the config otherwise)."""
+    if _is_d256(cfg):
+        assert d256_kernel is not None
+        return d256_kernel.D256LaunchPlan
     module = split_kernel if cfg.split_warpgroups else ws_kernel
     assert module is not None
     return module.SplitLaunchPlan if cfg.split_warpgroups else module.WsLaunchPlan
@@ -757,7 +836,9 @@ def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """Check the arguments, choose or check the config and plan both launches (see
     ``gluon_attention_bwd`` for the errors)."""
     assert kernel is not None
-    causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale)
+    head_dims = (*HEAD_DIMS, D256) if D256_ENABLED else HEAD_DIMS
+    causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale,
+                                                        head_dims=head_dims)
     mask_block = None
     if block_mask is not None:
         check_block_mask(block_mask, q, k)

@@ -616,8 +616,10 @@ class LaunchPlan:
 
 def validate_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     o: torch.Tensor, lse: torch.Tensor, causal: bool | str,
-                    scale: float | None) -> tuple[str, float]:
-    """Check shapes, dtypes and devices of the backward's inputs; return (causal mode, scale)."""
+                    scale: float | None, head_dims: tuple[int, ...] = HEAD_DIMS
+                    ) -> tuple[str, float]:
+    """Check shapes, dtypes and devices of the backward's inputs; return (causal mode, scale).
+    ``head_dims``: those the caller's kernel takes (the d256 kernel's: 256)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}")
@@ -651,8 +653,8 @@ def validate_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of heads of k/v "
                          f"({k.shape[1]})")
-    if q.shape[3] not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)}, but got {q.shape[3]}")
+    if q.shape[3] not in head_dims:
+        raise ValueError(f"head_dim must be one of {list(head_dims)}, but got {q.shape[3]}")
     if lse.shape != q.shape[:3]:
         raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = "
                          f"{tuple(q.shape[:3])}, but got {tuple(lse.shape)}")
@@ -662,6 +664,11 @@ def validate_inputs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None, but got {scale!r}")
     return mode, float(scale)
+
+
+# The checks under a second name, for a kernel module that defines a validate_inputs of its
+# own (bwd_d256_kernel's: in its standalone source this module is pasted in above it).
+check_backward_inputs = validate_inputs
 
 
 def launch(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
