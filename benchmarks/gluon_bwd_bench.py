@@ -16,7 +16,9 @@ order, ``deterministic``; ``--check`` runs it twice per case and requires dq bit
 ``dq_bitwise_repeat`` in the row), ``ws_dqe`` (``dq_early``), ``ws_split``
 (``split_warpgroups``), ``ws_split_pers`` (that on a persistent grid), ``ws_m128`` /
 ``ws_m128_dqe`` (128-query steps, d64), and those of one staging tile with ``_dqt``
-(``dq_transposed``: the tile D-major);
+(``dq_transposed``: the tile D-major); ``ws_d256`` / ``ws_d256_row`` (the d256 kernel, dQ
+staging D-major / row-major; checked on the module's ``D256_CASES``, timed with
+``--head-dims 256``; they turn gluon_bwd's ``D256_ENABLED`` on in their process);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -46,16 +48,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from templates.base import Problem, relative_error  # noqa: E402
-from templates.gluon.bwd_variants import CASES, VARIANTS  # noqa: E402
+from templates.gluon.bwd_variants import D256_VARIANTS, VARIANTS, cases_of  # noqa: E402
 
 
 def config_for(name: str, problem: Problem) -> Any:
     from templates.device import current_device
+    from templates.gluon import bwd
     from templates.gluon.bwd import TEMPLATE, GluonBwdConfig
 
+    if name in D256_VARIANTS:
+        # The d256 kernel is off in gluon_bwd until it has run right on a GPU: on for this
+        # process (the default then takes it at D 256 too).
+        bwd.D256_ENABLED = True
     device = current_device()
     data = VARIANTS[name]
-    cfg = TEMPLATE.default_config(problem, device) if data is None else GluonBwdConfig(**data)
+    if data is None:
+        try:
+            cfg = TEMPLATE.default_config(problem, device)
+        except RuntimeError:  # nothing fits (D 256 with the d256 kernel off)
+            return None
+    else:
+        cfg = GluonBwdConfig(**data)
     return None if TEMPLATE.constraint(problem, cfg, device) else cfg
 
 
@@ -66,7 +79,7 @@ def check_variant(name: str, queue: Any) -> None:
         from templates.gluon.bwd import TEMPLATE
 
         gluon_bwd_kernel.DEBUG_POISON = True
-        for case in CASES:
+        for case in cases_of(name):
             problem = Problem(*case)
             cfg = config_for(name, problem)
             if cfg is None:

@@ -47,7 +47,6 @@ No block masks, no persistent grid, no deterministic dQ (gluon_bwd's constraint 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from triton.experimental import gluon

@@ -39,6 +39,18 @@ VARIANTS.update({f"{name}_dqt": {**knobs, "dq_transposed": True}
                  for name, knobs in list(VARIANTS.items())
                  if knobs and knobs.get("warp_specialize") and knobs.get("dq_buffers") != 2})
 
+# The d256 kernel (templates/gluon/bwd_d256_kernel.py; off in gluon_bwd until it has run right
+# on a GPU: the tests and the bench turn ``bwd.D256_ENABLED`` on for these): 64 x 64 tiles,
+# the two warpgroups splitting dK/dV/dQ by columns, a ring of one; its dQ staging tile
+# D-major (the d256 default) or row-major. Checked on ``D256_CASES``.
+_D256 = {"BLOCK_M": 64, "BLOCK_N": 64, "stages": 1, "consumers": 2, "warp_specialize": True,
+         "split_warpgroups": True, "dq_buffers": 1}
+D256_VARIANTS = {
+    "ws_d256": {**_D256, "dq_transposed": True},
+    "ws_d256_row": {**_D256, "dq_transposed": False},
+}
+VARIANTS.update(D256_VARIANTS)
+
 # (batch, query heads, kv heads, N_q, N_kv, D, dtype, causal): odd lengths, GQA and MQA, both
 # causal alignments, rows that see no key.
 CASES: list[tuple[Any, ...]] = [
@@ -51,3 +63,24 @@ CASES: list[tuple[Any, ...]] = [
     (1, 2, 2, 1000, 333, 64, "float16", "none"),
     (2, 8, 8, 2048, 2048, 128, "float16", "top_left"),
 ]
+
+# The d256 kernel's cases (the variants above; the others are refused at D 256): N = 1, lengths
+# not a multiple of 64, N_q != N_kv both ways with rows that see no key, GQA 8:1 and MQA,
+# both causal alignments, bf16 and fp16.
+D256_CASES: list[tuple[Any, ...]] = [
+    (1, 2, 2, 1, 1, 256, "bfloat16", "none"),
+    (1, 2, 2, 333, 333, 256, "bfloat16", "none"),
+    (1, 2, 2, 333, 333, 256, "float16", "top_left"),
+    (2, 8, 1, 1000, 1000, 256, "bfloat16", "top_left"),  # GQA 8:1
+    (1, 8, 1, 515, 515, 256, "float16", "none"),  # GQA 8:1
+    (1, 3, 1, 300, 1100, 256, "float16", "bottom_right"),  # MQA, N_q < N_kv
+    (1, 2, 2, 1100, 300, 256, "bfloat16", "bottom_right"),  # 800 rows see no key
+    (1, 2, 2, 700, 200, 256, "bfloat16", "top_left"),
+    (1, 2, 2, 200, 700, 256, "float16", "none"),
+    (2, 4, 4, 2048, 2048, 256, "bfloat16", "top_left"),
+]
+
+
+def cases_of(name: str) -> list[tuple[Any, ...]]:
+    """The cases variant ``name`` is checked on."""
+    return D256_CASES if name in D256_VARIANTS else CASES
