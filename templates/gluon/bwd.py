@@ -679,6 +679,9 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
 def block_mask_reason(config: GluonBwdConfig, block_size: tuple[int, int]) -> str | None:
     """Why ``config`` cannot walk a block mask of ``block_size`` (query, kv), None if it
     can: the warp-specialized kernel walks masks of the sweeps' default blocks."""
+    if _is_d256(config):
+        return ("the d256 backward walks dense and causal problems only: block masks are not "
+                "built at head_dim 256")
     if not config.warp_specialize:
         return ("only the warp-specialized kernel walks a block mask (its load warp walks the "
                 "mask's KV-major lists): use warp_specialize=True")
