@@ -8,8 +8,8 @@ of BLOCK_N = 64 keys by *columns* instead (FA3's d256 choice on sm90: dK/dV and 
 along the head dim): warpgroup w owns
 
   * columns [128 w, 128 w + 128) of dK and dV (64 keys x 128: 64 fp32 registers each) and of
-    each step's dQ tile (64 queries x 128: 64 registers, or two passes of 32 with
-    ``DQ_PASSES`` 2);
+    each step's dQ tile (64 queries x 128: 64 registers, held with dK and dV only: S^T and
+    dP^T are dead by then, and P^T and dS^T are shared memory's);
   * queries [32 w, 32 w + 32) of each step's S^T and dP^T (64 keys x 32 queries, K = 256: 16
     registers each), so P^T and dS^T of its 32 queries.
 
@@ -93,7 +93,7 @@ def _d256_step(dk, dv, k_full, v_full, q_smem, do_smem, p_buf, ds_buf, pds_full,
                delta_smem, dq_bufs, empty_slot, dq_empty, dq_full, t, m0, n0, N_KV,
                causal_offset, qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               DQ_T: gl.constexpr, DQ_PASSES: gl.constexpr):
+               DQ_T: gl.constexpr):
     """Step t of warpgroup WG (query rows from m0; its operands landed): S^T and dP^T of its
     32 queries, their P^T and dS^T columns stored and both halves waited for, then its
     columns of dV, dK and dQ; the ring slot released once dV's and dK's GEMMs are done, the
@@ -101,9 +101,8 @@ def _d256_step(dk, dv, k_full, v_full, q_smem, do_smem, p_buf, ds_buf, pds_full,
     dtype: gl.constexpr = q_smem.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
-    PASS_D: gl.constexpr = HALF_D // DQ_PASSES
     st_layout: gl.constexpr = mma_layout(D256_WARPS, BLOCK_N, HALF_M)
-    dq_layout: gl.constexpr = mma_layout(D256_WARPS, BLOCK_M, PASS_D)
+    dq_layout: gl.constexpr = mma_layout(D256_WARPS, BLOCK_M, HALF_D)
     zeros_st = gl.zeros([BLOCK_N, HALF_M], gl.float32, st_layout)
 
     # S^T and dP^T of this warpgroup's 32 queries: all 64 keys, K = 256.
@@ -138,8 +137,8 @@ def _d256_step(dk, dv, k_full, v_full, q_smem, do_smem, p_buf, ds_buf, pds_full,
                            is_async=True)
     dk_tok = warpgroup_mma(ds_buf, q_smem.slice(WG * HALF_D, HALF_D, dim=1), dk,
                            is_async=True)
-    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_full.slice(WG * HALF_D, PASS_D, dim=1),
-                           gl.zeros([BLOCK_M, PASS_D], gl.float32, dq_layout),
+    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_full.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout),
                            use_acc=False, is_async=True)
     # (In issue order dV's, dK's, dQ's: one outstanding leaves dQ's running.) Q and dO are
     # read by nobody of this warpgroup after dV's and dK's GEMMs: its half of the slot back.
@@ -147,20 +146,13 @@ def _d256_step(dk, dv, k_full, v_full, q_smem, do_smem, p_buf, ds_buf, pds_full,
     warps_barrier()
     mbarrier.arrive(empty_slot)
     dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-    buf = t % 1
-    mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, 1))
-    stage = dq_stage(dq_bufs, buf, BLOCK_M, HEAD_DIM, DQ_T)
-    stage.slice(WG * HALF_D, PASS_D, dim=1).store(dq)
-    for p in gl.static_range(1, DQ_PASSES):
-        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)),
-                               k_full.slice(WG * HALF_D + p * PASS_D, PASS_D, dim=1),
-                               gl.zeros([BLOCK_M, PASS_D], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        stage.slice(WG * HALF_D + p * PASS_D, PASS_D, dim=1).store(dq)
+    # Its columns of the staging tile, once the dQ warp's reduce of the last tile has read it
+    # (one staging tile: DQ_BUFFERS 1).
+    mbarrier.wait(dq_empty.index(0), dq_free_phase(t, 1))
+    dq_stage(dq_bufs, 0, BLOCK_M, HEAD_DIM, DQ_T).slice(WG * HALF_D, HALF_D, dim=1).store(dq)
     fence_async_shared()
     warps_barrier()
-    mbarrier.arrive(dq_full.index(buf))
+    mbarrier.arrive(dq_full.index(0))
     return dk, dv
 
 
@@ -171,7 +163,7 @@ def _d256_mma(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
               dkv_ready, N_Q, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
               qk_scale, sm_scale, Schedule, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_T: gl.constexpr, DQ_PASSES: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_T: gl.constexpr):
     """Warpgroup WG's walk of the program's KV tile (``tile_walk``: the load and dQ warps walk
     the same steps): its columns of dK and dV summed over every step, stored at the end."""
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -199,7 +191,7 @@ def _d256_mma(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
             do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]), p_bufs.index(t % 2),
             ds_bufs.index(t % 2), pds_full, lse_bufs.index(slot), delta_bufs.index(slot),
             dq_bufs, empty.index(slot), dq_empty, dq_full, t, m0, n0, N_KV, causal_offset,
-            qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_T, DQ_PASSES)
+            qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_T)
     # Both warpgroups' GEMMs read all of K and V (S^T and dP^T) until their last step: both
     # done before either overwrites its columns with dK and dV.
     mbarrier.arrive(kv_free)
@@ -231,7 +223,7 @@ def _gluon_bwd_d256_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
     LOAD_REGS: gl.constexpr, num_warps: gl.constexpr, MMA_REGS: gl.constexpr = 240,
-    DQ_T: gl.constexpr = False, DQ_PASSES: gl.constexpr = 1,
+    DQ_T: gl.constexpr = False,
 ):
     gl.static_assert(HEAD_DIM == 256 and BLOCK_M == 64 and BLOCK_N == 64,
                      "the d256 kernel: 64 x 64 tiles at head_dim 256")
@@ -271,12 +263,12 @@ def _gluon_bwd_d256_kernel(
           dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, p_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full, kv_free, dkv_ready,
           N_Q, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
-          Schedule, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_T, DQ_PASSES)),
+          Schedule, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_T)),
         (_d256_mma, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
           dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, p_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full, kv_free, dkv_ready,
           N_Q, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
-          Schedule, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_T, DQ_PASSES)),
+          Schedule, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_T)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
@@ -298,8 +290,7 @@ def _gluon_bwd_d256_kernel(
 class D256LaunchPlan(WsLaunchPlan):
     """``WsLaunchPlan`` (grids, preprocess, descriptors, arguments) for the d256 kernel: one
     MMA warpgroup in the kernel's own partition (the other is a worker), 64 x 64 tiles, a
-    ring of one, one dQ staging tile; ``dq_passes`` (2: each warpgroup's dQ columns in two
-    GEMMs of 64, fewer registers held) from the config."""
+    ring of one, one dQ staging tile."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Any, kv_major_mask: Any = None, docs: bool = False,
@@ -314,9 +305,6 @@ class D256LaunchPlan(WsLaunchPlan):
         for name in ("DETERMINISTIC", "DQ_EARLY"):
             if self.options.pop(name, False):
                 raise ValueError(f"the d256 backward does not take {name.lower()}")
-        passes = int(config.get("dq_passes", 1))
-        if passes != 1:
-            self.options.update(DQ_PASSES=passes)
 
     def main_kernel(self) -> Any:
         return _gluon_bwd_d256_kernel
