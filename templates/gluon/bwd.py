@@ -19,7 +19,9 @@ backward: training runs it only where a sweep measures ``gluon_train`` faster th
 "none": the mask's own causality) the warp-specialized kernel walks the mask's KV-major lists
 (``block_mask_reason``): right on the H200, and forward + backward with the Gluon forward
 1.02-1.19x compiled Flex's speed at d128 16k (notes/gluon_notes.md, "Block masks in the
-warp-specialized backward"; docs/PERFORMANCE.md).
+warp-specialized backward"; docs/PERFORMANCE.md). Head dim 256 has a kernel of its own
+(``templates.gluon.bwd_d256_kernel``), compiled offline but not yet run on a GPU: off
+(``D256_ENABLED``) until its GPU tests pass.
 """
 
 from __future__ import annotations
@@ -770,7 +772,8 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
     Args:
         do, q, o: (B, H_q, N_q, D) float16 or bfloat16 on a CUDA device of compute capability
-            9.x, D 64 or 128; layouts TMA cannot read are copied first.
+            9.x, D 64 or 128 (and 256 while ``D256_ENABLED``); layouts TMA cannot read are
+            copied first.
         k, v: (B, H_kv, N_kv, D), same dtype and device; H_q a multiple of H_kv (GQA/MQA).
         lse: (B, H_q, N_q) float32, the forward's natural-log logsumexp (-inf for rows that
             see no key: their gradients are 0). ``gluon_attention_fwd``'s and
