@@ -16,8 +16,9 @@ order, ``deterministic``; ``--check`` runs it twice per case and requires dq bit
 ``dq_bitwise_repeat`` in the row), ``ws_dqe`` (``dq_early``), ``ws_split``
 (``split_warpgroups``), ``ws_split_pers`` (that on a persistent grid), ``ws_m128`` /
 ``ws_m128_dqe`` (128-query steps, d64), and those of one staging tile with ``_dqt``
-(``dq_transposed``: the tile D-major); ``ws_d256`` / ``ws_d256_row`` (the d256 kernel, dQ
-staging D-major / row-major; checked on the module's ``D256_CASES``, timed with
+(``dq_transposed``: the tile D-major); ``ws_d256`` / ``ws_d256_row`` / ``ws_d256_atomic`` (the d256
+kernel: dQ staging D-major / row-major with a ring of one, or dQ by atomics with a ring of
+two; checked on the module's ``D256_CASES``, timed with
 ``--head-dims 256``; they turn gluon_bwd's ``D256_ENABLED`` on in their process);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 

@@ -133,10 +133,12 @@ class GluonBwdConfig(KernelConfig):
         "shared memory, into the fp32 accumulator by one TMA bulk reduce. Measured on the "
         "H200 at d128: 1.22-1.29x the speed without it.")
     dq_buffers: int = knob(
-        1, (1, 2),
+        1, (0, 1, 2),
         "dQ staging tiles (BLOCK_M x D fp32) of the warp-specialized kernel: with two the "
         "compute warps fill one while the dQ warp's reduce reads the other. Without "
-        "warp_specialize only 1.")
+        "warp_specialize only 1. 0 only at head_dim 256 (the d256 kernel): no staging tile "
+        "and no dQ warp, the MMA warps add dQ by fp32 atomics from registers (FA3's d256 "
+        "path), which leaves room for a ring of two.")
     deterministic: bool = knob(
         False, (False, True),
         "With warp_specialize, the dQ warp adds each query tile's dQ in increasing KV-tile "
@@ -533,8 +535,10 @@ def _candidates(problem: Problem, masked: bool = False) -> list[GluonBwdConfig]:
     0.98-1.03x; gluon_bwd_h200_split_order_*.json; under block masks 1.00-1.02x); the dQ staging tile
     D-major (``dq_transposed``) without a block mask."""
     if problem.head_dim == D256:
-        # The d256 kernel, its dQ staging tile D-major or row-major (not yet measured).
-        return [D256_CONFIG, dataclasses.replace(D256_CONFIG, dq_transposed=False)]
+        # The d256 kernel, its dQ staging tile D-major or row-major, or no tile (dQ by atomics)
+        # and a ring of two (none measured yet).
+        return [D256_CONFIG, dataclasses.replace(D256_CONFIG, dq_transposed=False),
+                dataclasses.replace(D256_CONFIG, stages=2, dq_buffers=0, dq_transposed=False)]
     base = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2)
     # dq_transposed on dense and causal walks: 0.99-1.07x at d128 16k, 1.01-1.05x at d64, within
     # noise at d128 4k; under block masks no gain (and a 4k row bound by host time).
@@ -617,14 +621,21 @@ def _d256_problem(problem: Problem, cfg: GluonBwdConfig, device: DeviceInfo) -> 
         return ("the d256 backward walks dense and causal problems only: block masks are not "
                 "built at head_dim 256")
     wanted = {"warp_specialize": True, "split_warpgroups": True, "BLOCK_M": 64, "BLOCK_N": 64,
-              "stages": 1, "consumers": 2, "dq_buffers": 1, "defer_dq": True}
+              "consumers": 2, "defer_dq": True}
     wrong = {name: getattr(cfg, name) for name, value in wanted.items()
              if getattr(cfg, name) != value}
     if wrong:
         return (f"head_dim 256 runs the d256 kernel only (templates/gluon/bwd_d256_kernel.py: "
                 f"{', '.join(f'{k}={v}' for k, v in wanted.items())}; 64 x 64 tiles, dK/dV "
-                f"split by columns over the two warpgroups, a ring of one, one 64 KiB dQ "
-                f"staging tile), but the config has {wrong}")
+                f"split by columns over the two warpgroups), but the config has {wrong}")
+    if (cfg.stages, cfg.dq_buffers) not in ((1, 1), (2, 0)):
+        return (f"the d256 kernel runs a ring of one with one 64 KiB dQ staging tile (stages 1, "
+                f"dq_buffers 1) or a ring of two with dQ added by atomics (stages 2, "
+                f"dq_buffers 0): nothing else fits its shared memory, but the config has "
+                f"stages {cfg.stages}, dq_buffers {cfg.dq_buffers}")
+    if cfg.dq_buffers == 0 and cfg.dq_transposed:
+        return ("dq_transposed lays out the dQ staging tile: with dq_buffers 0 (no tile, "
+                "atomics) the d256 kernel adds dQ row-major")
     taken = [name for name in ("deterministic", "dq_early", "persistent", "longest_first",
                                "doc_offsets", "window_offsets") if getattr(cfg, name)]
     if taken:
@@ -663,6 +674,9 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
         return None
     if ws_kernel is None:
         return "the warp-specialized kernel module did not import"
+    if cfg.dq_buffers == 0:
+        return ("dq_buffers 0 (no staging tile: dQ by atomics from the MMA warps) is the d256 "
+                "kernel's (head_dim 256)")
     if not cfg.defer_dq:
         return ("defer_dq=False has no meaning with warp_specialize (the dQ warp adds every "
                 "tile): leave it at True")

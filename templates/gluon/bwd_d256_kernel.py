@@ -90,14 +90,16 @@ D256_STAGES = 1
 
 @gluon.jit
 def _d256_step(dk, dv, k_full, v_full, q_smem, do_smem, p_buf, ds_buf, pds_full, lse_smem,
-               delta_smem, dq_bufs, empty_slot, dq_empty, dq_full, t, m0, n0, N_KV,
-               causal_offset, qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
-               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               DQ_T: gl.constexpr):
-    """Step t of warpgroup WG (query rows from m0; its operands landed): S^T and dP^T of its
-    32 queries, their P^T and dS^T columns stored and both halves waited for, then its
-    columns of dV, dK and dQ; the ring slot released once dV's and dK's GEMMs are done, the
-    dQ columns handed to the dQ warp. Returns (dk, dv)."""
+               delta_smem, dq_bufs, empty_slot, dq_empty, dq_full, DQ, bh, N_Q, t, m0, n0,
+               N_KV, causal_offset, qk_scale, sm_scale, WG: gl.constexpr,
+               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, DQ_T: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """Step t of warpgroup WG (query rows from m0 of head row bh; its operands landed): S^T
+    and dP^T of its 32 queries, their P^T and dS^T columns stored and both halves waited
+    for, then its columns of dV, dK and dQ; the ring slot released once dV's and dK's GEMMs
+    are done, the dQ columns handed to the dQ warp (DQ_BUFFERS 1) or added into the fp32
+    accumulator ``DQ`` ((B H_q, N_q, D) contiguous) by atomics from registers (DQ_BUFFERS 0).
+    Returns (dk, dv)."""
     dtype: gl.constexpr = q_smem.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -146,13 +148,22 @@ def _d256_step(dk, dv, k_full, v_full, q_smem, do_smem, p_buf, ds_buf, pds_full,
     warps_barrier()
     mbarrier.arrive(empty_slot)
     dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-    # Its columns of the staging tile, once the dQ warp's reduce of the last tile has read it
-    # (one staging tile: DQ_BUFFERS 1).
-    mbarrier.wait(dq_empty.index(0), dq_free_phase(t, 1))
-    dq_stage(dq_bufs, 0, BLOCK_M, HEAD_DIM, DQ_T).slice(WG * HALF_D, HALF_D, dim=1).store(dq)
-    fence_async_shared()
-    warps_barrier()
-    mbarrier.arrive(dq_full.index(0))
+    if DQ_BUFFERS == 0:
+        # FA3's d256 path: no staging tile, no dQ warp; rows past N_q are not added.
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dims = WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, dq_layout))
+        offs = (gl.expand_dims(bh.to(gl.int64) * N_Q + rows, 1) * HEAD_DIM
+                + gl.expand_dims(dims, 0))
+        gl.atomic_add(DQ + offs, dq, mask=gl.expand_dims(rows < N_Q, 1), sem="relaxed")
+    else:
+        # Its columns of the staging tile, once the dQ warp's reduce of the last tile has
+        # read it (one staging tile: DQ_BUFFERS 1).
+        mbarrier.wait(dq_empty.index(0), dq_free_phase(t, 1))
+        dq_stage(dq_bufs, 0, BLOCK_M, HEAD_DIM, DQ_T).slice(WG * HALF_D, HALF_D,
+                                                            dim=1).store(dq)
+        fence_async_shared()
+        warps_barrier()
+        mbarrier.arrive(dq_full.index(0))
     return dk, dv
 
 
@@ -160,12 +171,13 @@ def _d256_step(dk, dv, k_full, v_full, q_smem, do_smem, p_buf, ds_buf, pds_full,
 def _d256_mma(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
               dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, p_bufs,
               ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full, kv_free,
-              dkv_ready, N_Q, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles,
+              dkv_ready, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles,
               qk_scale, sm_scale, Schedule, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_T: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_T: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     """Warpgroup WG's walk of the program's KV tile (``tile_walk``: the load and dQ warps walk
-    the same steps): its columns of dK and dV summed over every step, stored at the end."""
+    the same steps): its columns of dK and dV summed over every step, stored at the end.
+    ``dq_desc``: the accumulator's TMA descriptor, or with DQ_BUFFERS 0 its pointer."""
     HALF_D: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
@@ -190,8 +202,9 @@ def _d256_mma(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
             q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
             do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]), p_bufs.index(t % 2),
             ds_bufs.index(t % 2), pds_full, lse_bufs.index(slot), delta_bufs.index(slot),
-            dq_bufs, empty.index(slot), dq_empty, dq_full, t, m0, n0, N_KV, causal_offset,
-            qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_T)
+            dq_bufs, empty.index(slot), dq_empty, dq_full, dq_desc, b * H_Q + h, N_Q, t, m0,
+            n0, N_KV, causal_offset, qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M,
+            BLOCK_N, DQ_T, DQ_BUFFERS)
     # Both warpgroups' GEMMs read all of K and V (S^T and dP^T) until their last step: both
     # done before either overwrites its columns with dK and dV.
     mbarrier.arrive(kv_free)
@@ -227,10 +240,31 @@ def _gluon_bwd_d256_kernel(
 ):
     gl.static_assert(HEAD_DIM == 256 and BLOCK_M == 64 and BLOCK_N == 64,
                      "the d256 kernel: 64 x 64 tiles at head_dim 256")
-    gl.static_assert(DQ_BUFFERS == 1, "one dQ staging tile (64 KiB at D 256)")
+    gl.static_assert(DQ_BUFFERS <= 1, "one dQ staging tile (64 KiB at D 256) or none")
     dtype: gl.constexpr = q_desc.dtype
-    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = step_buffers(
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, STAGES, DQ_BUFFERS)
+    if DQ_BUFFERS == 0:
+        # (dq_buffers 0) No staging tile and no dQ warp: the MMA warps add dQ by atomics
+        # (``dq_desc`` is the accumulator's pointer), which leaves room for a ring of two.
+        q_block: gl.constexpr = q_desc.block_type.shape
+        kv_block: gl.constexpr = k_desc.block_type.shape
+        k_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, k_desc.layout)
+        v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M],
+                                               delta_desc.layout)
+    else:
+        k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = step_buffers(
+            q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, STAGES,
+            DQ_BUFFERS)
+        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1],
+                                            mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1],
+                                             mbarrier.MBarrierLayout())
+        for i in gl.static_range(DQ_BUFFERS):
+            mbarrier.init(dq_full.index(i), count=2)
+            mbarrier.init(dq_empty.index(i), count=1)
     pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                     element_bitwidth=16, rank=2)
     p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
@@ -238,8 +272,6 @@ def _gluon_bwd_d256_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
     pds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dkv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -249,48 +281,78 @@ def _gluon_bwd_d256_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    for i in gl.static_range(DQ_BUFFERS):
-        mbarrier.init(dq_full.index(i), count=2)
-        mbarrier.init(dq_empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(pds_full.index(i), count=2)
     mbarrier.init(kv_free, count=2)
     mbarrier.init(dkv_ready, count=2)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_d256_mma, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
-          dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, p_bufs,
-          ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full, kv_free, dkv_ready,
-          N_Q, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
-          Schedule, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_T)),
-        (_d256_mma, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
-          dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, p_bufs,
-          ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full, kv_free, dkv_ready,
-          N_Q, N_KV, causal_offset, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
-          Schedule, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_T)),
-        (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
-          delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
-          ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
-          H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
-          PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
-          stride_ib, stride_ih, stride_iq, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-          DQ_BUFFERS, False, 128, 128, 0, kv_ready, Schedule, 0, False, False, False)),
-        (dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
-          delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
-          ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
-          H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale, FullCounts, FullIndices,
-          PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
-          stride_ib, stride_ih, stride_iq, DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-          CAUSAL, DQ_BUFFERS, False, 128, 128, 0, False, DQ_T, Schedule, 0, False, False,
-          False)),
-    ], [D256_WARPS, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+    if DQ_BUFFERS == 0:
+        # (warp_specialize takes no None: stand-ins, never used, for the staging tile and its
+        # barriers)
+        dq_bufs = ds_bufs
+        dq_full = empty
+        dq_empty = empty
+        gl.warp_specialize([
+            (_d256_mma, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+              delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              dq_bufs, p_bufs, ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full,
+              kv_free, dkv_ready, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles,
+              n_q_tiles, qk_scale, sm_scale, Schedule, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+              CAUSAL, DQ_T, DQ_BUFFERS)),
+            (_d256_mma, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+              delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              dq_bufs, p_bufs, ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full,
+              kv_free, dkv_ready, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles,
+              n_q_tiles, qk_scale, sm_scale, Schedule, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+              CAUSAL, DQ_T, DQ_BUFFERS)),
+            (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+              delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              dq_bufs, ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV,
+              causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+              FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
+              PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM,
+              BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, False, 128, 128, 0, kv_ready,
+              Schedule, 0, False, False, False)),
+        ], [D256_WARPS, 1], [MMA_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_d256_mma, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+              delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              dq_bufs, p_bufs, ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full,
+              kv_free, dkv_ready, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles,
+              n_q_tiles, qk_scale, sm_scale, Schedule, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+              CAUSAL, DQ_T, DQ_BUFFERS)),
+            (_d256_mma, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+              delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              dq_bufs, p_bufs, ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, pds_full,
+              kv_free, dkv_ready, N_Q, N_KV, causal_offset, H_Q, H_KV, GROUP, n_kv_tiles,
+              n_q_tiles, qk_scale, sm_scale, Schedule, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+              CAUSAL, DQ_T, DQ_BUFFERS)),
+            (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+              delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              dq_bufs, ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV,
+              causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+              FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
+              PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, HEAD_DIM,
+              BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, False, 128, 128, 0, kv_ready,
+              Schedule, 0, False, False, False)),
+            (dq_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
+              delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              dq_bufs, ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV,
+              causal_offset, H_Q, H_KV, GROUP, n_kv_tiles, n_q_tiles, qk_scale, sm_scale,
+              FullCounts, FullIndices, PartialCounts, PartialIndices, PartialTileIds,
+              PartialTiles, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+              DqCounters, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS, False, 128,
+              128, 0, False, DQ_T, Schedule, 0, False, False, False)),
+        ], [D256_WARPS, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
 
 
 class D256LaunchPlan(WsLaunchPlan):
     """``WsLaunchPlan`` (grids, preprocess, descriptors, arguments) for the d256 kernel: one
-    MMA warpgroup in the kernel's own partition (the other is a worker), 64 x 64 tiles, a
-    ring of one, one dQ staging tile."""
+    MMA warpgroup in the kernel's own partition (the other is a worker), 64 x 64 tiles; a
+    ring of one with one dQ staging tile, or (dq_buffers 0) a ring of two with dQ added by
+    the MMA warps' atomics."""
 
     def __init__(self, q: Any, k: Any, *, causal_mode: str, scale: float,
                  config: Any, kv_major_mask: Any = None, docs: bool = False,
@@ -305,6 +367,17 @@ class D256LaunchPlan(WsLaunchPlan):
         for name in ("DETERMINISTIC", "DQ_EARLY"):
             if self.options.pop(name, False):
                 raise ValueError(f"the d256 backward does not take {name.lower()}")
+        # dq_buffers 0: the MMA warps add dQ by atomics into the row-major accumulator (zeroed
+        # by the preprocess), passed as its pointer instead of a TMA descriptor.
+        self.dq_by_descriptor = self.options["DQ_BUFFERS"] > 0
+        if not self.dq_by_descriptor and self.dq_transposed:
+            raise ValueError("dq_transposed lays out the dQ staging tile: the d256 kernel "
+                             "without one (dq_buffers 0) adds dQ row-major")
+
+    def _dq_descriptor(self, dq_accum: Any) -> Any:
+        """The accumulator's TMA descriptor (``WsLaunchPlan``'s), or with dq_buffers 0 the
+        accumulator itself (its pointer)."""
+        return super()._dq_descriptor(dq_accum) if self.dq_by_descriptor else dq_accum
 
     def main_kernel(self) -> Any:
         return _gluon_bwd_d256_kernel

@@ -77,7 +77,11 @@ class GluonBackwardPlan:
         kv_desc = functools.partial(_descriptor, block=plan.kv_block, layout=plan.kv_layout)
         makers: list[Any] = [q_desc, kv_desc, kv_desc, q_desc, kv_desc, kv_desc,
                              plan._rows_descriptor, plan._rows_descriptor]
-        if warp_specialized:
+        # The accumulator goes as a TMA descriptor to the warp-specialized kernels' dQ warp;
+        # as a plain pointer where the MMA warps add dQ themselves (the d256 kernel's
+        # dq_buffers 0: ``dq_by_descriptor`` False).
+        self.dq_descriptor = warp_specialized and getattr(plan, "dq_by_descriptor", True)
+        if self.dq_descriptor:
             makers.append(plan._dq_descriptor)
         # dq made from the accumulator (row-major, or D-major with dq_transposed) by a
         # launch of its own, in q's layout.
@@ -144,7 +148,7 @@ class GluonBackwardPlan:
         stream = current_stream(q.device.index) if q.is_cuda else 0
         o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, dq_ptr = pointers[:6]
         # dq_accum: the non-specialized kernel's plain pointer, the other's TMA descriptor.
-        dq_arg = dq_accum if self.warp_specialized else dq_ptr
+        dq_arg = dq_accum if self.dq_descriptor else dq_ptr
         if not (aligned and self.preprocess.try_direct(
                 stream, o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, dq_ptr, *pre_tail)):
             if aligned:

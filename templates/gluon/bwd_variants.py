@@ -41,13 +41,16 @@ VARIANTS.update({f"{name}_dqt": {**knobs, "dq_transposed": True}
 
 # The d256 kernel (templates/gluon/bwd_d256_kernel.py; off in gluon_bwd until it has run right
 # on a GPU: the tests and the bench turn ``bwd.D256_ENABLED`` on for these): 64 x 64 tiles,
-# the two warpgroups splitting dK/dV/dQ by columns, a ring of one; its dQ staging tile
-# D-major (the d256 default) or row-major. Checked on ``D256_CASES``.
+# the two warpgroups splitting dK/dV/dQ by columns; a ring of one and its dQ staging tile
+# D-major (the d256 default) or row-major, or a ring of two and dQ by atomics. Checked on
+# ``D256_CASES``.
 _D256 = {"BLOCK_M": 64, "BLOCK_N": 64, "stages": 1, "consumers": 2, "warp_specialize": True,
          "split_warpgroups": True, "dq_buffers": 1}
 D256_VARIANTS = {
     "ws_d256": {**_D256, "dq_transposed": True},
     "ws_d256_row": {**_D256, "dq_transposed": False},
+    # no staging tile and no dQ warp: dQ by the MMA warps' fp32 atomics, a ring of two
+    "ws_d256_atomic": {**_D256, "stages": 2, "dq_buffers": 0, "dq_transposed": False},
 }
 VARIANTS.update(D256_VARIANTS)
 

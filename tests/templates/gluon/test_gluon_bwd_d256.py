@@ -40,6 +40,7 @@ DENSE = Problem(2, 8, 8, 4096, 4096, 256, "bfloat16", "none")
 CAUSAL = Problem(2, 8, 8, 4096, 4096, 256, "float16", "top_left")
 GQA = Problem(1, 16, 2, 3000, 3000, 256, "bfloat16", "bottom_right")
 ROW_MAJOR = dataclasses.replace(D256_CONFIG, dq_transposed=False)
+ATOMIC = dataclasses.replace(D256_CONFIG, stages=2, dq_buffers=0, dq_transposed=False)
 
 
 @pytest.fixture
@@ -67,24 +68,31 @@ def test_switched_on_the_default_is_the_d256_kernel() -> None:
         assert TEMPLATE.default_config(problem, H100) == D256_CONFIG
         assert TEMPLATE.constraint(problem, D256_CONFIG, H100) is None
         assert TEMPLATE.constraint(problem, ROW_MAJOR, H100) is None
-        assert TEMPLATE.known_good_configs(problem, H100) == [ROW_MAJOR]
+        assert TEMPLATE.constraint(problem, ATOMIC, H100) is None
+        assert TEMPLATE.known_good_configs(problem, H100) == [ROW_MAJOR, ATOMIC]
         assert TEMPLATE.run_constraint(problem, D256_CONFIG, H100, None) is None
     # head dims 64 and 128 keep their defaults and refuse the d256 tile
     d128 = Problem(2, 16, 16, 4096, 4096, 128, "bfloat16", "none")
     assert not bwd._is_d256(TEMPLATE.default_config(d128, H100))
     reason = TEMPLATE.constraint(d128, D256_CONFIG, H100)
     assert reason is not None and "head_dim" in reason, reason
+    # dQ by atomics without a staging tile is the d256 kernel's only
+    ws = dataclasses.replace(TEMPLATE.default_config(d128, H100), dq_buffers=0)
+    reason = TEMPLATE.constraint(d128, ws, H100)
+    assert reason is not None and "dq_buffers 0" in reason, reason
 
 
 # ----------------------------------------------------------------------------- the constraint
 @needs_gluon
 @pytest.mark.usefixtures("d256_on")
 @pytest.mark.parametrize(("change", "word"), [
-    ({"stages": 3}, "stages"),
-    ({"stages": 2}, "stages"),
+    ({"stages": 3}, "stages 3, dq_buffers 1"),
+    ({"stages": 2}, "stages 2, dq_buffers 1"),
+    ({"dq_buffers": 0}, "stages 1, dq_buffers 0"),
+    ({"dq_buffers": 2}, "stages 1, dq_buffers 2"),
+    ({"stages": 2, "dq_buffers": 0}, "dq_transposed"),  # (the default's D-major tile)
     ({"BLOCK_N": 128}, "BLOCK_N"),
     ({"BLOCK_M": 128}, "BLOCK_M"),
-    ({"dq_buffers": 2}, "dq_buffers"),
     ({"split_warpgroups": False}, "split_warpgroups"),
     ({"warp_specialize": False, "split_warpgroups": False}, "warp_specialize"),
     ({"deterministic": True}, "deterministic"),
@@ -98,6 +106,8 @@ def test_what_the_d256_kernel_does_not_take_is_refused_by_name(change: dict[str,
     assert reason is not None, change
     if word in ("deterministic", "dq_early", "persistent", "longest_first"):
         assert f"does not take {word}" in reason, reason
+    elif "stages" in word or word == "dq_transposed":
+        assert word in reason, reason
     else:  # the knob named among the config's wrong values
         assert f"'{word}': {change[word]!r}" in reason, reason
 
@@ -138,6 +148,9 @@ def test_the_shared_memory_estimate_counts_p_and_ds_tiles() -> None:
             + 64 * 256 * 4 + bwd.BARRIER_BYTES)
     assert shared_memory_estimate(DENSE, D256_CONFIG) == want == 230_912
     assert want <= H100.smem_per_block
+    # dQ by atomics: no staging tile, a second stage of Q and dO
+    atomic = want - 64 * 256 * 4 + (2 * 64 * 256 * 2 + 2 * 64 * 4)
+    assert shared_memory_estimate(DENSE, ATOMIC) == atomic == 231_424 <= H100.smem_per_block
     # dK + dV (64 x 128 each) and S^T + dP^T (64 x 32 each) per thread of a warpgroup
     assert tile_registers(DENSE, D256_CONFIG) == 160 <= bwd.MAX_WS_TILE_REGISTERS
 
@@ -155,6 +168,13 @@ def test_the_launch_plan() -> None:
     assert options["num_warps"] == 4 and options["MMA_REGS"] == 240
     row = TEMPLATE.kernel_launches(GQA, ROW_MAJOR)
     assert row is not None and "DQ_T" not in row[1][3]
+    # dQ by atomics: the accumulator's pointer where the others pass its TMA descriptor
+    atomic = TEMPLATE.kernel_launches(GQA, ATOMIC)
+    assert atomic is not None
+    _, _, args, options = atomic[1]
+    assert options["STAGES"] == 2 and options["DQ_BUFFERS"] == 0 and "DQ_T" not in options
+    assert isinstance(args[8], StandinTensor) and args[8].dtype == torch.float32
+    assert not isinstance(launches[1][2][8], StandinTensor)
     from templates.gluon import bwd_d256_kernel
 
     q = StandinTensor(torch.bfloat16, [1, 16, 3000, 256])
@@ -198,10 +218,11 @@ def _compile(problems_configs: list[tuple[Problem, GluonBwdConfig]]) -> list[dic
 
 @needs_gluon
 def test_it_compiles_for_the_h100_without_spills_or_serialized_gemms() -> None:
-    """The offline sm_90 build of the default (D-major dQ tile) on a dense and a causal walk:
-    no stack, both MMA partitions' wgmma pipelines intact (no ptxas note), the shared memory
-    within the H100's and the estimate (triton 3.9: 230,528 bytes, 0 stack; 3.6 the same)."""
-    for out in _compile([(DENSE, D256_CONFIG), (CAUSAL, D256_CONFIG)]):
+    """The offline sm_90 build of the default (D-major dQ tile) on a dense and a causal walk,
+    and of dQ by atomics on a causal one: no stack, both MMA partitions' wgmma pipelines
+    intact (no ptxas note), the shared memory within the H100's and the estimate (triton
+    3.9: 230,528 and 230,864 bytes, 0 stack; 3.6 the same)."""
+    for out in _compile([(DENSE, D256_CONFIG), (CAUSAL, D256_CONFIG), (CAUSAL, ATOMIC)]):
         assert out["error"] == "" and out["constraint"] == "", out
         _, main = out["kernels"]
         assert main["kernel"] == "_gluon_bwd_d256_kernel", out
@@ -209,7 +230,8 @@ def test_it_compiles_for_the_h100_without_spills_or_serialized_gemms() -> None:
         assert main["stack_bytes"] in (0, None), out
         assert main["shared_bytes"] <= H100.smem_per_block, out
         problem = Problem(**out["problem"])
-        assert 0 <= shared_memory_estimate(problem, D256_CONFIG) - main["shared_bytes"] <= 1024
+        cfg = GluonBwdConfig(**out["config"])
+        assert 0 <= shared_memory_estimate(problem, cfg) - main["shared_bytes"] <= 1024
 
 
 # ----------------------------------------------------------------------------- GPU numerics
