@@ -50,6 +50,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
             "tests/templates/gluon/test_gluon_bwd_docs.py",
             "tests/templates/gluon/test_gluon_bwd_split.py",
             "tests/templates/gluon/test_gluon_bwd_tile_order.py",
+            "tests/templates/gluon/test_gluon_bwd_d256.py",
             "tests/templates/pytorch/test_torch_flex.py",
             "tests/templates/gluon/test_gluon_cudnn_train.py",
             "tests/templates/gluon/test_gluon_train.py"),
