@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
+import optuna
 import pytest
+from optuna.trial import TrialState
 from sqlalchemy import select
 
 from db.finalists import pick_finalists
@@ -19,6 +22,7 @@ from tuner.tuning.replay import RecordedProblem, ReplayRunner
 from tuner.tuning.runner.outcome import TrialOutcome, TrialRequest
 from tuner.tuning.search.loop import ProblemSearch, SearchSettings
 from tuner.tuning.search.samplers import make_sampler
+from tuner.tuning.search.space import params_of
 from tuner.tuning.search.store import DbStore, measured_configs
 from tuner.tuning.search.study import HeartbeatKeeper, make_storage, open_study, study_name
 
@@ -147,3 +151,47 @@ def test_optunas_sqlite_connections_sync_at_checkpoints_in_wal_mode(tmp_path: Pa
             assert connection.exec_driver_sql("PRAGMA synchronous").scalar() == expected, url
         storage.engine.dispose()
     dispose_engine(wal)
+
+
+def test_of_two_running_trials_of_one_config_the_one_that_started_first_runs_it(
+        db_url: str, landscape: RecordedProblem) -> None:
+    # An enqueued trial keeps its enqueuing's (lower) number and starts when popped: here after
+    # another worker's fresh trial of the same config started. The lower number alone let
+    # both measure it (CI's fleet test, 2026-12-01).
+    template = get_template("toy_tiles")
+    device = current_device()
+    problem = Problem.from_dict(landscape.problem)
+    key = template.problem_key(problem)
+    init_db(db_url)
+    storage = make_storage(db_url)
+    name = study_name(device.key, template.name, template.version(), key)
+
+    def search(seed: int) -> ProblemSearch:
+        study = open_study(storage, name, make_sampler("tpe", template.config_cls, budget=4,
+                                                       seed=seed), {"k": key})
+        store = DbStore(db_url, device=device.to_dict() | {"key": device.key},
+                        template_name=template.name, template_version=template.version(),
+                        space=template.config_cls.json_schema(), worker=f"w{seed}")
+        return ProblemSearch(template=template, problem=problem, device=device, study=study,
+                             store=store, runner=None,  # type: ignore[arg-type]
+                             settings=SearchSettings(budget=4, seed=seed))
+
+    first, second = search(0), search(1)
+    config = template.default_config(problem, device)
+    params = params_of(config)
+    first.study.enqueue_trial(params)  # number 0, waiting
+    fresh = optuna.trial.create_trial(
+        state=TrialState.RUNNING, params=params,
+        distributions={k: first._dists[k] for k in params})  # noqa: SLF001
+    fresh_id = first.study._storage.create_new_trial(  # noqa: SLF001
+        first.study._study_id, template_trial=fresh)  # noqa: SLF001
+    started = first.study._storage.get_trial(fresh_id)  # noqa: SLF001
+    assert started.number == 1 and started.datetime_start is not None
+    first._mine.add(started.number)  # noqa: SLF001
+    time.sleep(0.01)
+    popped = second.study.ask(second._dists)  # noqa: SLF001  (pops number 0, starts now)
+    second._mine.add(popped.number)  # noqa: SLF001
+    assert popped.number == 0
+    assert second._held_elsewhere(popped, config.key()) == 1  # noqa: SLF001
+    assert first._held_elsewhere(optuna.Trial(first.study, fresh_id),  # noqa: SLF001
+                                 config.key()) is None

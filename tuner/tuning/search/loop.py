@@ -679,9 +679,14 @@ class ProblemSearch:
 
     def _held_elsewhere(self, trial: optuna.Trial, key: str) -> int | None:
         """The number of a RUNNING trial of another worker that holds ``key`` and goes first
-        (the lower number wins, so of two workers that drew one config exactly one runs it).
+        (the one that started running first, by its stored start and then its number: both
+        workers order the same two rows alike, so of two that drew one config exactly one
+        runs it). Not the lower number alone: an enqueued trial keeps the number of its
+        enqueuing and starts when a worker pops it, maybe after another worker's fresh trial
+        of the same config started and checked (both measured it: CI's fleet test of
+        2026-12-01, two workers on one problem after a lease ran out).
 
-        ``study.ask`` creates a trial RUNNING and writes its params afterwards, so a lower
+        ``study.ask`` creates a trial RUNNING and writes its params afterwards, so an earlier
         trial may be seen without them (seen with three processes on one SQLite file: both
         workers measured one config). Its config is then unknown: look again until its
         params land; one that stays without them for ``params_wait_s`` goes first all the
@@ -690,8 +695,11 @@ class ProblemSearch:
         deadline = time.monotonic() + self.settings.params_wait_s
         while True:
             unknown: int | None = None
-            for other in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                if other.number >= trial.number or other.number in self._mine:
+            running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            me = next((t for t in running if t.number == trial.number), None)
+            for other in running:
+                if (other.number == trial.number or other.number in self._mine
+                        or not _starts_before(other, me, trial.number)):
                     continue
                 if not self._dists.keys() <= other.params.keys():
                     unknown = other.number if unknown is None else min(unknown, other.number)
@@ -764,3 +772,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's: it exists
         return True
     return True
+
+
+def _starts_before(other: optuna.trial.FrozenTrial, me: optuna.trial.FrozenTrial | None,
+                   number: int) -> bool:
+    """Whether RUNNING trial ``other`` goes before this worker's trial ``number`` (``me``, as
+    read back with it): it started first, or at the same moment with a lower number. Where a
+    start is missing (or this trial was not read back) the lower number goes first."""
+    if me is None or other.datetime_start is None or me.datetime_start is None:
+        return other.number < number
+    return (other.datetime_start, other.number) < (me.datetime_start, number)
