@@ -8,6 +8,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -43,14 +44,24 @@ class FirstTrialsTogether(ReplayRunner):
         return super().measure(request, timeout_s)
 
 
-def test_workers_share_one_study_and_one_trials_table(db_url: str,
-                                                      landscape: RecordedProblem) -> None:
+def one_problem(db_url: str, landscape: RecordedProblem) -> tuple[Any, Any, Problem, str, Any]:
+    """The toy template's recorded problem on a migrated ``db_url``: template, device,
+    problem, its key, and Optuna's storage there."""
     template = get_template("toy_tiles")
     device = current_device()
     problem = Problem.from_dict(landscape.problem)
-    key = template.problem_key(problem)
     init_db(db_url)
-    storage = make_storage(db_url)
+    return template, device, problem, template.problem_key(problem), make_storage(db_url)
+
+
+def store_of(url: str, template: Any, device: Any, worker: str = "") -> DbStore:
+    return DbStore(url, device=device.to_dict() | {"key": device.key},
+                   template_name=template.name, template_version=template.version(),
+                   space=template.config_cls.json_schema(), worker=worker)
+
+def test_workers_share_one_study_and_one_trials_table(db_url: str,
+                                                      landscape: RecordedProblem) -> None:
+    template, device, problem, key, storage = one_problem(db_url, landscape)
     heartbeats = HeartbeatKeeper(storage)
     name = study_name(device.key, template.name, template.version(), key)
     seeds = (0, 1, 2)
@@ -60,13 +71,8 @@ def test_workers_share_one_study_and_one_trials_table(db_url: str,
     runner = FirstTrialsTogether(template, landscape.trials, workers=len(seeds), delay_s=0.01)
     budget = 16
 
-    def store_of(url: str, worker: str = "") -> DbStore:
-        return DbStore(url, device=device.to_dict() | {"key": device.key},
-                       template_name=template.name, template_version=template.version(),
-                       space=template.config_cls.json_schema(), worker=worker)
-
     def worker(seed: int) -> None:
-        store = store_of(db_url, f"w{seed}")
+        store = store_of(db_url, template, device, f"w{seed}")
         study = open_study(storage, name, make_sampler("tpe", template.config_cls,
                                                        budget=budget, seed=seed), {"k": key})
         ProblemSearch(template=template, problem=problem, device=device, study=study,
@@ -90,7 +96,7 @@ def test_workers_share_one_study_and_one_trials_table(db_url: str,
     assert runner.calls == {r.config_key: 1 + again[r.config_key] for r in measured}
     # Workers that end together may re-measure one finalist at once: a few more readings.
     assert again and max(again.values()) <= 2 + len(seeds) - 1
-    store = store_of(db_url)
+    store = store_of(db_url, template, device)
     final = pick_finalists(measured_configs(store.known(key), store.remeasurements(key)), 3)
     assert len(final) in (3, 4) and all(again[str(f.ref)] >= 2 for f in final)
     with session_scope(db_url, write=False) as s:
@@ -158,22 +164,15 @@ def test_of_two_running_trials_of_one_config_the_one_that_started_first_runs_it(
     # An enqueued trial keeps its enqueuing's (lower) number and starts when popped: here after
     # another worker's fresh trial of the same config started. The lower number alone let
     # both measure it (CI's fleet test, 2026-12-01).
-    template = get_template("toy_tiles")
-    device = current_device()
-    problem = Problem.from_dict(landscape.problem)
-    key = template.problem_key(problem)
-    init_db(db_url)
-    storage = make_storage(db_url)
+    template, device, problem, key, storage = one_problem(db_url, landscape)
     name = study_name(device.key, template.name, template.version(), key)
 
     def search(seed: int) -> ProblemSearch:
         study = open_study(storage, name, make_sampler("tpe", template.config_cls, budget=4,
                                                        seed=seed), {"k": key})
-        store = DbStore(db_url, device=device.to_dict() | {"key": device.key},
-                        template_name=template.name, template_version=template.version(),
-                        space=template.config_cls.json_schema(), worker=f"w{seed}")
         return ProblemSearch(template=template, problem=problem, device=device, study=study,
-                             store=store, runner=None,  # type: ignore[arg-type]
+                             store=store_of(db_url, template, device, f"w{seed}"),
+                             runner=None,  # type: ignore[arg-type]
                              settings=SearchSettings(budget=4, seed=seed))
 
     first, second = search(0), search(1)
