@@ -19,7 +19,7 @@ order, ``deterministic``; ``--check`` runs it twice per case and requires dq bit
 (``dq_transposed``: the tile D-major); ``ws_d256`` / ``ws_d256_row`` / ``ws_d256_atomic`` (the d256
 kernel: dQ staging D-major / row-major with a ring of one, or dQ by atomics with a ring of
 two; checked on the module's ``D256_CASES``, timed with
-``--head-dims 256``; they turn gluon_bwd's ``D256_ENABLED`` on in their process);
+``--head-dims 256``);
 a variant whose config a problem refuses is skipped there. With ``--check`` only the variants right on every case are timed.
 
 ``--time``: bf16, 16k tokens per batch, H = 2048 / D, N 4k and 16k, dense and causal
@@ -49,24 +49,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from templates.base import Problem, relative_error  # noqa: E402
-from templates.gluon.bwd_variants import D256_VARIANTS, VARIANTS, cases_of  # noqa: E402
+from templates.gluon.bwd_variants import VARIANTS, cases_of  # noqa: E402
 
 
 def config_for(name: str, problem: Problem) -> Any:
     from templates.device import current_device
-    from templates.gluon import bwd
     from templates.gluon.bwd import TEMPLATE, GluonBwdConfig
 
-    if name in D256_VARIANTS:
-        # The d256 kernel is off in gluon_bwd until it has run right on a GPU: on for this
-        # process (the default then takes it at D 256 too).
-        bwd.D256_ENABLED = True
     device = current_device()
     data = VARIANTS[name]
     if data is None:
         try:
             cfg = TEMPLATE.default_config(problem, device)
-        except RuntimeError:  # nothing fits (D 256 with the d256 kernel off)
+        except RuntimeError:  # nothing fits
             return None
     else:
         cfg = GluonBwdConfig(**data)

@@ -20,8 +20,9 @@ backward: training runs it only where a sweep measures ``gluon_train`` faster th
 (``block_mask_reason``): right on the H200, and forward + backward with the Gluon forward
 1.02-1.19x compiled Flex's speed at d128 16k (notes/gluon_notes.md, "Block masks in the
 warp-specialized backward"; docs/PERFORMANCE.md). Head dim 256 has a kernel of its own
-(``templates.gluon.bwd_d256_kernel``), compiled offline but not yet run on a GPU: off
-(``D256_ENABLED``) until its GPU tests pass.
+(``templates.gluon.bwd_d256_kernel``, dense and causal): right on the H200 on every odd case
+of its GPU tests and 1.05-1.10x cuDNN's backward there (2026-12-01, notes/gluon_notes.md,
+"The d256 backward").
 """
 
 from __future__ import annotations
@@ -65,14 +66,9 @@ ws_kernel, _ = load_kernel_module("templates.gluon.bwd_ws_kernel")
 # Its two MMA warpgroups as two partitions (``split_warpgroups``).
 split_kernel, _ = load_kernel_module("templates.gluon.bwd_split_kernel")
 # Head dim 256: its own kernel (templates/gluon/bwd_d256_kernel.py: 64 x 64 tiles, the MMA
-# warpgroups splitting dK/dV/dQ by columns), built and compiled offline for sm_90 but NOT yet
-# run on a GPU. Off: gluon_bwd takes head_dim 64 and 128 only, as before, and d256 training
-# runs cuDNN's backward. Turn on after the GPU tests pass
-# (tests/templates/gluon/test_gluon_bwd_d256.py; they and benchmarks/gluon_bwd_bench.py's
-# d256 variants turn it on in their own process).
-D256_ENABLED = False
+# warpgroups splitting dK/dV/dQ by columns); dense and causal only.
 d256_kernel, _ = load_kernel_module("templates.gluon.bwd_d256_kernel")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 D256 = 256
 DTYPE_BYTES = 2
 # Shared memory Triton adds to the tiles (the mbarriers and the tiles' alignment: 428 bytes
@@ -255,20 +251,17 @@ class GluonBwdTemplate(GluonTemplate):
     kernel = kernel
     gluon_missing = GLUON_MISSING
     head_dims = HEAD_DIMS
-    head_dims_why = ("at 256 the one-warpgroup-per-keys kernels' dK/dV accumulators alone fill "
-                     "a warpgroup's registers; the d256 kernel, which splits them by columns, "
-                     "is off until it has run right on a GPU: bwd.D256_ENABLED")
+    head_dims_why = ("the head dims its kernels are built for: 64 and 128 by the split and "
+                     "warp-specialized kernels, 256 by the d256 kernel")
     # The warp-specialized kernel walks a block mask's KV-major lists (``block_mask_reason``).
     block_masks = True
 
     # -- the problem --------------------------------------------------------------------------
     def unsupported(self, problem: Problem) -> str | None:
-        if problem.head_dim == D256 and D256_ENABLED:
-            # (head_dims is the class's, read by GluonTemplate; 256 is taken only while the
-            # switch is on: every other check as for 128)
-            reason = super().unsupported(dataclasses.replace(problem, head_dim=HEAD_DIMS[-1]))
-        else:
-            reason = super().unsupported(problem)
+        reason = super().unsupported(problem)
+        if reason is None and problem.head_dim == D256 and problem.mask != "none":
+            return (f"gluon_bwd's d256 kernel walks dense and causal problems only, but got "
+                    f"mask {problem.mask!r}: block masks at head_dim 256 run another backward")
         if reason is None and problem.mask != "none" and problem.causal != "none":
             return (f"a block mask carries its own causality (the *_causal patterns): "
                     f"gluon_bwd takes mask {problem.mask!r} with causal 'none', not "
@@ -596,7 +589,7 @@ def walk_steps(problem: Problem) -> int:
 # The d256 kernel's config (``bwd_d256_kernel``): 64 queries x 64 keys, the two MMA
 # warpgroups as two partitions (split_warpgroups) splitting dK/dV/dQ by columns, a ring of
 # one (two do not fit beside the 64 KiB dQ staging tile), one dQ staging tile. The default at
-# head_dim 256 (while D256_ENABLED), with the staging tile D-major.
+# head_dim 256, with the staging tile D-major (1.00-1.02x the row-major tile's speed).
 D256_CONFIG = GluonBwdConfig(BLOCK_M=64, BLOCK_N=64, stages=1, consumers=2,
                              warp_specialize=True, split_warpgroups=True, dq_buffers=1,
                              dq_transposed=True)
@@ -786,7 +779,7 @@ def gluon_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
     Args:
         do, q, o: (B, H_q, N_q, D) float16 or bfloat16 on a CUDA device of compute capability
-            9.x, D 64 or 128 (and 256 while ``D256_ENABLED``); layouts TMA cannot read are
+            9.x, D 64, 128 or 256 (256 without a block mask); layouts TMA cannot read are
             copied first.
         k, v: (B, H_kv, N_kv, D), same dtype and device; H_q a multiple of H_kv (GQA/MQA).
         lse: (B, H_q, N_q) float32, the forward's natural-log logsumexp (-inf for rows that
@@ -856,9 +849,8 @@ def _validated_plan(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """Check the arguments, choose or check the config and plan both launches (see
     ``gluon_attention_bwd`` for the errors)."""
     assert kernel is not None
-    head_dims = (*HEAD_DIMS, D256) if D256_ENABLED else HEAD_DIMS
     causal_mode, softmax_scale = kernel.validate_inputs(do, q, k, v, o, lse, causal, scale,
-                                                        head_dims=head_dims)
+                                                        head_dims=HEAD_DIMS)
     mask_block = None
     if block_mask is not None:
         check_block_mask(block_mask, q, k)

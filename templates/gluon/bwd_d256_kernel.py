@@ -1,5 +1,4 @@
-"""The warp-specialized Gluon backward at head_dim 256 (gluon_bwd at D 256; opt-in behind
-``templates.gluon.bwd.D256_ENABLED`` until it has run right on a GPU).
+"""The warp-specialized Gluon backward at head_dim 256 (gluon_bwd at D 256, dense and causal).
 
 At D 256 the split kernel's layout (each MMA warpgroup owning 64 keys of dK and dV over all of
 D) needs 2 x 64 x 256 fp32 accumulators per warpgroup: 256 registers a thread before anything

@@ -39,8 +39,7 @@ VARIANTS.update({f"{name}_dqt": {**knobs, "dq_transposed": True}
                  for name, knobs in list(VARIANTS.items())
                  if knobs and knobs.get("warp_specialize") and knobs.get("dq_buffers") != 2})
 
-# The d256 kernel (templates/gluon/bwd_d256_kernel.py; off in gluon_bwd until it has run right
-# on a GPU: the tests and the bench turn ``bwd.D256_ENABLED`` on for these): 64 x 64 tiles,
+# The d256 kernel (templates/gluon/bwd_d256_kernel.py): 64 x 64 tiles,
 # the two warpgroups splitting dK/dV/dQ by columns; a ring of one and its dQ staging tile
 # D-major (the d256 default) or row-major, or a ring of two and dQ by atomics. Checked on
 # ``D256_CASES``.

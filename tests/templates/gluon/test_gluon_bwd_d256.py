@@ -1,18 +1,14 @@
-"""gluon_bwd at head_dim 256: the d256 kernel (templates/gluon/bwd_d256_kernel.py), off in the
-template until it has run right on a GPU (``bwd.D256_ENABLED``; these tests turn it on). On
-the CPU: the switch, which configs and problems the constraint takes and refuses (each
+"""gluon_bwd at head_dim 256: the d256 kernel (templates/gluon/bwd_d256_kernel.py). On
+the CPU: which problems it takes, which configs and problems the constraint takes and refuses (each
 refusal with its reason), the shared memory it counts, the launch plan, the standalone
 source, and the offline sm_90 build (no spills, no serialized wgmma, within the H100's shared
 memory); on a Hopper GPU (``gpu`` marker): gradients against the fp32 reference on odd
-shapes, both dQ staging layouts, dK/dV bit for bit between them and between runs."""
+shapes, every variant, dK/dV bit for bit between them and between runs, and the entry point's
+default."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +28,7 @@ from templates.gluon.bwd import (
     tile_registers,
 )
 from templates.gluon.bwd_variants import D256_CASES, D256_VARIANTS
-from tests.templates.gluon.gluon_checks import import_standalone, is_hopper
+from tests.templates.gluon.gluon_checks import compile_reports, import_standalone, is_hopper
 
 H100 = TARGETS["h100"]
 needs_gluon = pytest.mark.skipif(bool(GLUON_MISSING), reason=GLUON_MISSING or "gluon present")
@@ -43,26 +39,21 @@ ROW_MAJOR = dataclasses.replace(D256_CONFIG, dq_transposed=False)
 ATOMIC = dataclasses.replace(D256_CONFIG, stages=2, dq_buffers=0, dq_transposed=False)
 
 
-@pytest.fixture
-def d256_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bwd, "D256_ENABLED", True)
-
-
-# ----------------------------------------------------------------------------- the switch
+# ----------------------------------------------------------------------------- the problems
 @needs_gluon
-def test_head_dim_256_is_off_until_switched_on() -> None:
-    assert bwd.D256_ENABLED is False  # turn on after the GPU tests pass
-    reason = TEMPLATE.unsupported(DENSE)
-    assert reason is not None and "D256_ENABLED" in reason, reason
-    assert TEMPLATE.constraint(DENSE, D256_CONFIG, H100) == reason
-    with pytest.raises(RuntimeError):
-        TEMPLATE.default_config(DENSE, H100)
-    assert TEMPLATE.kernel_launches(DENSE, D256_CONFIG) is None
+def test_head_dim_256_is_taken_dense_and_causal_and_refused_under_a_block_mask() -> None:
+    for problem in (DENSE, CAUSAL, GQA):
+        assert TEMPLATE.unsupported(problem) is None
+    masked = Problem(1, 8, 8, 4096, 4096, 256, "bfloat16", "none", "sliding_causal:1024")
+    reason = TEMPLATE.unsupported(masked)
+    assert reason is not None and "block masks at head_dim 256" in reason, reason
+    d192 = dataclasses.replace(DENSE, head_dim=192)
+    reason = TEMPLATE.unsupported(d192)
+    assert reason is not None and "[64, 128, 256]" in reason, reason
 
 
 @needs_gluon
-@pytest.mark.usefixtures("d256_on")
-def test_switched_on_the_default_is_the_d256_kernel() -> None:
+def test_the_default_at_d256_is_the_d256_kernel() -> None:
     for problem in (DENSE, CAUSAL, GQA, Problem(1, 2, 2, 1, 1, 256, "float16", "none")):
         assert TEMPLATE.unsupported(problem) is None
         assert TEMPLATE.default_config(problem, H100) == D256_CONFIG
@@ -84,7 +75,6 @@ def test_switched_on_the_default_is_the_d256_kernel() -> None:
 
 # ----------------------------------------------------------------------------- the constraint
 @needs_gluon
-@pytest.mark.usefixtures("d256_on")
 @pytest.mark.parametrize(("change", "word"), [
     ({"stages": 3}, "stages 3, dq_buffers 1"),
     ({"stages": 2}, "stages 2, dq_buffers 1"),
@@ -113,7 +103,6 @@ def test_what_the_d256_kernel_does_not_take_is_refused_by_name(change: dict[str,
 
 
 @needs_gluon
-@pytest.mark.usefixtures("d256_on")
 def test_block_masks_are_refused_at_d256() -> None:
     masked = Problem(1, 8, 8, 4096, 4096, 256, "bfloat16", "none", "sliding_causal:1024")
     reason = TEMPLATE.constraint(masked, D256_CONFIG, H100)
@@ -123,7 +112,6 @@ def test_block_masks_are_refused_at_d256() -> None:
 
 
 @needs_gluon
-@pytest.mark.usefixtures("d256_on")
 def test_a_ring_of_one_stays_refused_at_d64_and_d128() -> None:
     for d in (64, 128):
         problem = Problem(1, 8, 8, 4096, 4096, d, "bfloat16", "none")
@@ -133,7 +121,6 @@ def test_a_ring_of_one_stays_refused_at_d64_and_d128() -> None:
 
 
 @needs_gluon
-@pytest.mark.usefixtures("d256_on")
 def test_a_smaller_shared_memory_refuses_it() -> None:
     small = dataclasses.replace(H100, smem_per_block=228 * 1024 - 4096)
     reason = TEMPLATE.constraint(DENSE, D256_CONFIG, small)
@@ -156,7 +143,6 @@ def test_the_shared_memory_estimate_counts_p_and_ds_tiles() -> None:
 
 
 @needs_gluon
-@pytest.mark.usefixtures("d256_on")
 def test_the_launch_plan() -> None:
     launches = TEMPLATE.kernel_launches(GQA, D256_CONFIG)
     assert launches is not None
@@ -201,28 +187,15 @@ def test_its_standalone_source_runs_the_d256_kernel(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- offline build
-def _compile(problems_configs: list[tuple[Problem, GluonBwdConfig]]) -> list[dict[str, Any]]:
-    """The compile report of each job, from a child process without the interpreter, with
-    the d256 kernel switched on there (``gluon_checks.compile_reports``, which cannot)."""
-    jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
-            for p, c in problems_configs]
-    code = ("import sys, templates.gluon.bwd as bwd; bwd.D256_ENABLED = True; "
-            "from templates.compile.report import main; sys.exit(main())")
-    done = subprocess.run([sys.executable, "-c", code],
-                          input=json.dumps({"target": "h100", "jobs": jobs}),
-                          capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
-
-
 @needs_gluon
 def test_it_compiles_for_the_h100_without_spills_or_serialized_gemms() -> None:
     """The offline sm_90 build of the default (D-major dQ tile) on a dense and a causal walk,
     and of dQ by atomics on a causal one: no stack, both MMA partitions' wgmma pipelines
     intact (no ptxas note), the shared memory within the H100's and the estimate (triton
     3.9: 230,528 and 230,864 bytes, 0 stack; 3.6 the same)."""
-    for out in _compile([(DENSE, D256_CONFIG), (CAUSAL, D256_CONFIG), (CAUSAL, ATOMIC)]):
+    jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
+            for p, c in ((DENSE, D256_CONFIG), (CAUSAL, D256_CONFIG), (CAUSAL, ATOMIC))]
+    for out in compile_reports("templates.gluon.bwd", jobs):
         assert out["error"] == "" and out["constraint"] == "", out
         _, main = out["kernels"]
         assert main["kernel"] == "_gluon_bwd_d256_kernel", out
@@ -239,8 +212,8 @@ def test_it_compiles_for_the_h100_without_spills_or_serialized_gemms() -> None:
 @pytest.mark.parametrize("case", D256_CASES, ids=lambda c: Problem(*c).key())
 def test_d256_matches_the_reference_on_the_gpu(case: tuple[Any, ...],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both dQ staging layouts against the fp32 reference (dk/dv poisoned with NaN first, so
-    an element never written shows), dK and dV bit for bit between runs and between the two
+    """Every d256 variant (both dQ staging layouts, dQ by atomics) against the fp32 reference (dk/dv poisoned with NaN first, so
+    an element never written shows), dK and dV bit for bit between runs and between variants
     (the same GEMMs in the same order per key row; dQ's reduces land in any order), and rows
     that see no key get a zero dQ."""
     if not is_hopper():
@@ -248,7 +221,6 @@ def test_d256_matches_the_reference_on_the_gpu(case: tuple[Any, ...],
     from templates.gluon import bwd_kernel as gluon_bwd_kernel
 
     monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)
-    monkeypatch.setattr(bwd, "D256_ENABLED", True)
     problem = Problem(*case)
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
     ref = TEMPLATE.reference(inputs)
@@ -267,21 +239,18 @@ def test_d256_matches_the_reference_on_the_gpu(case: tuple[Any, ...],
             blind = problem.seqlen_q - problem.seqlen_kv
             assert torch.all(runs[0][0][..., :blind, :] == 0)
         outs[name] = runs[0]
-    first, second = outs.values()
-    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    first, *others = outs.values()
+    for other in others:
+        assert torch.equal(first[1], other[1]) and torch.equal(first[2], other[2])
 
 
 @pytest.mark.gpu
-def test_d256_default_through_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gluon_attention_bwd without a config at D 256 (switched on) runs the d256 kernel, right;
-    switched off it refuses head_dim 256 by name."""
+def test_d256_default_through_the_entry_point() -> None:
+    """gluon_attention_bwd without a config at D 256 runs the d256 kernel, right."""
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
     problem = Problem(1, 8, 2, 1500, 1500, 256, "bfloat16", "top_left")
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=5)
     args = [inputs[n] for n in ("do", "q", "k", "v", "o", "lse")]
-    with pytest.raises(ValueError, match="head_dim"):
-        bwd.gluon_attention_bwd(*args, causal=inputs["causal"], scale=inputs["scale"])
-    monkeypatch.setattr(bwd, "D256_ENABLED", True)
     out = bwd.gluon_attention_bwd(*args, causal=inputs["causal"], scale=inputs["scale"])
     assert TEMPLATE.error(out, TEMPLATE.reference(inputs)) <= TEMPLATE.tolerance(problem)

@@ -41,7 +41,7 @@ def test_takes_dense_and_causal_problems_with_the_forwards_knobs() -> None:
     # Block masks with the mask's own causality only (the backward's walk).
     ({"mask": "sliding:128"}, "own causality"),
     ({"dtype": "float32"}, "float16 or bfloat16"),
-    ({"head_dim": 256}, "head_dim"),
+    ({"head_dim": 96}, "head_dim"),
 ])
 def test_refuses_what_either_kernel_cannot_take(kw: dict[str, Any], why: str) -> None:
     assert why in (TRAIN.unsupported(problem(**kw)) or "")
