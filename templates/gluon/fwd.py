@@ -45,6 +45,7 @@ from templates.gluon.template import (  # noqa: F401  DTYPE_NAMES, problem_of: r
 )
 from templates.masks import row_ranges
 from templates.masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from templates.masks.patterns import parse_pattern
 from templates.masks.row_ranges import WithFirstKeys, rows_take_offsets, takes_doc_offsets
 from templates.registry import register
 
@@ -445,7 +446,8 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
     the smallest grids. 256-key blocks at d64 (P through shared memory; H200, session #16):
     1.06-1.11 of the time dense at 512-4k, 1.08-1.81 causal, 0.98 at 16k dense only."""
     causal = problem.causal != "none"
-    persistent = problem.head_dim <= 128 or _long_causal_d256(problem)
+    persistent = ((problem.head_dim <= 128 or _long_causal_d256(problem))
+                  and not _uneven_document_walks(problem))
     block_n = 64 if problem.head_dim > 128 else 128
     return GluonFwdConfig(BLOCK_M=128, BLOCK_N=block_n, kv_stages=2, consumers=2,
                           warp_specialize=True, pingpong=True,
@@ -454,6 +456,19 @@ def _heuristic(problem: Problem) -> GluonFwdConfig:
                           tree_max=problem.head_dim == 64,
                           split_tail=persistent and problem.mask == "none",
                           pack_gqa=packing_fills_rows(problem, 128))
+
+
+def _uneven_document_walks(problem: Problem) -> bool:
+    """Causal packed documents at d128 (``documents_causal:<L>``): each query tile walks the
+    keys of its document up to itself, so walks differ tile to tile, and one program per
+    tile (the hardware hands the next tile to the SM that frees first) beats a persistent
+    grid's static rounds in the mask's row order. Measured on the H200 (2026-11-30, 32/16
+    and 32/8 heads, doc_offsets; ``docs_fwd_configs.py``, ``mask_vs_batch.py``), time with
+    the persistent grid over without: 16 x 1024 in 16k 1.14, 8 x 2048 1.03, 4 x 4096 1.00,
+    13 packed documents of 200-4000 in 16k 1.03 and 52 in 64k 1.01, the pattern's stand-in
+    rows 1.06 (16k) and 1.12 (64k). A causal window's walks are even: persistent there
+    (64k window 1024: 0.93 without it)."""
+    return problem.head_dim == 128 and parse_pattern(problem.mask)[0] == "documents_causal"
 
 
 # The shortest causal rows (N_q) at D = 256 where the persistent grid (the host's longest-first

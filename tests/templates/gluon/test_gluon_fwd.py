@@ -559,6 +559,24 @@ def test_block_mask_constraints_and_defaults() -> None:
         TEMPLATE.run_default(masked, H100, (32, 32))
 
 
+def test_causal_documents_default_to_one_program_per_tile() -> None:
+    """Causal packed documents at d128 walk uneven tiles: one program per tile by default
+    (measured ahead of the persistent grid's static rounds); a causal window's even walks,
+    d64 documents and dense causal rows keep the persistent grid."""
+    def config(mask: str, head_dim: int = 128, causal: str = "none") -> GluonFwdConfig:
+        problem = Problem(1, 32, 16, 16384, 16384, head_dim, "bfloat16", causal, mask=mask)
+        cfg = TEMPLATE.default_config(problem, H100)
+        assert isinstance(cfg, GluonFwdConfig)
+        assert TEMPLATE.constraint(problem, cfg, H100) is None, cfg.key()
+        return cfg
+
+    documents = config("documents_causal:1024")
+    assert not documents.persistent and not documents.split_tail and documents.doc_offsets
+    assert config("sliding_causal:1024").persistent
+    assert config("documents_causal:1024", head_dim=64).persistent
+    assert config("none", causal="top_left").persistent
+
+
 @needs_gluon
 def test_launch_plan_with_a_block_mask() -> None:
     from templates.gluon.fwd import StandinBlockMask
