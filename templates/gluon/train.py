@@ -6,8 +6,8 @@ prices both beside ``torch_sdpa_train`` and runs the fastest measured, so the da
 passes cuDNN's on a problem the training step there runs our kernels alone, with no change
 anywhere else. Its knobs are the Gluon forward's (``GluonFwdConfig``); the backward takes its
 template's default for the problem. Dense and causal problems (top-left, or bottom-right),
-head dims the backward takes (64, 128), and block masks of the named patterns with causal
-"none" (the mask carries its causality): the Gluon forward and the warp-specialized Gluon
+head dims the backward takes (64, 128, 256; 256 without a block mask), and block masks of the
+named patterns with causal "none" (the mask carries its causality): the Gluon forward and the warp-specialized Gluon
 backward both walk the mask's blocks (128 x 128).
 """
 
@@ -43,7 +43,8 @@ class GluonTrainTemplate(GluonTrainingTemplate):
 
     def unsupported(self, problem: Problem) -> str | None:
         # The Gluon forward's refusals (GluonTrainingTemplate's "dense only" is cuDNN's
-        # backward's), then the backward's: causal "none" under a mask, head dims 64/128.
+        # backward's), then the backward's: causal "none" under a mask, head dims 64/128/256
+        # (256 dense and causal only).
         reason = fwd.GluonFwdTemplate.unsupported(self, problem)
         return reason or gluon_bwd.TEMPLATE.unsupported(problem)
 

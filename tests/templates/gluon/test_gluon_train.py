@@ -67,6 +67,8 @@ CASES = [  # (B, H_q, H_kv, N_q, N_kv, D, dtype, causal)
     (1, 4, 1, 128, 515, 128, "bfloat16", "bottom_right"),
     (1, 4, 4, 1000, 1000, 64, "bfloat16", "none"),
     (2, 8, 8, 2048, 2048, 128, "float16", "top_left"),
+    (1, 8, 2, 700, 700, 256, "bfloat16", "top_left"),  # the d256 backward, GQA 4:1
+    (1, 4, 4, 515, 900, 256, "float16", "none"),
 ]
 
 
