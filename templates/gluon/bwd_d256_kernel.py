@@ -74,6 +74,7 @@ from templates.gluon.bwd_ws_kernel import (
     dq_stage,
     load_partition,
     program_tile,
+    ring_buffers,
     step_buffers,
     step_rows,
     tile_walk,
@@ -244,15 +245,8 @@ def _gluon_bwd_d256_kernel(
     if DQ_BUFFERS == 0:
         # (dq_buffers 0) No staging tile and no dQ warp: the MMA warps add dQ by atomics
         # (``dq_desc`` is the accumulator's pointer), which leaves room for a ring of two.
-        q_block: gl.constexpr = q_desc.block_type.shape
-        kv_block: gl.constexpr = k_desc.block_type.shape
-        k_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, k_desc.layout)
-        v_buf = gl.allocate_shared_memory(dtype, [1] + kv_block, v_desc.layout)
-        q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
-        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M],
-                                               delta_desc.layout)
+        k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs = ring_buffers(
+            q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, STAGES)
     else:
         k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs = step_buffers(
             q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, STAGES,

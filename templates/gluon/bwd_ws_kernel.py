@@ -793,10 +793,9 @@ def _mma_partition(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
 
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit
-def step_buffers(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
-                  STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
-    """The shared memory every step reads: K's and V's tiles (one each), the ring of Q, dO,
-    lse2 and delta (STAGES slots), and the dQ staging tiles, in the TMA boxes' layouts."""
+def ring_buffers(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, STAGES: gl.constexpr):
+    """The shared memory every step reads: K's and V's tiles (one each) and the ring of Q, dO,
+    lse2 and delta (STAGES slots), in the TMA boxes' layouts."""
     dtype: gl.constexpr = q_desc.dtype
     q_block: gl.constexpr = q_desc.block_type.shape
     kv_block: gl.constexpr = k_desc.block_type.shape
@@ -807,6 +806,15 @@ def step_buffers(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_block, do_desc.layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, rows], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, rows], delta_desc.layout)
+    return k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs
+
+
+@gluon.jit
+def step_buffers(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc,
+                 STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """``ring_buffers`` and the dQ staging tiles."""
+    k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs = ring_buffers(
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, STAGES)
     # dQ staging tiles in the TMA reduce's box and layout (rank 3: (1, BLOCK_M, D) of the
     # (B H_q, N_q, D) accumulator; 128-byte swizzle, which also spreads the accumulator's
     # stores over the banks, as bwd_kernel's staging tile).
