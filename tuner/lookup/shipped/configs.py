@@ -29,6 +29,7 @@ from tuner.lookup.shipped.table import (
     ShippedRecord,
     ShippedTable,
     file_name,
+    keyed_records,
     load_table,
     why_not_serving,
 )
@@ -132,16 +133,9 @@ class ShippedConfigs:
     @staticmethod
     def _parse(loaded: _Loaded, template: Template, version: str) -> list[Candidate]:
         bests, stale = [], set()
-        for record in loaded.table.records:
-            if record.template != template.name:
-                continue
+        for record, key in keyed_records(loaded.table, template):
             if record.template_version != version:
                 stale.add(record.template_version)
-                continue
-            try:
-                key = template.problem_key(Problem.from_dict(record.problem))
-            except (TypeError, ValueError) as exc:  # as parse_candidates drops a bad row
-                log.debug("skipping a shipped record whose problem is invalid: %s", exc)
                 continue
             bests.append(ShippedBest(key, record.problem, record.config, record.tflops, record))
         if stale:

@@ -30,19 +30,24 @@ driver versions may differ.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from templates.base import Problem, Template
 from templates.device import DeviceInfo
 from tuner.errors import TunerError
 
 __all__ = ["SHIPPED_FORMAT", "SHIPPED_VERSION", "ShippedDevice", "ShippedError",
-           "ShippedRecord", "ShippedTable", "file_name", "load_table", "release",
-           "why_not_serving"]
+           "ShippedRecord", "ShippedTable", "file_name", "keyed_records", "load_table",
+           "release", "why_not_serving"]
+
+log = logging.getLogger(__name__)
 
 SHIPPED_FORMAT: Literal["attention-tuner/shipped"] = "attention-tuner/shipped"
 SHIPPED_VERSION: Literal[1] = 1
@@ -158,3 +163,18 @@ def load_table(path: Path) -> ShippedTable:
         raise ShippedError(f"shipped table {path} is not a table of format "
                            f"{SHIPPED_FORMAT!r} version {SHIPPED_VERSION}: {where}: "
                            f"{err['msg']}", "regenerate it with `tuner ship`") from None
+
+
+def keyed_records(table: ShippedTable, template: Template) -> Iterator[tuple[ShippedRecord, str]]:
+    """``template``'s records in ``table``, each with its problem's key (every kernel
+    version); a record whose problem no longer validates is left out, as ``parse_candidates``
+    drops a bad row."""
+    for record in table.records:
+        if record.template != template.name:
+            continue
+        try:
+            key = template.problem_key(Problem.from_dict(record.problem))
+        except (TypeError, ValueError) as exc:
+            log.debug("skipping a shipped record whose problem is invalid: %s", exc)
+            continue
+        yield record, key

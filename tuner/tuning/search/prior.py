@@ -21,7 +21,7 @@ from db.session import session_scope
 from templates.base import KernelConfig, Problem, Template
 from templates.device import DeviceInfo
 from tuner.lookup.resolver import neighbours_of, parse_candidates
-from tuner.lookup.shipped.table import ShippedTable
+from tuner.lookup.shipped.table import ShippedTable, keyed_records
 from tuner.lookup.stored_bests import StoredBest
 
 __all__ = ["EARLIER", "NEIGHBOURS", "shipped_bests", "stored_bests", "transfer_prior"]
@@ -80,13 +80,7 @@ def shipped_bests(table: ShippedTable | None, template: Template,
     if table is None:
         return []
     out = []
-    for r in table.records:
-        if r.template != template.name:
-            continue
-        try:
-            key = template.problem_key(Problem.from_dict(r.problem))
-        except (TypeError, ValueError):
-            continue
+    for r, key in keyed_records(table, template):
         out.append(StoredBest(device_key=device_key, template=r.template,
                               template_version=r.template_version, problem_key=key,
                               problem=dict(r.problem), config=dict(r.config), tflops=r.tflops,
