@@ -115,8 +115,8 @@ class SweepOptions:
     sampler: str = "tpe"
     workers: int = 1
     seed: int | None = None
-    # Compile-ahead processes; None: a few on a GPU host, none under the interpreter (there
-    # is nothing to compile ahead).
+    # Compile-ahead processes; None: COMPILE_AHEAD_PER_WORKER per worker on a GPU host (within
+    # the cores the workers leave), none under the interpreter (nothing to compile ahead).
     compile_ahead: int | None = None
     # Seconds between the heartbeats of a worker's trials; a trial silent for 3x as long is
     # taken to be a dead worker's: failed and retried.
