@@ -243,8 +243,9 @@ class GluonBwdTemplate(GluonTemplate):
                    "specialized (a load warp fills the ring, a dQ warp adds each dQ tile by a "
                    "TMA bulk reduce), else dQ by fp32 vector atomics; a deterministic dQ "
                    "order as an option; dense, causal top-left or bottom-right, or a block "
-                   "mask's listed blocks, GQA/MQA, head dim 64/128, fp16/bf16. On the H200: "
-                   "0.93-0.95x cuDNN's backward at d128, 0.77-0.91x at d64; the fastest "
+                   "mask's listed blocks, GQA/MQA, head dim 64/128 (256 by its own kernel, "
+                   "dense and causal), fp16/bf16. On the H200: 0.93-0.95x cuDNN's backward "
+                   "at d128, 0.77-0.91x at d64, 1.05-1.10x at d256; the fastest "
                    "backward under block masks, so it prices gluon_train and flash_gluon "
                    "(the mask, varlen and sliding-window specs sweep it).")
     config_cls = GluonBwdConfig
