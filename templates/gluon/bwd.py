@@ -212,6 +212,14 @@ class GluonBwdConfig(KernelConfig):
         "measured 0.89-0.92x on documents and random blocks, 1.005-1.015x on sliding windows "
         "(persistent + longest_first: their default). The one-partition kernel (d64's default "
         "under masks): 0.99-1.01x.")
+    dk_after_dq: bool = knob(
+        False, (False, True),
+        "With split_warpgroups, each step issues dK's GEMM after dQ's (FlashAttention-3's "
+        "order at d128) instead of before the dS^T exchange, so that dK runs while the "
+        "warpgroup writes its dQ columns into the staging tile and hands them over, where the "
+        "tensor cores otherwise idle; the ring slot goes back once dK (which reads Q) is "
+        "done. Built and compiled offline (no spills added, no serialized wgmma), not yet "
+        "measured on a GPU: off by default.")
 
 
 def shared_memory_estimate(problem: Problem, config: GluonBwdConfig) -> int:
@@ -631,7 +639,8 @@ def _d256_problem(problem: Problem, cfg: GluonBwdConfig, device: DeviceInfo) -> 
         return ("dq_transposed lays out the dQ staging tile: with dq_buffers 0 (no tile, "
                 "atomics) the d256 kernel adds dQ row-major")
     taken = [name for name in ("deterministic", "dq_early", "persistent", "longest_first",
-                               "doc_offsets", "window_offsets") if getattr(cfg, name)]
+                               "doc_offsets", "window_offsets", "dk_after_dq")
+             if getattr(cfg, name)]
     if taken:
         return (f"the d256 kernel does not take {', '.join(taken)} (dense and causal walks, "
                 f"one program per KV tile, dQ reduced in any order)")
@@ -647,6 +656,9 @@ def _warp_specialize_problem(cfg: GluonBwdConfig) -> str | None:
     """Why ``cfg``'s warp-specialization knobs do not go together (None if they do)."""
     if cfg.persistent and not cfg.split_warpgroups:
         return "persistent is the split kernel's grid: it needs split_warpgroups"
+    if cfg.dk_after_dq and not cfg.split_warpgroups:
+        return ("dk_after_dq orders the split kernel's GEMMs: it needs split_warpgroups (the "
+                "other kernels issue dK's GEMM before the dS^T exchange)")
     if not cfg.warp_specialize:
         if cfg.dq_buffers != 1:
             return (f"dq_buffers {cfg.dq_buffers} needs warp_specialize (without it the "

@@ -102,10 +102,13 @@ def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_sme
                delta_smem, t, m0, n0, N_KV, causal_offset, qk_scale, sm_scale, tile_base,
                WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                TILE: gl.constexpr, DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, MASK_BLOCK_Q: gl.constexpr):
+               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+               DK_LATE: gl.constexpr):
     """Step t of warpgroup WG: its keys' S^T, dP^T, dV and dK GEMMs and softmax, its dS^T
-    rows into ``ds_buf``, then (both halves there) its columns of dQ. Returns (dk, dv, dq),
-    every GEMM completed. MASKED: the dense walk's limits (N_kv, causality); TILE: a block
+    rows into ``ds_buf``, then (both halves there) its columns of dQ. Returns (dk, dv, dq,
+    dS^T's operand), every GEMM completed; with DK_LATE dK's GEMM is issued after dQ's and
+    ``dk`` is its token, still in flight (the caller writes dQ out under it, then waits for
+    it with the operand). MASKED: the dense walk's limits (N_kv, causality); TILE: a block
     mask's partial block, whose rows of its keys x queries uint8 tile (from ``tile_base``)
     hide P^T's zeros, or with DOCS the rows' document starts there (``bwd_ws_kernel``'s)."""
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -115,7 +118,8 @@ def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_sme
         q_smem, do_smem, lse_smem, delta_smem, m0, n0, n0 + WG * HALF_N, N_KV, causal_offset,
         qk_scale, sm_scale, tile_base, MASKED, CAUSAL, TILE, DOCS, HALF_WARPS, HALF_N,
         HEAD_DIM, BLOCK_M, MASK_BLOCK_Q)
-    dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+    if not DK_LATE:  # dK's GEMM runs across the dS^T exchange
+        dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
 
     # This warpgroup's dS^T rows, then both halves before either dQ GEMM reads the tile.
     ds_buf.slice(WG * HALF_N, HALF_N, dim=0).store(ds_t)
@@ -126,8 +130,13 @@ def _half_step(dk, dv, k_full, v_full, q_smem, do_smem, ds_buf, ds_full, lse_sme
     dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_full.slice(WG * HALF_D, HALF_D, dim=1),
                            gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout),
                            use_acc=False, is_async=True)
-    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
-    return dk, dv, dq
+    if DK_LATE:  # FA3's order: dK's GEMM runs while the caller writes dQ out
+        dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+        dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, p_op))
+    else:
+        dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op,
+                                                              ds_op))
+    return dk, dv, dq, ds_op
 
 
 @gluon.jit
@@ -137,10 +146,11 @@ def _half_walk_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, TILE: gl.constexpr,
                     DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                    MASK_BLOCK_Q: gl.constexpr, DQ_T: gl.constexpr):
+                    MASK_BLOCK_Q: gl.constexpr, DQ_T: gl.constexpr, DK_LATE: gl.constexpr):
     """Step t (query rows from m0, ring slot t % STAGES) of warpgroup WG: its half of the
     step (``_half_step``), then its columns of the dQ tile into a free staging buffer and its
-    two arrivals (each barrier completes on both warpgroups'). Returns (dk, dv)."""
+    two arrivals (each barrier completes on both warpgroups'; with DK_LATE the slot's once
+    dK's GEMM, which reads Q, is done). Returns (dk, dv)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
     slot = t % STAGES
@@ -150,21 +160,27 @@ def _half_walk_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                      is_pure=False, pack=1)
     k_full = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
     v_full = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
-    dk, dv, dq = _half_step(dk, dv, k_full, v_full,
+    dk, dv, dq, ds_op = _half_step(dk, dv, k_full, v_full,
                             q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
                             do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
                             ds_bufs.index(t % 2), ds_full, lse_bufs.index(slot),
                             delta_bufs.index(slot), t, m0, n0, N_KV, causal_offset, qk_scale,
                             sm_scale, tile_base, WG, MASKED, CAUSAL, TILE, DOCS, HEAD_DIM,
-                            BLOCK_M, HALF_N, MASK_BLOCK_Q)
+                            BLOCK_M, HALF_N, MASK_BLOCK_Q, DK_LATE)
     buf = t % DQ_BUFFERS
     mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
     dq_stage(dq_bufs, buf, BLOCK_M, HEAD_DIM, DQ_T).slice(WG * HALF_D, HALF_D,
                                                           dim=1).store(dq)
     fence_async_shared()
     warps_barrier()
-    mbarrier.arrive(empty.index(slot))
-    mbarrier.arrive(dq_full.index(buf))
+    if DK_LATE:
+        mbarrier.arrive(dq_full.index(buf))
+        dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+        warps_barrier()
+        mbarrier.arrive(empty.index(slot))
+    else:
+        mbarrier.arrive(empty.index(slot))
+        mbarrier.arrive(dq_full.index(buf))
     return dk, dv
 
 
@@ -180,7 +196,7 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
               SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
               DOCS: gl.constexpr, DQ_T: gl.constexpr, PERSISTENT: gl.constexpr,
-              HOST_SCHEDULE: gl.constexpr, TILE_ORDER: gl.constexpr):
+              HOST_SCHEDULE: gl.constexpr, TILE_ORDER: gl.constexpr, DK_LATE: gl.constexpr):
     """Warpgroup WG's walk (the same walk as every partition's, ``tile_walk``): its
     half of each step, its half of the dQ tile handed over, its dK/dV rows stored at the
     end. PERSISTENT: the program's tiles in turn (``persistent_tile``), steps counted on
@@ -201,7 +217,8 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
                 N_KV, causal_offset, GROUP, qk_scale, sm_scale, FullCounts, FullIndices,
                 PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb,
                 stride_ch, stride_ib, stride_ih, stride_iq, WG, HEAD_DIM, BLOCK_M, BLOCK_N,
-                STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T)
+                STAGES, CAUSAL, DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T,
+                DK_LATE)
             _persistent_tile_end(dk, dv, dk_desc, dv_desc, dq_bufs, ds_bufs, dq_empty,
                                  kv_empty, dkv_ready, dkv_stored, i, step0, b, kv_h, n0, WG,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFFERS)
@@ -218,7 +235,7 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
             N_KV, causal_offset, GROUP, qk_scale, sm_scale, FullCounts, FullIndices,
             PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
             stride_ib, stride_ih, stride_iq, WG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-            DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T)
+            DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, DK_LATE)
         # The other warpgroup's dQ GEMMs read all of K until its last step: both done before
         # either overwrites its rows with dK.
         mbarrier.arrive(kv_free)
@@ -289,7 +306,7 @@ def _half_walk(step0, b, n0, first_row, n_q_steps, n_steps, h0, k_buf, v_buf, q_
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                SPARSE: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_KV: gl.constexpr,
-               DOCS: gl.constexpr, DQ_T: gl.constexpr):
+               DOCS: gl.constexpr, DQ_T: gl.constexpr, DK_LATE: gl.constexpr):
     """Warpgroup WG's steps of one tile (K and V landed), numbered from ``step0``: (dk, dv,
     the step after its last), every GEMM completed."""
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -315,13 +332,15 @@ def _half_walk(step0, b, n0, first_row, n_q_steps, n_steps, h0, k_buf, v_buf, q_
                         dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                         ds_bufs, ready, empty, dq_full, dq_empty, ds_full, step, m0, n0, N_KV,
                         causal_offset, qk_scale, sm_scale, tile_base, WG, False, False, True,
-                        DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T)
+                        DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T,
+                        DK_LATE)
                 else:
                     dk, dv = _half_walk_step(
                         dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
                         ds_bufs, ready, empty, dq_full, dq_empty, ds_full, step, m0, n0, N_KV,
                         causal_offset, qk_scale, sm_scale, tile_base, WG, False, False, False,
-                        False, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T)
+                        False, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T,
+                        DK_LATE)
                 step += 1
         end = step
     else:
@@ -332,7 +351,7 @@ def _half_walk(step0, b, n0, first_row, n_q_steps, n_steps, h0, k_buf, v_buf, q_
                 dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
                 ready, empty, dq_full, dq_empty, ds_full, step0 + t, m0, n0, N_KV,
                 causal_offset, qk_scale, sm_scale, None, WG, True, CAUSAL, False, False,
-                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T)
+                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS, MASK_BLOCK_Q, DQ_T, DK_LATE)
         end = step0 + n_steps
     return dk, dv, end
 
@@ -356,7 +375,7 @@ def _gluon_bwd_split_kernel(
     SPARSE: gl.constexpr = False, MASK_BLOCK_Q: gl.constexpr = 128,
     MASK_BLOCK_KV: gl.constexpr = 128, DOCS: gl.constexpr = False, DQ_T: gl.constexpr = False,
     PERSISTENT: gl.constexpr = False, HOST_SCHEDULE: gl.constexpr = False,
-    TILE_ORDER: gl.constexpr = False,
+    TILE_ORDER: gl.constexpr = False, DK_LATE: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_N == 128, "two warpgroups of 64 keys each")
     dtype: gl.constexpr = q_desc.dtype
@@ -401,7 +420,7 @@ def _gluon_bwd_split_kernel(
           stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, kv_empty, dkv_stored,
           Schedule, N_TILES, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS,
           SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, PERSISTENT, HOST_SCHEDULE,
-          TILE_ORDER)),
+          TILE_ORDER, DK_LATE)),
         (_mma_half, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
           dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs, ds_bufs,
           kv_ready, ready, empty, dq_full, dq_empty, ds_full, kv_free, dkv_ready, N_Q, N_KV,
@@ -410,7 +429,7 @@ def _gluon_bwd_split_kernel(
           stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, kv_empty, dkv_stored,
           Schedule, N_TILES, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_BUFFERS,
           SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, PERSISTENT, HOST_SCHEDULE,
-          TILE_ORDER)),
+          TILE_ORDER, DK_LATE)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc,
           delta_desc, dq_desc, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs, dq_bufs,
           ds_bufs, kv_ready, ready, empty, dq_full, dq_empty, N_Q, N_KV, causal_offset, H_Q,
@@ -450,6 +469,8 @@ class SplitLaunchPlan(WsLaunchPlan):
         for name in ("DETERMINISTIC", "DQ_EARLY"):
             if self.options.pop(name, False):
                 raise ValueError(f"split_warpgroups does not take {name.lower()}")
+        if config.get("dk_after_dq"):  # only where set: the default kernel's options unchanged
+            self.options.update(DK_LATE=True)
         self.n_tiles = self.grid[0]
         self.schedule: Any = None
         if config.get("persistent"):

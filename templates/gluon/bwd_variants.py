@@ -30,6 +30,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "ws_split_dq2": {**_WS, "dq_buffers": 2, "split_warpgroups": True},
     # ... on a persistent grid (one program per SM walking its tiles in turn).
     "ws_split_pers": {**_WS, "split_warpgroups": True, "persistent": True},
+    # ... with dK's GEMM issued after dQ's, under the dQ tile's hand-over (FA3's order).
+    "ws_split_dkl": {**_WS, "split_warpgroups": True, "dk_after_dq": True},
+    "ws_split_pers_dkl": {**_WS, "split_warpgroups": True, "persistent": True,
+                          "dk_after_dq": True},
     # 128-query steps (d64 only: registers), with dq_early too.
     "ws_m128": {**_WS, "BLOCK_M": 128},
     "ws_m128_dqe": {**_WS, "BLOCK_M": 128, "dq_early": True},

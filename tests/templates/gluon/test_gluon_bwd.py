@@ -105,7 +105,7 @@ def test_config_round_trip_and_grid() -> None:
     # A ring of one and no dQ staging tile (dq_buffers 0) are in the space for the d256
     # kernel only (the constraint refuses them elsewhere: test_gluon_bwd_d256.py).
     assert GluonBwdConfig(stages=1, dq_buffers=0).stages == 1
-    assert GluonBwdConfig.grid_size() == 2 * 2 * 4 * 2 * 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
+    assert GluonBwdConfig.grid_size() == 2 * 2 * 4 * 2 * 2 * 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2 * 2
     ws = GluonBwdConfig(warp_specialize=True, dq_buffers=2)
     assert GluonBwdConfig.from_dict(ws.to_dict()) == ws
     assert GluonBwdConfig.from_dict(GluonBwdConfig().to_dict()).warp_specialize is False

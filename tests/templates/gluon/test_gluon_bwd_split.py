@@ -33,6 +33,7 @@ SPLIT = GluonBwdConfig(BLOCK_M=64, BLOCK_N=128, stages=3, consumers=2, warp_spec
 DENSE = Problem(1, 16, 16, 16384, 16384, 128, "bfloat16", "none")
 CAUSAL = Problem(1, 32, 32, 16384, 16384, 64, "bfloat16", "top_left")
 PERSISTENT = dataclasses.replace(SPLIT, persistent=True)
+DK_LATE = dataclasses.replace(SPLIT, dk_after_dq=True)
 SLIDING = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "sliding_causal:1024")
 DOCS = Problem(1, 32, 16, 16384, 16384, 128, "bfloat16", "none", "documents_causal:2048")
 
@@ -64,6 +65,37 @@ def test_persistent_needs_the_split_kernel() -> None:
                 dataclasses.replace(PERSISTENT, split_warpgroups=False, warp_specialize=False)):
         reason = TEMPLATE.constraint(DENSE, cfg, H100)
         assert reason is not None and "split_warpgroups" in reason, reason
+
+
+@needs_gluon
+def test_dk_after_dq_needs_the_split_kernel() -> None:
+    for problem in (DENSE, CAUSAL, SLIDING):
+        assert TEMPLATE.constraint(problem, DK_LATE, H100) is None
+        assert TEMPLATE.constraint(problem, dataclasses.replace(DK_LATE, persistent=True),
+                                   H100) is None
+    reason = TEMPLATE.constraint(DENSE, dataclasses.replace(DK_LATE, split_warpgroups=False),
+                                 H100)
+    assert reason is not None and "dk_after_dq" in reason and "split_warpgroups" in reason
+
+
+@needs_gluon
+def test_dk_after_dq_adds_no_spill_and_keeps_the_gemms_pipelined() -> None:
+    """The offline build with dK's GEMM after dQ's: as many stack bytes as without it (no
+    register the in-flight dK adds spills), no serialized wgmma, the same shared memory;
+    dense, causal on both grids, d64, and both block-mask walks."""
+    pairs = [(DENSE, SPLIT), (CAUSAL, SPLIT), (Problem(1, 16, 16, 16384, 16384, 128,
+                                                       "bfloat16", "top_left"), PERSISTENT),
+             (SLIDING, SPLIT), (DOCS, dataclasses.replace(SPLIT, doc_offsets=True))]
+    jobs = [{"template": "gluon_bwd", "problem": p.to_dict(), "config": c.to_dict()}
+            for p, base in pairs for c in (base, dataclasses.replace(base, dk_after_dq=True))]
+    outs = compile_reports("templates.gluon.bwd", jobs)
+    for without, with_it in zip(outs[::2], outs[1::2], strict=True):
+        assert with_it["error"] == "" and with_it["constraint"] == "", with_it
+        (_, before), (_, after) = without["kernels"], with_it["kernels"]
+        assert after["kernel"] == "_gluon_bwd_split_kernel", with_it
+        assert after["wgmma_serialized"] == "", with_it
+        assert (after["stack_bytes"] or 0) <= (before["stack_bytes"] or 0), (before, after)
+        assert after["shared_bytes"] == before["shared_bytes"], (before, after)
 
 
 @needs_gluon
@@ -171,10 +203,12 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dk_after_dq", [False, True], ids=["dk_first", "dk_after_dq"])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: Problem(*c).key())
 def test_split_matches_the_reference_and_the_one_partition_kernel(
-        case: tuple[Any, ...], persistent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        case: tuple[Any, ...], persistent: bool, dk_after_dq: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
     from templates.gluon import bwd_kernel as gluon_bwd_kernel
@@ -184,7 +218,7 @@ def test_split_matches_the_reference_and_the_one_partition_kernel(
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
     ref = TEMPLATE.reference(inputs)
     one = TEMPLATE.run(inputs, dataclasses.replace(SPLIT, split_warpgroups=False))
-    cfg = PERSISTENT if persistent else SPLIT
+    cfg = dataclasses.replace(PERSISTENT if persistent else SPLIT, dk_after_dq=dk_after_dq)
     runs = [TEMPLATE.run(inputs, cfg) for _ in range(2)]
     for out in runs:
         for grad in out:
@@ -204,12 +238,15 @@ MASK_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("longest_first", [False, True], ids=["natural_order", "longest_first"])
+@pytest.mark.parametrize(("longest_first", "dk_after_dq"), [(False, False), (True, False),
+                                                            (False, True)],
+                         ids=["natural_order", "longest_first", "dk_after_dq"])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("doc_offsets", [False, True])
 @pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: Problem(*c).key())
 def test_split_walks_block_masks(case: tuple[Any, ...], doc_offsets: bool, persistent: bool,
-                                 longest_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                 longest_first: bool, dk_after_dq: bool,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
     if not is_hopper():
         pytest.skip("gluon_bwd needs a Hopper GPU")
     from templates.gluon import bwd_kernel as gluon_bwd_kernel
@@ -217,14 +254,15 @@ def test_split_walks_block_masks(case: tuple[Any, ...], doc_offsets: bool, persi
     monkeypatch.setattr(gluon_bwd_kernel, "DEBUG_POISON", True)
     problem = Problem(*case)
     cfg = dataclasses.replace(SPLIT, doc_offsets=doc_offsets, persistent=persistent,
-                              longest_first=longest_first)
+                              longest_first=longest_first, dk_after_dq=dk_after_dq)
     if TEMPLATE.constraint(problem, cfg, H100):
         pytest.skip(f"{cfg.key()} does not fit {problem.key()}")
     inputs = TEMPLATE.make_inputs(problem, "cuda", seed=3)
     ref = TEMPLATE.reference(inputs)
     out = TEMPLATE.run(inputs, cfg)
     one = TEMPLATE.run(inputs, dataclasses.replace(cfg, split_warpgroups=False,
-                                                   persistent=False, longest_first=False))
+                                                   persistent=False, longest_first=False,
+                                                   dk_after_dq=False))
     for grad in out:
         assert not torch.isnan(grad).any()
     assert TEMPLATE.error(out, ref) <= TEMPLATE.tolerance(problem)
