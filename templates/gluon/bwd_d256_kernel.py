@@ -53,7 +53,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -63,9 +62,9 @@ from templates.gluon.bwd_kernel import (
     launch_plan,
     mma_layout,
     probs_t,
-    tma_store,
     warps_barrier,
 )
+from templates.gluon.bwd_split_kernel import store_dkv_halves
 from templates.gluon.bwd_ws_kernel import (
     MMA_REGS,
     WsLaunchPlan,
@@ -179,7 +178,6 @@ def _d256_mma(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
     the same steps): its columns of dK and dV summed over every step, stored at the end.
     ``dq_desc``: the accumulator's TMA descriptor, or with DQ_BUFFERS 0 its pointer."""
     HALF_D: gl.constexpr = HEAD_DIM // 2
-    dtype: gl.constexpr = q_desc.dtype
     b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
         program_tile(Schedule, False), N_KV, causal_offset, H_KV, GROUP, n_kv_tiles,
         n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
@@ -205,22 +203,9 @@ def _d256_mma(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
             dq_bufs, empty.index(slot), dq_empty, dq_full, dq_desc, b * H_Q + h, N_Q, t, m0,
             n0, N_KV, causal_offset, qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M,
             BLOCK_N, DQ_T, DQ_BUFFERS)
-    # Both warpgroups' GEMMs read all of K and V (S^T and dP^T) until their last step: both
-    # done before either overwrites its columns with dK and dV.
-    mbarrier.arrive(kv_free)
-    mbarrier.wait(kv_free, 0)
-    k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF_D, HALF_D,
-                                                      dim=1).store(dk.to(dtype))
-    v_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF_D, HALF_D,
-                                                      dim=1).store(dv.to(dtype))
-    fence_async_shared()
-    warps_barrier()
-    mbarrier.arrive(dkv_ready)
-    if WG == 0:  # one issuer for the tile's TMA stores, once both halves are in
-        mbarrier.wait(dkv_ready, 0)
-        tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
-        tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
-        tma.store_wait(0)
+    # Both warpgroups' GEMMs read all of K and V (S^T and dP^T) until their last step.
+    store_dkv_halves(dk, dv, k_buf, v_buf, dk_desc, dv_desc, kv_free, dkv_ready, b, kv_h, n0,
+                     WG, 1, BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit(do_not_specialize=["N_Q", "N_KV", "causal_offset", "H_Q", "H_KV", "GROUP",

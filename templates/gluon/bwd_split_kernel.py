@@ -161,12 +161,12 @@ def _half_walk_step(dk, dv, k_buf, v_buf, q_bufs, do_bufs, lse_bufs, delta_bufs,
     k_full = k_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
     v_full = v_buf.index(zero).reshape([BLOCK_N, HEAD_DIM])
     dk, dv, dq, ds_op = _half_step(dk, dv, k_full, v_full,
-                            q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
-                            do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
-                            ds_bufs.index(t % 2), ds_full, lse_bufs.index(slot),
-                            delta_bufs.index(slot), t, m0, n0, N_KV, causal_offset, qk_scale,
-                            sm_scale, tile_base, WG, MASKED, CAUSAL, TILE, DOCS, HEAD_DIM,
-                            BLOCK_M, HALF_N, MASK_BLOCK_Q, DK_LATE)
+                                   q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
+                                   do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]),
+                                   ds_bufs.index(t % 2), ds_full, lse_bufs.index(slot),
+                                   delta_bufs.index(slot), t, m0, n0, N_KV, causal_offset,
+                                   qk_scale, sm_scale, tile_base, WG, MASKED, CAUSAL, TILE, DOCS,
+                                   HEAD_DIM, BLOCK_M, HALF_N, MASK_BLOCK_Q, DK_LATE)
     buf = t % DQ_BUFFERS
     mbarrier.wait(dq_empty.index(buf), dq_free_phase(t, DQ_BUFFERS))
     dq_stage(dq_bufs, buf, BLOCK_M, HEAD_DIM, DQ_T).slice(WG * HALF_D, HALF_D,
@@ -223,11 +223,9 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
                                  kv_empty, dkv_ready, dkv_stored, i, step0, b, kv_h, n0, WG,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFFERS)
     else:
-        HALF_N: gl.constexpr = BLOCK_N // 2
         b, kv_h, n0, first_row, full_row, n_q_steps, n_steps, h0 = tile_walk(
             program_tile(Schedule, TILE_ORDER), N_KV, causal_offset, H_KV, GROUP, n_kv_tiles,
             n_q_tiles, BLOCK_M, BLOCK_N, CAUSAL)
-        dtype: gl.constexpr = q_desc.dtype
         mbarrier.wait(kv_ready, 0)
         dk, dv, steps = _half_walk(
             N_Q * 0, b, n0, first_row, n_q_steps, n_steps, h0, k_buf, v_buf, q_bufs, do_bufs,
@@ -236,22 +234,35 @@ def _mma_half(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta
             PartialCounts, PartialIndices, PartialTileIds, PartialTiles, stride_cb, stride_ch,
             stride_ib, stride_ih, stride_iq, WG, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
             DQ_BUFFERS, SPARSE, MASK_BLOCK_Q, MASK_BLOCK_KV, DOCS, DQ_T, DK_LATE)
-        # The other warpgroup's dQ GEMMs read all of K until its last step: both done before
-        # either overwrites its rows with dK.
-        mbarrier.arrive(kv_free)
-        mbarrier.wait(kv_free, 0)
-        k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF_N, HALF_N,
-                                                          dim=0).store(dk.to(dtype))
-        v_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF_N, HALF_N,
-                                                          dim=0).store(dv.to(dtype))
-        fence_async_shared()
-        warps_barrier()
-        mbarrier.arrive(dkv_ready)
-        if WG == 0:  # one issuer for the tile's TMA stores, once both halves are in
-            mbarrier.wait(dkv_ready, 0)
-            tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
-            tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
-            tma.store_wait(0)
+        # The other warpgroup's dQ GEMMs read all of K until its last step.
+        store_dkv_halves(dk, dv, k_buf, v_buf, dk_desc, dv_desc, kv_free, dkv_ready, b, kv_h,
+                         n0, WG, 0, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def store_dkv_halves(dk, dv, k_buf, v_buf, dk_desc, dv_desc, kv_free, dkv_ready, b, kv_h, n0,
+                     WG: gl.constexpr, DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr):
+    """The end of a KV tile whose dK and dV two MMA warpgroups hold in halves (DIM 0: each
+    its keys, this kernel; DIM 1: each its columns, the d256 kernel): once both have done
+    every GEMM that reads K and V (``kv_free``), each stores its halves over K's and V's
+    buffers, and warpgroup 0 issues the two TMA stores once both are in (``dkv_ready``)."""
+    HALF: gl.constexpr = (BLOCK_N if DIM == 0 else HEAD_DIM) // 2
+    dtype: gl.constexpr = dk_desc.dtype
+    mbarrier.arrive(kv_free)
+    mbarrier.wait(kv_free, 0)
+    k_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF,
+                                                      dim=DIM).store(dk.to(dtype))
+    v_buf.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF,
+                                                      dim=DIM).store(dv.to(dtype))
+    fence_async_shared()
+    warps_barrier()
+    mbarrier.arrive(dkv_ready)
+    if WG == 0:  # one issuer for the tile's TMA stores, once both halves are in
+        mbarrier.wait(dkv_ready, 0)
+        tma_store(dk_desc, [b, kv_h, n0, 0], k_buf.index(0))
+        tma_store(dv_desc, [b, kv_h, n0, 0], v_buf.index(0))
+        tma.store_wait(0)
 
 
 @gluon.jit

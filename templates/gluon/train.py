@@ -7,8 +7,8 @@ passes cuDNN's on a problem the training step there runs our kernels alone, with
 anywhere else. Its knobs are the Gluon forward's (``GluonFwdConfig``); the backward takes its
 template's default for the problem. Dense and causal problems (top-left, or bottom-right),
 head dims the backward takes (64, 128, 256; 256 without a block mask), and block masks of the
-named patterns with causal "none" (the mask carries its causality): the Gluon forward and the warp-specialized Gluon
-backward both walk the mask's blocks (128 x 128).
+named patterns with causal "none" (the mask carries its causality): the Gluon forward and the
+warp-specialized Gluon backward both walk the mask's blocks (128 x 128).
 """
 
 from __future__ import annotations
